@@ -1,0 +1,41 @@
+# roadlog developer targets. `make test` is the whole suite; every tier must
+# collect at least one test (pytest exits 5 on an empty tier, which fails make).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest
+SEEDS  ?= 200
+START  ?= 0
+JOBS   ?= $(shell nproc)
+
+.PHONY: setup lint typecheck test test-unit test-simulation sim bench lock clean
+
+setup:
+	./scripts/setup.sh
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: setup
+	$(PY) -m mypy
+
+test-unit: setup
+	$(PYTEST) -m unit tests/unit
+
+test-simulation: setup
+	$(PYTEST) -m simulation tests/simulation
+
+test: lint typecheck test-unit test-simulation
+
+sim: setup
+	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS)
+
+bench: setup
+	$(PY) -m bench.storage_ceiling
+	$(PY) -m bench.core_commits
+
+lock:
+	uv pip compile pyproject.toml --extra dev --python-version 3.11 --generate-hashes -o requirements.lock
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

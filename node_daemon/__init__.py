@@ -1,0 +1,1 @@
+"""The per-host roadlog node daemon: Raft core, storage, state machine."""

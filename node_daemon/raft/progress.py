@@ -1,0 +1,136 @@
+"""The leader's view of each follower: how far it matches, what to send next,
+and how many appends are in flight (the pipelining window).
+
+States: PROBE (send one append, wait for its answer: we do not know where
+the follower's log matches), REPLICATE (stream appends optimistically, up to
+the in-flight window), SNAPSHOT (a snapshot is on its way; send nothing).
+Invariant: ``match < next``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import IntEnum
+
+
+class ProgressState(IntEnum):
+    PROBE = 0
+    REPLICATE = 1
+    SNAPSHOT = 2
+
+
+class Inflights:
+    """Appends sent but not acknowledged, bounded in count and in bytes."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._items: deque[tuple[int, int]] = deque()  # (last index, bytes)
+        self.bytes = 0
+
+    def add(self, last_index: int, nbytes: int) -> None:
+        self._items.append((last_index, nbytes))
+        self.bytes += nbytes
+
+    def free_le(self, index: int) -> None:
+        """Forget every append whose last index is <= ``index``."""
+        items = self._items
+        while items and items[0][0] <= index:
+            self.bytes -= items.popleft()[1]
+
+    def reset(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
+    def full(self) -> bool:
+        return len(self._items) >= self.max_count or self.bytes >= self.max_bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Progress:
+    __slots__ = (
+        "inflights",
+        "is_learner",
+        "match",
+        "next",
+        "pending_snapshot",
+        "probe_sent",
+        "recent_active",
+        "state",
+    )
+
+    def __init__(
+        self, next_index: int, max_inflight: int, max_inflight_bytes: int, is_learner: bool
+    ) -> None:
+        self.match = 0
+        self.next = next_index
+        self.state = ProgressState.PROBE
+        self.probe_sent = False
+        self.pending_snapshot = 0
+        self.recent_active = False
+        self.is_learner = is_learner
+        self.inflights = Inflights(max_inflight, max_inflight_bytes)
+
+    def _reset(self, state: ProgressState) -> None:
+        self.probe_sent = False
+        self.pending_snapshot = 0
+        self.state = state
+        self.inflights.reset()
+
+    def become_probe(self) -> None:
+        if self.state == ProgressState.SNAPSHOT:
+            pending = self.pending_snapshot
+            self._reset(ProgressState.PROBE)
+            self.next = max(self.match + 1, pending + 1)
+        else:
+            self._reset(ProgressState.PROBE)
+            self.next = self.match + 1
+
+    def become_replicate(self) -> None:
+        self._reset(ProgressState.REPLICATE)
+        self.next = self.match + 1
+
+    def become_snapshot(self, snapshot_index: int) -> None:
+        self._reset(ProgressState.SNAPSHOT)
+        self.pending_snapshot = snapshot_index
+
+    def maybe_update(self, index: int) -> bool:
+        """The follower matches up to ``index``; returns True if that is news."""
+        updated = False
+        if self.match < index:
+            self.match = index
+            updated = True
+            self.probe_sent = False
+        self.next = max(self.next, index + 1)
+        return updated
+
+    def sent_entries(self, last_index: int, nbytes: int) -> None:
+        """Record an append carrying entries up to ``last_index``."""
+        if self.state == ProgressState.REPLICATE:
+            if last_index >= self.next:
+                self.next = last_index + 1
+                self.inflights.add(last_index, nbytes)
+        elif self.state == ProgressState.PROBE:
+            self.probe_sent = True
+
+    def maybe_decr_to(self, rejected: int, match_hint: int) -> bool:
+        """Handle a rejection of the append at ``rejected``; False if stale."""
+        if self.state == ProgressState.REPLICATE:
+            if rejected <= self.match:
+                return False
+            self.next = self.match + 1
+            return True
+        if self.next - 1 != rejected:
+            return False  # not the probe we are waiting for
+        self.next = max(min(rejected, match_hint + 1), self.match + 1)
+        self.probe_sent = False
+        return True
+
+    def is_paused(self) -> bool:
+        if self.state == ProgressState.PROBE:
+            return self.probe_sent
+        if self.state == ProgressState.REPLICATE:
+            return self.inflights.full()
+        return True

@@ -1,0 +1,291 @@
+"""The Raft log, hard state and latest snapshot in LMDB (the LogStorage contract).
+
+One LMDB environment per node, separate from the state machine's. Layout
+(named databases):
+
+- ``log``:  8-byte big-endian index -> term (8 bytes), type (1 byte), data
+- ``conf``: index -> encoded ConfState, for the CONFIG entries still in ``log``
+- ``meta``: ``hard`` -> term, vote, commit; ``snap`` -> snapshot metadata;
+  ``snapdata`` -> the snapshot's opaque data
+
+Every ``save`` is one write transaction, so it is atomic; with ``sync=True``
+it is fsynced before it returns (group commit: one fsync for everything a
+Ready asks to persist). A save that only moves the commit index is kept in
+memory and written with the next synced save: a lost commit index is
+re-learned from the leader and never needed for safety.
+
+A full map is grown (doubling, up to ``max_map_size``); past that, or when
+the disk is full, ``StorageFullError`` is raised and the transaction is
+aborted, so nothing stored before is touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from node_daemon.raft.errors import (
+    CompactedError,
+    StorageError,
+    StorageFullError,
+    UnavailableError,
+)
+from node_daemon.raft.types import (
+    ConfState,
+    Entry,
+    EntryType,
+    HardState,
+    Snapshot,
+    SnapshotMeta,
+)
+
+_KEY = struct.Struct(">Q")
+_HDR = struct.Struct(">QB")
+_HARD = struct.Struct(">QQQ")
+_SNAP = struct.Struct(">QQ")
+
+GiB = 1 << 30
+
+
+def _key(index: int) -> bytes:
+    return _KEY.pack(index)
+
+
+def encode_snapshot_meta(meta: SnapshotMeta) -> bytes:
+    return _SNAP.pack(meta.index, meta.term) + meta.conf.encode()
+
+
+def decode_snapshot_meta(raw: bytes) -> SnapshotMeta:
+    index, term = _SNAP.unpack_from(raw)
+    return SnapshotMeta(index, term, ConfState.decode(raw[_SNAP.size :]))
+
+
+def _is_disk_full(err: lmdb.Error) -> bool:
+    return isinstance(err, lmdb.DiskError) or "No space left" in str(err) or (
+        getattr(err, "errno", None) == errno.ENOSPC
+    )
+
+
+class LmdbLogStorage:
+    """LogStorage on LMDB. One instance per environment; single writer."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        map_size: int = 1 * GiB,
+        max_map_size: int = 256 * GiB,
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.max_map_size = max(map_size, max_map_size)
+        self.env = lmdb.open(
+            str(self.path), map_size=map_size, max_dbs=4, sync=True, metasync=True,
+            readahead=False,
+        )
+        self._log = self.env.open_db(b"log")
+        self._conf = self.env.open_db(b"conf")
+        self._meta = self.env.open_db(b"meta")
+        with self.env.begin() as txn:
+            raw = txn.get(b"hard", db=self._meta)
+            self._hard = HardState(*_HARD.unpack(raw)) if raw else HardState()
+            raw = txn.get(b"snap", db=self._meta)
+            self._snap_meta = decode_snapshot_meta(raw) if raw else SnapshotMeta()
+            cur = txn.cursor(db=self._log)
+            self._last = _KEY.unpack(cur.key())[0] if cur.last() else self._snap_meta.index
+        self._tail: dict[int, int] = {}  # index -> term cache of recent entries
+
+    # -- reads ---------------------------------------------------------------
+
+    def initial_state(self) -> HardState:
+        return self._hard
+
+    def snapshot(self) -> Snapshot:
+        with self.env.begin() as txn:
+            data = txn.get(b"snapdata", db=self._meta) or b""
+        return Snapshot(self._snap_meta, bytes(data))
+
+    def first_index(self) -> int:
+        return self._snap_meta.index + 1
+
+    def last_index(self) -> int:
+        return self._last
+
+    def term(self, index: int) -> int:
+        snap = self._snap_meta
+        if index < snap.index:
+            raise CompactedError(f"index {index} is compacted (first {snap.index + 1})")
+        if index == snap.index:
+            return snap.term
+        if index > self._last:
+            raise UnavailableError(f"index {index} is beyond the last {self._last}")
+        t = self._tail.get(index)
+        if t is not None:
+            return t
+        with self.env.begin(db=self._log) as txn:
+            raw = txn.get(_key(index))
+        if raw is None:
+            raise StorageError(f"entry {index} missing from the log")
+        return int(_HDR.unpack_from(raw)[0])
+
+    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
+        if lo <= self._snap_meta.index:
+            raise CompactedError(f"index {lo} is compacted (first {self.first_index()})")
+        if hi > self._last + 1:
+            raise UnavailableError(f"index {hi - 1} is beyond the last {self._last}")
+        out: list[Entry] = []
+        total = 0
+        with self.env.begin(db=self._log) as txn:
+            cur = txn.cursor()
+            if not cur.set_key(_key(lo)):
+                raise StorageError(f"entry {lo} missing from the log")
+            for k, v in cur.iternext():
+                index = _KEY.unpack(k)[0]
+                if index >= hi:
+                    break
+                term, typ = _HDR.unpack_from(v)
+                e = Entry(term, index, EntryType(typ), bytes(v[_HDR.size :]))
+                total += e.size()
+                if out and max_bytes is not None and total > max_bytes:
+                    break
+                out.append(e)
+        return out
+
+    def config_entries(self) -> list[Entry]:
+        out: list[Entry] = []
+        with self.env.begin(db=self._conf) as txn:
+            for k, v in txn.cursor():
+                index = _KEY.unpack(k)[0]
+                out.append(Entry(self.term(index), index, EntryType.CONFIG, bytes(v)))
+        return out
+
+    # -- writes --------------------------------------------------------------
+
+    def save(
+        self,
+        hard_state: HardState | None,
+        entries: Sequence[Entry],
+        snapshot: Snapshot | None = None,
+        sync: bool = True,
+    ) -> None:
+        hard = hard_state if hard_state is not None else self._hard
+        if not entries and snapshot is None and not sync:
+            self._hard = hard  # only the commit index moved: written with the next sync
+            return
+        self._write(lambda txn: self._save_txn(txn, hard, entries, snapshot))
+        self._hard = hard
+
+    def _save_txn(
+        self, txn: Any, hard: HardState, entries: Sequence[Entry], snapshot: Snapshot | None
+    ) -> Callable[[], None]:
+        snap_meta, last = self._snap_meta, self._last
+        if snapshot is not None:
+            txn.drop(self._log, delete=False)
+            txn.drop(self._conf, delete=False)
+            txn.put(b"snap", encode_snapshot_meta(snapshot.meta), db=self._meta)
+            txn.put(b"snapdata", snapshot.data, db=self._meta)
+            snap_meta, last = snapshot.meta, snapshot.meta.index
+        if entries:
+            ents = [e for e in entries if e.index > snap_meta.index]
+            if ents:
+                first = ents[0].index
+                if first > last + 1:
+                    raise StorageError(f"gap: appending {first} after {last}")
+                if first <= last:
+                    self._delete_from(txn, self._log, first)
+                    self._delete_from(txn, self._conf, first)
+                rows = [
+                    (_key(e.index), _HDR.pack(e.term, int(e.type)) + e.data) for e in ents
+                ]
+                cur = txn.cursor(db=self._log)
+                cur.putmulti(rows, append=True)
+                for e in ents:
+                    if e.type == EntryType.CONFIG:
+                        txn.put(_key(e.index), e.data, db=self._conf)
+                last = ents[-1].index
+        txn.put(b"hard", _HARD.pack(hard.term, hard.vote, hard.commit), db=self._meta)
+
+        def commit_view() -> None:
+            if snapshot is not None or (entries and last < self._last):
+                self._tail.clear()
+            for e in entries:
+                if e.index > snap_meta.index:
+                    self._tail[e.index] = e.term
+            if len(self._tail) > 4096:
+                for i in sorted(self._tail)[:-1024]:
+                    del self._tail[i]
+            self._snap_meta, self._last = snap_meta, last
+
+        return commit_view
+
+    @staticmethod
+    def _delete_from(txn: Any, db: Any, first: int) -> None:
+        cur = txn.cursor(db=db)
+        if cur.set_range(_key(first)):
+            while cur.delete():
+                pass
+
+    def compact(self, snapshot: Snapshot) -> None:
+        index = snapshot.meta.index
+        if index <= self._snap_meta.index:
+            return
+        if index > self._last:
+            raise UnavailableError(f"compact {index} beyond the last {self._last}")
+
+        def body(txn: Any) -> Callable[[], None]:
+            for db in (self._log, self._conf):
+                cur = txn.cursor(db=db)
+                if cur.first():
+                    while cur.key() and _KEY.unpack(cur.key())[0] <= index:
+                        if not cur.delete():
+                            break
+            txn.put(b"snap", encode_snapshot_meta(snapshot.meta), db=self._meta)
+            txn.put(b"snapdata", snapshot.data, db=self._meta)
+
+            def commit_view() -> None:
+                self._snap_meta = snapshot.meta
+                for i in [i for i in self._tail if i <= index]:
+                    del self._tail[i]
+
+            return commit_view
+
+        self._write(body)
+
+    def _write(self, body: Callable[[Any], Callable[[], None]]) -> None:
+        """Run ``body(txn)`` in one synced write transaction, growing the map
+        when it is full. ``body`` returns what updates our in-memory view,
+        which runs only once the transaction committed."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    on_commit = body(txn)
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"]
+                if size * 2 > self.max_map_size:
+                    raise StorageFullError(
+                        f"LMDB map full at {size} bytes (max_map_size {self.max_map_size})"
+                    ) from None
+                self.env.set_mapsize(size * 2)
+                continue
+            except lmdb.Error as e:
+                if _is_disk_full(e):
+                    raise StorageFullError(f"disk full writing {self.path}: {e}") from e
+                raise StorageError(f"LMDB write failed in {self.path}: {e}") from e
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise StorageFullError(f"disk full writing {self.path}: {e}") from e
+                raise
+            on_commit()
+            return
+
+    def size_bytes(self) -> int:
+        info, stat = self.env.info(), self.env.stat()
+        return int((info["last_pgno"] + 1) * stat["psize"])
+
+    def close(self) -> None:
+        self.env.close()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prepare this machine for roadlog: Debian packages, a Python 3.11 virtualenv
+# at .venv with the locked dependencies, and roadlog installed in it (editable).
+# Idempotent: a second run only checks. Needs root for apt on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+need_debs=()
+command -v make >/dev/null 2>&1 || need_debs+=(make)
+command -v python3.11 >/dev/null 2>&1 || need_debs+=(python3.11)
+PY=$(command -v python3.11 || echo /usr/bin/python3.11)
+if [ -x "$PY" ] && ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+  need_debs+=(python3.11-venv)
+fi
+if [ "${#need_debs[@]}" -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "missing Debian packages: ${need_debs[*]} (run as root to install them)"; exit 1
+  fi
+  log "installing Debian packages: ${need_debs[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_debs[@]}" >/dev/null
+  PY=$(command -v python3.11)
+fi
+
+stamp=.venv/.locked
+if [ ! -x .venv/bin/python ]; then
+  log "creating virtualenv .venv with $PY"
+  "$PY" -m venv .venv
+fi
+if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  log "installing locked dependencies (requirements.lock)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock 2> >(grep -v "is ignored" >&2)
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>/dev/null \
+    || .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+  touch "$stamp"
+fi
+log "ready: $(.venv/bin/python --version)"
