@@ -373,6 +373,10 @@ class RaftCore:
         elif m.type == MT.HEARTBEAT_RESP:
             pr.recent_active = True
             pr.probe_sent = False
+            if pr.state == ProgressState.REPLICATE and pr.inflights.full():
+                # Appends in the window may be lost: let one more through;
+                # a follower with a gap rejects it and we back off to probing.
+                pr.inflights.free_first()
             if pr.match < self.log.last_index():
                 self._send_append(m.frm)
             if m.context:

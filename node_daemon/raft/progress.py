@@ -38,6 +38,10 @@ class Inflights:
         while items and items[0][0] <= index:
             self.bytes -= items.popleft()[1]
 
+    def free_first(self) -> None:
+        if self._items:
+            self.bytes -= self._items.popleft()[1]
+
     def reset(self) -> None:
         self._items.clear()
         self.bytes = 0

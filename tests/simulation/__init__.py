@@ -1,0 +1,1 @@
+"""Deterministic simulation of Raft clusters (see harness.py)."""

@@ -1,0 +1,656 @@
+"""A deterministic Raft cluster simulator: one seed drives everything.
+
+N RaftCores in one process over a simulated network that drops, duplicates,
+delays (so reorders) and partitions messages; nodes crash and restart from
+their storage (what the core held in memory is lost); membership changes,
+log compactions, snapshot installs, leadership transfers and ReadIndex reads
+happen at random. After every event the Raft invariants are checked; at the
+end the network heals and every node must converge to the same state.
+
+A violation raises ``Violation`` with the seed; ``replay_command(seed)``
+reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node_daemon.raft import (
+    Config,
+    ConfChange,
+    ConfChangeType,
+    Entry,
+    EntryType,
+    LogStorage,
+    MemoryStorage,
+    Message,
+    MessageType,
+    ProposalDropped,
+    RaftCore,
+    Ready,
+    Role,
+    Snapshot,
+    bootstrap,
+)
+from node_daemon.storage.raft_log import LmdbLogStorage
+
+TICK = 10  # time units per tick; message delays are in time units
+
+
+class Violation(AssertionError):
+    """A Raft invariant does not hold."""
+
+
+def replay_command(seed: int) -> str:
+    return f"make sim SEEDS=1 START={seed}"
+
+
+# --------------------------------------------------------------- state machine
+
+
+class StateMachine:
+    """Applies entries into a hash chain and the set of proposal ids.
+
+    It survives a crash (in roadlog the state machine is applied in the same
+    LMDB transaction as its applied index)."""
+
+    def __init__(self) -> None:
+        self.applied = 0
+        self.digest = b"\0" * 32
+        self.proposals: set[bytes] = set()
+
+    def apply(self, e: Entry) -> None:
+        if e.index != self.applied + 1:
+            raise Violation(f"applied {e.index} after {self.applied}")
+        h = hashlib.sha256(self.digest)
+        h.update(struct.pack(">QQB", e.index, e.term, int(e.type)))
+        h.update(e.data)
+        self.digest = h.digest()
+        self.applied = e.index
+        if e.type == EntryType.NORMAL and e.data:
+            self.proposals.add(e.data)
+
+    def serialize(self) -> bytes:
+        return b"".join(
+            [struct.pack(">Q", self.applied), self.digest, *sorted(p + b"\n" for p in self.proposals)]
+        )
+
+    def restore(self, data: bytes) -> None:
+        self.applied = struct.unpack_from(">Q", data)[0]
+        self.digest = data[8:40]
+        self.proposals = {p for p in data[40:].split(b"\n") if p}
+
+
+# --------------------------------------------------------------------- options
+
+
+@dataclass(slots=True)
+class Options:
+    """Everything a seed decides about its run."""
+
+    n_nodes: int
+    lmdb: bool
+    chaos_ticks: int
+    drop: float
+    duplicate: float
+    max_delay: int  # time units
+    p_propose: float
+    p_crash: float
+    p_partition: float
+    p_heal: float
+    p_conf: float
+    p_compact: float
+    p_transfer: float
+    p_read: float
+    max_inflight: int
+    max_msg_bytes: int
+
+    @classmethod
+    def from_seed(cls, seed: int, rng: random.Random) -> Options:
+        return cls(
+            n_nodes=rng.choice([1, 3, 3, 3, 5, 5]),
+            lmdb=seed % 8 == 0,  # one seed in eight runs on real LMDB files
+            chaos_ticks=rng.randint(150, 350),
+            drop=rng.choice([0.0, 0.02, 0.1, 0.2]),
+            duplicate=rng.choice([0.0, 0.02, 0.1]),
+            max_delay=rng.choice([2, 5, 15, 40]),
+            p_propose=rng.uniform(0.1, 0.6),
+            p_crash=rng.choice([0.0, 0.005, 0.02]),
+            p_partition=rng.choice([0.0, 0.01, 0.03]),
+            p_heal=rng.uniform(0.02, 0.1),
+            p_conf=rng.choice([0.0, 0.01, 0.03]),
+            p_compact=rng.choice([0.0, 0.02, 0.1]),
+            p_transfer=rng.choice([0.0, 0.005, 0.02]),
+            p_read=rng.choice([0.0, 0.05]),
+            max_inflight=rng.choice([1, 4, 64]),
+            max_msg_bytes=rng.choice([64, 1024, 1 << 20]),
+        )
+
+
+# ------------------------------------------------------------------------ nodes
+
+
+class SimNode:
+    def __init__(self, sim: Simulation, node_id: int, storage_dir: Path | None) -> None:
+        self.sim = sim
+        self.id = node_id
+        self.storage_dir = storage_dir
+        self.storage: LogStorage = self._open_storage()
+        self.sm = StateMachine()
+        self.core: RaftCore | None = None
+        self.restarts = 0
+        self.removed = False  # out of the configuration for good
+
+    def _open_storage(self) -> LogStorage:
+        if self.storage_dir is None:
+            return MemoryStorage()
+        return LmdbLogStorage(self.storage_dir, map_size=8 << 20)
+
+    @property
+    def alive(self) -> bool:
+        return self.core is not None
+
+    def start(self) -> None:
+        opts = self.sim.opts
+        cfg = Config(
+            self.id,
+            election_tick=10,
+            heartbeat_tick=1,
+            max_size_per_msg=opts.max_msg_bytes,
+            max_inflight_msgs=opts.max_inflight,
+            applied=self.sm.applied,
+        )
+        rng = random.Random(self.sim.seed * 7919 + self.id * 104729 + self.restarts)
+        self.core = RaftCore(cfg, self.storage, rng)
+
+    def crash(self) -> None:
+        """Lose everything in memory; the storage keeps what it persisted."""
+        self.core = None
+        self.restarts += 1
+        if isinstance(self.storage, LmdbLogStorage):
+            self.storage.close()
+            self.storage = self._open_storage()
+
+    def close(self) -> None:
+        if isinstance(self.storage, LmdbLogStorage):
+            self.storage.close()
+
+    def process(self) -> None:
+        """Handle Readys until there are none (persist, send, apply, advance)."""
+        core = self.core
+        while core is not None and core.has_ready():
+            rd = core.ready()
+            self._handle(core, rd)
+            core.advance(rd)
+
+    def _handle(self, core: RaftCore, rd: Ready) -> None:
+        self.storage.save(rd.hard_state, rd.entries, rd.snapshot, sync=rd.must_sync)
+        check = self.sim.checker
+        check.on_persist(self, rd)
+        for m in rd.messages:
+            self.sim.net.send(m)
+        if rd.snapshot is not None:
+            self.sm.restore(rd.snapshot.data)
+            check.on_snapshot_installed(self, rd.snapshot)
+        for e in rd.committed_entries:
+            self.sm.apply(e)
+            check.on_apply(self, e)
+        for rs in rd.read_states:
+            check.on_read_state(self, rs.index, rs.context)
+
+
+# ---------------------------------------------------------------------- network
+
+
+class Network:
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.queue: list[tuple[int, int, Message]] = []
+        self.seq = 0
+        self.cut: set[frozenset[int]] = set()
+
+    def send(self, m: Message) -> None:
+        sim, rng = self.sim, self.sim.rng
+        if rng.random() < sim.fault_rate(sim.opts.drop):
+            self._lost(m)
+            return
+        copies = 2 if rng.random() < sim.fault_rate(sim.opts.duplicate) else 1
+        for _ in range(copies):
+            delay = rng.randint(1, sim.opts.max_delay if sim.chaos else 2)
+            self.seq += 1
+            heapq.heappush(self.queue, (sim.now + delay, self.seq, m))
+
+    def _lost(self, m: Message) -> None:
+        if m.type == MessageType.SNAPSHOT:
+            sender = self.sim.nodes.get(m.frm)
+            if sender is not None and sender.core is not None:
+                sender.core.report_snapshot(m.to, ok=False)
+                sender.process()
+
+    def deliver_due(self) -> None:
+        sim = self.sim
+        while self.queue and self.queue[0][0] <= sim.now:
+            _, _, m = heapq.heappop(self.queue)
+            dst = sim.nodes.get(m.to)
+            if dst is None or dst.core is None or frozenset((m.frm, m.to)) in self.cut:
+                self._lost(m)
+                continue
+            dst.core.step(m)
+            dst.process()
+            if m.type == MessageType.SNAPSHOT:
+                sender = sim.nodes.get(m.frm)
+                if sender is not None and sender.core is not None:
+                    sender.core.report_snapshot(m.to, ok=True)
+                    sender.process()
+            sim.checker.after_event()
+
+
+# ---------------------------------------------------------------------- checker
+
+
+@dataclass
+class Checker:
+    """The Raft invariants (Figure 3 of the paper), checked as the run goes."""
+
+    sim: Simulation
+    leader_of_term: dict[int, int] = field(default_factory=dict)
+    entry_at: dict[tuple[int, int], tuple[bytes, int]] = field(default_factory=dict)
+    applied_at: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    digest_at: dict[int, bytes] = field(default_factory=dict)
+    max_committed: tuple[int, int] = (0, 0)  # (index, term) committed somewhere
+    commit_seen: dict[int, int] = field(default_factory=dict)
+    leaders_checked: set[tuple[int, int]] = field(default_factory=set)
+    reads: dict[bytes, int] = field(default_factory=dict)  # context -> floor index
+    reads_served: int = 0
+
+    def fail(self, what: str) -> None:
+        raise Violation(f"seed {self.sim.seed} at t={self.sim.now}: {what}")
+
+    def on_persist(self, node: SimNode, rd: Ready) -> None:
+        """Log matching: one (index, term) names one entry and one history."""
+        st = node.storage
+        for e in rd.entries:
+            if e.index < st.first_index():
+                continue
+            try:
+                prev = st.term(e.index - 1)
+            except Exception:
+                prev = -1
+            key = (e.index, e.term)
+            seen = self.entry_at.setdefault(key, (e.data, prev))
+            if seen[0] != e.data:
+                self.fail(f"log matching: two entries at {key} on node {node.id}")
+            if prev >= 0 and seen[1] >= 0 and seen[1] != prev:
+                self.fail(f"log matching: {key} follows term {prev} on node {node.id}, {seen[1]} elsewhere")
+
+    def on_apply(self, node: SimNode, e: Entry) -> None:
+        """State machine safety: every node applies the same entry at an index."""
+        seen = self.applied_at.setdefault(e.index, (e.term, e.data))
+        if seen != (e.term, e.data):
+            self.fail(f"state machine safety: node {node.id} applied a different entry at {e.index}")
+        d = self.digest_at.setdefault(e.index, node.sm.digest)
+        if d != node.sm.digest:
+            self.fail(f"state machine safety: node {node.id} diverged at {e.index}")
+        if e.index > self.max_committed[0]:
+            self.max_committed = (e.index, e.term)
+        self.sim.on_applied(node, e)
+
+    def on_snapshot_installed(self, node: SimNode, snap: Snapshot) -> None:
+        i = snap.meta.index
+        d = self.digest_at.get(i)
+        if d is not None and d != node.sm.digest:
+            self.fail(f"snapshot at {i} installed on node {node.id} differs from the applied state")
+        if node.sm.applied != i:
+            self.fail(f"snapshot says {i} but carries state applied to {node.sm.applied}")
+
+    def on_read_state(self, node: SimNode, index: int, ctx: bytes) -> None:
+        floor = self.reads.pop(ctx, None)
+        if floor is None:
+            return
+        if index < floor:
+            self.fail(f"ReadIndex {index} on node {node.id} misses write acknowledged at {floor}")
+        self.reads_served += 1
+
+    def after_event(self) -> None:
+        for node in self.sim.nodes.values():
+            core = node.core
+            if core is None:
+                continue
+            c = core.log.committed
+            # Commit only moves forward while the node is up.
+            prev = self.commit_seen.get(node.id, 0)
+            if c < prev:
+                self.fail(f"commit index of node {node.id} went back from {prev} to {c}")
+            self.commit_seen[node.id] = c
+            if c > self.max_committed[0] and c >= core.log.first_index():
+                self.max_committed = (c, core.log.term(c))
+            if core.role != Role.LEADER:
+                continue
+            # Election safety: at most one leader per term.
+            owner = self.leader_of_term.setdefault(core.term, node.id)
+            if owner != node.id:
+                self.fail(f"election safety: nodes {owner} and {node.id} both lead term {core.term}")
+            key = (node.id, core.term)
+            if key not in self.leaders_checked:
+                self.leaders_checked.add(key)
+                self._check_leader_completeness(node, core)
+
+    def _check_leader_completeness(self, node: SimNode, core: RaftCore) -> None:
+        index, term = self.max_committed
+        if index == 0 or index < core.log.first_index() - 1:
+            return  # covered by the leader's snapshot
+        if index > core.log.last_index() or core.log.term_or_zero(index) != term:
+            self.fail(
+                f"leader completeness: leader {node.id} of term {core.term} lacks committed "
+                f"entry {index} (term {term})"
+            )
+
+
+# ------------------------------------------------------------------- simulation
+
+
+@dataclass
+class Result:
+    seed: int
+    ok: bool
+    message: str = ""
+    ticks: int = 0
+    acked: int = 0
+    applied: int = 0
+    snapshots: int = 0
+    crashes: int = 0
+    conf_changes: int = 0
+    reads: int = 0
+
+
+class Simulation:
+    MAX_NODES = 7
+
+    def __init__(self, seed: int, opts: Options | None = None) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.opts = opts or Options.from_seed(seed, self.rng)
+        self.now = 0
+        self.chaos = True
+        self.net = Network(self)
+        self.checker = Checker(self)
+        self.nodes: dict[int, SimNode] = {}
+        self.tmp: Path | None = Path(tempfile.mkdtemp(prefix="roadlog-sim-")) if self.opts.lmdb else None
+        self.proposed: dict[bytes, tuple[int, int, int]] = {}  # id -> (node, index, term)
+        self.acked: set[bytes] = set()
+        self.next_proposal = 0
+        self.down_until: dict[int, int] = {}
+        self.stats = Result(seed, True)
+        voters = list(range(1, self.opts.n_nodes + 1))
+        for i in voters:
+            node = self._add_node(i)
+            bootstrap(node.storage, voters)
+            node.start()
+
+    def _add_node(self, node_id: int) -> SimNode:
+        d = self.tmp / f"n{node_id}" if self.tmp is not None else None
+        node = SimNode(self, node_id, d)
+        self.nodes[node_id] = node
+        return node
+
+    def fault_rate(self, p: float) -> float:
+        return p if self.chaos else 0.0
+
+    # -- what clients see ------------------------------------------------------
+
+    def leader(self) -> SimNode | None:
+        best: SimNode | None = None
+        for n in self.nodes.values():
+            if n.core is not None and n.core.role == Role.LEADER:
+                if best is None or best.core is None or n.core.term > best.core.term:
+                    best = n
+        return best
+
+    def on_applied(self, node: SimNode, e: Entry) -> None:
+        p = self.proposed.get(e.data)
+        if p is not None and p[0] == node.id and p[1] == e.index and p[2] == e.term:
+            self.acked.add(e.data)  # the proposer applied it: the client got its ack
+
+    # -- the run ---------------------------------------------------------------
+
+    def run(self) -> Result:
+        try:
+            self._run()
+        except Violation as v:
+            self.stats.ok = False
+            self.stats.message = str(v)
+        except Exception as e:  # a crash of the core is a violation too
+            self.stats.ok = False
+            self.stats.message = f"seed {self.seed} at t={self.now}: {type(e).__name__}: {e}"
+        finally:
+            for n in self.nodes.values():
+                n.close()
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        self.stats.ticks = self.now // TICK
+        self.stats.acked = len(self.acked)
+        self.stats.reads = self.checker.reads_served
+        return self.stats
+
+    def _run(self) -> None:
+        for _ in range(self.opts.chaos_ticks):
+            self._tick()
+            self._chaos()
+        self._heal()
+        for _ in range(600):
+            self._tick()
+            if self._converged():
+                self._final_checks()
+                return
+        raise Violation(f"seed {self.seed}: no convergence 600 ticks after healing: {self._describe()}")
+
+    def _tick(self) -> None:
+        end = self.now + TICK
+        while self.now < end:
+            self.now += 1
+            self.net.deliver_due()
+        for nid in sorted(self.down_until):
+            if self.down_until[nid] <= self.now:
+                del self.down_until[nid]
+                self._restart(nid)
+        for n in self.nodes.values():
+            if n.core is not None:
+                n.core.tick()
+                n.process()
+        self.checker.after_event()
+
+    def _restart(self, nid: int) -> None:
+        node = self.nodes[nid]
+        node.start()
+        self.checker.commit_seen.pop(nid, None)
+        node.process()
+
+    def _chaos(self) -> None:
+        o, rng = self.opts, self.rng
+        if rng.random() < o.p_propose:
+            self._propose(rng.randint(1, 4))
+        if rng.random() < o.p_crash:
+            self._crash_one()
+        if rng.random() < o.p_partition:
+            self._partition()
+        if self.net.cut and rng.random() < o.p_heal:
+            self.net.cut.clear()
+        if rng.random() < o.p_conf:
+            self._conf_change()
+        if rng.random() < o.p_compact:
+            self._compact()
+        if rng.random() < o.p_transfer:
+            self._transfer()
+        if rng.random() < o.p_read:
+            self._read()
+        self.checker.after_event()
+
+    def _propose(self, count: int) -> None:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return
+        ids = []
+        for _ in range(count):
+            self.next_proposal += 1
+            ids.append(b"p%d" % self.next_proposal)
+        try:
+            first = lead.core.propose_many(ids)
+        except ProposalDropped:
+            return
+        for i, pid in enumerate(ids):
+            self.proposed[pid] = (lead.id, first + i, lead.core.term)
+        lead.process()
+
+    def _live(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n.core is not None and not n.removed]
+
+    def _crash_one(self) -> None:
+        live = self._live()
+        if not live:
+            return
+        lead = self.leader()
+        node = lead if lead is not None and self.rng.random() < 0.4 else self.rng.choice(live)
+        node.crash()
+        self.stats.crashes += 1
+        self.down_until[node.id] = self.now + self.rng.randint(1, 60) * TICK
+
+    def _partition(self) -> None:
+        ids = sorted(self.nodes)
+        if len(ids) < 2:
+            return
+        side = set(self.rng.sample(ids, self.rng.randint(1, len(ids) - 1)))
+        for a in side:
+            for b in ids:
+                if b not in side:
+                    self.net.cut.add(frozenset((a, b)))
+
+    def _conf_change(self) -> None:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return
+        conf = lead.core.conf
+        rng = self.rng
+        choice = rng.random()
+        if choice < 0.4 and len(self.nodes) < self.MAX_NODES:
+            cc = ConfChange(ConfChangeType.ADD_LEARNER, max(self.nodes) + 1)
+        elif choice < 0.7 and conf.learners:
+            cc = ConfChange(ConfChangeType.ADD_VOTER, rng.choice(sorted(conf.learners)))
+        elif len(conf.voters) >= 3:
+            cc = ConfChange(ConfChangeType.REMOVE_NODE, rng.choice(sorted(conf.voters)))
+        else:
+            return
+        try:
+            lead.core.propose_conf_change(cc)
+        except ProposalDropped:
+            return
+        self.stats.conf_changes += 1
+        if cc.type == ConfChangeType.ADD_LEARNER:
+            node = self._add_node(cc.node_id)
+            node.start()
+        lead.process()
+
+    def _compact(self) -> None:
+        live = self._live()
+        if not live:
+            return
+        node = self.rng.choice(live)
+        core = node.core
+        assert core is not None
+        index = node.sm.applied  # the snapshot holds the state machine as applied now
+        if index < node.storage.first_index():
+            return
+        snap = Snapshot(core.snapshot_meta_at(index), node.sm.serialize())
+        node.storage.compact(snap)
+        self.stats.snapshots += 1
+
+    def _transfer(self) -> None:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return
+        voters = sorted(lead.core.conf.voters - {lead.id})
+        if voters:
+            try:
+                lead.core.transfer_leader(self.rng.choice(voters))
+            except ProposalDropped:
+                return
+            lead.process()
+
+    def _read(self) -> None:
+        live = self._live()
+        if not live:
+            return
+        node = self.rng.choice(live)
+        assert node.core is not None
+        self.next_proposal += 1
+        ctx = b"r%d" % self.next_proposal
+        floor = max((self.proposed[p][1] for p in self.acked), default=0)
+        try:
+            node.core.read_index(ctx)
+        except ProposalDropped:
+            return
+        self.checker.reads[ctx] = floor
+        node.process()
+
+    def _heal(self) -> None:
+        self.chaos = False
+        self.net.cut.clear()
+        for nid in sorted(self.down_until):
+            self._restart(nid)
+        self.down_until.clear()
+
+    # -- the end ---------------------------------------------------------------
+
+    def _members(self) -> list[SimNode]:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return []
+        return [self.nodes[i] for i in sorted(lead.core.conf.members) if i in self.nodes]
+
+    def _converged(self) -> bool:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return False
+        core = lead.core
+        if core.log.committed != core.log.last_index() or core.log.term(core.log.committed) != core.term:
+            return False
+        target = core.log.committed
+        return all(
+            n.core is not None and n.sm.applied == target for n in self._members()
+        )
+
+    def _final_checks(self) -> None:
+        members = self._members()
+        digests = {n.sm.digest for n in members}
+        if len(digests) != 1:
+            self.checker.fail(f"replicas differ at the end: {self._describe()}")
+        for n in members:
+            missing = self.acked - n.sm.proposals
+            if missing:
+                self.checker.fail(
+                    f"node {n.id} lacks {len(missing)} acknowledged proposals, e.g. {sorted(missing)[:3]}"
+                )
+        self.stats.applied = members[0].sm.applied if members else 0
+
+    def _describe(self) -> str:
+        parts = []
+        for n in self.nodes.values():
+            c = n.core
+            if c is None:
+                parts.append(f"n{n.id}:down")
+            else:
+                parts.append(
+                    f"n{n.id}:{c.role.name[0]} t{c.term} c{c.log.committed} a{n.sm.applied} "
+                    f"l{c.log.last_index()} conf={sorted(c.conf.voters)}/{sorted(c.conf.learners)}"
+                )
+        return "; ".join(parts)
+
+
+def run_seed(seed: int) -> Result:
+    return Simulation(seed).run()
