@@ -1,0 +1,398 @@
+"""What the core adds to the paper's basics: pre-vote, check-quorum, the
+pipelining window, fast backtracking, leadership transfer, ReadIndex,
+learners and membership changes, snapshots and the Ready contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_daemon.raft import (
+    ConfChange,
+    ConfChangeType,
+    Entry,
+    EntryType,
+    Message,
+    MessageType,
+    ProposalDropped,
+    Role,
+    Snapshot,
+)
+from node_daemon.raft.progress import ProgressState
+from tests.unit.raftkit import Net, new_core, persist
+
+pytestmark = pytest.mark.unit
+MT = MessageType
+
+
+def _net(n: int = 3, **kw: object) -> Net:
+    voters = tuple(range(1, n + 1))
+    return Net([new_core(i, voters, seed=i, **kw) for i in voters])  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- pre-vote
+
+
+def test_pre_vote_does_not_raise_the_term_of_a_partitioned_node() -> None:
+    net = _net(pre_vote=True, check_quorum=True)
+    net.elect(1)
+    term = net.cores[1].term
+    net.isolate(3)
+    for _ in range(100):
+        net.cores[3].tick()
+        net.stabilize()
+    assert net.cores[3].term == term  # pre-votes never succeed, so no new term
+    net.heal()
+    net.tick_all(3)
+    assert net.cores[1].role == Role.LEADER and net.cores[1].term == term
+
+
+def test_without_pre_vote_a_partitioned_node_disrupts_on_return() -> None:
+    net = _net(pre_vote=False, check_quorum=False)
+    net.elect(1)
+    term = net.cores[1].term
+    net.isolate(3)
+    for _ in range(100):
+        net.cores[3].tick()
+        net.stabilize()
+    assert net.cores[3].term > term  # the contrast to the test above
+
+
+def test_pre_vote_grants_only_to_an_up_to_date_log() -> None:
+    r = new_core(1, log_terms=[1, 2], term=2)
+    r.step(Message(MT.PRE_VOTE, 1, 2, 3, 1, 5))
+    resp = [m for m in persist(r) if m.type == MT.PRE_VOTE_RESP]
+    assert resp[0].reject and r.term == 2 and r.vote == 0
+
+
+# ----------------------------------------------------------- check-quorum
+
+
+def test_check_quorum_leader_steps_down_without_a_majority() -> None:
+    net = _net(check_quorum=True, pre_vote=True)
+    net.elect(1)
+    net.isolate(1)
+    leader = net.cores[1]
+    for _ in range(2 * leader.cfg.election_tick + 1):
+        leader.tick()
+        net.stabilize()
+    assert leader.role == Role.FOLLOWER
+
+
+def test_leader_lease_ignores_votes_while_the_leader_is_alive() -> None:
+    net = _net(check_quorum=True, pre_vote=True)
+    net.elect(1)
+    f = net.cores[2]
+    term = f.term
+    f.step(Message(MT.VOTE, 2, 3, term + 1, f.log.last_term(), f.log.last_index()))
+    assert f.term == term
+    assert not [m for m in persist(f) if m.type == MT.VOTE_RESP]
+
+
+# ------------------------------------------------- replication and window
+
+
+def test_replication_pipelines_up_to_the_inflight_window() -> None:
+    r = new_core(1)
+    r.cfg.max_inflight_msgs = 3
+    for p in r.prs.values():
+        p.inflights.max_count = 3
+    r.campaign()
+    r.step(Message(MT.VOTE_RESP, 1, 2, r.term))
+    persist(r)
+    r.step(Message(MT.APPEND_RESP, 1, 2, r.term, index=r.log.last_index()))
+    persist(r)
+    assert r.prs[2].state == ProgressState.REPLICATE
+    sent = []
+    for i in range(6):
+        r.propose(b"%d" % i)
+        sent += [m for m in persist(r) if m.type == MT.APPEND and m.to == 2 and m.entries]
+    assert len(sent) == 3  # the window is full: three appends in flight, unacknowledged
+    r.step(Message(MT.APPEND_RESP, 1, 2, r.term, index=sent[-1].entries[-1].index))
+    more = [m for m in persist(r) if m.type == MT.APPEND and m.to == 2 and m.entries]
+    assert more and more[0].entries[-1].index == r.log.last_index()
+
+
+def test_fast_backtracking_skips_a_whole_conflicting_term() -> None:
+    leader = new_core(1, log_terms=[1, 1, 1, 4, 4, 4, 4, 4, 4, 4], term=5)
+    follower = new_core(2, log_terms=[1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2], term=5)
+    net = Net([leader, follower, new_core(3, term=5)])
+    net.elect(1)
+    probes = [m for m in net.delivered if m.type == MT.APPEND and m.to == 2]
+    assert len(probes) <= 3  # not one round trip per conflicting entry
+    assert [follower.log.term(i) for i in range(1, 12)] == [leader.log.term(i) for i in range(1, 12)]
+
+
+def test_messages_respect_the_size_limit() -> None:
+    net = _net()
+    for c in net.cores.values():
+        c.cfg.max_size_per_msg = 100
+    net.elect(1)
+    for i in range(20):
+        net.cores[1].propose(b"x" * 40)
+    net.stabilize()
+    big = [m for m in net.delivered if m.type == MT.APPEND and len(m.entries) > 2]
+    assert not big
+    assert net.cores[2].log.committed == net.cores[1].log.last_index()
+
+
+# ---------------------------------------------------------------- transfer
+
+
+def test_leadership_transfer_to_an_up_to_date_follower() -> None:
+    net = _net()
+    net.elect(1)
+    net.cores[1].propose(b"x")
+    net.stabilize()
+    net.cores[1].transfer_leader(3)
+    net.stabilize()
+    assert net.cores[3].role == Role.LEADER
+    assert net.cores[1].role == Role.FOLLOWER and net.cores[1].lead == 3
+
+
+def test_leadership_transfer_catches_up_a_lagging_follower_first() -> None:
+    net = _net()
+    net.elect(1)
+    net.isolate(3)
+    for i in range(5):
+        net.cores[1].propose(b"%d" % i)
+    net.stabilize()
+    net.heal()
+    net.cores[1].transfer_leader(3)
+    with pytest.raises(ProposalDropped):
+        net.cores[1].propose(b"during transfer")
+    net.stabilize()
+    assert net.cores[3].role == Role.LEADER
+    assert net.cores[3].log.last_index() >= 7
+
+
+def test_transfer_to_a_learner_is_refused() -> None:
+    r = new_core(1, (1, 2), learners=(3,))
+    r.campaign()
+    r.step(Message(MT.VOTE_RESP, 1, 2, r.term))
+    with pytest.raises(ProposalDropped):
+        r.transfer_leader(3)
+
+
+# --------------------------------------------------------------- ReadIndex
+
+
+def test_read_index_on_the_leader_waits_for_a_quorum_heartbeat() -> None:
+    net = _net()
+    net.elect(1)
+    net.cores[1].propose(b"w")
+    net.stabilize()
+    leader = net.cores[1]
+    leader.read_index(b"r1")
+    rd = leader.ready()
+    assert not rd.read_states  # no quorum confirmation yet
+    hbs = [m for m in rd.messages if m.type == MT.HEARTBEAT and m.context == b"r1"]
+    assert len(hbs) == 2
+    leader.advance(rd)
+    leader.step(Message(MT.HEARTBEAT_RESP, 1, 2, leader.term, context=b"r1"))
+    rd = leader.ready()
+    assert [(s.index, s.context) for s in rd.read_states] == [(leader.log.committed, b"r1")]
+
+
+def test_read_index_from_a_follower_goes_through_the_leader() -> None:
+    net = _net()
+    net.elect(1)
+    net.cores[1].propose(b"w")
+    net.stabilize()
+    f = net.cores[2]
+    f.read_index(b"r2")
+    states = []
+    for _ in range(5):
+        net.stabilize()
+        states += f.read_states
+        f.read_states.clear()
+    rd_states = [m for m in net.delivered if m.type == MT.READ_INDEX_RESP]
+    assert rd_states and rd_states[0].index == net.cores[1].log.committed
+
+
+def test_read_index_isolated_leader_never_answers() -> None:
+    net = _net()
+    net.elect(1)
+    net.isolate(1)
+    net.cores[1].read_index(b"r3")
+    net.stabilize()
+    assert not net.cores[1].read_states
+    assert not any(m.type == MT.READ_INDEX_RESP for m in net.delivered)
+
+
+def test_read_index_waits_until_the_new_leader_commits_in_its_term() -> None:
+    r = new_core(1, log_terms=[1], term=1)
+    r.campaign()
+    r.step(Message(MT.VOTE_RESP, 1, 2, r.term))
+    r.read_index(b"early")
+    assert r.pending_reads and len(r.read_only) == 0
+
+
+# ------------------------------------------------------ membership changes
+
+
+def test_learner_receives_the_log_but_does_not_vote() -> None:
+    net = Net([new_core(i, (1, 2), learners=(3,), seed=i) for i in (1, 2, 3)])
+    net.elect(1)
+    net.cores[1].propose(b"x")
+    net.stabilize()
+    assert net.cores[3].log.committed == net.cores[1].log.committed
+    for _ in range(100):
+        net.cores[3].tick()
+    assert net.cores[3].role == Role.FOLLOWER  # a learner never campaigns
+
+
+def test_add_learner_then_promote() -> None:
+    net = _net()
+    net.elect(1)
+    leader = net.cores[1]
+    net.cores[4] = new_core(4, (), seed=4)
+    net.applied[4] = []
+    leader.propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))
+    net.stabilize()
+    assert 4 in leader.conf.learners and 4 in net.cores[4].conf.learners
+    leader.propose_conf_change(ConfChange(ConfChangeType.ADD_VOTER, 4))
+    net.stabilize()
+    assert leader.conf.voters == {1, 2, 3, 4}
+    assert net.cores[4].conf.voters == {1, 2, 3, 4}
+    assert net.cores[4].log.committed == leader.log.committed
+
+
+def test_only_one_configuration_change_at_a_time() -> None:
+    net = _net()
+    net.elect(1)
+    net.isolate(2)
+    net.isolate(3)
+    leader = net.cores[1]
+    leader.propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))
+    with pytest.raises(ProposalDropped, match="in progress"):
+        leader.propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 5))
+
+
+def test_a_new_leader_changes_configuration_only_after_committing_in_its_term() -> None:
+    r = new_core(1, log_terms=[1], term=1)
+    r.campaign()
+    r.step(Message(MT.VOTE_RESP, 1, 2, r.term))
+    with pytest.raises(ProposalDropped, match="not committed"):
+        r.propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (ConfChange(ConfChangeType.ADD_VOTER, 2), "already a voter"),
+        (ConfChange(ConfChangeType.REMOVE_NODE, 9), "not a member"),
+        (ConfChange(ConfChangeType.ADD_LEARNER, 0), "invalid node id"),
+    ],
+)
+def test_invalid_changes_are_refused(change: ConfChange, reason: str) -> None:
+    net = _net()
+    net.elect(1)
+    with pytest.raises(ProposalDropped, match=reason):
+        net.cores[1].propose_conf_change(change)
+
+
+def test_removing_the_leader_steps_it_down_once_committed() -> None:
+    net = _net()
+    net.elect(1)
+    net.cores[1].propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 1))
+    net.stabilize()
+    assert net.cores[1].role == Role.FOLLOWER
+    for c in (net.cores[2], net.cores[3]):
+        assert c.conf.voters == {2, 3}
+    net.tick_all(40)
+    assert any(net.cores[i].role == Role.LEADER for i in (2, 3))
+    assert net.cores[1].role != Role.LEADER
+
+
+def test_a_truncated_configuration_entry_is_undone() -> None:
+    f = new_core(2, term=2)
+    conf_entry = Entry(2, 1, EntryType.CONFIG, new_core(9, (1, 2, 3, 4)).conf.encode())
+    f.step(Message(MT.APPEND, 2, 1, 2, 0, 0, (conf_entry,)))
+    assert f.conf.voters == {1, 2, 3, 4}
+    # A leader of a later term overwrites index 1 with a normal entry.
+    f.step(Message(MT.APPEND, 2, 3, 3, 0, 0, (Entry(3, 1, data=b"x"),)))
+    assert f.conf.voters == {1, 2, 3}
+
+
+# --------------------------------------------------------------- snapshots
+
+
+def test_a_follower_behind_the_compacted_log_gets_a_snapshot() -> None:
+    net = _net()
+    net.elect(1)
+    net.isolate(3)
+    for i in range(10):
+        net.cores[1].propose(b"%d" % i)
+    net.stabilize()
+    leader = net.cores[1]
+    idx = leader.log.applied
+    snap = Snapshot(leader.snapshot_meta_at(idx), b"state@%d" % idx)
+    leader.log.storage.compact(snap)
+    net.heal()
+    net.tick_all(3)
+    snaps = [m for m in net.delivered if m.type == MT.SNAPSHOT and m.to == 3]
+    assert snaps and snaps[0].snapshot == snap
+    leader.report_snapshot(3, ok=True)
+    net.tick_all(3)
+    f = net.cores[3]
+    assert f.log.storage.snapshot().meta.index == idx
+    assert f.log.committed == leader.log.committed
+    assert f.conf == leader.conf
+
+
+def test_a_failed_snapshot_is_retried() -> None:
+    net = _net()
+    net.elect(1)
+    net.isolate(3)
+    for i in range(5):
+        net.cores[1].propose(b"%d" % i)
+    net.stabilize()
+    leader = net.cores[1]
+    leader.log.storage.compact(Snapshot(leader.snapshot_meta_at(leader.log.applied), b"s"))
+    leader.prs[3].recent_active = True
+    leader.prs[3].become_probe()  # as after a rejection: next falls back to match + 1
+    leader._send_append(3)
+    assert leader.prs[3].state == ProgressState.SNAPSHOT
+    leader.report_snapshot(3, ok=False)
+    assert leader.prs[3].state == ProgressState.PROBE
+    net.heal()
+    net.tick_all(3)
+    assert net.cores[3].log.committed == leader.log.committed
+
+
+# -------------------------------------------------------- Ready contract
+
+
+def test_ready_is_empty_when_idle_and_applies_each_entry_once() -> None:
+    net = _net()
+    net.elect(1)
+    for i in range(5):
+        net.cores[1].propose(b"%d" % i)
+    net.stabilize()
+    for c in net.cores.values():
+        assert not c.has_ready()
+    for i, entries in net.applied.items():
+        idx = [e.index for e in entries]
+        assert idx == list(range(1, len(idx) + 1)), i
+    assert len({tuple(e.data for e in ents) for ents in net.applied.values()}) == 1
+
+
+def test_leader_counts_its_own_entries_only_once_persisted() -> None:
+    r = new_core(1, (1,))
+    r.campaign()
+    assert r.role == Role.LEADER
+    rd = r.ready()
+    assert rd.entries and r.log.committed == 0  # not yet on our own disk
+    r.log.storage.save(rd.hard_state, rd.entries, rd.snapshot)
+    r.advance(rd)
+    assert r.log.committed == rd.entries[-1].index
+
+
+def test_restart_keeps_term_vote_and_log() -> None:
+    r = new_core(1)
+    r.campaign()
+    persist(r)
+    st = r.log.storage
+    again = new_core(1, storage=st)  # type: ignore[arg-type]
+    assert (again.term, again.vote) == (r.term, 1)
+    assert again.log.last_index() == r.log.last_index()
