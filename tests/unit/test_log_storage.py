@@ -1,0 +1,261 @@
+"""The LogStorage contract, checked on both the in-memory store and LMDB,
+plus what only a disk can show: reopening, a SIGKILL mid-write, a full map
+and a full disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from node_daemon.raft import (
+    CompactedError,
+    ConfState,
+    Entry,
+    EntryType,
+    HardState,
+    MemoryStorage,
+    Snapshot,
+    SnapshotMeta,
+    StorageFullError,
+    UnavailableError,
+    bootstrap,
+)
+from node_daemon.storage.raft_log import LmdbLogStorage
+
+pytestmark = pytest.mark.unit
+
+
+def ents(lo: int, hi: int, term: int = 1, size: int = 8) -> list[Entry]:
+    return [Entry(term, i, data=(b"%d:" % i).ljust(size, b".")) for i in range(lo, hi)]
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MemoryStorage | LmdbLogStorage]:
+    if request.param == "memory":
+        yield MemoryStorage()
+    else:
+        s = LmdbLogStorage(tmp_path / "log", map_size=4 << 20)
+        yield s
+        s.close()
+
+
+def test_empty_store(store: MemoryStorage | LmdbLogStorage) -> None:
+    assert store.first_index() == 1 and store.last_index() == 0
+    assert store.term(0) == 0
+    assert store.initial_state() == HardState()
+    with pytest.raises(UnavailableError):
+        store.term(1)
+
+
+def test_append_read_and_limits(store: MemoryStorage | LmdbLogStorage) -> None:
+    store.save(HardState(1, 2, 3), ents(1, 11))
+    assert store.last_index() == 10
+    assert [e.index for e in store.entries(3, 7)] == [3, 4, 5, 6]
+    assert store.entries(3, 7)[0].data.startswith(b"3:")
+    # A byte limit cuts the batch but always returns at least one entry.
+    assert len(store.entries(1, 11, max_bytes=1)) == 1
+    assert len(store.entries(1, 11, max_bytes=3 * ents(1, 2)[0].size())) == 3
+    assert store.initial_state() == HardState(1, 2, 3)
+    with pytest.raises(UnavailableError):
+        store.entries(5, 12)
+
+
+def test_conflicting_suffix_is_truncated(store: MemoryStorage | LmdbLogStorage) -> None:
+    store.save(None, ents(1, 11, term=1))
+    store.save(None, ents(6, 8, term=2))
+    assert store.last_index() == 7
+    assert [store.term(i) for i in range(1, 8)] == [1] * 5 + [2, 2]
+
+
+def test_gaps_are_refused(store: MemoryStorage | LmdbLogStorage) -> None:
+    store.save(None, ents(1, 3))
+    with pytest.raises(Exception, match="gap"):
+        store.save(None, ents(5, 6))
+    assert store.last_index() == 2
+
+
+def test_compaction_drops_a_prefix(store: MemoryStorage | LmdbLogStorage) -> None:
+    store.save(None, ents(1, 11, term=3))
+    conf = ConfState(frozenset({1, 2, 3}))
+    store.compact(Snapshot(SnapshotMeta(6, 3, conf), b"state"))
+    assert store.first_index() == 7 and store.last_index() == 10
+    assert store.term(6) == 3
+    with pytest.raises(CompactedError):
+        store.term(5)
+    with pytest.raises(CompactedError):
+        store.entries(6, 8)
+    assert store.snapshot() == Snapshot(SnapshotMeta(6, 3, conf), b"state")
+    assert [e.index for e in store.entries(7, 11)] == [7, 8, 9, 10]
+
+
+def test_installing_a_snapshot_replaces_the_log(store: MemoryStorage | LmdbLogStorage) -> None:
+    store.save(None, ents(1, 6))
+    snap = Snapshot(SnapshotMeta(20, 4, ConfState(frozenset({1}))), b"s")
+    store.save(HardState(4, 0, 20), [], snap)
+    assert (store.first_index(), store.last_index()) == (21, 20)
+    store.save(None, ents(21, 23, term=4))
+    assert store.last_index() == 22 and store.term(20) == 4
+
+
+def test_config_entries_follow_truncation_and_compaction(store: MemoryStorage | LmdbLogStorage) -> None:
+    c1 = ConfState(frozenset({1, 2})).encode()
+    c2 = ConfState(frozenset({1, 2, 3})).encode()
+    store.save(None, [Entry(1, 1, EntryType.CONFIG, c1), *ents(2, 5), Entry(1, 5, EntryType.CONFIG, c2)])
+    assert [e.index for e in store.config_entries()] == [1, 5]
+    store.save(None, ents(5, 6, term=2))  # overwrites the second one
+    assert [e.index for e in store.config_entries()] == [1]
+    store.compact(Snapshot(SnapshotMeta(2, 1, ConfState(frozenset({1, 2})))))
+    assert store.config_entries() == []
+
+
+def test_bootstrap_writes_a_committed_configuration(store: MemoryStorage | LmdbLogStorage) -> None:
+    bootstrap(store, [1, 2, 3])
+    [e] = store.config_entries()
+    assert ConfState.decode(e.data).voters == {1, 2, 3}
+    assert store.initial_state().commit == 1
+    with pytest.raises(ValueError, match="not empty"):
+        bootstrap(store, [1, 2, 3])
+
+
+# ------------------------------------------------------------- LMDB only
+
+
+def test_lmdb_reopens_with_everything_saved(tmp_path: Path) -> None:
+    s = LmdbLogStorage(tmp_path / "log")
+    s.save(HardState(5, 2, 7), ents(1, 101, term=5))
+    s.compact(Snapshot(SnapshotMeta(40, 5, ConfState(frozenset({1, 2}))), b"snap"))
+    s.close()
+    r = LmdbLogStorage(tmp_path / "log")
+    assert r.initial_state() == HardState(5, 2, 7)
+    assert (r.first_index(), r.last_index()) == (41, 100)
+    assert r.entries(41, 101) == ents(41, 101, term=5)
+    assert r.snapshot().data == b"snap"
+    r.close()
+
+
+def test_lmdb_commit_only_saves_are_written_with_the_next_sync(tmp_path: Path) -> None:
+    s = LmdbLogStorage(tmp_path / "log")
+    s.save(HardState(1, 1, 0), ents(1, 3))
+    s.save(HardState(1, 1, 2), [], sync=False)  # only the commit moved
+    s.close()
+    r = LmdbLogStorage(tmp_path / "log")
+    assert r.initial_state() == HardState(1, 1, 0)  # lost, as allowed
+    r.save(HardState(1, 1, 2), [], sync=False)
+    r.save(None, ents(3, 4))
+    r.close()
+    assert LmdbLogStorage(tmp_path / "log").initial_state() == HardState(1, 1, 2)
+
+
+def test_lmdb_full_map_is_a_clear_error_and_keeps_what_was_stored(tmp_path: Path) -> None:
+    s = LmdbLogStorage(tmp_path / "log", map_size=256 << 10, max_map_size=512 << 10)
+    i = 1
+    with pytest.raises(StorageFullError, match="map full"):
+        while i < 100_000:
+            s.save(HardState(1, 0, i), ents(i, i + 10, size=1000))
+            i += 10
+    last = s.last_index()
+    assert last == i - 1 and last > 10
+    s.close()
+    r = LmdbLogStorage(tmp_path / "log", map_size=512 << 10)
+    assert r.last_index() == last
+    assert r.entries(1, last + 1) == ents(1, last + 1, size=1000)
+    r.close()
+
+
+def test_lmdb_full_map_grows_when_allowed(tmp_path: Path) -> None:
+    s = LmdbLogStorage(tmp_path / "log", map_size=128 << 10, max_map_size=64 << 20)
+    s.save(None, ents(1, 2001, size=1000))
+    assert s.last_index() == 2000
+    assert s.env.info()["map_size"] > 128 << 10
+    s.close()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs: a real full disk, not a simulated one."""
+    if os.geteuid() != 0:
+        pytest.fail("the full-disk test mounts a tmpfs and needs root (the suite runs as root)")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_lmdb_full_disk_is_a_clear_error_and_keeps_what_was_stored(tiny_disk: Path) -> None:
+    s = LmdbLogStorage(tiny_disk / "log", map_size=64 << 20)
+    i = 1
+    with pytest.raises(StorageFullError):
+        while i < 100_000:
+            s.save(HardState(1, 0, i), ents(i, i + 10, size=2000))
+            i += 10
+    last = s.last_index()
+    assert last == i - 1 and last > 10
+    s.close()
+    r = LmdbLogStorage(tiny_disk / "log", map_size=64 << 20)
+    assert r.last_index() == last
+    assert r.entries(1, last + 1) == ents(1, last + 1, size=2000)
+    r.close()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from node_daemon.raft import Entry, HardState
+    from node_daemon.storage.raft_log import LmdbLogStorage
+    s = LmdbLogStorage(sys.argv[1])
+    i = s.last_index() + 1
+    term = int(sys.argv[2])
+    while True:
+        batch = [Entry(term, j, data=b"%d-%d" % (term, j) * 20) for j in range(i, i + 50)]
+        s.save(HardState(term, 1, i - 1), batch)
+        print(i + 49, flush=True)
+        i += 50
+    """
+)
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_lmdb_survives_sigkill_mid_write(tmp_path: Path, round_: int) -> None:
+    """A writer is SIGKILLed at a random moment; every save it reported is
+    there after reopening, and the log is contiguous and readable."""
+    path = str(tmp_path / "log")
+    reported = 0
+    for term in range(1, 4):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, path, str(term)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        )
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 30
+        target = 5 + (round_ * 7 + term * 3) % 11
+        lines = 0
+        while lines < target and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            reported = int(line)
+            lines += 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert lines == target, "the writer did not make progress"
+        s = LmdbLogStorage(path)
+        last = s.last_index()
+        assert last >= reported
+        got = s.entries(1, last + 1)
+        assert [e.index for e in got] == list(range(1, last + 1))
+        for e in got:
+            assert e.data == b"%d-%d" % (e.term, e.index) * 20
+        s.close()
