@@ -20,4 +20,6 @@ def bootstrap(storage: LogStorage, voters: Iterable[int]) -> None:
         raise ValueError("bootstrap needs at least one voter")
     if storage.last_index() != 0 or storage.initial_state() != HardState():
         raise ValueError("storage is not empty: refusing to bootstrap over existing state")
-    storage.save(HardState(term=1, vote=0, commit=1), [Entry(1, 1, EntryType.CONFIG, conf.encode())])
+    storage.save(
+        HardState(term=1, vote=0, commit=1), [Entry(1, 1, EntryType.CONFIG, conf.encode())]
+    )

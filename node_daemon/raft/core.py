@@ -39,8 +39,8 @@ from node_daemon.raft.types import (
     HardState,
     Message,
     MessageType,
-    Ready,
     ReadState,
+    Ready,
     Role,
     Snapshot,
     SnapshotMeta,
@@ -266,9 +266,7 @@ class RaftCore:
         for node in sorted(self.conf.voters):
             if node != self.id:
                 self._send(
-                    Message(
-                        mtype, node, self.id, vote_term, last_term, last, force=transfer
-                    )
+                    Message(mtype, node, self.id, vote_term, last_term, last, force=transfer)
                 )
 
     def _poll(self) -> quorum.VoteResult:
@@ -389,7 +387,9 @@ class RaftCore:
             self._send(Message(MT.APPEND_RESP, m.frm, self.id, self.term, index=self.log.committed))
             return
         try:
-            truncated, last_new, ok = self.log.maybe_append(m.index, m.log_term, m.commit, m.entries)
+            truncated, last_new, ok = self.log.maybe_append(
+                m.index, m.log_term, m.commit, m.entries
+            )
         except CompactedError:
             ok = False
         if ok:
@@ -544,9 +544,7 @@ class RaftCore:
 
     def _append(self, ents: Sequence[Entry]) -> int:
         last = self.log.last_index()
-        stamped = [
-            Entry(self.term, last + i + 1, e.type, e.data) for i, e in enumerate(ents)
-        ]
+        stamped = [Entry(self.term, last + i + 1, e.type, e.data) for i, e in enumerate(ents)]
         self.log.append(stamped)
         self._record_conf_entries(stamped)
         return last + 1
@@ -663,7 +661,9 @@ class RaftCore:
             self.read_states.append(ReadState(index, context))
         else:
             self._send(
-                Message(MT.READ_INDEX_RESP, requester, self.id, self.term, index=index, context=context)
+                Message(
+                    MT.READ_INDEX_RESP, requester, self.id, self.term, index=index, context=context
+                )
             )
 
     def transfer_leader(self, target: int) -> None:
@@ -756,6 +756,10 @@ class RaftCore:
             self.log.applied_to(rd.snapshot.meta.index)
         if self.role == Role.LEADER and rd.entries:
             me = self.prs.get(self.id)
-            if me is not None and me.maybe_update(self._stable_last()) and self._maybe_commit():
-                if self.role == Role.LEADER:
-                    self._bcast_append()
+            if (
+                me is not None
+                and me.maybe_update(self._stable_last())
+                and self._maybe_commit()
+                and self.role == Role.LEADER
+            ):
+                self._bcast_append()

@@ -67,8 +67,10 @@ def decode_snapshot_meta(raw: bytes) -> SnapshotMeta:
 
 
 def _is_disk_full(err: lmdb.Error) -> bool:
-    return isinstance(err, lmdb.DiskError) or "No space left" in str(err) or (
-        getattr(err, "errno", None) == errno.ENOSPC
+    return (
+        isinstance(err, lmdb.DiskError)
+        or "No space left" in str(err)
+        or (getattr(err, "errno", None) == errno.ENOSPC)
     )
 
 
@@ -85,7 +87,11 @@ class LmdbLogStorage:
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_map_size = max(map_size, max_map_size)
         self.env = lmdb.open(
-            str(self.path), map_size=map_size, max_dbs=4, sync=True, metasync=True,
+            str(self.path),
+            map_size=map_size,
+            max_dbs=4,
+            sync=True,
+            metasync=True,
             readahead=False,
         )
         self._log = self.env.open_db(b"log")
@@ -199,9 +205,7 @@ class LmdbLogStorage:
                 if first <= last:
                     self._delete_from(txn, self._log, first)
                     self._delete_from(txn, self._conf, first)
-                rows = [
-                    (_key(e.index), _HDR.pack(e.term, int(e.type)) + e.data) for e in ents
-                ]
+                rows = [(_key(e.index), _HDR.pack(e.term, int(e.type)) + e.data) for e in ents]
                 cur = txn.cursor(db=self._log)
                 cur.putmulti(rows, append=True)
                 for e in ents:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_daemon.raft import (
-    Config,
     ConfChange,
     ConfChangeType,
+    Config,
     Entry,
     EntryType,
     LogStorage,
@@ -79,7 +79,11 @@ class StateMachine:
 
     def serialize(self) -> bytes:
         return b"".join(
-            [struct.pack(">Q", self.applied), self.digest, *sorted(p + b"\n" for p in self.proposals)]
+            [
+                struct.pack(">Q", self.applied),
+                self.digest,
+                *sorted(p + b"\n" for p in self.proposals),
+            ]
         )
 
     def restore(self, data: bytes) -> None:
@@ -288,13 +292,18 @@ class Checker:
             if seen[0] != e.data:
                 self.fail(f"log matching: two entries at {key} on node {node.id}")
             if prev >= 0 and seen[1] >= 0 and seen[1] != prev:
-                self.fail(f"log matching: {key} follows term {prev} on node {node.id}, {seen[1]} elsewhere")
+                self.fail(
+                    f"log matching: {key} follows term {prev} on node {node.id}, "
+                    f"{seen[1]} elsewhere"
+                )
 
     def on_apply(self, node: SimNode, e: Entry) -> None:
         """State machine safety: every node applies the same entry at an index."""
         seen = self.applied_at.setdefault(e.index, (e.term, e.data))
         if seen != (e.term, e.data):
-            self.fail(f"state machine safety: node {node.id} applied a different entry at {e.index}")
+            self.fail(
+                f"state machine safety: node {node.id} applied a different entry at {e.index}"
+            )
         d = self.digest_at.setdefault(e.index, node.sm.digest)
         if d != node.sm.digest:
             self.fail(f"state machine safety: node {node.id} diverged at {e.index}")
@@ -336,7 +345,9 @@ class Checker:
             # Election safety: at most one leader per term.
             owner = self.leader_of_term.setdefault(core.term, node.id)
             if owner != node.id:
-                self.fail(f"election safety: nodes {owner} and {node.id} both lead term {core.term}")
+                self.fail(
+                    f"election safety: nodes {owner} and {node.id} both lead term {core.term}"
+                )
             key = (node.id, core.term)
             if key not in self.leaders_checked:
                 self.leaders_checked.add(key)
@@ -382,7 +393,9 @@ class Simulation:
         self.net = Network(self)
         self.checker = Checker(self)
         self.nodes: dict[int, SimNode] = {}
-        self.tmp: Path | None = Path(tempfile.mkdtemp(prefix="roadlog-sim-")) if self.opts.lmdb else None
+        self.tmp: Path | None = (
+            Path(tempfile.mkdtemp(prefix="roadlog-sim-")) if self.opts.lmdb else None
+        )
         self.proposed: dict[bytes, tuple[int, int, int]] = {}  # id -> (node, index, term)
         self.acked: set[bytes] = set()
         self.next_proposal = 0
@@ -408,9 +421,12 @@ class Simulation:
     def leader(self) -> SimNode | None:
         best: SimNode | None = None
         for n in self.nodes.values():
-            if n.core is not None and n.core.role == Role.LEADER:
-                if best is None or best.core is None or n.core.term > best.core.term:
-                    best = n
+            if (
+                n.core is not None
+                and n.core.role == Role.LEADER
+                and (best is None or best.core is None or n.core.term > best.core.term)
+            ):
+                best = n
         return best
 
     def on_applied(self, node: SimNode, e: Entry) -> None:
@@ -449,7 +465,9 @@ class Simulation:
             if self._converged():
                 self._final_checks()
                 return
-        raise Violation(f"seed {self.seed}: no convergence 600 ticks after healing: {self._describe()}")
+        raise Violation(
+            f"seed {self.seed}: no convergence 600 ticks after healing: {self._describe()}"
+        )
 
     def _tick(self) -> None:
         end = self.now + TICK
@@ -618,12 +636,13 @@ class Simulation:
         if lead is None or lead.core is None:
             return False
         core = lead.core
-        if core.log.committed != core.log.last_index() or core.log.term(core.log.committed) != core.term:
+        if (
+            core.log.committed != core.log.last_index()
+            or core.log.term(core.log.committed) != core.term
+        ):
             return False
         target = core.log.committed
-        return all(
-            n.core is not None and n.sm.applied == target for n in self._members()
-        )
+        return all(n.core is not None and n.sm.applied == target for n in self._members())
 
     def _final_checks(self) -> None:
         members = self._members()
@@ -634,7 +653,8 @@ class Simulation:
             missing = self.acked - n.sm.proposals
             if missing:
                 self.checker.fail(
-                    f"node {n.id} lacks {len(missing)} acknowledged proposals, e.g. {sorted(missing)[:3]}"
+                    f"node {n.id} lacks {len(missing)} acknowledged proposals, "
+                    f"e.g. {sorted(missing)[:3]}"
                 )
         self.stats.applied = members[0].sm.applied if members else 0
 

@@ -35,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     violations = 0
     totals = {"acked": 0, "snapshots": 0, "crashes": 0, "conf_changes": 0, "reads": 0}
-    done = 0
-    for r in run_seeds(range(args.start, args.start + args.seeds), args.jobs):
-        done += 1
+    seeds = range(args.start, args.start + args.seeds)
+    for done, r in enumerate(run_seeds(seeds, args.jobs), start=1):
         for k in totals:
             totals[k] += getattr(r, k)
         if not r.ok:
@@ -53,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     elapsed = time.monotonic() - t0
-    print(
-        "totals: " + ", ".join(f"{k}={v}" for k, v in totals.items()) + f"; {elapsed:.1f} s"
-    )
+    print("totals: " + ", ".join(f"{k}={v}" for k, v in totals.items()) + f"; {elapsed:.1f} s")
     print(f"simulated {args.seeds} seeds: {violations} violations")
     return 1 if violations else 0
 

@@ -38,7 +38,9 @@ def ents(lo: int, hi: int, term: int = 1, size: int = 8) -> list[Entry]:
 
 
 @pytest.fixture(params=["memory", "lmdb"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MemoryStorage | LmdbLogStorage]:
+def store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[MemoryStorage | LmdbLogStorage]:
     if request.param == "memory":
         yield MemoryStorage()
     else:
@@ -105,10 +107,14 @@ def test_installing_a_snapshot_replaces_the_log(store: MemoryStorage | LmdbLogSt
     assert store.last_index() == 22 and store.term(20) == 4
 
 
-def test_config_entries_follow_truncation_and_compaction(store: MemoryStorage | LmdbLogStorage) -> None:
+def test_config_entries_follow_truncation_and_compaction(
+    store: MemoryStorage | LmdbLogStorage,
+) -> None:
     c1 = ConfState(frozenset({1, 2})).encode()
     c2 = ConfState(frozenset({1, 2, 3})).encode()
-    store.save(None, [Entry(1, 1, EntryType.CONFIG, c1), *ents(2, 5), Entry(1, 5, EntryType.CONFIG, c2)])
+    store.save(
+        None, [Entry(1, 1, EntryType.CONFIG, c1), *ents(2, 5), Entry(1, 5, EntryType.CONFIG, c2)]
+    )
     assert [e.index for e in store.config_entries()] == [1, 5]
     store.save(None, ents(5, 6, term=2))  # overwrites the second one
     assert [e.index for e in store.config_entries()] == [1]

@@ -17,11 +17,19 @@ from node_daemon.raft import (
     Role,
     Snapshot,
 )
-from node_daemon.raft.progress import ProgressState
+from node_daemon.raft.progress import Progress, ProgressState
 from tests.unit.raftkit import Net, new_core, persist
 
 pytestmark = pytest.mark.unit
 MT = MessageType
+
+
+def _role(net: Net, node: int) -> Role:
+    return net.cores[node].role
+
+
+def _state(pr: Progress) -> ProgressState:
+    return pr.state
 
 
 def _net(n: int = 3, **kw: object) -> Net:
@@ -119,7 +127,9 @@ def test_fast_backtracking_skips_a_whole_conflicting_term() -> None:
     net.elect(1)
     probes = [m for m in net.delivered if m.type == MT.APPEND and m.to == 2]
     assert len(probes) <= 3  # not one round trip per conflicting entry
-    assert [follower.log.term(i) for i in range(1, 12)] == [leader.log.term(i) for i in range(1, 12)]
+    assert [follower.log.term(i) for i in range(1, 12)] == [
+        leader.log.term(i) for i in range(1, 12)
+    ]
 
 
 def test_messages_respect_the_size_limit() -> None:
@@ -127,7 +137,7 @@ def test_messages_respect_the_size_limit() -> None:
     for c in net.cores.values():
         c.cfg.max_size_per_msg = 100
     net.elect(1)
-    for i in range(20):
+    for _ in range(20):
         net.cores[1].propose(b"x" * 40)
     net.stabilize()
     big = [m for m in net.delivered if m.type == MT.APPEND and len(m.entries) > 2]
@@ -301,7 +311,7 @@ def test_removing_the_leader_steps_it_down_once_committed() -> None:
         assert c.conf.voters == {2, 3}
     net.tick_all(40)
     assert any(net.cores[i].role == Role.LEADER for i in (2, 3))
-    assert net.cores[1].role != Role.LEADER
+    assert _role(net, 1) != Role.LEADER
 
 
 def test_a_truncated_configuration_entry_is_undone() -> None:
@@ -354,7 +364,7 @@ def test_a_failed_snapshot_is_retried() -> None:
     leader._send_append(3)
     assert leader.prs[3].state == ProgressState.SNAPSHOT
     leader.report_snapshot(3, ok=False)
-    assert leader.prs[3].state == ProgressState.PROBE
+    assert _state(leader.prs[3]) == ProgressState.PROBE
     net.heal()
     net.tick_all(3)
     assert net.cores[3].log.committed == leader.log.committed

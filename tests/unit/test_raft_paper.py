@@ -7,6 +7,8 @@ paper's plain election is what is being checked.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 
 from node_daemon.raft import Entry, Message, MessageType, ProposalDropped, Role
@@ -16,7 +18,15 @@ pytestmark = pytest.mark.unit
 MT = MessageType
 
 
-def _append(to: int, frm: int, term: int, index: int, log_term: int, ents=(), commit=0) -> Message:
+def _append(
+    to: int,
+    frm: int,
+    term: int,
+    index: int,
+    log_term: int,
+    ents: Iterable[Entry] = (),
+    commit: int = 0,
+) -> Message:
     return Message(MT.APPEND, to, frm, term, log_term, index, tuple(ents), commit)
 
 
@@ -119,7 +129,9 @@ def test_election_starts_after_timeout(as_candidate: bool) -> None:
         (3, set(), {2, 3}, Role.FOLLOWER),
     ],
 )
-def test_election_in_one_round(size: int, grants: set[int], rejects: set[int], expected: Role) -> None:
+def test_election_in_one_round(
+    size: int, grants: set[int], rejects: set[int], expected: Role
+) -> None:
     voters = range(1, size + 1)
     r = new_core(1, voters)
     r.campaign()
@@ -135,7 +147,9 @@ def test_election_in_one_round(size: int, grants: set[int], rejects: set[int], e
 # first-come-first-served basis."
 
 
-@pytest.mark.parametrize(("voted", "candidate", "granted"), [(0, 2, True), (0, 3, True), (2, 2, True), (3, 2, False)])
+@pytest.mark.parametrize(
+    ("voted", "candidate", "granted"), [(0, 2, True), (0, 3, True), (2, 2, True), (3, 2, False)]
+)
 def test_follower_votes_once_per_term(voted: int, candidate: int, granted: bool) -> None:
     r = new_core(1, term=1)
     r.vote = voted
@@ -223,7 +237,14 @@ def test_leader_starts_replication() -> None:
 
 @pytest.mark.parametrize(
     ("size", "acks", "committed"),
-    [(1, set(), True), (3, set(), False), (3, {2}, True), (5, {2}, False), (5, {2, 3}, True), (5, {2, 3, 4, 5}, True)],
+    [
+        (1, set(), True),
+        (3, set(), False),
+        (3, {2}, True),
+        (5, {2}, False),
+        (5, {2, 3}, True),
+        (5, {2, 3, 4, 5}, True),
+    ],
 )
 def test_leader_acknowledges_commit(size: int, acks: set[int], committed: bool) -> None:
     voters = range(1, size + 1)
@@ -306,7 +327,9 @@ def test_follower_checks_previous_entry(index: int, log_term: int, reject: bool)
         (0, 0, [(3, 1)], [3]),
     ],
 )
-def test_follower_appends_and_truncates(index: int, log_term: int, ents: list[tuple[int, int]], want_terms: list[int]) -> None:
+def test_follower_appends_and_truncates(
+    index: int, log_term: int, ents: list[tuple[int, int]], want_terms: list[int]
+) -> None:
     r = new_core(1, log_terms=[1, 2], term=2)
     entries = [Entry(t, i) for t, i in ents]
     r.step(_append(1, 2, 4, index, log_term, entries))
@@ -343,7 +366,9 @@ def test_leader_brings_follower_log_into_consistency(case: str) -> None:
     net.stabilize()
     n = leader.log.last_index()
     assert follower.log.last_index() == n
-    assert [follower.log.term(i) for i in range(1, n + 1)] == [leader.log.term(i) for i in range(1, n + 1)]
+    assert [follower.log.term(i) for i in range(1, n + 1)] == [
+        leader.log.term(i) for i in range(1, n + 1)
+    ]
     assert follower.log.committed == leader.log.committed == n
 
 
