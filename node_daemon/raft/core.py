@@ -64,7 +64,10 @@ class Config:
     max_apply_bytes: int | None = 64 << 20  # committed entries handed out per Ready
     pre_vote: bool = True
     check_quorum: bool = True
-    applied: int = 0  # what the state machine had applied when it was reopened
+    # What the state machine had applied when it was reopened. It must be at
+    # least the log storage's snapshot index: after a crash between saving a
+    # snapshot and installing it, install ``storage.snapshot()`` first.
+    applied: int = 0
 
     def validate(self) -> None:
         if self.id <= 0:
@@ -84,6 +87,12 @@ class RaftCore:
         self.log = RaftLog(storage, config.max_apply_bytes)
         hs = storage.initial_state()
         snap = storage.snapshot().meta
+        if config.applied < snap.index:
+            # A crash between persisting a snapshot and installing it.
+            raise ValueError(
+                f"state machine applied {config.applied} is behind the log's snapshot "
+                f"{snap.index}: install storage.snapshot() into it first"
+            )
         self.conf_history: list[tuple[int, ConfState]] = [(snap.index, snap.conf)]
         for e in storage.config_entries():
             self.conf_history.append((e.index, ConfState.decode(e.data)))
@@ -731,7 +740,10 @@ class RaftCore:
         hard = self.hard_state()
         if hard != self._prev_hard:
             rd.hard_state = hard
-            rd.must_sync = hard.term != self._prev_hard.term or hard.vote != self._prev_hard.vote
+            rd.term_or_vote_changed = (
+                hard.term != self._prev_hard.term or hard.vote != self._prev_hard.vote
+            )
+            rd.must_sync = rd.term_or_vote_changed
             self._prev_hard = hard
         u = self.log.unstable
         rd.entries = list(u.entries)

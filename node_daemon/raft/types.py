@@ -166,12 +166,19 @@ class ReadState:
     context: bytes
 
 
+_LEADER_STREAM = frozenset({MessageType.APPEND, MessageType.HEARTBEAT, MessageType.SNAPSHOT})
+
+
 @dataclass(slots=True)
 class Ready:
     """Work for the caller, in this order: persist ``hard_state``, ``entries``
     and ``snapshot`` in one durable write (fsync when ``must_sync``); send
     ``messages``; install ``snapshot`` then apply ``committed_entries`` to the
     state machine; then call ``advance(ready)``.
+
+    ``split_messages()`` tells which messages may go out while the write is
+    still running (a leader's appends: the leader counts its own entries only
+    in ``advance``), which lets the leader's fsync overlap its followers'.
     """
 
     soft_state: SoftState | None = None
@@ -182,6 +189,19 @@ class Ready:
     messages: list[Message] = field(default_factory=list)
     read_states: list[ReadState] = field(default_factory=list)
     must_sync: bool = False
+    term_or_vote_changed: bool = False
+
+    def split_messages(self) -> tuple[list[Message], list[Message]]:
+        """(messages that may be sent before the write is durable, the rest).
+
+        Nothing goes early when the term or vote changes: a node must never
+        speak for a term it could forget. Responses (acknowledging entries or
+        votes) always wait for the write."""
+        if self.term_or_vote_changed:
+            return [], list(self.messages)
+        early = [m for m in self.messages if m.type in _LEADER_STREAM]
+        late = [m for m in self.messages if m.type not in _LEADER_STREAM]
+        return early, late
 
     def is_empty(self) -> bool:
         return not (

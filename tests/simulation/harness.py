@@ -115,6 +115,9 @@ class Options:
     p_read: float
     max_inflight: int
     max_msg_bytes: int
+    early_send: bool  # a leader's appends go out before its own write is durable
+    write_delay: int  # time units a write takes; 0: synchronous
+    p_crash_in_ready: float  # a crash in the middle of handling one Ready
 
     @classmethod
     def from_seed(cls, seed: int, rng: random.Random) -> Options:
@@ -135,6 +138,9 @@ class Options:
             p_read=rng.choice([0.0, 0.05]),
             max_inflight=rng.choice([1, 4, 64]),
             max_msg_bytes=rng.choice([64, 1024, 1 << 20]),
+            early_send=rng.random() < 0.5,
+            write_delay=rng.choice([0, 0, 3, 12]),
+            p_crash_in_ready=rng.choice([0.0, 0.0005, 0.002]),
         )
 
 
@@ -149,6 +155,7 @@ class SimNode:
         self.storage: LogStorage = self._open_storage()
         self.sm = StateMachine()
         self.core: RaftCore | None = None
+        self.pending: tuple[Ready, list[Message]] | None = None  # a write in flight
         self.restarts = 0
         self.removed = False  # out of the configuration for good
 
@@ -162,6 +169,11 @@ class SimNode:
         return self.core is not None
 
     def start(self) -> None:
+        snap = self.storage.snapshot()
+        if self.sm.applied < snap.meta.index:
+            # Crashed between saving a snapshot and installing it: install it now.
+            self.sm.restore(snap.data)
+            self.sim.checker.on_snapshot_installed(self, snap)
         opts = self.sim.opts
         cfg = Config(
             self.id,
@@ -177,6 +189,7 @@ class SimNode:
     def crash(self) -> None:
         """Lose everything in memory; the storage keeps what it persisted."""
         self.core = None
+        self.pending = None
         self.restarts += 1
         if isinstance(self.storage, LmdbLogStorage):
             self.storage.close()
@@ -187,18 +200,50 @@ class SimNode:
             self.storage.close()
 
     def process(self) -> None:
-        """Handle Readys until there are none (persist, send, apply, advance)."""
-        core = self.core
-        while core is not None and core.has_ready():
-            rd = core.ready()
-            self._handle(core, rd)
-            core.advance(rd)
+        """Handle Readys until there are none or a write is in flight.
 
-    def _handle(self, core: RaftCore, rd: Ready) -> None:
+        With ``write_delay`` the write of a Ready completes later (an event
+        of its own), and the core keeps taking messages and ticks meanwhile,
+        as the node daemon's does; no new Ready is taken until it is done."""
+        core = self.core
+        while core is not None and self.pending is None and core.has_ready():
+            rd = core.ready()
+            if self.sim.opts.early_send:
+                early, late = rd.split_messages()
+            else:
+                early, late = [], rd.messages
+            for m in early:
+                self.sim.net.send(m)
+            if self._crash_point():
+                return  # before the write: it is lost
+            if self.sim.opts.write_delay:
+                self.pending = (rd, late)
+                self.sim.net.schedule_write(self)
+                return
+            if not self._finish(core, rd, late):
+                return
+
+    def complete_write(self) -> None:
+        assert self.pending is not None and self.core is not None
+        (rd, late), self.pending = self.pending, None
+        if self._finish(self.core, rd, late):
+            self.process()
+
+    def _crash_point(self) -> bool:
+        sim = self.sim
+        if sim.chaos and sim.rng.random() < sim.opts.p_crash_in_ready:
+            sim.crash(self)
+            return True
+        return False
+
+    def _finish(self, core: RaftCore, rd: Ready, late: list[Message]) -> bool:
+        """The write of ``rd`` is done: send the rest, apply, advance."""
         self.storage.save(rd.hard_state, rd.entries, rd.snapshot, sync=rd.must_sync)
         check = self.sim.checker
         check.on_persist(self, rd)
-        for m in rd.messages:
+        if self._crash_point():
+            return False  # written, but nothing else happened
+        for m in late:
             self.sim.net.send(m)
         if rd.snapshot is not None:
             self.sm.restore(rd.snapshot.data)
@@ -208,15 +253,35 @@ class SimNode:
             check.on_apply(self, e)
         for rs in rd.read_states:
             check.on_read_state(self, rs.index, rs.context)
+        core.advance(rd)
+        return True
 
 
 # ---------------------------------------------------------------------- network
 
 
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """The write of a node's in-flight Ready completes (unless it crashed)."""
+
+    node: int
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotReport:
+    """The transport's word to a leader on a snapshot it sent."""
+
+    node: int
+    incarnation: int
+    to: int
+    ok: bool
+
+
 class Network:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
-        self.queue: list[tuple[int, int, Message]] = []
+        self.queue: list[tuple[int, int, Message | WriteDone | SnapshotReport]] = []
         self.seq = 0
         self.cut: set[frozenset[int]] = set()
 
@@ -231,17 +296,40 @@ class Network:
             self.seq += 1
             heapq.heappush(self.queue, (sim.now + delay, self.seq, m))
 
+    def schedule_write(self, node: SimNode) -> None:
+        self.seq += 1
+        due = self.sim.now + self.sim.rng.randint(1, self.sim.opts.write_delay)
+        heapq.heappush(self.queue, (due, self.seq, WriteDone(node.id, node.restarts)))
+
     def _lost(self, m: Message) -> None:
         if m.type == MessageType.SNAPSHOT:
-            sender = self.sim.nodes.get(m.frm)
-            if sender is not None and sender.core is not None:
-                sender.core.report_snapshot(m.to, ok=False)
-                sender.process()
+            self._report_snapshot(m, ok=False)
+
+    def _report_snapshot(self, m: Message, ok: bool) -> None:
+        """The transport tells the sender how its snapshot went, as a later
+        event (never from inside the sender's own Ready handling)."""
+        sender = self.sim.nodes.get(m.frm)
+        if sender is not None:
+            self.seq += 1
+            report = SnapshotReport(m.frm, sender.restarts, m.to, ok)
+            heapq.heappush(self.queue, (self.sim.now + 1, self.seq, report))
 
     def deliver_due(self) -> None:
         sim = self.sim
         while self.queue and self.queue[0][0] <= sim.now:
             _, _, m = heapq.heappop(self.queue)
+            if isinstance(m, WriteDone):
+                node = sim.nodes[m.node]
+                if node.restarts == m.incarnation and node.pending is not None:
+                    node.complete_write()
+                    sim.checker.after_event()
+                continue
+            if isinstance(m, SnapshotReport):
+                node = sim.nodes[m.node]
+                if node.restarts == m.incarnation and node.core is not None:
+                    node.core.report_snapshot(m.to, m.ok)
+                    node.process()
+                continue
             dst = sim.nodes.get(m.to)
             if dst is None or dst.core is None or frozenset((m.frm, m.to)) in self.cut:
                 self._lost(m)
@@ -249,10 +337,7 @@ class Network:
             dst.core.step(m)
             dst.process()
             if m.type == MessageType.SNAPSHOT:
-                sender = sim.nodes.get(m.frm)
-                if sender is not None and sender.core is not None:
-                    sender.core.report_snapshot(m.to, ok=True)
-                    sender.process()
+                self._report_snapshot(m, ok=True)
             sim.checker.after_event()
 
 
@@ -441,7 +526,8 @@ class Simulation:
             self._run()
         except Violation as v:
             self.stats.ok = False
-            self.stats.message = str(v)
+            msg = str(v)
+            self.stats.message = msg if msg.startswith("seed ") else f"seed {self.seed}: {msg}"
         except Exception as e:  # a crash of the core is a violation too
             self.stats.ok = False
             self.stats.message = f"seed {self.seed} at t={self.now}: {type(e).__name__}: {e}"
@@ -535,6 +621,9 @@ class Simulation:
             return
         lead = self.leader()
         node = lead if lead is not None and self.rng.random() < 0.4 else self.rng.choice(live)
+        self.crash(node)
+
+    def crash(self, node: SimNode) -> None:
         node.crash()
         self.stats.crashes += 1
         self.down_until[node.id] = self.now + self.rng.randint(1, 60) * TICK
@@ -582,8 +671,8 @@ class Simulation:
         core = node.core
         assert core is not None
         index = node.sm.applied  # the snapshot holds the state machine as applied now
-        if index < node.storage.first_index():
-            return
+        if node.pending is not None or index < node.storage.first_index():
+            return  # nothing new to compact, or a write (maybe a snapshot) in flight
         snap = Snapshot(core.snapshot_meta_at(index), node.sm.serialize())
         node.storage.compact(snap)
         self.stats.snapshots += 1

@@ -47,6 +47,7 @@ def new_core(
     check_quorum: bool = False,
     seed: int = 0,
     storage: MemoryStorage | None = None,
+    applied: int = 0,
 ) -> RaftCore:
     st = storage or storage_with(voters, log_terms, term, learners)
     cfg = Config(
@@ -55,6 +56,7 @@ def new_core(
         heartbeat_tick=heartbeat_tick,
         pre_vote=pre_vote,
         check_quorum=check_quorum,
+        applied=applied,
     )
     return RaftCore(cfg, st, random.Random(seed))
 

@@ -406,3 +406,20 @@ def test_restart_keeps_term_vote_and_log() -> None:
     again = new_core(1, storage=st)  # type: ignore[arg-type]
     assert (again.term, again.vote) == (r.term, 1)
     assert again.log.last_index() == r.log.last_index()
+
+
+def test_restart_refuses_a_state_machine_behind_the_snapshot() -> None:
+    """A crash between saving a snapshot and installing it leaves the state
+    machine behind; the core says so instead of skipping entries."""
+    r = new_core(1, (1,))
+    r.campaign()
+    persist(r)
+    r.propose(b"x")
+    persist(r)
+    st = r.log.storage
+    st.compact(Snapshot(r.snapshot_meta_at(r.log.applied), b"state"))
+    with pytest.raises(ValueError, match="behind the log's snapshot"):
+        new_core(1, (1,), storage=st)  # type: ignore[arg-type]
+    index = st.snapshot().meta.index
+    again = new_core(1, (1,), storage=st, applied=index)  # type: ignore[arg-type]
+    assert again.log.applied == index
