@@ -117,6 +117,7 @@ class RaftCore:
         self.election_elapsed = 0
         self.heartbeat_elapsed = 0
         self.randomized_election_timeout = 0
+        self.invalid = 0  # malformed messages dropped
         self._prev_soft = SoftState(NONE, Role.FOLLOWER)
         self._prev_hard = hs
         self._become_follower(self.term, NONE)
@@ -293,8 +294,12 @@ class RaftCore:
     # ------------------------------------------------------------------- step
 
     def step(self, m: Message) -> None:
-        """Handle one message from a peer. Stale or foreign messages are
-        ignored; nothing a peer sends can violate this node's invariants."""
+        """Handle one message from a peer. Stale, foreign and malformed
+        messages are dropped (malformed ones are counted in ``invalid``);
+        none of them raises or breaks this node's invariants."""
+        if not self._well_formed(m):
+            self.invalid += 1
+            return
         if m.term > self.term:
             if m.type in (MT.VOTE, MT.PRE_VOTE):
                 in_lease = (
@@ -326,6 +331,25 @@ class RaftCore:
             self._step_follower(m)
         else:
             self._step_candidate(m)
+
+    def _well_formed(self, m: Message) -> bool:
+        if m.to != self.id or m.frm <= 0 or m.frm == self.id or m.term <= 0:
+            return False
+        if m.index < 0 or m.log_term < 0 or m.commit < 0 or m.log_term > m.term:
+            return False
+        if m.type == MT.APPEND:
+            expect, prev_term = m.index + 1, m.log_term
+            for e in m.entries:
+                if e.index != expect or e.term < prev_term or e.term > m.term:
+                    return False
+                expect, prev_term = expect + 1, e.term
+        elif m.entries:
+            return False
+        if (m.type == MT.SNAPSHOT) != (m.snapshot is not None):
+            return False
+        if m.snapshot is not None and m.snapshot.meta.term > m.term:
+            return False
+        return not (m.type == MT.READ_INDEX and not m.context)
 
     def _handle_vote(self, m: Message) -> None:
         can_vote = (
