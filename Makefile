@@ -28,11 +28,12 @@ test-simulation: setup
 test: lint typecheck test-unit test-simulation
 
 sim: setup
-	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS)
+	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS) $(SIMFLAGS)
 
 bench: setup
 	$(PY) -m bench.storage_ceiling
 	$(PY) -m bench.core_commits
+	$(PY) -m bench.report
 
 lock:
 	uv pip compile pyproject.toml --extra dev --python-version 3.11 --generate-hashes -o requirements.lock

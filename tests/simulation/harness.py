@@ -157,16 +157,11 @@ class SimNode:
         self.core: RaftCore | None = None
         self.pending: tuple[Ready, list[Message]] | None = None  # a write in flight
         self.restarts = 0
-        self.removed = False  # out of the configuration for good
 
     def _open_storage(self) -> LogStorage:
         if self.storage_dir is None:
             return MemoryStorage()
         return LmdbLogStorage(self.storage_dir, map_size=8 << 20)
-
-    @property
-    def alive(self) -> bool:
-        return self.core is not None
 
     def start(self) -> None:
         snap = self.storage.snapshot()
@@ -613,7 +608,7 @@ class Simulation:
         lead.process()
 
     def _live(self) -> list[SimNode]:
-        return [n for n in self.nodes.values() if n.core is not None and not n.removed]
+        return [n for n in self.nodes.values() if n.core is not None]
 
     def _crash_one(self) -> None:
         live = self._live()

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--jobs", type=int, default=multiprocessing.cpu_count())
     ap.add_argument("--verbose", action="store_true", help="a line per seed")
+    ap.add_argument(
+        "--record", action="store_true", help="write the figures to bench/results/simulation.json"
+    )
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     violations = 0
@@ -54,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - t0
     print("totals: " + ", ".join(f"{k}={v}" for k, v in totals.items()) + f"; {elapsed:.1f} s")
     print(f"simulated {args.seeds} seeds: {violations} violations")
+    if args.record:
+        from bench.common import write_result
+
+        figures = {"seeds": args.seeds, "start": args.start, "jobs": args.jobs}
+        figures |= {"violations": violations, "seconds": round(elapsed, 1), **totals}
+        write_result("simulation", figures)
     return 1 if violations else 0
 
 

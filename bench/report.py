@@ -1,0 +1,89 @@
+"""Render BENCHMARKS.md from bench/results/*.json (run after the benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS
+
+OUT = Path(__file__).parents[1] / "BENCHMARKS.md"
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _machine(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    return (
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}, "
+        f"kernel {m['kernel']}; {doc['when']}"
+    )
+
+
+def render() -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Figures from `make bench` (rendered by `bench/report.py` from `bench/results/*.json`).",
+        "Single runs on a shared 2-core machine: read them as orders of magnitude.",
+        "",
+    ]
+    st = _load("storage_ceiling")
+    if st:
+        lines += [
+            "## Storage ceiling: Raft log appends to LMDB with fsync",
+            "",
+            f"Machine: {_machine(st)}. Pings of {st['ping_bytes']} bytes; each Raft entry "
+            "carries one batch of pings; each save is one LMDB transaction and one fsync.",
+            "",
+            "| pings/entry | entries/fsync | entries/s | pings/s | MB/s | ms/fsync |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for c in st["cases"]:
+            lines.append(
+                f"| {c['pings_per_entry']} | {c['entries_per_fsync']} | {c['entries_per_s']:,.0f} "
+                f"| {c['pings_per_s']:,.0f} | {c['mb_per_s']:.2f} | {c['ms_per_fsync']:.2f} |"
+            )
+        lines.append("")
+    core = _load("core_commits")
+    if core:
+        lines += [
+            "## The Raft core alone",
+            "",
+            f"Machine: {_machine(core)}. {core['nodes']} in-process nodes, instant delivery, "
+            f"in-memory store, entries of {core['entry_bytes']} bytes (100 pings).",
+            "",
+            "| proposals per round | commits/s | µs per commit |",
+            "| ---: | ---: | ---: |",
+        ]
+        for c in core["cases"]:
+            lines.append(
+                f"| {c['proposals_per_round']} | {c['commits_per_s']:,.0f} | {c['us_per_commit']} |"
+            )
+        lines.append("")
+    sim = _load("simulation")
+    if sim:
+        lines += [
+            "## Deterministic simulation",
+            "",
+            f"Machine: {_machine(sim)}. `make sim SEEDS={sim['seeds']} START={sim['start']}`: "
+            f"{sim['seeds']:,} seeds, {sim['violations']} violations, {sim['seconds']:.0f} s "
+            f"on {sim['jobs']} processes.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    OUT.write_text(render())
+    print(OUT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
