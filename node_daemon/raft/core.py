@@ -59,6 +59,7 @@ class Config:
     election_tick: int = 10  # randomized in [election_tick, 2 * election_tick)
     heartbeat_tick: int = 1
     max_size_per_msg: int = 1 << 20  # bytes of entries in one APPEND
+    max_entries_per_msg: int = 4096  # entries in one APPEND
     max_inflight_msgs: int = 256  # APPENDs in flight per follower
     max_inflight_bytes: int = 64 << 20
     max_apply_bytes: int | None = 64 << 20  # committed entries handed out per Ready
@@ -74,8 +75,9 @@ class Config:
             raise ValueError("node id must be positive")
         if self.heartbeat_tick <= 0 or self.election_tick <= self.heartbeat_tick:
             raise ValueError("need 0 < heartbeat_tick < election_tick")
-        if self.max_inflight_msgs <= 0:
-            raise ValueError("max_inflight_msgs must be positive")
+        limits = (self.max_inflight_msgs, self.max_entries_per_msg, self.max_size_per_msg)
+        if min(limits) <= 0:
+            raise ValueError("message and in-flight limits must be positive")
 
 
 class RaftCore:
@@ -528,7 +530,9 @@ class RaftCore:
         prev = pr.next - 1
         try:
             log_term = self.log.term(prev)
-            ents = self.log.entries_from(pr.next, self.cfg.max_size_per_msg)
+            ents = self.log.entries_from(
+                pr.next, self.cfg.max_size_per_msg, self.cfg.max_entries_per_msg
+            )
         except CompactedError:
             return self._send_snapshot(to, pr)
         if not ents and not send_empty:

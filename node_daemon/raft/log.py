@@ -229,10 +229,17 @@ class RaftLog:
             ents = ents + self.unstable.slice(max(lo, uoff), hi)
         return limit_size(ents, max_bytes)
 
-    def entries_from(self, index: int, max_bytes: int | None) -> list[Entry]:
-        if index > self.last_index():
+    def entries_from(
+        self, index: int, max_bytes: int | None, max_count: int | None = None
+    ) -> list[Entry]:
+        """Entries from ``index`` on, at most ``max_count`` and ``max_bytes``
+        (but at least one when there are any)."""
+        hi = self.last_index() + 1
+        if index >= hi:
             return []
-        return self.slice(index, self.last_index() + 1, max_bytes)
+        if max_count is not None:
+            hi = min(hi, index + max_count)
+        return self.slice(index, hi, max_bytes)
 
     def snapshot(self) -> Snapshot:
         if self.unstable.snapshot is not None:

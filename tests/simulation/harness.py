@@ -115,6 +115,7 @@ class Options:
     p_read: float
     max_inflight: int
     max_msg_bytes: int
+    max_msg_entries: int
     early_send: bool  # a leader's appends go out before its own write is durable
     write_delay: int  # time units a write takes; 0: synchronous
     p_crash_in_ready: float  # a crash in the middle of handling one Ready
@@ -138,6 +139,7 @@ class Options:
             p_read=rng.choice([0.0, 0.05]),
             max_inflight=rng.choice([1, 4, 64]),
             max_msg_bytes=rng.choice([64, 1024, 1 << 20]),
+            max_msg_entries=rng.choice([2, 4096]),
             early_send=rng.random() < 0.5,
             write_delay=rng.choice([0, 0, 3, 12]),
             p_crash_in_ready=rng.choice([0.0, 0.0005, 0.002]),
@@ -175,6 +177,7 @@ class SimNode:
             election_tick=10,
             heartbeat_tick=1,
             max_size_per_msg=opts.max_msg_bytes,
+            max_entries_per_msg=opts.max_msg_entries,
             max_inflight_msgs=opts.max_inflight,
             applied=self.sm.applied,
         )

@@ -145,6 +145,21 @@ def test_messages_respect_the_size_limit() -> None:
     assert net.cores[2].log.committed == net.cores[1].log.last_index()
 
 
+def test_messages_respect_the_entry_count_limit() -> None:
+    net = _net()
+    for c in net.cores.values():
+        c.cfg.max_entries_per_msg = 3
+    net.elect(1)
+    net.isolate(2)
+    net.cores[1].propose_many([b"p%d" % i for i in range(20)])
+    net.stabilize()
+    net.heal()
+    net.tick_all(2)
+    to2 = [m for m in net.delivered if m.type == MT.APPEND and m.to == 2 and m.entries]
+    assert to2 and max(len(m.entries) for m in to2) == 3
+    assert net.cores[2].log.committed == net.cores[1].log.last_index()
+
+
 # ---------------------------------------------------------------- transfer
 
 

@@ -308,7 +308,7 @@ def test_follower_commits_and_applies_in_order() -> None:
 )
 def test_follower_checks_previous_entry(index: int, log_term: int, reject: bool) -> None:
     r = new_core(1, log_terms=[1, 2], term=2)
-    r.step(_append(1, 2, 2, index, log_term, [Entry(2, index + 1)]))
+    r.step(_append(1, 2, 3, index, log_term, [Entry(3, index + 1)]))
     resp = [m for m in persist(r) if m.type == MT.APPEND_RESP]
     assert len(resp) == 1 and resp[0].reject is reject
 
