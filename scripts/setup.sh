@@ -29,12 +29,19 @@ if [ ! -x .venv/bin/python ]; then
   log "creating virtualenv .venv with $PY"
   "$PY" -m venv .venv
 fi
+pip_quiet() {
+  # pip's own chatter goes to a log that is shown only when pip fails.
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check "$@" > .venv/pip.log 2>&1; then
+    cat .venv/pip.log >&2
+    log "pip install $* failed"
+    exit 1
+  fi
+}
 if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "installing locked dependencies (requirements.lock)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock 2> >(grep -v "is ignored" >&2)
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>/dev/null \
-    || .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+  pip_quiet --require-hashes -r requirements.lock
+  log "installing roadlog itself (editable)"
+  pip_quiet --no-deps -e .
   touch "$stamp"
 fi
 log "ready: $(.venv/bin/python --version)"
