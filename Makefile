@@ -7,10 +7,13 @@ SEEDS  ?= 200
 START  ?= 0
 JOBS   ?= $(shell nproc)
 
-.PHONY: setup lint typecheck test test-unit test-simulation sim bench lock clean
+.PHONY: proto setup lint typecheck test test-unit test-simulation sim bench lock clean
 
 setup:
 	./scripts/setup.sh
+
+proto: setup
+	PY=$(PY) ./scripts/gen_proto.sh
 
 lint: setup
 	$(PY) -m ruff check .

@@ -44,4 +44,9 @@ if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -
   pip_quiet --no-deps -e .
   touch "$stamp"
 fi
+newest_proto=$(ls -t proto/roadlog/v1/*.proto | head -n 1)
+if [ ! -f roadlog/v1/client_pb2.py ] || [ "$newest_proto" -nt roadlog/v1/client_pb2.py ] \
+   || [ "$stamp" -nt roadlog/v1/client_pb2.py ]; then
+  PY=.venv/bin/python ./scripts/gen_proto.sh
+fi
 log "ready: $(.venv/bin/python --version)"

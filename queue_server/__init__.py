@@ -1,0 +1,1 @@
+"""The front door: client API, the leader-only write queue and the stealable read queue."""
