@@ -1,0 +1,274 @@
+"""The replicated state machine on real LMDB: topics, appends with dense
+offsets, idempotent producers, fetch by offset, retention, time windows,
+digests and snapshots."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from node_daemon.raft import Entry, EntryType
+from node_daemon.state_machine import StateMachine, append_command
+from roadlog import columnar
+from roadlog.columnar import PingColumns
+from roadlog.geo import bbox_region
+from roadlog.partitioning import split_by_partition
+from roadlog.v1 import client_pb2, command_pb2, topics_pb2
+
+pytestmark = pytest.mark.unit
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+T0 = 1_800_000_000_000
+
+
+class Log:
+    """Feeds commands to a state machine as consecutive committed entries."""
+
+    def __init__(self, sm: StateMachine) -> None:
+        self.sm = sm
+        self.index = sm.applied_index
+
+    def run(self, cmd: command_pb2.Command) -> list[tuple[grpc.StatusCode, bytes, str]]:
+        self.index += 1
+        [res] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())])
+        return [(r.code, r.response, r.message) for r in res]
+
+    def create(self, name: str = "munich", partitions: int = 4, retention_ms: int = 0) -> None:
+        spec = topics_pb2.TopicSpec(
+            name=name, region_geojson=REGION, partitions=partitions, retention_ms=retention_ms
+        )
+        op = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
+        [(code, _, msg)] = self.run(command_pb2.Command(leader_ms=T0, ops=[op]))
+        assert code == grpc.StatusCode.OK, msg
+
+    def append(
+        self,
+        cols: PingColumns,
+        at_ms: int = T0,
+        producer: int = 0,
+        seq: int = 0,
+        topic: str = "munich",
+    ) -> tuple[grpc.StatusCode, client_pb2.PublishResponse, str]:
+        parts = [(p, columnar.encode(c)) for p, c in split_by_partition(cols, 4)]
+        cmd = append_command(topic, parts, at_ms, producer, seq)
+        [(code, raw, msg)] = self.run(cmd)
+        return code, client_pb2.PublishResponse.FromString(raw), msg
+
+
+def pings(n: int, start: int = 0, devices: int = 5) -> PingColumns:
+    return PingColumns.from_columns(
+        [f"car-{i % devices}" for i in range(start, start + n)],
+        [T0 + i for i in range(start, start + n)],
+        [48.1] * n,
+        [11.5] * n,
+        speed_mps=[float(i % 30) for i in range(start, start + n)],
+    )
+
+
+@pytest.fixture
+def sm(tmp_path: Path) -> Iterator[StateMachine]:
+    s = StateMachine(tmp_path / "sm", map_size=64 << 20)
+    yield s
+    s.close()
+
+
+def read_all(sm: StateMachine, partition: int, offset: int = 0, max_pings: int = 0) -> list[int]:
+    resp = sm.fetch(
+        client_pb2.FetchRequest(
+            topic="munich", partition=partition, offset=offset, max_pings=max_pings
+        )
+    )
+    out: list[int] = []
+    for b in resp.batches:
+        cols = columnar.decode(b.batch.SerializeToString())
+        assert b.base_offset == offset + len(out)
+        out += cols.ts_ms.tolist()
+    return out
+
+
+def test_create_describe_and_list(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create()
+    d = sm.describe("munich")
+    assert d.topic.spec.partitions == 4 and d.topic.spec.h3_resolution == 9
+    assert [p.next_offset for p in d.partitions] == [0, 0, 0, 0]
+    assert [t.topic.spec.name for t in sm.list_topics()] == ["munich"]
+    log.create()  # the same request again is fine
+    spec = topics_pb2.TopicSpec(name="munich", region_geojson=REGION, partitions=2)
+    [(code, _, msg)] = log.run(
+        command_pb2.Command(ops=[command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))])
+    )
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "exists" in msg
+
+
+def test_offsets_are_dense_and_keep_the_order_sent(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create()
+    sent: dict[int, list[int]] = {}
+    for k in range(10):
+        code, resp, _ = log.append(pings(50, start=k * 50))
+        assert code == grpc.StatusCode.OK
+        for o in resp.offsets:
+            sent.setdefault(o.partition, [])
+            assert o.base_offset == sum(1 for _ in sent[o.partition])
+            sent[o.partition] += [0] * o.count
+    for p in range(4):
+        ts = read_all(sm, p)
+        assert len(ts) == len(sent.get(p, []))
+        assert ts == sorted(ts)  # each device's pings, in the order sent
+    assert sum(len(read_all(sm, p)) for p in range(4)) == 500
+
+
+def test_fetch_from_the_middle_of_a_batch_and_with_a_limit(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create()
+    for k in range(4):
+        log.append(pings(100, start=k * 100, devices=1))
+    p = next(o.partition for o in log.append(pings(1, start=999, devices=1))[1].offsets)
+    full = read_all(sm, p)
+    assert read_all(sm, p, offset=150) == full[150:]
+    resp = sm.fetch(client_pb2.FetchRequest(topic="munich", partition=p, offset=30, max_pings=150))
+    got = sum(len(b.batch.ts_ms) for b in resp.batches)
+    assert resp.batches[0].base_offset == 30 and got == 70  # whole batches, up to the limit
+    assert resp.next_offset == 100 and resp.end_offset == 401
+
+
+def test_a_retried_batch_is_stored_once_with_its_original_offsets(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create()
+    _, first, _ = log.append(pings(20), producer=7, seq=1)
+    _, again, _ = log.append(pings(20), producer=7, seq=1)
+    assert again.duplicate and list(again.offsets) == list(first.offsets)
+    _, nxt, _ = log.append(pings(20, start=20), producer=7, seq=2)
+    assert not nxt.duplicate
+    assert sum(len(read_all(sm, p)) for p in range(4)) == 40
+    # A pipelined older batch retried after a newer one is still recognised.
+    _, old, _ = log.append(pings(20), producer=7, seq=1)
+    assert old.duplicate and list(old.offsets) == list(first.offsets)
+
+
+def test_unknown_topic_and_partition_are_clear_errors(sm: StateMachine) -> None:
+    log = Log(sm)
+    code, _, msg = log.append(pings(3), topic="nowhere")
+    assert code == grpc.StatusCode.NOT_FOUND and "nowhere" in msg
+    log.create()
+    with pytest.raises(Exception, match="no partition"):
+        sm.fetch(client_pb2.FetchRequest(topic="munich", partition=99))
+    with pytest.raises(Exception, match="beyond the end"):
+        sm.fetch(client_pb2.FetchRequest(topic="munich", partition=0, offset=5))
+
+
+def test_retention_trims_old_batches_and_moves_the_first_offset(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create(retention_ms=60_000)
+    for k in range(5):
+        log.append(pings(10, start=k * 10, devices=1), at_ms=T0 + k * 30_000)
+    p = next(o.partition for o in log.append(pings(1, devices=1), at_ms=T0 + 150_000)[1].offsets)
+    trim = command_pb2.Command(
+        leader_ms=T0 + 150_000, ops=[command_pb2.Op(trim=command_pb2.TrimOp())]
+    )
+    log.run(trim)
+    d = sm.describe("munich").partitions[p]
+    assert d.first_offset == 30 and d.next_offset == 51  # batches older than 60 s are gone
+    resp = sm.fetch(client_pb2.FetchRequest(topic="munich", partition=p, offset=0))
+    assert resp.batches[0].base_offset == 30
+
+
+def test_time_window_to_offsets(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create()
+    for k in range(5):
+        log.append(pings(10, devices=1), at_ms=T0 + k * 1000)
+    p = next(o.partition for o in log.append(pings(1, devices=1), at_ms=T0 + 9000)[1].offsets)
+    assert sm.offsets_for_window("munich", p, T0 + 1000, T0 + 3000) == (10, 30)
+    assert sm.offsets_for_window("munich", p, T0 + 50_000, T0 + 60_000) == (51, 51)
+
+
+def test_delete_topic_removes_its_data(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create()
+    log.append(pings(30), producer=3, seq=1)
+    log.run(
+        command_pb2.Command(
+            ops=[command_pb2.Op(delete_topic=command_pb2.DeleteTopicOp(name="munich"))]
+        )
+    )
+    assert sm.list_topics() == []
+    log.create()
+    assert all(p.next_offset == 0 for p in sm.describe("munich").partitions)
+
+
+def test_replicas_that_applied_the_same_entries_are_identical(tmp_path: Path) -> None:
+    a, b = StateMachine(tmp_path / "a"), StateMachine(tmp_path / "b")
+    for sm in (a, b):
+        log = Log(sm)
+        log.create()
+        for k in range(5):
+            log.append(pings(40, start=k * 40), producer=1, seq=k + 1)
+    assert a.digest() == b.digest()
+    Log(b).append(pings(1))
+    assert a.digest() != b.digest()
+    a.close()
+    b.close()
+
+
+def test_reopen_keeps_the_applied_state_and_skips_reapplied_entries(tmp_path: Path) -> None:
+    sm = StateMachine(tmp_path / "sm")
+    log = Log(sm)
+    log.create()
+    log.append(pings(10))
+    sm.checkpoint()
+    index, digest = sm.applied_index, sm.digest()
+    sm.close()
+    again = StateMachine(tmp_path / "sm")
+    assert again.applied_index == index and again.digest() == digest
+    # Entries at or below the applied index (replayed after a crash) change nothing.
+    cmd = append_command("munich", [(0, columnar.encode(pings(3)))], T0)
+    again.apply([Entry(1, index, EntryType.NORMAL, cmd.SerializeToString())])
+    assert again.digest() == digest
+    again.close()
+
+
+def test_snapshot_round_trip(tmp_path: Path) -> None:
+    src = StateMachine(tmp_path / "src")
+    log = Log(src)
+    log.create()
+    for k in range(20):
+        log.append(pings(100, start=k * 100))
+    snap = tmp_path / "snap.mdb"
+    index, _ = src.write_snapshot(snap)
+    assert index == src.applied_index
+    dst = StateMachine(tmp_path / "dst")
+    Log(dst).create("other")
+    dst.install_snapshot(snap)
+    assert dst.applied_index == index
+    assert dst.digest() == src.digest()
+    assert [t.topic.spec.name for t in dst.list_topics()] == ["munich"]
+    src.close()
+    dst.close()
+
+
+def test_undecodable_commands_and_config_entries_change_nothing(sm: StateMachine) -> None:
+    before = sm.digest()
+    res = sm.apply(
+        [Entry(1, 1, EntryType.NORMAL, b"\xff\xff"), Entry(1, 2, EntryType.CONFIG, b"x")]
+    )
+    assert res[0][0].code == grpc.StatusCode.INTERNAL and res[1] == []
+    assert sm.applied_index == 2
+    assert sm.digest() != before  # only the applied index moved
+    assert sm.list_topics() == []
+
+
+def test_fetched_pings_equal_what_was_sent(sm: StateMachine) -> None:
+    log = Log(sm)
+    log.create()
+    cols = pings(64, devices=1)
+    _, resp, _ = log.append(cols)
+    [o] = resp.offsets
+    r = sm.fetch(client_pb2.FetchRequest(topic="munich", partition=o.partition))
+    back = columnar.decode(r.batches[0].batch.SerializeToString())
+    assert np.array_equal(back.ts_ms, cols.ts_ms) and np.array_equal(back.speed_mps, cols.speed_mps)
