@@ -1,0 +1,116 @@
+"""The node daemon's configuration: a TOML file, each key also a flag."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key."""
+
+
+def parse_peers(value: Any) -> dict[int, str]:
+    """Peers as a TOML table {"1" = "host:port"}, a list of "ID=HOST:PORT",
+    or the same comma-separated (as a flag)."""
+    if isinstance(value, dict):
+        items = [(str(k), str(v)) for k, v in value.items()]
+    else:
+        parts = value.split(",") if isinstance(value, str) else list(value)
+        items = []
+        for p in parts:
+            if "=" not in str(p):
+                raise ConfigError(f"peers: {p!r} is not ID=HOST:PORT")
+            k, v = str(p).split("=", 1)
+            items.append((k.strip(), v.strip()))
+    out: dict[int, str] = {}
+    for k, v in items:
+        if not k.isdigit() or int(k) <= 0:
+            raise ConfigError(f"peers: node id {k!r} must be a positive integer")
+        check_address(v, "peers")
+        out[int(k)] = v
+    return out
+
+
+def check_address(addr: str, key: str) -> None:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}: {addr!r} is not HOST:PORT")
+
+
+@dataclass
+class NodeConfig:
+    node_id: int = 0
+    cluster_name: str = "roadlog"
+    data_dir: Path = Path("/var/lib/roadlog")
+    listen: str = "0.0.0.0:7400"
+    advertise_address: str = ""
+    peers: dict[int, str] = field(default_factory=dict)
+    secret_file: Path | None = None
+    metrics_port: int = 9400
+    queue_servers: list[str] = field(default_factory=list)
+    tick_ms: int = 100
+    election_ticks: int = 5  # randomized in [5, 10) ticks: 500-1000 ms
+    heartbeat_ticks: int = 1
+    snapshot_entries: int = 20_000  # compact the log this far behind the applied index
+    max_ops_per_entry: int = 256  # server-side batching of writes into one entry
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.node_id <= 0:
+            raise ConfigError("node_id: must be a positive integer")
+        check_address(self.listen, "listen")
+        if self.advertise_address:
+            check_address(self.advertise_address, "advertise_address")
+        for q in self.queue_servers:
+            check_address(q, "queue_servers")
+        if self.peers and self.node_id not in self.peers:
+            raise ConfigError(f"peers: must include this node ({self.node_id})")
+        if not 10 <= self.tick_ms <= 10_000:
+            raise ConfigError("tick_ms: must be in 10..10000")
+        if self.election_ticks <= self.heartbeat_ticks:
+            raise ConfigError("election_ticks: must exceed heartbeat_ticks")
+
+    @property
+    def address(self) -> str:
+        return self.advertise_address or self.listen
+
+    def secret(self) -> bytes:
+        if self.secret_file is None:
+            return b""
+        try:
+            return self.secret_file.read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"secret_file: cannot read {self.secret_file}: {e}") from None
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name: f for f in fields(NodeConfig)}
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+    cfg = NodeConfig()
+    for k, v in raw.items():
+        try:
+            if k == "peers":
+                v = parse_peers(v)
+            elif k in ("data_dir", "secret_file"):
+                v = Path(v)
+            elif k == "queue_servers":
+                v = [s for s in v.split(",") if s] if isinstance(v, str) else list(v)
+            elif isinstance(getattr(cfg, k), int) and not isinstance(v, int):
+                v = int(v)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{k}: {e}") from None
+        setattr(cfg, k, v)
+    cfg.validate()
+    return cfg
