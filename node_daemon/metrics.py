@@ -1,0 +1,21 @@
+"""Prometheus metrics of the node daemon (served on ``metrics_port``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ROLE = Gauge("roadlog_raft_role", "0 follower, 1 pre-candidate, 2 candidate, 3 leader")
+TERM = Gauge("roadlog_raft_term", "current Raft term")
+COMMIT_INDEX = Gauge("roadlog_raft_commit_index", "highest index known committed")
+APPLIED_INDEX = Gauge("roadlog_raft_applied_index", "highest index applied to the state machine")
+APPENDED_ENTRIES = Counter("roadlog_raft_appended_entries_total", "entries persisted to the log")
+PROPOSED_OPS = Counter("roadlog_proposed_ops_total", "operations proposed by this node as leader")
+FSYNC_SECONDS = Histogram(
+    "roadlog_raft_log_write_seconds",
+    "time of one synced write of the Raft log (one fsync)",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+)
+FOLLOWER_LAG = Gauge(
+    "roadlog_raft_follower_lag_entries", "entries a follower is behind (leader only)", ["follower"]
+)
+WORK_DONE = Counter("roadlog_work_done_total", "work items this node finished", ["kind"])

@@ -1,0 +1,442 @@
+"""RaftNode: the Raft core driven by asyncio, with LMDB off the event loop.
+
+One driver task owns the core. Everything else (peer messages, proposals,
+timer ticks, admin requests) reaches it as a callable in the inbox. Each
+round the driver takes a Ready and does the etcd-io/raft order: send what
+may go early, persist (one LMDB transaction, one fsync, in the log's
+thread), send the rest, apply (in the state machine's thread), advance.
+While a write is in flight the driver keeps stepping the core with what
+arrives, and proposals that arrive pile up into the next Ready: group commit
+comes from that, one fsync for all of them.
+
+Writes are batched on the way in too: publish operations that arrive
+together are packed into one entry (``max_ops_per_entry``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from node_daemon import metrics
+from node_daemon.config import NodeConfig
+from node_daemon.raft import (
+    ConfChange,
+    Config,
+    Entry,
+    ProposalDropped,
+    RaftCore,
+    Ready,
+    Role,
+    Snapshot,
+    bootstrap,
+)
+from node_daemon.state_machine import OpResult, StateMachine
+from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.transport import PeerTransport
+from roadlog.v1 import command_pb2
+
+log = logging.getLogger("roadlog.node")
+
+
+class NotLeader(Exception):
+    def __init__(self, leader: int, reason: str = "not the leader") -> None:
+        super().__init__(reason)
+        self.leader = leader
+
+
+@dataclass(slots=True)
+class _Pending:
+    term: int
+    futures: list[asyncio.Future[OpResult]]
+
+
+class RaftNode:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.id = cfg.node_id
+        data = Path(cfg.data_dir)
+        self.snapshot_dir = data / "snapshots"
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self.log_store = LmdbLogStorage(data / "raft")
+        self.sm = StateMachine(data / "state")
+        if (
+            self.log_store.last_index() == 0
+            and self.log_store.initial_state().term == 0
+            and cfg.peers
+        ):
+            bootstrap(self.log_store, sorted(cfg.peers))
+            log.info("bootstrapped a new cluster", extra={"voters": sorted(cfg.peers)})
+        snap = self.log_store.snapshot()
+        if self.sm.applied_index < snap.meta.index:
+            # Crashed between saving a snapshot and installing it.
+            self.sm.install_snapshot(snap.data.decode())
+        self.core = RaftCore(
+            Config(
+                self.id,
+                election_tick=cfg.election_ticks,
+                heartbeat_tick=cfg.heartbeat_ticks,
+                applied=self.sm.applied_index,
+            ),
+            self.log_store,
+            random.Random(int.from_bytes(os.urandom(8), "big")),
+        )
+        self.addresses: dict[int, str] = dict(cfg.peers)
+        self.addresses[self.id] = cfg.address
+        self.transport = PeerTransport(
+            self.id,
+            cfg.cluster_name,
+            cfg.secret(),
+            self.snapshot_dir,
+            on_message=lambda m: self.submit(lambda core: core.step(m)),
+            on_unreachable=lambda to: self.submit(lambda core: core.report_unreachable(to)),
+            on_snapshot_status=lambda to, ok: self.submit(
+                lambda core: core.report_snapshot(to, ok)
+            ),
+            snapshot_file=self._snapshot_file,
+        )
+        self.transport.set_addresses(self.addresses)
+        self._inbox: deque[Callable[[RaftCore], None]] = deque()
+        self._wakeup = asyncio.Event()
+        self._ops: list[tuple[command_pb2.Op, asyncio.Future[OpResult]]] = []
+        self._pending: dict[int, _Pending] = {}
+        self._reads: dict[bytes, asyncio.Future[int]] = {}
+        self._read_seq = 0
+        self._applied = asyncio.Condition()
+        self._log_io = ThreadPoolExecutor(1, thread_name_prefix="raft-log")
+        self._apply_io = ThreadPoolExecutor(1, thread_name_prefix="apply")
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._snapshot_requests: list[asyncio.Future[int]] = []
+        self.state_listeners: list[Callable[[], None]] = []
+        self._last_soft = (0, Role.FOLLOWER, 0)
+
+    # --------------------------------------------------------------- inputs
+
+    def submit(self, fn: Callable[[RaftCore], None]) -> None:
+        """Run ``fn(core)`` on the driver (the only place the core is touched)."""
+        self._inbox.append(fn)
+        self._wakeup.set()
+
+    async def propose_op(self, op: command_pb2.Op) -> OpResult:
+        """Replicate one operation; its result once applied here. Raises
+        NotLeader when this node cannot take it (the client retries)."""
+        if self.core.role != Role.LEADER:
+            raise NotLeader(self.core.lead)
+        fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
+        self._ops.append((op, fut))
+        self._wakeup.set()
+        return await fut
+
+    async def read_barrier(self) -> int:
+        """A linearizable read point (ReadIndex): wait until this node has
+        applied it, then return it."""
+        self._read_seq += 1
+        ctx = f"{self.id}:{self._read_seq}".encode()
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._reads[ctx] = fut
+
+        def ask(core: RaftCore) -> None:
+            try:
+                core.read_index(ctx)
+            except ProposalDropped as e:
+                self._reads.pop(ctx, None)
+                if not fut.done():
+                    fut.set_exception(NotLeader(e.leader, e.reason))
+
+        self.submit(ask)
+        try:
+            index = await fut
+        finally:
+            self._reads.pop(ctx, None)
+        await self.wait_applied(index)
+        return index
+
+    async def wait_applied(self, index: int, timeout: float | None = None) -> None:
+        async with self._applied:
+            await asyncio.wait_for(
+                self._applied.wait_for(lambda: self.sm.applied_index >= index), timeout
+            )
+
+    async def conf_change(self, cc: ConfChange) -> int:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def do(core: RaftCore) -> None:
+            try:
+                fut.set_result(core.propose_conf_change(cc))
+            except ProposalDropped as e:
+                fut.set_exception(NotLeader(e.leader, e.reason))
+
+        self.submit(do)
+        index = await fut
+        await self.wait_applied(index, timeout=30)
+        return index
+
+    async def transfer_leader(self, target: int) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def do(core: RaftCore) -> None:
+            try:
+                core.transfer_leader(target)
+                fut.set_result(None)
+            except ProposalDropped as e:
+                fut.set_exception(NotLeader(e.leader, e.reason))
+
+        self.submit(do)
+        await fut
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def is_leader(self) -> bool:
+        return self.core.role == Role.LEADER
+
+    @property
+    def ready(self) -> bool:
+        """Knows a leader, heard from it lately, and has applied what it knows committed."""
+        core = self.core
+        if core.lead == 0:
+            return False
+        heard = core.role == Role.LEADER or core.election_elapsed < 2 * core.cfg.election_tick
+        return heard and self.sm.applied_index >= core.log.committed
+
+    def address_of(self, node: int) -> str:
+        return self.addresses.get(node, "")
+
+    # ----------------------------------------------------------------- driver
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._ticker()), loop.create_task(self._drive())]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.transport.close()
+        self._log_io.shutdown(wait=True)
+        self._apply_io.shutdown(wait=True)
+        self.sm.checkpoint()
+        self.sm.close()
+        self.log_store.close()
+
+    async def _ticker(self) -> None:
+        period = self.cfg.tick_ms / 1000
+        nxt = time.monotonic()
+        while True:
+            nxt += period
+            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+            self.submit(lambda core: core.tick())
+
+    def _drain(self) -> None:
+        core = self.core
+        while self._inbox:
+            fn = self._inbox.popleft()
+            fn(core)
+        if self._ops:
+            self._propose_ops()
+
+    def _propose_ops(self) -> None:
+        ops, self._ops = self._ops, []
+        core = self.core
+        if core.role != Role.LEADER:
+            for _, fut in ops:
+                if not fut.done():
+                    fut.set_exception(NotLeader(core.lead))
+            return
+        now_ms = int(time.time() * 1000)
+        step = self.cfg.max_ops_per_entry
+        groups = [ops[i : i + step] for i in range(0, len(ops), step)]
+        datas = [
+            command_pb2.Command(leader_ms=now_ms, ops=[op for op, _ in g]).SerializeToString()
+            for g in groups
+        ]
+        try:
+            first = core.propose_many(datas)
+        except ProposalDropped as e:
+            for _, fut in ops:
+                if not fut.done():
+                    fut.set_exception(NotLeader(e.leader, e.reason))
+            return
+        for i, g in enumerate(groups):
+            self._pending[first + i] = _Pending(core.term, [fut for _, fut in g])
+        metrics.PROPOSED_OPS.inc(len(ops))
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            self._drain()
+            while self.core.has_ready():
+                rd = self.core.ready()
+                await self._handle(rd, loop)
+                self._drain()
+            self._observe()
+            force, self._snapshot_requests = self._snapshot_requests, []
+            try:
+                index = await self._maybe_compact(loop, force=bool(force))
+            except Exception as e:
+                log.exception("snapshot failed")
+                for f in force:
+                    if not f.done():
+                        f.set_exception(e)
+            else:
+                for f in force:
+                    if not f.done():
+                        f.set_result(index)
+
+    async def _handle(self, rd: Ready, loop: asyncio.AbstractEventLoop) -> None:
+        early, late = rd.split_messages()
+        self.transport.send(early)
+        t0 = time.perf_counter()
+        write = loop.run_in_executor(
+            self._log_io, self.log_store.save, rd.hard_state, rd.entries, rd.snapshot, rd.must_sync
+        )
+        # Keep stepping the core while the write runs (never a new Ready).
+        while not write.done():
+            self._wakeup.clear()
+            if self._inbox:
+                core = self.core
+                while self._inbox:
+                    self._inbox.popleft()(core)
+                continue
+            waiter: asyncio.Future[Any] = loop.create_task(self._wakeup.wait())
+            await asyncio.wait({write, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        if self._ops or self._inbox:
+            self._wakeup.set()
+        await write  # raises StorageError: the node cannot go on safely
+        if rd.must_sync:
+            metrics.FSYNC_SECONDS.observe(time.perf_counter() - t0)
+        if rd.entries:
+            metrics.APPENDED_ENTRIES.inc(len(rd.entries))
+        self.transport.send(late)
+        if rd.snapshot is not None:
+            await loop.run_in_executor(
+                self._apply_io, self.sm.install_snapshot, rd.snapshot.data.decode()
+            )
+            log.info("installed snapshot", extra={"index": rd.snapshot.meta.index})
+        if rd.committed_entries:
+            results = await loop.run_in_executor(
+                self._apply_io, self.sm.apply, rd.committed_entries
+            )
+            self._resolve(rd.committed_entries, results)
+        if rd.snapshot is not None or rd.committed_entries:
+            async with self._applied:
+                self._applied.notify_all()
+        for rs in rd.read_states:
+            fut = self._reads.get(rs.context)
+            if fut is not None and not fut.done():
+                fut.set_result(rs.index)
+        if rd.soft_state is not None:
+            self._on_soft_state()
+        self.core.advance(rd)
+
+    def _resolve(self, entries: list[Entry], results: list[list[OpResult]]) -> None:
+        for e, res in zip(entries, results, strict=True):
+            p = self._pending.pop(e.index, None)
+            if p is None:
+                continue
+            if p.term != e.term:
+                for fut in p.futures:
+                    if not fut.done():
+                        fut.set_exception(NotLeader(self.core.lead, "leadership changed"))
+                continue
+            for fut, r in zip(p.futures, res, strict=False):
+                if not fut.done():
+                    fut.set_result(r)
+        # Proposals below what is applied now were overwritten or lost.
+        applied = entries[-1].index
+        for idx in [i for i in self._pending if i <= applied]:
+            for fut in self._pending.pop(idx).futures:
+                if not fut.done():
+                    fut.set_exception(NotLeader(self.core.lead, "leadership changed"))
+
+    def _on_soft_state(self) -> None:
+        core = self.core
+        log.info(
+            "raft state",
+            extra={"role": core.role.name.lower(), "term": core.term, "leader": core.lead},
+        )
+        if core.role != Role.LEADER:
+            # Proposals not yet in the log cannot be taken any more.
+            ops, self._ops = self._ops, []
+            for _, fut in ops:
+                if not fut.done():
+                    fut.set_exception(NotLeader(core.lead))
+        for fn in self.state_listeners:
+            fn()
+
+    def _observe(self) -> None:
+        core = self.core
+        metrics.ROLE.set(int(core.role))
+        metrics.TERM.set(core.term)
+        metrics.COMMIT_INDEX.set(core.log.committed)
+        metrics.APPLIED_INDEX.set(self.sm.applied_index)
+        if core.role == Role.LEADER:
+            for node, pr in core.prs.items():
+                if node != self.id:
+                    metrics.FOLLOWER_LAG.labels(str(node)).set(core.log.last_index() - pr.match)
+        soft = (core.lead, core.role, self.sm.applied_index)
+        if soft != self._last_soft:
+            self._last_soft = soft
+            for fn in self.state_listeners:
+                fn()
+
+    # ------------------------------------------------------------ snapshots
+
+    def _snapshot_file(self, index: int, term: int) -> Path | None:
+        p = self.snapshot_dir / f"snap-{index}-{term}.mdb"
+        return p if p.exists() else None
+
+    async def _maybe_compact(self, loop: asyncio.AbstractEventLoop, force: bool = False) -> int:
+        applied = self.sm.applied_index
+        first = self.log_store.first_index()
+        if not force and applied - first < self.cfg.snapshot_entries:
+            return 0
+        if applied < first:
+            return 0
+        await loop.run_in_executor(self._apply_io, self.sm.checkpoint)
+        meta = self.core.snapshot_meta_at(applied)
+        path = self.snapshot_dir / f"snap-{meta.index}-{meta.term}.mdb"
+        await loop.run_in_executor(self._apply_io, self.sm.write_snapshot, path)
+        snap = Snapshot(meta, str(path).encode())
+        await loop.run_in_executor(self._log_io, self.log_store.compact, snap)
+        for old in self.snapshot_dir.glob("snap-*.mdb"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        for old in self.snapshot_dir.glob("recv-*.mdb"):
+            if old.resolve() != Path(self.log_store.snapshot().data.decode()).resolve():
+                old.unlink(missing_ok=True)
+        log.info("snapshot and compaction", extra={"index": meta.index})
+        return meta.index
+
+    async def snapshot_now(self) -> int:
+        """Snapshot the state machine and compact the log now (between Readys)."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._snapshot_requests.append(fut)
+        self._wakeup.set()
+        return await fut
+
+
+def grpc_code_for(err: Exception) -> grpc.StatusCode:
+    if isinstance(err, NotLeader):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL

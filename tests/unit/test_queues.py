@@ -1,0 +1,146 @@
+"""The queue server's sans-I/O core: leader-only writes, fenced stealable
+reads, credit, requeue on disconnect, deadlines and bounds."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from queue_server.queues import Item, Kind, QueueFull, WorkQueues
+
+pytestmark = pytest.mark.unit
+_ids = itertools.count(1)
+
+
+def item(kind: Kind, fence: int = 0, deadline: float = 100.0) -> Item:
+    return Item(next(_ids), kind, "m", b"", deadline, 0.0, fence)
+
+
+def test_writes_go_only_to_the_leader() -> None:
+    q = WorkQueues()
+    q.connect(1, node_id=1)
+    q.connect(2, node_id=2)
+    for w in (1, 2):
+        q.grant(w, writes=10, reads=10)
+    q.submit(item(Kind.WRITE))
+    assert q.dispatch(0) == []  # no leader yet: it waits
+    q.update(2, is_leader=True, term=3, applied=5)
+    [(w, _)] = q.dispatch(0)
+    assert w == 2
+
+
+def test_reads_wait_for_a_node_that_reached_the_fence() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.connect(2, 2)
+    q.grant(1, 0, 5)
+    q.grant(2, 0, 5)
+    q.update(1, False, 1, applied=10)
+    q.update(2, False, 1, applied=3)
+    got = q.dispatch(0) or None
+    assert got is None
+    q.submit(item(Kind.READ, fence=7))
+    [(w, _)] = q.dispatch(0)
+    assert w == 1
+    q.submit(item(Kind.READ, fence=50))
+    assert q.dispatch(0) == [] and q.depth(Kind.READ) == 1
+
+
+def test_an_idle_node_steals_more_reads_than_a_busy_one() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.connect(2, 2)
+    q.grant(1, 0, 2)  # busy: little credit
+    q.grant(2, 0, 8)
+    for _ in range(10):
+        q.submit(item(Kind.READ))
+    taken = [w for w, _ in q.dispatch(0)]
+    assert taken.count(2) == 8 and taken.count(1) == 2
+
+
+def test_credit_bounds_what_a_node_is_given() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.update(1, True, 1, 0)
+    q.grant(1, writes=2, reads=0)
+    for _ in range(5):
+        q.submit(item(Kind.WRITE))
+    assert len(q.dispatch(0)) == 2
+    q.grant(1, 1, 0)
+    assert len(q.dispatch(0)) == 1
+
+
+def test_work_of_a_lost_node_goes_back_to_the_front_in_order() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.update(1, True, 1, 0)
+    q.grant(1, 3, 0)
+    items = [item(Kind.WRITE) for _ in range(4)]
+    for it in items:
+        q.submit(it)
+    taken = [it.id for _, it in q.dispatch(0)]
+    assert taken == [i.id for i in items[:3]]
+    q.complete(1, items[0].id)
+    back = q.disconnect(1)
+    assert [it.id for it in back] == [items[1].id, items[2].id]
+    q.connect(2, 2)
+    q.update(2, True, 2, 0)
+    q.grant(2, 10, 0)
+    assert [it.id for _, it in q.dispatch(0)] == [i.id for i in items[1:]]
+
+
+def test_retry_requeues_for_another_worker() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.update(1, True, 1, 0)
+    q.grant(1, 1, 0)
+    q.submit(item(Kind.WRITE))
+    [(_, it)] = q.dispatch(0)
+    q.update(1, False, 2, 0)
+    assert q.retry(1, it.id) is it and it.attempts == 1
+    assert q.depth(Kind.WRITE) == 1
+
+
+def test_deadlines_expire_with_a_reason() -> None:
+    q = WorkQueues()
+    q.submit(item(Kind.WRITE, deadline=1.0))
+    q.submit(item(Kind.WRITE, deadline=5.0))
+    [e] = q.expire(2.0)
+    assert "no node" in e.reason
+    q.connect(1, 1)
+    [e] = q.expire(6.0)
+    assert "no leader" in e.reason
+    assert q.depth(Kind.WRITE) == 0
+
+
+def test_bounded_queues_refuse_when_full() -> None:
+    q = WorkQueues(max_writes=2, max_reads=1)
+    q.submit(item(Kind.WRITE))
+    q.submit(item(Kind.WRITE))
+    with pytest.raises(QueueFull, match="write queue is full"):
+        q.submit(item(Kind.WRITE))
+    q.submit(item(Kind.READ))
+    with pytest.raises(QueueFull):
+        q.submit(item(Kind.READ))
+
+
+def test_cancel_removes_a_queued_item() -> None:
+    q = WorkQueues()
+    it = item(Kind.READ)
+    q.submit(it)
+    assert q.cancel(it.id) and not q.cancel(it.id)
+    assert q.depth(Kind.READ) == 0
+
+
+def test_the_newest_leader_wins_when_two_claim() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.connect(2, 2)
+    q.update(1, True, 3, 0)
+    q.update(2, True, 4, 0)
+    for w in (1, 2):
+        q.grant(w, 5, 0)
+    q.submit(item(Kind.WRITE))
+    [(w, _)] = q.dispatch(0)
+    assert w == 2
