@@ -152,15 +152,17 @@ class StateMachine:
         out = []
         for op in cmd.ops:
             try:
-                out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms)))
+                out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms, e.index)))
             except OpError as err:
                 out.append(OpResult(err.code, err.message))
         return out
 
-    def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int) -> bytes:
+    def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int, index: int) -> bytes:
         kind = op.WhichOneof("op")
         if kind == "append":
-            return self._append(txn, op.append, leader_ms).SerializeToString()
+            resp = self._append(txn, op.append, leader_ms)
+            resp.applied_index = index  # a read fence for read-your-writes
+            return resp.SerializeToString()
         if kind == "create_topic":
             return self._create_topic(txn, op.create_topic.spec, leader_ms).SerializeToString()
         if kind == "delete_topic":

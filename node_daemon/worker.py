@@ -1,0 +1,238 @@
+"""The node's side of the work protocol: pull work from every queue server,
+do it, answer. Writes are validated here (on the leader, before they enter
+the log) and proposed; reads are answered from this node's own LMDB once it
+has applied the read's fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from node_daemon import metrics
+from node_daemon.node import NotLeader, RaftNode
+from node_daemon.state_machine import OpError, OpResult, normalized_spec
+from node_daemon.transport import AUTH_KEY
+from roadlog import columnar
+from roadlog.geo import Region, parse_region
+from roadlog.partitioning import split_by_partition
+from roadlog.v1 import client_pb2, command_pb2, pings_pb2, work_pb2, work_pb2_grpc
+from roadlog.validation import BatchRejected, check_batch
+
+log = logging.getLogger("roadlog.worker")
+
+WRITE_CREDIT = 256
+READ_CREDIT = 64
+RETRY_ELSEWHERE = grpc.StatusCode.UNAVAILABLE  # the queue server gives it to another node
+
+
+class Executor:
+    """Turns work items into results against one RaftNode."""
+
+    def __init__(self, node: RaftNode) -> None:
+        self.node = node
+        self.cpu = ThreadPoolExecutor(2, thread_name_prefix="work")
+        self._regions: dict[tuple[str, int], Region] = {}
+
+    async def run(self, item: work_pb2.WorkItem) -> work_pb2.WorkResult:
+        handler = self._handlers().get(item.method)
+        res = work_pb2.WorkResult(id=item.id)
+        if handler is None:
+            res.code, res.message = (
+                grpc.StatusCode.UNIMPLEMENTED.value[0],
+                f"no method {item.method}",
+            )
+            return res
+        try:
+            out = await handler(item)
+            res.code, res.message, res.response = out.code.value[0], out.message, out.response
+        except NotLeader as e:
+            res.code, res.message = RETRY_ELSEWHERE.value[0], f"{e} (leader {e.leader})"
+        except OpError as e:
+            res.code, res.message = e.code.value[0], e.message
+        except (DecodeError, columnar.BatchDecodeError) as e:
+            res.code, res.message = (
+                grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                f"malformed request: {e}",
+            )
+        except BatchRejected as e:
+            res.code, res.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e)
+        except Exception as e:
+            log.exception("work item failed", extra={"method": item.method})
+            res.code, res.message = grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
+        metrics.WORK_DONE.labels("write" if item.kind == work_pb2.WORK_KIND_WRITE else "read").inc()
+        return res
+
+    def _handlers(self) -> dict[str, Callable[[work_pb2.WorkItem], Awaitable[OpResult]]]:
+        return {
+            "Publish": self.publish,
+            "CreateTopic": self.create_topic,
+            "DeleteTopic": self.delete_topic,
+            "InitProducer": self.init_producer,
+            "Fetch": self.fetch,
+            "DescribeTopic": self.describe_topic,
+            "ListTopics": self.list_topics,
+        }
+
+    # ---------------------------------------------------------------- writes
+
+    async def publish(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.PublishRequest.FromString(item.request)
+        if not self.node.is_leader:
+            raise NotLeader(self.node.core.lead)
+        loop = asyncio.get_running_loop()
+        op = await loop.run_in_executor(self.cpu, self._append_op, req)
+        return await self.node.propose_op(op)
+
+    def _append_op(self, req: client_pb2.PublishRequest) -> command_pb2.Op:
+        """Decode, validate and split a batch (in a worker thread)."""
+        topic = self.node.sm.describe(req.topic).topic
+        key = (topic.spec.name, topic.id)
+        region = self._regions.get(key)
+        if region is None:
+            region = self._regions[key] = parse_region(topic.spec.region_geojson)
+        cols = columnar.decode(req.batch.SerializeToString())
+        check_batch(cols, region, int(time.time() * 1000))
+        op = command_pb2.AppendOp(
+            topic=req.topic,
+            client_id=req.client_id,
+            producer_id=req.producer_id,
+            sequence=req.sequence,
+        )
+        for p, part in split_by_partition(cols, topic.spec.partitions):
+            op.parts.add(partition=p, batch=pings_pb2.PingBatch.FromString(columnar.encode(part)))
+        return command_pb2.Op(append=op)
+
+    async def create_topic(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.CreateTopicRequest.FromString(item.request)
+        spec = normalized_spec(req.spec)  # refuse bad specs before they enter the log
+        return await self.node.propose_op(
+            command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
+        )
+
+    async def delete_topic(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.DeleteTopicRequest.FromString(item.request)
+        self.node.sm.describe(req.name)  # NOT_FOUND before proposing
+        return await self.node.propose_op(
+            command_pb2.Op(delete_topic=command_pb2.DeleteTopicOp(name=req.name))
+        )
+
+    async def init_producer(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.InitProducerRequest.FromString(item.request)
+        return await self.node.propose_op(
+            command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id=req.client_id))
+        )
+
+    # ----------------------------------------------------------------- reads
+
+    async def _fenced(self, fence: int) -> None:
+        if self.node.sm.applied_index < fence:
+            await self.node.wait_applied(fence, timeout=10)
+
+    async def fetch(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.FetchRequest.FromString(item.request)
+        await self._fenced(max(item.fence, req.min_applied_index))
+        loop = asyncio.get_running_loop()
+        resp = await loop.run_in_executor(self.cpu, self.node.sm.fetch, req)
+        resp.served_by = str(self.node.id)
+        return OpResult(response=resp.SerializeToString())
+
+    async def describe_topic(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.DescribeTopicRequest.FromString(item.request)
+        await self._fenced(item.fence)
+        return OpResult(response=self.node.sm.describe(req.name).SerializeToString())
+
+    async def list_topics(self, item: work_pb2.WorkItem) -> OpResult:
+        await self._fenced(item.fence)
+        resp = client_pb2.ListTopicsResponse(topics=self.node.sm.list_topics())
+        return OpResult(response=resp.SerializeToString())
+
+
+class QueueServerLink:
+    """One long-lived Pull stream to one queue server, re-opened when it breaks."""
+
+    def __init__(self, address: str, node: RaftNode, executor: Executor, token: str) -> None:
+        self.address = address
+        self.node = node
+        self.executor = executor
+        self.token = token
+        self.outbox: asyncio.Queue[work_pb2.WorkerMessage] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+        self.connected = False
+
+    def state(self) -> work_pb2.WorkerState:
+        n = self.node
+        core = n.core
+        return work_pb2.WorkerState(
+            node_id=n.id,
+            address=n.cfg.address,
+            is_leader=n.is_leader,
+            leader=core.lead,
+            term=core.term,
+            applied_index=n.sm.applied_index,
+            commit_index=core.log.committed,
+            leader_address=n.address_of(core.lead),
+        )
+
+    def state_changed(self) -> None:
+        if self.connected:
+            self.outbox.put_nowait(work_pb2.WorkerMessage(state=self.state()))
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _messages(self) -> AsyncIterator[work_pb2.WorkerMessage]:
+        yield work_pb2.WorkerMessage(
+            state=self.state(), credit=work_pb2.Credit(writes=WRITE_CREDIT, reads=READ_CREDIT)
+        )
+        while True:
+            yield await self.outbox.get()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            inflight: set[asyncio.Task[None]] = set()
+            try:
+                async with grpc.aio.insecure_channel(self.address) as ch:
+                    stub = work_pb2_grpc.WorkStub(ch)
+                    self.outbox = asyncio.Queue()
+                    call = stub.Pull(self._messages(), metadata=((AUTH_KEY, self.token),))
+                    self.connected = True
+                    backoff = 0.05
+                    async for item in call:
+                        t = asyncio.get_running_loop().create_task(self._do(item))
+                        inflight.add(t)
+                        t.add_done_callback(inflight.discard)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                log.debug("work stream broke", extra={"queue": self.address, "code": e.code().name})
+            except Exception:
+                log.exception("work stream failed", extra={"queue": self.address})
+            finally:
+                self.connected = False
+                for t in inflight:
+                    t.cancel()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _do(self, item: work_pb2.WorkItem) -> None:
+        res = await self.executor.run(item)
+        credit = work_pb2.Credit(
+            writes=1 if item.kind == work_pb2.WORK_KIND_WRITE else 0,
+            reads=1 if item.kind == work_pb2.WORK_KIND_READ else 0,
+        )
+        self.outbox.put_nowait(work_pb2.WorkerMessage(results=[res], credit=credit))

@@ -1,0 +1,306 @@
+"""The queue server process: the client API (gRPC) in front, the Work
+service behind (nodes pull), and the sans-I/O ``WorkQueues`` in between.
+
+Client requests are kept as bytes end to end: the queue server reads only
+what routing needs (a fetch's fence), and the node that takes the work
+parses the rest. A result that says "not here" (UNAVAILABLE: the node lost
+leadership, say) sends the item back to the queue for another node, until
+the client's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from node_daemon.transport import auth_token, authorized
+from queue_server.config import QueueConfig
+from queue_server.queues import Item, Kind, QueueFull, WorkQueues
+from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
+
+log = logging.getLogger("roadlog.queue")
+
+STATUS_BY_VALUE = {sc.value[0]: sc for sc in grpc.StatusCode}
+MAX_ATTEMPTS = 50
+
+DEPTH = Gauge("roadlog_queue_depth", "requests waiting", ["kind"])
+WAIT = Histogram(
+    "roadlog_queue_wait_seconds",
+    "time from arrival to being handed to a node",
+    ["kind"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+TAKEN = Counter("roadlog_queue_work_taken_total", "work handed to each node", ["node", "kind"])
+REQUESTS = Counter(
+    "roadlog_queue_requests_total", "client requests by method and outcome", ["method", "code"]
+)
+WORKERS = Gauge("roadlog_queue_connected_nodes", "nodes pulling work from this queue server")
+
+# method -> (kind, does the queue server need to look inside the request)
+METHODS: dict[str, Kind] = {
+    "CreateTopic": Kind.WRITE,
+    "DeleteTopic": Kind.WRITE,
+    "InitProducer": Kind.WRITE,
+    "Publish": Kind.WRITE,
+    "Fetch": Kind.READ,
+    "DescribeTopic": Kind.READ,
+    "ListTopics": Kind.READ,
+}
+
+
+class Failed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class QueueServer(work_pb2_grpc.WorkServicer):
+    def __init__(self, cfg: QueueConfig) -> None:
+        self.cfg = cfg
+        self.q = WorkQueues(cfg.max_writes, cfg.max_reads)
+        self.token = auth_token(cfg.secret(), cfg.cluster_name)
+        self._ids = itertools.count(1)
+        self._futures: dict[int, asyncio.Future[work_pb2.WorkResult]] = {}
+        self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | None]] = {}
+        self.states: dict[int, work_pb2.WorkerState] = {}
+
+    # ------------------------------------------------------------- clients
+
+    async def call(self, method: str, request: bytes, timeout: float | None) -> bytes:
+        kind = METHODS[method]
+        fence = 0
+        if method == "Fetch":
+            try:
+                fence = client_pb2.FetchRequest.FromString(request).min_applied_index
+            except Exception:
+                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "malformed FetchRequest") from None
+        now = time.monotonic()
+        wait = timeout if timeout is not None else self.cfg.default_timeout_ms / 1000
+        item = Item(next(self._ids), kind, method, request, now + wait, now, fence)
+        try:
+            self.q.submit(item)
+        except QueueFull as e:
+            raise Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        fut: asyncio.Future[work_pb2.WorkResult] = asyncio.get_running_loop().create_future()
+        self._futures[item.id] = fut
+        self._kick()
+        try:
+            res = await asyncio.wait_for(fut, wait + 0.5)
+        except TimeoutError:
+            self.q.cancel(item.id)
+            raise Failed(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer before the deadline"
+            ) from None
+        finally:
+            self._futures.pop(item.id, None)
+        if res.code:
+            raise Failed(STATUS_BY_VALUE.get(res.code, grpc.StatusCode.UNKNOWN), res.message)
+        return res.response
+
+    def _kick(self) -> None:
+        now = time.monotonic()
+        for wid, it in self.q.dispatch(now):
+            session = self._sessions.get(wid)
+            w = self.q.workers.get(wid)
+            if session is None or w is None:
+                continue
+            kind = "write" if it.kind == Kind.WRITE else "read"
+            WAIT.labels(kind).observe(now - it.enqueued)
+            TAKEN.labels(str(w.node_id), kind).inc()
+            session.put_nowait(
+                work_pb2.WorkItem(
+                    id=it.id,
+                    kind=work_pb2.WORK_KIND_WRITE
+                    if it.kind == Kind.WRITE
+                    else work_pb2.WORK_KIND_READ,
+                    method=it.method,
+                    request=it.request,
+                    fence=it.fence,
+                    deadline_unix_ms=int((time.time() + it.deadline - now) * 1000),
+                )
+            )
+        DEPTH.labels("write").set(self.q.depth(Kind.WRITE))
+        DEPTH.labels("read").set(self.q.depth(Kind.READ))
+
+    async def expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            for e in self.q.expire(time.monotonic()):
+                fut = self._futures.get(e.item.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(
+                        work_pb2.WorkResult(
+                            id=e.item.id,
+                            code=grpc.StatusCode.UNAVAILABLE.value[0],
+                            message=f"not done before the deadline: {e.reason}",
+                        )
+                    )
+
+    # --------------------------------------------------------------- nodes
+
+    async def Pull(
+        self, request_iterator: AsyncIterator[work_pb2.WorkerMessage], context: Any
+    ) -> AsyncIterator[work_pb2.WorkItem]:
+        if not authorized(context, self.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
+        wid = next(self._ids)
+        out: asyncio.Queue[work_pb2.WorkItem | None] = asyncio.Queue()
+        self._sessions[wid] = out
+        connected = False
+
+        async def read() -> None:
+            nonlocal connected
+            try:
+                async for msg in request_iterator:
+                    if msg.HasField("state"):
+                        s = msg.state
+                        if not connected:
+                            self.q.connect(wid, s.node_id)
+                            connected = True
+                            WORKERS.set(len(self.q.workers))
+                            log.info("node connected", extra={"node": s.node_id, "worker": wid})
+                        self.states[wid] = s
+                        self.q.update(wid, s.is_leader, s.term, s.applied_index)
+                    if not connected:
+                        continue
+                    if msg.HasField("credit"):
+                        self.q.grant(wid, msg.credit.writes, msg.credit.reads)
+                    for r in msg.results:
+                        self._result(wid, r)
+                    self._kick()
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self._sessions.pop(wid, None)
+            self.states.pop(wid, None)
+            back = self.q.disconnect(wid)
+            WORKERS.set(len(self.q.workers))
+            log.info("node disconnected", extra={"worker": wid, "requeued": len(back)})
+            self._kick()
+
+    def _result(self, wid: int, r: work_pb2.WorkResult) -> None:
+        fut = self._futures.get(r.id)
+        if r.code == grpc.StatusCode.UNAVAILABLE.value[0]:
+            it = self.q.retry(wid, r.id)
+            if it is not None and it.attempts < MAX_ATTEMPTS and fut is not None and not fut.done():
+                return  # another node (the new leader) will take it
+        else:
+            self.q.complete(wid, r.id)
+        if fut is not None and not fut.done():
+            fut.set_result(r)
+
+    # -------------------------------------------------------------- status
+
+    def status(self) -> client_pb2.ClusterStatus:
+        st = client_pb2.ClusterStatus()
+        leaders = [s for s in self.states.values() if s.is_leader]
+        if leaders:
+            lead = max(leaders, key=lambda s: s.term)
+            st.leader, st.term = lead.node_id, lead.term
+        elif self.states:
+            st.term = max(s.term for s in self.states.values())
+        seen = set()
+        for s in sorted(self.states.values(), key=lambda s: s.node_id):
+            if s.node_id in seen:
+                continue
+            seen.add(s.node_id)
+            st.nodes.add(
+                id=s.node_id,
+                address=s.address,
+                role="leader" if s.is_leader and s.node_id == st.leader else "follower",
+                term=s.term,
+                commit_index=s.commit_index,
+                applied_index=s.applied_index,
+                leader=s.leader,
+                ready=s.leader != 0,
+            )
+        qs = st.queue_servers.add(grpc=self.cfg.address)
+        if self.cfg.http_listen:
+            qs.http = f"http://{self.cfg.http_listen}"
+        return st
+
+
+def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
+    """The Roadlog service with requests and responses kept as bytes."""
+
+    def unary(method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handle(request: bytes, context: Any) -> bytes:
+            remaining = context.time_remaining()
+            try:
+                out = await server.call(method, request, remaining)
+            except Failed as e:
+                REQUESTS.labels(method, e.code.name).inc()
+                await context.abort(e.code, e.message)
+            REQUESTS.labels(method, "OK").inc()
+            return out
+
+        return handle
+
+    async def status(request: bytes, context: Any) -> bytes:
+        return server.status().SerializeToString()
+
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        m: grpc.unary_unary_rpc_method_handler(unary(m)) for m in METHODS
+    }
+    handlers["Status"] = grpc.unary_unary_rpc_method_handler(status)
+    return grpc.method_handlers_generic_handler("roadlog.v1.Roadlog", handlers)
+
+
+async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
+    qs = QueueServer(cfg)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
+    )
+    server.add_generic_rpc_handlers((client_handler(qs),))
+    work_pb2_grpc.add_WorkServicer_to_server(qs, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        ("roadlog.v1.Roadlog", "roadlog.v1.Work", health.SERVICE_NAME, reflection.SERVICE_NAME),
+        server,
+    )
+    if server.add_insecure_port(cfg.listen) == 0:
+        raise RuntimeError(f"cannot bind {cfg.listen}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr=cfg.listen.rpartition(":")[0] or "0.0.0.0")
+    expiry = asyncio.get_running_loop().create_task(qs.expire_loop())
+    log.info("queue server started", extra={"listen": cfg.listen, "metrics_port": cfg.metrics_port})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if started is not None:
+        started.set()
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    expiry.cancel()
+    await server.stop(grace=1.0)
+    log.info("stopped")
