@@ -1,0 +1,468 @@
+"""``roadlog``: the command line for clusters, topics, producing and consuming.
+
+Every command finds the cluster by ``--cluster DIR`` (a local cluster made
+by ``cluster up``), ``--servers HOST:PORT,...`` or ROADLOG_SERVERS.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from roadlog.client import Admin, Connection, Consumer, Producer, RoadlogError, servers_from_env
+from roadlog.geo import RegionError, bbox_region, parse_region
+from roadlog.localcluster import LocalCluster, alive, gather_status
+from roadlog.readers import InputError, read_pings
+from roadlog.traffic import TrafficSpec, simulate
+
+err = Console(stderr=True)
+out = Console()
+
+
+def _servers(cluster: Path | None, servers: str | None) -> list[str]:
+    if cluster is not None:
+        return LocalCluster.load(cluster).servers
+    found = servers_from_env(servers) if servers else servers_from_env()
+    if not found:
+        raise click.UsageError(
+            "say where the cluster is: --cluster DIR, --servers HOST:PORT or ROADLOG_SERVERS"
+        )
+    return found
+
+
+def where(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--servers", help="queue servers HOST:PORT,... (or ROADLOG_SERVERS)")(f)
+    f = click.option("--cluster", type=click.Path(path_type=Path), help="a local cluster's DIR")(f)
+    return f
+
+
+@contextmanager
+def connection(cluster: Path | None, servers: str | None) -> Iterator[Connection]:
+    try:
+        conn = Connection(_servers(cluster, servers))
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        yield conn
+    except RoadlogError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        conn.close()
+
+
+def progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    )
+
+
+@click.group()
+def cli() -> None:
+    """roadlog: GPS pings replicated with Raft, turned into traffic heat maps."""
+
+
+# ------------------------------------------------------------------- cluster
+
+
+@cli.group()
+def cluster() -> None:
+    """Run a local cluster on 127.0.0.1, or look at any cluster."""
+
+
+@cluster.command("up")
+@click.option("--nodes", default=3, show_default=True)
+@click.option("--queue-servers", default=1, show_default=True)
+@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+@click.option("--timeout", default=60.0, show_default=True, help="seconds to wait for a leader")
+def cluster_up(nodes: int, queue_servers: int, directory: Path, timeout: float) -> None:
+    """Start node daemons and queue servers, wait for a leader, write DIR/cluster.json."""
+    if nodes < 1 or queue_servers < 1:
+        raise click.BadParameter("need at least one node and one queue server")
+    try:
+        lc = LocalCluster.create(directory, nodes, queue_servers)
+    except FileExistsError as e:
+        raise click.ClickException(str(e)) from None
+    lc.start_all()
+    with err.status("waiting for a leader") as st:
+        try:
+            status = lc.wait_ready(timeout, progress=lambda s: st.update(f"waiting: {s}"))
+        except TimeoutError as e:
+            lc.down()
+            raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
+    err.print(
+        f"cluster up: {nodes} nodes, leader {status['leader']} (term {status['term']}); "
+        f"queue servers {', '.join(lc.servers)}; {lc.file}"
+    )
+    out.print(",".join(lc.servers))
+
+
+@cluster.command("status")
+@where
+@click.option("--json", "as_json", is_flag=True, help="machine-readable")
+def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """Leader, term, and each node's role and indexes."""
+    if cluster is not None:
+        try:
+            st = LocalCluster.load(cluster).status()
+        except FileNotFoundError as e:
+            raise click.ClickException(str(e)) from None
+    else:
+        st = gather_status(_servers(None, servers), [])
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    t = Table(title=f"leader {st['leader'] or '-'}, term {st['term']}")
+    for col in ("id", "address", "role", "term", "commit", "applied", "ready"):
+        t.add_column(col)
+    for n in st["nodes"]:
+        t.add_row(
+            str(n["id"]),
+            n["address"],
+            n["role"],
+            str(n["term"]),
+            str(n["commit_index"]),
+            str(n["applied_index"]),
+            "yes" if n["ready"] else "no",
+        )
+    out.print(t)
+    for q in st["queue_servers"]:
+        out.print(f"queue server {q['grpc']}" + (f" {q['http']}" if q.get("http") else ""))
+
+
+@cluster.command("kill")
+@click.argument("node")
+@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+def cluster_kill(node: str, directory: Path) -> None:
+    """SIGKILL one node of a local cluster."""
+    try:
+        n = LocalCluster.load(directory).kill(node)
+    except (FileNotFoundError, KeyError) as e:
+        raise click.ClickException(str(e)) from None
+    err.print(f"killed node {n.id}")
+
+
+@cluster.command("start")
+@click.argument("node")
+@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+def cluster_start(node: str, directory: Path) -> None:
+    """Start a stopped node of a local cluster again (with its data)."""
+    try:
+        n = LocalCluster.load(directory).start(node)
+    except (FileNotFoundError, KeyError) as e:
+        raise click.ClickException(str(e)) from None
+    err.print(f"started node {n.id} (pid {n.pid})")
+
+
+@cluster.command("down")
+@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+def cluster_down(directory: Path) -> None:
+    """Stop every process of a local cluster (data stays in DIR)."""
+    try:
+        lc = LocalCluster.load(directory)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    lc.down()
+    left = [p.pid for p in [*lc.nodes, *lc.queue_servers] if p.pid and alive(p.pid)]
+    err.print("cluster down" + (f"; still running: {left}" if left else ""))
+
+
+# --------------------------------------------------------------------- topics
+
+
+@cli.group()
+def topic() -> None:
+    """Create, list and describe topics (city regions)."""
+
+
+@topic.command("create")
+@click.argument("name")
+@click.option("--region", type=click.Path(exists=True, path_type=Path), help="GeoJSON Polygon file")
+@click.option("--bbox", help="MINLON,MINLAT,MAXLON,MAXLAT")
+@click.option("--partitions", type=int, default=0, help="default 8")
+@click.option("--retention-hours", type=float, default=0.0, help="default 168")
+@click.option("--h3-resolution", type=int, default=0, help="default 9")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_create(
+    name: str,
+    region: Path | None,
+    bbox: str | None,
+    partitions: int,
+    retention_hours: float,
+    h3_resolution: int,
+    cluster: Path | None,
+    servers: str | None,
+    as_json: bool,
+) -> None:
+    """Create a topic for a region."""
+    if (region is None) == (bbox is None):
+        raise click.UsageError("give exactly one of --region FILE.geojson or --bbox")
+    try:
+        if region is not None:
+            geo = parse_region(region.read_text())
+        else:
+            parts = [float(v) for v in (bbox or "").split(",")]
+            if len(parts) != 4:
+                raise RegionError("bbox needs four numbers")
+            geo = bbox_region(*parts)
+    except (RegionError, ValueError) as e:
+        raise click.BadParameter(str(e)) from None
+    with connection(cluster, servers) as conn:
+        d = Admin(conn).create_topic(
+            name, geo.geojson, partitions, int(retention_hours * 3600_000), h3_resolution
+        )
+    _print_topic(d, as_json)
+
+
+@topic.command("list")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_list(cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """The topics and their sizes."""
+    with connection(cluster, servers) as conn:
+        topics = Admin(conn).list_topics()
+    if as_json:
+        click.echo(json.dumps([_topic_doc(d) for d in topics], indent=2))
+        return
+    t = Table()
+    for col in ("name", "partitions", "pings", "bbox"):
+        t.add_column(col)
+    for d in topics:
+        doc = _topic_doc(d)
+        t.add_row(doc["name"], str(doc["partitions"]), f"{doc['pings']:,}", str(doc["bbox"]))
+    out.print(t)
+
+
+@topic.command("describe")
+@click.argument("name")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_describe(name: str, cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """One topic: its region, partitions and offsets."""
+    with connection(cluster, servers) as conn:
+        _print_topic(Admin(conn).describe(name), as_json)
+
+
+def _topic_doc(d: Any) -> dict[str, Any]:
+    spec = d.topic.spec
+    return {
+        "name": spec.name,
+        "id": d.topic.id,
+        "partitions": spec.partitions,
+        "retention_ms": spec.retention_ms,
+        "h3_resolution": spec.h3_resolution,
+        "bbox": [round(v, 6) for v in d.topic.bbox],
+        "region": json.loads(spec.region_geojson),
+        "pings": sum(p.next_offset - p.first_offset for p in d.partitions),
+        "offsets": [
+            {"partition": p.partition, "first": p.first_offset, "next": p.next_offset}
+            for p in d.partitions
+        ],
+    }
+
+
+def _print_topic(d: Any, as_json: bool) -> None:
+    doc = _topic_doc(d)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    out.print(
+        f"[bold]{doc['name']}[/] id {doc['id']}, {doc['partitions']} partitions, "
+        f"H3 {doc['h3_resolution']}, retention {doc['retention_ms'] / 3600_000:g} h, "
+        f"bbox {doc['bbox']}, {doc['pings']:,} pings"
+    )
+    for o in doc["offsets"]:
+        out.print(f"  partition {o['partition']}: offsets {o['first']}..{o['next']}")
+
+
+# ------------------------------------------------------------ produce/consume
+
+
+@cli.command()
+@click.argument("name")
+@click.option(
+    "--file",
+    "path",
+    type=click.Path(exists=True, path_type=Path),
+    required=True,
+    help="CSV (device_id,ts_ms,lat,lon,speed_mps,heading_deg), GPX or GeoJSON points",
+)
+@where
+@click.option("--json", "as_json", is_flag=True)
+def produce(
+    name: str, path: Path, cluster: Path | None, servers: str | None, as_json: bool
+) -> None:
+    """Send the pings of a file; prints how many were acknowledged."""
+    with connection(cluster, servers) as conn:
+        p = Producer(conn, name)
+        try:
+            with progress() as bar:
+                task = bar.add_task("producing", total=None)
+                for cols in read_pings(path):
+                    p.send_batch(cols)
+                    bar.update(task, advance=len(cols))
+        except InputError as e:
+            raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps({"acknowledged": p.acked}))
+    else:
+        out.print(f"{p.acked} pings acknowledged")
+
+
+@cli.command("simulate")
+@click.argument("name")
+@click.option("--vehicles", default=200, show_default=True)
+@click.option("--duration", default=300, show_default=True, help="seconds of driving to simulate")
+@click.option("--hotspot", multiple=True, help="LON,LAT of a jam (repeatable)")
+@click.option("--seed", default=1, show_default=True)
+@where
+@click.option("--json", "as_json", is_flag=True)
+def simulate_cmd(
+    name: str,
+    vehicles: int,
+    duration: int,
+    hotspot: tuple[str, ...],
+    seed: int,
+    cluster: Path | None,
+    servers: str | None,
+    as_json: bool,
+) -> None:
+    """Drive synthetic traffic along a street grid inside the topic's region
+    (faster than real time; slow traffic around hot spots)."""
+    try:
+        spots = tuple(tuple(float(v) for v in h.split(",")) for h in hotspot)
+        if any(len(s) != 2 for s in spots):
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter("--hotspot wants LON,LAT") from None
+    with connection(cluster, servers) as conn:
+        d = Admin(conn).describe(name)
+        region = parse_region(d.topic.spec.region_geojson)
+        spec = TrafficSpec(vehicles, duration, int(time.time() * 1000), spots, seed=seed)  # type: ignore[arg-type]
+        p = Producer(conn, name)
+        with progress() as bar:
+            task = bar.add_task("simulating", total=vehicles * duration)
+            for cols in simulate(region, spec):
+                if len(cols):
+                    p.send_batch(cols)
+                bar.update(task, advance=vehicles * 10)
+    if as_json:
+        click.echo(
+            json.dumps({"acknowledged": p.acked, "vehicles": vehicles, "duration_s": duration})
+        )
+    else:
+        out.print(f"{p.acked} pings acknowledged from {vehicles} vehicles over {duration} s")
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--partition", type=int, help="one partition (default: all)")
+@click.option("--offset", type=int, help="start here")
+@click.option("--from-beginning", is_flag=True, help="start at the oldest retained ping")
+@click.option("--limit", type=int, help="at most this many pings per partition")
+@click.option(
+    "--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="csv", show_default=True
+)
+@where
+def consume(
+    name: str,
+    partition: int | None,
+    offset: int | None,
+    from_beginning: bool,
+    limit: int | None,
+    fmt: str,
+    cluster: Path | None,
+    servers: str | None,
+) -> None:
+    """Read pings up to the current end and print them."""
+    if offset is not None and from_beginning:
+        raise click.UsageError("--offset and --from-beginning exclude each other")
+    with connection(cluster, servers) as conn:
+        d = Admin(conn).describe(name)
+        parts = [partition] if partition is not None else list(range(d.topic.spec.partitions))
+        if any(p < 0 or p >= d.topic.spec.partitions for p in parts):
+            raise click.BadParameter(f"partition must be in 0..{d.topic.spec.partitions - 1}")
+        c = Consumer(conn, name)
+        writer = csv.writer(sys.stdout) if fmt == "csv" else None
+        if writer is not None:
+            writer.writerow(
+                [
+                    "partition",
+                    "offset",
+                    "device_id",
+                    "ts_ms",
+                    "lat",
+                    "lon",
+                    "speed_mps",
+                    "heading_deg",
+                    "accuracy_m",
+                ]
+            )
+        for p in parts:
+            info = d.partitions[p]
+            start = info.first_offset if (from_beginning or offset is None) else offset
+            c.seek(p, start)
+            for b in c.read_to_end(p, limit):
+                _emit(b, writer)
+
+
+def _emit(b: Any, writer: Any) -> None:
+    cols = b.pings
+    dev = cols.device_of()
+    for i in range(len(cols)):
+        row = [
+            b.partition,
+            b.base_offset + i,
+            dev[i],
+            int(cols.ts_ms[i]),
+            float(cols.lat[i]),
+            float(cols.lon[i]),
+            _f(cols.speed_mps[i]),
+            _f(cols.heading_deg[i]),
+            _f(cols.accuracy_m[i]),
+        ]
+        if writer is not None:
+            writer.writerow(["" if v is None else v for v in row])
+        else:
+            keys = [
+                "partition",
+                "offset",
+                "device_id",
+                "ts_ms",
+                "lat",
+                "lon",
+                "speed_mps",
+                "heading_deg",
+                "accuracy_m",
+            ]
+            click.echo(json.dumps(dict(zip(keys, row, strict=True))))
+
+
+def _f(v: Any) -> float | None:
+    x = float(v)
+    return None if math.isnan(x) else round(x, 3)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

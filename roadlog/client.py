@@ -1,0 +1,343 @@
+"""The client library: Admin, Producer and Consumer over the gRPC API.
+
+A Connection holds channels to one or more queue servers and fails over
+between them. Calls that may succeed later (no leader during an election, a
+queue server down, queues full) are retried with backoff until the caller's
+deadline; others raise at once with the server's reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf.message import Message
+
+from roadlog import columnar
+from roadlog.columnar import PingColumns
+from roadlog.v1 import client_pb2, client_pb2_grpc, pings_pb2, topics_pb2
+
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+M = TypeVar("M", bound=Message)
+
+
+class RoadlogError(Exception):
+    """A request failed; ``code`` is the gRPC status, the message the reason."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.reason = message
+
+
+class NotFound(RoadlogError):
+    pass
+
+
+class InvalidArgument(RoadlogError):
+    pass
+
+
+class Unavailable(RoadlogError):
+    """No answer before the deadline: no leader, no majority, or no server."""
+
+
+def _error(code: grpc.StatusCode, message: str) -> RoadlogError:
+    cls = {
+        grpc.StatusCode.NOT_FOUND: NotFound,
+        grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+        grpc.StatusCode.UNAVAILABLE: Unavailable,
+        grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    }.get(code, RoadlogError)
+    return cls(code, message)
+
+
+def servers_from_env(value: str | None = None) -> list[str]:
+    raw = value if value is not None else os.environ.get("ROADLOG_SERVERS", "")
+    return [s.strip() for s in raw.split(",") if s.strip()]
+
+
+def client_id() -> str:
+    """ROADLOG_CLIENT_ID, or an id made once and kept in the user's config dir."""
+    env = os.environ.get("ROADLOG_CLIENT_ID")
+    if env:
+        return env
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "roadlog"
+    path = base / "client_id"
+    try:
+        return path.read_text().strip()
+    except OSError:
+        cid = f"client-{uuid.uuid4().hex[:16]}"
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            path.write_text(cid + "\n")
+        except OSError:
+            pass
+        return cid
+
+
+class Connection:
+    def __init__(self, servers: Sequence[str], timeout: float = 30.0) -> None:
+        if not servers:
+            raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
+        self.servers = list(servers)
+        self.timeout = timeout
+        opts = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
+        self.channels = [grpc.insecure_channel(s, options=opts) for s in self.servers]
+        self.stubs = [client_pb2_grpc.RoadlogStub(c) for c in self.channels]
+        self._current = 0
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, method: str, request: Message, timeout: float | None = None) -> Any:
+        """Call ``method``; retry retryable failures (on the next queue
+        server) until ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        delay = 0.02
+        last: grpc.RpcError | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            stub = self.stubs[self._current]
+            try:
+                return getattr(stub, method)(request, timeout=left)
+            except grpc.RpcError as e:
+                code = e.code()
+                if code not in RETRYABLE:
+                    raise _error(code, e.details() or "") from None
+                last = e
+                self._current = (self._current + 1) % len(self.stubs)
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 1.0)
+        if last is not None:
+            raise _error(grpc.StatusCode.UNAVAILABLE, last.details() or "no answer") from None
+        raise _error(grpc.StatusCode.UNAVAILABLE, "no time left")
+
+
+class Admin:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def create_topic(
+        self,
+        name: str,
+        region_geojson: str,
+        partitions: int = 0,
+        retention_ms: int = 0,
+        h3_resolution: int = 0,
+    ) -> topics_pb2.TopicDescription:
+        spec = topics_pb2.TopicSpec(
+            name=name,
+            region_geojson=region_geojson,
+            partitions=partitions,
+            retention_ms=retention_ms,
+            h3_resolution=h3_resolution,
+        )
+        return self.conn.call("CreateTopic", client_pb2.CreateTopicRequest(spec=spec))  # type: ignore[no-any-return]
+
+    def describe(self, name: str) -> topics_pb2.TopicDescription:
+        return self.conn.call("DescribeTopic", client_pb2.DescribeTopicRequest(name=name))  # type: ignore[no-any-return]
+
+    def list_topics(self) -> list[topics_pb2.TopicDescription]:
+        return list(self.conn.call("ListTopics", client_pb2.ListTopicsRequest()).topics)
+
+    def delete_topic(self, name: str) -> bool:
+        return bool(self.conn.call("DeleteTopic", client_pb2.DeleteTopicRequest(name=name)).deleted)
+
+    def status(self) -> client_pb2.ClusterStatus:
+        return self.conn.call("Status", client_pb2.StatusRequest(), timeout=5)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Where a batch went, per partition: (partition, base offset, count)."""
+
+    offsets: list[tuple[int, int, int]]
+    applied_index: int
+    duplicate: bool
+
+    @property
+    def count(self) -> int:
+        return sum(c for _, _, c in self.offsets)
+
+
+class Producer:
+    """Publishes pings to one topic, in batches, idempotently.
+
+    ``send`` buffers one ping; a batch goes out when it holds ``batch_pings``
+    pings or ``batch_bytes`` bytes, or when ``linger_s`` has passed since its
+    first ping (checked on each call), or on ``flush``. ``send_batch`` sends
+    columns at once. Each batch gets the next sequence number; retries of it
+    (after a timeout, an election or a queue server failure) are stored once.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        topic: str,
+        *,
+        batch_pings: int = 5000,
+        batch_bytes: int = 1 << 20,
+        linger_s: float = 0.05,
+        deadline_s: float = 30.0,
+        idempotent: bool = True,
+        client: str | None = None,
+    ) -> None:
+        self.conn = conn
+        self.topic = topic
+        self.batch_pings = batch_pings
+        self.batch_bytes = batch_bytes
+        self.linger_s = linger_s
+        self.deadline_s = deadline_s
+        self.client_id = client or client_id()
+        self.producer_id = 0
+        if idempotent:
+            resp = conn.call(
+                "InitProducer", client_pb2.InitProducerRequest(client_id=self.client_id)
+            )
+            self.producer_id = int(resp.producer_id)
+        self.sequence = 0
+        self.acked = 0
+        self._rows: list[tuple[str, int, float, float, float, float, float]] = []
+        self._first_at = 0.0
+
+    def send(
+        self,
+        device_id: str,
+        ts_ms: int,
+        lat: float,
+        lon: float,
+        speed_mps: float = math.nan,
+        heading_deg: float = math.nan,
+        accuracy_m: float = math.nan,
+    ) -> Ack | None:
+        if not self._rows:
+            self._first_at = time.monotonic()
+        self._rows.append((device_id, ts_ms, lat, lon, speed_mps, heading_deg, accuracy_m))
+        if (
+            len(self._rows) >= self.batch_pings
+            or len(self._rows) * 48 >= self.batch_bytes
+            or (time.monotonic() - self._first_at >= self.linger_s)
+        ):
+            return self.flush()
+        return None
+
+    def flush(self) -> Ack | None:
+        if not self._rows:
+            return None
+        rows, self._rows = self._rows, []
+        dev, ts, lat, lon, sp, hd, ac = zip(*rows, strict=True)
+        return self.send_batch(PingColumns.from_columns(list(dev), ts, lat, lon, sp, hd, ac))
+
+    def send_batch(self, cols: PingColumns) -> Ack:
+        """Publish columns as one batch; returns once it is stored on a majority."""
+        self.sequence += 1
+        req = client_pb2.PublishRequest(
+            topic=self.topic,
+            client_id=self.client_id,
+            producer_id=self.producer_id,
+            sequence=self.sequence,
+            batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
+        )
+        resp = self.conn.call("Publish", req, timeout=self.deadline_s)
+        ack = Ack(
+            [(o.partition, o.base_offset, o.count) for o in resp.offsets],
+            resp.applied_index,
+            resp.duplicate,
+        )
+        self.acked += ack.count
+        return ack
+
+    def close(self) -> None:
+        self.flush()
+
+
+@dataclass(frozen=True)
+class Fetched:
+    partition: int
+    base_offset: int
+    append_ms: int
+    pings: PingColumns
+
+
+class Consumer:
+    """Reads one topic by partition and offset."""
+
+    def __init__(self, conn: Connection, topic: str) -> None:
+        self.conn = conn
+        self.topic = topic
+        self.positions: dict[int, int] = {}
+        self.min_applied_index = 0
+
+    def seek(self, partition: int, offset: int) -> None:
+        self.positions[partition] = offset
+
+    def fetch(
+        self, partition: int, max_pings: int = 10_000
+    ) -> tuple[list[Fetched], client_pb2.FetchResponse]:
+        offset = self.positions.get(partition, 0)
+        req = client_pb2.FetchRequest(
+            topic=self.topic,
+            partition=partition,
+            offset=offset,
+            max_pings=max_pings,
+            min_applied_index=self.min_applied_index,
+        )
+        resp = self.conn.call("Fetch", req)
+        out = [
+            Fetched(
+                partition, b.base_offset, b.append_ms, columnar.decode(b.batch.SerializeToString())
+            )
+            for b in resp.batches
+        ]
+        self.positions[partition] = resp.next_offset
+        return out, resp
+
+    def read_to_end(self, partition: int, limit: int | None = None) -> Iterator[Fetched]:
+        """Every batch from the current position to the partition's end as it
+        was when each fetch was answered."""
+        got = 0
+        while True:
+            batches, resp = self.fetch(partition)
+            for b in batches:
+                if limit is not None and got + len(b.pings) > limit:
+                    keep = limit - got
+                    if keep > 0:
+                        yield Fetched(
+                            b.partition, b.base_offset, b.append_ms, b.pings.take(np.arange(keep))
+                        )
+                    self.positions[partition] = b.base_offset + keep
+                    return
+                got += len(b.pings)
+                yield b
+            if not batches or resp.next_offset >= resp.end_offset:
+                return
+
+
+def jitter(seconds: float) -> float:
+    return seconds * (0.5 + random.random())

@@ -1,0 +1,357 @@
+"""A cluster of real processes on 127.0.0.1, described by DIR/cluster.json.
+
+``up`` starts N node daemons and M queue servers (each in its own session,
+logging to DIR/logs), waits for a leader and writes cluster.json; ``kill``
+SIGKILLs one node, ``start`` starts it again with the same arguments,
+``down`` stops everything (SIGTERM, then SIGKILL after a grace period).
+Only processes recorded in cluster.json are ever signalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from roadlog.v1 import admin_pb2_grpc, client_pb2, client_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: str
+    pid: int = 0
+
+
+@dataclass
+class NodeInfo(Proc):
+    id: int = 0
+    address: str = ""
+    metrics_port: int = 0
+    data_dir: str = ""
+
+
+@dataclass
+class QueueInfo(Proc):
+    grpc: str = ""
+    http: str = ""
+    metrics_port: int = 0
+
+
+@dataclass
+class LocalCluster:
+    dir: Path
+    nodes: list[NodeInfo] = field(default_factory=list)
+    queue_servers: list[QueueInfo] = field(default_factory=list)
+    secret_file: str = ""
+
+    # ---------------------------------------------------------------- files
+
+    @property
+    def file(self) -> Path:
+        return self.dir / "cluster.json"
+
+    def save(self) -> None:
+        doc = {
+            "nodes": [asdict(n) for n in self.nodes],
+            "queue_servers": [asdict(q) for q in self.queue_servers],
+            "secret_file": self.secret_file,
+        }
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, self.file)
+
+    @classmethod
+    def load(cls, directory: Path) -> LocalCluster:
+        f = directory / "cluster.json"
+        try:
+            doc = json.loads(f.read_text())
+        except OSError:
+            raise FileNotFoundError(f"no cluster at {directory} (no cluster.json)") from None
+        return cls(
+            directory,
+            [NodeInfo(**n) for n in doc["nodes"]],
+            [QueueInfo(**q) for q in doc["queue_servers"]],
+            doc.get("secret_file", ""),
+        )
+
+    @property
+    def servers(self) -> list[str]:
+        return [q.grpc for q in self.queue_servers]
+
+    # ------------------------------------------------------------ creating
+
+    @classmethod
+    def create(
+        cls,
+        directory: Path,
+        nodes: int = 3,
+        queue_servers: int = 1,
+        extra_node_args: list[str] | None = None,
+    ) -> LocalCluster:
+        directory = directory.resolve()
+        if (directory / "cluster.json").exists():
+            raise FileExistsError(f"{directory} already holds a cluster; `cluster down` first")
+        (directory / "logs").mkdir(parents=True, exist_ok=True)
+        secret = directory / "secret"
+        secret.write_text(secrets.token_hex(16) + "\n")
+        secret.chmod(0o600)
+        lc = cls(directory, secret_file=str(secret))
+        py = sys.executable
+        for _ in range(queue_servers):
+            port, mport = free_port(), free_port()
+            i = len(lc.queue_servers) + 1
+            lc.queue_servers.append(
+                QueueInfo(
+                    name=f"q{i}",
+                    argv=[
+                        py,
+                        "-m",
+                        "queue_server.main",
+                        "run",
+                        "--listen",
+                        f"127.0.0.1:{port}",
+                        "--metrics-port",
+                        str(mport),
+                        "--secret-file",
+                        str(secret),
+                    ],
+                    log=str(directory / "logs" / f"q{i}.log"),
+                    grpc=f"127.0.0.1:{port}",
+                    metrics_port=mport,
+                )
+            )
+        ports = {i: free_port() for i in range(1, nodes + 1)}
+        peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
+        qlist = ",".join(lc.servers)
+        for i, port in ports.items():
+            mport = free_port()
+            data = directory / f"node{i}"
+            lc.nodes.append(
+                NodeInfo(
+                    name=f"n{i}",
+                    argv=[
+                        py,
+                        "-m",
+                        "node_daemon.main",
+                        "run",
+                        "--node-id",
+                        str(i),
+                        "--data-dir",
+                        str(data),
+                        "--listen",
+                        f"127.0.0.1:{port}",
+                        "--peers",
+                        peers,
+                        "--metrics-port",
+                        str(mport),
+                        "--queue-servers",
+                        qlist,
+                        "--secret-file",
+                        str(secret),
+                        *(extra_node_args or []),
+                    ],
+                    log=str(directory / "logs" / f"n{i}.log"),
+                    id=i,
+                    address=f"127.0.0.1:{port}",
+                    metrics_port=mport,
+                    data_dir=str(data),
+                )
+            )
+        return lc
+
+    def spawn(self, p: Proc) -> None:
+        with open(p.log, "ab") as log:
+            proc = subprocess.Popen(
+                p.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=str(Path(__file__).resolve().parents[1]),
+            )
+        p.pid = proc.pid
+
+    def start_all(self) -> None:
+        for p in [*self.queue_servers, *self.nodes]:
+            self.spawn(p)
+        self.save()
+
+    # ------------------------------------------------------------- control
+
+    def node(self, ident: str | int) -> NodeInfo:
+        for n in self.nodes:
+            if str(ident) in (str(n.id), n.name):
+                return n
+        raise KeyError(f"no node {ident!r} in {self.file}")
+
+    def kill(self, ident: str | int, sig: int = signal.SIGKILL) -> NodeInfo:
+        n = self.node(ident)
+        if n.pid and alive(n.pid):
+            os.kill(n.pid, sig)
+            wait_dead(n.pid, 10)
+        n.pid = 0
+        self.save()
+        return n
+
+    def start(self, ident: str | int) -> NodeInfo:
+        n = self.node(ident)
+        if n.pid and alive(n.pid):
+            return n
+        self.spawn(n)
+        self.save()
+        return n
+
+    def down(self, grace: float = 5.0) -> None:
+        procs = [p for p in [*self.nodes, *self.queue_servers] if p.pid and alive(p.pid)]
+        for p in procs:
+            os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            if not wait_dead(p.pid, max(0.0, deadline - time.monotonic())):
+                os.kill(p.pid, signal.SIGKILL)
+                wait_dead(p.pid, 5)
+        for p in [*self.nodes, *self.queue_servers]:
+            p.pid = 0
+        self.file.unlink(missing_ok=True)
+
+    # -------------------------------------------------------------- status
+
+    def status(self, timeout: float = 2.0) -> dict[str, Any]:
+        ids = {n.address: n.id for n in self.nodes}
+        return gather_status(self.servers, list(ids), timeout, ids)
+
+    def wait_ready(
+        self, timeout: float = 60.0, progress: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
+        """Wait until a leader exists and every running node is ready."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            last = self.status()
+            running = [n for n in self.nodes if n.pid and alive(n.pid)]
+            ready = [n for n in last["nodes"] if n.get("ready")]
+            if last.get("leader") and len(ready) >= len(running):
+                return last
+            if progress is not None:
+                progress(f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)}")
+            time.sleep(0.2)
+        raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def wait_dead(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.02)
+    return not alive(pid)
+
+
+def node_view(address: str, timeout: float) -> dict[str, Any] | None:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return None
+    n = st.nodes[0]
+    return {
+        "id": n.id,
+        "address": n.address,
+        "role": n.role,
+        "term": n.term,
+        "commit_index": n.commit_index,
+        "applied_index": n.applied_index,
+        "leader": n.leader,
+        "ready": n.ready,
+    }
+
+
+def gather_status(
+    servers: list[str], node_addresses: list[str], timeout: float = 2.0
+) -> dict[str, Any]:
+    """leader, term, nodes (id, address, role, commit_index, applied_index)
+    and queue_servers (grpc, http), from whatever answers."""
+    out: dict[str, Any] = {"leader": 0, "term": 0, "nodes": [], "queue_servers": []}
+    known: dict[int, dict[str, Any]] = {}
+    for s in servers:
+        try:
+            with grpc.insecure_channel(s) as ch:
+                st = client_pb2_grpc.RoadlogStub(ch).Status(
+                    client_pb2.StatusRequest(), timeout=timeout
+                )
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                node_addresses = [*node_addresses, s]  # it is a node, not a queue server
+            out["queue_servers"].append({"grpc": s, "http": "", "up": False})
+            continue
+        out["queue_servers"].append(
+            {"grpc": s, "http": st.queue_servers[0].http if st.queue_servers else "", "up": True}
+        )
+        for ns in st.nodes:
+            known.setdefault(ns.id, {"id": ns.id, "address": ns.address})
+            node_addresses = [*node_addresses, ns.address]
+    out["queue_servers"] = [
+        q for q in out["queue_servers"] if q["up"] or q["grpc"] not in node_addresses
+    ]
+    for addr in dict.fromkeys(node_addresses):
+        view = node_view(addr, timeout)
+        if view is not None:
+            known[view["id"]] = view
+        else:
+            for k, v in known.items():
+                if v["address"] == addr and "role" not in v:
+                    known[k] = {**v, "role": "down", "ready": False}
+            if not any(v["address"] == addr for v in known.values()):
+                known[-len(known) - 1] = {"id": 0, "address": addr, "role": "down", "ready": False}
+    nodes = sorted(known.values(), key=lambda v: (v["id"] == 0, v["id"]))
+    for n in nodes:
+        n.setdefault("role", "down")
+        n.setdefault("term", 0)
+        n.setdefault("commit_index", 0)
+        n.setdefault("applied_index", 0)
+        n.setdefault("ready", False)
+    leaders = [n for n in nodes if n["role"] == "leader"]
+    if leaders:
+        best = max(leaders, key=lambda n: n["term"])
+        out["leader"], out["term"] = best["id"], best["term"]
+    else:
+        out["term"] = max((n["term"] for n in nodes), default=0)
+    out["nodes"] = nodes
+    return out
