@@ -304,7 +304,10 @@ def node_view(address: str, timeout: float) -> dict[str, Any] | None:
 
 
 def gather_status(
-    servers: list[str], node_addresses: list[str], timeout: float = 2.0
+    servers: list[str],
+    node_addresses: list[str],
+    timeout: float = 2.0,
+    ids: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """leader, term, nodes (id, address, role, commit_index, applied_index)
     and queue_servers (grpc, http), from whatever answers."""
@@ -339,7 +342,9 @@ def gather_status(
                 if v["address"] == addr and "role" not in v:
                     known[k] = {**v, "role": "down", "ready": False}
             if not any(v["address"] == addr for v in known.values()):
-                known[-len(known) - 1] = {"id": 0, "address": addr, "role": "down", "ready": False}
+                nid = (ids or {}).get(addr, 0)
+                key = nid or -len(known) - 1
+                known[key] = {"id": nid, "address": addr, "role": "down", "ready": False}
     nodes = sorted(known.values(), key=lambda v: (v["id"] == 0, v["id"]))
     for n in nodes:
         n.setdefault("role", "down")
