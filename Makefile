@@ -7,7 +7,7 @@ SEEDS  ?= 200
 START  ?= 0
 JOBS   ?= $(shell nproc)
 
-.PHONY: proto setup lint typecheck test test-unit test-simulation sim bench lock clean
+.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration sim bench lock clean
 
 setup:
 	./scripts/setup.sh
@@ -28,7 +28,10 @@ test-unit: setup
 test-simulation: setup
 	$(PYTEST) -m simulation tests/simulation
 
-test: lint typecheck test-unit test-simulation
+test-integration: setup
+	$(PYTEST) -m integration tests/integration
+
+test: lint typecheck test-unit test-simulation test-integration
 
 sim: setup
 	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS) $(SIMFLAGS)

@@ -119,9 +119,10 @@ class Connection:
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         delay = 0.02
         last: grpc.RpcError | None = None
+        reason = ""  # the most telling reason a server gave
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0.05 or (last is not None and left <= 0.25):
                 break
             stub = self.stubs[self._current]
             try:
@@ -131,11 +132,14 @@ class Connection:
                 if code not in RETRYABLE:
                     raise _error(code, e.details() or "") from None
                 last = e
+                if e.details() and e.details() != "Deadline Exceeded":
+                    reason = e.details() or ""
                 self._current = (self._current + 1) % len(self.stubs)
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 1.0)
         if last is not None:
-            raise _error(grpc.StatusCode.UNAVAILABLE, last.details() or "no answer") from None
+            why = reason or last.details() or "no answer"
+            raise _error(grpc.StatusCode.UNAVAILABLE, why) from None
         raise _error(grpc.StatusCode.UNAVAILABLE, "no time left")
 
 

@@ -1,0 +1,137 @@
+"""Real processes on loopback: local clusters made and always torn down."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from roadlog.client import Admin, Connection, Consumer, Producer, RoadlogError
+from roadlog.columnar import PingColumns
+from roadlog.geo import bbox_region
+from roadlog.localcluster import LocalCluster
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    made: list[LocalCluster] = []
+
+    def make(
+        nodes: int = 3, queue_servers: int = 1, extra: list[str] | None = None
+    ) -> LocalCluster:
+        lc = LocalCluster.create(tmp_path / f"c{len(made)}", nodes, queue_servers, extra)
+        made.append(lc)
+        lc.start_all()
+        lc.wait_ready(60)
+        return lc
+
+    yield make
+    for lc in made:
+        lc.down(grace=3)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def make_pings(producer: str, start: int, n: int, devices: int = 4) -> PingColumns:
+    """Pings whose (device, ts) names them uniquely; ts grows per device."""
+    now = int(time.time() * 1000)
+    ts = now - 3_600_000 + np.arange(start, start + n)
+    return PingColumns.from_columns(
+        [f"{producer}-d{i % devices}" for i in range(start, start + n)],
+        ts,
+        (48.1 + (np.arange(n) % 100) * 1e-4).astype(np.float64),
+        (11.5 + (np.arange(n) % 100) * 1e-4).astype(np.float64),
+        speed_mps=np.full(n, 10.0, dtype=np.float32),
+    )
+
+
+@dataclass
+class ProducerRun:
+    """A producer thread that sends batches until stopped and records what
+    was acknowledged."""
+
+    conn: Connection
+    topic: str
+    name: str
+    batch: int = 200
+    acked: list[tuple[str, int]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    deadline_s: float = 30.0
+
+    def start(self) -> ProducerRun:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        p = Producer(self.conn, self.topic, deadline_s=self.deadline_s, client=self.name)
+        sent = 0
+        while not self.stop.is_set():
+            cols = make_pings(self.name, sent, self.batch)
+            sent += self.batch  # a failed batch is given up: its pings are never sent again
+            try:
+                p.send_batch(cols)
+            except RoadlogError as e:
+                self.errors.append(str(e))
+                continue
+            dev = cols.device_of()
+            self.acked += list(zip(dev.tolist(), cols.ts_ms.tolist(), strict=True))
+
+    def join(self) -> None:
+        self.stop.set()
+        assert self.thread is not None
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive(), "producer did not stop"
+
+
+def read_topic(conn: Connection, topic: str) -> dict[int, list[tuple[str, int]]]:
+    """Every stored ping of a topic, per partition, in offset order."""
+    d = Admin(conn).describe(topic)
+    out: dict[int, list[tuple[str, int]]] = {}
+    c = Consumer(conn, topic)
+    for p in range(d.topic.spec.partitions):
+        c.seek(p, d.partitions[p].first_offset)
+        rows: list[tuple[str, int]] = []
+        for b in c.read_to_end(p):
+            assert b.base_offset == d.partitions[p].first_offset + len(rows), "offsets not dense"
+            rows += list(zip(b.pings.device_of().tolist(), b.pings.ts_ms.tolist(), strict=True))
+        out[p] = rows
+    return out
+
+
+def assert_exactly_once_in_order(
+    stored: dict[int, list[tuple[str, int]]], acked: list[tuple[str, int]]
+) -> None:
+    all_rows = [r for rows in stored.values() for r in rows]
+    counts: dict[tuple[str, int], int] = {}
+    for r in all_rows:
+        counts[r] = counts.get(r, 0) + 1
+    dup = [r for r, c in counts.items() if c > 1]
+    assert not dup, f"{len(dup)} pings stored twice, e.g. {dup[:3]}"
+    missing = [r for r in acked if r not in counts]
+    assert not missing, f"{len(missing)} acknowledged pings lost, e.g. {missing[:3]}"
+    for rows in stored.values():
+        last: dict[str, int] = {}
+        for dev, ts in rows:
+            assert ts > last.get(dev, -1), f"device {dev} out of order"
+            last[dev] = ts
+
+
+def create_topic(conn: Connection, name: str = "munich", partitions: int = 4) -> None:
+    Admin(conn).create_topic(name, REGION, partitions)

@@ -1,0 +1,236 @@
+"""The replicated GPS log with real processes on loopback: producers,
+consumers, nodes killed with SIGKILL, a wiped node, bad input."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from roadlog.client import Admin, Connection, Producer, Unavailable
+from roadlog.localcluster import LocalCluster, alive
+from roadlog.v1 import admin_pb2, admin_pb2_grpc
+from tests.integration.conftest import (
+    ProducerRun,
+    assert_exactly_once_in_order,
+    create_topic,
+    make_pings,
+    read_topic,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+MakeCluster = Callable[..., LocalCluster]
+
+
+def run_producers(conn: Connection, topic: str, n: int, seconds: float) -> list[ProducerRun]:
+    runs = [ProducerRun(conn, topic, f"p{i}").start() for i in range(n)]
+    wait_for(lambda: all(len(r.acked) >= 400 for r in runs), 60, "producers to make progress")
+    time.sleep(seconds)
+    for r in runs:
+        r.join()
+    return runs
+
+
+@pytest.mark.parametrize(("producers", "consumers", "nodes"), [(1, 1, 1), (1, 1, 3), (2, 2, 3)])
+def test_seed_matrix(make_cluster: MakeCluster, producers: int, consumers: int, nodes: int) -> None:
+    lc = make_cluster(nodes=nodes)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        runs = run_producers(conn, "munich", producers, 1.0)
+        acked = [r for run in runs for r in run.acked]
+        assert all(not r.errors for r in runs)
+        views = [read_topic(conn, "munich") for _ in range(consumers)]
+    for v in views:
+        assert_exactly_once_in_order(v, acked)
+        assert v == views[0]
+
+
+@pytest.mark.parametrize("victim", ["follower", "leader"])
+def test_a_killed_node_does_not_lose_acknowledged_pings(
+    make_cluster: MakeCluster, victim: str
+) -> None:
+    lc = make_cluster(nodes=3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        runs = [ProducerRun(conn, "munich", f"p{i}").start() for i in range(2)]
+        wait_for(lambda: all(len(r.acked) >= 400 for r in runs), 60, "producers to start")
+        st = lc.status()
+        leader = st["leader"]
+        target = (
+            leader
+            if victim == "leader"
+            else next(n["id"] for n in st["nodes"] if n["id"] != leader)
+        )
+        lc.kill(target)
+        before = sum(len(r.acked) for r in runs)
+        wait_for(lambda: sum(len(r.acked) for r in runs) > before + 2000, 60, "writes to go on")
+        if victim == "leader":
+            wait_for(lambda: lc.status()["leader"] not in (0, target), 30, "a new leader")
+        for r in runs:
+            r.join()
+        acked = [x for r in runs for x in r.acked]
+        assert_exactly_once_in_order(read_topic(conn, "munich"), acked)
+        lc.start(target)
+        lc.wait_ready(60)
+
+
+def test_every_node_killed_gives_a_clear_error_then_nothing_is_lost(
+    make_cluster: MakeCluster,
+) -> None:
+    lc = make_cluster(nodes=3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        p = Producer(conn, "munich", deadline_s=3.0)
+        acked = []
+        for k in range(5):
+            cols = make_pings("p", k * 100, 100)
+            p.send_batch(cols)
+            acked += list(zip(cols.device_of().tolist(), cols.ts_ms.tolist(), strict=True))
+        for n in lc.nodes:
+            lc.kill(n.id)
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match=r"no node|no leader|deadline"):
+            p.send_batch(make_pings("p", 10_000, 10))
+        assert time.monotonic() - t0 < 30
+        for n in lc.nodes:
+            lc.start(n.id)
+        lc.wait_ready(60)
+        assert_exactly_once_in_order(read_topic(conn, "munich"), acked)
+
+
+def test_many_producers_and_topics_survive_a_whole_cluster_sigkill(
+    make_cluster: MakeCluster,
+) -> None:
+    lc = make_cluster(nodes=3)
+    topics = ["munich", "berlin", "vienna"]
+    with Connection(lc.servers) as conn:
+        for t in topics:
+            create_topic(conn, t)
+        runs = [ProducerRun(conn, topics[i % 3], f"p{i}", deadline_s=60).start() for i in range(5)]
+        wait_for(lambda: all(len(r.acked) >= 200 for r in runs), 60, "producers to start")
+        for n in lc.nodes:
+            lc.kill(n.id)
+        for n in lc.nodes:
+            lc.start(n.id)
+        lc.wait_ready(60)
+        before = sum(len(r.acked) for r in runs)
+        wait_for(lambda: sum(len(r.acked) for r in runs) > before + 1000, 60, "writes to resume")
+        for r in runs:
+            r.join()
+        for t in topics:
+            views = [read_topic(conn, t) for _ in range(3)]  # three consumers
+            acked = [x for i, r in enumerate(runs) if topics[i % 3] == t for x in r.acked]
+            for v in views:
+                assert_exactly_once_in_order(v, acked)
+
+
+def digest(address: str) -> tuple[int, bytes]:
+    with grpc.insecure_channel(address) as ch:
+        r = admin_pb2_grpc.AdminStub(ch).StateDigest(admin_pb2.StateDigestRequest(), timeout=10)
+    return r.applied_index, r.sha256
+
+
+def test_a_wiped_node_catches_up_by_snapshot_and_ends_byte_identical(
+    make_cluster: MakeCluster,
+) -> None:
+    import shutil
+
+    lc = make_cluster(nodes=3, extra=["--snapshot-entries", "20"])
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        victim = next(n for n in lc.nodes if n.id != lc.status()["leader"])
+        lc.kill(victim.id)
+        shutil.rmtree(victim.data_dir)
+        p = Producer(conn, "munich")
+        for k in range(60):
+            p.send_batch(make_pings("p", k * 500, 500))
+        lc.start(victim.id)
+        target = lc.status()["nodes"]
+        want = max(n["applied_index"] for n in target)
+
+        def caught_up() -> bool:
+            try:
+                return bool(digest(victim.address)[0] >= want)
+            except grpc.RpcError:
+                return False  # not serving yet
+
+        wait_for(caught_up, 60, "the wiped node to catch up")
+        snaps = list((lc.dir / f"node{victim.id}" / "snapshots").glob("*.mdb"))
+        assert snaps, "the wiped node did not get a snapshot"
+        wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "identical replicas")
+
+
+def test_bad_input_gets_clear_errors_and_changes_nothing(make_cluster: MakeCluster) -> None:
+    from roadlog.client import InvalidArgument, NotFound
+    from roadlog.v1 import client_pb2, client_pb2_grpc, pings_pb2, topics_pb2
+
+    lc = make_cluster(nodes=3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        Producer(conn, "munich").send_batch(make_pings("p", 0, 100))
+        p = Producer(conn, "munich")  # producer ids are state too: allocate them first
+        lost = Producer(conn, "nowhere")
+        wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "replicas to agree")
+        before = {digest(n.address) for n in lc.nodes}
+        assert len(before) == 1
+        admin = Admin(conn)
+        bad_regions = [
+            "not json",
+            '{"type": "Polygon", "coordinates": [[[0, 0], [1, 0], [1, 1]]]}',
+            '{"type": "Polygon", "coordinates": [[[0, 0], [1, 1], [1, 0], [0, 1], [0, 0]]]}',
+            '{"type": "Polygon", "coordinates": [[[0, 0], [500, 0], [1, 1], [0, 0]]]}',
+        ]
+        for region in bad_regions:
+            with pytest.raises(InvalidArgument):
+                admin.create_topic("bad", region)
+        with pytest.raises(InvalidArgument, match="topic name"):
+            admin.create_topic("Bad Name!", admin.describe("munich").topic.spec.region_geojson)
+        with pytest.raises(NotFound):
+            admin.describe("nowhere")
+        with pytest.raises(NotFound):
+            lost.send_batch(make_pings("q", 0, 10))
+        far = make_pings("q", 0, 10)
+        far.lat[3] = 10.0  # outside the region
+        far.lon[5] = 500.0  # impossible
+        with pytest.raises(InvalidArgument) as e:
+            p.send_batch(far)
+        assert "#3" in str(e.value) and "#5" in str(e.value)
+        with pytest.raises(InvalidArgument, match="more than"):
+            p.send_batch(make_pings("q", 0, 100_001))
+        stub = client_pb2_grpc.RoadlogStub(conn.channels[0])
+        raw = client_pb2.PublishRequest(topic="munich")
+        raw.batch.CopyFrom(pings_pb2.PingBatch(lat=[1.0, 2.0], lon=[1.0]))
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.Publish(raw, timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        garbage: grpc.UnaryUnaryMultiCallable[bytes, bytes] = conn.channels[0].unary_unary(
+            "/roadlog.v1.Roadlog/Publish"
+        )
+        with pytest.raises(grpc.RpcError) as rpc:
+            garbage(b"\xff\xff\xff\x01garbage", timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.Fetch(client_pb2.FetchRequest(topic="munich", partition=99), timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        spec = topics_pb2.TopicSpec(name="x", region_geojson="{}", partitions=100000)
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.CreateTopic(client_pb2.CreateTopicRequest(spec=spec), timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        after = {digest(n.address) for n in lc.nodes}
+        assert after == before, "bad input changed the stored state"
+        for n in lc.nodes:
+            assert alive(n.pid), f"node {n.id} died"
+        for q in lc.queue_servers:
+            assert alive(q.pid), "the queue server died"
+
+
+def test_graceful_stop_on_sigterm(make_cluster: MakeCluster) -> None:
+    lc = make_cluster(nodes=1)
+    n = lc.nodes[0]
+    lc.kill(n.id, sig=signal.SIGTERM)
+    with open(n.log) as f:
+        assert '"msg": "stopped"' in f.read()
