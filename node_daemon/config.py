@@ -56,6 +56,7 @@ class NodeConfig:
     heartbeat_ticks: int = 1
     snapshot_entries: int = 20_000  # compact the log this far behind the applied index
     max_ops_per_entry: int = 256  # server-side batching of writes into one entry
+    trim_interval_s: int = 60  # how often the leader applies retention through the log
     log_level: str = "info"
 
     def validate(self) -> None:

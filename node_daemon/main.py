@@ -184,6 +184,7 @@ def cli() -> None:
 @click.option("--queue-servers", help="HOST:PORT,... of the queue servers to pull work from")
 @click.option("--tick-ms", type=int)
 @click.option("--snapshot-entries", type=int)
+@click.option("--trim-interval-s", type=int)
 @click.option("--log-level")
 def run(config_path: Path | None, **flags: Any) -> None:
     """Run a node until SIGTERM."""

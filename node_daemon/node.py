@@ -239,10 +239,21 @@ class RaftNode:
     async def _ticker(self) -> None:
         period = self.cfg.tick_ms / 1000
         nxt = time.monotonic()
+        next_trim = nxt + self.cfg.trim_interval_s
         while True:
             nxt += period
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
             self.submit(lambda core: core.tick())
+            if self.is_leader and time.monotonic() >= next_trim:
+                next_trim = time.monotonic() + self.cfg.trim_interval_s
+                self._trim()
+
+    def _trim(self) -> None:
+        """Retention goes through the log, so every replica trims the same."""
+        fut = asyncio.get_running_loop().create_task(
+            self.propose_op(command_pb2.Op(trim=command_pb2.TrimOp()))
+        )
+        fut.add_done_callback(lambda f: f.exception())  # a lost trim is retried next time
 
     def _drain(self) -> None:
         core = self.core

@@ -234,3 +234,71 @@ def test_graceful_stop_on_sigterm(make_cluster: MakeCluster) -> None:
     lc.kill(n.id, sig=signal.SIGTERM)
     with open(n.log) as f:
         assert '"msg": "stopped"' in f.read()
+
+
+def test_retention_trims_old_pings_on_every_node(make_cluster: MakeCluster) -> None:
+    lc = make_cluster(nodes=3, extra=["--trim-interval-s", "1"])
+    with Connection(lc.servers) as conn:
+        admin = Admin(conn)
+        admin.create_topic("shortlived", admin_region(), partitions=1, retention_ms=1500)
+        p = Producer(conn, "shortlived")
+        for k in range(3):
+            p.send_batch(make_pings("p", k * 10, 10))
+
+        def trimmed() -> bool:
+            return bool(admin.describe("shortlived").partitions[0].first_offset == 30)
+
+        wait_for(trimmed, 30, "retention to trim the old pings")
+        p.send_batch(make_pings("p", 100, 10))
+        d = admin.describe("shortlived").partitions[0]
+        assert (d.first_offset, d.next_offset) == (30, 40)
+        wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "identical replicas")
+
+
+def admin_region() -> str:
+    from tests.integration.conftest import REGION
+
+    return REGION
+
+
+def test_metrics_and_health_are_served(make_cluster: MakeCluster) -> None:
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    lc = make_cluster(nodes=3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        Producer(conn, "munich").send_batch(make_pings("p", 0, 100))
+    for n in lc.nodes:
+        with grpc.insecure_channel(n.address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{n.metrics_port}/metrics", timeout=5)
+            .read()
+            .decode()
+        )
+        for name in (
+            "roadlog_raft_role",
+            "roadlog_raft_term",
+            "roadlog_raft_commit_index",
+            "roadlog_raft_applied_index",
+            "roadlog_raft_appended_entries_total",
+            "roadlog_raft_log_write_seconds_bucket",
+        ):
+            assert name in text, f"node {n.id} lacks metric {name}"
+    leader = next(n for n in lc.nodes if n.id == lc.status()["leader"])
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{leader.metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
+    assert "roadlog_raft_follower_lag_entries" in text
+    q = lc.queue_servers[0]
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{q.metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
+    assert "roadlog_queue_depth" in text and "roadlog_queue_work_taken_total" in text
