@@ -42,7 +42,7 @@ bench: setup
 	$(PY) -m bench.report
 
 lock:
-	uv pip compile pyproject.toml --extra dev --python-version 3.11 --generate-hashes -o requirements.lock
+	uv pip compile pyproject.toml --extra dev --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,158 @@
+"""Replicated ingest: roadlog (3 nodes, through the queue server) against
+NATS JetStream (3 servers, 3 replicas, file storage, fsync before ack), the
+same pings packed the same number per message, the same number of
+concurrent async publishers. Reports pings/s, ack latency p50/p99 and the
+ratio roadlog/JetStream. Writes bench/results/ingest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+
+from bench.common import write_result
+from bench.peers import nats_cluster, nats_stream, percentile, roadlog_cluster
+from roadlog import columnar
+from roadlog.columnar import PingColumns
+from roadlog.v1 import client_pb2, pings_pb2
+
+PING_BYTES = 36
+
+
+def batch_request(pings: int) -> bytes:
+    now = int(time.time() * 1000)
+    cols = PingColumns.from_columns(
+        [f"dev-{i % 64}" for i in range(pings)],
+        np.full(pings, now, dtype=np.int64),
+        np.full(pings, 48.1),
+        np.full(pings, 11.5),
+        speed_mps=np.full(pings, 10.0, dtype=np.float32),
+    )
+    req = client_pb2.PublishRequest(
+        topic="bench", batch=pings_pb2.PingBatch.FromString(columnar.encode(cols))
+    )
+    return req.SerializeToString()
+
+
+async def drive(send: Any, concurrency: int, seconds: float, pings: int) -> dict[str, Any]:
+    lat: list[float] = []
+    done = 0
+    errors = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done, errors
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            try:
+                await send()
+            except Exception:
+                errors += 1
+                continue
+            lat.append(time.perf_counter() - t0)
+            done += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    return {
+        "messages": done,
+        "errors": errors,
+        "pings_per_s": round(done * pings / elapsed, 1),
+        "ack_p50_ms": round(percentile(lat, 0.5) * 1000, 2),
+        "ack_p99_ms": round(percentile(lat, 0.99) * 1000, 2),
+    }
+
+
+async def roadlog_case(server: str, pings: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    payload = batch_request(pings)
+    async with grpc.aio.insecure_channel(server) as ch:
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(
+            "/roadlog.v1.Roadlog/Publish"
+        )
+
+        async def send() -> None:
+            await call(payload, timeout=30)
+
+        await drive(send, concurrency, 1.0, pings)  # warm up
+        return await drive(send, concurrency, seconds, pings)
+
+
+async def nats_case(js: Any, pings: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    payload = os.urandom(PING_BYTES * pings)
+
+    async def send() -> None:
+        await js.publish("pings.bench", payload, timeout=30)
+
+    await drive(send, concurrency, 1.0, pings)
+    return await drive(send, concurrency, seconds, pings)
+
+
+def show(system: str, b: int, r: dict[str, Any]) -> None:
+    print(
+        f"{system:<9} {b:>5}/msg: {r['pings_per_s']:>12,.0f} pings/s  "
+        f"p50 {r['ack_p50_ms']} ms  p99 {r['ack_p99_ms']} ms  errors {r['errors']}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--batches", default="1,100,1000")
+    args = ap.parse_args(argv)
+    sizes = [int(b) for b in args.batches.split(",")]
+    cases: list[dict[str, Any]] = []
+    with roadlog_cluster() as lc:
+        for b in sizes:
+            r = asyncio.run(roadlog_case(lc.servers[0], b, args.concurrency, args.seconds))
+            cases.append({"system": "roadlog", "pings_per_message": b, **r})
+            show("roadlog", b, r)
+    with nats_cluster() as nc:
+
+        async def all_nats() -> list[dict[str, Any]]:
+            conn, js = await nats_stream(nc)
+            out = []
+            try:
+                for b in sizes:
+                    r = await nats_case(js, b, args.concurrency, args.seconds)
+                    out.append({"system": "jetstream", "pings_per_message": b, **r})
+                    show("jetstream", b, r)
+            finally:
+                await conn.close()
+            return out
+
+        cases += asyncio.run(all_nats())
+    ratios = {}
+    for b in sizes:
+        ours = next(c for c in cases if c["system"] == "roadlog" and c["pings_per_message"] == b)
+        theirs = next(
+            c for c in cases if c["system"] == "jetstream" and c["pings_per_message"] == b
+        )
+        ratios[str(b)] = round(ours["pings_per_s"] / max(theirs["pings_per_s"], 1e-9), 2)
+    print(f"ratio roadlog/jetstream: {ratios}", file=sys.stderr)
+    print(
+        write_result(
+            "ingest",
+            {
+                "concurrency": args.concurrency,
+                "seconds": args.seconds,
+                "cases": cases,
+                "ratio": ratios,
+            },
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

