@@ -18,4 +18,10 @@ FSYNC_SECONDS = Histogram(
 FOLLOWER_LAG = Gauge(
     "roadlog_raft_follower_lag_entries", "entries a follower is behind (leader only)", ["follower"]
 )
+STAGE_SECONDS = Histogram(
+    "roadlog_work_stage_seconds",
+    "time of each stage of a write on the leader",
+    ["stage"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+)
 WORK_DONE = Counter("roadlog_work_done_total", "work items this node finished", ["kind"])

@@ -120,6 +120,7 @@ class RaftNode:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._snapshot_requests: list[asyncio.Future[int]] = []
+        self._resolved_early = False
         self.state_listeners: list[Callable[[], None]] = []
         self._last_soft = (0, Role.FOLLOWER, 0)
 
@@ -138,7 +139,11 @@ class RaftNode:
         fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
         self._ops.append((op, fut))
         self._wakeup.set()
-        return await fut
+        t0 = time.perf_counter()
+        try:
+            return await fut
+        finally:
+            metrics.STAGE_SECONDS.labels("replicate").observe(time.perf_counter() - t0)
 
     async def read_barrier(self) -> int:
         """A linearizable read point (ReadIndex): wait until this node has
@@ -316,6 +321,18 @@ class RaftNode:
     async def _handle(self, rd: Ready, loop: asyncio.AbstractEventLoop) -> None:
         early, late = rd.split_messages()
         self.transport.send(early)
+        # Committed entries already on this node's disk are applied while the
+        # write runs; the rest (in this very write) after it.
+        now_apply: list[Entry] = []
+        if rd.snapshot is None and rd.committed_entries:
+            stable = self.log_store.last_index()
+            if rd.entries:
+                stable = min(stable, rd.entries[0].index - 1)
+            now_apply = [e for e in rd.committed_entries if e.index <= stable]
+        later_apply = rd.committed_entries[len(now_apply) :]
+        applying = None
+        if now_apply:
+            applying = loop.run_in_executor(self._apply_io, self.sm.apply, now_apply)
         t0 = time.perf_counter()
         write = loop.run_in_executor(
             self._log_io, self.log_store.save, rd.hard_state, rd.entries, rd.snapshot, rd.must_sync
@@ -328,8 +345,16 @@ class RaftNode:
                 while self._inbox:
                     self._inbox.popleft()(core)
                 continue
+            if applying is not None and applying.done() and not self._resolved_early:
+                self._resolved_early = True
+                self._resolve(now_apply, applying.result())
+                async with self._applied:
+                    self._applied.notify_all()
             waiter: asyncio.Future[Any] = loop.create_task(self._wakeup.wait())
-            await asyncio.wait({write, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            watch: set[asyncio.Future[Any]] = {write, waiter}
+            if applying is not None and not self._resolved_early:
+                watch.add(applying)
+            await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
         if self._ops or self._inbox:
             self._wakeup.set()
@@ -344,11 +369,12 @@ class RaftNode:
                 self._apply_io, self.sm.install_snapshot, rd.snapshot.data.decode()
             )
             log.info("installed snapshot", extra={"index": rd.snapshot.meta.index})
-        if rd.committed_entries:
-            results = await loop.run_in_executor(
-                self._apply_io, self.sm.apply, rd.committed_entries
-            )
-            self._resolve(rd.committed_entries, results)
+        if applying is not None and not self._resolved_early:
+            self._resolve(now_apply, await applying)
+        self._resolved_early = False
+        if later_apply:
+            results = await loop.run_in_executor(self._apply_io, self.sm.apply, later_apply)
+            self._resolve(later_apply, results)
         if rd.snapshot is not None or rd.committed_entries:
             async with self._applied:
                 self._applied.notify_all()

@@ -39,7 +39,7 @@ import numpy as np
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from roadlog import columnar
 from roadlog.geo import RegionError, parse_region
-from roadlog.v1 import client_pb2, command_pb2, pings_pb2, topics_pb2
+from roadlog.v1 import client_pb2, command_pb2, topics_pb2
 from roadlog.validation import MAX_PARTITIONS, check_topic_name
 
 GiB = 1 << 30
@@ -246,17 +246,19 @@ class StateMachine:
         for part in op.parts:
             if part.partition >= nparts:
                 raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"no partition {part.partition}")
+            if part.count == 0:
+                raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "an empty partition batch")
         dup = self._duplicate(txn, op, tid)
         if dup is not None:
             dup.duplicate = True
             return dup
         for part in op.parts:
             p = part.partition
-            count = len(part.batch.ts_ms)
+            count = part.count
             st = self._part_state(txn, tid, p)
             base = st.next_offset
             append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
-            value = _BATCH_HDR.pack(count, append_ms) + part.batch.SerializeToString()
+            value = _BATCH_HDR.pack(count, append_ms) + part.batch
             txn.put(_BATCH.pack(tid, p, base), value, db=self.batches)
             txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
             txn.put(
@@ -539,5 +541,6 @@ def append_command(
         topic=topic, client_id=client_id, producer_id=producer_id, sequence=sequence
     )
     for p, batch in parts:
-        op.parts.add(partition=p, batch=pings_pb2.PingBatch.FromString(batch))
+        count = len(columnar.decode(batch))
+        op.parts.add(partition=p, batch=batch, count=count)
     return command_pb2.Command(leader_ms=leader_ms, ops=[command_pb2.Op(append=op)])

@@ -73,7 +73,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self.token = auth_token(cfg.secret(), cfg.cluster_name)
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future[work_pb2.WorkResult]] = {}
-        self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | None]] = {}
+        self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | None]] = {}  # per worker
         self.states: dict[int, work_pb2.WorkerState] = {}
 
     # ------------------------------------------------------------- clients
@@ -154,7 +154,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
     async def Pull(
         self, request_iterator: AsyncIterator[work_pb2.WorkerMessage], context: Any
-    ) -> AsyncIterator[work_pb2.WorkItem]:
+    ) -> AsyncIterator[work_pb2.WorkItems]:
         if not authorized(context, self.token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
         wid = next(self._ids)
@@ -191,7 +191,14 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 item = await out.get()
                 if item is None:
                     return
-                yield item
+                batch = work_pb2.WorkItems(items=[item])
+                while not out.empty():  # one stream message for all that is ready
+                    nxt = out.get_nowait()
+                    if nxt is None:
+                        yield batch
+                        return
+                    batch.items.append(nxt)
+                yield batch
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

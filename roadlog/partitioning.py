@@ -19,17 +19,41 @@ def partition_of(device_id: str, partitions: int) -> int:
 
 
 def split_by_partition(cols: PingColumns, partitions: int) -> list[tuple[int, PingColumns]]:
-    """The batch's pings grouped by partition, each group in sending order."""
+    """The batch's pings grouped by partition, each group in sending order,
+    each with the dictionary of just its own devices (all computed at once)."""
+    ndev = len(cols.device_ids)
     per_device = np.fromiter(
-        (partition_of(d, partitions) for d in cols.device_ids),
-        dtype=np.int64,
-        count=len(cols.device_ids),
+        (partition_of(d, partitions) for d in cols.device_ids), dtype=np.int64, count=ndev
     )
+    if ndev and (per_device == per_device[0]).all():
+        return [(int(per_device[0]), cols)] if len(cols) else []
+    # Each device's index within its own partition's dictionary.
+    dev_order = np.argsort(per_device, kind="stable")
+    sorted_parts = per_device[dev_order]
+    rank = np.empty(ndev, dtype=np.uint32)
+    rank[dev_order] = np.arange(ndev) - np.searchsorted(sorted_parts, sorted_parts, side="left")
     part = per_device[cols.device_index]
     order: npt.NDArray[np.intp] = np.argsort(part, kind="stable")
     bounds = np.flatnonzero(np.diff(part[order])) + 1
     out = []
     for idx in np.split(order, bounds):
-        if len(idx):
-            out.append((int(part[idx[0]]), cols.take(idx)))
+        if not len(idx):
+            continue
+        p = int(part[idx[0]])
+        devices = dev_order[sorted_parts == p]
+        out.append(
+            (
+                p,
+                PingColumns(
+                    [cols.device_ids[int(i)] for i in devices],
+                    rank[cols.device_index[idx]],
+                    cols.ts_ms[idx],
+                    cols.lat[idx],
+                    cols.lon[idx],
+                    cols.speed_mps[idx],
+                    cols.heading_deg[idx],
+                    cols.accuracy_m[idx],
+                ),
+            )
+        )
     return out

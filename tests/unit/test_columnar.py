@@ -109,3 +109,24 @@ def test_split_keeps_each_partitions_order_and_every_ping() -> None:
     for p, c in parts:
         assert np.all(np.diff(c.ts_ms) > 0)  # the order sent
         assert {partition_of(d, 8) for d in c.device_ids} == {p}
+
+
+def test_split_pings_keep_their_device_and_values() -> None:
+    n = 500
+    cols = PingColumns.from_columns(
+        [f"dev-{(i * 7) % 23}" for i in range(n)],
+        list(range(n)),
+        [float(i) / 10 for i in range(n)],
+        [2.0] * n,
+    )
+    want = {
+        int(t): (d, float(la))
+        for d, t, la in zip(cols.device_of(), cols.ts_ms, cols.lat, strict=True)
+    }
+    got = {}
+    for _, c in split_by_partition(cols, 8):
+        assert len(c.device_ids) == len(set(c.device_ids))
+        assert int(c.device_index.max()) < len(c.device_ids)
+        for d, t, la in zip(c.device_of(), c.ts_ms, c.lat, strict=True):
+            got[int(t)] = (d, float(la))
+    assert got == want
