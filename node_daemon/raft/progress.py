@@ -120,14 +120,23 @@ class Progress:
             self.probe_sent = True
 
     def maybe_decr_to(self, rejected: int, match_hint: int) -> bool:
-        """Handle a rejection of the append at ``rejected``; False if stale."""
+        """Handle a rejection of the append at ``rejected``; False if stale.
+
+        A rejection at exactly ``match`` means the follower no longer holds
+        what it acknowledged (its disk was wiped, say): ``match`` starts over
+        from 0. Lowering ``match`` never lowers the commit index."""
+        lost = self.match > 0 and rejected == self.match
         if self.state == ProgressState.REPLICATE:
-            if rejected <= self.match:
+            if rejected < self.match:
                 return False
+            if lost:
+                self.match = 0
             self.next = self.match + 1
             return True
         if self.next - 1 != rejected:
             return False  # not the probe we are waiting for
+        if lost:
+            self.match = 0
         self.next = max(min(rejected, match_hint + 1), self.match + 1)
         self.probe_sent = False
         return True

@@ -118,3 +118,11 @@ def test_conf_state_round_trips_and_rejects_overlap() -> None:
     assert ConfState.decode(c.encode()) == c
     with pytest.raises(ValueError):
         ConfState(frozenset({1}), frozenset({1}))
+
+
+def test_a_rejection_at_match_means_the_follower_lost_its_log() -> None:
+    p = Progress(next_index=1, max_inflight=8, max_inflight_bytes=1 << 20, is_learner=False)
+    p.maybe_update(9)
+    p.become_replicate()
+    assert p.maybe_decr_to(9, 0)
+    assert p.match == 0 and p.next == 1

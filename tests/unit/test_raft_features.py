@@ -438,3 +438,22 @@ def test_restart_refuses_a_state_machine_behind_the_snapshot() -> None:
     index = st.snapshot().meta.index
     again = new_core(1, (1,), storage=st, applied=index)  # type: ignore[arg-type]
     assert again.log.applied == index
+
+
+def test_a_follower_that_lost_its_log_is_replicated_again() -> None:
+    """A wiped disk: the follower rejects what it once acknowledged; the
+    leader starts over for it instead of ignoring the rejections."""
+    net = _net()
+    net.elect(1)
+    for i in range(10):
+        net.cores[1].propose(b"%d" % i)
+    net.stabilize()
+    assert net.cores[1].prs[3].match == net.cores[1].log.last_index()
+    net.cores[3] = new_core(3, seed=33)  # same id, empty disk
+    net.applied[3] = []
+    net.cores[1].propose(b"after the wipe")
+    net.tick_all(5)
+    assert net.cores[3].log.committed == net.cores[1].log.committed
+    assert [net.cores[3].log.term(i) for i in range(1, net.cores[1].log.last_index() + 1)] == [
+        net.cores[1].log.term(i) for i in range(1, net.cores[1].log.last_index() + 1)
+    ]
