@@ -25,6 +25,12 @@ def _machine(doc: dict[str, Any]) -> str:
     )
 
 
+def _case(doc: dict[str, Any], system: str, batch: str) -> dict[str, Any]:
+    return next(
+        c for c in doc["cases"] if c["system"] == system and str(c["pings_per_message"]) == batch
+    )
+
+
 def render() -> str:
     lines = [
         "# Benchmarks",
@@ -87,6 +93,57 @@ def render() -> str:
                 "replication round each), far above the fsync ceiling.",
                 "",
             ]
+    ing = _load("ingest")
+    if ing:
+        lines += [
+            "## Replicated ingest: roadlog against NATS JetStream",
+            "",
+            f"Machine: {_machine(ing)}. Three roadlog nodes behind one queue server, and three "
+            "nats-server processes (3 replicas, file storage, `sync_interval: always`), "
+            f"all on loopback on the same 2 cores; {ing['concurrency']} concurrent async "
+            "publishers in one client process; pings of 36-40 bytes packed the same number per "
+            "message; non-idempotent publishes on both sides.",
+            "",
+            "| pings/message | roadlog pings/s | p50 / p99 ms | JetStream pings/s "
+            "| p50 / p99 ms | ratio |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for b, ratio in ing["ratio"].items():
+            o = next(
+                c
+                for c in ing["cases"]
+                if c["system"] == "roadlog" and str(c["pings_per_message"]) == b
+            )
+            t = next(
+                c
+                for c in ing["cases"]
+                if c["system"] == "jetstream" and str(c["pings_per_message"]) == b
+            )
+            lines.append(
+                f"| {b} | {o['pings_per_s']:,.0f} | {o['ack_p50_ms']} / {o['ack_p99_ms']} "
+                f"| {t['pings_per_s']:,.0f} | {t['ack_p50_ms']} / {t['ack_p99_ms']} | {ratio} |"
+            )
+        lines.append("")
+    fo = _load("failover")
+    if fo:
+        r, j, cu = fo["roadlog"], fo["jetstream"], fo["catch_up"]
+        lines += [
+            "## Failover and catch-up",
+            "",
+            f"Machine: {_machine(fo)}. SIGKILL of the leader (for JetStream: of the stream "
+            "leader's server) while a writer publishes 100-ping batches back to back; the pause "
+            "runs from the kill to the first acknowledgment of a request sent after it.",
+            "",
+            "| system | trials | median ms | max ms |",
+            "| --- | ---: | ---: | ---: |",
+            f"| roadlog | {r['trials']} | {r['median_ms']} | {r['max_ms']} |",
+            f"| JetStream | {j['trials']} | {j['median_ms']} | {j['max_ms']} |",
+            "",
+            f"Median ratio roadlog/JetStream: {fo['median_ratio']}. Catch-up of a wiped node "
+            f"after {cu['pings']:,} pings: {cu['snapshot_mb']} MB snapshot in {cu['seconds']} s, "
+            f"{cu['mb_per_s']} MB/s; replicas identical afterwards: {cu['identical']}.",
+            "",
+        ]
     sim = _load("simulation")
     if sim:
         lines += [

@@ -51,9 +51,12 @@ class NodeConfig:
     secret_file: Path | None = None
     metrics_port: int = 9400
     queue_servers: list[str] = field(default_factory=list)
-    tick_ms: int = 100
-    election_ticks: int = 5  # randomized in [5, 10) ticks: 500-1000 ms
-    heartbeat_ticks: int = 1
+    tick_ms: int = 20
+    # Heartbeat every 5 ticks (100 ms); election timeout randomized over
+    # [25, 50) ticks (500-1000 ms): fine-grained, so that two followers of a
+    # dead leader rarely time out in the same tick and split the vote.
+    election_ticks: int = 25
+    heartbeat_ticks: int = 5
     snapshot_entries: int = 20_000  # compact the log this far behind the applied index
     max_ops_per_entry: int = 256  # server-side batching of writes into one entry
     trim_interval_s: int = 60  # how often the leader applies retention through the log
