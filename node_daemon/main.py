@@ -104,6 +104,9 @@ async def serve(cfg: NodeConfig) -> None:
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
+            # Peers ping every 2 s to notice a dead node early: allow it.
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+            ("grpc.keepalive_permit_without_calls", 1),
         ]
     )
     raft_pb2_grpc.add_RaftPeerServicer_to_server(node.transport, server)

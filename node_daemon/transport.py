@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import os
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -35,6 +36,15 @@ log = logging.getLogger("roadlog.transport")
 
 AUTH_KEY = "x-roadlog-auth"
 CHUNK = 1 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 250),
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 QUEUE_LIMIT = 4096
 SNAPSHOT_REPORT_TIMEOUT_S = 120.0
 
@@ -62,6 +72,7 @@ class _Peer:
         self.id = node_id
         self.address = address
         self.queue: asyncio.Queue[Message] = asyncio.Queue(QUEUE_LIMIT)
+        self.up = False
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def put(self, m: Message) -> None:
@@ -73,6 +84,9 @@ class _Peer:
     async def _batches(self) -> AsyncIterator[raft_pb2.RaftBatch]:
         while True:
             first = await self.queue.get()
+            if not self.up:
+                self.up = True
+                log.info("peer stream up", extra={"peer": self.id})
             batch = raft_pb2.RaftBatch(cluster=self.t.cluster, messages=[message_to_pb(first)])
             setattr(batch, "from", self.t.node_id)
             while not self.queue.empty() and len(batch.messages) < 512:
@@ -80,25 +94,38 @@ class _Peer:
             yield batch
 
     async def _run(self) -> None:
-        backoff = 0.05
+        # One channel for the peer's lifetime, reconnecting fast: a channel
+        # made while the peer was down would otherwise back off for seconds
+        # after it came back, and elections would wait for it.
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as ch:
+            await self._stream_forever(ch)
+
+    async def _stream_forever(self, ch: grpc.aio.Channel) -> None:
+        stub = raft_pb2_grpc.RaftPeerStub(ch)
+        backoff = 0.02
         while True:
+            started = time.monotonic()
             try:
-                async with grpc.aio.insecure_channel(self.address) as ch:
-                    stub = raft_pb2_grpc.RaftPeerStub(ch)
-                    await stub.Stream(self._batches(), metadata=((AUTH_KEY, self.t.token),))
+                await stub.Stream(
+                    self._batches(), metadata=((AUTH_KEY, self.t.token),), wait_for_ready=True
+                )
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:
-                log.debug("peer stream broke", extra={"peer": self.id, "code": e.code().name})
+                if self.up:
+                    log.info("peer stream down", extra={"peer": self.id, "code": e.code().name})
             except Exception:
                 log.exception("peer stream failed", extra={"peer": self.id})
+            self.up = False
+            if time.monotonic() - started > 1.0:
+                backoff = 0.02  # it was working: retry soon
             # Whatever was queued is stale now: drop it, tell Raft, retry.
             while not self.queue.empty():
                 self.queue.get_nowait()
                 self.t.dropped += 1
             self.t.on_unreachable(self.id)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            backoff = min(backoff * 2, 0.2)
 
 
 class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
