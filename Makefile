@@ -7,7 +7,7 @@ SEEDS  ?= 200
 START  ?= 0
 JOBS   ?= $(shell nproc)
 
-.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration sim bench lock clean
+.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration sim bench demo lock clean
 
 setup:
 	./scripts/setup.sh
@@ -39,7 +39,12 @@ sim: setup
 bench: setup
 	$(PY) -m bench.storage_ceiling
 	$(PY) -m bench.core_commits
+	$(PY) -m bench.ingest
+	$(PY) -m bench.failover
 	$(PY) -m bench.report
+
+demo:
+	./scripts/demo.sh
 
 lock:
 	uv pip compile pyproject.toml --extra dev --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
