@@ -46,7 +46,9 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 QUEUE_LIMIT = 4096
-SNAPSHOT_REPORT_TIMEOUT_S = 120.0
+# A receiver starts pulling a snapshot within moments of its message; if no
+# pull has started by then, the message was lost: tell Raft, which resends.
+SNAPSHOT_START_TIMEOUT_S = 5.0
 
 
 def auth_token(secret: bytes, cluster: str) -> str:
@@ -121,7 +123,8 @@ class _Peer:
                 backoff = 0.02  # it was working: retry soon
             # Whatever was queued is stale now: drop it, tell Raft, retry.
             while not self.queue.empty():
-                self.queue.get_nowait()
+                if self.queue.get_nowait().type == MessageType.SNAPSHOT:
+                    self.t._snapshot_lost(self.id)
                 self.t.dropped += 1
             self.t.on_unreachable(self.id)
             await asyncio.sleep(backoff)
@@ -179,13 +182,18 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                 self._arm_snapshot_timer(m.to)
             peer.put(m)
 
+    def _snapshot_lost(self, to: int) -> None:
+        self._snapshot_timers.pop(to, None)
+        log.info("snapshot not pulled; Raft will send it again", extra={"peer": to})
+        self.on_snapshot_status(to, False)
+
     def _arm_snapshot_timer(self, to: int) -> None:
         old = self._snapshot_timers.pop(to, None)
         if old is not None:
             old.cancel()
         loop = asyncio.get_running_loop()
         self._snapshot_timers[to] = loop.call_later(
-            SNAPSHOT_REPORT_TIMEOUT_S, self.on_snapshot_status, to, False
+            SNAPSHOT_START_TIMEOUT_S, self._snapshot_lost, to
         )
 
     async def close(self) -> None:
@@ -227,6 +235,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         if not authorized(context, self.token) or request.cluster != self.cluster:
             self.rejected += 1
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
+        timer = self._snapshot_timers.pop(request.node_id, None)
+        if timer is not None:
+            timer.cancel()  # the pull started: its end decides
         path = self.snapshot_file(request.index, request.term)
         if path is None or not path.exists():
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such snapshot here any more")
@@ -237,18 +248,23 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             sha = self._sha_cache[path] = await loop.run_in_executor(None, file_sha256, path)
         size = path.stat().st_size
         offset = request.offset
-        with open(path, "rb") as f:
-            f.seek(offset)
-            while offset < size:
-                data = await loop.run_in_executor(None, f.read, CHUNK)
-                yield raft_pb2.SnapshotChunk(
-                    offset=offset, data=data, crc32=zlib.crc32(data), total_size=size, sha256=sha
-                )
-                offset += len(data)
-        timer = self._snapshot_timers.pop(request.node_id, None)
-        if timer is not None:
-            timer.cancel()
-        self.on_snapshot_status(request.node_id, True)
+        ok = False
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                while offset < size:
+                    data = await loop.run_in_executor(None, f.read, CHUNK)
+                    yield raft_pb2.SnapshotChunk(
+                        offset=offset,
+                        data=data,
+                        crc32=zlib.crc32(data),
+                        total_size=size,
+                        sha256=sha,
+                    )
+                    offset += len(data)
+            ok = True
+        finally:
+            self.on_snapshot_status(request.node_id, ok)
 
     # ----------------------------------------------------- receiving a snapshot
 
@@ -261,9 +277,20 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
 
     async def _fetch(self, pb: raft_pb2.RaftMessage, key: tuple[int, int]) -> None:
         sender = getattr(pb, "from")
+        t0 = time.monotonic()
+        log.info("pulling snapshot", extra={"from": sender, "index": key[0]})
         try:
             path = await self.fetch_snapshot(sender, *key)
             if path is not None:
+                log.info(
+                    "snapshot received",
+                    extra={
+                        "from": sender,
+                        "index": key[0],
+                        "bytes": path.stat().st_size,
+                        "seconds": round(time.monotonic() - t0, 3),
+                    },
+                )
                 self.on_message(message_from_pb(pb, str(path).encode()))
         except Exception:
             log.exception("snapshot fetch failed", extra={"from": sender, "index": key[0]})

@@ -406,6 +406,11 @@ class RaftCore:
         elif m.type == MT.HEARTBEAT_RESP:
             pr.recent_active = True
             pr.probe_sent = False
+            if m.index < m.commit and pr.match > m.index:
+                # The follower lacks entries it acknowledged (a wiped disk):
+                # start over for it rather than wait for the next write.
+                pr.match = 0
+                pr.become_probe()
             if pr.state == ProgressState.REPLICATE and pr.inflights.full():
                 # Appends in the window may be lost: let one more through;
                 # a follower with a gap rejects it and we back off to probing.
@@ -451,7 +456,19 @@ class RaftCore:
 
     def _handle_heartbeat(self, m: Message) -> None:
         self.log.commit_to(min(m.commit, self.log.last_index()))
-        self._send(Message(MT.HEARTBEAT_RESP, m.frm, self.id, self.term, context=m.context))
+        # Our last index, and the commit we were told (at most what the leader
+        # believes we hold): last < commit means we lost acknowledged entries.
+        self._send(
+            Message(
+                MT.HEARTBEAT_RESP,
+                m.frm,
+                self.id,
+                self.term,
+                index=self.log.last_index(),
+                commit=m.commit,
+                context=m.context,
+            )
+        )
 
     def _handle_snapshot(self, m: Message) -> None:
         snap = m.snapshot

@@ -457,3 +457,16 @@ def test_a_follower_that_lost_its_log_is_replicated_again() -> None:
     assert [net.cores[3].log.term(i) for i in range(1, net.cores[1].log.last_index() + 1)] == [
         net.cores[1].log.term(i) for i in range(1, net.cores[1].log.last_index() + 1)
     ]
+
+
+def test_a_wiped_follower_is_noticed_by_heartbeats_alone() -> None:
+    net = _net()
+    net.elect(1)
+    for i in range(5):
+        net.cores[1].propose(b"%d" % i)
+    net.stabilize()
+    net.cores[3] = new_core(3, seed=34)  # same id, empty disk; nobody writes after this
+    net.applied[3] = []
+    net.tick_all(3)
+    assert net.cores[3].log.last_index() == net.cores[1].log.last_index()
+    assert net.cores[3].log.committed == net.cores[1].log.committed
