@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from roadlog import configfile
+from roadlog.configfile import ConfigError
 
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key."""
+__all__ = ["ConfigError", "NodeConfig", "check_address", "load_config", "parse_peers"]
 
 
 def parse_peers(value: Any) -> dict[int, str]:
@@ -82,39 +82,17 @@ class NodeConfig:
         return self.advertise_address or self.listen
 
     def secret(self) -> bytes:
-        if self.secret_file is None:
-            return b""
-        try:
-            return self.secret_file.read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"secret_file: cannot read {self.secret_file}: {e}") from None
+        return configfile.read_secret(self.secret_file)
+
+
+def _list(v: Any) -> list[str]:
+    return [s for s in v.split(",") if s] if isinstance(v, str) else list(v)
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from None
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name: f for f in fields(NodeConfig)}
-    unknown = set(raw) - set(known)
-    if unknown:
-        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
-    cfg = NodeConfig()
-    for k, v in raw.items():
-        try:
-            if k == "peers":
-                v = parse_peers(v)
-            elif k in ("data_dir", "secret_file"):
-                v = Path(v)
-            elif k == "queue_servers":
-                v = [s for s in v.split(",") if s] if isinstance(v, str) else list(v)
-            elif isinstance(getattr(cfg, k), int) and not isinstance(v, int):
-                v = int(v)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{k}: {e}") from None
-        setattr(cfg, k, v)
-    cfg.validate()
-    return cfg
+    return configfile.load(
+        NodeConfig,
+        path,
+        overrides,
+        {"peers": parse_peers, "data_dir": Path, "secret_file": Path, "queue_servers": _list},
+    )

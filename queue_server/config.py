@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from node_daemon.config import ConfigError, check_address
+from roadlog import configfile
 
 
 @dataclass
@@ -28,12 +28,7 @@ class QueueConfig:
         return self.advertise_address or self.listen
 
     def secret(self) -> bytes:
-        if self.secret_file is None:
-            return b""
-        try:
-            return self.secret_file.read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"secret_file: cannot read {self.secret_file}: {e}") from None
+        return configfile.read_secret(self.secret_file)
 
     def validate(self) -> None:
         check_address(self.listen, "listen")
@@ -44,26 +39,4 @@ class QueueConfig:
 
 
 def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConfig:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from None
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in fields(QueueConfig)}
-    unknown = set(raw) - known
-    if unknown:
-        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
-    cfg = QueueConfig()
-    for k, v in raw.items():
-        if k == "secret_file":
-            v = Path(v)
-        elif isinstance(getattr(cfg, k), int) and not isinstance(v, int):
-            try:
-                v = int(v)
-            except ValueError as e:
-                raise ConfigError(f"{k}: {e}") from None
-        setattr(cfg, k, v)
-    cfg.validate()
-    return cfg
+    return configfile.load(QueueConfig, path, overrides, {"secret_file": Path})
