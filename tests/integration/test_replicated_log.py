@@ -302,3 +302,26 @@ def test_metrics_and_health_are_served(make_cluster: MakeCluster) -> None:
         .decode()
     )
     assert "roadlog_queue_depth" in text and "roadlog_queue_work_taken_total" in text
+
+
+def test_a_fenced_read_sees_the_write_it_follows(make_cluster: MakeCluster) -> None:
+    """Read your writes: a fetch fenced at a publish's applied index is
+    answered by a node that applied it, whichever node takes the read."""
+    from roadlog.client import Consumer
+
+    lc = make_cluster(nodes=3)
+    served = set()
+    with Connection(lc.servers) as conn:
+        create_topic(conn, partitions=1)
+        p = Producer(conn, "munich")
+        c = Consumer(conn, "munich")
+        total = 0
+        for k in range(30):
+            ack = p.send_batch(make_pings("p", k * 20, 20))
+            total += ack.count
+            c.min_applied_index = ack.applied_index
+            c.seek(0, 0)
+            _, resp = c.fetch(0, max_pings=100_000)
+            assert resp.end_offset == total, f"read {k} missed its own write"
+            served.add(resp.served_by)
+    assert len(served) >= 2, f"reads were not spread over nodes: {served}"
