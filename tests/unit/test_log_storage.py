@@ -160,20 +160,26 @@ def test_lmdb_commit_only_saves_are_written_with_the_next_sync(tmp_path: Path) -
     assert LmdbLogStorage(tmp_path / "log").initial_state() == HardState(1, 1, 2)
 
 
-def test_lmdb_full_map_is_a_clear_error_and_keeps_what_was_stored(tmp_path: Path) -> None:
-    s = LmdbLogStorage(tmp_path / "log", map_size=256 << 10, max_map_size=512 << 10)
+def fill_until_full(path: Path, size: int, match: str, **open_args: int) -> None:
+    """Append until the store refuses; then every entry it accepted is there
+    after reopening, and nothing else."""
+    s = LmdbLogStorage(path, **open_args)
     i = 1
-    with pytest.raises(StorageFullError, match="map full"):
+    with pytest.raises(StorageFullError, match=match):
         while i < 100_000:
-            s.save(HardState(1, 0, i), ents(i, i + 10, size=1000))
+            s.save(HardState(1, 0, i), ents(i, i + 10, size=size))
             i += 10
     last = s.last_index()
     assert last == i - 1 and last > 10
     s.close()
-    r = LmdbLogStorage(tmp_path / "log", map_size=512 << 10)
+    r = LmdbLogStorage(path, map_size=open_args["map_size"] * 2)
     assert r.last_index() == last
-    assert r.entries(1, last + 1) == ents(1, last + 1, size=1000)
+    assert r.entries(1, last + 1) == ents(1, last + 1, size=size)
     r.close()
+
+
+def test_lmdb_full_map_is_a_clear_error_and_keeps_what_was_stored(tmp_path: Path) -> None:
+    fill_until_full(tmp_path / "log", 1000, "map full", map_size=256 << 10, max_map_size=512 << 10)
 
 
 def test_lmdb_full_map_grows_when_allowed(tmp_path: Path) -> None:
@@ -199,19 +205,7 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_lmdb_full_disk_is_a_clear_error_and_keeps_what_was_stored(tiny_disk: Path) -> None:
-    s = LmdbLogStorage(tiny_disk / "log", map_size=64 << 20)
-    i = 1
-    with pytest.raises(StorageFullError):
-        while i < 100_000:
-            s.save(HardState(1, 0, i), ents(i, i + 10, size=2000))
-            i += 10
-    last = s.last_index()
-    assert last == i - 1 and last > 10
-    s.close()
-    r = LmdbLogStorage(tiny_disk / "log", map_size=64 << 20)
-    assert r.last_index() == last
-    assert r.entries(1, last + 1) == ents(1, last + 1, size=2000)
-    r.close()
+    fill_until_full(tiny_disk / "log", 2000, "disk full", map_size=64 << 20)
 
 
 WRITER = textwrap.dedent(
