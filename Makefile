@@ -46,8 +46,9 @@ bench: setup
 demo:
 	./scripts/demo.sh
 
-lock:
-	uv pip compile pyproject.toml --extra dev --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
+lock: setup
+	$(PY) -m pip install -q --disable-pip-version-check uv
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
