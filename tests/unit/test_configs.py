@@ -63,3 +63,11 @@ def test_queue_config(tmp_path: Path) -> None:
     assert (cfg.max_writes, cfg.max_reads) == (5, 7)
     with pytest.raises(ConfigError, match="must be positive"):
         load_queue_config(None, {"max_writes": 0})
+
+
+def test_the_example_config_files_load() -> None:
+    root = Path(__file__).resolve().parents[2] / "etc"
+    node = load_config(root / "node.toml.example", {})
+    assert node.node_id == 1 and len(node.peers) == 3 and node.election_ticks == 25
+    q = load_queue_config(root / "queue.toml.example", {})
+    assert q.listen == "0.0.0.0:7500" and q.metrics_port == 9500
