@@ -62,11 +62,15 @@ def connection(cluster: Path | None, servers: str | None) -> Iterator[Connection
         conn.close()
 
 
-def progress() -> Progress:
+def progress(known_total: bool = True) -> Progress:
+    """A progress bar on stderr; without a known total it counts up."""
+    count = (
+        "{task.completed:,.0f}/{task.total:,.0f}" if known_total else "{task.completed:,.0f} pings"
+    )
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed:,.0f}/{task.total:,.0f}"),
+        TextColumn(count),
         TimeElapsedColumn(),
         console=err,
         transient=False,
@@ -313,7 +317,7 @@ def produce(
     with connection(cluster, servers) as conn:
         p = Producer(conn, name)
         try:
-            with progress() as bar:
+            with progress(known_total=False) as bar:
                 task = bar.add_task("producing", total=None)
                 for cols in read_pings(path):
                     p.send_batch(cols)

@@ -1,0 +1,162 @@
+"""The `roadlog` command line, driven from outside as a user would, through
+exactly the command names, flags and JSON fields it promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def roadlog(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROADLOG_CLIENT_ID": "cli-test"}
+    env.pop("ROADLOG_SERVERS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "roadlog.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+        check=check,
+    )
+
+
+@pytest.fixture
+def cluster_dir(tmp_path: Path) -> Iterator[Path]:
+    d = tmp_path / "cluster"
+    up = roadlog("cluster", "up", "--nodes", "3", "--queue-servers", "1", "--dir", str(d))
+    assert up.stdout.strip().count(":") == 1  # the queue server's HOST:PORT
+    try:
+        yield d
+    finally:
+        roadlog("cluster", "down", "--dir", str(d), check=False)
+
+
+def write_inputs(tmp: Path, now: int) -> tuple[Path, Path, Path]:
+    csv = tmp / "pings.csv"
+    csv.write_text(
+        "device_id,ts_ms,lat,lon,speed_mps,heading_deg\n"
+        + "".join(f"car-{i % 3},{now + i},48.1{i % 10},11.5{i % 10},12.5,90\n" for i in range(30))
+    )
+    gpx = tmp / "ride.gpx"
+    pts = "".join(
+        f'<trkpt lat="48.1{i}" lon="11.5{i}"><time>2026-11-22T00:00:0{i}Z</time></trkpt>'
+        for i in range(5)
+    )
+    gpx.write_text(
+        '<?xml version="1.0"?><gpx xmlns="http://www.topografix.com/GPX/1/1">'
+        f"<trk><name>bike-7</name><trkseg>{pts}</trkseg></trk></gpx>"
+    )
+    geo = tmp / "points.geojson"
+    feats = [
+        {
+            "type": "Feature",
+            "geometry": {"type": "Point", "coordinates": [11.55, 48.12]},
+            "properties": {"device_id": "bus-1", "ts_ms": now + i, "speed_mps": 5.0},
+        }
+        for i in range(7)
+    ]
+    geo.write_text(json.dumps({"type": "FeatureCollection", "features": feats}))
+    return csv, gpx, geo
+
+
+def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
+    d = str(cluster_dir)
+    st = json.loads(roadlog("cluster", "status", "--cluster", d, "--json").stdout)
+    assert st["leader"] in {1, 2, 3} and st["term"] >= 1
+    for n in st["nodes"]:
+        assert {"id", "address", "role", "commit_index", "applied_index"} <= set(n)
+    assert st["queue_servers"] and "grpc" in st["queue_servers"][0]
+    servers = st["queue_servers"][0]["grpc"]
+    by_servers = json.loads(roadlog("cluster", "status", "--servers", servers, "--json").stdout)
+    assert by_servers["leader"] == st["leader"]
+
+    roadlog(
+        "topic",
+        "create",
+        "munich",
+        "--bbox",
+        "11.4,48.05,11.75,48.25",
+        "--partitions",
+        "4",
+        "--cluster",
+        d,
+    )
+    listed = json.loads(roadlog("topic", "list", "--cluster", d, "--json").stdout)
+    assert [t["name"] for t in listed] == ["munich"]
+    bad = roadlog("topic", "create", "x", "--bbox", "1,2,3", "--cluster", d, check=False)
+    assert bad.returncode != 0 and "bbox" in bad.stderr
+
+    now = int(time.time() * 1000)
+    csv, gpx, geo = write_inputs(tmp_path, now)
+    for path, count in ((csv, 30), (gpx, 5), (geo, 7)):
+        out = roadlog("produce", "munich", "--file", str(path), "--cluster", d, "--json").stdout
+        assert json.loads(out.strip().splitlines()[-1]) == {"acknowledged": count}
+
+    desc = json.loads(roadlog("topic", "describe", "munich", "--cluster", d, "--json").stdout)
+    assert desc["pings"] == 42 and desc["partitions"] == 4
+
+    rows = (
+        roadlog("consume", "munich", "--from-beginning", "--format", "jsonl", "--servers", servers)
+        .stdout.strip()
+        .splitlines()
+    )
+    pings = [json.loads(r) for r in rows]
+    assert len(pings) == 42
+    assert {p["device_id"] for p in pings} == {"car-0", "car-1", "car-2", "bike-7", "bus-1"}
+    csv_out = (
+        roadlog(
+            "consume",
+            "munich",
+            "--partition",
+            "0",
+            "--limit",
+            "2",
+            "--format",
+            "csv",
+            "--cluster",
+            d,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
+    assert csv_out[0].startswith("partition,offset,device_id,ts_ms,lat,lon")
+    assert len(csv_out) <= 3
+
+    sim = roadlog(
+        "simulate",
+        "munich",
+        "--vehicles",
+        "10",
+        "--duration",
+        "20",
+        "--hotspot",
+        "11.575,48.137",
+        "--cluster",
+        d,
+        "--json",
+    )
+    assert json.loads(sim.stdout.strip().splitlines()[-1])["acknowledged"] > 150
+
+    leader = str(st["leader"])
+    roadlog("cluster", "kill", leader, "--dir", d)
+    out = roadlog("produce", "munich", "--file", str(csv), "--cluster", d, "--json").stdout
+    assert json.loads(out.strip().splitlines()[-1]) == {"acknowledged": 30}
+    roadlog("cluster", "start", leader, "--dir", d)
+
+
+def test_cli_errors_are_clear(tmp_path: Path) -> None:
+    nowhere = roadlog("topic", "list", check=False)
+    assert nowhere.returncode != 0 and "--cluster" in nowhere.stderr
+    missing = roadlog("cluster", "status", "--cluster", str(tmp_path / "none"), check=False)
+    assert missing.returncode != 0 and "no cluster" in missing.stderr
