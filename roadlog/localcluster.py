@@ -212,6 +212,15 @@ class LocalCluster:
         self.save()
         return n
 
+    def kill_queue_server(self, index: int = 0, sig: int = signal.SIGKILL) -> QueueInfo:
+        q = self.queue_servers[index]
+        if q.pid and alive(q.pid):
+            os.kill(q.pid, sig)
+            wait_dead(q.pid, 10)
+        q.pid = 0
+        self.save()
+        return q
+
     def start(self, ident: str | int) -> NodeInfo:
         n = self.node(ident)
         if n.pid and alive(n.pid):

@@ -325,3 +325,20 @@ def test_a_fenced_read_sees_the_write_it_follows(make_cluster: MakeCluster) -> N
             assert resp.end_offset == total, f"read {k} missed its own write"
             served.add(resp.served_by)
     assert len(served) >= 2, f"reads were not spread over nodes: {served}"
+
+
+def test_a_queue_server_killed_mid_stream_loses_nothing(make_cluster: MakeCluster) -> None:
+    """Producers fail over to the other queue server; idempotent retries
+    through it are stored once."""
+    lc = make_cluster(nodes=3, queue_servers=2)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        runs = [ProducerRun(conn, "munich", f"p{i}").start() for i in range(3)]
+        wait_for(lambda: all(len(r.acked) >= 400 for r in runs), 60, "producers to start")
+        lc.kill_queue_server(0)
+        before = sum(len(r.acked) for r in runs)
+        wait_for(lambda: sum(len(r.acked) for r in runs) > before + 2000, 60, "writes to go on")
+        for r in runs:
+            r.join()
+        acked = [x for r in runs for x in r.acked]
+        assert_exactly_once_in_order(read_topic(conn, "munich"), acked)
