@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -194,10 +195,12 @@ class Producer:
     """Publishes pings to one topic, in batches, idempotently.
 
     ``send`` buffers one ping; a batch goes out when it holds ``batch_pings``
-    pings or ``batch_bytes`` bytes, or when ``linger_s`` has passed since its
-    first ping (checked on each call), or on ``flush``. ``send_batch`` sends
-    columns at once. Each batch gets the next sequence number; retries of it
-    (after a timeout, an election or a queue server failure) are stored once.
+    pings or ``batch_bytes`` bytes, ``linger_s`` after its first ping (a
+    background thread sees to that even if no other call comes), or on
+    ``flush``/``close``. ``send_batch`` sends columns at once. Each batch gets
+    the next sequence number; retries of it (after a timeout, an election or a
+    queue server failure) are stored once. An error of a background flush is
+    raised by the next call: nothing fails silently.
     """
 
     def __init__(
@@ -229,6 +232,11 @@ class Producer:
         self.acked = 0
         self._rows: list[tuple[str, int, float, float, float, float, float]] = []
         self._first_at = 0.0
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._lingerer: threading.Thread | None = None
+        self._closed = False
+        self._error: RoadlogError | None = None
 
     def send(
         self,
@@ -240,26 +248,66 @@ class Producer:
         heading_deg: float = math.nan,
         accuracy_m: float = math.nan,
     ) -> Ack | None:
-        if not self._rows:
-            self._first_at = time.monotonic()
-        self._rows.append((device_id, ts_ms, lat, lon, speed_mps, heading_deg, accuracy_m))
-        if (
-            len(self._rows) >= self.batch_pings
-            or len(self._rows) * 48 >= self.batch_bytes
-            or (time.monotonic() - self._first_at >= self.linger_s)
-        ):
-            return self.flush()
-        return None
+        with self._lock:
+            self._raise_pending()
+            if not self._rows:
+                self._first_at = time.monotonic()
+                self._start_lingerer()
+            self._rows.append((device_id, ts_ms, lat, lon, speed_mps, heading_deg, accuracy_m))
+            if (
+                len(self._rows) >= self.batch_pings
+                or len(self._rows) * 48 >= self.batch_bytes
+                or (time.monotonic() - self._first_at >= self.linger_s)
+            ):
+                return self.flush()
+            self._wake.notify()
+            return None
 
     def flush(self) -> Ack | None:
-        if not self._rows:
-            return None
-        rows, self._rows = self._rows, []
-        dev, ts, lat, lon, sp, hd, ac = zip(*rows, strict=True)
-        return self.send_batch(PingColumns.from_columns(list(dev), ts, lat, lon, sp, hd, ac))
+        with self._lock:
+            self._raise_pending()
+            if not self._rows:
+                return None
+            rows, self._rows = self._rows, []
+            dev, ts, lat, lon, sp, hd, ac = zip(*rows, strict=True)
+            return self.send_batch(PingColumns.from_columns(list(dev), ts, lat, lon, sp, hd, ac))
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _start_lingerer(self) -> None:
+        if self._lingerer is None and self.linger_s > 0:
+            self._lingerer = threading.Thread(
+                target=self._linger, daemon=True, name="roadlog-linger"
+            )
+            self._lingerer.start()
+
+    def _linger(self) -> None:
+        """Flush a batch ``linger_s`` after its first ping."""
+        with self._lock:
+            while not self._closed:
+                if not self._rows:
+                    self._wake.wait()
+                    continue
+                due = self._first_at + self.linger_s - time.monotonic()
+                if due > 0:
+                    self._wake.wait(due)
+                    continue
+                try:
+                    self.flush()
+                except RoadlogError as e:
+                    self._error = e
+                except Exception as e:  # never lose an error in a background thread
+                    self._error = RoadlogError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
 
     def send_batch(self, cols: PingColumns) -> Ack:
         """Publish columns as one batch; returns once it is stored on a majority."""
+        with self._lock:
+            return self._send_batch(cols)
+
+    def _send_batch(self, cols: PingColumns) -> Ack:
         self.sequence += 1
         req = client_pb2.PublishRequest(
             topic=self.topic,
@@ -278,7 +326,15 @@ class Producer:
         return ack
 
     def close(self) -> None:
-        self.flush()
+        """Send what is buffered and stop the background flusher."""
+        try:
+            self.flush()
+        finally:
+            with self._lock:
+                self._closed = True
+                self._wake.notify_all()
+            if self._lingerer is not None:
+                self._lingerer.join(timeout=5)
 
 
 @dataclass(frozen=True)
