@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.raft import (
@@ -471,9 +469,3 @@ class RaftNode:
         self._snapshot_requests.append(fut)
         self._wakeup.set()
         return await fut
-
-
-def grpc_code_for(err: Exception) -> grpc.StatusCode:
-    if isinstance(err, NotLeader):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import threading
 import time
 import uuid
@@ -397,7 +396,3 @@ class Consumer:
                 yield b
             if not batches or resp.next_offset >= resp.end_offset:
                 return
-
-
-def jitter(seconds: float) -> float:
-    return seconds * (0.5 + random.random())

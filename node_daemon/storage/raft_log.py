@@ -287,9 +287,5 @@ class LmdbLogStorage:
             on_commit()
             return
 
-    def size_bytes(self) -> int:
-        info, stat = self.env.info(), self.env.stat()
-        return int((info["last_pgno"] + 1) * stat["psize"])
-
     def close(self) -> None:
         self.env.close()
