@@ -342,6 +342,11 @@ class StateMachine:
 
     # ---------------------------------------------------------------- reads
 
+    def topic(self, name: str) -> topics_pb2.Topic:
+        """The topic record alone (no partition states): for the write path."""
+        with self.env.begin() as txn:
+            return self._topic(txn, name)
+
     def describe(self, name: str) -> topics_pb2.TopicDescription:
         with self.env.begin() as txn:
             return self._describe(txn, self._topic(txn, name))

@@ -137,7 +137,7 @@ class Executor:
 
     def _append_op(self, req: client_pb2.PublishRequest) -> command_pb2.Op:
         """Decode, validate and split a batch (in a worker thread)."""
-        topic = self.node.sm.describe(req.topic).topic
+        topic = self.node.sm.topic(req.topic)
         key = (topic.spec.name, topic.id)
         region = self._regions.get(key)
         if region is None:
@@ -163,7 +163,7 @@ class Executor:
 
     async def delete_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.DeleteTopicRequest.FromString(item.request)
-        self.node.sm.describe(req.name)  # NOT_FOUND before proposing
+        self.node.sm.topic(req.name)  # NOT_FOUND before proposing
         return await self.node.propose_op(
             command_pb2.Op(delete_topic=command_pb2.DeleteTopicOp(name=req.name))
         )
