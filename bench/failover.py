@@ -44,6 +44,25 @@ def first_ack_sent_after(acks: list[tuple[float, float]], t: float) -> float | N
     return min((a for s, a in acks if s > t), default=None)
 
 
+async def measure_pause(send: Any, kill: Any, limit_s: float = 60.0) -> float:
+    """Publish back to back, run ``kill()``, and return the seconds from the
+    kill to the first acknowledgment of a request sent after it (the same
+    measurement for every system)."""
+    stop = asyncio.Event()
+    acks: list[tuple[float, float]] = []
+    task = asyncio.create_task(_writer(send, stop, acks))
+    while len(acks) < 20:
+        await asyncio.sleep(0.01)
+    killed_at = time.perf_counter()
+    await kill()
+    deadline = killed_at + limit_s
+    while first_ack_sent_after(acks, killed_at) is None and time.perf_counter() < deadline:
+        await asyncio.sleep(0.002)
+    stop.set()
+    await task
+    return (first_ack_sent_after(acks, killed_at) or deadline) - killed_at
+
+
 async def roadlog_trials(lc: LocalCluster, trials: int) -> list[float]:
     payload = batch_request(100)
     pauses: list[float] = []
@@ -57,19 +76,8 @@ async def roadlog_trials(lc: LocalCluster, trials: int) -> list[float]:
 
         for t in range(trials):
             await asyncio.to_thread(lc.wait_ready, 60)
-            stop = asyncio.Event()
-            acks: list[tuple[float, float]] = []
-            task = asyncio.create_task(_writer(send, stop, acks))
-            while len(acks) < 20:
-                await asyncio.sleep(0.01)
             leader = (await asyncio.to_thread(lc.status))["leader"]
-            killed_at = time.perf_counter()
-            await asyncio.to_thread(lc.kill, leader)
-            while first_ack_sent_after(acks, killed_at) is None:
-                await asyncio.sleep(0.002)
-            pause = (first_ack_sent_after(acks, killed_at) or killed_at) - killed_at
-            stop.set()
-            await task
+            pause = await measure_pause(send, lambda n=leader: asyncio.to_thread(lc.kill, n))
             pauses.append(pause)
             print(f"roadlog trial {t + 1}: {pause * 1000:.0f} ms", file=sys.stderr, flush=True)
             await asyncio.to_thread(lc.start, leader)
@@ -96,20 +104,8 @@ async def nats_trials(nc: NatsCluster, trials: int) -> list[float]:
                 except Exception:
                     pass
                 await asyncio.sleep(0.2)
-            stop = asyncio.Event()
-            acks: list[tuple[float, float]] = []
-            task = asyncio.create_task(_writer(send, stop, acks))
-            while len(acks) < 20:
-                await asyncio.sleep(0.01)
             victim = nc.by_name(info.cluster.leader)
-            killed_at = time.perf_counter()
-            victim.kill()
-            deadline = killed_at + 60
-            while first_ack_sent_after(acks, killed_at) is None and time.perf_counter() < deadline:
-                await asyncio.sleep(0.002)
-            pause = (first_ack_sent_after(acks, killed_at) or deadline) - killed_at
-            stop.set()
-            await task
+            pause = await measure_pause(send, lambda v=victim: asyncio.to_thread(v.kill))
             pauses.append(pause)
             print(f"jetstream trial {t + 1}: {pause * 1000:.0f} ms", file=sys.stderr, flush=True)
             victim.start()
