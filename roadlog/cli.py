@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -40,6 +40,18 @@ def _servers(cluster: Path | None, servers: str | None) -> list[str]:
             "say where the cluster is: --cluster DIR, --servers HOST:PORT or ROADLOG_SERVERS"
         )
     return found
+
+
+T = TypeVar("T")
+
+
+def _local(directory: Path, action: Callable[[LocalCluster], T]) -> T:
+    """Run ``action`` on the local cluster in DIR; a missing cluster or node
+    is a clear error, not a traceback."""
+    try:
+        return action(LocalCluster.load(directory))
+    except (FileNotFoundError, KeyError) as e:
+        raise click.ClickException(str(e).strip("'\"")) from None
 
 
 def where(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -123,10 +135,7 @@ def cluster_up(nodes: int, queue_servers: int, directory: Path, timeout: float) 
 def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> None:
     """Leader, term, and each node's role and indexes."""
     if cluster is not None:
-        try:
-            st = LocalCluster.load(cluster).status()
-        except FileNotFoundError as e:
-            raise click.ClickException(str(e)) from None
+        st = _local(cluster, LocalCluster.status)
     else:
         st = gather_status(_servers(None, servers), [])
     if as_json:
@@ -155,10 +164,7 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
 @click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
 def cluster_kill(node: str, directory: Path) -> None:
     """SIGKILL one node of a local cluster."""
-    try:
-        n = LocalCluster.load(directory).kill(node)
-    except (FileNotFoundError, KeyError) as e:
-        raise click.ClickException(str(e)) from None
+    n = _local(directory, lambda lc: lc.kill(node))
     err.print(f"killed node {n.id}")
 
 
@@ -167,10 +173,7 @@ def cluster_kill(node: str, directory: Path) -> None:
 @click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
 def cluster_start(node: str, directory: Path) -> None:
     """Start a stopped node of a local cluster again (with its data)."""
-    try:
-        n = LocalCluster.load(directory).start(node)
-    except (FileNotFoundError, KeyError) as e:
-        raise click.ClickException(str(e)) from None
+    n = _local(directory, lambda lc: lc.start(node))
     err.print(f"started node {n.id} (pid {n.pid})")
 
 
@@ -178,10 +181,7 @@ def cluster_start(node: str, directory: Path) -> None:
 @click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
 def cluster_down(directory: Path) -> None:
     """Stop every process of a local cluster (data stays in DIR)."""
-    try:
-        lc = LocalCluster.load(directory)
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
+    lc = _local(directory, lambda lc: lc)
     lc.down()
     left = [p.pid for p in [*lc.nodes, *lc.queue_servers] if p.pid and alive(p.pid)]
     err.print("cluster down" + (f"; still running: {left}" if left else ""))
