@@ -38,6 +38,7 @@ import numpy as np
 
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from roadlog import columnar
+from roadlog.columnar import PingColumns
 from roadlog.geo import RegionError, parse_region
 from roadlog.v1 import client_pb2, command_pb2, topics_pb2
 from roadlog.validation import MAX_PARTITIONS, check_topic_name
@@ -533,19 +534,17 @@ def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
             break
 
 
-def append_command(
+def append_op(
     topic: str,
-    parts: Sequence[tuple[int, bytes]],
-    leader_ms: int,
+    parts: Sequence[tuple[int, PingColumns]],
     producer_id: int = 0,
     sequence: int = 0,
     client_id: str = "",
-) -> command_pb2.Command:
-    """A command appending already-split partition batches (wire bytes)."""
+) -> command_pb2.Op:
+    """The operation appending a batch already split by partition."""
     op = command_pb2.AppendOp(
         topic=topic, client_id=client_id, producer_id=producer_id, sequence=sequence
     )
-    for p, batch in parts:
-        count = len(columnar.decode(batch))
-        op.parts.add(partition=p, batch=batch, count=count)
-    return command_pb2.Command(leader_ms=leader_ms, ops=[command_pb2.Op(append=op)])
+    for p, cols in parts:
+        op.parts.add(partition=p, batch=columnar.encode(cols), count=len(cols))
+    return command_pb2.Op(append=op)

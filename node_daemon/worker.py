@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 from node_daemon import metrics
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.state_machine import OpError, OpResult, normalized_spec
+from node_daemon.state_machine import OpError, OpResult, append_op, normalized_spec
 from node_daemon.transport import AUTH_KEY
 from roadlog import columnar
 from roadlog.geo import Region, parse_region
@@ -144,15 +144,13 @@ class Executor:
             region = self._regions[key] = parse_region(topic.spec.region_geojson)
         cols = columnar.decode(req.batch.SerializeToString())
         check_batch(cols, region, int(time.time() * 1000))
-        op = command_pb2.AppendOp(
-            topic=req.topic,
-            client_id=req.client_id,
-            producer_id=req.producer_id,
-            sequence=req.sequence,
+        return append_op(
+            req.topic,
+            split_by_partition(cols, topic.spec.partitions),
+            req.producer_id,
+            req.sequence,
+            req.client_id,
         )
-        for p, part in split_by_partition(cols, topic.spec.partitions):
-            op.parts.add(partition=p, batch=columnar.encode(part), count=len(part))
-        return command_pb2.Op(append=op)
 
     async def create_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.CreateTopicRequest.FromString(item.request)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state_machine import StateMachine, append_command
+from node_daemon.state_machine import StateMachine, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
@@ -53,8 +53,8 @@ class Log:
         seq: int = 0,
         topic: str = "munich",
     ) -> tuple[grpc.StatusCode, client_pb2.PublishResponse, str]:
-        parts = [(p, columnar.encode(c)) for p, c in split_by_partition(cols, 4)]
-        cmd = append_command(topic, parts, at_ms, producer, seq)
+        op = append_op(topic, split_by_partition(cols, 4), producer, seq)
+        cmd = command_pb2.Command(leader_ms=at_ms, ops=[op])
         [(code, raw, msg)] = self.run(cmd)
         return code, client_pb2.PublishResponse.FromString(raw), msg
 
@@ -227,7 +227,7 @@ def test_reopen_keeps_the_applied_state_and_skips_reapplied_entries(tmp_path: Pa
     again = StateMachine(tmp_path / "sm")
     assert again.applied_index == index and again.digest() == digest
     # Entries at or below the applied index (replayed after a crash) change nothing.
-    cmd = append_command("munich", [(0, columnar.encode(pings(3)))], T0)
+    cmd = command_pb2.Command(leader_ms=T0, ops=[append_op("munich", [(0, pings(3))])])
     again.apply([Entry(1, index, EntryType.NORMAL, cmd.SerializeToString())])
     assert again.digest() == digest
     again.close()
