@@ -342,3 +342,20 @@ def test_a_queue_server_killed_mid_stream_loses_nothing(make_cluster: MakeCluste
             r.join()
         acked = [x for r in runs for x in r.acked]
         assert_exactly_once_in_order(read_topic(conn, "munich"), acked)
+
+
+def test_a_leader_without_a_majority_never_acknowledges(make_cluster: MakeCluster) -> None:
+    """Guarantee 7: with both followers gone the leader cannot commit, so
+    the producer gets a clear error after its timeout, never an ack."""
+    lc = make_cluster(nodes=3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        p = Producer(conn, "munich", deadline_s=3.0)
+        p.send_batch(make_pings("p", 0, 10))
+        leader = lc.status()["leader"]
+        for n in lc.nodes:
+            if n.id != leader:
+                lc.kill(n.id)
+        with pytest.raises(Unavailable):
+            p.send_batch(make_pings("p", 100, 10))
+        assert p.acked == 10
