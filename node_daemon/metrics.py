@@ -25,3 +25,8 @@ STAGE_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
 )
 WORK_DONE = Counter("roadlog_work_done_total", "work items this node finished", ["kind"])
+MERGED_PUBLISHES = Histogram(
+    "roadlog_merged_publishes",
+    "publish requests merged into one round of append ops (server-side group commit)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+)

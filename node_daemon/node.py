@@ -109,6 +109,8 @@ class RaftNode:
         self._inbox: deque[Callable[[RaftCore], None]] = deque()
         self._wakeup = asyncio.Event()
         self._ops: list[tuple[command_pb2.Op, asyncio.Future[OpResult]]] = []
+        self._ops_taken = asyncio.Event()  # set while no proposal waits for the driver
+        self._ops_taken.set()
         self._pending: dict[int, _Pending] = {}
         self._reads: dict[bytes, asyncio.Future[int]] = {}
         self._read_seq = 0
@@ -136,12 +138,19 @@ class RaftNode:
             raise NotLeader(self.core.lead)
         fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
         self._ops.append((op, fut))
+        self._ops_taken.clear()
         self._wakeup.set()
         t0 = time.perf_counter()
         try:
             return await fut
         finally:
             metrics.STAGE_SECONDS.labels("replicate").observe(time.perf_counter() - t0)
+
+    async def proposals_taken(self) -> None:
+        """Wait until the driver has taken every proposal made so far into
+        the log (or refused it). While it is busy persisting the previous
+        entries, callers can gather more work for the next entry."""
+        await self._ops_taken.wait()
 
     async def read_barrier(self) -> int:
         """A linearizable read point (ReadIndex): wait until this node has
@@ -268,6 +277,7 @@ class RaftNode:
 
     def _propose_ops(self) -> None:
         ops, self._ops = self._ops, []
+        self._ops_taken.set()
         core = self.core
         if core.role != Role.LEADER:
             for _, fut in ops:

@@ -75,6 +75,9 @@ class OpResult:
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""
     response: bytes = b""
+    # An append op's result per span (publish request), in span order; the
+    # op's own code is OK then, and each span says how it went.
+    spans: tuple[OpResult, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,17 +156,17 @@ class StateMachine:
         out = []
         for op in cmd.ops:
             try:
-                out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms, e.index)))
+                if op.WhichOneof("op") == "append":
+                    spans = self._append(txn, op.append, cmd.leader_ms, e.index)
+                    out.append(OpResult(spans=tuple(spans)))
+                else:
+                    out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms)))
             except OpError as err:
                 out.append(OpResult(err.code, err.message))
         return out
 
-    def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int, index: int) -> bytes:
+    def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int) -> bytes:
         kind = op.WhichOneof("op")
-        if kind == "append":
-            resp = self._append(txn, op.append, leader_ms)
-            resp.applied_index = index  # a read fence for read-your-writes
-            return resp.SerializeToString()
         if kind == "create_topic":
             return self._create_topic(txn, op.create_topic.spec, leader_ms).SerializeToString()
         if kind == "delete_topic":
@@ -239,57 +242,86 @@ class StateMachine:
     # --------------------------------------------------------------- append
 
     def _append(
-        self, txn: Any, op: command_pb2.AppendOp, leader_ms: int
-    ) -> client_pb2.PublishResponse:
+        self, txn: Any, op: command_pb2.AppendOp, leader_ms: int, index: int
+    ) -> list[OpResult]:
+        """Store the op's parts; one result per span. A span that is a retry
+        of a stored (producer, sequence) is answered with its original
+        offsets and its pings are left out of what is stored."""
         topic = self._topic(txn, op.topic)
         tid, nparts = topic.id, topic.spec.partitions
-        resp = client_pb2.PublishResponse()
-        for part in op.parts:
-            if part.partition >= nparts:
-                raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"no partition {part.partition}")
-            if part.count == 0:
-                raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "an empty partition batch")
-        dup = self._duplicate(txn, op, tid)
-        if dup is not None:
-            dup.duplicate = True
-            return dup
-        for part in op.parts:
-            p = part.partition
-            count = part.count
-            st = self._part_state(txn, tid, p)
-            base = st.next_offset
+        _check_layout(op, nparts)
+        states = [self._part_state(txn, tid, part.partition) for part in op.parts]
+        nxt = [st.next_offset for st in states]
+        kept: list[bool] = []
+        results: list[OpResult] = []
+        for span in op.spans:
+            try:
+                dup = self._duplicate(txn, span, op, tid)
+            except OpError as err:
+                kept.append(False)
+                results.append(OpResult(err.code, err.message))
+                continue
+            if dup is not None:
+                kept.append(False)
+                dup.duplicate = True
+                results.append(OpResult(response=dup.SerializeToString()))
+                continue
+            kept.append(True)
+            resp = client_pb2.PublishResponse(applied_index=index)  # a read fence
+            for i, part in enumerate(op.parts):
+                count = span.counts[i]
+                if not count:
+                    continue
+                resp.offsets.add(partition=part.partition, base_offset=nxt[i], count=count)
+                if span.producer_id:
+                    self._remember_sequence(
+                        txn, span.producer_id, tid, part.partition, span.sequence, nxt[i], count
+                    )
+                nxt[i] += count
+            results.append(OpResult(response=resp.SerializeToString()))
+        for i, part in enumerate(op.parts):
+            st = states[i]
+            count = nxt[i] - st.next_offset
+            if not count:
+                continue
+            batch = part.batch
+            if not all(kept):
+                batch = _kept_rows(batch, [span.counts[i] for span in op.spans], kept)
+            p, base = part.partition, st.next_offset
             append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
-            value = _BATCH_HDR.pack(count, append_ms) + part.batch
-            txn.put(_BATCH.pack(tid, p, base), value, db=self.batches)
+            txn.put(
+                _BATCH.pack(tid, p, base),
+                _BATCH_HDR.pack(count, append_ms) + batch,
+                db=self.batches,
+            )
             txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
             txn.put(
                 _PART.pack(tid, p),
                 _PART_VAL.pack(st.first_offset, base + count, append_ms),
                 db=self.parts,
             )
-            resp.offsets.add(partition=p, base_offset=base, count=count)
-            if op.producer_id:
-                self._remember_sequence(txn, op.producer_id, tid, p, op.sequence, base, count)
-        return resp
+        return results
 
     def _duplicate(
-        self, txn: Any, op: command_pb2.AppendOp, tid: int
+        self, txn: Any, span: command_pb2.AppendSpan, op: command_pb2.AppendOp, tid: int
     ) -> client_pb2.PublishResponse | None:
-        """The original answer if (producer, sequence) was stored before."""
-        if not op.producer_id:
+        """The original answer if the span's (producer, sequence) was stored before."""
+        if not span.producer_id:
             return None
         resp = client_pb2.PublishResponse()
-        for part in op.parts:
-            seen = self._sequences(txn, op.producer_id, tid, part.partition)
-            match = [s for s in seen if s[0] == op.sequence]
+        for part, count in zip(op.parts, span.counts, strict=True):
+            if not count:
+                continue
+            seen = self._sequences(txn, span.producer_id, tid, part.partition)
+            match = [s for s in seen if s[0] == span.sequence]
             if match:
-                _, base, count = match[0]
-                resp.offsets.add(partition=part.partition, base_offset=base, count=count)
-            elif seen and op.sequence < seen[-1][0]:
+                _, base, stored = match[0]
+                resp.offsets.add(partition=part.partition, base_offset=base, count=stored)
+            elif seen and span.sequence < seen[-1][0]:
                 raise OpError(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"sequence {op.sequence} of producer {op.producer_id} is older than the "
-                    f"last {RECENT_SEQUENCES} it stored",
+                    f"sequence {span.sequence} of producer {span.producer_id} is older than "
+                    f"the last {RECENT_SEQUENCES} it stored",
                 )
             else:
                 return None
@@ -534,6 +566,36 @@ def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
             break
 
 
+def _check_layout(op: command_pb2.AppendOp, nparts: int) -> None:
+    """Refuse (on every replica alike) an op whose parts and spans disagree."""
+    if not op.spans:
+        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "an append without spans")
+    sums = [0] * len(op.parts)
+    for span in op.spans:
+        if len(span.counts) != len(op.parts):
+            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "a span without a count per part")
+        if not any(span.counts):
+            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "an empty span")
+        for i, c in enumerate(span.counts):
+            sums[i] += c
+    seen = set()
+    for part, total in zip(op.parts, sums, strict=True):
+        if part.partition >= nparts:
+            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"no partition {part.partition}")
+        if part.partition in seen:
+            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"partition {part.partition} twice")
+        seen.add(part.partition)
+        if part.count == 0 or part.count != total:
+            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "part counts disagree with spans")
+
+
+def _kept_rows(batch: bytes, counts: list[int], kept: list[bool]) -> bytes:
+    """The batch without the rows of spans not kept (spans are consecutive)."""
+    cols = columnar.decode(batch)
+    mask = np.repeat(np.array(kept, dtype=bool), counts)
+    return columnar.encode(cols.take(np.flatnonzero(mask)))
+
+
 def append_op(
     topic: str,
     parts: Sequence[tuple[int, PingColumns]],
@@ -541,10 +603,10 @@ def append_op(
     sequence: int = 0,
     client_id: str = "",
 ) -> command_pb2.Op:
-    """The operation appending a batch already split by partition."""
-    op = command_pb2.AppendOp(
-        topic=topic, client_id=client_id, producer_id=producer_id, sequence=sequence
-    )
+    """The operation appending one request's batch, already split by partition."""
+    op = command_pb2.AppendOp(topic=topic)
+    span = op.spans.add(client_id=client_id, producer_id=producer_id, sequence=sequence)
     for p, cols in parts:
         op.parts.add(partition=p, batch=columnar.encode(cols), count=len(cols))
+        span.counts.append(len(cols))
     return command_pb2.Op(append=op)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,14 +18,14 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from node_daemon import metrics
+from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.state_machine import OpError, OpResult, append_op, normalized_spec
+from node_daemon.state_machine import OpError, OpResult, normalized_spec
 from node_daemon.transport import AUTH_KEY
 from roadlog import columnar
 from roadlog.geo import Region, parse_region
-from roadlog.partitioning import split_by_partition
 from roadlog.v1 import client_pb2, command_pb2, work_pb2, work_pb2_grpc
-from roadlog.validation import BatchRejected, check_batch
+from roadlog.validation import BatchRejected
 
 log = logging.getLogger("roadlog.worker")
 
@@ -37,6 +38,23 @@ async def _failed(err: Exception) -> OpResult:
     raise err
 
 
+def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[OpResult]) -> None:
+    """Give each request its share (its span) of a merged append op's result."""
+    if proposal.cancelled():
+        for f in futs:
+            f.cancel()
+        return
+    err = proposal.exception()
+    for span, f in enumerate(futs):
+        if f.done():
+            continue
+        if err is not None:
+            f.set_exception(err)
+        else:
+            res = proposal.result()
+            f.set_result(res.spans[span] if res.spans else res)
+
+
 class Executor:
     """Turns work items into results against one RaftNode."""
 
@@ -44,6 +62,9 @@ class Executor:
         self.node = node
         self.cpu = ThreadPoolExecutor(2, thread_name_prefix="work")
         self._regions: dict[tuple[str, int], Region] = {}
+        self._publishes: list[tuple[work_pb2.WorkItem, asyncio.Future[OpResult]]] = []
+        self._publish_wakeup = asyncio.Event()
+        self._merger: asyncio.Task[None] | None = None
 
     async def run(
         self,
@@ -65,6 +86,8 @@ class Executor:
             res.code, res.message = RETRY_ELSEWHERE.value[0], f"{e} (leader {e.leader})"
         except OpError as e:
             res.code, res.message = e.code.value[0], e.message
+        except MalformedRequest as e:
+            res.code, res.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e)
         except (DecodeError, columnar.BatchDecodeError) as e:
             res.code, res.message = (
                 grpc.StatusCode.INVALID_ARGUMENT.value[0],
@@ -92,65 +115,67 @@ class Executor:
     # ---------------------------------------------------------------- writes
 
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
-        [(_, fut)] = await self.prepare_publishes([item])
+        """Queue the publish for the next merge (see ``_merge_loop``)."""
+        fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
+        self._publishes.append((item, fut))
+        if self._merger is None or self._merger.done():
+            self._merger = asyncio.get_running_loop().create_task(self._merge_loop())
+        self._publish_wakeup.set()
         return await fut
 
-    async def prepare_publishes(
-        self, items: list[work_pb2.WorkItem]
-    ) -> list[tuple[work_pb2.WorkItem, Awaitable[OpResult]]]:
-        """Validate many publishes in one worker-thread hop, then propose the
-        good ones at once; each item gets an awaitable of its result."""
+    async def _merge_loop(self) -> None:
+        """Server-side group commit: publishes that arrive while the node is
+        still persisting the previous proposals are merged into one append op
+        per topic and proposed together as soon as the driver takes them."""
+        while True:
+            await self._publish_wakeup.wait()
+            self._publish_wakeup.clear()
+            await self.node.proposals_taken()
+            batch, self._publishes = self._publishes, []
+            if batch:
+                try:
+                    await self._propose_publishes(batch)
+                except Exception as e:  # never leave a publish hanging
+                    log.exception("merging publishes failed")
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(e)
+
+    async def _propose_publishes(
+        self, batch: list[tuple[work_pb2.WorkItem, asyncio.Future[OpResult]]]
+    ) -> None:
         loop = asyncio.get_running_loop()
         if not self.node.is_leader:
             err = NotLeader(self.node.core.lead)
-            return [(it, _failed(err)) for it in items]
+            for _, fut in batch:
+                fut.set_exception(err)
+            return
         t0 = time.perf_counter()
-        if sum(len(it.request) for it in items) < 64 << 10:
-            ops = self._append_ops(items)  # small: a thread hop costs more than the work
+        requests = [it.request for it, _ in batch]
+        now_ms = int(time.time() * 1000)
+        if sum(len(r) for r in requests) < 64 << 10:
+            # small: a thread hop costs more than the work
+            prepared, errors = prepare_appends(requests, self._topic_lookup, now_ms)
         else:
-            ops = await loop.run_in_executor(self.cpu, self._append_ops, items)
+            prepared, errors = await loop.run_in_executor(
+                self.cpu, prepare_appends, requests, self._topic_lookup, now_ms
+            )
         metrics.STAGE_SECONDS.labels("validate").observe(time.perf_counter() - t0)
-        out: list[tuple[work_pb2.WorkItem, Awaitable[OpResult]]] = []
-        for it, op in zip(items, ops, strict=True):
-            if isinstance(op, Exception):
-                out.append((it, _failed(op)))
-            else:
-                out.append((it, loop.create_task(self.node.propose_op(op))))
-        return out
+        metrics.MERGED_PUBLISHES.observe(len(batch))
+        for i, e in errors.items():
+            batch[i][1].set_exception(e)
+        for p in prepared:
+            proposal = loop.create_task(self.node.propose_op(p.op))
+            futs = [batch[i][1] for i in p.members]
+            proposal.add_done_callback(functools.partial(_settle_spans, futs))
 
-    async def finish(
-        self, item: work_pb2.WorkItem, ready: Awaitable[OpResult]
-    ) -> work_pb2.WorkResult:
-        async def handler(_: work_pb2.WorkItem) -> OpResult:
-            return await ready
-
-        return await self.run(item, handler)
-
-    def _append_ops(self, items: list[work_pb2.WorkItem]) -> list[command_pb2.Op | Exception]:
-        out: list[command_pb2.Op | Exception] = []
-        for it in items:
-            try:
-                out.append(self._append_op(client_pb2.PublishRequest.FromString(it.request)))
-            except Exception as e:
-                out.append(e)
-        return out
-
-    def _append_op(self, req: client_pb2.PublishRequest) -> command_pb2.Op:
-        """Decode, validate and split a batch (in a worker thread)."""
-        topic = self.node.sm.topic(req.topic)
+    def _topic_lookup(self, name: str) -> tuple[int, Region]:
+        topic = self.node.sm.topic(name)
         key = (topic.spec.name, topic.id)
         region = self._regions.get(key)
         if region is None:
             region = self._regions[key] = parse_region(topic.spec.region_geojson)
-        cols = columnar.decode(req.batch.SerializeToString())
-        check_batch(cols, region, int(time.time() * 1000))
-        return append_op(
-            req.topic,
-            split_by_partition(cols, topic.spec.partitions),
-            req.producer_id,
-            req.sequence,
-            req.client_id,
-        )
+        return topic.spec.partitions, region
 
     async def create_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.CreateTopicRequest.FromString(item.request)
@@ -264,15 +289,8 @@ class QueueServerLink:
                     backoff = 0.05
                     async for batch in call:
                         loop = asyncio.get_running_loop()
-                        publishes = [it for it in batch.items if it.method == "Publish"]
-                        tasks = [
-                            loop.create_task(self._do(it))
-                            for it in batch.items
-                            if it.method != "Publish"
-                        ]
-                        if publishes:
-                            tasks.append(loop.create_task(self._publish_many(publishes)))
-                        for t in tasks:
+                        for it in batch.items:
+                            t = loop.create_task(self._do(it))
                             inflight.add(t)
                             t.add_done_callback(inflight.discard)
             except asyncio.CancelledError:
@@ -295,16 +313,3 @@ class QueueServerLink:
             reads=1 if item.kind == work_pb2.WORK_KIND_READ else 0,
         )
         self.outbox.put_nowait(work_pb2.WorkerMessage(results=[res], credit=credit))
-
-    async def _publish_many(self, items: list[work_pb2.WorkItem]) -> None:
-        """Publishes that arrived together: validated in one go, proposed
-        together (so they share Raft entries), answered as each applies."""
-
-        async def answer(item: work_pb2.WorkItem, ready: Awaitable[OpResult]) -> None:
-            res = await self.executor.finish(item, ready)
-            self.outbox.put_nowait(
-                work_pb2.WorkerMessage(results=[res], credit=work_pb2.Credit(writes=1))
-            )
-
-        prepared = await self.executor.prepare_publishes(items)
-        await asyncio.gather(*(answer(it, fut) for it, fut in prepared))

@@ -109,6 +109,37 @@ class PingColumns:
         return np.asarray(self.device_ids, dtype=object)[self.device_index]
 
 
+NO_DEVICE = np.uint32(0xFFFFFFFF)  # a device index no dictionary reaches
+
+
+def concat(batches: Sequence[PingColumns]) -> PingColumns:
+    """All pings of ``batches`` in order, as one batch whose dictionary holds
+    each device id once. A device index out of its batch's dictionary stays
+    out of range (``NO_DEVICE``), so validation still reports it."""
+    if len(batches) == 1:
+        return batches[0]
+    ids: dict[str, int] = {}
+    index_parts = []
+    for b in batches:
+        nd = len(b.device_ids)
+        remap = np.fromiter(
+            (ids.setdefault(d, len(ids)) for d in b.device_ids), dtype=np.uint32, count=nd
+        )
+        remap = np.append(remap, NO_DEVICE)
+        index_parts.append(remap[np.minimum(b.device_index, nd)])
+    cat = np.concatenate
+    return PingColumns(
+        list(ids),
+        cat(index_parts),
+        cat([b.ts_ms for b in batches]),
+        cat([b.lat for b in batches]),
+        cat([b.lon for b in batches]),
+        cat([b.speed_mps for b in batches]),
+        cat([b.heading_deg for b in batches]),
+        cat([b.accuracy_m for b in batches]),
+    )
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while True:

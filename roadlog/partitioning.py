@@ -18,13 +18,23 @@ def partition_of(device_id: str, partitions: int) -> int:
     return zlib.crc32(device_id.encode()) % partitions
 
 
-def split_by_partition(cols: PingColumns, partitions: int) -> list[tuple[int, PingColumns]]:
-    """The batch's pings grouped by partition, each group in sending order,
-    each with the dictionary of just its own devices (all computed at once)."""
+def device_partitions(cols: PingColumns, partitions: int) -> npt.NDArray[np.int64]:
+    """The partition of each device in the batch's dictionary."""
     ndev = len(cols.device_ids)
-    per_device = np.fromiter(
+    return np.fromiter(
         (partition_of(d, partitions) for d in cols.device_ids), dtype=np.int64, count=ndev
     )
+
+
+def split_by_partition(
+    cols: PingColumns, partitions: int, per_device: npt.NDArray[np.int64] | None = None
+) -> list[tuple[int, PingColumns]]:
+    """The batch's pings grouped by partition in ascending partition order,
+    each group in sending order, each with the dictionary of just its own
+    devices (all computed at once). Device indexes must be in range."""
+    if per_device is None:
+        per_device = device_partitions(cols, partitions)
+    ndev = len(per_device)
     if ndev and (per_device == per_device[0]).all():
         return [(int(per_device[0]), cols)] if len(cols) else []
     # Each device's index within its own partition's dictionary.

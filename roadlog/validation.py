@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from roadlog.columnar import PingColumns
 from roadlog.geo import Region
@@ -47,14 +48,33 @@ class BatchRejected(ValueError):
 
 def check_batch(cols: PingColumns, region: Region, now_ms: int) -> None:
     """Raise BatchRejected unless every ping is plausible and in ``region``."""
-    n = len(cols)
+    check_size(len(cols))
+    raise_if_bad(ping_reasons(cols, region, now_ms))
+
+
+def check_size(n: int) -> None:
     if n == 0:
         raise BatchRejected([BadPing(0, "the batch is empty")], 1)
     if n > MAX_BATCH_PINGS:
         raise BatchRejected([BadPing(MAX_BATCH_PINGS, f"more than {MAX_BATCH_PINGS} pings")], 1)
-    reasons = np.zeros(n, dtype=np.int8)  # 0: fine; else an index into _REASONS
 
-    def flag(mask: np.ndarray, code: int) -> None:
+
+def raise_if_bad(reasons: npt.NDArray[np.int8]) -> None:
+    """Raise BatchRejected for a batch whose ``ping_reasons`` are these."""
+    bad = np.flatnonzero(reasons)
+    if len(bad):
+        shown = [BadPing(int(i), _REASONS[int(reasons[i])]) for i in bad[:MAX_REPORTED]]
+        raise BatchRejected(shown, len(bad))
+
+
+def ping_reasons(cols: PingColumns, region: Region, now_ms: int) -> npt.NDArray[np.int8]:
+    """Per ping, 0 if it is plausible and inside ``region``, else the code of
+    the first rule it breaks (vectorised; also over several requests' pings
+    concatenated, whose results the caller slices back per request)."""
+    n = len(cols)
+    reasons = np.zeros(n, dtype=np.int8)
+
+    def flag(mask: npt.NDArray[np.bool_], code: int) -> None:
         reasons[(reasons == 0) & mask] = code
 
     ndev = len(cols.device_ids)
@@ -63,26 +83,25 @@ def check_batch(cols: PingColumns, region: Region, now_ms: int) -> None:
         [not (1 <= len(d.encode()) <= MAX_DEVICE_ID_BYTES) for d in cols.device_ids] + [False],
         dtype=bool,
     )
-    flag(bad_ids[np.minimum(cols.device_index, ndev)], 2)
+    if bad_ids.any():
+        flag(bad_ids[np.minimum(cols.device_index, ndev)], 2)
     lat, lon = cols.lat, cols.lon
     flag(~np.isfinite(lat) | (lat < -90) | (lat > 90), 3)
     flag(~np.isfinite(lon) | (lon < -180) | (lon > 180), 4)
     flag((cols.ts_ms < MIN_TS_MS) | (cols.ts_ms > now_ms + FUTURE_SLACK_MS), 5)
-    sp = cols.speed_mps
-    flag(~np.isnan(sp) & ((sp < 0) | (sp > MAX_SPEED_MPS) | ~np.isfinite(sp)), 6)
-    hd = cols.heading_deg
-    flag(~np.isnan(hd) & ((hd < 0) | (hd >= 360) | ~np.isfinite(hd)), 7)
-    ac = cols.accuracy_m
-    flag(~np.isnan(ac) & ((ac < 0) | (ac > MAX_ACCURACY_M) | ~np.isfinite(ac)), 8)
+    # NaN (unknown) passes: comparisons with NaN are False.
+    sp, hd, ac = cols.speed_mps, cols.heading_deg, cols.accuracy_m
+    flag(np.isinf(sp) | (sp < 0) | (sp > MAX_SPEED_MPS), 6)
+    flag(np.isinf(hd) | (hd < 0) | (hd >= 360), 7)
+    flag(np.isinf(ac) | (ac < 0) | (ac > MAX_ACCURACY_M), 8)
     ok = reasons == 0
-    if ok.any():
+    if ok.all():
+        flag(~region.contains(lon, lat), 9)
+    elif ok.any():
         inside = np.ones(n, dtype=bool)
         inside[ok] = region.contains(lon[ok], lat[ok])
         flag(~inside, 9)
-    bad = np.flatnonzero(reasons)
-    if len(bad):
-        shown = [BadPing(int(i), _REASONS[int(reasons[i])]) for i in bad[:MAX_REPORTED]]
-        raise BatchRejected(shown, len(bad))
+    return reasons
 
 
 _REASONS = [

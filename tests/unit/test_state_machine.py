@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state_machine import StateMachine, append_op
+from node_daemon.state_machine import OpResult, StateMachine, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
@@ -32,10 +32,19 @@ class Log:
         self.sm = sm
         self.index = sm.applied_index
 
-    def run(self, cmd: command_pb2.Command) -> list[tuple[grpc.StatusCode, bytes, str]]:
+    def results(self, cmd: command_pb2.Command) -> list[OpResult]:
         self.index += 1
         [res] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())])
-        return [(r.code, r.response, r.message) for r in res]
+        return res
+
+    def run(self, cmd: command_pb2.Command) -> list[tuple[grpc.StatusCode, bytes, str]]:
+        """One (code, response, message) per op; an append op's single span's."""
+        out = []
+        for r in self.results(cmd):
+            if r.spans:
+                [r] = r.spans
+            out.append((r.code, r.response, r.message))
+        return out
 
     def create(self, name: str = "munich", partitions: int = 4, retention_ms: int = 0) -> None:
         spec = topics_pb2.TopicSpec(

@@ -1,0 +1,145 @@
+"""Publish requests to append operations (server-side group commit).
+
+Publishes that reach the leader together are merged per topic: each request
+is decoded on its own (a malformed one fails alone), the pings of all of
+them are checked at once and split by partition once, and one AppendOp
+carries them with one span per request. A request with a bad ping is
+refused alone, with ping indexes relative to its own batch; the others
+still go in. So many small publishes cost one validation, one split and
+one encoding per partition, and one set of LMDB writes on every replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from roadlog import columnar
+from roadlog.columnar import PingColumns
+from roadlog.geo import Region
+from roadlog.partitioning import device_partitions, split_by_partition
+from roadlog.v1 import client_pb2, command_pb2
+from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if_bad
+
+MAX_PINGS_PER_OP = 50_000  # about 2 MB of pings: keeps Raft entries bounded
+
+TopicLookup = Callable[[str], tuple[int, Region]]  # name -> (partitions, region)
+
+
+class MalformedRequest(ValueError):
+    """A publish request that is not a PublishRequest or not a PingBatch."""
+
+
+@dataclass(frozen=True)
+class PreparedAppend:
+    """One append operation and, per span in span order, the position of the
+    request it came from."""
+
+    op: command_pb2.Op
+    members: list[int]
+
+
+@dataclass(frozen=True, eq=False)
+class _Request:
+    position: int
+    view: client_pb2.PublishRequestView
+    cols: PingColumns
+
+
+def prepare_appends(
+    requests: Sequence[bytes],
+    lookup: TopicLookup,
+    now_ms: int,
+    max_pings_per_op: int = MAX_PINGS_PER_OP,
+) -> tuple[list[PreparedAppend], dict[int, Exception]]:
+    """Merge serialized PublishRequests into append ops. Returns the ops and,
+    by request position, why each refused request was refused. Every
+    position is in exactly one of the two."""
+    errors: dict[int, Exception] = {}
+    by_topic: dict[str, list[_Request]] = {}
+    for i, raw in enumerate(requests):
+        try:
+            view = client_pb2.PublishRequestView.FromString(raw)
+            cols = columnar.decode(view.batch)
+            check_size(len(cols))
+        except (DecodeError, columnar.BatchDecodeError) as e:
+            errors[i] = MalformedRequest(f"malformed request: {e}")
+            continue
+        except BatchRejected as e:
+            errors[i] = e
+            continue
+        by_topic.setdefault(view.topic, []).append(_Request(i, view, cols))
+    out: list[PreparedAppend] = []
+    for topic, reqs in by_topic.items():
+        try:
+            partitions, region = lookup(topic)
+        except Exception as e:
+            for r in reqs:
+                errors[r.position] = e
+            continue
+        for chunk in _chunks(reqs, max_pings_per_op):
+            prepared = _merge(topic, partitions, region, chunk, now_ms, errors)
+            if prepared is not None:
+                out.append(prepared)
+    return out, errors
+
+
+def _chunks(reqs: list[_Request], max_pings: int) -> list[list[_Request]]:
+    chunks: list[list[_Request]] = [[]]
+    pings = 0
+    for r in reqs:
+        if chunks[-1] and pings + len(r.cols) > max_pings:
+            chunks.append([])
+            pings = 0
+        chunks[-1].append(r)
+        pings += len(r.cols)
+    return chunks
+
+
+def _merge(
+    topic: str,
+    partitions: int,
+    region: Region,
+    chunk: list[_Request],
+    now_ms: int,
+    errors: dict[int, Exception],
+) -> PreparedAppend | None:
+    merged = columnar.concat([r.cols for r in chunk])
+    reasons = ping_reasons(merged, region, now_ms)
+    keep: list[_Request] = []
+    lo = 0
+    for r in chunk:
+        hi = lo + len(r.cols)
+        try:
+            raise_if_bad(reasons[lo:hi])
+            keep.append(r)
+        except BatchRejected as e:
+            errors[r.position] = e
+        lo = hi
+    if not keep:
+        return None
+    lengths = np.array([len(r.cols) for r in keep], dtype=np.int64)
+    if len(keep) < len(chunk):
+        kept_at = {r.position for r in keep}
+        kept = np.repeat([r.position in kept_at for r in chunk], [len(r.cols) for r in chunk])
+        merged = merged.take(np.flatnonzero(kept))
+    per_device = device_partitions(merged, partitions)
+    row_span = np.repeat(np.arange(len(keep)), lengths)
+    cells = row_span * partitions + per_device[merged.device_index]
+    counts = np.bincount(cells, minlength=len(keep) * partitions).reshape(len(keep), partitions)
+    parts = split_by_partition(merged, partitions, per_device)
+    op = command_pb2.AppendOp(topic=topic)
+    for p, cols in parts:
+        op.parts.add(partition=p, batch=columnar.encode(cols), count=len(cols))
+    span_counts = counts[:, [p for p, _ in parts]].tolist()
+    for r, row in zip(keep, span_counts, strict=True):
+        op.spans.add(
+            client_id=r.view.client_id,
+            producer_id=r.view.producer_id,
+            sequence=r.view.sequence,
+            counts=row,
+        )
+    return PreparedAppend(command_pb2.Op(append=op), [r.position for r in keep])
