@@ -130,6 +130,7 @@ async def serve(cfg: NodeConfig) -> None:
         start_http_server(cfg.metrics_port, addr=cfg.listen.rpartition(":")[0] or "0.0.0.0")
     await node.start()
     executor = Executor(node)
+    executor.groups.start()
     token = auth_token(cfg.secret(), cfg.cluster_name)
     links = [QueueServerLink(q, node, executor, token) for q in cfg.queue_servers]
     serving = health_pb2.HealthCheckResponse.SERVING

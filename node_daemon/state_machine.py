@@ -37,10 +37,13 @@ import lmdb
 import numpy as np
 
 from node_daemon.raft import Entry, EntryType, StorageFullError
+from node_daemon.sm_errors import OpError
+from node_daemon.sm_groups import GroupTables
+from node_daemon.sm_heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS, HeatmapTables
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import RegionError, parse_region
-from roadlog.v1 import client_pb2, command_pb2, topics_pb2
+from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2
 from roadlog.validation import MAX_PARTITIONS, check_topic_name
 
 GiB = 1 << 30
@@ -57,15 +60,6 @@ _PART_VAL = struct.Struct(">QQq")
 _BATCH_HDR = struct.Struct(">Iq")  # count, append ms
 _SEQ = struct.Struct(">QQI")
 _U64 = struct.Struct(">Q")
-
-
-class OpError(Exception):
-    """An operation refused deterministically (same on every replica)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(slots=True)
@@ -98,7 +92,7 @@ class StateMachine:
         self.env = lmdb.open(
             str(self.path),
             map_size=self.map_size,
-            max_dbs=8,
+            max_dbs=16,
             sync=False,
             metasync=False,
             readahead=False,
@@ -106,6 +100,8 @@ class StateMachine:
         db = self.env.open_db
         self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
+        self.groups = GroupTables(db(b"groups"), db(b"offsets"))
+        self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         with self.env.begin() as txn:
             self.applied_index = self._meta_int(txn, b"applied_index")
             self.applied_term = self._meta_int(txn, b"applied_term")
@@ -160,12 +156,12 @@ class StateMachine:
                     spans = self._append(txn, op.append, cmd.leader_ms, e.index)
                     out.append(OpResult(spans=tuple(spans)))
                 else:
-                    out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms)))
+                    out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms, e.index)))
             except OpError as err:
                 out.append(OpResult(err.code, err.message))
         return out
 
-    def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int) -> bytes:
+    def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int, index: int) -> bytes:
         kind = op.WhichOneof("op")
         if kind == "create_topic":
             return self._create_topic(txn, op.create_topic.spec, leader_ms).SerializeToString()
@@ -179,6 +175,35 @@ class StateMachine:
         if kind == "trim":
             self._trim(txn, leader_ms)
             return b""
+        if kind == "join_group":
+            req = op.join_group.request
+            topic = self._topic(txn, req.topic)
+            resp = self.groups.join(txn, req, topic.spec.partitions, leader_ms, index)
+            return resp.SerializeToString()
+        if kind == "leave_group":
+            g = self.groups.get(txn, op.leave_group.group)
+            nparts = self._topic(txn, g.topic).spec.partitions if g is not None else 0
+            gen = self.groups.leave(
+                txn, op.leave_group.group, list(op.leave_group.member_ids), nparts
+            )
+            return client_pb2.LeaveGroupResponse(generation=gen).SerializeToString()
+        if kind == "commit_offsets":
+            commit = op.commit_offsets.request
+            g = self.groups.get(txn, commit.group)
+            if g is None:
+                raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {commit.group!r}")
+            topic = self._topic(txn, g.topic)
+            ends = {
+                o.partition: self._part_state(txn, topic.id, o.partition).next_offset
+                for o in commit.offsets
+                if o.partition < topic.spec.partitions
+            }
+            self.groups.commit(txn, commit, ends, leader_ms)
+            return client_pb2.CommitOffsetsResponse(applied_index=index).SerializeToString()
+        if kind == "put_heatmap":
+            hm = op.put_heatmap.request.heatmap
+            self.heat.put(txn, self._topic(txn, hm.topic), hm)
+            return client_pb2.PutHeatmapResponse(applied_index=index).SerializeToString()
         raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown operation {kind!r}")
 
     # --------------------------------------------------------------- topics
@@ -213,6 +238,8 @@ class StateMachine:
         cur = txn.cursor(db=self.producers)
         for key in [k for k, _ in cur if k[8:12] == prefix]:
             txn.delete(key, db=self.producers)
+        self.heat.drop_topic(txn, topic.id)
+        self.groups.drop_topic(txn, name)
         txn.delete(name.encode(), db=self.topics)
 
     def _topic(self, txn: Any, name: str) -> topics_pb2.Topic:
@@ -279,6 +306,9 @@ class StateMachine:
                     )
                 nxt[i] += count
             results.append(OpResult(response=resp.SerializeToString()))
+        self.heat.record(
+            txn, tid, {s.client_id for s, k in zip(op.spans, kept, strict=True) if k}, leader_ms
+        )
         for i, part in enumerate(op.parts):
             st = states[i]
             count = nxt[i] - st.next_offset
@@ -391,6 +421,33 @@ class StateMachine:
                 for _, raw in txn.cursor(db=self.topics)
             ]
 
+    def describe_group(self, name: str) -> groups_pb2.GroupDescription:
+        with self.env.begin() as txn:
+            return self.groups.describe(txn, name)
+
+    def list_groups(self) -> list[groups_pb2.GroupDescription]:
+        with self.env.begin() as txn:
+            return [self.groups.describe(txn, n) for n in self.groups.names(txn)]
+
+    def heatmap(
+        self, req: client_pb2.GetHeatmapRequest, now_ms: int
+    ) -> client_pb2.GetHeatmapResponse:
+        """A heat map for a contributor: the give-to-get rule first, then the
+        map (the latest window unless one is asked for)."""
+        with self.env.begin() as txn:
+            topic = self._topic(txn, req.topic)
+            last = self.heat.allowed(txn, topic, req.client_id, now_ms)
+            windows = self.heat.windows(txn, topic.id)
+            start = req.window_start_ms or (windows[-1] if windows else 0)
+            hm = self.heat.get(txn, topic.id, start) if windows else None
+            if hm is None:
+                what = f"window {req.window_start_ms}" if req.window_start_ms else "any window"
+                raise OpError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"no heat map of {req.topic!r} for {what} yet (the Spark job writes them)",
+                )
+            return client_pb2.GetHeatmapResponse(heatmap=hm, contributed_ms=last, windows=windows)
+
     def fetch(
         self, req: client_pb2.FetchRequest, max_default: int = 10_000
     ) -> client_pb2.FetchResponse:
@@ -490,6 +547,10 @@ class StateMachine:
                 (b"timeidx", self.timeidx),
                 (b"producers", self.producers),
                 (b"meta", self.meta),
+                (b"groups", self.groups.groups),
+                (b"offsets", self.groups.offsets),
+                (b"contrib", self.heat.contrib),
+                (b"heatmaps", self.heat.heatmaps),
             ):
                 h.update(name)
                 for k, v in txn.cursor(db=db):
@@ -545,7 +606,10 @@ def normalized_spec(spec: topics_pb2.TopicSpec) -> topics_pb2.TopicSpec:
         partitions=spec.partitions or DEFAULT_PARTITIONS,
         retention_ms=spec.retention_ms or DEFAULT_RETENTION_MS,
         h3_resolution=spec.h3_resolution or DEFAULT_H3_RESOLUTION,
+        contribution_window_ms=spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS,
     )
+    if out.contribution_window_ms < 0:
+        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "the contribution window must be positive")
     if not 1 <= out.partitions <= MAX_PARTITIONS:
         raise OpError(
             grpc.StatusCode.INVALID_ARGUMENT, f"partitions must be in 1..{MAX_PARTITIONS}"

@@ -19,8 +19,10 @@ from google.protobuf.message import DecodeError
 
 from node_daemon import metrics
 from node_daemon.appends import MalformedRequest, prepare_appends
+from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.state_machine import OpError, OpResult, normalized_spec
+from node_daemon.sm_errors import OpError
+from node_daemon.state_machine import OpResult, normalized_spec
 from node_daemon.transport import AUTH_KEY
 from roadlog import columnar
 from roadlog.geo import Region, parse_region
@@ -65,6 +67,7 @@ class Executor:
         self._publishes: list[tuple[work_pb2.WorkItem, asyncio.Future[OpResult]]] = []
         self._publish_wakeup = asyncio.Event()
         self._merger: asyncio.Task[None] | None = None
+        self.groups = GroupCoordinator(node)
 
     async def run(
         self,
@@ -110,6 +113,14 @@ class Executor:
             "Fetch": self.fetch,
             "DescribeTopic": self.describe_topic,
             "ListTopics": self.list_topics,
+            "JoinGroup": lambda it: self.groups.join(it.request),
+            "Heartbeat": lambda it: self.groups.heartbeat(it.request),
+            "CommitOffsets": lambda it: self.groups.commit(it.request),
+            "LeaveGroup": lambda it: self.groups.leave(it.request),
+            "DescribeGroup": self.describe_group,
+            "ListGroups": self.list_groups,
+            "GetHeatmap": self.get_heatmap,
+            "PutHeatmap": self.put_heatmap,
         }
 
     # ---------------------------------------------------------------- writes
@@ -220,6 +231,28 @@ class Executor:
         await self._fenced(item.fence)
         resp = client_pb2.ListTopicsResponse(topics=self.node.sm.list_topics())
         return OpResult(response=resp.SerializeToString())
+
+    async def describe_group(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.DescribeGroupRequest.FromString(item.request)
+        await self._fenced(max(item.fence, req.min_applied_index))
+        return OpResult(response=self.node.sm.describe_group(req.group).SerializeToString())
+
+    async def list_groups(self, item: work_pb2.WorkItem) -> OpResult:
+        await self._fenced(item.fence)
+        resp = client_pb2.ListGroupsResponse(groups=self.node.sm.list_groups())
+        return OpResult(response=resp.SerializeToString())
+
+    async def get_heatmap(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.GetHeatmapRequest.FromString(item.request)
+        await self._fenced(max(item.fence, req.min_applied_index))
+        resp = self.node.sm.heatmap(req, int(time.time() * 1000))
+        return OpResult(response=resp.SerializeToString())
+
+    async def put_heatmap(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.PutHeatmapRequest.FromString(item.request)
+        return await self.node.propose_op(
+            command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request=req))
+        )
 
 
 class QueueServerLink:

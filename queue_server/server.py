@@ -47,7 +47,7 @@ REQUESTS = Counter(
 )
 WORKERS = Gauge("roadlog_queue_connected_nodes", "nodes pulling work from this queue server")
 
-# method -> (kind, does the queue server need to look inside the request)
+# method -> which queue: writes go to the leader, reads to any node past the fence
 METHODS: dict[str, Kind] = {
     "CreateTopic": Kind.WRITE,
     "DeleteTopic": Kind.WRITE,
@@ -56,6 +56,20 @@ METHODS: dict[str, Kind] = {
     "Fetch": Kind.READ,
     "DescribeTopic": Kind.READ,
     "ListTopics": Kind.READ,
+    "JoinGroup": Kind.WRITE,
+    "Heartbeat": Kind.WRITE,
+    "CommitOffsets": Kind.WRITE,
+    "LeaveGroup": Kind.WRITE,
+    "PutHeatmap": Kind.WRITE,
+    "DescribeGroup": Kind.READ,
+    "ListGroups": Kind.READ,
+    "GetHeatmap": Kind.READ,
+}
+# Reads that carry a fence (read your writes): the request class to read it from.
+FENCED: dict[str, Any] = {
+    "Fetch": client_pb2.FetchRequest,
+    "DescribeGroup": client_pb2.DescribeGroupRequest,
+    "GetHeatmap": client_pb2.GetHeatmapRequest,
 }
 
 
@@ -81,11 +95,14 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     async def call(self, method: str, request: bytes, timeout: float | None) -> bytes:
         kind = METHODS[method]
         fence = 0
-        if method == "Fetch":
+        if method in FENCED:
+            cls = FENCED[method]
             try:
-                fence = client_pb2.FetchRequest.FromString(request).min_applied_index
+                fence = cls.FromString(request).min_applied_index
             except Exception:
-                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "malformed FetchRequest") from None
+                raise Failed(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.DESCRIPTOR.name}"
+                ) from None
         now = time.monotonic()
         wait = timeout if timeout is not None else self.cfg.default_timeout_ms / 1000
         # Answer a little before the client's deadline, so it hears the reason.

@@ -12,7 +12,8 @@ import pytest
 
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state_machine import OpError, OpResult, StateMachine
+from node_daemon.sm_errors import OpError
+from node_daemon.state_machine import OpResult, StateMachine
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import Region, bbox_region

@@ -1,0 +1,201 @@
+"""Consumer groups in the state machine (applied from the log, so every
+replica holds the same groups, assignments and committed offsets).
+
+Invariants: each partition of a group's topic is assigned to exactly one
+member while the group has members (round robin over members sorted by
+id, so every replica computes the same assignment); every change of
+membership bumps the generation; an offset commit is accepted only from a
+current member, in the current generation, for partitions it owns.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import Any
+
+import grpc
+
+from node_daemon.sm_errors import OpError
+from roadlog.v1 import client_pb2, groups_pb2
+
+GROUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DEFAULT_SESSION_TIMEOUT_MS = 10_000
+MIN_SESSION_TIMEOUT_MS = 1_000
+MAX_SESSION_TIMEOUT_MS = 300_000
+MAX_MEMBERS = 1_000
+_OFFSET_VAL = struct.Struct(">Qq")  # offset, committed ms
+
+
+def check_group_name(name: str) -> None:
+    if not GROUP_NAME.match(name):
+        raise OpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"bad group name {name!r}: letters, digits, '.', '_' or '-', 1..128 characters",
+        )
+
+
+def session_timeout(requested: int) -> int:
+    t = requested or DEFAULT_SESSION_TIMEOUT_MS
+    if not MIN_SESSION_TIMEOUT_MS <= t <= MAX_SESSION_TIMEOUT_MS:
+        raise OpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"session timeout must be in {MIN_SESSION_TIMEOUT_MS}..{MAX_SESSION_TIMEOUT_MS} ms",
+        )
+    return t
+
+
+def _offset_key(group: str, partition: int) -> bytes:
+    return group.encode() + b"\x00" + struct.pack(">I", partition)
+
+
+class GroupTables:
+    """The ``groups`` (name -> Group) and ``offsets`` (name, partition ->
+    offset, ms) databases."""
+
+    def __init__(self, groups_db: Any, offsets_db: Any) -> None:
+        self.groups = groups_db
+        self.offsets = offsets_db
+
+    # ------------------------------------------------------------- reading
+
+    def get(self, txn: Any, name: str) -> groups_pb2.Group | None:
+        raw = txn.get(name.encode(), db=self.groups)
+        return groups_pb2.Group.FromString(raw) if raw is not None else None
+
+    def describe(self, txn: Any, name: str) -> groups_pb2.GroupDescription:
+        g = self.get(txn, name)
+        if g is None:
+            raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {name!r}")
+        d = groups_pb2.GroupDescription(group=g)
+        prefix = name.encode() + b"\x00"
+        cur = txn.cursor(db=self.offsets)
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                (p,) = struct.unpack(">I", k[len(prefix) :])
+                off, ms = _OFFSET_VAL.unpack(v)
+                d.offsets.add(partition=p, offset=off, committed_ms=ms)
+        return d
+
+    def names(self, txn: Any) -> list[str]:
+        return [bytes(k).decode() for k, _ in txn.cursor(db=self.groups)]
+
+    # ------------------------------------------------------------ applying
+
+    def join(
+        self,
+        txn: Any,
+        req: client_pb2.JoinGroupRequest,
+        partitions: int,
+        leader_ms: int,
+        index: int,
+    ) -> client_pb2.JoinGroupResponse:
+        check_group_name(req.group)
+        if not req.member_id:
+            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "a join without a member id")
+        timeout = session_timeout(req.session_timeout_ms)
+        g = self.get(txn, req.group)
+        if g is None:
+            g = groups_pb2.Group(name=req.group, topic=req.topic, session_timeout_ms=timeout)
+        elif g.topic != req.topic:
+            raise OpError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"group {req.group!r} reads topic {g.topic!r}, not {req.topic!r}",
+            )
+        if not any(m.member_id == req.member_id for m in g.members):
+            if len(g.members) >= MAX_MEMBERS:
+                raise OpError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the group is full")
+            g.members.add(member_id=req.member_id, client_id=req.client_id, joined_ms=leader_ms)
+            g.session_timeout_ms = timeout
+            self._rebalance(g, partitions)
+            txn.put(req.group.encode(), g.SerializeToString(), db=self.groups)
+        me = next(m for m in g.members if m.member_id == req.member_id)
+        return client_pb2.JoinGroupResponse(
+            member_id=me.member_id,
+            generation=g.generation,
+            partitions=me.partitions,
+            heartbeat_interval_ms=g.session_timeout_ms // 3,
+            applied_index=index,
+        )
+
+    def leave(self, txn: Any, group: str, member_ids: list[str], partitions: int) -> int:
+        """Remove the members (those still there); the generation after."""
+        g = self.get(txn, group)
+        if g is None:
+            raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {group!r}")
+        gone = set(member_ids)
+        keep = [m for m in g.members if m.member_id not in gone]
+        if len(keep) != len(g.members):
+            del g.members[:]
+            g.members.extend(keep)
+            self._rebalance(g, partitions)
+            txn.put(group.encode(), g.SerializeToString(), db=self.groups)
+        return g.generation
+
+    def commit(
+        self,
+        txn: Any,
+        req: client_pb2.CommitOffsetsRequest,
+        ends: dict[int, int],
+        leader_ms: int,
+    ) -> None:
+        """Store offsets; ``ends`` maps each partition to its next offset."""
+        g = self.get(txn, req.group)
+        if g is None:
+            raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {req.group!r}")
+        me = next((m for m in g.members if m.member_id == req.member_id), None)
+        if me is None:
+            raise OpError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{req.member_id!r} is not a member of {req.group!r} (expired?): join again",
+            )
+        if req.generation != g.generation:
+            raise OpError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stale generation {req.generation}: the group is at {g.generation}",
+            )
+        owned = set(me.partitions)
+        for o in req.offsets:
+            if o.partition not in owned:
+                raise OpError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"partition {o.partition} is not assigned to {req.member_id!r}",
+                )
+            if o.offset > ends.get(o.partition, 0):
+                raise OpError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"offset {o.offset} is past the end of partition {o.partition}",
+                )
+        for o in req.offsets:
+            txn.put(
+                _offset_key(req.group, o.partition),
+                _OFFSET_VAL.pack(o.offset, leader_ms),
+                db=self.offsets,
+            )
+
+    def drop_topic(self, txn: Any, topic: str) -> None:
+        """Forget the groups of a deleted topic, with their offsets."""
+        for name in self.names(txn):
+            g = self.get(txn, name)
+            if g is not None and g.topic == topic:
+                txn.delete(name.encode(), db=self.groups)
+                cur = txn.cursor(db=self.offsets)
+                prefix = name.encode() + b"\x00"
+                if cur.set_range(prefix):
+                    while cur.key().startswith(prefix):
+                        if not cur.delete():
+                            break
+
+    @staticmethod
+    def _rebalance(g: groups_pb2.Group, partitions: int) -> None:
+        members = sorted(g.members, key=lambda m: m.member_id)
+        for m in members:
+            del m.partitions[:]
+        for p in range(partitions):
+            if members:
+                members[p % len(members)].partitions.append(p)
+        del g.members[:]
+        g.members.extend(members)
+        g.generation += 1

@@ -1,0 +1,105 @@
+"""Heat maps and contributions in the state machine, and the give-to-get
+rule: a client reads a topic's heat maps only if it published pings to the
+topic within the topic's contribution window. The rule is checked before
+anything else, so a refusal says nothing about whether a map exists.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import grpc
+
+from node_daemon.sm_errors import OpError
+from roadlog.v1 import heatmaps_pb2, topics_pb2
+
+DEFAULT_CONTRIBUTION_WINDOW_MS = 15 * 60 * 1000
+MAX_CLIENT_ID_BYTES = 128
+_TID = struct.Struct(">I")
+_WINDOW = struct.Struct(">IQ")
+_MS = struct.Struct(">q")
+
+
+class HeatmapTables:
+    """The ``contrib`` (topic id, client id -> last contribution ms) and
+    ``heatmaps`` (topic id, window start -> HeatMap) databases."""
+
+    def __init__(self, contrib_db: Any, heatmaps_db: Any) -> None:
+        self.contrib = contrib_db
+        self.heatmaps = heatmaps_db
+
+    def record(self, txn: Any, tid: int, client_ids: set[str], leader_ms: int) -> None:
+        for c in client_ids:
+            raw = c.encode()
+            if raw and len(raw) <= MAX_CLIENT_ID_BYTES:
+                txn.put(_TID.pack(tid) + raw, _MS.pack(leader_ms), db=self.contrib)
+
+    def last_contribution(self, txn: Any, tid: int, client_id: str) -> int | None:
+        raw = txn.get(_TID.pack(tid) + client_id.encode(), db=self.contrib)
+        return int(_MS.unpack(raw)[0]) if raw else None
+
+    def put(self, txn: Any, topic: topics_pb2.Topic, hm: heatmaps_pb2.HeatMap) -> None:
+        check_heatmap(hm, topic)
+        txn.put(
+            _WINDOW.pack(topic.id, hm.window_start_ms), hm.SerializeToString(), db=self.heatmaps
+        )
+
+    def windows(self, txn: Any, tid: int) -> list[int]:
+        prefix = _TID.pack(tid)
+        out = []
+        cur = txn.cursor(db=self.heatmaps)
+        if cur.set_range(prefix):
+            for k in cur.iternext(keys=True, values=False):
+                if not k.startswith(prefix):
+                    break
+                out.append(int(_WINDOW.unpack(k)[1]))
+        return out
+
+    def get(self, txn: Any, tid: int, window_start_ms: int) -> heatmaps_pb2.HeatMap | None:
+        raw = txn.get(_WINDOW.pack(tid, window_start_ms), db=self.heatmaps)
+        return heatmaps_pb2.HeatMap.FromString(raw) if raw else None
+
+    def allowed(self, txn: Any, topic: topics_pb2.Topic, client_id: str, now_ms: int) -> int:
+        """The client's last contribution, or PERMISSION_DENIED saying how to
+        qualify."""
+        window = topic.spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS
+        minutes = f"{window / 60000:g} minute(s)"
+        how = (
+            f"heat maps of {topic.spec.name!r} are for those who contribute to it: publish "
+            f"pings inside its region with this client_id, then ask again within {minutes}"
+        )
+        if not client_id:
+            raise OpError(grpc.StatusCode.PERMISSION_DENIED, f"no client_id given; {how}")
+        last = self.last_contribution(txn, topic.id, client_id)
+        if last is None or now_ms - last > window:
+            raise OpError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"client {client_id!r} has not published pings to {topic.spec.name!r} "
+                f"in the last {minutes}; {how}",
+            )
+        return last
+
+    def drop_topic(self, txn: Any, tid: int) -> None:
+        prefix = _TID.pack(tid)
+        for db in (self.contrib, self.heatmaps):
+            cur = txn.cursor(db=db)
+            if cur.set_range(prefix):
+                while cur.key().startswith(prefix):
+                    if not cur.delete():
+                        break
+
+
+def check_heatmap(hm: heatmaps_pb2.HeatMap, topic: topics_pb2.Topic) -> None:
+    c = hm.cells
+    n = len(c.h3)
+    if hm.window_start_ms < 0 or hm.window_end_ms <= hm.window_start_ms:
+        raise OpError(
+            grpc.StatusCode.INVALID_ARGUMENT, "a heat map window must end after it starts"
+        )
+    if hm.h3_resolution > 15:
+        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
+    if not len(c.pings) == len(c.devices) == len(c.mean_speed_mps) == n:
+        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "heat map columns differ in length")
+    if hm.topic and hm.topic != topic.spec.name:
+        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "the heat map is of another topic")
