@@ -9,7 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +23,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from roadlog.client import Admin, Connection, Consumer, Producer, RoadlogError, servers_from_env
+from roadlog.client import (
+    Admin,
+    Connection,
+    Consumer,
+    GroupConsumer,
+    Producer,
+    RoadlogError,
+    servers_from_env,
+)
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.localcluster import LocalCluster, alive, gather_status
 from roadlog.readers import InputError, read_pings
@@ -384,6 +394,12 @@ def simulate_cmd(
 @click.option(
     "--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="csv", show_default=True
 )
+@click.option(
+    "--group",
+    help="read as a member of this consumer group: the partitions the cluster assigns, "
+    "from the group's committed offsets; runs until stopped and commits as it goes",
+)
+@click.option("--idle-exit", type=float, help="with --group: stop after this many idle seconds")
 @where
 def consume(
     name: str,
@@ -392,12 +408,22 @@ def consume(
     from_beginning: bool,
     limit: int | None,
     fmt: str,
+    group: str | None,
+    idle_exit: float | None,
     cluster: Path | None,
     servers: str | None,
 ) -> None:
-    """Read pings up to the current end and print them."""
+    """Read pings up to the current end and print them (or, with --group,
+    keep reading as a group member until stopped)."""
     if offset is not None and from_beginning:
         raise click.UsageError("--offset and --from-beginning exclude each other")
+    if group is not None:
+        if partition is not None or offset is not None or from_beginning or limit is not None:
+            raise click.UsageError(
+                "--group takes no --partition, --offset, --from-beginning or --limit"
+            )
+        _consume_group(name, group, fmt, idle_exit, cluster, servers)
+        return
     with connection(cluster, servers) as conn:
         d = Admin(conn).describe(name)
         parts = [partition] if partition is not None else list(range(d.topic.spec.partitions))
@@ -406,25 +432,129 @@ def consume(
         c = Consumer(conn, name)
         writer = csv.writer(sys.stdout) if fmt == "csv" else None
         if writer is not None:
-            writer.writerow(
-                [
-                    "partition",
-                    "offset",
-                    "device_id",
-                    "ts_ms",
-                    "lat",
-                    "lon",
-                    "speed_mps",
-                    "heading_deg",
-                    "accuracy_m",
-                ]
-            )
+            writer.writerow(_HEADER)
         for p in parts:
             info = d.partitions[p]
             start = info.first_offset if (from_beginning or offset is None) else offset
             c.seek(p, start)
             for b in c.read_to_end(p, limit):
                 _emit(b, writer)
+
+
+_HEADER = [
+    "partition",
+    "offset",
+    "device_id",
+    "ts_ms",
+    "lat",
+    "lon",
+    "speed_mps",
+    "heading_deg",
+    "accuracy_m",
+]
+
+
+def _consume_group(
+    name: str,
+    group: str,
+    fmt: str,
+    idle_exit: float | None,
+    cluster: Path | None,
+    servers: str | None,
+) -> None:
+    """Read as a group member until SIGTERM/SIGINT (or idle for
+    ``idle_exit`` s): print each batch, flush, then commit its offsets (at
+    least once: a crash between the two repeats the batch, never skips it)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with connection(cluster, servers) as conn:
+        gc = GroupConsumer(conn, name, group)
+        writer = csv.writer(sys.stdout) if fmt == "csv" else None
+        if writer is not None:
+            writer.writerow(_HEADER)
+        gc.join()
+        err.print(
+            f"member {gc.member_id} of {group!r}, generation {gc.generation}, "
+            f"partitions {gc.assigned}"
+        )
+        idle_since = time.monotonic()
+        try:
+            while not stop.is_set():
+                batches = gc.poll()
+                if not batches:
+                    gc.commit()
+                    if idle_exit is not None and time.monotonic() - idle_since > idle_exit:
+                        break
+                    stop.wait(0.2)
+                    continue
+                idle_since = time.monotonic()
+                for b in batches:
+                    _emit(b, writer)
+                sys.stdout.flush()
+                gc.commit()
+        finally:
+            gc.close()
+
+
+@cli.group("group")
+def group_cmd() -> None:
+    """Consumer groups."""
+
+
+@group_cmd.command("list")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def group_list(cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """Every consumer group, its topic, generation and members."""
+    with connection(cluster, servers) as conn:
+        groups = Admin(conn).list_groups()
+    if as_json:
+        click.echo(json.dumps([_group_json(d) for d in groups], indent=2))
+        return
+    t = Table("group", "topic", "generation", "members")
+    for d in groups:
+        g = d.group
+        t.add_row(g.name, g.topic, str(g.generation), str(len(g.members)))
+    out.print(t)
+
+
+@group_cmd.command("describe")
+@click.argument("name")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def group_describe(name: str, cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """A group's members, their partitions and the committed offsets."""
+    with connection(cluster, servers) as conn:
+        d = Admin(conn).describe_group(name)
+    if as_json:
+        click.echo(json.dumps(_group_json(d), indent=2))
+        return
+    g = d.group
+    out.print(f"group {g.name} on topic {g.topic}, generation {g.generation}")
+    t = Table("member", "client", "partitions")
+    for m in g.members:
+        t.add_row(m.member_id, m.client_id, ",".join(map(str, m.partitions)))
+    out.print(t)
+    t = Table("partition", "committed offset")
+    for o in d.offsets:
+        t.add_row(str(o.partition), str(o.offset))
+    out.print(t)
+
+
+def _group_json(d: Any) -> dict[str, Any]:
+    g = d.group
+    return {
+        "group": g.name,
+        "topic": g.topic,
+        "generation": g.generation,
+        "session_timeout_ms": g.session_timeout_ms,
+        "members": [
+            {"member_id": m.member_id, "client_id": m.client_id, "partitions": list(m.partitions)}
+            for m in g.members
+        ],
+        "offsets": {str(o.partition): o.offset for o in d.offsets},
+    }
 
 
 def _emit(b: Any, writer: Any) -> None:
@@ -445,18 +575,7 @@ def _emit(b: Any, writer: Any) -> None:
         if writer is not None:
             writer.writerow(["" if v is None else v for v in row])
         else:
-            keys = [
-                "partition",
-                "offset",
-                "device_id",
-                "ts_ms",
-                "lat",
-                "lon",
-                "speed_mps",
-                "heading_deg",
-                "accuracy_m",
-            ]
-            click.echo(json.dumps(dict(zip(keys, row, strict=True))))
+            click.echo(json.dumps(dict(zip(_HEADER, row, strict=True))))
 
 
 def _f(v: Any) -> float | None:

@@ -24,7 +24,14 @@ from google.protobuf.message import Message
 
 from roadlog import columnar
 from roadlog.columnar import PingColumns
-from roadlog.v1 import client_pb2, client_pb2_grpc, pings_pb2, topics_pb2
+from roadlog.v1 import (
+    client_pb2,
+    client_pb2_grpc,
+    groups_pb2,
+    heatmaps_pb2,
+    pings_pb2,
+    topics_pb2,
+)
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -55,12 +62,22 @@ class Unavailable(RoadlogError):
     """No answer before the deadline: no leader, no majority, or no server."""
 
 
+class PermissionDenied(RoadlogError):
+    """Give-to-get: heat maps are for clients that contributed pings lately."""
+
+
+class FailedPrecondition(RoadlogError):
+    """The request no longer fits the state (a stale group generation, say)."""
+
+
 def _error(code: grpc.StatusCode, message: str) -> RoadlogError:
     cls = {
         grpc.StatusCode.NOT_FOUND: NotFound,
         grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
         grpc.StatusCode.UNAVAILABLE: Unavailable,
         grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+        grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     }.get(code, RoadlogError)
     return cls(code, message)
 
@@ -154,6 +171,7 @@ class Admin:
         partitions: int = 0,
         retention_ms: int = 0,
         h3_resolution: int = 0,
+        contribution_window_ms: int = 0,
     ) -> topics_pb2.TopicDescription:
         spec = topics_pb2.TopicSpec(
             name=name,
@@ -161,6 +179,7 @@ class Admin:
             partitions=partitions,
             retention_ms=retention_ms,
             h3_resolution=h3_resolution,
+            contribution_window_ms=contribution_window_ms,
         )
         return self.conn.call("CreateTopic", client_pb2.CreateTopicRequest(spec=spec))  # type: ignore[no-any-return]
 
@@ -175,6 +194,28 @@ class Admin:
 
     def status(self) -> client_pb2.ClusterStatus:
         return self.conn.call("Status", client_pb2.StatusRequest(), timeout=5)  # type: ignore[no-any-return]
+
+    def list_groups(self) -> list[groups_pb2.GroupDescription]:
+        return list(self.conn.call("ListGroups", client_pb2.ListGroupsRequest()).groups)
+
+    def describe_group(self, name: str, min_applied_index: int = 0) -> groups_pb2.GroupDescription:
+        req = client_pb2.DescribeGroupRequest(group=name, min_applied_index=min_applied_index)
+        return self.conn.call("DescribeGroup", req)  # type: ignore[no-any-return]
+
+    def heatmap(
+        self, topic: str, client: str | None = None, window_start_ms: int = 0
+    ) -> client_pb2.GetHeatmapResponse:
+        """The latest heat map (or that of one window) for a contributor:
+        PermissionDenied unless ``client`` published to the topic lately."""
+        req = client_pb2.GetHeatmapRequest(
+            topic=topic, client_id=client or client_id(), window_start_ms=window_start_ms
+        )
+        return self.conn.call("GetHeatmap", req)  # type: ignore[no-any-return]
+
+    def put_heatmap(self, heatmap: heatmaps_pb2.HeatMap) -> int:
+        """Store a heat map (the Spark job does this); the applied index."""
+        resp = self.conn.call("PutHeatmap", client_pb2.PutHeatmapRequest(heatmap=heatmap))
+        return int(resp.applied_index)
 
 
 @dataclass(frozen=True)
@@ -396,3 +437,165 @@ class Consumer:
                 yield b
             if not batches or resp.next_offset >= resp.end_offset:
                 return
+
+
+class GroupConsumer:
+    """A member of a consumer group: reads the partitions the cluster assigns
+    to it, from the group's committed offsets on (at least once).
+
+    A background thread heartbeats; when the group's generation moves on
+    (members came or went) the next ``poll`` drops partitions this member
+    lost and starts the ones it gained at their committed offsets. ``commit``
+    stores the positions reached by the pings ``poll`` returned; commits of a
+    stale generation are refused by the cluster, so a member that was
+    expired can never overwrite the offsets of the partition's new owner.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        topic: str,
+        group: str,
+        *,
+        client: str | None = None,
+        session_timeout_ms: int = 10_000,
+    ) -> None:
+        self.conn = conn
+        self.topic = topic
+        self.group = group
+        self.client = client or client_id()
+        self.session_timeout_ms = session_timeout_ms
+        self.member_id = ""
+        self.generation = 0
+        self.assigned: list[int] = []
+        self.positions: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._fence = 0
+        self._next = 0
+        self._heartbeats: threading.Thread | None = None
+        self.error: Exception | None = None
+
+    def join(self) -> None:
+        req = client_pb2.JoinGroupRequest(
+            group=self.group,
+            topic=self.topic,
+            member_id=self.member_id,
+            client_id=self.client,
+            session_timeout_ms=self.session_timeout_ms,
+        )
+        resp = self.conn.call("JoinGroup", req)
+        with self._lock:
+            self.member_id = resp.member_id
+            self._fence = max(self._fence, resp.applied_index)
+            self._assign(resp.generation, list(resp.partitions))
+        if self._heartbeats is None:
+            interval = max(resp.heartbeat_interval_ms / 1000, 0.1)
+            self._heartbeats = threading.Thread(
+                target=self._beat, args=(interval,), name="heartbeat", daemon=True
+            )
+            self._heartbeats.start()
+
+    def _assign(self, generation: int, partitions: list[int]) -> None:
+        """Take the assignment of ``generation`` (with the lock held)."""
+        if generation == self.generation and partitions == self.assigned:
+            return
+        self.generation = generation
+        self.assigned = sorted(partitions)
+        self.positions = {p: o for p, o in self.positions.items() if p in self.assigned}
+
+    def _beat(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                resp = self.conn.call(
+                    "Heartbeat",
+                    client_pb2.HeartbeatRequest(
+                        group=self.group, member_id=self.member_id, generation=self.generation
+                    ),
+                    timeout=max(interval, 1.0),
+                )
+                with self._lock:
+                    self._assign(resp.generation, list(resp.partitions))
+            except FailedPrecondition:  # expired: come back as the same member
+                try:
+                    self.join()
+                except RoadlogError as e:
+                    self.error = e
+            except RoadlogError as e:
+                self.error = e  # transient; the next beat tries again
+
+    def _start_positions(self, partitions: list[int]) -> None:
+        d = Admin(self.conn).describe_group(self.group, min_applied_index=self._fence)
+        committed = {o.partition: o.offset for o in d.offsets}
+        with self._lock:
+            for p in partitions:
+                if p in self.assigned and p not in self.positions:
+                    self.positions[p] = committed.get(p, 0)
+
+    def poll(self, max_pings: int = 10_000) -> list[Fetched]:
+        """The next batches of one assigned partition (round robin), or []
+        when every assigned partition is read to its end."""
+        if not self.member_id:
+            self.join()
+        with self._lock:
+            assigned = list(self.assigned)
+            missing = [p for p in assigned if p not in self.positions]
+        if missing:
+            self._start_positions(missing)
+        for _ in range(len(assigned)):
+            p = assigned[self._next % len(assigned)]
+            self._next += 1
+            with self._lock:
+                if p not in self.positions:
+                    continue  # lost meanwhile
+                offset = self.positions[p]
+            req = client_pb2.FetchRequest(
+                topic=self.topic, partition=p, offset=offset, max_pings=max_pings
+            )
+            resp = self.conn.call("Fetch", req)
+            if not resp.batches:
+                continue
+            out = [
+                Fetched(p, b.base_offset, b.append_ms, columnar.decode(b.batch.SerializeToString()))
+                for b in resp.batches
+            ]
+            with self._lock:
+                if p in self.positions:
+                    self.positions[p] = resp.next_offset
+            return out
+        return []
+
+    def commit(self) -> bool:
+        """Store the positions reached; False if the generation moved on
+        (the positions of partitions still owned are committed next time)."""
+        with self._lock:
+            gen = self.generation
+            offsets = [
+                groups_pb2.CommittedOffset(partition=p, offset=o) for p, o in self.positions.items()
+            ]
+        if not offsets or not self.member_id:
+            return True
+        req = client_pb2.CommitOffsetsRequest(
+            group=self.group, member_id=self.member_id, generation=gen, offsets=offsets
+        )
+        try:
+            resp = self.conn.call("CommitOffsets", req)
+        except FailedPrecondition:
+            return False
+        self._fence = max(self._fence, resp.applied_index)
+        return True
+
+    def close(self, commit: bool = True) -> None:
+        """Commit, leave the group (its partitions move at once), stop."""
+        self._stop.set()
+        try:
+            if commit:
+                self.commit()
+            if self.member_id:
+                self.conn.call(
+                    "LeaveGroup",
+                    client_pb2.LeaveGroupRequest(group=self.group, member_id=self.member_id),
+                )
+        finally:
+            if self._heartbeats is not None:
+                self._heartbeats.join(timeout=5)
