@@ -15,7 +15,7 @@ class QueueConfig:
     cluster_name: str = "roadlog"
     listen: str = "0.0.0.0:7500"
     advertise_address: str = ""
-    http_listen: str = ""  # the HTTP/JSON API arrives with the front-door issue
+    http_listen: str = ""  # HOST:PORT of the HTTP/JSON API; empty: none
     secret_file: Path | None = None
     metrics_port: int = 9500
     max_writes: int = 10_000  # queued write requests before RESOURCE_EXHAUSTED

@@ -20,12 +20,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from node_daemon.transport import auth_token, authorized
 from queue_server.config import QueueConfig
+from queue_server.errors import Failed
+from queue_server.http_api import HttpApi
 from queue_server.queues import Item, Kind, QueueFull, WorkQueues
 from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
 
@@ -71,13 +74,6 @@ FENCED: dict[str, Any] = {
     "DescribeGroup": client_pb2.DescribeGroupRequest,
     "GetHeatmap": client_pb2.GetHeatmapRequest,
 }
-
-
-class Failed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class QueueServer(work_pb2_grpc.WorkServicer):
@@ -317,8 +313,17 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.listen.rpartition(":")[0] or "0.0.0.0")
+    http_runner = None
+    if cfg.http_listen:
+        host, _, port = cfg.http_listen.rpartition(":")
+        http_runner = web.AppRunner(HttpApi(qs.call, qs.status).app(), access_log=None)
+        await http_runner.setup()
+        await web.TCPSite(http_runner, host or "0.0.0.0", int(port)).start()
     expiry = asyncio.get_running_loop().create_task(qs.expire_loop())
-    log.info("queue server started", extra={"listen": cfg.listen, "metrics_port": cfg.metrics_port})
+    log.info(
+        "queue server started",
+        extra={"listen": cfg.listen, "http": cfg.http_listen, "metrics_port": cfg.metrics_port},
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -328,5 +333,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
+    if http_runner is not None:
+        await http_runner.cleanup()
     await server.stop(grace=1.0)
     log.info("stopped")

@@ -117,7 +117,7 @@ class LocalCluster:
         lc = cls(directory, secret_file=str(secret))
         py = sys.executable
         for _ in range(queue_servers):
-            port, mport = free_port(), free_port()
+            port, mport, hport = free_port(), free_port(), free_port()
             i = len(lc.queue_servers) + 1
             lc.queue_servers.append(
                 QueueInfo(
@@ -131,11 +131,14 @@ class LocalCluster:
                         f"127.0.0.1:{port}",
                         "--metrics-port",
                         str(mport),
+                        "--http-listen",
+                        f"127.0.0.1:{hport}",
                         "--secret-file",
                         str(secret),
                     ],
                     log=str(directory / "logs" / f"q{i}.log"),
                     grpc=f"127.0.0.1:{port}",
+                    http=f"http://127.0.0.1:{hport}",
                     metrics_port=mport,
                 )
             )

@@ -1,0 +1,408 @@
+"""The HTTP/JSON API of the queue server: the same operations as gRPC, for
+phones and in-car units. Each request becomes the same protobuf request the
+gRPC API takes and goes through the same queues.
+
+Errors are JSON ``{"error": {"code": "...", "reason": "..."}}``: 4xx when the
+client is at fault, 503 with Retry-After when there is no leader or the
+queues are full, 504 when no answer came before the deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from aiohttp import web
+
+from queue_server.errors import Failed
+from queue_server.openapi import OPENAPI
+from roadlog import columnar
+from roadlog.columnar import PingColumns
+from roadlog.geo import RegionError, bbox_region, parse_region
+from roadlog.v1 import client_pb2, pings_pb2, topics_pb2
+from roadlog.validation import MAX_BATCH_PINGS
+
+MAX_BODY_BYTES = 32 << 20
+MAX_FETCH_PINGS = 100_000
+MAX_CLIENT_ID = 128
+RETRY_AFTER_S = "1"
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+}
+
+Call = Callable[[str, bytes, float | None], Awaitable[bytes]]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.code, self.reason = status, code, reason
+
+
+def error_response(status: int, code: str, reason: str) -> web.Response:
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return web.json_response(
+        {"error": {"code": code, "reason": reason}}, status=status, headers=headers
+    )
+
+
+def bad(reason: str) -> ApiError:
+    return ApiError(400, "INVALID_ARGUMENT", reason)
+
+
+@web.middleware
+async def errors_as_json(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e.status, e.code, e.reason)
+    except web.HTTPException as e:  # 404 for unknown paths, 405, 413 ...
+        if e.status < 400:
+            raise
+        code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "PAYLOAD_TOO_LARGE"}.get(
+            e.status, "INVALID_ARGUMENT"
+        )
+        return error_response(e.status, code, e.reason or e.text or "")
+
+
+class HttpApi:
+    def __init__(self, call: Call, status: Callable[[], client_pb2.ClusterStatus]) -> None:
+        self._call = call
+        self._status = status
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_as_json])
+        r = app.router
+        r.add_get("/openapi.json", self.openapi)
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/v1/cluster", self.cluster)
+        r.add_post("/v1/topics", self.create_topic)
+        r.add_get("/v1/topics", self.list_topics)
+        r.add_get("/v1/topics/{name}", self.describe_topic)
+        r.add_post("/v1/topics/{name}/pings", self.publish)
+        r.add_get("/v1/topics/{name}/partitions/{partition}/pings", self.fetch)
+        r.add_get("/v1/topics/{name}/heatmap", self.heatmap)
+        return app
+
+    async def call(self, method: str, req: Any, resp_cls: Any) -> Any:
+        try:
+            raw = await self._call(method, req.SerializeToString(), None)
+        except Failed as e:
+            raise ApiError(HTTP_STATUS.get(e.code, 500), e.code.name, e.message) from None
+        return resp_cls.FromString(raw)
+
+    # -------------------------------------------------------------- handlers
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        st = self._status()
+        return web.json_response({"ok": True, "leader": st.leader})
+
+    async def cluster(self, request: web.Request) -> web.Response:
+        st = self._status()
+        return web.json_response(
+            {
+                "leader": st.leader,
+                "term": st.term,
+                "nodes": [
+                    {
+                        "id": n.id,
+                        "address": n.address,
+                        "role": n.role,
+                        "term": n.term,
+                        "commit_index": n.commit_index,
+                        "applied_index": n.applied_index,
+                        "ready": n.ready,
+                    }
+                    for n in st.nodes
+                ],
+                "queue_servers": [{"grpc": q.grpc, "http": q.http} for q in st.queue_servers],
+            }
+        )
+
+    async def create_topic(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        name = _str(body, "name", required=True, max_len=63)
+        region = body.get("region")
+        bbox = body.get("bbox")
+        try:
+            if region is not None and bbox is None:
+                if not isinstance(region, dict):
+                    raise bad("region must be a GeoJSON object (a Polygon or a Feature)")
+                geojson = parse_region(region).geojson
+            elif bbox is not None and region is None:
+                if not (
+                    isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox)
+                ):
+                    raise bad("bbox must be [min_lon, min_lat, max_lon, max_lat]")
+                geojson = bbox_region(*(float(v) for v in bbox)).geojson
+            else:
+                raise bad("give exactly one of region (GeoJSON) and bbox")
+        except RegionError as e:
+            raise bad(str(e)) from None
+        spec = topics_pb2.TopicSpec(
+            name=name,
+            region_geojson=geojson,
+            partitions=_int(body, "partitions", 0, 0, 256),
+            retention_ms=_int(body, "retention_ms", 0, 0, 10 * 365 * 86_400_000),
+            h3_resolution=_int(body, "h3_resolution", 0, 0, 15),
+            contribution_window_ms=_int(body, "contribution_window_ms", 0, 0, 30 * 86_400_000),
+        )
+        d = await self.call(
+            "CreateTopic", client_pb2.CreateTopicRequest(spec=spec), topics_pb2.TopicDescription
+        )
+        return web.json_response(topic_json(d), status=201)
+
+    async def list_topics(self, request: web.Request) -> web.Response:
+        resp = await self.call(
+            "ListTopics", client_pb2.ListTopicsRequest(), client_pb2.ListTopicsResponse
+        )
+        return web.json_response({"topics": [topic_json(d) for d in resp.topics]})
+
+    async def describe_topic(self, request: web.Request) -> web.Response:
+        d = await self.call(
+            "DescribeTopic",
+            client_pb2.DescribeTopicRequest(name=request.match_info["name"]),
+            topics_pb2.TopicDescription,
+        )
+        return web.json_response(topic_json(d))
+
+    async def publish(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
+        cols = pings_from_json(body.get("pings"))
+        req = client_pb2.PublishRequest(
+            topic=request.match_info["name"],
+            client_id=client,
+            batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
+        )
+        resp = await self.call("Publish", req, client_pb2.PublishResponse)
+        return web.json_response(
+            {
+                "offsets": [
+                    {"partition": o.partition, "base_offset": o.base_offset, "count": o.count}
+                    for o in resp.offsets
+                ],
+                "applied_index": resp.applied_index,
+                "count": sum(o.count for o in resp.offsets),
+            }
+        )
+
+    async def fetch(self, request: web.Request) -> web.Response:
+        q = request.query
+        partition = _query_int(request.match_info["partition"], "partition", 0, 255)
+        req = client_pb2.FetchRequest(
+            topic=request.match_info["name"],
+            partition=partition,
+            offset=_query_int(q.get("offset", "0"), "offset", 0, 2**63 - 1),
+            max_pings=_query_int(q.get("limit", "1000"), "limit", 1, MAX_FETCH_PINGS),
+            min_applied_index=_query_int(
+                q.get("min_applied_index", "0"), "min_applied_index", 0, 2**63 - 1
+            ),
+        )
+        resp = await self.call("Fetch", req, client_pb2.FetchResponse)
+        pings: list[dict[str, Any]] = []
+        for b in resp.batches:
+            pings += pings_to_json(
+                columnar.decode(b.batch.SerializeToString()), partition, b.base_offset
+            )
+        pings = pings[: req.max_pings]
+        return web.json_response(
+            {
+                "pings": pings,
+                "next_offset": pings[-1]["offset"] + 1 if pings else resp.next_offset,
+                "end_offset": resp.end_offset,
+                "first_offset": resp.first_offset,
+                "served_by": resp.served_by,
+            }
+        )
+
+    async def heatmap(self, request: web.Request) -> web.Response:
+        q = request.query
+        req = client_pb2.GetHeatmapRequest(
+            topic=request.match_info["name"],
+            client_id=q.get("client_id", ""),
+            window_start_ms=_query_int(q.get("window_start_ms", "0"), "window_start_ms", 0),
+        )
+        if len(req.client_id.encode()) > MAX_CLIENT_ID:
+            raise bad(f"client_id is longer than {MAX_CLIENT_ID} bytes")
+        resp = await self.call("GetHeatmap", req, client_pb2.GetHeatmapResponse)
+        return web.json_response(heatmap_json(resp))
+
+
+# ------------------------------------------------------------------ JSON
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _str(body: dict[str, Any], key: str, required: bool = False, max_len: int = 256) -> str:
+    v = body.get(key)
+    if v is None and not required:
+        return ""
+    if not isinstance(v, str) or not v:
+        raise bad(f"{key} must be a non-empty string")
+    if len(v.encode()) > max_len:
+        raise bad(f"{key} is longer than {max_len} bytes")
+    return v
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise bad(f"{key} must be an integer in {lo}..{hi}")
+    return v
+
+
+def _query_int(raw: str, name: str, lo: int, hi: int = 2**63 - 1) -> int:
+    try:
+        v = int(raw)
+    except ValueError:
+        raise bad(f"{name} must be an integer") from None
+    if not lo <= v <= hi:
+        raise bad(f"{name} must be in {lo}..{hi}")
+    return v
+
+
+_OPTIONAL = ("speed_mps", "heading_deg", "accuracy_m")
+
+
+def pings_from_json(pings: Any) -> PingColumns:
+    """JSON pings to columns; a clear error naming the first bad field.
+    (Plausibility and the region are checked by the leader, as for gRPC.)"""
+    if not isinstance(pings, list) or not pings:
+        raise bad("pings must be a non-empty list")
+    if len(pings) > MAX_BATCH_PINGS:
+        raise bad(f"at most {MAX_BATCH_PINGS} pings per request")
+    n = len(pings)
+    devices: list[str] = []
+    ts = np.empty(n, dtype=np.int64)
+    lat = np.empty(n, dtype=np.float64)
+    lon = np.empty(n, dtype=np.float64)
+    opt = {k: np.full(n, np.nan, dtype=np.float32) for k in _OPTIONAL}
+    for i, p in enumerate(pings):
+        if not isinstance(p, dict):
+            raise bad(f"pings[{i}] must be an object")
+        d = p.get("device_id")
+        if not isinstance(d, str) or not d:
+            raise bad(f"pings[{i}].device_id must be a non-empty string")
+        devices.append(d)
+        t = p.get("ts_ms")
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**62:
+            raise bad(f"pings[{i}].ts_ms must be milliseconds since the epoch")
+        ts[i] = t
+        for key, arr in (("lat", lat), ("lon", lon)):
+            v = p.get(key)
+            if not _is_number(v):
+                raise bad(f"pings[{i}].{key} must be a number")
+            arr[i] = v
+        for key in _OPTIONAL:
+            v = p.get(key)
+            if v is not None:
+                if not _is_number(v) or abs(v) > 1e30:
+                    raise bad(f"pings[{i}].{key} must be a number or null")
+                opt[key][i] = v
+    return PingColumns.from_columns(devices, ts, lat, lon, **opt)
+
+
+def _num(v: Any) -> float | None:
+    x = float(v)
+    return None if math.isnan(x) else x
+
+
+def pings_to_json(cols: PingColumns, partition: int, base: int) -> list[dict[str, Any]]:
+    dev = cols.device_of()
+    return [
+        {
+            "partition": partition,
+            "offset": base + i,
+            "device_id": str(dev[i]),
+            "ts_ms": int(cols.ts_ms[i]),
+            "lat": float(cols.lat[i]),
+            "lon": float(cols.lon[i]),
+            "speed_mps": _num(cols.speed_mps[i]),
+            "heading_deg": _num(cols.heading_deg[i]),
+            "accuracy_m": _num(cols.accuracy_m[i]),
+        }
+        for i in range(len(cols))
+    ]
+
+
+def topic_json(d: topics_pb2.TopicDescription) -> dict[str, Any]:
+    s = d.topic.spec
+    return {
+        "name": s.name,
+        "region": json.loads(s.region_geojson),
+        "partitions": s.partitions,
+        "retention_ms": s.retention_ms,
+        "h3_resolution": s.h3_resolution,
+        "contribution_window_ms": s.contribution_window_ms,
+        "created_ms": d.topic.created_ms,
+        "bbox": list(d.topic.bbox),
+        "partition_states": [
+            {
+                "partition": p.partition,
+                "first_offset": p.first_offset,
+                "next_offset": p.next_offset,
+                "last_append_ms": p.last_append_ms,
+            }
+            for p in d.partitions
+        ],
+    }
+
+
+def heatmap_json(resp: client_pb2.GetHeatmapResponse) -> dict[str, Any]:
+    hm = resp.heatmap
+    c = hm.cells
+    return {
+        "topic": hm.topic,
+        "window_start_ms": hm.window_start_ms,
+        "window_end_ms": hm.window_end_ms,
+        "h3_resolution": hm.h3_resolution,
+        "computed_ms": hm.computed_ms,
+        "source_pings": hm.source_pings,
+        "cells": [
+            {
+                "h3": f"{c.h3[i]:x}",
+                "pings": c.pings[i],
+                "devices": c.devices[i],
+                "mean_speed_mps": _num(c.mean_speed_mps[i]),
+            }
+            for i in range(len(c.h3))
+        ],
+        "windows": list(resp.windows),
+        "contributed_ms": resp.contributed_ms,
+        "served_ms": int(time.time() * 1000),
+    }

@@ -1,0 +1,286 @@
+"""The OpenAPI 3.0 document of the HTTP/JSON API (served at /openapi.json;
+the fuzz tests generate requests from it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "reason"],
+            "properties": {"code": {"type": "string"}, "reason": {"type": "string"}},
+        }
+    },
+}
+
+
+def _errors(*statuses: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in statuses:
+        out[s] = {
+            "description": {
+                "400": "the request is malformed or invalid",
+                "403": "give-to-get: the client has not contributed lately",
+                "404": "no such topic, partition or heat map",
+                "409": "conflicts with what is stored",
+                "413": "the body is too large",
+                "503": "no leader or the queues are full: retry after Retry-After seconds",
+                "504": "no answer before the deadline",
+            }[s],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+    return out
+
+
+def _ok(description: str, schema: dict[str, Any], status: str = "200") -> dict[str, Any]:
+    return {
+        status: {"description": description, "content": {"application/json": {"schema": schema}}}
+    }
+
+
+_NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+_PING = {
+    "type": "object",
+    "required": ["device_id", "ts_ms", "lat", "lon"],
+    "properties": {
+        "device_id": {"type": "string", "minLength": 1, "maxLength": 64},
+        "ts_ms": {"type": "integer", "minimum": 0},
+        "lat": {"type": "number", "minimum": -90, "maximum": 90},
+        "lon": {"type": "number", "minimum": -180, "maximum": 180},
+        "speed_mps": {"type": "number", "nullable": True},
+        "heading_deg": {"type": "number", "nullable": True},
+        "accuracy_m": {"type": "number", "nullable": True},
+    },
+}
+_STORED_PING = {
+    "type": "object",
+    "properties": {
+        "partition": {"type": "integer"},
+        "offset": {"type": "integer"},
+        **_PING["properties"],  # type: ignore[dict-item]
+    },
+}
+_TOPIC = {
+    "type": "object",
+    "required": ["name", "region", "partitions", "partition_states"],
+    "properties": {
+        "name": {"type": "string"},
+        "region": {"type": "object"},
+        "partitions": {"type": "integer"},
+        "retention_ms": {"type": "integer"},
+        "h3_resolution": {"type": "integer"},
+        "contribution_window_ms": {"type": "integer"},
+        "created_ms": {"type": "integer"},
+        "bbox": {"type": "array", "items": {"type": "number"}},
+        "partition_states": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {
+        "title": "roadlog",
+        "version": "1",
+        "description": "GPS pings into geo-fenced topics, replicated with Raft; traffic heat "
+        "maps for the clients that contribute pings (give-to-get).",
+    },
+    "paths": {
+        "/v1/cluster": {
+            "get": {
+                "summary": "The cluster as this queue server sees it",
+                "responses": _ok(
+                    "leader, term, nodes and queue servers",
+                    {
+                        "type": "object",
+                        "properties": {
+                            "leader": {"type": "integer"},
+                            "term": {"type": "integer"},
+                            "nodes": {"type": "array", "items": {"type": "object"}},
+                            "queue_servers": {"type": "array", "items": {"type": "object"}},
+                        },
+                    },
+                ),
+            }
+        },
+        "/v1/topics": {
+            "get": {
+                "summary": "Every topic",
+                "responses": {
+                    **_ok(
+                        "the topics",
+                        {
+                            "type": "object",
+                            "properties": {"topics": {"type": "array", "items": _TOPIC}},
+                        },
+                    ),
+                    **_errors("503", "504"),
+                },
+            },
+            "post": {
+                "summary": "Create a topic (a city region)",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["name"],
+                                "properties": {
+                                    "name": {
+                                        "type": "string",
+                                        "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
+                                    },
+                                    "region": {
+                                        "type": "object",
+                                        "description": "a GeoJSON Polygon (lon/lat) or a "
+                                        "Feature holding one",
+                                    },
+                                    "bbox": {
+                                        "type": "array",
+                                        "items": {"type": "number"},
+                                        "minItems": 4,
+                                        "maxItems": 4,
+                                    },
+                                    "partitions": {"type": "integer", "minimum": 0, "maximum": 256},
+                                    "retention_ms": {"type": "integer", "minimum": 0},
+                                    "h3_resolution": {
+                                        "type": "integer",
+                                        "minimum": 0,
+                                        "maximum": 15,
+                                    },
+                                    "contribution_window_ms": {"type": "integer", "minimum": 0},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    **_ok("the topic created (or the same one again)", _TOPIC, "201"),
+                    **_errors("400", "409", "413", "503", "504"),
+                },
+            },
+        },
+        "/v1/topics/{name}": {
+            "get": {
+                "summary": "One topic with its partitions",
+                "parameters": [_NAME],
+                "responses": {**_ok("the topic", _TOPIC), **_errors("400", "404", "503", "504")},
+            }
+        },
+        "/v1/topics/{name}/pings": {
+            "post": {
+                "summary": "Publish pings; a batch with any bad ping is refused whole",
+                "parameters": [_NAME],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["client_id", "pings"],
+                                "properties": {
+                                    "client_id": {"type": "string", "minLength": 1},
+                                    "pings": {"type": "array", "items": _PING, "minItems": 1},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    **_ok(
+                        "where the pings went",
+                        {
+                            "type": "object",
+                            "required": ["offsets", "applied_index", "count"],
+                            "properties": {
+                                "offsets": {"type": "array", "items": {"type": "object"}},
+                                "applied_index": {"type": "integer"},
+                                "count": {"type": "integer"},
+                            },
+                        },
+                    ),
+                    **_errors("400", "404", "409", "413", "503", "504"),
+                },
+            }
+        },
+        "/v1/topics/{name}/partitions/{partition}/pings": {
+            "get": {
+                "summary": "Read pings of one partition from an offset",
+                "parameters": [
+                    _NAME,
+                    {
+                        "name": "partition",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "integer", "minimum": 0},
+                    },
+                    {"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
+                    },
+                    {
+                        "name": "min_applied_index",
+                        "in": "query",
+                        "description": "read your writes: the applied_index a publish answered",
+                        "schema": {"type": "integer", "minimum": 0},
+                    },
+                ],
+                "responses": {
+                    **_ok(
+                        "the pings, in offset order",
+                        {
+                            "type": "object",
+                            "required": ["pings", "next_offset", "end_offset"],
+                            "properties": {
+                                "pings": {"type": "array", "items": _STORED_PING},
+                                "next_offset": {"type": "integer"},
+                                "end_offset": {"type": "integer"},
+                                "first_offset": {"type": "integer"},
+                                "served_by": {"type": "string"},
+                            },
+                        },
+                    ),
+                    **_errors("400", "404", "503", "504"),
+                },
+            }
+        },
+        "/v1/topics/{name}/heatmap": {
+            "get": {
+                "summary": "The topic's latest heat map, for clients that contributed lately",
+                "parameters": [
+                    _NAME,
+                    {"name": "client_id", "in": "query", "schema": {"type": "string"}},
+                    {
+                        "name": "window_start_ms",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 0},
+                    },
+                ],
+                "responses": {
+                    **_ok(
+                        "the heat map: one entry per H3 cell",
+                        {
+                            "type": "object",
+                            "required": ["cells", "window_start_ms", "window_end_ms"],
+                            "properties": {
+                                "window_start_ms": {"type": "integer"},
+                                "window_end_ms": {"type": "integer"},
+                                "h3_resolution": {"type": "integer"},
+                                "cells": {"type": "array", "items": {"type": "object"}},
+                                "windows": {"type": "array", "items": {"type": "integer"}},
+                            },
+                        },
+                    ),
+                    **_errors("400", "403", "404", "503", "504"),
+                },
+            }
+        },
+    },
+    "components": {"schemas": {"Error": _ERROR}},
+}

@@ -1,0 +1,198 @@
+"""Consumer groups and give-to-get in the state machine, on real LMDB."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from node_daemon.raft import Entry, EntryType
+from node_daemon.sm_errors import OpError
+from node_daemon.state_machine import OpResult, StateMachine, append_op
+from roadlog.columnar import PingColumns
+from roadlog.geo import bbox_region
+from roadlog.partitioning import split_by_partition
+from roadlog.v1 import client_pb2, command_pb2, groups_pb2, heatmaps_pb2, topics_pb2
+
+pytestmark = pytest.mark.unit
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+T0 = 1_800_000_000_000
+PARTS = 6
+
+
+class Cluster:
+    """One replica fed committed entries."""
+
+    def __init__(self, path: Path) -> None:
+        self.sm = StateMachine(path, map_size=64 << 20)
+        self.index = 0
+        spec = topics_pb2.TopicSpec(
+            name="munich", region_geojson=REGION, partitions=PARTS, contribution_window_ms=60_000
+        )
+        self.ok(command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec)))
+
+    def apply(self, op: command_pb2.Op, at_ms: int = T0) -> OpResult:
+        self.index += 1
+        cmd = command_pb2.Command(leader_ms=at_ms, ops=[op]).SerializeToString()
+        [[res]] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd)])
+        return res.spans[0] if res.spans else res
+
+    def ok(self, op: command_pb2.Op, at_ms: int = T0) -> bytes:
+        res = self.apply(op, at_ms)
+        assert res.code == grpc.StatusCode.OK, res.message
+        return res.response
+
+    def join(self, member: str, group: str = "dash") -> client_pb2.JoinGroupResponse:
+        req = client_pb2.JoinGroupRequest(group=group, topic="munich", member_id=member)
+        raw = self.ok(command_pb2.Op(join_group=command_pb2.JoinGroupOp(request=req)))
+        return client_pb2.JoinGroupResponse.FromString(raw)
+
+    def leave(self, *members: str) -> None:
+        op = command_pb2.LeaveGroupOp(group="dash", member_ids=members, reason="expired")
+        self.ok(command_pb2.Op(leave_group=op))
+
+    def commit(self, member: str, gen: int, offsets: dict[int, int]) -> OpResult:
+        req = client_pb2.CommitOffsetsRequest(
+            group="dash",
+            member_id=member,
+            generation=gen,
+            offsets=[groups_pb2.CommittedOffset(partition=p, offset=o) for p, o in offsets.items()],
+        )
+        return self.apply(command_pb2.Op(commit_offsets=command_pb2.CommitOffsetsOp(request=req)))
+
+    def publish(self, client: str, at_ms: int, n: int = 3) -> None:
+        cols = PingColumns.from_columns(
+            [f"car-{i}" for i in range(n)], [at_ms] * n, [48.1] * n, [11.5] * n
+        )
+        self.ok(append_op("munich", split_by_partition(cols, PARTS), client_id=client), at_ms)
+
+    def assignment(self) -> dict[str, list[int]]:
+        g = self.sm.describe_group("dash").group
+        return {m.member_id: list(m.partitions) for m in g.members}
+
+
+@pytest.fixture
+def c(tmp_path: Path) -> Iterator[Cluster]:
+    cl = Cluster(tmp_path / "sm")
+    yield cl
+    cl.sm.close()
+
+
+def assert_partitioned(assignment: dict[str, list[int]]) -> None:
+    every = sorted(p for ps in assignment.values() for p in ps)
+    assert every == list(range(PARTS)), assignment  # each partition exactly once
+
+
+def test_members_share_the_partitions_and_every_change_bumps_the_generation(c: Cluster) -> None:
+    a = c.join("a")
+    assert a.generation == 1 and list(a.partitions) == list(range(PARTS))
+    b = c.join("b")
+    assert b.generation == 2
+    assert_partitioned(c.assignment())
+    assert len(c.assignment()["a"]) == len(c.assignment()["b"]) == 3
+    assert c.join("b").generation == 2  # a rejoin of a member changes nothing
+    c.join("c")
+    assert_partitioned(c.assignment())
+    assert all(len(ps) == 2 for ps in c.assignment().values())
+    c.leave("b")
+    assert set(c.assignment()) == {"a", "c"}
+    assert_partitioned(c.assignment())
+    assert c.sm.describe_group("dash").group.generation == 4
+
+
+def test_commits_are_fenced_by_generation_and_ownership(c: Cluster) -> None:
+    c.publish("x", T0, n=40)
+    a = c.join("a")
+    assert c.commit("a", a.generation, {0: 1}).code == grpc.StatusCode.OK
+    b = c.join("b")
+    mine_b = c.assignment()["b"]
+    stale = c.commit("a", a.generation, {mine_b[0]: 1})
+    assert stale.code == grpc.StatusCode.FAILED_PRECONDITION and "stale generation" in stale.message
+    not_owned = c.commit("a", b.generation, {mine_b[0]: 1})
+    assert not_owned.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not assigned" in not_owned.message
+    gone = c.commit("zed", b.generation, {0: 1})
+    assert gone.code == grpc.StatusCode.FAILED_PRECONDITION and "join again" in gone.message
+    end = c.sm.describe("munich").partitions[mine_b[0]].next_offset
+    past = c.commit("b", b.generation, {mine_b[0]: end + 1})
+    assert past.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert c.commit("b", b.generation, {mine_b[0]: end}).code == grpc.StatusCode.OK
+    offsets = {o.partition: o.offset for o in c.sm.describe_group("dash").offsets}
+    assert offsets == {0: 1, mine_b[0]: end}
+
+
+def test_bad_group_requests_change_nothing(c: Cluster) -> None:
+    c.join("a")
+    before = c.sm.digest()
+    for req in (
+        client_pb2.JoinGroupRequest(group="bad name!", topic="munich", member_id="m"),
+        client_pb2.JoinGroupRequest(group="dash", topic="nowhere", member_id="m"),
+        client_pb2.JoinGroupRequest(group="dash", topic="munich", member_id=""),
+        client_pb2.JoinGroupRequest(
+            group="dash", topic="munich", member_id="m", session_timeout_ms=5
+        ),
+    ):
+        res = c.apply(command_pb2.Op(join_group=command_pb2.JoinGroupOp(request=req)))
+        assert res.code != grpc.StatusCode.OK
+    with c.sm.env.begin() as txn:  # everything but the applied index is as it was
+        assert c.sm.groups.describe(txn, "dash").group.generation == 1
+    assert before != c.sm.digest()  # the applied index moved on ...
+    assert c.assignment() == {"a": list(range(PARTS))}  # ... nothing else
+
+
+def test_give_to_get_checks_the_rule_before_the_map(c: Cluster) -> None:
+    def get(client: str, now: int) -> client_pb2.GetHeatmapResponse:
+        return c.sm.heatmap(client_pb2.GetHeatmapRequest(topic="munich", client_id=client), now)
+
+    with pytest.raises(OpError) as e:
+        get("stranger", T0)
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "publish" in e.value.message
+    c.publish("alice", T0)
+    with pytest.raises(OpError) as e:  # allowed, but no map yet
+        get("alice", T0 + 1000)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    cells = heatmaps_pb2.HeatMapCells(
+        h3=[617700169958293503], pings=[3], devices=[3], mean_speed_mps=[7.5]
+    )
+    for start in (T0, T0 + 300_000):
+        hm = heatmaps_pb2.HeatMap(
+            topic="munich",
+            window_start_ms=start,
+            window_end_ms=start + 300_000,
+            h3_resolution=9,
+            cells=cells,
+        )
+        c.ok(command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request={"heatmap": hm})))
+    got = get("alice", T0 + 30_000)
+    assert got.heatmap.window_start_ms == T0 + 300_000 and list(got.windows) == [T0, T0 + 300_000]
+    assert got.contributed_ms == T0 and list(got.heatmap.cells.pings) == [3]
+    for who, now in (("stranger", T0), ("alice", T0 + 61_000), ("", T0)):
+        with pytest.raises(OpError) as e:  # a stranger, a lapsed contributor, no id
+            get(who, now)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_malformed_heat_map_is_refused(c: Cluster) -> None:
+    hm = heatmaps_pb2.HeatMap(
+        topic="munich",
+        window_start_ms=T0,
+        window_end_ms=T0,
+        cells=heatmaps_pb2.HeatMapCells(h3=[1, 2], pings=[1]),
+    )
+    res = c.apply(command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request={"heatmap": hm})))
+    assert res.code == grpc.StatusCode.INVALID_ARGUMENT
+    hm.window_end_ms = T0 + 1
+    res = c.apply(command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request={"heatmap": hm})))
+    assert res.code == grpc.StatusCode.INVALID_ARGUMENT and "length" in res.message
+
+
+def test_deleting_a_topic_forgets_its_groups_and_maps(c: Cluster) -> None:
+    c.join("a")
+    c.publish("alice", T0)
+    c.ok(command_pb2.Op(delete_topic=command_pb2.DeleteTopicOp(name="munich")))
+    assert c.sm.list_groups() == []
+    with c.sm.env.begin() as txn:
+        assert list(txn.cursor(db=c.sm.heat.contrib)) == []
