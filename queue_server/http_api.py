@@ -45,7 +45,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNIMPLEMENTED: 501,
 }
 
-Call = Callable[[str, bytes, float | None], Awaitable[bytes]]
+Call = Callable[[str, bytes, float | None, str], Awaitable[bytes]]
 
 
 class ApiError(Exception):
@@ -101,9 +101,9 @@ class HttpApi:
         r.add_get("/v1/topics/{name}/heatmap", self.heatmap)
         return app
 
-    async def call(self, method: str, req: Any, resp_cls: Any) -> Any:
+    async def call(self, method: str, req: Any, resp_cls: Any, client: str = "") -> Any:
         try:
-            raw = await self._call(method, req.SerializeToString(), None)
+            raw = await self._call(method, req.SerializeToString(), None, client)
         except Failed as e:
             raise ApiError(HTTP_STATUS.get(e.code, 500), e.code.name, e.message) from None
         return resp_cls.FromString(raw)
@@ -195,7 +195,7 @@ class HttpApi:
             client_id=client,
             batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
         )
-        resp = await self.call("Publish", req, client_pb2.PublishResponse)
+        resp = await self.call("Publish", req, client_pb2.PublishResponse, client)
         return web.json_response(
             {
                 "offsets": [

@@ -7,14 +7,17 @@ Time is passed in (``now``, in seconds); nothing here blocks or does I/O.
 Invariants: an item is queued, handed to exactly one worker, or finished;
 work a worker took and did not finish goes back to the front of its queue
 when that worker leaves; queued items whose deadline passed are dropped and
-reported; the queues never hold more than their bounds.
+reported; the queues never hold more than their bounds, and are fair
+between clients (``fair.FairQueue``): one client's flood neither fills the
+queue for others nor delays their requests behind it.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+from queue_server.fair import FairQueue, Full
 
 
 class Kind(IntEnum):
@@ -36,6 +39,7 @@ class Item:
     enqueued: float
     fence: int = 0
     attempts: int = 0
+    client: str = ""  # whose request: the unit of fairness
 
 
 @dataclass(slots=True)
@@ -58,43 +62,43 @@ class Expired:
     reason: str
 
 
+def per_client_share(total: int) -> int:
+    """How much of a queue one client may hold: a quarter, at least 16."""
+    return max(16, total // 4)
+
+
 class WorkQueues:
-    def __init__(self, max_writes: int = 10_000, max_reads: int = 10_000) -> None:
-        self.max = {Kind.WRITE: max_writes, Kind.READ: max_reads}
-        self.queues: dict[Kind, deque[Item]] = {Kind.WRITE: deque(), Kind.READ: deque()}
+    def __init__(
+        self,
+        max_writes: int = 10_000,
+        max_reads: int = 10_000,
+        max_per_client: int | None = None,
+    ) -> None:
+        self.queues: dict[Kind, FairQueue[Item]] = {
+            Kind.WRITE: FairQueue(max_writes, max_per_client or per_client_share(max_writes)),
+            Kind.READ: FairQueue(max_reads, max_per_client or per_client_share(max_reads)),
+        }
         self.workers: dict[int, Worker] = {}
         self._rr = 0  # rotates ties between equally idle readers
 
     # ------------------------------------------------------------ clients
 
     def submit(self, item: Item) -> None:
-        q = self.queues[item.kind]
-        if len(q) >= self.max[item.kind]:
-            raise QueueFull(f"the {item.kind.name.lower()} queue is full ({len(q)} waiting)")
-        q.append(item)
+        try:
+            self.queues[item.kind].push(item)
+        except Full as e:
+            raise QueueFull(f"{item.kind.name.lower()} {e}") from None
 
     def cancel(self, item_id: int) -> bool:
         """A client gave up: forget the item if it is still queued."""
-        for q in self.queues.values():
-            for it in q:
-                if it.id == item_id:
-                    q.remove(it)
-                    return True
-        return False
+        return any(q.remove_if(lambda it: it.id == item_id) for q in self.queues.values())
 
     def expire(self, now: float) -> list[Expired]:
         """Drop queued items whose deadline passed."""
         out: list[Expired] = []
         for kind, q in self.queues.items():
-            if not any(it.deadline <= now for it in q):
-                continue
-            keep: deque[Item] = deque()
-            for it in q:
-                if it.deadline <= now:
-                    out.append(Expired(it, self._why_waiting(kind, it)))
-                else:
-                    keep.append(it)
-            self.queues[kind] = keep
+            for it in q.remove_if(lambda it: it.deadline <= now):
+                out.append(Expired(it, self._why_waiting(kind, it)))
         return out
 
     def _why_waiting(self, kind: Kind, it: Item) -> str:
@@ -128,8 +132,8 @@ class WorkQueues:
         if w is None:
             return []
         back = sorted(w.inflight.values(), key=lambda it: it.id)
-        for it in reversed(back):
-            self.queues[it.kind].appendleft(it)
+        for kind in Kind:
+            self.queues[kind].push_front([it for it in back if it.kind == kind])
         return back
 
     def complete(self, worker_id: int, item_id: int) -> Item | None:
@@ -144,7 +148,7 @@ class WorkQueues:
         it = self.complete(worker_id, item_id)
         if it is not None:
             it.attempts += 1
-            self.queues[it.kind].appendleft(it)
+            self.queues[it.kind].push_front([it])
         return it
 
     # ----------------------------------------------------------- dispatch
@@ -158,19 +162,25 @@ class WorkQueues:
         out: list[tuple[int, Item]] = []
         wq = self.queues[Kind.WRITE]
         lead = self.leader()
-        while wq and lead is not None and lead.write_credit > 0:
-            it = wq.popleft()
-            if it.deadline <= now:
-                wq.appendleft(it)  # expire() reports it
+        expired: list[Item] = []
+        while lead is not None and lead.write_credit > 0:
+            it = wq.pop()
+            if it is None:
                 break
+            if it.deadline <= now:
+                expired.append(it)  # expire() reports it
+                continue
             lead.write_credit -= 1
             lead.taken_writes += 1
             lead.inflight[it.id] = it
             out.append((lead.id, it))
+        wq.push_front(expired)
         rq = self.queues[Kind.READ]
-        waiting: deque[Item] = deque()
-        while rq:
-            it = rq.popleft()
+        waiting: list[Item] = []
+        while len(rq):
+            it = rq.pop()
+            if it is None:
+                break
             w = self._reader_for(it)
             if w is None:
                 waiting.append(it)
@@ -179,7 +189,7 @@ class WorkQueues:
             w.taken_reads += 1
             w.inflight[it.id] = it
             out.append((w.id, it))
-        self.queues[Kind.READ] = waiting
+        rq.push_front(waiting)
         return out
 
     def _reader_for(self, it: Item) -> Worker | None:

@@ -88,7 +88,11 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
     # ------------------------------------------------------------- clients
 
-    async def call(self, method: str, request: bytes, timeout: float | None) -> bytes:
+    async def call(
+        self, method: str, request: bytes, timeout: float | None, client: str = ""
+    ) -> bytes:
+        """Queue one client request and wait for its answer. ``client`` is
+        who asks (the unit of fairness between clients)."""
         kind = METHODS[method]
         fence = 0
         if method in FENCED:
@@ -103,7 +107,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         wait = timeout if timeout is not None else self.cfg.default_timeout_ms / 1000
         # Answer a little before the client's deadline, so it hears the reason.
         wait = max(wait - min(0.2, wait / 4), 0.01)
-        item = Item(next(self._ids), kind, method, request, now + wait, now, fence)
+        item = Item(next(self._ids), kind, method, request, now + wait, now, fence, client=client)
         try:
             self.q.submit(item)
         except QueueFull as e:
@@ -265,6 +269,19 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         return st
 
 
+CLIENT_METADATA = "roadlog-client"
+
+
+def client_key(context: Any) -> str:
+    """Who a gRPC request is from: the client id it declares in metadata,
+    else its host (one phone behind one address is one client)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_METADATA and value:
+            return str(value)[:128]
+    peer = str(context.peer() or "")
+    return peer.rpartition(":")[0] or peer
+
+
 def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
     """The Roadlog service with requests and responses kept as bytes."""
 
@@ -272,7 +289,7 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
         async def handle(request: bytes, context: Any) -> bytes:
             remaining = context.time_remaining()
             try:
-                out = await server.call(method, request, remaining)
+                out = await server.call(method, request, remaining, client_key(context))
             except Failed as e:
                 REQUESTS.labels(method, e.code.name).inc()
                 await context.abort(e.code, e.message)

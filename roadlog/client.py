@@ -107,7 +107,12 @@ def client_id() -> str:
 
 
 class Connection:
-    def __init__(self, servers: Sequence[str], timeout: float = 30.0) -> None:
+    """Channels to the queue servers; calls fail over between them. Every
+    call carries the client id (queue servers are fair between clients)."""
+
+    def __init__(
+        self, servers: Sequence[str], timeout: float = 30.0, client: str | None = None
+    ) -> None:
         if not servers:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
         self.servers = list(servers)
@@ -119,6 +124,7 @@ class Connection:
         self.channels = [grpc.insecure_channel(s, options=opts) for s in self.servers]
         self.stubs = [client_pb2_grpc.RoadlogStub(c) for c in self.channels]
         self._current = 0
+        self.metadata = (("roadlog-client", client or client_id()),)
 
     def close(self) -> None:
         for c in self.channels:
@@ -143,7 +149,7 @@ class Connection:
                 break
             stub = self.stubs[self._current]
             try:
-                return getattr(stub, method)(request, timeout=left)
+                return getattr(stub, method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
                 code = e.code()
                 if code not in RETRYABLE:

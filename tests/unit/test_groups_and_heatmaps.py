@@ -165,7 +165,13 @@ def test_give_to_get_checks_the_rule_before_the_map(c: Cluster) -> None:
             h3_resolution=9,
             cells=cells,
         )
-        c.ok(command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request={"heatmap": hm})))
+        c.ok(
+            command_pb2.Op(
+                put_heatmap=command_pb2.PutHeatmapOp(
+                    request=client_pb2.PutHeatmapRequest(heatmap=hm)
+                )
+            )
+        )
     got = get("alice", T0 + 30_000)
     assert got.heatmap.window_start_ms == T0 + 300_000 and list(got.windows) == [T0, T0 + 300_000]
     assert got.contributed_ms == T0 and list(got.heatmap.cells.pings) == [3]
@@ -182,10 +188,18 @@ def test_a_malformed_heat_map_is_refused(c: Cluster) -> None:
         window_end_ms=T0,
         cells=heatmaps_pb2.HeatMapCells(h3=[1, 2], pings=[1]),
     )
-    res = c.apply(command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request={"heatmap": hm})))
+    res = c.apply(
+        command_pb2.Op(
+            put_heatmap=command_pb2.PutHeatmapOp(request=client_pb2.PutHeatmapRequest(heatmap=hm))
+        )
+    )
     assert res.code == grpc.StatusCode.INVALID_ARGUMENT
     hm.window_end_ms = T0 + 1
-    res = c.apply(command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request={"heatmap": hm})))
+    res = c.apply(
+        command_pb2.Op(
+            put_heatmap=command_pb2.PutHeatmapOp(request=client_pb2.PutHeatmapRequest(heatmap=hm))
+        )
+    )
     assert res.code == grpc.StatusCode.INVALID_ARGUMENT and "length" in res.message
 
 

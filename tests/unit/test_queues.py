@@ -144,3 +144,41 @@ def test_the_newest_leader_wins_when_two_claim() -> None:
     q.submit(item(Kind.WRITE))
     [(w, _)] = q.dispatch(0)
     assert w == 2
+
+
+def test_one_client_flooding_neither_fills_the_queue_nor_delays_others() -> None:
+    q = WorkQueues(max_writes=100, max_per_client=10)
+    flood = [Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="flood") for _ in range(10)]
+    for it in flood:
+        q.submit(it)
+    with pytest.raises(QueueFull, match="'flood' has 10 requests waiting"):
+        q.submit(Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="flood"))
+    phone = Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="phone")
+    q.submit(phone)  # another client still gets in
+    q.connect(1, 1)
+    q.update(1, True, 1, 0)
+    q.grant(1, writes=2, reads=0)
+    order = [it.id for _, it in q.dispatch(0)]
+    assert order == [flood[0].id, phone.id]  # served in turn, not after the flood
+    q.grant(1, writes=100, reads=0)
+    rest = [it.id for _, it in q.dispatch(0)]
+    assert rest == [it.id for it in flood[1:]]  # each client's own order kept
+
+
+def test_work_handed_back_is_served_first_in_its_order() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.update(1, True, 1, 0)
+    q.grant(1, writes=3, reads=0)
+    items = [Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client=c) for c in "abc"]
+    for it in items:
+        q.submit(it)
+    assert len(q.dispatch(0)) == 3
+    q.submit(Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="d"))
+    back = q.disconnect(1)
+    assert [it.id for it in back] == [it.id for it in items]
+    q.connect(2, 2)
+    q.update(2, True, 2, 0)
+    q.grant(2, writes=10, reads=0)
+    got = [it.id for _, it in q.dispatch(0)]
+    assert got[:3] == [it.id for it in items] and len(got) == 4
