@@ -60,6 +60,7 @@ class GroupTables:
     # ------------------------------------------------------------- reading
 
     def get(self, txn: Any, name: str) -> groups_pb2.Group | None:
+        check_group_name(name)  # also keeps LMDB from an empty or oversized key
         raw = txn.get(name.encode(), db=self.groups)
         return groups_pb2.Group.FromString(raw) if raw is not None else None
 

@@ -36,6 +36,8 @@ class HeatmapTables:
                 txn.put(_TID.pack(tid) + raw, _MS.pack(leader_ms), db=self.contrib)
 
     def last_contribution(self, txn: Any, tid: int, client_id: str) -> int | None:
+        if not client_id or len(client_id.encode()) > MAX_CLIENT_ID_BYTES:
+            return None
         raw = txn.get(_TID.pack(tid) + client_id.encode(), db=self.contrib)
         return int(_MS.unpack(raw)[0]) if raw else None
 

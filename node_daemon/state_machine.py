@@ -243,6 +243,10 @@ class StateMachine:
         txn.delete(name.encode(), db=self.topics)
 
     def _topic(self, txn: Any, name: str) -> topics_pb2.Topic:
+        try:
+            check_topic_name(name)  # also keeps LMDB from an empty or oversized key
+        except ValueError as e:
+            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         raw = txn.get(name.encode(), db=self.topics)
         if raw is None:
             raise OpError(grpc.StatusCode.NOT_FOUND, f"no topic {name!r}")

@@ -10,6 +10,7 @@ queues are full, 504 when no answer came before the deadline.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -27,10 +28,13 @@ from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.v1 import client_pb2, pings_pb2, topics_pb2
 from roadlog.validation import MAX_BATCH_PINGS
 
+log = logging.getLogger("roadlog.http")
+
 MAX_BODY_BYTES = 32 << 20
 MAX_FETCH_PINGS = 100_000
 MAX_CLIENT_ID = 128
 RETRY_AFTER_S = "1"
+TIMEOUT_HEADER = "X-Timeout-Ms"
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -80,6 +84,9 @@ async def errors_as_json(
             e.status, "INVALID_ARGUMENT"
         )
         return error_response(e.status, code, e.reason or e.text or "")
+    except Exception as e:  # a bug: say so in JSON, keep serving
+        log.exception("HTTP request failed", extra={"path": request.path})
+        return error_response(500, "INTERNAL", f"{type(e).__name__}: {e}")
 
 
 class HttpApi:
@@ -101,9 +108,19 @@ class HttpApi:
         r.add_get("/v1/topics/{name}/heatmap", self.heatmap)
         return app
 
-    async def call(self, method: str, req: Any, resp_cls: Any, client: str = "") -> Any:
+    async def call(
+        self, request: web.Request, method: str, req: Any, resp_cls: Any, client: str = ""
+    ) -> Any:
+        """Through the queues like a gRPC call; the deadline from the
+        ``X-Timeout-Ms`` header (else the queue server's default)."""
+        timeout = None
+        if TIMEOUT_HEADER in request.headers:
+            ms = _query_int(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000)
+            timeout = ms / 1000
         try:
-            raw = await self._call(method, req.SerializeToString(), None, client)
+            raw = await self._call(
+                method, req.SerializeToString(), timeout, client or (request.remote or "")
+            )
         except Failed as e:
             raise ApiError(HTTP_STATUS.get(e.code, 500), e.code.name, e.message) from None
         return resp_cls.FromString(raw)
@@ -168,18 +185,22 @@ class HttpApi:
             contribution_window_ms=_int(body, "contribution_window_ms", 0, 0, 30 * 86_400_000),
         )
         d = await self.call(
-            "CreateTopic", client_pb2.CreateTopicRequest(spec=spec), topics_pb2.TopicDescription
+            request,
+            "CreateTopic",
+            client_pb2.CreateTopicRequest(spec=spec),
+            topics_pb2.TopicDescription,
         )
         return web.json_response(topic_json(d), status=201)
 
     async def list_topics(self, request: web.Request) -> web.Response:
         resp = await self.call(
-            "ListTopics", client_pb2.ListTopicsRequest(), client_pb2.ListTopicsResponse
+            request, "ListTopics", client_pb2.ListTopicsRequest(), client_pb2.ListTopicsResponse
         )
         return web.json_response({"topics": [topic_json(d) for d in resp.topics]})
 
     async def describe_topic(self, request: web.Request) -> web.Response:
         d = await self.call(
+            request,
             "DescribeTopic",
             client_pb2.DescribeTopicRequest(name=request.match_info["name"]),
             topics_pb2.TopicDescription,
@@ -195,7 +216,7 @@ class HttpApi:
             client_id=client,
             batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
         )
-        resp = await self.call("Publish", req, client_pb2.PublishResponse, client)
+        resp = await self.call(request, "Publish", req, client_pb2.PublishResponse, client)
         return web.json_response(
             {
                 "offsets": [
@@ -219,7 +240,7 @@ class HttpApi:
                 q.get("min_applied_index", "0"), "min_applied_index", 0, 2**63 - 1
             ),
         )
-        resp = await self.call("Fetch", req, client_pb2.FetchResponse)
+        resp = await self.call(request, "Fetch", req, client_pb2.FetchResponse)
         pings: list[dict[str, Any]] = []
         for b in resp.batches:
             pings += pings_to_json(
@@ -245,7 +266,7 @@ class HttpApi:
         )
         if len(req.client_id.encode()) > MAX_CLIENT_ID:
             raise bad(f"client_id is longer than {MAX_CLIENT_ID} bytes")
-        resp = await self.call("GetHeatmap", req, client_pb2.GetHeatmapResponse)
+        resp = await self.call(request, "GetHeatmap", req, client_pb2.GetHeatmapResponse)
         return web.json_response(heatmap_json(resp))
 
 
@@ -255,8 +276,10 @@ class HttpApi:
 async def _json_object(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise bad(f"the body is not JSON: {e}") from None
+    except RecursionError:
+        raise bad("the body is not JSON we accept: nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body

@@ -400,6 +400,13 @@ def simulate_cmd(
     "from the group's committed offsets; runs until stopped and commits as it goes",
 )
 @click.option("--idle-exit", type=float, help="with --group: stop after this many idle seconds")
+@click.option(
+    "--session-timeout-ms",
+    type=int,
+    default=10_000,
+    show_default=True,
+    help="with --group: silence after which the cluster expires this member",
+)
 @where
 def consume(
     name: str,
@@ -410,6 +417,7 @@ def consume(
     fmt: str,
     group: str | None,
     idle_exit: float | None,
+    session_timeout_ms: int,
     cluster: Path | None,
     servers: str | None,
 ) -> None:
@@ -422,7 +430,7 @@ def consume(
             raise click.UsageError(
                 "--group takes no --partition, --offset, --from-beginning or --limit"
             )
-        _consume_group(name, group, fmt, idle_exit, cluster, servers)
+        _consume_group(name, group, fmt, idle_exit, session_timeout_ms, cluster, servers)
         return
     with connection(cluster, servers) as conn:
         d = Admin(conn).describe(name)
@@ -459,6 +467,7 @@ def _consume_group(
     group: str,
     fmt: str,
     idle_exit: float | None,
+    session_timeout_ms: int,
     cluster: Path | None,
     servers: str | None,
 ) -> None:
@@ -469,7 +478,7 @@ def _consume_group(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with connection(cluster, servers) as conn:
-        gc = GroupConsumer(conn, name, group)
+        gc = GroupConsumer(conn, name, group, session_timeout_ms=session_timeout_ms)
         writer = csv.writer(sys.stdout) if fmt == "csv" else None
         if writer is not None:
             writer.writerow(_HEADER)

@@ -1,0 +1,267 @@
+"""The front door: give-to-get through gRPC and HTTP, the HTTP/JSON API with
+its errors, reads spread over every node, and malformed gRPC requests."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from roadlog.client import Admin, Connection, PermissionDenied, Producer
+from roadlog.localcluster import LocalCluster, alive
+from roadlog.v1 import client_pb2, heatmaps_pb2
+from tests.integration.conftest import REGION, create_topic, make_pings
+
+pytestmark = pytest.mark.integration
+
+
+def http(
+    method: str, url: str, body: Any = None, raw: bytes | None = None, timeout_ms: int = 0
+) -> tuple[int, dict[str, str], Any]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if timeout_ms:
+        req.add_header("X-Timeout-Ms", str(timeout_ms))
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def heatmap(start_ms: int) -> heatmaps_pb2.HeatMap:
+    return heatmaps_pb2.HeatMap(
+        topic="munich",
+        window_start_ms=start_ms,
+        window_end_ms=start_ms + 300_000,
+        h3_resolution=9,
+        cells=heatmaps_pb2.HeatMapCells(
+            h3=[0x891F8D7A49BFFFF, 0x891F8D7A4D3FFFF],
+            pings=[12, 3],
+            devices=[4, 1],
+            mean_speed_mps=[3.5, 11.0],
+        ),
+    )
+
+
+def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalCluster]) -> None:
+    lc = make_cluster(3)
+    base = lc.queue_servers[0].http
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        admin = Admin(conn)
+        # The rule comes first: no contribution, no map, whether or not one exists.
+        with pytest.raises(PermissionDenied, match="publish pings inside its region"):
+            admin.heatmap("munich", client="alice")
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice")
+        assert code == 403 and body["error"]["code"] == "PERMISSION_DENIED"
+        Producer(conn, "munich", client="alice").send_batch(make_pings("alice", 0, 10))
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice")
+        assert code == 404  # allowed now, but nothing computed yet
+        now = int(time.time() * 1000)
+        admin.put_heatmap(heatmap(now - 600_000))
+        fence = admin.put_heatmap(heatmap(now - 300_000))
+        got = admin.heatmap("munich", client="alice")
+        assert got.heatmap.window_start_ms == now - 300_000 and len(got.windows) == 2
+        assert list(got.heatmap.cells.pings) == [12, 3]
+        with pytest.raises(PermissionDenied):
+            admin.heatmap("munich", client="bob")
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice")
+        assert code == 200 and body["cells"][0] == {
+            "h3": "891f8d7a49bffff",
+            "pings": 12,
+            "devices": 4,
+            "mean_speed_mps": 3.5,
+        }
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=bob")
+        assert code == 403 and "bob" in body["error"]["reason"]
+        # bob qualifies by publishing through HTTP.
+        code, _, body = http(
+            "POST",
+            f"{base}/v1/topics/munich/pings",
+            {
+                "client_id": "bob",
+                "pings": [{"device_id": "bike", "ts_ms": now, "lat": 48.13, "lon": 11.57}],
+            },
+        )
+        assert code == 200 and body["count"] == 1 and body["applied_index"] >= fence
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=bob")
+        assert code == 200 and body["window_start_ms"] == now - 300_000
+
+
+def test_http_api_operations_and_errors(make_cluster: Callable[..., LocalCluster]) -> None:
+    lc = make_cluster(3)
+    base = lc.queue_servers[0].http
+    code, _, doc = http("GET", f"{base}/openapi.json")
+    assert code == 200 and "/v1/topics/{name}/pings" in doc["paths"]
+    code, _, body = http(
+        "POST", f"{base}/v1/topics", {"name": "munich", "region": json.loads(REGION)}
+    )
+    assert code == 201 and body["partitions"] == 8 and body["contribution_window_ms"] == 900_000
+    code, _, body = http("GET", f"{base}/v1/topics")
+    assert [t["name"] for t in body["topics"]] == ["munich"]
+    now = int(time.time() * 1000)
+    pings = [
+        {"device_id": f"car-{i % 3}", "ts_ms": now + i, "lat": 48.1, "lon": 11.5, "speed_mps": 4}
+        for i in range(30)
+    ]
+    code, _, pub = http(
+        "POST", f"{base}/v1/topics/munich/pings", {"client_id": "c", "pings": pings}
+    )
+    assert code == 200 and pub["count"] == 30
+    read = []
+    for o in pub["offsets"]:
+        url = (
+            f"{base}/v1/topics/munich/partitions/{o['partition']}/pings"
+            f"?offset={o['base_offset']}&limit=1000&min_applied_index={pub['applied_index']}"
+        )
+        code, _, body = http("GET", url)
+        assert code == 200
+        read += body["pings"]
+    assert sorted(p["ts_ms"] for p in read) == [now + i for i in range(30)]
+    assert {p["speed_mps"] for p in read} == {4.0} and read[0]["heading_deg"] is None
+
+    before = http("GET", f"{base}/v1/topics/munich")[2]["partition_states"]
+    bad_cases: list[tuple[str, str, Any, bytes | None, int, str]] = [
+        ("POST", "/v1/topics/munich/pings", None, b"{not json", 400, "not JSON"),
+        ("POST", "/v1/topics/munich/pings", [1, 2], None, 400, "JSON object"),
+        (
+            "POST",
+            "/v1/topics/munich/pings",
+            {"client_id": "c", "pings": []},
+            None,
+            400,
+            "non-empty",
+        ),
+        ("POST", "/v1/topics/munich/pings", {"pings": pings}, None, 400, "client_id"),
+        (
+            "POST",
+            "/v1/topics/munich/pings",
+            {"client_id": "c", "pings": [{**pings[0], "lat": "north"}]},
+            None,
+            400,
+            "pings[0].lat",
+        ),
+        (
+            "POST",
+            "/v1/topics/munich/pings",
+            {"client_id": "c", "pings": [pings[0], {**pings[1], "lat": 40.0}]},
+            None,
+            400,
+            "#1: outside the topic's region",
+        ),
+        ("POST", "/v1/topics/nowhere/pings", {"client_id": "c", "pings": pings}, None, 404, "no"),
+        ("GET", "/v1/topics/nowhere", None, None, 404, "nowhere"),
+        ("GET", "/v1/topics/munich/partitions/99/pings", None, None, 400, "partition"),
+        ("GET", "/v1/topics/munich/partitions/0/pings?offset=-1", None, None, 400, "offset"),
+        ("GET", "/v1/topics/munich/partitions/0/pings?offset=999999", None, None, 400, "beyond"),
+        ("POST", "/v1/topics", {"name": "Bad Name", "bbox": [1, 2, 3, 4]}, None, 400, "name"),
+        ("POST", "/v1/topics", {"name": "x", "bbox": [1, 2, 1, 2]}, None, 400, ""),
+        ("POST", "/v1/topics", {"name": "x"}, None, 400, "exactly one"),
+        ("POST", "/v1/topics", None, b"[" * 100_000, 400, "JSON"),
+        ("POST", "/v1/topics/munich/pings", None, b" " * (33 << 20), 413, ""),
+        ("DELETE", "/v1/topics/munich", None, None, 405, ""),
+        ("GET", "/v1/nothing/here", None, None, 404, ""),
+    ]
+    for method, path, body, raw, want, words in bad_cases:
+        code, _, got = http(method, f"{base}{path}", body, raw)
+        assert code == want, (path, body, got)
+        assert words in got["error"]["reason"], (path, got)
+        assert set(got["error"]) == {"code", "reason"}
+    after = http("GET", f"{base}/v1/topics/munich")[2]["partition_states"]
+    assert after == before  # nothing stored by any of them
+    assert all(alive(p.pid) for p in [*lc.nodes, *lc.queue_servers])
+
+    # No node at all: 503 with Retry-After once the request's deadline passes.
+    for n in lc.nodes:
+        lc.kill(n.id)
+    code, headers, got = http("GET", f"{base}/v1/topics", timeout_ms=1500)
+    assert code == 503 and headers["Retry-After"] == "1"
+    assert "no node is connected" in got["error"]["reason"]
+
+
+def test_reads_are_spread_over_every_node(make_cluster: Callable[..., LocalCluster]) -> None:
+    lc = make_cluster(3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        ack = Producer(conn, "munich", client="w").send_batch(make_pings("w", 0, 100))
+        for _ in range(150):
+            r = conn.call(
+                "Fetch",
+                client_pb2.FetchRequest(
+                    topic="munich",
+                    partition=ack.offsets[0][0],
+                    min_applied_index=ack.applied_index,  # read your writes, from any node
+                ),
+            )
+            assert sum(len(b.batch.ts_ms) for b in r.batches) == ack.offsets[0][2]
+    metrics = (
+        urllib.request.urlopen(
+            f"http://127.0.0.1:{lc.queue_servers[0].metrics_port}/metrics", timeout=10
+        )
+        .read()
+        .decode()
+    )
+    taken = {
+        line.split('node="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("roadlog_queue_work_taken_total") and 'kind="read"' in line
+    }
+    assert set(taken) == {"1", "2", "3"}, taken
+    assert all(v >= 5 for v in taken.values()), taken  # every node stole a share
+
+
+METHODS = [
+    "CreateTopic", "DescribeTopic", "ListTopics", "DeleteTopic", "InitProducer", "Publish",
+    "Fetch", "JoinGroup", "Heartbeat", "CommitOffsets", "LeaveGroup", "DescribeGroup",
+    "ListGroups", "GetHeatmap", "PutHeatmap",
+]  # fmt: skip
+
+
+def test_malformed_grpc_requests_get_clear_errors(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = make_cluster(3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        Producer(conn, "munich", client="w").send_batch(make_pings("w", 0, 50))
+        digest_before = Admin(conn).describe("munich").partitions
+    channel = grpc.insecure_channel(lc.servers[0])
+    codes: set[grpc.StatusCode] = set()
+
+    @settings(
+        max_examples=150,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(method=st.sampled_from(METHODS), payload=st.binary(max_size=300))
+    def poke(method: str, payload: bytes) -> None:
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            f"/roadlog.v1.Roadlog/{method}"
+        )
+        try:
+            call(payload, timeout=10)
+        except grpc.RpcError as e:
+            assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
+                method,
+                payload,
+                e.details(),
+            )
+            codes.add(e.code())
+
+    poke()
+    channel.close()
+    assert grpc.StatusCode.INVALID_ARGUMENT in codes
+    assert all(alive(p.pid) for p in [*lc.nodes, *lc.queue_servers])
+    with Connection(lc.servers) as conn:
+        assert Admin(conn).describe("munich").partitions == digest_before

@@ -1,0 +1,171 @@
+"""Consumer groups end to end: `roadlog consume --group` processes share a
+topic's partitions, take over from a member that was SIGKILLed, and resume
+from the committed offsets after a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roadlog.client import Admin, Connection, Producer
+from roadlog.localcluster import LocalCluster, alive, wait_dead
+from tests.integration.conftest import create_topic, make_pings, wait_for
+
+pytestmark = pytest.mark.integration
+
+PARTS = 6
+GROUP = "dash"
+
+
+class Member:
+    """One `roadlog consume NAME --group G --format jsonl` process."""
+
+    def __init__(self, lc: LocalCluster, out: Path) -> None:
+        self.out = out
+        self.log = out.with_suffix(".err")
+        with open(out, "ab") as o, open(self.log, "ab") as e:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "roadlog.cli",
+                    "consume",
+                    "munich",
+                    "--group",
+                    GROUP,
+                    "--format",
+                    "jsonl",
+                    "--session-timeout-ms",
+                    "4000",
+                    "--servers",
+                    ",".join(lc.servers),
+                ],
+                stdout=o,
+                stderr=e,
+                env={**os.environ, "ROADLOG_CLIENT_ID": f"member-{out.stem}"},
+            )
+
+    def rows(self) -> list[tuple[int, int]]:
+        """(partition, offset) of every ping printed so far."""
+        out = []
+        for line in self.out.read_text().splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                out.append((r["partition"], r["offset"]))
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if alive(self.proc.pid):
+            self.proc.send_signal(sig)
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def members(tmp_path: Path) -> Iterator[Callable[[LocalCluster, str], Member]]:
+    made: list[Member] = []
+
+    def make(lc: LocalCluster, name: str) -> Member:
+        m = Member(lc, tmp_path / f"{name}.jsonl")
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        if alive(m.proc.pid):
+            m.proc.send_signal(signal.SIGKILL)
+            wait_dead(m.proc.pid, 10)
+        m.proc.wait(10)
+
+
+def describe(conn: Connection) -> dict[str, Any]:
+    d = Admin(conn).describe_group(GROUP)
+    return {
+        "generation": d.group.generation,
+        "members": {m.member_id: list(m.partitions) for m in d.group.members},
+        "offsets": {o.partition: o.offset for o in d.offsets},
+    }
+
+
+def group_has(conn: Connection, n: int) -> bool:
+    try:
+        g = describe(conn)
+    except Exception:
+        return False
+    parts = sorted(p for ps in g["members"].values() for p in ps)
+    return len(g["members"]) == n and parts == list(range(PARTS))
+
+
+def ends(conn: Connection) -> dict[int, int]:
+    return {p.partition: p.next_offset for p in Admin(conn).describe("munich").partitions}
+
+
+def publish(conn: Connection, name: str, start: int, n: int) -> None:
+    p = Producer(conn, "munich", client=name)
+    p.send_batch(make_pings(name, start, n, devices=24))  # devices spread over the partitions
+
+
+def everything_read(conn: Connection, ms: list[Member]) -> bool:
+    seen = {r for m in ms for r in m.rows()}
+    return all((p, o) in seen for p, end in ends(conn).items() for o in range(end))
+
+
+def test_members_share_partitions_take_over_and_resume(
+    make_cluster: Callable[..., LocalCluster],
+    members: Callable[[LocalCluster, str], Member],
+) -> None:
+    lc = make_cluster(3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn, partitions=PARTS)
+        publish(conn, "p1", 0, 600)
+        a, b = members(lc, "a"), members(lc, "b")
+        wait_for(lambda: group_has(conn, 2), 60, "two members sharing every partition")
+        wait_for(lambda: everything_read(conn, [a, b]), 60, "two members reading everything")
+        g = describe(conn)
+        owned = list(g["members"].values())
+        assert not set(owned[0]) & set(owned[1])  # no partition assigned twice
+
+        c = members(lc, "c")
+        wait_for(lambda: group_has(conn, 3), 60, "a third member getting partitions")
+        assert all(len(ps) == 2 for ps in describe(conn)["members"].values())
+        publish(conn, "p1", 600, 600)
+        wait_for(lambda: everything_read(conn, [a, b, c]), 60, "three members reading everything")
+        assert c.rows(), "the third member read nothing"
+
+        b.stop(signal.SIGKILL)  # no leave: the leader expires it after 4 s
+        gen = describe(conn)["generation"]
+        wait_for(
+            lambda: group_has(conn, 2) and describe(conn)["generation"] > gen,
+            60,
+            "the killed member expired and its partitions moved",
+        )
+        publish(conn, "p1", 1200, 600)
+        wait_for(lambda: everything_read(conn, [a, b, c]), 60, "the survivors reading everything")
+
+        # A graceful stop commits what it printed; a restarted member resumes
+        # from the committed offsets: no gap.
+        wait_for(
+            lambda: describe(conn)["offsets"] == ends(conn), 30, "offsets committed to the end"
+        )
+        a.stop()
+        c.stop()
+        committed = describe(conn)["offsets"]
+        assert committed == ends(conn)
+        publish(conn, "p1", 1800, 600)
+        d = members(lc, "d")
+        wait_for(lambda: group_has(conn, 1), 60, "the restarted member owning everything")
+        wait_for(lambda: everything_read(conn, [a, b, c, d]), 60, "the restarted member reading")
+        resumed: dict[int, int] = {}
+        for p, o in d.rows():
+            resumed.setdefault(p, o)
+        assert resumed == {p: committed[p] for p in resumed}  # started exactly at the commits
+        assert set(resumed) == {p for p, e in ends(conn).items() if e > committed[p]}
+        d.stop()
+        assert d.proc.returncode == 0, d.log.read_text()
