@@ -41,6 +41,7 @@ bench: setup
 	$(PY) -m bench.core_commits
 	$(PY) -m bench.ingest
 	$(PY) -m bench.failover
+	$(PY) -m bench.front_door
 	$(PY) -m bench.report
 
 demo:

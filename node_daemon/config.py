@@ -59,6 +59,9 @@ class NodeConfig:
     heartbeat_ticks: int = 5
     snapshot_entries: int = 20_000  # compact the log this far behind the applied index
     max_ops_per_entry: int = 256  # server-side batching of writes into one entry
+    # Merge publishes that arrive while the leader persists into one append
+    # op per topic (server-side group commit). Off: one op per publish.
+    merge_publishes: bool = True
     trim_interval_s: int = 60  # how often the leader applies retention through the log
     log_level: str = "info"
 

@@ -194,6 +194,11 @@ def cli() -> None:
 @click.option("--tick-ms", type=int)
 @click.option("--snapshot-entries", type=int)
 @click.option("--trim-interval-s", type=int)
+@click.option(
+    "--merge-publishes/--no-merge-publishes",
+    default=None,
+    help="server-side group commit of publishes (default on)",
+)
 @click.option("--log-level")
 def run(config_path: Path | None, **flags: Any) -> None:
     """Run a node until SIGTERM."""

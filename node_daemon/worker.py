@@ -128,6 +128,9 @@ class Executor:
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
         """Queue the publish for the next merge (see ``_merge_loop``)."""
         fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
+        if not self.node.cfg.merge_publishes:
+            await self._propose_publishes([(item, fut)])
+            return await fut
         self._publishes.append((item, fut))
         if self._merger is None or self._merger.done():
             self._merger = asyncio.get_running_loop().create_task(self._merge_loop())
