@@ -131,6 +131,13 @@ def test_members_share_partitions_take_over_and_resume(
         g = describe(conn)
         owned = list(g["members"].values())
         assert not set(owned[0]) & set(owned[1])  # no partition assigned twice
+        cli = [sys.executable, "-m", "roadlog.cli", "group"]
+        where = ["--servers", ",".join(lc.servers), "--json"]
+        listed = json.loads(subprocess.check_output([*cli, "list", *where], timeout=60))
+        assert [x["group"] for x in listed] == [GROUP] and listed[0]["topic"] == "munich"
+        shown = json.loads(subprocess.check_output([*cli, "describe", GROUP, *where], timeout=60))
+        assert {m["member_id"]: m["partitions"] for m in shown["members"]} == g["members"]
+        assert shown["generation"] == g["generation"]
 
         c = members(lc, "c")
         wait_for(lambda: group_has(conn, 3), 60, "a third member getting partitions")
