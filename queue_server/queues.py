@@ -101,6 +101,14 @@ class WorkQueues:
                 out.append(Expired(it, self._why_waiting(kind, it)))
         return out
 
+    def drop_unreachable_fences(self, commit_index: int, queued_before: float) -> list[Item]:
+        """Reads queued before ``queued_before`` whose fence is beyond the
+        highest index any node has committed: no write was ever answered
+        with such an index, so waiting would only run out the deadline."""
+        return self.queues[Kind.READ].remove_if(
+            lambda it: it.fence > commit_index and it.enqueued < queued_before
+        )
+
     def _why_waiting(self, kind: Kind, it: Item) -> str:
         if not self.workers:
             return "no node is connected to this queue server"

@@ -36,6 +36,9 @@ log = logging.getLogger("roadlog.queue")
 
 STATUS_BY_VALUE = {sc.value[0]: sc for sc in grpc.StatusCode}
 MAX_ATTEMPTS = 50
+# A read fenced beyond every node's commit index waits this long (the
+# nodes' state may lag the write's answer a little) before it is refused.
+FENCE_GRACE_S = 2.0
 
 DEPTH = Gauge("roadlog_queue_depth", "requests waiting", ["kind"])
 WAIT = Histogram(
@@ -156,7 +159,17 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     async def expire_loop(self) -> None:
         while True:
             await asyncio.sleep(0.05)
-            for e in self.q.expire(time.monotonic()):
+            now = time.monotonic()
+            if self.states:
+                commit = max(s.commit_index for s in self.states.values())
+                for it in self.q.drop_unreachable_fences(commit, now - FENCE_GRACE_S):
+                    self._fail(
+                        it.id,
+                        grpc.StatusCode.OUT_OF_RANGE,
+                        f"min_applied_index {it.fence} is beyond the cluster's commit index "
+                        f"{commit}: no write was answered with it",
+                    )
+            for e in self.q.expire(now):
                 fut = self._futures.get(e.item.id)
                 if fut is not None and not fut.done():
                     fut.set_result(
@@ -166,6 +179,11 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                             message=f"not done before the deadline: {e.reason}",
                         )
                     )
+
+    def _fail(self, item_id: int, code: grpc.StatusCode, message: str) -> None:
+        fut = self._futures.get(item_id)
+        if fut is not None and not fut.done():
+            fut.set_result(work_pb2.WorkResult(id=item_id, code=code.value[0], message=message))
 
     # --------------------------------------------------------------- nodes
 

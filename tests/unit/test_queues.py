@@ -182,3 +182,15 @@ def test_work_handed_back_is_served_first_in_its_order() -> None:
     q.grant(2, writes=10, reads=0)
     got = [it.id for _, it in q.dispatch(0)]
     assert got[:3] == [it.id for it in items] and len(got) == 4
+
+
+def test_reads_fenced_beyond_every_commit_are_dropped_after_a_grace() -> None:
+    q = WorkQueues()
+    early = Item(next(_ids), Kind.READ, "m", b"", 100.0, 1.0, fence=900)
+    late = Item(next(_ids), Kind.READ, "m", b"", 100.0, 5.0, fence=900)
+    fine = Item(next(_ids), Kind.READ, "m", b"", 100.0, 1.0, fence=40)
+    for it in (early, late, fine):
+        q.submit(it)
+    dropped = q.drop_unreachable_fences(commit_index=50, queued_before=3.0)
+    assert [it.id for it in dropped] == [early.id]  # late gets its grace, fine can be served
+    assert q.depth(Kind.READ) == 2
