@@ -3,6 +3,7 @@ its errors, reads spread over every node, and malformed gRPC requests."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 import urllib.error
@@ -265,3 +266,34 @@ def test_malformed_grpc_requests_get_clear_errors(
     assert all(alive(p.pid) for p in [*lc.nodes, *lc.queue_servers])
     with Connection(lc.servers) as conn:
         assert Admin(conn).describe("munich").partitions == digest_before
+
+
+def test_a_flood_of_reads_does_not_stall_producers(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = make_cluster(3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        ack = Producer(conn, "munich", client="w").send_batch(make_pings("w", 0, 4000))
+        stop = time.monotonic() + 8
+        slow = [
+            client_pb2.FetchRequest(topic="munich", partition=p, max_pings=100_000)
+            for p, _, _ in ack.offsets
+        ]
+
+        def reader(i: int) -> int:
+            n = 0
+            with Connection(lc.servers, client=f"dashboard-{i}") as rc:
+                while time.monotonic() < stop:
+                    rc.call("Fetch", slow[n % len(slow)])
+                    n += 1
+            return n
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            readers = [pool.submit(reader, i) for i in range(16)]
+            p = Producer(conn, "munich", client="phone", deadline_s=10)
+            acked = 0
+            while time.monotonic() < stop - 1:
+                acked += p.send_batch(make_pings("phone", acked, 50)).count
+            assert sum(r.result() for r in readers) > 50  # the readers kept the nodes busy
+        assert acked >= 50 * 5  # writes kept going meanwhile, each within its deadline
