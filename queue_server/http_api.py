@@ -263,6 +263,7 @@ class HttpApi:
             topic=request.match_info["name"],
             client_id=q.get("client_id", ""),
             window_start_ms=_query_int(q.get("window_start_ms", "0"), "window_start_ms", 0),
+            min_applied_index=_query_int(q.get("min_applied_index", "0"), "min_applied_index", 0),
         )
         if len(req.client_id.encode()) > MAX_CLIENT_ID:
             raise bad(f"client_id is longer than {MAX_CLIENT_ID} bytes")

@@ -261,6 +261,12 @@ OPENAPI: dict[str, Any] = {
                         "in": "query",
                         "schema": {"type": "integer", "minimum": 0},
                     },
+                    {
+                        "name": "min_applied_index",
+                        "in": "query",
+                        "description": "read your writes: the applied_index a publish answered",
+                        "schema": {"type": "integer", "minimum": 0},
+                    },
                 ],
                 "responses": {
                     **_ok(

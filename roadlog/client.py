@@ -125,6 +125,9 @@ class Connection:
         self.stubs = [client_pb2_grpc.RoadlogStub(c) for c in self.channels]
         self._current = 0
         self.metadata = (("roadlog-client", client or client_id()),)
+        # Session consistency: the highest applied index any answer carried;
+        # reads that take a fence wait for it (read your writes).
+        self.fence = 0
 
     def close(self) -> None:
         for c in self.channels:
@@ -138,7 +141,20 @@ class Connection:
 
     def call(self, method: str, request: Message, timeout: float | None = None) -> Any:
         """Call ``method``; retry retryable failures (on the next queue
-        server) until ``timeout`` seconds have passed."""
+        server) until ``timeout`` seconds have passed. A read that takes a
+        fence and sets none waits for everything this connection wrote."""
+        fenceable = "min_applied_index" in request.DESCRIPTOR.fields_by_name
+        if self.fence and fenceable and not getattr(request, "min_applied_index"):  # noqa: B009
+            fenced = type(request)()
+            fenced.CopyFrom(request)
+            fenced.min_applied_index = self.fence  # type: ignore[attr-defined]
+            request = fenced
+        resp = self._call(method, request, timeout)
+        if "applied_index" in resp.DESCRIPTOR.fields_by_name:
+            self.fence = max(self.fence, resp.applied_index)
+        return resp
+
+    def _call(self, method: str, request: Message, timeout: float | None) -> Any:
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         delay = 0.02
         last: grpc.RpcError | None = None

@@ -65,18 +65,21 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
             admin.heatmap("munich", client="alice")
         code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice")
         assert code == 403 and body["error"]["code"] == "PERMISSION_DENIED"
-        Producer(conn, "munich", client="alice").send_batch(make_pings("alice", 0, 10))
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice")
-        assert code == 404  # allowed now, but nothing computed yet
+        ack = Producer(conn, "munich", client="alice").send_batch(make_pings("alice", 0, 10))
+        fenced = f"min_applied_index={ack.applied_index}"  # read your writes over HTTP
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice&{fenced}")
+        assert code == 404, body  # allowed now, but nothing computed yet
         now = int(time.time() * 1000)
         admin.put_heatmap(heatmap(now - 600_000))
         fence = admin.put_heatmap(heatmap(now - 300_000))
+        assert conn.fence == fence  # the connection's later reads wait for it
         got = admin.heatmap("munich", client="alice")
         assert got.heatmap.window_start_ms == now - 300_000 and len(got.windows) == 2
         assert list(got.heatmap.cells.pings) == [12, 3]
         with pytest.raises(PermissionDenied):
             admin.heatmap("munich", client="bob")
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice")
+        fenced = f"min_applied_index={fence}"
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice&{fenced}")
         assert code == 200 and body["cells"][0] == {
             "h3": "891f8d7a49bffff",
             "pings": 12,
@@ -95,7 +98,8 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
             },
         )
         assert code == 200 and body["count"] == 1 and body["applied_index"] >= fence
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=bob")
+        fenced = f"min_applied_index={body['applied_index']}"
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=bob&{fenced}")
         assert code == 200 and body["window_start_ms"] == now - 300_000
 
 
