@@ -30,8 +30,6 @@ from node_daemon.worker import Executor, QueueServerLink
 from roadlog.logs import setup_logging
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, raft_pb2, raft_pb2_grpc
 
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 log = logging.getLogger("roadlog.node")
 
 
@@ -207,10 +205,6 @@ def run(config_path: Path | None, **flags: Any) -> None:
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     setup_logging("node", cfg.log_level)
-    # The log writer and apply threads release the GIL around each fsync and
-    # need it back at once: with the default 5 ms switch interval, every
-    # Raft write waits up to 5 ms behind the busy event loop.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         asyncio.run(serve(cfg))
     except ConfigError as e:

@@ -9,6 +9,10 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 need_debs=()
 command -v make >/dev/null 2>&1 || need_debs+=(make)
+# The netns test tier: network namespaces on a bridge (iproute2), packet
+# loss injected with nftables (this kernel has no netem).
+command -v ip >/dev/null 2>&1 || need_debs+=(iproute2)
+command -v nft >/dev/null 2>&1 || need_debs+=(nftables)
 command -v python3.11 >/dev/null 2>&1 || need_debs+=(python3.11)
 PY=$(command -v python3.11 || echo /usr/bin/python3.11)
 if [ -x "$PY" ] && ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
