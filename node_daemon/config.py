@@ -62,12 +62,29 @@ class NodeConfig:
     # Merge publishes that arrive while the leader persists into one append
     # op per topic (server-side group commit). Off: one op per publish.
     merge_publishes: bool = True
+    # Discovery (UDP HELLOs; see discovery/). With discovery, `peers` and
+    # `node_id` may be left out: the node makes an id once, keeps it in its
+    # data dir, and founds or joins a cluster by what it hears.
+    discovery_port: int = 7499  # 0: no discovery
+    discovery_broadcast: str = "255.255.255.255"  # "": seeds only (no broadcast)
+    discovery_seeds: list[str] = field(default_factory=list)  # HOST:PORT, unicast HELLOs
+    bootstrap_expect: int = 0  # found a new cluster once this many nodes agree
+    voters: int = 0  # voters to keep (learners beyond are standbys); 0: bootstrap_expect or 3
+    dead_voter_timeout_s: int = 30  # a silent voter is replaced by a caught-up learner
     trim_interval_s: int = 60  # how often the leader applies retention through the log
     log_level: str = "info"
 
     def validate(self) -> None:
-        if self.node_id <= 0:
-            raise ConfigError("node_id: must be a positive integer")
+        if self.node_id < 0 or (self.node_id == 0 and self.peers):
+            raise ConfigError("node_id: must be a positive integer (with peers)")
+        if not self.peers and not self.discovery_port:
+            raise ConfigError("give peers, or discovery (discovery_port and bootstrap_expect)")
+        if not 0 <= self.bootstrap_expect <= 15:
+            raise ConfigError("bootstrap_expect: must be in 0..15")
+        if not 0 <= self.voters <= 15 or self.dead_voter_timeout_s < 1:
+            raise ConfigError("voters: 0..15; dead_voter_timeout_s: at least 1")
+        for seed in self.discovery_seeds:
+            check_address(seed, "discovery_seeds")
         check_address(self.listen, "listen")
         if self.advertise_address:
             check_address(self.advertise_address, "advertise_address")
@@ -84,6 +101,15 @@ class NodeConfig:
     def address(self) -> str:
         return self.advertise_address or self.listen
 
+    @property
+    def discovery(self) -> bool:
+        """Cold start by discovery (no static peer list)."""
+        return not self.peers and self.discovery_port > 0
+
+    @property
+    def target_voters(self) -> int:
+        return self.voters or self.bootstrap_expect or 3
+
     def secret(self) -> bytes:
         return configfile.read_secret(self.secret_file)
 
@@ -97,5 +123,11 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
         NodeConfig,
         path,
         overrides,
-        {"peers": parse_peers, "data_dir": Path, "secret_file": Path, "queue_servers": _list},
+        {
+            "peers": parse_peers,
+            "data_dir": Path,
+            "secret_file": Path,
+            "queue_servers": _list,
+            "discovery_seeds": _list,
+        },
     )

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,26 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from node_daemon.config import ConfigError, NodeConfig, load_config
+from discovery.agent import DiscoveryAgent, now_ms
+from discovery.core import DiscoveryCore, Found, Join
+from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
+from node_daemon.identity import node_id_for
+from node_daemon.membership import Membership
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.raft import ConfChange, ConfChangeType, Role
-from node_daemon.transport import auth_token
+from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.transport import AUTH_KEY, auth_token, authorized
 from node_daemon.worker import Executor, QueueServerLink
+from roadlog import configfile
 from roadlog.logs import setup_logging
-from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, raft_pb2, raft_pb2_grpc
+from roadlog.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    client_pb2,
+    command_pb2,
+    raft_pb2,
+    raft_pb2_grpc,
+)
 
 log = logging.getLogger("roadlog.node")
 
@@ -44,18 +58,34 @@ def node_status(node: RaftNode) -> client_pb2.NodeStatus:
         applied_index=node.sm.applied_index,
         leader=core.lead,
         ready=node.ready,
+        voters=sorted(core.conf.voters),
+        learners=sorted(core.conf.learners),
     )
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, node: RaftNode) -> None:
+    """Operators' calls. Changing calls need the cluster's credentials."""
+
+    def __init__(
+        self, node: RaftNode, membership: Membership, token: str, stop: asyncio.Event
+    ) -> None:
         self.node = node
+        self.membership = membership
+        self.token = token
+        self.stop = stop
 
     async def Status(self, request: Any, context: Any) -> client_pb2.ClusterStatus:
         n = self.node
         st = client_pb2.ClusterStatus(leader=n.core.lead, term=n.core.term)
         st.nodes.append(node_status(n))
+        for m in self.membership.members():  # the others: where to ask them
+            if m.node_id != n.id:
+                st.nodes.add(id=m.node_id, address=m.address)
         return st
+
+    async def _authorized(self, context: Any) -> None:
+        if not authorized(context, self.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
 
     async def _admin(self, context: Any, coro: Any) -> admin_pb2.AdminResponse:
         try:
@@ -70,23 +100,48 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return admin_pb2.AdminResponse(ok=True, index=index or 0)
 
     async def AddNode(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        await self._authorized(context)
         if request.node_id <= 0 or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need node_id and address")
-        addrs = {**self.node.addresses, request.node_id: request.address}
-        self.node.addresses = addrs
-        self.node.transport.set_addresses(addrs)
-        kind = ConfChangeType.ADD_VOTER if request.as_voter else ConfChangeType.ADD_LEARNER
-        return await self._admin(context, self.node.conf_change(ConfChange(kind, request.node_id)))
+        return await self._admin(
+            context, self._add(request.node_id, request.address, request.as_voter)
+        )
+
+    async def _add(self, node_id: int, address: str, as_voter: bool) -> int:
+        """Record the address through the log, then add the node (a node
+        already in the configuration only gets its address updated)."""
+        n = self.node
+        n.update_addresses({node_id: address})
+        op = command_pb2.Op(add_peer=command_pb2.AddPeerOp(node_id=node_id, address=address))
+        res = await n.propose_op(op)
+        if res.code != grpc.StatusCode.OK:
+            raise NotLeader(n.core.lead, res.message)
+        conf = n.core.conf
+        if node_id in conf.voters or (node_id in conf.learners and not as_voter):
+            return n.sm.applied_index
+        kind = ConfChangeType.ADD_VOTER if as_voter else ConfChangeType.ADD_LEARNER
+        log.info("adding a node", extra={"node": node_id, "address": address, "voter": as_voter})
+        return await n.conf_change(ConfChange(kind, node_id))
 
     async def RemoveNode(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        await self._authorized(context)
         cc = ConfChange(ConfChangeType.REMOVE_NODE, request.node_id)
         return await self._admin(context, self.node.conf_change(cc))
 
     async def TransferLeader(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        await self._authorized(context)
         return await self._admin(context, self.node.transfer_leader(request.node_id))
 
     async def Snapshot(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        await self._authorized(context)
         return await self._admin(context, self.node.snapshot_now())
+
+    async def Leave(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        await self._authorized(context)
+        resp = await self._admin(context, self.membership.leave())
+        log.info("left the cluster: stopping", extra={"index": resp.index})
+        asyncio.get_running_loop().call_later(0.5, self.stop.set)
+        return resp
 
     async def StateDigest(self, request: Any, context: Any) -> admin_pb2.StateDigestResponse:
         loop = asyncio.get_running_loop()
@@ -95,11 +150,65 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return admin_pb2.StateDigestResponse(applied_index=sm.applied_index, sha256=digest)
 
 
+def _has_raft_state(cfg: NodeConfig) -> bool:
+    raft = Path(cfg.data_dir) / "raft"
+    if not raft.exists():
+        return False
+    store = LmdbLogStorage(raft)
+    try:
+        return store.last_index() > 0 or store.initial_state().term > 0
+    finally:
+        store.close()
+
+
+async def _discover(cfg: NodeConfig, agent: DiscoveryAgent | None) -> NodeConfig:
+    """For a node with no state and no peer list: found a cluster (this node
+    its only voter) or wait to join one, as discovery decides."""
+    if agent is None:
+        raise ConfigError("no peers and no discovery: nothing to start from")
+    log.info(
+        "discovering",
+        extra={"node_id": cfg.node_id, "bootstrap_expect": cfg.bootstrap_expect},
+    )
+    while True:
+        d = agent.core.decide(now_ms())
+        if isinstance(d, Found):
+            log.info("founding the cluster", extra={"with": list(d.others)})
+            return replace(cfg, peers={cfg.node_id: cfg.address})
+        if isinstance(d, Join):
+            log.info("found a cluster to join", extra={"leader": d.leader})
+            return cfg
+        await asyncio.sleep(0.1)
+
+
 async def serve(cfg: NodeConfig) -> None:
     # LMDB commits and fsyncs release the GIL; hand it back quickly when they
     # return, instead of after the default 5 ms switch interval.
     sys.setswitchinterval(0.0005)
+    if cfg.discovery:
+        cfg = replace(cfg, node_id=node_id_for(Path(cfg.data_dir), cfg.node_id))
+    token = auth_token(cfg.secret(), cfg.cluster_name)
+    agent: DiscoveryAgent | None = None
+    if cfg.discovery_port:
+        core = DiscoveryCore(
+            cfg.cluster_name, cfg.node_id, "node", cfg.address, expect=cfg.bootstrap_expect
+        )
+        agent = DiscoveryAgent(
+            core, cfg.secret(), cfg.discovery_port, cfg.discovery_broadcast, cfg.discovery_seeds
+        )
+        try:
+            await agent.start()
+        except OSError as e:
+            if cfg.discovery:
+                raise ConfigError(f"discovery_port {cfg.discovery_port}: {e}") from None
+            log.warning("discovery off: cannot bind its port", extra={"error": str(e)})
+            agent = None
+    discovered_peers = cfg.discovery
+    if cfg.discovery and not _has_raft_state(cfg):
+        cfg = await _discover(cfg, agent)
     node = RaftNode(cfg)
+    membership = Membership(node, token, sync_addresses=discovered_peers)
+    stop = asyncio.Event()
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
@@ -110,7 +219,7 @@ async def serve(cfg: NodeConfig) -> None:
         ]
     )
     raft_pb2_grpc.add_RaftPeerServicer_to_server(node.transport, server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(node), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(node, membership, token, stop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -126,17 +235,25 @@ async def serve(cfg: NodeConfig) -> None:
     await server.start()
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.listen.rpartition(":")[0] or "0.0.0.0")
+    node.update_addresses(node.sm.peers())
     await node.start()
     executor = Executor(node)
     executor.groups.start()
-    token = auth_token(cfg.secret(), cfg.cluster_name)
-    links = [QueueServerLink(q, node, executor, token) for q in cfg.queue_servers]
+    links: dict[str, QueueServerLink] = {}
+
+    def link_queue_servers(addresses: list[str]) -> None:
+        for q in addresses:
+            if q not in links:
+                links[q] = QueueServerLink(q, node, executor, token)
+                links[q].start()
+                log.info("pulling work from a queue server", extra={"queue": q})
+
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     last_health: list[bool | None] = [None]
 
     def on_state() -> None:
-        for link in links:
+        for link in links.values():
             link.state_changed()
         ok = node.ready
         if ok != last_health[0]:
@@ -147,8 +264,22 @@ async def serve(cfg: NodeConfig) -> None:
 
     node.state_listeners.append(on_state)
     on_state()
-    for link in links:
-        link.start()
+    link_queue_servers(cfg.queue_servers)
+    if agent is not None:
+        discovered = agent
+
+        def on_discovery_step() -> None:
+            now = now_ms()
+            node.update_addresses({**node.sm.peers(), **discovered.core.addresses(now)})
+            link_queue_servers(discovered.core.queue_servers(now))
+            if membership.in_config():
+                core = node.core
+                discovered.core.set_member(
+                    core.lead, node.address_of(core.lead), core.term, membership.members()
+                )
+
+        agent.listeners.append(on_discovery_step)
+    membership.start()
     log.info(
         "node started",
         extra={
@@ -157,17 +288,25 @@ async def serve(cfg: NodeConfig) -> None:
             "peers": {str(k): v for k, v in cfg.peers.items()},
             "queue_servers": cfg.queue_servers,
             "metrics_port": cfg.metrics_port,
+            "discovery_port": cfg.discovery_port if agent is not None else 0,
         },
     )
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    joining = None
+    if agent is not None and not membership.in_config() and not cfg.peers:
+        joining = loop.create_task(membership.join(lambda: discovered.core.known_cluster(now_ms())))
     await stop.wait()
     log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
+    if joining is not None:
+        joining.cancel()
     await health_servicer.enter_graceful_shutdown()
-    for link in links:
+    await membership.stop()
+    for link in links.values():
         await link.stop()
+    if agent is not None:
+        await agent.stop()
     await server.stop(grace=1.0)
     await node.stop()
     log.info("stopped")
@@ -192,6 +331,12 @@ def cli() -> None:
 @click.option("--tick-ms", type=int)
 @click.option("--snapshot-entries", type=int)
 @click.option("--trim-interval-s", type=int)
+@click.option("--discovery-port", type=int, help="UDP port of discovery HELLOs (0: none)")
+@click.option("--discovery-broadcast", help="where HELLOs are broadcast ('' for seeds only)")
+@click.option("--discovery-seeds", help="HOST:PORT,... to send HELLOs to by unicast")
+@click.option("--bootstrap-expect", type=int, help="found a new cluster of this many nodes")
+@click.option("--voters", type=int, help="voters to keep (default: bootstrap_expect or 3)")
+@click.option("--dead-voter-timeout-s", type=int)
 @click.option(
     "--merge-publishes/--no-merge-publishes",
     default=None,
@@ -210,6 +355,46 @@ def run(config_path: Path | None, **flags: Any) -> None:
     except ConfigError as e:
         log.error("bad configuration", extra={"error": str(e)})
         sys.exit(2)
+
+
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
+@click.option("--address", help="the node's gRPC HOST:PORT (default: from the config)")
+@click.option("--secret-file", type=click.Path(path_type=Path))
+@click.option("--cluster-name")
+@click.option("--timeout", default=60.0, show_default=True)
+def leave(
+    config_path: Path | None,
+    address: str | None,
+    secret_file: Path | None,
+    cluster_name: str | None,
+    timeout: float,
+) -> None:
+    """Make a running node leave its cluster gracefully (it hands over
+    leadership, has the leader remove it, then stops)."""
+    flags: dict[str, Any] = {"secret_file": secret_file, "cluster_name": cluster_name}
+    try:
+        cfg = configfile.load(
+            NodeConfig,
+            config_path,
+            {**flags, "discovery_port": 0, "node_id": 0},
+            {"secret_file": Path, "data_dir": Path, "peers": parse_peers},
+            validate=False,
+        )
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
+    target = address or cfg.address
+    if target.startswith("0.0.0.0:"):
+        target = "127.0.0.1:" + target.rpartition(":")[2]
+    token = auth_token(cfg.secret(), cfg.cluster_name)
+    with grpc.insecure_channel(target) as ch:
+        try:
+            resp = admin_pb2_grpc.AdminStub(ch).Leave(
+                admin_pb2.LeaveRequest(), metadata=((AUTH_KEY, token),), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            raise click.ClickException(f"{target}: {e.code().name}: {e.details()}") from None
+    click.echo(f"node at {target} left the cluster (removed at index {resp.index}); it stops now")
 
 
 def main() -> None:

@@ -98,7 +98,7 @@ class RaftNode:
             cfg.cluster_name,
             cfg.secret(),
             self.snapshot_dir,
-            on_message=lambda m: self.submit(lambda core: core.step(m)),
+            on_message=self._on_message,
             on_unreachable=lambda to: self.submit(lambda core: core.report_unreachable(to)),
             on_snapshot_status=lambda to, ok: self.submit(
                 lambda core: core.report_snapshot(to, ok)
@@ -122,9 +122,22 @@ class RaftNode:
         self._snapshot_requests: list[asyncio.Future[int]] = []
         self._resolved_early = False
         self.state_listeners: list[Callable[[], None]] = []
+        self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
         self._last_soft = (0, Role.FOLLOWER, 0)
 
     # --------------------------------------------------------------- inputs
+
+    def _on_message(self, m: Any) -> None:
+        self.last_heard[m.frm] = time.monotonic()
+        self.submit(lambda core: core.step(m))
+
+    def update_addresses(self, known: dict[int, str]) -> None:
+        """Learn peer addresses (from the replicated address book and from
+        discovery); this node's own address always stays its own."""
+        merged = {**self.addresses, **known, self.id: self.cfg.address}
+        if merged != self.addresses:
+            self.addresses = merged
+            self.transport.set_addresses(merged)
 
     def submit(self, fn: Callable[[RaftCore], None]) -> None:
         """Run ``fn(core)`` on the driver (the only place the core is touched)."""

@@ -60,6 +60,7 @@ _PART_VAL = struct.Struct(">QQq")
 _BATCH_HDR = struct.Struct(">Iq")  # count, append ms
 _SEQ = struct.Struct(">QQI")
 _U64 = struct.Struct(">Q")
+_PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 
 
 @dataclass(slots=True)
@@ -174,6 +175,12 @@ class StateMachine:
             return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
         if kind == "trim":
             self._trim(txn, leader_ms)
+            return b""
+        if kind == "add_peer":
+            ap = op.add_peer
+            if not ap.node_id or not ap.address or len(ap.address) > 255:
+                raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "a peer needs an id and an address")
+            txn.put(_PEER.pack(b"peer/", ap.node_id), ap.address.encode(), db=self.meta)
             return b""
         if kind == "join_group":
             req = op.join_group.request
@@ -424,6 +431,18 @@ class StateMachine:
                 self._describe(txn, topics_pb2.Topic.FromString(raw))
                 for _, raw in txn.cursor(db=self.topics)
             ]
+
+    def peers(self) -> dict[int, str]:
+        """The replicated address book: node id -> gRPC address."""
+        out: dict[int, str] = {}
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.meta)
+            if cur.set_range(b"peer/"):
+                for k, v in cur:
+                    if not k.startswith(b"peer/"):
+                        break
+                    out[_PEER.unpack(k)[1]] = bytes(v).decode()
+        return out
 
     def describe_group(self, name: str) -> groups_pb2.GroupDescription:
         with self.env.begin() as txn:

@@ -168,6 +168,8 @@ class LocalCluster:
                         str(mport),
                         "--queue-servers",
                         qlist,
+                        "--discovery-port",
+                        "0",  # no broadcasts from a loopback cluster
                         "--secret-file",
                         str(secret),
                         *(extra_node_args or []),

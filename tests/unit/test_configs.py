@@ -36,7 +36,11 @@ def test_peers_as_a_table_and_as_a_flag(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"node_id": 0}, "node_id"),
+        ({"node_id": 0, "peers": "1=a:1"}, "node_id"),
+        ({"node_id": -1}, "node_id"),
+        ({"discovery_port": 0}, "give peers, or discovery"),
+        ({"discovery_seeds": "nohost"}, "discovery_seeds"),
+        ({"bootstrap_expect": 99}, "bootstrap_expect"),
         ({"node_id": 1, "listen": "nohost"}, "listen"),
         ({"node_id": 1, "peers": "x=a:1"}, "peers"),
         ({"node_id": 1, "peers": "2=a:1"}, "must include this node"),
