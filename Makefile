@@ -7,7 +7,7 @@ SEEDS  ?= 200
 START  ?= 0
 JOBS   ?= $(shell nproc)
 
-.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration sim bench demo lock clean
+.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration test-netns sim bench demo lock clean
 
 setup:
 	./scripts/setup.sh
@@ -31,7 +31,12 @@ test-simulation: setup
 test-integration: setup
 	$(PYTEST) -m integration tests/integration
 
-test: lint typecheck test-unit test-simulation test-integration
+# Network namespaces on a bridge (10.77.0.0/24) that the tests create and
+# remove; needs root.
+test-netns: setup
+	$(PYTEST) -m netns tests/netns
+
+test: lint typecheck test-unit test-simulation test-integration test-netns
 
 sim: setup
 	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS) $(SIMFLAGS)

@@ -53,13 +53,18 @@ class DiscoveryAgent:
         broadcast: str = "255.255.255.255",
         seeds: list[str] | None = None,
         bind: str = "0.0.0.0",
+        listen: bool = True,
     ) -> None:
+        """``port``: where HELLOs go (and, with ``listen``, where this agent
+        receives them); without ``listen`` it only announces, from an
+        ephemeral port (a queue server next to a node on one host)."""
         self.core = core
         self.key = key
         self.port = port
         self.broadcast = broadcast
         self.seeds = [_hostport(s) for s in seeds or []]
         self.bind = bind
+        self.listen = listen
         self.transport: asyncio.DatagramTransport | None = None
         self._task: asyncio.Task[None] | None = None
         self._answered: dict[int, int] = {}
@@ -71,7 +76,7 @@ class DiscoveryAgent:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
-        sock.bind((self.bind, self.port))
+        sock.bind((self.bind, self.port if self.listen else 0))
         transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
         self.transport = transport
         self._task = loop.create_task(self._run())

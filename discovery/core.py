@@ -61,6 +61,8 @@ class Join:
 
     leader: int
     leader_address: str
+    term: int = 0
+    members: tuple[int, ...] = ()  # as the freshest announcement says
 
 
 @dataclass
@@ -175,7 +177,11 @@ class DiscoveryCore:
             announces = h.role == "node" and h.state == "member" and h.leader and h.leader_address
             if announces and (best is None or h.term > best.term):
                 best = h
-        return Join(best.leader, best.leader_address) if best is not None else None
+        if best is None:
+            return None
+        return Join(
+            best.leader, best.leader_address, best.term, tuple(m.node_id for m in best.members)
+        )
 
     def addresses(self, now_ms: int) -> dict[int, str]:
         """gRPC addresses of the nodes heard lately (and the members they

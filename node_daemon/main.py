@@ -112,10 +112,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         already in the configuration only gets its address updated)."""
         n = self.node
         n.update_addresses({node_id: address})
-        op = command_pb2.Op(add_peer=command_pb2.AddPeerOp(node_id=node_id, address=address))
-        res = await n.propose_op(op)
-        if res.code != grpc.StatusCode.OK:
-            raise NotLeader(n.core.lead, res.message)
+        if n.sm.peers().get(node_id) != address:
+            op = command_pb2.Op(add_peer=command_pb2.AddPeerOp(node_id=node_id, address=address))
+            res = await n.propose_op(op)
+            if res.code != grpc.StatusCode.OK:
+                raise NotLeader(n.core.lead, res.message)
         conf = n.core.conf
         if node_id in conf.voters or (node_id in conf.learners and not as_voter):
             return n.sm.applied_index
@@ -295,8 +296,10 @@ async def serve(cfg: NodeConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     joining = None
-    if agent is not None and not membership.in_config() and not cfg.peers:
-        joining = loop.create_task(membership.join(lambda: discovered.core.known_cluster(now_ms())))
+    if agent is not None:
+        joining = loop.create_task(
+            membership.keep_in_cluster(lambda: discovered.core.known_cluster(now_ms()))
+        )
     await stop.wait()
     log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
     if joining is not None:

@@ -65,29 +65,40 @@ class Membership:
 
     # ----------------------------------------------------------- joining
 
-    async def join(self, leader: Callable[[], Join | None]) -> None:
-        """Ask the leader (whoever discovery says it is) to add this node as a
-        learner, until this node sees itself in its configuration."""
+    def left_out(self, j: Join | None) -> bool:
+        """Does the cluster, as its leader announces it, not count this node?
+        (A newcomer; or a node that was removed while it was down and came
+        back with its old configuration.)"""
         n = self.node
-        while not self.in_config():
+        if j is None or j.leader == n.id or n.is_leader:
+            return False
+        if not self.in_config():
+            return True
+        return bool(j.members) and j.term >= n.core.term and n.id not in j.members
+
+    async def keep_in_cluster(self, leader: Callable[[], Join | None]) -> None:
+        """Whenever the cluster leaves this node out, ask its leader (whoever
+        discovery says it is) to add it as a learner; forever, every 2 s."""
+        while True:
             j = leader()
-            if j is not None and j.leader_address:
-                n.update_addresses({j.leader: j.leader_address})
-                try:
-                    async with grpc.aio.insecure_channel(j.leader_address) as ch:
-                        await admin_pb2_grpc.AdminStub(ch).AddNode(
-                            admin_pb2.AddNodeRequest(node_id=n.id, address=n.cfg.address),
-                            metadata=((AUTH_KEY, self.token),),
-                            timeout=10,
-                        )
-                    log.info("asked to join", extra={"leader": j.leader, "at": j.leader_address})
-                except grpc.aio.AioRpcError as e:
-                    log.info("join refused, retrying", extra={"reason": e.details()})
-            for _ in range(20):  # until the leader's log reaches us, or 2 s
-                if self.in_config():
-                    break
-                await asyncio.sleep(0.1)
-        log.info("joined", extra={"voter": n.id in n.core.conf.voters})
+            if self.left_out(j):
+                assert j is not None
+                await self._ask_to_join(j)
+            await asyncio.sleep(2.0)
+
+    async def _ask_to_join(self, j: Join) -> None:
+        n = self.node
+        n.update_addresses({j.leader: j.leader_address})
+        try:
+            async with grpc.aio.insecure_channel(j.leader_address) as ch:
+                await admin_pb2_grpc.AdminStub(ch).AddNode(
+                    admin_pb2.AddNodeRequest(node_id=n.id, address=n.cfg.address),
+                    metadata=((AUTH_KEY, self.token),),
+                    timeout=10,
+                )
+            log.info("asked to join", extra={"leader": j.leader, "at": j.leader_address})
+        except grpc.aio.AioRpcError as e:
+            log.info("join refused, retrying", extra={"reason": e.details()})
 
     # ----------------------------------------------------------- leading
 

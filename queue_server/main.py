@@ -31,6 +31,9 @@ def cli() -> None:
 @click.option("--max-writes", type=int)
 @click.option("--max-reads", type=int)
 @click.option("--default-timeout-ms", type=int)
+@click.option("--discovery-port", type=int, help="announce to nodes on this UDP port (0: no)")
+@click.option("--discovery-broadcast", help="where announcements are broadcast")
+@click.option("--discovery-seeds", help="HOST:PORT,... to announce to by unicast")
 @click.option("--log-level")
 def run(config_path: Path | None, **flags: Any) -> None:
     """Run a queue server until SIGTERM."""

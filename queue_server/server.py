@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from discovery.agent import DiscoveryAgent
+from discovery.core import DiscoveryCore
 from node_daemon.transport import auth_token, authorized
 from queue_server.config import QueueConfig
 from queue_server.errors import Failed
@@ -354,6 +357,19 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         http_runner = web.AppRunner(HttpApi(qs.call, qs.status).app(), access_log=None)
         await http_runner.setup()
         await web.TCPSite(http_runner, host or "0.0.0.0", int(port)).start()
+    agent = None
+    if cfg.discovery_port:
+        core = DiscoveryCore(cfg.cluster_name, secrets.randbelow(1 << 53) + 1, "queue", cfg.address)
+        core.member = True  # a queue server only announces itself
+        agent = DiscoveryAgent(
+            core,
+            cfg.secret(),
+            cfg.discovery_port,
+            cfg.discovery_broadcast,
+            cfg.discovery_seeds,
+            listen=False,
+        )
+        await agent.start()
     expiry = asyncio.get_running_loop().create_task(qs.expire_loop())
     log.info(
         "queue server started",
@@ -368,6 +384,8 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
+    if agent is not None:
+        await agent.stop()
     if http_runner is not None:
         await http_runner.cleanup()
     await server.stop(grace=1.0)

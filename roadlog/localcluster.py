@@ -133,6 +133,8 @@ class LocalCluster:
                         str(mport),
                         "--http-listen",
                         f"127.0.0.1:{hport}",
+                        "--discovery-port",
+                        "0",
                         "--secret-file",
                         str(secret),
                     ],

@@ -1,0 +1,216 @@
+"""Hosts as network namespaces on a bridge that the test creates and removes
+(10.77.0.0/24; the bridge itself is 10.77.0.1 so the test can reach them).
+
+Everything made here is torn down after the test: the processes (by their
+own PIDs), the namespaces and the bridge. Packet loss is injected with an
+nftables rule in a host's namespace (this kernel has no netem).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from roadlog.localcluster import alive, wait_dead
+from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2
+
+SUBNET = "10.77.0"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if alive(self.popen.pid):
+            os.kill(self.popen.pid, sig)
+            wait_dead(self.popen.pid, 20)
+        self.popen.wait(10)
+
+
+@dataclass
+class Host:
+    net: Net
+    index: int
+    ns: str
+    ip: str
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def node_address(self) -> str:
+        return f"{self.ip}:7400"
+
+    def spawn(self, name: str, argv: list[str]) -> Proc:
+        log = self.net.dir / f"{name}.log"
+        with open(log, "ab") as out:
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", self.ns, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        proc = Proc(name, p, log)
+        self.procs.append(proc)
+        return proc
+
+    def node(
+        self, expect: int = 3, secret: Path | None = None, extra: list[str] | None = None
+    ) -> Proc:
+        """A node daemon with discovery on this host (data in its own dir)."""
+        data = self.net.dir / f"data-{self.index}"
+        return self.spawn(
+            f"node-{self.index}-{len(self.procs)}",
+            [
+                sys.executable, "-m", "node_daemon.main", "run",
+                "--cluster-name", "netns",
+                "--data-dir", str(data),
+                "--listen", self.node_address,
+                "--secret-file", str(secret or self.net.secret),
+                "--metrics-port", "9400",
+                "--discovery-broadcast", f"{SUBNET}.255",
+                "--bootstrap-expect", str(expect),
+                *(extra or []),
+            ],
+        )  # fmt: skip
+
+    def lossy(self, percent: int) -> None:
+        """Drop this share of discovery datagrams arriving here."""
+        nft = ["ip", "netns", "exec", self.ns, "nft"]
+        sh(*nft, "add", "table", "inet", "loss")
+        sh(*nft, "add", "chain", "inet", "loss", "in", "{ type filter hook input priority 0; }")
+        sh(*nft, "add", "rule", "inet", "loss", "in", "udp", "dport", "7499",
+           "numgen", "random", "mod", "100", "<", str(percent), "drop")  # fmt: skip
+
+
+@dataclass
+class Net:
+    dir: Path
+    tag: str
+    hosts: dict[int, Host] = field(default_factory=dict)
+    secret: Path = Path()
+
+    @property
+    def bridge(self) -> str:
+        return f"rlb{self.tag}"
+
+    def create(self) -> None:
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
+        self.secret = self.dir / "secret"
+        self.secret.write_text("netns-test-secret-0123456789\n")
+
+    def host(self, index: int) -> Host:
+        """Host ``index`` (10.77.0.<10 + index>), made on first use."""
+        if index in self.hosts:
+            return self.hosts[index]
+        ns, veth = f"rl{self.tag}h{index}", f"rl{self.tag}v{index}"
+        ip = f"{SUBNET}.{10 + index}"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "link", "set", veth, "master", self.bridge, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        h = Host(self, index, ns, ip)
+        self.hosts[index] = h
+        return h
+
+    def destroy(self) -> None:
+        for h in self.hosts.values():
+            for p in h.procs:
+                p.kill()
+        for h in self.hosts.values():
+            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def net(tmp_path: Path) -> Iterator[Net]:
+    if os.geteuid() != 0:
+        pytest.fail("the netns tier needs root (network namespaces and a bridge)")
+    n = Net(tmp_path, f"{os.getpid() % 100000}")
+    n.create()
+    try:
+        yield n
+    finally:
+        n.destroy()
+
+
+def node_status(address: str, timeout: float = 2.0) -> client_pb2.ClusterStatus | None:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            return admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return None
+
+
+def views(hosts: list[Host]) -> dict[int, Any]:
+    """Each answering node's own view: id -> NodeStatus."""
+    out = {}
+    for h in hosts:
+        st = node_status(h.node_address)
+        if st is not None and st.nodes:
+            out[h.index] = st.nodes[0]
+    return out
+
+
+def one_cluster(hosts: list[Host], voters: int, members: int) -> bool:
+    """Every host answers, all agree on one leader, and the leader's
+    configuration has ``voters`` voters and ``members`` members in all."""
+    v = views(hosts)
+    if len(v) != len(hosts):
+        return False
+    leaders = {n.leader for n in v.values()}
+    if len(leaders) != 1 or 0 in leaders:
+        return False
+    lead = next(n for n in v.values() if n.id == next(iter(leaders)))
+    ids = {n.id for n in v.values()}
+    everyone = set(lead.voters) | set(lead.learners)
+    return len(lead.voters) == voters and everyone == ids and len(everyone) == members
+
+
+def metric(host: Host, name: str) -> float:
+    """Sum of a Prometheus metric's samples on a node (its port 9400)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{host.ip}:9400/metrics", timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def digest(address: str) -> tuple[int, bytes]:
+    with grpc.insecure_channel(address) as ch:
+        r = admin_pb2_grpc.AdminStub(ch).StateDigest(admin_pb2.StateDigestRequest(), timeout=10)
+    return r.applied_index, r.sha256

@@ -1,0 +1,136 @@
+"""Cold start by discovery on a real (namespaced) network: nodes that know
+only the cluster name and its secret find each other, form exactly one
+cluster, grow it, heal it, and ignore strangers."""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import time
+
+import pytest
+
+from roadlog.client import Admin, Connection, Producer
+from roadlog.geo import bbox_region
+from tests.integration.conftest import make_pings
+from tests.netns.conftest import Host, Net, digest, metric, one_cluster, views, wait_for
+
+pytestmark = pytest.mark.netns
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+
+
+def start_shuffled(hosts: list[Host], expect: int, seed: int, spread_s: float = 3.0) -> None:
+    """Start a node on each host in a seeded random order with random delays."""
+    rng = random.Random(seed)
+    order = list(hosts)
+    rng.shuffle(order)
+    for h in order:
+        h.node(expect=expect)
+        time.sleep(rng.uniform(0, spread_s / len(hosts)))
+
+
+@pytest.mark.parametrize(("n", "expect"), [(3, 3), (5, 5)])
+def test_nodes_started_in_random_order_form_one_cluster(net: Net, n: int, expect: int) -> None:
+    seed = random.randrange(1 << 30)
+    hosts = [net.host(i) for i in range(1, n + 1)]
+    start_shuffled(hosts, expect, seed)
+    wait_for(lambda: one_cluster(hosts, expect, n), 90, f"one cluster of {n} (seed {seed})")
+    assert all(metric(h, "roadlog_discovery_datagrams_total{outcome=\"split_brain\"}") == 0
+               for h in hosts)  # fmt: skip
+
+
+def test_a_late_node_joins_catches_up_and_a_queue_server_is_found(net: Net) -> None:
+    hosts = [net.host(i) for i in range(1, 4)]
+    start_shuffled(hosts, 3, seed=7)
+    wait_for(lambda: one_cluster(hosts, 3, 3), 90, "the first three")
+    qhost = net.host(9)  # a queue server that only announces itself
+    qhost.spawn(
+        "queue",
+        [
+            sys.executable, "-m", "queue_server.main", "run",
+            "--cluster-name", "netns",
+            "--listen", f"{qhost.ip}:7500",
+            "--secret-file", str(net.secret),
+            "--metrics-port", "0",
+            "--discovery-broadcast", "10.77.0.255",
+        ],
+    )  # fmt: skip
+    with Connection([f"{qhost.ip}:7500"], timeout=60) as conn:
+        Admin(conn).create_topic("munich", REGION, 4)
+        p = Producer(conn, "munich", client="netns")
+        for k in range(20):
+            p.send_batch(make_pings("netns", k * 500, 500, devices=16))
+    late = net.host(4)
+    late.node(expect=3)
+    everyone = [*hosts, late]
+    wait_for(lambda: one_cluster(everyone, 3, 4), 90, "the late node in the cluster")
+    lead = next(iter(views(everyone).values())).leader
+    assert late.index != lead
+    wait_for(
+        lambda: len({digest(h.node_address) for h in everyone}) == 1,
+        60,
+        "the late node caught up to an identical state",
+    )
+    v = views(everyone)
+    assert late.index in v and v[late.index].id in set(v[hosts[0].index].learners)  # standby
+
+
+def test_a_stranger_with_the_wrong_secret_is_ignored_and_counted(
+    net: Net, tmp_path: object
+) -> None:
+    hosts = [net.host(i) for i in range(1, 4)]
+    start_shuffled(hosts, 3, seed=3)
+    wrong = net.dir / "wrong-secret"
+    wrong.write_text("not-the-cluster-secret-at-all\n")
+    stranger = net.host(5)
+    stranger.node(expect=3, secret=wrong)
+    wait_for(lambda: one_cluster(hosts, 3, 3), 90, "the cluster without the stranger")
+    wait_for(
+        lambda: all(
+            metric(h, 'roadlog_discovery_datagrams_total{outcome="rejected_bad_mac"}') >= 2
+            for h in hosts
+        ),
+        30,
+        "the stranger's datagrams counted as forged",
+    )
+    assert one_cluster(hosts, 3, 3)  # still just the three
+    assert stranger.procs[0].popen.poll() is None  # it waits, alone
+
+
+def test_a_dead_voter_is_replaced_and_a_restarted_node_rejoins(net: Net) -> None:
+    hosts = [net.host(i) for i in range(1, 5)]
+    for h in hosts:
+        h.node(expect=3, extra=["--dead-voter-timeout-s", "3"])
+    wait_for(lambda: one_cluster(hosts, 3, 4), 90, "three voters and a standby")
+    v = views(hosts)
+    lead = next(iter(v.values())).leader
+    learner_id = next(iter(v[next(iter(v))].learners))
+    victim = next(h for h in hosts if v[h.index].id not in (lead, learner_id))
+    victim.procs[-1].kill(signal.SIGKILL)
+    rest = [h for h in hosts if h is not victim]
+    wait_for(lambda: one_cluster(rest, 3, 3), 60, "the standby replacing the dead voter")
+    assert learner_id in set(views(rest)[rest[0].index].voters)
+    # The dead node comes back with its data: it is the same node, and the
+    # cluster takes it back (as a standby now).
+    victim.node(expect=3, extra=["--dead-voter-timeout-s", "3"])
+    wait_for(lambda: one_cluster(hosts, 3, 4), 90, "the restarted node back in the cluster")
+    assert views(hosts)[victim.index].id == v[victim.index].id
+
+
+def test_a_lossy_network_still_converges(net: Net) -> None:
+    hosts = [net.host(i) for i in range(1, 4)]
+    for h in hosts:
+        h.lossy(30)
+    start_shuffled(hosts, 3, seed=11)
+    wait_for(lambda: one_cluster(hosts, 3, 3), 120, "one cluster despite 30% loss")
+
+
+def test_seeds_instead_of_broadcast(net: Net) -> None:
+    hosts = [net.host(i) for i in range(1, 4)]
+    seeds = ",".join(f"{h.ip}:7499" for h in hosts)
+    for h in hosts:
+        h.node(expect=3, extra=["--discovery-broadcast", "", "--discovery-seeds", seeds])
+    wait_for(lambda: one_cluster(hosts, 3, 3), 90, "one cluster from unicast seeds")
+    assert all(metric(h, "roadlog_discovery_sent_total") > 0 for h in hosts)
