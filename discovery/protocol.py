@@ -136,8 +136,9 @@ class ReplayGuard:
             del self.seen[k]
 
 
-def decode(data: bytes, key: bytes, cluster: str, now_ms: int, replay: ReplayGuard) -> Hello:
-    """The HELLO in ``data``, or Rejected saying why not."""
+def decode(data: bytes, key: bytes, cluster: str | None, now_ms: int, replay: ReplayGuard) -> Hello:
+    """The HELLO in ``data``, or Rejected saying why not (``cluster`` None:
+    any cluster name signed with ``key``)."""
     if len(data) > MAX_DATAGRAM:
         raise Rejected("oversized")
     if len(data) < len(MAGIC) + 1 + MAC_BYTES or not data.startswith(MAGIC):
@@ -175,7 +176,7 @@ def decode(data: bytes, key: bytes, cluster: str, now_ms: int, replay: ReplayGua
         raise Rejected("malformed", f"missing {e}") from None
     if h.role not in ROLES or h.state not in STATES:
         raise Rejected("malformed", "unknown role or state")
-    if h.cluster != cluster:
+    if cluster is not None and h.cluster != cluster:
         raise Rejected("foreign_cluster", h.cluster)
     if abs(h.ts_ms - now_ms) > MAX_SKEW_MS:
         raise Rejected("stale", f"{h.ts_ms - now_ms} ms off")

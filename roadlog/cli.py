@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -23,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from discovery.listen import find_queue_servers
 from roadlog.client import (
     Admin,
     Connection,
@@ -32,6 +34,7 @@ from roadlog.client import (
     RoadlogError,
     servers_from_env,
 )
+from roadlog.configfile import read_secret
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.localcluster import LocalCluster, alive, gather_status
 from roadlog.readers import InputError, read_pings
@@ -44,6 +47,9 @@ out = Console()
 def _servers(cluster: Path | None, servers: str | None) -> list[str]:
     if cluster is not None:
         return LocalCluster.load(cluster).servers
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.meta.get("discover"):
+        return _discovered(ctx.meta)
     found = servers_from_env(servers) if servers else servers_from_env()
     if not found:
         raise click.UsageError(
@@ -64,9 +70,56 @@ def _local(directory: Path, action: Callable[[LocalCluster], T]) -> T:
         raise click.ClickException(str(e).strip("'\"")) from None
 
 
+def _discovered(meta: dict[str, Any]) -> list[str]:
+    secret_file = meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
+    if not secret_file:
+        raise click.UsageError(
+            "--discover needs the cluster secret: --secret-file or ROADLOG_SECRET_FILE"
+        )
+    try:
+        secret = read_secret(Path(secret_file))
+        found = find_queue_servers(
+            secret, meta.get("cluster_name"), meta.get("discovery_port", 7499)
+        )
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"discovery: {e}") from None
+    if not found:
+        raise click.ClickException("no queue server announced itself on this network")
+    err.print(f"discovered queue servers: {', '.join(found)}")
+    return found
+
+
+def _meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def store(ctx: click.Context, _: click.Parameter, value: Any) -> None:
+        if value is not None:
+            ctx.meta[key] = value
+
+    return store
+
+
 def where(f: Callable[..., Any]) -> Callable[..., Any]:
     f = click.option("--servers", help="queue servers HOST:PORT,... (or ROADLOG_SERVERS)")(f)
     f = click.option("--cluster", type=click.Path(path_type=Path), help="a local cluster's DIR")(f)
+    f = click.option(
+        "--discover",
+        is_flag=True,
+        default=None,
+        expose_value=False,
+        callback=_meta("discover"),
+        help="find queue servers by their announcements on this network",
+    )(f)
+    f = click.option(
+        "--secret-file",
+        expose_value=False,
+        callback=_meta("secret_file"),
+        help="with --discover: the cluster secret (or ROADLOG_SECRET_FILE)",
+    )(f)
+    f = click.option(
+        "--cluster-name", expose_value=False, callback=_meta("cluster_name"), help="with --discover"
+    )(f)
+    f = click.option(
+        "--discovery-port", type=int, expose_value=False, callback=_meta("discovery_port")
+    )(f)
     return f
 
 

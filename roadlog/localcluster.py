@@ -301,6 +301,8 @@ def wait_dead(pid: int, timeout: float) -> bool:
 
 
 def node_view(address: str, timeout: float) -> dict[str, Any] | None:
+    """A node's own status, and (under "members") the addresses of the
+    other members it knows."""
     try:
         with grpc.insecure_channel(address) as ch:
             st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=timeout)
@@ -308,6 +310,7 @@ def node_view(address: str, timeout: float) -> dict[str, Any] | None:
         return None
     n = st.nodes[0]
     return {
+        "members": {o.id: o.address for o in st.nodes[1:] if o.address},
         "id": n.id,
         "address": n.address,
         "role": n.role,
@@ -349,9 +352,19 @@ def gather_status(
     out["queue_servers"] = [
         q for q in out["queue_servers"] if q["up"] or q["grpc"] not in node_addresses
     ]
-    for addr in dict.fromkeys(node_addresses):
+    todo = list(dict.fromkeys(node_addresses))
+    asked: set[str] = set()
+    while todo:
+        addr = todo.pop(0)
+        if addr in asked:
+            continue
+        asked.add(addr)
         view = node_view(addr, timeout)
         if view is not None:
+            for nid, a in view.pop("members").items():  # found through this node
+                if a not in asked and a not in todo:
+                    todo.append(a)
+                    known.setdefault(nid, {"id": nid, "address": a})
             known[view["id"]] = view
         else:
             for k, v in known.items():

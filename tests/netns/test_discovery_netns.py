@@ -4,8 +4,10 @@ cluster, grow it, heal it, and ignore strangers."""
 
 from __future__ import annotations
 
+import json
 import random
 import signal
+import subprocess
 import sys
 import time
 
@@ -14,7 +16,16 @@ import pytest
 from roadlog.client import Admin, Connection, Producer
 from roadlog.geo import bbox_region
 from tests.integration.conftest import make_pings
-from tests.netns.conftest import Host, Net, digest, metric, one_cluster, views, wait_for
+from tests.netns.conftest import (
+    REPO,
+    Host,
+    Net,
+    digest,
+    metric,
+    one_cluster,
+    views,
+    wait_for,
+)
 
 pytestmark = pytest.mark.netns
 
@@ -75,6 +86,25 @@ def test_a_late_node_joins_catches_up_and_a_queue_server_is_found(net: Net) -> N
     )
     v = views(everyone)
     assert late.index in v and v[late.index].id in set(v[hosts[0].index].learners)  # standby
+
+    # The CLI finds the whole cluster from any one node ...
+    st = json.loads(
+        subprocess.check_output(
+            [sys.executable, "-m", "roadlog.cli", "cluster", "status", "--json",
+             "--servers", late.node_address],
+            timeout=60,
+        )
+    )  # fmt: skip
+    assert sorted(n["id"] for n in st["nodes"]) == sorted(n.id for n in v.values())
+    assert st["leader"] == lead and all(n["role"] != "down" for n in st["nodes"])
+    # ... and a client on the network finds the queue server by its announcements.
+    out = subprocess.check_output(
+        ["ip", "netns", "exec", late.ns, sys.executable, "-m", "roadlog.cli", "topic", "list",
+         "--json", "--discover", "--secret-file", str(net.secret)],
+        timeout=60,
+        cwd=REPO,
+    )  # fmt: skip
+    assert [t["name"] for t in json.loads(out)] == ["munich"]
 
 
 def test_a_stranger_with_the_wrong_secret_is_ignored_and_counted(
