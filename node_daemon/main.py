@@ -29,6 +29,7 @@ from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
 from node_daemon.identity import node_id_for
 from node_daemon.membership import Membership
 from node_daemon.node import NotLeader, RaftNode
+from node_daemon.node_read import NodeReadService
 from node_daemon.raft import ConfChange, ConfChangeType, Role
 from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.transport import AUTH_KEY, auth_token, authorized
@@ -40,6 +41,8 @@ from roadlog.v1 import (
     admin_pb2_grpc,
     client_pb2,
     command_pb2,
+    noderead_pb2,
+    noderead_pb2_grpc,
     raft_pb2,
     raft_pb2_grpc,
 )
@@ -221,11 +224,13 @@ async def serve(cfg: NodeConfig) -> None:
     )
     raft_pb2_grpc.add_RaftPeerServicer_to_server(node.transport, server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(node, membership, token, stop), server)
+    noderead_pb2_grpc.add_NodeReadServicer_to_server(NodeReadService(node, token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
         raft_pb2.DESCRIPTOR.services_by_name["RaftPeer"].full_name,
         admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+        noderead_pb2.DESCRIPTOR.services_by_name["NodeRead"].full_name,
         health.SERVICE_NAME,
         reflection.SERVICE_NAME,
     )

@@ -103,5 +103,7 @@ def check_heatmap(hm: heatmaps_pb2.HeatMap, topic: topics_pb2.Topic) -> None:
         raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
     if not len(c.pings) == len(c.devices) == len(c.mean_speed_mps) == n:
         raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "heat map columns differ in length")
+    if len(c.free_flow_mps) not in (0, n) or len(c.congestion) not in (0, n):
+        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "heat map columns differ in length")
     if hm.topic and hm.topic != topic.spec.name:
         raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "the heat map is of another topic")

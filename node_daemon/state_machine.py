@@ -471,6 +471,33 @@ class StateMachine:
                 )
             return client_pb2.GetHeatmapResponse(heatmap=hm, contributed_ms=last, windows=windows)
 
+    def read_range(
+        self, name: str, partition: int, start: int, end: int, max_pings: int = 200_000
+    ) -> tuple[list[client_pb2.StoredBatch], int]:
+        """Batches covering offsets [start, end) from ``start`` on, cut to
+        exactly that range, up to about ``max_pings``; and the offset to go on
+        from (``end`` when done). Offsets trimmed by retention are skipped."""
+        req = client_pb2.FetchRequest(
+            topic=name, partition=partition, offset=start, max_pings=max_pings
+        )
+        resp = self.fetch(req)
+        out: list[client_pb2.StoredBatch] = []
+        nxt = max(start, resp.first_offset)
+        for b in resp.batches:
+            if b.base_offset >= end:
+                break
+            count = len(b.batch.ts_ms)
+            if b.base_offset + count > end:  # cut the last batch at the range's end
+                cols = columnar.decode(b.batch.SerializeToString())
+                cols = cols.take(np.arange(end - b.base_offset))
+                b.batch.ParseFromString(columnar.encode(cols))
+                count = end - b.base_offset
+            out.append(b)
+            nxt = b.base_offset + count
+        if not out or nxt >= resp.end_offset:
+            nxt = end
+        return out, min(nxt, end)
+
     def fetch(
         self, req: client_pb2.FetchRequest, max_default: int = 10_000
     ) -> client_pb2.FetchResponse:

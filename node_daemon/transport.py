@@ -46,6 +46,11 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 QUEUE_LIMIT = 4096
+BATCH_BYTES = 8 << 20  # entry bytes per stream message (the receiver takes up to 64 MiB)
+
+
+def _payload(m: Message) -> int:
+    return sum(len(e.data) for e in m.entries) if m.entries else 0
 # A receiver starts pulling a snapshot within moments of its message; if no
 # pull has started by then, the message was lost: tell Raft, which resends.
 SNAPSHOT_START_TIMEOUT_S = 5.0
@@ -91,8 +96,14 @@ class _Peer:
                 log.info("peer stream up", extra={"peer": self.id})
             batch = raft_pb2.RaftBatch(cluster=self.t.cluster, messages=[message_to_pb(first)])
             setattr(batch, "from", self.t.node_id)
-            while not self.queue.empty() and len(batch.messages) < 512:
-                batch.messages.append(message_to_pb(self.queue.get_nowait()))
+            size = _payload(first)
+            # Bounded in count and bytes: a catching-up follower is sent up to
+            # 64 MiB of APPENDs at once, and a stream message past the
+            # receiver's limit would break the stream and start over.
+            while not self.queue.empty() and len(batch.messages) < 512 and size < BATCH_BYTES:
+                m = self.queue.get_nowait()
+                size += _payload(m)
+                batch.messages.append(message_to_pb(m))
             yield batch
 
     async def _run(self) -> None:

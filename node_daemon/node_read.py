@@ -1,0 +1,79 @@
+"""Bulk reads straight from this node's state machine (the Spark data
+source's path): plan offset ranges for an append-time window, then stream a
+range batch by batch. Only committed (applied) data is ever read, and a
+plan's ranges are pinned, so reading a plan twice gives the same pings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from node_daemon.node import RaftNode
+from node_daemon.sm_errors import OpError
+from node_daemon.transport import authorized
+from roadlog.v1 import client_pb2, noderead_pb2, noderead_pb2_grpc
+
+FENCE_WAIT_S = 30.0
+
+
+class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
+    def __init__(self, node: RaftNode, token: str) -> None:
+        self.node = node
+        self.token = token
+
+    async def _prepare(self, context: Any, fence: int) -> None:
+        if not authorized(context, self.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
+        if self.node.sm.applied_index < fence:
+            try:
+                await self.node.wait_applied(fence, timeout=FENCE_WAIT_S)
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"this node has not applied index {fence} yet"
+                )
+
+    async def Plan(self, request: Any, context: Any) -> noderead_pb2.PlanResponse:
+        await self._prepare(context, request.min_applied_index)
+        sm = self.node.sm
+        loop = asyncio.get_running_loop()
+
+        def plan() -> noderead_pb2.PlanResponse:
+            topic = sm.topic(request.topic)
+            resp = noderead_pb2.PlanResponse(topic=topic, applied_index=sm.applied_index)
+            for p in range(topic.spec.partitions):
+                lo, hi = sm.offsets_for_window(
+                    request.topic, p, request.append_start_ms, request.append_end_ms
+                )
+                if hi > lo:
+                    resp.ranges.add(partition=p, start_offset=lo, end_offset=hi)
+            return resp
+
+        try:
+            resp = await loop.run_in_executor(None, plan)
+        except OpError as e:
+            await context.abort(e.code, e.message)
+        conf = self.node.core.conf
+        addrs = self.node.addresses
+        resp.node_addresses.extend(
+            sorted({addrs[n] for n in conf.voters | conf.learners if n in addrs})
+            or [self.node.cfg.address]
+        )
+        return resp
+
+    async def ReadRange(self, request: Any, context: Any) -> AsyncIterator[client_pb2.StoredBatch]:
+        await self._prepare(context, request.min_applied_index)
+        sm = self.node.sm
+        loop = asyncio.get_running_loop()
+        offset, end = request.start_offset, request.end_offset
+        while offset < end:
+            try:
+                batches, offset = await loop.run_in_executor(
+                    None, sm.read_range, request.topic, request.partition, offset, end
+                )
+            except OpError as e:
+                await context.abort(e.code, e.message)
+            for b in batches:
+                yield b
