@@ -51,6 +51,8 @@ BATCH_BYTES = 8 << 20  # entry bytes per stream message (the receiver takes up t
 
 def _payload(m: Message) -> int:
     return sum(len(e.data) for e in m.entries) if m.entries else 0
+
+
 # A receiver starts pulling a snapshot within moments of its message; if no
 # pull has started by then, the message was lost: tell Raft, which resends.
 SNAPSHOT_START_TIMEOUT_S = 5.0

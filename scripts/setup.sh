@@ -14,6 +14,11 @@ command -v make >/dev/null 2>&1 || need_debs+=(make)
 command -v ip >/dev/null 2>&1 || need_debs+=(iproute2)
 command -v nft >/dev/null 2>&1 || need_debs+=(nftables)
 command -v python3.11 >/dev/null 2>&1 || need_debs+=(python3.11)
+# Spark (pyspark from pip) runs on a JVM: Java 17 when there is none.
+command -v java >/dev/null 2>&1 || need_debs+=(openjdk-17-jre-headless)
+# The HTML heat map is checked in headless Chromium (the test tier).
+command -v chromium >/dev/null 2>&1 || need_debs+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need_debs+=(chromium-driver)
 PY=$(command -v python3.11 || echo /usr/bin/python3.11)
 if [ -x "$PY" ] && ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
   need_debs+=(python3.11-venv)

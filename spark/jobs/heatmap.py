@@ -1,0 +1,279 @@
+"""The heat-map job: pings of a topic and time window -> per H3 cell the
+ping count, distinct devices, mean speed, free-flow speed and a congestion
+index; committed into the cluster (replicated, served by any node under
+give-to-get) and written as Parquet, GeoJSON, PNG and HTML.
+
+``transform(df, ...)`` is pure (a DataFrame in, a DataFrame out); ``main``
+is the thin shell around it: a lock (a cron run that finds the previous one
+still running exits cleanly), the Spark session, the read, the commit and
+the files. Re-running a window replaces its result (the cluster keys heat
+maps by topic and window start; files are replaced atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from roadlog.geo import parse_region
+from spark.h3cells import cells_for
+
+log = logging.getLogger("roadlog.heatmap")
+
+FREE_FLOW_QUANTILE = 0.85
+DEFAULT_HISTORY_MS = 24 * 3600 * 1000
+OUT_SCHEMA = (
+    "h3 long, pings long, devices long, mean_speed_mps double, free_flow_mps double, "
+    "congestion double"
+)
+
+
+def with_cells(df: DataFrame, resolution: int, region_geojson: str | None) -> DataFrame:
+    """Add each ping's H3 cell (vectorised, Arrow batch by batch: no Python
+    per row) and drop pings outside the region."""
+    region = parse_region(region_geojson) if region_geojson else None
+    schema = df.schema.add("h3", "long")
+
+    def add(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for b in batches:
+            lat = b.column("lat").to_numpy(zero_copy_only=False)
+            lon = b.column("lon").to_numpy(zero_copy_only=False)
+            if region is not None:
+                inside = region.contains(lon, lat)
+                if not inside.all():
+                    b = b.filter(pa.array(inside))
+                    lat, lon = lat[inside], lon[inside]
+            if b.num_rows == 0:
+                continue
+            h = cells_for(lat, lon, resolution).astype(np.int64)
+            yield b.append_column("h3", pa.array(h))
+
+    return df.mapInArrow(add, schema)
+
+
+def transform(
+    df: DataFrame,
+    resolution: int,
+    window_start_ms: int,
+    window_end_ms: int,
+    region_geojson: str | None = None,
+) -> DataFrame:
+    """Per H3 cell with pings in [window_start, window_end): pings, distinct
+    devices, mean speed; free-flow speed = the cell's 85th percentile speed
+    over every row of ``df`` (the history the caller read); congestion =
+    1 - mean / free-flow, clipped to [0, 1]. Speeds that are unknown (NaN)
+    count as pings but not in the speeds."""
+    cells = with_cells(df, resolution, region_geojson)
+    speed = F.when(~F.isnan("speed_mps"), F.col("speed_mps"))
+    now = cells.filter((F.col("ts_ms") >= window_start_ms) & (F.col("ts_ms") < window_end_ms))
+    current = now.groupBy("h3").agg(
+        F.count(F.lit(1)).alias("pings"),
+        F.countDistinct("device_id").alias("devices"),
+        F.avg(speed).alias("mean_speed_mps"),
+    )
+    history = cells.groupBy("h3").agg(
+        F.percentile_approx(speed, FREE_FLOW_QUANTILE, 1000).alias("free_flow_mps")
+    )
+    out = current.join(history, "h3", "left")
+    ratio = F.col("mean_speed_mps") / F.col("free_flow_mps")
+    congestion = F.when(
+        F.col("free_flow_mps") > 0, F.greatest(F.lit(0.0), F.least(F.lit(1.0), 1 - ratio))
+    )
+    return out.select(
+        "h3",
+        "pings",
+        "devices",
+        F.col("mean_speed_mps").cast("double"),
+        F.col("free_flow_mps").cast("double"),
+        congestion.cast("double").alias("congestion"),
+    )
+
+
+# ------------------------------------------------------------------ shell
+
+
+def session(master: str, app: str = "roadlog-heatmap") -> SparkSession:
+    """A Spark session with the roadlog source registered. Executors run
+    this virtualenv's Python (same hosts), or a packed one given as
+    ROADLOG_SPARK_ENV (a venv-pack archive, shipped with spark.archives)."""
+    from spark.roadlog_source import RoadlogDataSource
+
+    b = SparkSession.builder.master(master).appName(app)
+    b = b.config("spark.sql.shuffle.partitions", "8").config("spark.ui.enabled", "false")
+    packed = os.environ.get("ROADLOG_SPARK_ENV")
+    if packed:
+        b = b.config("spark.archives", f"{packed}#environment")
+        b = b.config("spark.pyspark.python", "./environment/bin/python")
+    else:
+        b = b.config("spark.pyspark.python", sys.executable)
+        b = b.config("spark.executorEnv.PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    spark = b.getOrCreate()
+    spark.dataSource.register(RoadlogDataSource)
+    return spark
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+def lock(path: Path) -> Any:
+    """Hold an exclusive lock for the job's lifetime; AlreadyRunning if a
+    previous run still holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "w")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise AlreadyRunning(f"{path} is held: a previous run is still going") from None
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def run(
+    *,
+    topic: str,
+    nodes: list[str],
+    servers: list[str],
+    secret_file: Path,
+    cluster_name: str,
+    window_start_ms: int,
+    window_end_ms: int,
+    master: str = "local[2]",
+    out_dir: Path = Path("out/heatmaps"),
+    history_ms: int = DEFAULT_HISTORY_MS,
+) -> dict[str, Any]:
+    """Build, commit and write one window's heat map; what was done."""
+    from roadlog.client import Admin, Connection
+    from roadlog.heatmap_render import write_geojson, write_html, write_png
+    from roadlog.v1 import heatmaps_pb2
+
+    t0 = time.monotonic()
+    with Connection(servers) as conn:
+        desc = Admin(conn).describe(topic)
+    spec = desc.topic.spec
+    spark = session(master)
+    try:
+        df = (
+            spark.read.format("roadlog")
+            .option("nodes", ",".join(nodes))
+            .option("secret_file", str(secret_file))
+            .option("cluster_name", cluster_name)
+            .option("topic", topic)
+            .option(
+                "window_start_ms",
+                str(window_end_ms - max(history_ms, window_end_ms - window_start_ms)),
+            )
+            .option("window_end_ms", str(window_end_ms))
+            .load()
+        )
+        result = transform(
+            df, spec.h3_resolution, window_start_ms, window_end_ms, spec.region_geojson
+        )
+        table = pa.Table.from_pandas(result.toPandas(), preserve_index=False)
+    finally:
+        spark.stop()
+    cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+    order = np.argsort(cols["h3"]) if len(cols["h3"]) else np.array([], dtype=int)
+    hm = heatmaps_pb2.HeatMap(
+        topic=topic,
+        window_start_ms=window_start_ms,
+        window_end_ms=window_end_ms,
+        h3_resolution=spec.h3_resolution,
+        computed_ms=int(time.time() * 1000),
+        source_pings=int(cols["pings"].sum()) if len(order) else 0,
+        bbox=list(desc.topic.bbox),
+    )
+    c = hm.cells
+    c.h3.extend(int(x) for x in cols["h3"][order].astype(np.uint64))
+    c.pings.extend(int(x) for x in cols["pings"][order])
+    c.devices.extend(int(x) for x in cols["devices"][order])
+    for name, field in (
+        ("mean_speed_mps", c.mean_speed_mps),
+        ("free_flow_mps", c.free_flow_mps),
+        ("congestion", c.congestion),
+    ):
+        field.extend(float(x) for x in np.nan_to_num(cols[name][order].astype(float), nan=np.nan))
+    with Connection(servers) as conn:
+        index = Admin(conn).put_heatmap(hm)
+    where = out_dir / topic / str(window_start_ms)
+    where.mkdir(parents=True, exist_ok=True)
+    import pyarrow.parquet as pq
+
+    tmp = where / "cells.parquet.tmp"
+    pq.write_table(table.take(pa.array(order)), tmp)
+    os.replace(tmp, where / "cells.parquet")
+    write_geojson(hm, where / "heatmap.geojson")
+    write_png(hm, where / "heatmap.png")
+    write_html(hm, where / "heatmap.html")
+    summary = {
+        "topic": topic,
+        "window_start_ms": window_start_ms,
+        "window_end_ms": window_end_ms,
+        "cells": len(hm.cells.h3),
+        "pings": hm.source_pings,
+        "applied_index": index,
+        "dir": str(where),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    (where / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--nodes", required=True, help="node gRPC HOST:PORT,...")
+    ap.add_argument("--servers", required=True, help="queue server HOST:PORT,...")
+    ap.add_argument("--secret-file", required=True, type=Path)
+    ap.add_argument("--cluster-name", default="roadlog")
+    ap.add_argument("--since-ms", type=int, default=15 * 60_000)
+    ap.add_argument("--window", help="START_MS,END_MS (else the last --since-ms)")
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--out", type=Path, default=Path("out/heatmaps"))
+    ap.add_argument("--lock", type=Path, default=Path("/tmp/roadlog-heatmap.lock"))
+    args = ap.parse_args(argv)
+    try:
+        held = lock(args.lock)
+    except AlreadyRunning as e:
+        print(f"not running: {e}", file=sys.stderr)
+        return 0
+    try:
+        if args.window:
+            start, end = (int(x) for x in args.window.split(","))
+        else:
+            end = int(time.time() * 1000)
+            start = end - args.since_ms
+        summary = run(
+            topic=args.topic,
+            nodes=args.nodes.split(","),
+            servers=args.servers.split(","),
+            secret_file=args.secret_file,
+            cluster_name=args.cluster_name,
+            window_start_ms=start,
+            window_end_ms=end,
+            master=args.master,
+            out_dir=args.out,
+        )
+    finally:
+        held.close()
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

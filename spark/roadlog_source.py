@@ -1,0 +1,265 @@
+"""``spark.read.format("roadlog")``: the replicated log as a Spark DataFrame.
+
+Options:
+
+- ``nodes``: node gRPC addresses ``HOST:PORT,...`` (any one that answers plans);
+- ``secret_file`` and ``cluster_name``: the cluster's credentials;
+- ``topic``;
+- ``window_start_ms`` / ``window_end_ms``: event time (the pings' ``ts_ms``)
+  to keep, [start, end); both optional;
+- ``lead_ms`` (default 5 min) and ``lateness_ms`` (default 1 h): how far
+  before the window a ping may have been appended (clock skew) and how late
+  after it (buffered devices); the time index is read over
+  [start - lead, end + lateness), capped at the planning moment;
+- ``max_pings_per_task`` (default 2,000,000): larger offset ranges are split.
+
+Planning (on the driver) asks one node for the offset ranges of every
+partition in that append-time window, pinned at its applied index: one
+input partition per (topic partition, offset range). Each task reads its
+range from the node on its own host when one runs there (every node holds
+all the data), else from the others in turn, and yields Arrow record
+batches built from the stored columns without a Python object per ping.
+Only committed data is read, and a plan read twice gives the same rows.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from node_daemon.transport import AUTH_KEY, auth_token
+from roadlog import columnar
+from roadlog.configfile import read_secret
+from roadlog.v1 import noderead_pb2, noderead_pb2_grpc
+
+SCHEMA = (
+    "partition int, offset long, device_id string, ts_ms long, lat double, lon double, "
+    "speed_mps float, heading_deg float, accuracy_m float, append_ms long"
+)
+ARROW_SCHEMA = pa.schema(
+    [
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("device_id", pa.string()),
+        ("ts_ms", pa.int64()),
+        ("lat", pa.float64()),
+        ("lon", pa.float64()),
+        ("speed_mps", pa.float32()),
+        ("heading_deg", pa.float32()),
+        ("accuracy_m", pa.float32()),
+        ("append_ms", pa.int64()),
+    ]
+)
+DEFAULT_LEAD_MS = 5 * 60_000
+DEFAULT_LATENESS_MS = 3_600_000
+DEFAULT_TASK_PINGS = 2_000_000
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+@dataclass(frozen=True)
+class RangeTask:
+    """One input partition: offsets [start, end) of one topic partition."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+    fence: int
+    nodes: tuple[str, ...]
+    token: str
+    window: tuple[int | None, int | None]
+
+
+class RoadlogDataSource(DataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "roadlog"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return RoadlogReader(dict(self.options))
+
+
+def _opt_int(options: dict[str, str], key: str) -> int | None:
+    v = options.get(key)
+    return int(v) if v not in (None, "") else None
+
+
+def credentials(options: dict[str, str]) -> str:
+    secret_file = options.get("secret_file")
+    if not secret_file:
+        raise ValueError("the roadlog source needs option secret_file")
+    return auth_token(read_secret(Path(secret_file)), options.get("cluster_name", "roadlog"))
+
+
+def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
+    """The input partitions for these options (asks one node)."""
+    nodes = tuple(n for n in options.get("nodes", "").split(",") if n)
+    topic = options.get("topic", "")
+    if not nodes or not topic:
+        raise ValueError("the roadlog source needs options nodes and topic")
+    token = credentials(options)
+    start, end = _opt_int(options, "window_start_ms"), _opt_int(options, "window_end_ms")
+    now = now_ms if now_ms is not None else int(time.time() * 1000)
+    lead = _opt_int(options, "lead_ms") or DEFAULT_LEAD_MS
+    late = _opt_int(options, "lateness_ms") or DEFAULT_LATENESS_MS
+    req = noderead_pb2.PlanRequest(
+        topic=topic,
+        append_start_ms=max(0, start - lead) if start is not None else 0,
+        append_end_ms=min(end + late, now) if end is not None else now,
+    )
+    resp = None
+    errors = []
+    for n in nodes:
+        try:
+            with grpc.insecure_channel(n, options=GRPC_OPTIONS) as ch:
+                resp = noderead_pb2_grpc.NodeReadStub(ch).Plan(
+                    req, metadata=((AUTH_KEY, token),), timeout=30
+                )
+            break
+        except grpc.RpcError as e:
+            errors.append(f"{n}: {e.code().name} {e.details()}")
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED):
+                break
+    if resp is None:
+        raise RuntimeError("no node could plan the read: " + "; ".join(errors))
+    every = tuple(dict.fromkeys([*resp.node_addresses, *nodes]))
+    step = _opt_int(options, "max_pings_per_task") or DEFAULT_TASK_PINGS
+    tasks = []
+    for r in resp.ranges:
+        for lo in range(r.start_offset, r.end_offset, step):
+            tasks.append(
+                RangeTask(
+                    topic,
+                    r.partition,
+                    lo,
+                    min(lo + step, r.end_offset),
+                    resp.applied_index,
+                    every,
+                    token,
+                    (start, end),
+                )
+            )
+    return tasks
+
+
+class RoadlogReader(DataSourceReader):
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
+
+    def partitions(self) -> list[InputPartition]:
+        return [InputPartition(t) for t in plan(self.options)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        task: RangeTask = partition.value
+        yield from read_range(task)
+
+
+def is_local(address: str) -> bool:
+    """Does ``address`` name this host? (The route to it leaves from it.)"""
+    host = address.rpartition(":")[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return bool(s.getsockname()[0] == socket.gethostbyname(host))
+    except OSError:
+        return False
+
+
+def read_range(task: RangeTask) -> Iterator[pa.RecordBatch]:
+    """The task's pings, from the local node first, failing over to the
+    others; resumes where a broken stream stopped."""
+    order = sorted(task.nodes, key=lambda n: not is_local(n))
+    offset = task.start
+    errors = []
+    for _ in range(3):
+        for node in order:
+            try:
+                for rb, nxt in _stream(task, node, offset):
+                    offset = nxt
+                    if rb is not None:
+                        yield rb
+                if offset >= task.end:
+                    return
+            except grpc.RpcError as e:
+                errors.append(f"{node}: {e.code().name} {e.details()}")
+        time.sleep(1.0)
+    raise RuntimeError(
+        f"could not read {task.topic}/{task.partition} [{task.start}, {task.end}): "
+        + "; ".join(errors[-3:])
+    )
+
+
+def _stream(task: RangeTask, node: str, offset: int) -> Iterator[tuple[pa.RecordBatch | None, int]]:
+    req = noderead_pb2.ReadRangeRequest(
+        topic=task.topic,
+        partition=task.partition,
+        start_offset=offset,
+        end_offset=task.end,
+        min_applied_index=task.fence,
+    )
+    lo, hi = task.window
+    with grpc.insecure_channel(node, options=GRPC_OPTIONS) as ch:
+        stream = noderead_pb2_grpc.NodeReadStub(ch).ReadRange(
+            req, metadata=((AUTH_KEY, task.token),), timeout=600
+        )
+        for b in stream:
+            cols = columnar.decode(b.batch.SerializeToString())
+            n = len(cols)
+            nxt = b.base_offset + n
+            keep = np.ones(n, dtype=bool)
+            if lo is not None:
+                keep &= cols.ts_ms >= lo
+            if hi is not None:
+                keep &= cols.ts_ms < hi
+            if not keep.any():
+                yield None, nxt
+                continue
+            idx = np.flatnonzero(keep) if not keep.all() else None
+            yield to_arrow(cols, task.partition, b.base_offset, b.append_ms, idx), nxt
+        yield None, task.end  # the node streamed the whole range
+
+
+def to_arrow(
+    cols: columnar.PingColumns,
+    partition: int,
+    base: int,
+    append_ms: int,
+    idx: np.ndarray[Any, np.dtype[np.intp]] | None = None,
+) -> pa.RecordBatch:
+    """A stored batch as an Arrow record batch (the device ids decoded from
+    their dictionary in Arrow, not in Python)."""
+    offsets = base + np.arange(len(cols), dtype=np.int64)
+    if idx is not None:
+        cols = cols.take(idx)
+        offsets = offsets[idx]
+    n = len(cols)
+    devices = pa.DictionaryArray.from_arrays(
+        pa.array(cols.device_index.astype(np.int32)), pa.array(cols.device_ids, pa.string())
+    ).dictionary_decode()
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(np.full(n, partition, dtype=np.int32)),
+            pa.array(offsets),
+            devices,
+            pa.array(cols.ts_ms),
+            pa.array(cols.lat),
+            pa.array(cols.lon),
+            pa.array(cols.speed_mps),
+            pa.array(cols.heading_deg),
+            pa.array(cols.accuracy_m),
+            pa.array(np.full(n, append_ms, dtype=np.int64)),
+        ],
+        schema=ARROW_SCHEMA,
+    )

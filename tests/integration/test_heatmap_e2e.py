@@ -1,0 +1,290 @@
+"""Heat maps end to end: simulated traffic with a known jam, read from a
+real cluster by the Spark data source, built, committed, served under
+give-to-get, rendered; the same job on a standalone master and worker; the
+HTML page in headless Chromium."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import h3
+import numpy as np
+import pytest
+
+from roadlog.client import Admin, Connection, PermissionDenied, Producer
+from roadlog.geo import bbox_region, parse_region
+from roadlog.localcluster import LocalCluster, alive, free_port, wait_dead
+from roadlog.traffic import TrafficSpec, simulate
+from spark.jobs.heatmap import AlreadyRunning, lock, main, run
+from spark.roadlog_source import plan, read_range
+from tests.integration.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+REGION = bbox_region(11.45, 48.08, 11.70, 48.20)
+HOT = (11.575, 48.137)  # lon, lat
+
+
+def metres(a: tuple[float, float], b: tuple[float, float]) -> float:
+    dx = (a[0] - b[0]) * 111_320 * math.cos(math.radians(b[1]))
+    return math.hypot(dx, (a[1] - b[1]) * 111_320)
+
+
+@pytest.fixture(scope="module")
+def traffic(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LocalCluster, int, int, int]]:
+    """A cluster holding 3 minutes of 150 vehicles with a jam at HOT (the
+    window), and an hour-old burst outside it."""
+    lc = LocalCluster.create(Path(tmp_path_factory.mktemp("hm")) / "c", 3, 1)
+    lc.start_all()
+    try:
+        lc.wait_ready(60)
+        end = int(time.time() * 1000)
+        spec = TrafficSpec(vehicles=150, duration_s=180, end_ms=end, hotspots=(HOT,), seed=5)
+        region = parse_region(REGION.geojson)
+        in_window = 0
+        with Connection(lc.servers) as conn:
+            Admin(conn).create_topic("munich", REGION.geojson, 4)
+            p = Producer(conn, "munich", client="alice")
+            for cols in simulate(region, spec):
+                p.send_batch(cols)
+                in_window += len(cols)
+            old = TrafficSpec(vehicles=20, duration_s=30, end_ms=end - 3_600_000, seed=6)
+            for cols in simulate(region, old):
+                p.send_batch(cols)
+        start = end - 180_000 - 1000
+        yield lc, start, end + 1, in_window
+    finally:
+        lc.down(grace=3)
+
+
+def build(
+    lc: LocalCluster, start: int, end: int, out: Path, master: str = "local[2]"
+) -> dict[str, object]:
+    return run(
+        topic="munich",
+        nodes=[n.address for n in lc.nodes],
+        servers=lc.servers,
+        secret_file=Path(lc.secret_file),
+        cluster_name="roadlog",
+        window_start_ms=start,
+        window_end_ms=end,
+        master=master,
+        out_dir=out,
+    )
+
+
+def test_the_data_source_reads_committed_data_the_same_twice(
+    traffic: tuple[LocalCluster, int, int, int],
+) -> None:
+    lc, start, end, n = traffic
+    options = {
+        "nodes": ",".join(n.address for n in lc.nodes),
+        "secret_file": lc.secret_file,
+        "topic": "munich",
+        "window_start_ms": str(start),
+        "window_end_ms": str(end),
+        "max_pings_per_task": "20000",
+    }
+    tasks = plan(options)
+    assert len(tasks) > 4  # split by partition and by size
+
+    def rows() -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for t in tasks:
+            for rb in read_range(t):
+                out += list(
+                    zip(
+                        rb.column("partition").to_pylist(),
+                        rb.column("offset").to_pylist(),
+                        strict=True,
+                    )
+                )
+        return out
+
+    first = rows()
+    assert len(first) == n == len(set(first))  # the window only, each ping once
+    assert rows() == first
+    bad = {**options, "secret_file": str(Path(lc.secret_file).with_name("nope"))}
+    Path(bad["secret_file"]).write_text("wrong\n")
+    with pytest.raises(RuntimeError, match="UNAUTHENTICATED"):
+        plan(bad)
+
+
+def test_the_jam_shows_up_where_it_is_and_only_contributors_see_it(
+    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path
+) -> None:
+    lc, start, end, n = traffic
+    summary = build(lc, start, end, tmp_path)
+    assert summary["pings"] == n  # the old burst is outside the window
+    with Connection(lc.servers) as conn:
+        admin = Admin(conn)
+        got = admin.heatmap("munich", client="alice")
+        with pytest.raises(PermissionDenied):
+            admin.heatmap("munich", client="bob")
+    c = got.heatmap.cells
+    assert len(c.h3) > 20 and sum(c.pings) == n
+    busy = [i for i in range(len(c.h3)) if c.pings[i] >= np.percentile(list(c.pings), 75)]
+    worst = sorted(busy, key=lambda i: c.congestion[i], reverse=True)[:3]
+    for i in worst:
+        lat, lon = h3.cell_to_latlng(h3.int_to_str(c.h3[i]))
+        assert metres((lon, lat), HOT) < 800, (lat, lon)  # the jam, not elsewhere
+    far = [
+        i for i in range(len(c.h3))
+        if metres(tuple(reversed(h3.cell_to_latlng(h3.int_to_str(c.h3[i])))), HOT) > 2500
+    ]  # fmt: skip
+    assert far and np.mean([c.congestion[i] for i in far]) < 0.3  # traffic flows elsewhere
+    where = Path(str(summary["dir"]))
+    for name in ("cells.parquet", "heatmap.geojson", "heatmap.png", "heatmap.html"):
+        assert (where / name).stat().st_size > 1000, name
+    assert (where / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Re-running the window replaces its result; it never doubles it.
+    again = build(lc, start, end, tmp_path)
+    assert again["pings"] == n
+    with Connection(lc.servers) as conn:
+        resp = Admin(conn).heatmap("munich", client="alice")
+    assert list(resp.windows) == [start] and sum(resp.heatmap.cells.pings) == n
+
+
+def test_a_cron_run_finds_the_previous_one_running_and_exits_cleanly(tmp_path: Path) -> None:
+    path = tmp_path / "job.lock"
+    held = lock(path)
+    try:
+        with pytest.raises(AlreadyRunning):
+            lock(path)
+        rc = main(
+            ["--topic", "x", "--nodes", "127.0.0.1:1", "--servers", "127.0.0.1:1",
+             "--secret-file", str(path), "--lock", str(path)]
+        )  # fmt: skip
+        assert rc == 0
+    finally:
+        held.close()
+
+
+def spark_class() -> str:
+    import pyspark
+
+    return str(Path(pyspark.__file__).parent / "bin" / "spark-class")
+
+
+@pytest.fixture
+def standalone(tmp_path: Path) -> Iterator[str]:
+    """A Spark standalone master and one worker on 127.0.0.1, started from
+    spark-class (the pip wheel has no start-master.sh), stopped by PID."""
+    port, ui, wport, wui = free_port(), free_port(), free_port(), free_port()
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(tmp_path)}
+    procs = []
+    with open(tmp_path / "master.log", "ab") as mlog:
+        procs.append(
+            subprocess.Popen(
+                [spark_class(), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                 "--port", str(port), "--webui-port", str(ui)],
+                stdout=mlog, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        )  # fmt: skip
+    url = f"spark://127.0.0.1:{port}"
+    with open(tmp_path / "worker.log", "ab") as wlog:
+        procs.append(
+            subprocess.Popen(
+                [spark_class(), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+                 "--port", str(wport), "--webui-port", str(wui), "--cores", "2",
+                 "--memory", "2g", url],
+                stdout=wlog, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        )  # fmt: skip
+    try:
+        wait_for(
+            lambda: "Successfully registered with master" in (tmp_path / "worker.log").read_text(),
+            90,
+            "the worker to register with the master",
+        )
+        yield url
+    finally:
+        for p in procs:
+            if alive(p.pid):
+                os.kill(p.pid, signal.SIGTERM)
+                if not wait_dead(p.pid, 15):
+                    os.kill(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def test_the_same_job_runs_on_a_standalone_cluster(
+    traffic: tuple[LocalCluster, int, int, int], standalone: str, tmp_path: Path
+) -> None:
+    lc, start, end, n = traffic
+    summary = build(lc, start, end, tmp_path, master=standalone)
+    assert summary["pings"] == n and int(str(summary["cells"])) > 20
+
+
+def test_the_html_page_draws_in_headless_chromium(
+    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path
+) -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    lc, start, end, _ = traffic
+    summary = build(lc, start, end, tmp_path)
+    page = Path(str(summary["dir"])) / "heatmap.html"
+    opts = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1000"):
+        opts.add_argument(arg)
+    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(
+        service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts
+    )
+    try:
+        driver.get(page.as_uri())
+        wait_for(lambda: driver.execute_script("return document.body.dataset.cells") is not None,
+                 30, "the page to draw")  # fmt: skip
+        drawn = int(driver.execute_script("return document.body.dataset.cells"))
+        assert drawn == int(str(summary["cells"]))
+        painted = driver.execute_script(
+            "const c = document.getElementById('map');"
+            "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+            "let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n;"
+        )
+        assert painted > 10_000  # cells were filled, not an empty canvas
+        shot = tmp_path / "heatmap-screenshot.png"
+        driver.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        logs = driver.get_log("browser")  # type: ignore[no-untyped-call]
+        errors = [e for e in logs if e["level"] == "SEVERE"]
+        assert errors == []
+    finally:
+        driver.quit()
+
+
+def test_the_cli_builds_and_gets(
+    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path
+) -> None:
+    lc, start, end, _ = traffic
+    env = {**os.environ, "ROADLOG_CLIENT_ID": "alice"}
+    roadlog = [sys.executable, "-m", "roadlog.cli"]
+    where = ["--cluster", str(lc.dir)]
+    subprocess.run(
+        [*roadlog, "heatmap", "build", "munich", "--window", f"{start},{end}",
+         "--out", str(tmp_path / "maps"), *where],
+        check=True, env=env, timeout=300,
+    )  # fmt: skip
+    out = subprocess.run(
+        [*roadlog, "heatmap", "get", "munich", "--png", str(tmp_path / "m.png"),
+         "--html", str(tmp_path / "m.html"), "--geojson", str(tmp_path / "m.geojson"), *where],
+        check=True, env=env, timeout=120, capture_output=True, text=True,
+    )  # fmt: skip
+    assert (tmp_path / "m.png").stat().st_size > 1000 and "cells" in out.stderr
+    denied = subprocess.run(
+        [*roadlog, "heatmap", "get", "munich", "--json", *where],
+        env={**env, "ROADLOG_CLIENT_ID": "bob"}, timeout=120, capture_output=True, text=True,
+    )  # fmt: skip
+    assert denied.returncode != 0 and "not allowed" in denied.stderr
