@@ -27,6 +27,9 @@ class TrafficSpec:
     jam_radius_m: float = 600.0
     ping_every_s: int = 1
     seed: int = 1
+    # Traffic gathers where the jams are: this share of the vehicles starts
+    # within two jam radii of a hot spot (the rest anywhere in the region).
+    hot_share: float = 0.4
 
 
 def simulate(region: Region, spec: TrafficSpec, chunk_s: int = 10) -> Iterator[PingColumns]:
@@ -43,16 +46,23 @@ def simulate(region: Region, spec: TrafficSpec, chunk_s: int = 10) -> Iterator[P
     # Start on random intersections, heading along a random street.
     gx = rng.integers(0, nx + 1, n).astype(float)
     gy = rng.integers(0, ny + 1, n).astype(float)
-    x, y = gx * block, gy * block
-    dirs = np.array([[1, 0], [-1, 0], [0, 1], [0, -1]], dtype=float)
-    d = rng.integers(0, 4, n)
-    left = np.full(n, block)  # metres to the next intersection
     hs = np.array(
         [
             ((lon - min_lon) * m_per_deg_lon, (lat - min_lat) * M_PER_DEG_LAT)
             for lon, lat in spec.hotspots
         ]
     ).reshape(-1, 2)
+    if len(hs):
+        near = rng.random(n) < spec.hot_share
+        k = int(near.sum())
+        which = hs[rng.integers(0, len(hs), k)]
+        reach = 2 * spec.jam_radius_m / block
+        gx[near] = np.clip(np.round(which[:, 0] / block + rng.uniform(-reach, reach, k)), 0, nx)
+        gy[near] = np.clip(np.round(which[:, 1] / block + rng.uniform(-reach, reach, k)), 0, ny)
+    x, y = gx * block, gy * block
+    dirs = np.array([[1, 0], [-1, 0], [0, 1], [0, -1]], dtype=float)
+    d = rng.integers(0, 4, n)
+    left = np.full(n, block)  # metres to the next intersection
     devices = [f"veh-{i:05d}" for i in range(n)]
     start_ms = spec.end_ms - (spec.duration_s - 1) * 1000
     buf: list[tuple[np.ndarray, ...]] = []

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StructField, StructType
 
 from roadlog.geo import parse_region
 from spark.h3cells import cells_for
@@ -34,6 +35,10 @@ from spark.h3cells import cells_for
 log = logging.getLogger("roadlog.heatmap")
 
 FREE_FLOW_QUANTILE = 0.85
+# A cell jammed all through the history (or a history of minutes, as on a
+# first run) would look free-flowing at its jam speed: its free-flow speed
+# is at least this share of the region's. Real free-flow needs days of data.
+REGION_FLOOR = 0.8
 DEFAULT_HISTORY_MS = 24 * 3600 * 1000
 OUT_SCHEMA = (
     "h3 long, pings long, devices long, mean_speed_mps double, free_flow_mps double, "
@@ -45,7 +50,7 @@ def with_cells(df: DataFrame, resolution: int, region_geojson: str | None) -> Da
     """Add each ping's H3 cell (vectorised, Arrow batch by batch: no Python
     per row) and drop pings outside the region."""
     region = parse_region(region_geojson) if region_geojson else None
-    schema = df.schema.add("h3", "long")
+    schema = StructType([*df.schema.fields, StructField("h3", LongType())])
 
     def add(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
@@ -73,8 +78,9 @@ def transform(
 ) -> DataFrame:
     """Per H3 cell with pings in [window_start, window_end): pings, distinct
     devices, mean speed; free-flow speed = the cell's 85th percentile speed
-    over every row of ``df`` (the history the caller read); congestion =
-    1 - mean / free-flow, clipped to [0, 1]. Speeds that are unknown (NaN)
+    over every row of ``df`` (the history the caller read), but at least
+    0.8 of the region's 85th percentile; congestion = 1 - mean / free-flow,
+    clipped to [0, 1]. Speeds that are unknown (NaN)
     count as pings but not in the speeds."""
     cells = with_cells(df, resolution, region_geojson)
     speed = F.when(~F.isnan("speed_mps"), F.col("speed_mps"))
@@ -85,7 +91,14 @@ def transform(
         F.avg(speed).alias("mean_speed_mps"),
     )
     history = cells.groupBy("h3").agg(
-        F.percentile_approx(speed, FREE_FLOW_QUANTILE, 1000).alias("free_flow_mps")
+        F.percentile_approx(speed, FREE_FLOW_QUANTILE, 1000).alias("cell_free_mps")
+    )
+    regional = cells.agg(
+        F.percentile_approx(speed, FREE_FLOW_QUANTILE, 1000).alias("region_free_mps")
+    )
+    floor = F.col("region_free_mps") * REGION_FLOOR
+    history = history.crossJoin(regional).select(
+        "h3", F.greatest(F.col("cell_free_mps"), floor).alias("free_flow_mps")
     )
     out = current.join(history, "h3", "left")
     ratio = F.col("mean_speed_mps") / F.col("free_flow_mps")
@@ -112,12 +125,17 @@ def session(master: str, app: str = "roadlog-heatmap") -> SparkSession:
     from spark.roadlog_source import RoadlogDataSource
 
     b = SparkSession.builder.master(master).appName(app)
+    if master.startswith("local"):  # nothing leaves this host
+        b = b.config("spark.driver.host", "127.0.0.1").config(
+            "spark.driver.bindAddress", "127.0.0.1"
+        )
     b = b.config("spark.sql.shuffle.partitions", "8").config("spark.ui.enabled", "false")
     packed = os.environ.get("ROADLOG_SPARK_ENV")
     if packed:
         b = b.config("spark.archives", f"{packed}#environment")
         b = b.config("spark.pyspark.python", "./environment/bin/python")
     else:
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         b = b.config("spark.pyspark.python", sys.executable)
         b = b.config("spark.executorEnv.PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     spark = b.getOrCreate()

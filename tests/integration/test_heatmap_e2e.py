@@ -93,7 +93,7 @@ def test_the_data_source_reads_committed_data_the_same_twice(
         "topic": "munich",
         "window_start_ms": str(start),
         "window_end_ms": str(end),
-        "max_pings_per_task": "20000",
+        "max_pings_per_task": "2000",
     }
     tasks = plan(options)
     assert len(tasks) > 4  # split by partition and by size
