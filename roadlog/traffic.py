@@ -70,7 +70,9 @@ def simulate(region: Region, spec: TrafficSpec, chunk_s: int = 10) -> Iterator[P
         speed = spec.free_speed_mps * rng.uniform(0.8, 1.1, n)
         if len(hs):
             dist = np.min(np.hypot(x[:, None] - hs[:, 0], y[:, None] - hs[:, 1]), axis=1)
-            jam = np.clip(1 - dist / spec.jam_radius_m, 0, 1)
+            jam = np.sqrt(
+                np.clip(1 - dist / spec.jam_radius_m, 0, 1)
+            )  # slow well before the centre
             speed = speed * (1 - jam) + spec.jam_speed_mps * rng.uniform(0.5, 1.5, n) * jam
         step = speed.copy()
         while True:  # move, turning at intersections
