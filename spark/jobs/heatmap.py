@@ -130,6 +130,7 @@ def session(master: str, app: str = "roadlog-heatmap") -> SparkSession:
             "spark.driver.bindAddress", "127.0.0.1"
         )
     b = b.config("spark.sql.shuffle.partitions", "8").config("spark.ui.enabled", "false")
+    b = b.config("spark.ui.showConsoleProgress", "false")  # roadlog shows its own progress
     packed = os.environ.get("ROADLOG_SPARK_ENV")
     if packed:
         b = b.config("spark.archives", f"{packed}#environment")
@@ -139,6 +140,7 @@ def session(master: str, app: str = "roadlog-heatmap") -> SparkSession:
         b = b.config("spark.pyspark.python", sys.executable)
         b = b.config("spark.executorEnv.PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel(os.environ.get("ROADLOG_SPARK_LOG_LEVEL", "ERROR"))
     spark.dataSource.register(RoadlogDataSource)
     return spark
 
