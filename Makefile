@@ -47,6 +47,8 @@ bench: setup
 	$(PY) -m bench.ingest
 	$(PY) -m bench.failover
 	$(PY) -m bench.front_door
+	$(PY) -m bench.discovery
+	$(PY) -m bench.spark_heatmap
 	$(PY) -m bench.report
 
 demo:

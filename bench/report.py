@@ -180,6 +180,55 @@ def render() -> str:
             "node adds its own cores.",
             "",
         ]
+    dc = _load("discovery")
+    if dc:
+        f3, f5, j = dc["formation"]["3"], dc["formation"]["5"], dc["join"]
+        lines += [
+            "## Cold start by discovery",
+            "",
+            f"Machine: {_machine(dc)}. Hosts are network namespaces on a bridge; nodes know "
+            "only the cluster name and the secret and broadcast signed HELLOs every second.",
+            "",
+            "| nodes | trials | last start to one ready cluster, median s | max s |",
+            "| ---: | ---: | ---: | ---: |",
+            f"| 3 | {f3['trials']} | {f3['median_s']} | {f3['max_s']} |",
+            f"| 5 | {f5['trials']} | {f5['median_s']} | {f5['max_s']} |",
+            "",
+            f"A node joining a cluster that holds {j['gb']} GB of pings became a voter "
+            f"{j['to_voter_s']} s after it started (learner, caught up, promoted). Most of the "
+            "formation time is the founding rule's deliberate waits: a stable view for two "
+            "intervals, then an agreement held for two more, then each newcomer's join and "
+            "promotion, one configuration change at a time.",
+            "",
+        ]
+    sp = _load("spark_heatmap")
+    if sp:
+        lines += [
+            "## Heat maps on Spark",
+            "",
+            f"Machine: {_machine(sp)}. One node; the job reads through the roadlog data source, "
+            "maps to H3, aggregates, commits the result into the cluster and writes Parquet, "
+            "GeoJSON, PNG and HTML.",
+            "",
+            "| pings | master | job s | pings/s | cells |",
+            "| ---: | --- | ---: | ---: | ---: |",
+        ]
+        for jb in sp["jobs"]:
+            lines.append(
+                f"| {jb['pings']:,} | {jb['master']} | {jb['seconds']} | {jb['pings_per_s']:,} "
+                f"| {jb['cells']:,} |"
+            )
+        rd = sp["read"]
+        lines += [
+            "",
+            f"H3 mapping (h3ronpy, vectorised): {sp['h3_points_per_s']:,} points/s. Reading "
+            f"{rd['rows']:,} pings through the data source (count and mean) took "
+            f"{rd['source_s']} s "
+            f"against {rd['parquet_s']} s from Parquet: {rd['ratio_source_to_parquet_time']}x "
+            "the time (the source decodes stored batches into Arrow in Python tasks and streams "
+            "them over gRPC; Parquet is read by the JVM).",
+            "",
+        ]
     fo = _load("failover")
     if fo:
         r, j, cu = fo["roadlog"], fo["jetstream"], fo["catch_up"]

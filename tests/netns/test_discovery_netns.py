@@ -164,3 +164,26 @@ def test_seeds_instead_of_broadcast(net: Net) -> None:
         h.node(expect=3, extra=["--discovery-broadcast", "", "--discovery-seeds", seeds])
     wait_for(lambda: one_cluster(hosts, 3, 3), 90, "one cluster from unicast seeds")
     assert all(metric(h, "roadlog_discovery_sent_total") > 0 for h in hosts)
+
+
+def test_a_node_leaves_gracefully_even_as_leader(net: Net) -> None:
+    hosts = [net.host(i) for i in range(1, 5)]
+    for h in hosts:
+        h.node(expect=3)
+    wait_for(lambda: one_cluster(hosts, 3, 4), 90, "three voters and a standby")
+    v = views(hosts)
+    lead_id = next(iter(v.values())).leader
+    leader = next(h for h in hosts if v[h.index].id == lead_id)
+    out = subprocess.run(
+        [sys.executable, "-m", "node_daemon.main", "leave", "--address", leader.node_address,
+         "--secret-file", str(net.secret), "--cluster-name", "netns"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "left the cluster" in out.stdout
+    leader.procs[-1].popen.wait(30)  # it stops by itself
+    assert leader.procs[-1].popen.returncode == 0
+    rest = [h for h in hosts if h is not leader]
+    # A new leader took over; the standby was promoted to keep three voters.
+    wait_for(lambda: one_cluster(rest, 3, 3), 60, "three voters without the one that left")
+    assert views(rest)[rest[0].index].leader != lead_id
