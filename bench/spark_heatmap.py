@@ -13,15 +13,10 @@ Writes bench/results/spark_heatmap.json.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +26,10 @@ from bench.common import write_result
 from roadlog.client import Admin, Connection, Producer
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
-from roadlog.localcluster import LocalCluster, alive, free_port, wait_dead
+from roadlog.localcluster import LocalCluster
 from spark.h3cells import cells_for
 from spark.jobs.heatmap import run, session
+from spark.standalone import local_standalone
 
 REGION = bbox_region(11.45, 48.08, 11.70, 48.20)
 
@@ -55,42 +51,6 @@ def pings(n: int, start: int, end_ms: int) -> PingColumns:
         rng.uniform(11.45, 11.70, n),
         speed_mps=rng.uniform(0, 20, n).astype(np.float32),
     )
-
-
-@contextmanager
-def standalone(logs: Path) -> Iterator[str]:
-    import pyspark
-
-    spark_class = str(Path(pyspark.__file__).parent / "bin" / "spark-class")
-    port = free_port()
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
-    procs = []
-    for name, argv in (
-        ("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                    "--port", str(port), "--webui-port", str(free_port())]),
-        ("worker", ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                    "--webui-port", str(free_port()), "--cores", "2", "--memory", "4g",
-                    f"spark://127.0.0.1:{port}"]),
-    ):  # fmt: skip
-        with open(logs / f"{name}.log", "ab") as f:
-            procs.append(
-                subprocess.Popen([spark_class, *argv], stdout=f, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
-            )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while "Successfully registered" not in (logs / "worker.log").read_text():
-            if time.monotonic() > deadline:
-                raise TimeoutError("the worker did not register")
-            time.sleep(0.2)
-        yield f"spark://127.0.0.1:{port}"
-    finally:
-        for p in procs:
-            if alive(p.pid):
-                os.kill(p.pid, signal.SIGTERM)
-                if not wait_dead(p.pid, 15):
-                    os.kill(p.pid, signal.SIGKILL)
-            p.wait(10)
 
 
 def read_compare(lc: LocalCluster, start: int, end: int, work: Path) -> dict[str, Any]:
@@ -170,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.monotonic()
                     summary = run(master="local[2]", **common)
                 else:
-                    with standalone(work) as url:
+                    with local_standalone(work, memory="4g") as url:
                         t0 = time.monotonic()
                         summary = run(master=url, **common)
                 secs = time.monotonic() - t0

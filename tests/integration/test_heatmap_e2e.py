@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,10 +20,11 @@ import pytest
 
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
 from roadlog.geo import bbox_region, parse_region
-from roadlog.localcluster import LocalCluster, alive, free_port, wait_dead
+from roadlog.localcluster import LocalCluster
 from roadlog.traffic import TrafficSpec, simulate
 from spark.jobs.heatmap import AlreadyRunning, lock, main, run
 from spark.roadlog_source import plan, read_range
+from spark.standalone import local_standalone
 from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -171,51 +171,11 @@ def test_a_cron_run_finds_the_previous_one_running_and_exits_cleanly(tmp_path: P
         held.close()
 
 
-def spark_class() -> str:
-    import pyspark
-
-    return str(Path(pyspark.__file__).parent / "bin" / "spark-class")
-
-
 @pytest.fixture
 def standalone(tmp_path: Path) -> Iterator[str]:
-    """A Spark standalone master and one worker on 127.0.0.1, started from
-    spark-class (the pip wheel has no start-master.sh), stopped by PID."""
-    port, ui, wport, wui = free_port(), free_port(), free_port(), free_port()
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(tmp_path)}
-    procs = []
-    with open(tmp_path / "master.log", "ab") as mlog:
-        procs.append(
-            subprocess.Popen(
-                [spark_class(), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                 "--port", str(port), "--webui-port", str(ui)],
-                stdout=mlog, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )
-        )  # fmt: skip
-    url = f"spark://127.0.0.1:{port}"
-    with open(tmp_path / "worker.log", "ab") as wlog:
-        procs.append(
-            subprocess.Popen(
-                [spark_class(), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                 "--port", str(wport), "--webui-port", str(wui), "--cores", "2",
-                 "--memory", "2g", url],
-                stdout=wlog, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )
-        )  # fmt: skip
-    try:
-        wait_for(
-            lambda: "Successfully registered with master" in (tmp_path / "worker.log").read_text(),
-            90,
-            "the worker to register with the master",
-        )
+    """A Spark standalone master and one worker on 127.0.0.1."""
+    with local_standalone(tmp_path) as url:
         yield url
-    finally:
-        for p in procs:
-            if alive(p.pid):
-                os.kill(p.pid, signal.SIGTERM)
-                if not wait_dead(p.pid, 15):
-                    os.kill(p.pid, signal.SIGKILL)
-            p.wait(10)
 
 
 def test_the_same_job_runs_on_a_standalone_cluster(
