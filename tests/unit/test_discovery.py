@@ -127,7 +127,7 @@ def test_a_new_node_that_hears_a_cluster_joins_it() -> None:
     core = DiscoveryCore("munich", 9, "node", "10.77.0.9:7400", expect=3)
     member = hello(node_id=2, state="member", leader=1, leader_address="10.77.0.1:7400", term=2)
     core.receive(encode(member, KEY), KEY, NOW)
-    assert core.decide(NOW) == Join(1, "10.77.0.1:7400")
+    assert core.decide(NOW) == Join(1, "10.77.0.1:7400", term=2)
     assert core.addresses(NOW) == {2: "10.77.0.7:7400"}
 
 
