@@ -31,6 +31,7 @@ from node_daemon.membership import Membership
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.node_read import NodeReadService
 from node_daemon.raft import ConfChange, ConfChangeType, Role
+from node_daemon.sdnotify import notify
 from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.transport import AUTH_KEY, auth_token, authorized
 from node_daemon.worker import Executor, QueueServerLink
@@ -258,6 +259,12 @@ async def serve(cfg: NodeConfig) -> None:
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     last_health: list[bool | None] = [None]
 
+    async def tell_systemd_when_ready() -> None:
+        """Type=notify: ready once in a cluster, knowing a leader, caught up."""
+        while not (node.ready and membership.in_config()):
+            await asyncio.sleep(0.2)
+        notify(f"READY=1\nSTATUS=member of the cluster, leader {node.core.lead}")
+
     def on_state() -> None:
         for link in links.values():
             link.state_changed()
@@ -286,6 +293,7 @@ async def serve(cfg: NodeConfig) -> None:
 
         agent.listeners.append(on_discovery_step)
     membership.start()
+    readiness = asyncio.get_running_loop().create_task(tell_systemd_when_ready())
     log.info(
         "node started",
         extra={
@@ -306,6 +314,8 @@ async def serve(cfg: NodeConfig) -> None:
             membership.keep_in_cluster(lambda: discovered.core.known_cluster(now_ms()))
         )
     await stop.wait()
+    readiness.cancel()
+    notify("STOPPING=1")
     log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
     if joining is not None:
         joining.cancel()
