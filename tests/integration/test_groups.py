@@ -144,7 +144,10 @@ def test_members_share_partitions_take_over_and_resume(
         assert all(len(ps) == 2 for ps in describe(conn)["members"].values())
         publish(conn, "p1", 600, 600)
         wait_for(lambda: everything_read(conn, [a, b, c]), 60, "three members reading everything")
-        assert c.rows(), "the third member read nothing"
+        # Old owners may read the moved partitions' new pings before they hear
+        # of the new generation (at least once); their commits are fenced, so
+        # the new owner starts from the last commit and reads them too.
+        wait_for(lambda: bool(c.rows()), 60, "the third member reading its partitions")
 
         b.stop(signal.SIGKILL)  # no leave: the leader expires it after 4 s
         gen = describe(conn)["generation"]
