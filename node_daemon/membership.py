@@ -42,6 +42,7 @@ class Membership:
         self.node = node
         self.token = token
         self.sync_addresses = sync_addresses  # off for a static peer list
+        self.leaving = False  # once leaving, never ask to be added again
         self._leader_since = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -70,7 +71,7 @@ class Membership:
         (A newcomer; or a node that was removed while it was down and came
         back with its old configuration.)"""
         n = self.node
-        if j is None or j.leader == n.id or n.is_leader:
+        if self.leaving or j is None or j.leader == n.id or n.is_leader:
             return False
         if not self.in_config():
             return True
@@ -170,6 +171,7 @@ class Membership:
         """Hand leadership over if this node has it, then have the leader
         remove this node; the index of the removal."""
         n = self.node
+        self.leaving = True
         if n.is_leader:
             others = [v for v in n.core.conf.voters if v != n.id and self.caught_up(v)]
             if not others:
