@@ -36,10 +36,6 @@ READ_CREDIT = 64
 RETRY_ELSEWHERE = grpc.StatusCode.UNAVAILABLE  # the queue server gives it to another node
 
 
-async def _failed(err: Exception) -> OpResult:
-    raise err
-
-
 def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[OpResult]) -> None:
     """Give each request its share (its span) of a merged append op's result."""
     if proposal.cancelled():

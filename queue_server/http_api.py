@@ -361,26 +361,10 @@ def pings_from_json(pings: Any) -> PingColumns:
     return PingColumns.from_columns(devices, ts, lat, lon, **opt)
 
 
-def _num(v: Any) -> float | None:
-    x = float(v)
-    return None if math.isnan(x) else x
-
-
 def pings_to_json(cols: PingColumns, partition: int, base: int) -> list[dict[str, Any]]:
-    dev = cols.device_of()
     return [
-        {
-            "partition": partition,
-            "offset": base + i,
-            "device_id": str(dev[i]),
-            "ts_ms": int(cols.ts_ms[i]),
-            "lat": float(cols.lat[i]),
-            "lon": float(cols.lon[i]),
-            "speed_mps": _num(cols.speed_mps[i]),
-            "heading_deg": _num(cols.heading_deg[i]),
-            "accuracy_m": _num(cols.accuracy_m[i]),
-        }
-        for i in range(len(cols))
+        dict(zip(columnar.PING_FIELDS, r, strict=True))
+        for r in columnar.rows(cols, partition, base)
     ]
 
 
@@ -422,7 +406,7 @@ def heatmap_json(resp: client_pb2.GetHeatmapResponse) -> dict[str, Any]:
                 "h3": f"{c.h3[i]:x}",
                 "pings": c.pings[i],
                 "devices": c.devices[i],
-                "mean_speed_mps": _num(c.mean_speed_mps[i]),
+                "mean_speed_mps": columnar.optional(c.mean_speed_mps[i]),
             }
             for i in range(len(c.h3))
         ],

@@ -11,8 +11,10 @@ the generated protobuf class instead, with the same result.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -138,6 +140,52 @@ def concat(batches: Sequence[PingColumns]) -> PingColumns:
         cat([b.heading_deg for b in batches]),
         cat([b.accuracy_m for b in batches]),
     )
+
+
+PING_FIELDS = (
+    "partition",
+    "offset",
+    "device_id",
+    "ts_ms",
+    "lat",
+    "lon",
+    "speed_mps",
+    "heading_deg",
+    "accuracy_m",
+)
+
+
+def optional(v: Any, digits: int | None = None) -> float | None:
+    """An optional value for output: None when unknown (NaN)."""
+    x = float(v)
+    if math.isnan(x):
+        return None
+    return round(x, digits) if digits is not None else x
+
+
+def rows(
+    cols: PingColumns, partition: int, base: int, digits: int | None = None
+) -> list[tuple[Any, ...]]:
+    """One tuple per ping in ``PING_FIELDS`` order, for output formats (CSV,
+    JSON); not for hot paths. Optional values are None when unknown, rounded
+    to ``digits`` when given."""
+    dev = cols.device_of().tolist()
+    ts, lat, lon = cols.ts_ms.tolist(), cols.lat.tolist(), cols.lon.tolist()
+    sp, hd, ac = cols.speed_mps.tolist(), cols.heading_deg.tolist(), cols.accuracy_m.tolist()
+    return [
+        (
+            partition,
+            base + i,
+            str(dev[i]),
+            ts[i],
+            lat[i],
+            lon[i],
+            optional(sp[i], digits),
+            optional(hd[i], digits),
+            optional(ac[i], digits),
+        )
+        for i in range(len(ts))
+    ]
 
 
 def _varint(n: int) -> bytes:

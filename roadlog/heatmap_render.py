@@ -19,6 +19,7 @@ from typing import Any
 import h3
 import numpy as np
 
+from roadlog.columnar import optional
 from roadlog.v1 import heatmaps_pb2
 
 CMAP = "RdYlGn_r"
@@ -40,17 +41,12 @@ def cells(hm: heatmaps_pb2.HeatMap) -> list[dict[str, Any]]:
                 "ring": ring,
                 "pings": int(c.pings[i]),
                 "devices": int(c.devices[i]),
-                "mean_speed_mps": _num(c.mean_speed_mps[i]),
-                "free_flow_mps": _num(free[i]),
-                "congestion": _num(cong[i]),
+                "mean_speed_mps": optional(c.mean_speed_mps[i], 3),
+                "free_flow_mps": optional(free[i], 3),
+                "congestion": optional(cong[i], 3),
             }
         )
     return out
-
-
-def _num(v: float) -> float | None:
-    x = float(v)
-    return None if math.isnan(x) else round(x, 3)
 
 
 def _window(hm: heatmaps_pb2.HeatMap) -> str:

@@ -227,7 +227,7 @@ def run(
         ("free_flow_mps", c.free_flow_mps),
         ("congestion", c.congestion),
     ):
-        field.extend(float(x) for x in np.nan_to_num(cols[name][order].astype(float), nan=np.nan))
+        field.extend(cols[name][order].astype(float).tolist())
     with Connection(servers) as conn:
         index = Admin(conn).put_heatmap(hm)
     where = out_dir / topic / str(window_start_ms)
