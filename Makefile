@@ -56,7 +56,7 @@ demo:
 
 lock: setup
 	$(PY) -m pip install -q --disable-pip-version-check uv
-	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra ops --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

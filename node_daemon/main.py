@@ -21,7 +21,6 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from discovery.agent import DiscoveryAgent, now_ms
 from discovery.core import DiscoveryCore, Found, Join
@@ -36,6 +35,7 @@ from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.transport import AUTH_KEY, auth_token, authorized
 from node_daemon.worker import Executor, QueueServerLink
 from roadlog import configfile
+from roadlog.http_health import serve_metrics_and_health
 from roadlog.logs import setup_logging
 from roadlog.v1 import (
     admin_pb2,
@@ -241,7 +241,21 @@ async def serve(cfg: NodeConfig) -> None:
         raise ConfigError(f"listen: cannot bind {cfg.listen}")
     await server.start()
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr=cfg.listen.rpartition(":")[0] or "0.0.0.0")
+
+        def readiness_detail() -> tuple[bool, dict[str, Any]]:
+            core = node.core
+            ok = node.ready and membership.in_config()
+            return ok, {
+                "node_id": core.id,
+                "role": core.role.name.lower(),
+                "term": core.term,
+                "leader": core.lead,
+                "commit_index": core.log.committed,
+                "applied_index": node.sm.applied_index,
+                "member": membership.in_config(),
+            }
+
+        serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
     node.update_addresses(node.sm.peers())
     await node.start()
     executor = Executor(node)

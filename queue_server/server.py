@@ -24,7 +24,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 from discovery.agent import DiscoveryAgent
 from discovery.core import DiscoveryCore
@@ -33,6 +33,7 @@ from queue_server.config import QueueConfig
 from queue_server.errors import Failed
 from queue_server.http_api import HttpApi
 from queue_server.queues import Item, Kind, QueueFull, WorkQueues
+from roadlog.http_health import serve_metrics_and_health
 from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
 
 log = logging.getLogger("roadlog.queue")
@@ -350,7 +351,12 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr=cfg.listen.rpartition(":")[0] or "0.0.0.0")
+
+        def readiness_detail() -> tuple[bool, dict[str, Any]]:
+            st = qs.status()
+            return bool(st.leader), {"leader": st.leader, "nodes": len(st.nodes)}
+
+        serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
     http_runner = None
     if cfg.http_listen:
         host, _, port = cfg.http_listen.rpartition(":")

@@ -1,0 +1,76 @@
+"""The ops HTTP endpoint every daemon serves on its metrics port.
+
+- `/metrics`: Prometheus exposition (prometheus-client's default registry).
+- `/healthz`: liveness; 200 while the process serves requests.
+- `/readyz`: readiness; 200 when `ready()` says so, else 503. The body is
+  the JSON detail `ready()` returns (role, term, leader, indexes, ...), so
+  systemd smoke checks, Ansible and load balancers read one document.
+
+Runs in a daemon thread (wsgiref, threaded), so a busy event loop never
+makes health checks time out; `ready()` must therefore only read plain
+attributes (no awaits, no locks held by the loop).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+
+Readiness = Callable[[], tuple[bool, dict[str, Any]]]
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds are not worth a log line."""
+
+
+def health_app(ready: Readiness) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
+    metrics = make_wsgi_app()
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path in ("/healthz", "/readyz"):
+            try:
+                ok, detail = ready()
+            except Exception as e:  # a health check must answer, not crash
+                ok, detail = False, {"error": str(e)}
+            if path == "/healthz":
+                status, body = "200 OK", {"live": True, "ready": ok, **detail}
+            else:
+                status = "200 OK" if ok else "503 Service Unavailable"
+                body = {"ready": ok, **detail}
+            data = json.dumps(body).encode()
+            start_response(
+                status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+            )
+            return [data]
+        result: Iterable[bytes] = metrics(environ, start_response)
+        return result
+
+    return app
+
+
+def serve_metrics_and_health(host: str, port: int, ready: Readiness) -> WSGIServer:
+    """Start the endpoint in a daemon thread; returns the server (its
+    `server_port` is the bound port, useful with port 0)."""
+    server = make_server(
+        host or "0.0.0.0",
+        port,
+        health_app(ready),
+        server_class=_ThreadingWSGIServer,
+        handler_class=_QuietHandler,
+    )
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

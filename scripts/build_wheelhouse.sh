@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Build the wheelhouse that Ansible copies to every host (hosts need no
+# internet): roadlog's own wheel plus a wheel of every locked runtime
+# dependency (requirements-host.lock). Output: build/wheelhouse/ with
+# requirements.txt (what the hosts install, pinned) and roadlog-*.whl.
+#
+# Reproducible: wheels built from sdists are cached by pip, and roadlog's
+# wheel is built with SOURCE_DATE_EPOCH from the last commit, so an
+# unchanged tree gives byte-identical files and a second `site.yml` run
+# copies nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '[wheelhouse] %s\n' "$*" >&2; }
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-build/wheelhouse}
+mkdir -p "$OUT"
+
+stamp="$OUT/.deps-built"
+if [ ! -f "$stamp" ] || [ requirements-host.lock -nt "$stamp" ]; then
+  log "wheels of the locked runtime dependencies (first build of pyspark takes a minute)"
+  "$PY" -m pip wheel -q --disable-pip-version-check --require-hashes \
+    -r requirements-host.lock -w "$OUT" > build/wheelhouse.log 2>&1 || { cat build/wheelhouse.log >&2; exit 1; }
+  touch "$stamp"
+fi
+# What hosts install: the lock's pins without hashes (pip checks the files
+# it finds in the wheelhouse against these versions, --no-index).
+grep -E '^[A-Za-z0-9_.-]+==' requirements-host.lock | sed 's/ *\\$//' > "$OUT/requirements.txt.new"
+if ! cmp -s "$OUT/requirements.txt.new" "$OUT/requirements.txt"; then
+  mv "$OUT/requirements.txt.new" "$OUT/requirements.txt"
+else
+  rm "$OUT/requirements.txt.new"
+fi
+
+log "roadlog's own wheel"
+export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || echo 315532800)}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation . -w "$tmp" > build/wheelhouse.log 2>&1 || { cat build/wheelhouse.log >&2; exit 1; }
+new=$(ls "$tmp"/roadlog-*.whl)
+# The wheel's name carries no build number; its content decides whether
+# hosts reinstall. Replace it only when the files inside differ.
+old="$OUT/$(basename "$new")"
+if [ -f "$old" ] && "$PY" - "$old" "$new" <<'PYEOF'
+import sys, zipfile
+a, b = (zipfile.ZipFile(p) for p in sys.argv[1:3])
+same = sorted((i.filename, i.CRC) for i in a.infolist()) == sorted((i.filename, i.CRC) for i in b.infolist())
+sys.exit(0 if same else 1)
+PYEOF
+then
+  log "unchanged: $(basename "$new")"
+else
+  mv "$new" "$OUT/"
+  log "built: $(basename "$new")"
+fi
+du -sh "$OUT" | awk '{print "[wheelhouse] " $2 ": " $1}' >&2

@@ -1,0 +1,379 @@
+"""Lab hosts: real systemd machines made with systemd-nspawn on this machine.
+
+Each host boots systemd (`--boot`) over an overlayfs mount whose lower layer
+is this machine's root, so it has the same Debian packages (sshd, cron,
+Java) without a download; what a host writes lands in its own upper layer.
+The hosts sit on a bridge the lab creates (10.77.0.0/24; the bridge is
+10.77.0.1 so the controller reaches them) and accept SSH as root with a key
+made for the lab.
+
+Invariants: everything is recorded under LAB_ROOT (pid files of the nspawn
+processes we started, mount points), so `teardown()` and `clear_leftovers()`
+end only our own processes, unmount only our own overlays and remove only
+our own bridge. Usable from the command line for manual lab work:
+
+    python -m tests.lab.hosts up --hosts 3     # prints the inventory path
+    python -m tests.lab.hosts down
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+LAB_ROOT = Path(os.environ.get("ROADLOG_LAB_ROOT", "/var/tmp/roadlog-lab"))
+BRIDGE = "rl-lab0"
+SUBNET = "10.77.0"
+CONTROLLER_IP = f"{SUBNET}.1"
+BROADCAST = f"{SUBNET}.255"
+
+# Units enabled on this machine that a lab host does not need (they would
+# only cost CPU, or fight over ports of the machine underneath).
+MASKED_UNITS = (
+    "postgresql.service",
+    "avahi-daemon.service",
+    "avahi-daemon.socket",
+    "apt-daily.timer",
+    "apt-daily-upgrade.timer",
+    "dpkg-db-backup.timer",
+    "e2scrub_all.timer",
+    "e2scrub_reap.service",
+    "exim4-base.timer",
+    "exim4.service",
+    "fstrim.timer",
+    "man-db.timer",
+    "systemd-timesyncd.service",
+    "getty@tty1.service",
+    "console-getty.service",
+)
+
+NET_UNIT = """[Unit]
+Description=roadlog lab: address on the lab bridge
+DefaultDependencies=no
+Before=network-online.target ssh.service
+Wants=network-online.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/sbin/ip link set host0 up
+ExecStart=/usr/sbin/ip addr replace {ip}/24 brd {brd} dev host0
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _run(*argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=timeout)
+
+
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"lab: timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of ours still answers kill(0); check its state.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _port_open(ip: str, port: int) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=0.5) as s:
+            return bool(s.recv(4).startswith(b"SSH"))
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class LabHost:
+    """One lab machine: `lab1` is 10.77.0.11, `lab2` 10.77.0.12, ..."""
+
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"lab{self.index}"
+
+    @property
+    def ip(self) -> str:
+        return f"{SUBNET}.{10 + self.index}"
+
+    @property
+    def dir(self) -> Path:
+        return LAB_ROOT / self.name
+
+    @property
+    def root(self) -> Path:
+        return self.dir / "root"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.dir / "nspawn.pid"
+
+    @property
+    def console_log(self) -> Path:
+        return self.dir / "console.log"
+
+    def pid(self) -> int | None:
+        try:
+            return int(self.pid_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+class Lab:
+    """N hosts on the lab bridge. `up()` builds and boots them and waits for
+    sshd on every one; `down()` undoes all of it (also after a failed up)."""
+
+    def __init__(self, count: int = 3) -> None:
+        self.hosts = [LabHost(i) for i in range(1, count + 1)]
+        self.key = LAB_ROOT / "id_ed25519"
+        self.inventory = LAB_ROOT / "inventory.ini"
+
+    # -- bring up -----------------------------------------------------------
+
+    def up(self, boot_timeout: float = 120) -> None:
+        clear_leftovers()
+        LAB_ROOT.mkdir(parents=True, exist_ok=True)
+        self._make_key()
+        self._make_bridge()
+        for host in self.hosts:
+            self._prepare(host)
+            self._boot(host)
+        for host in self.hosts:
+            _wait(partial(self._ssh_ready, host), boot_timeout, f"sshd on {host.name}")
+        self._write_inventory()
+        (LAB_ROOT / "lab.json").write_text(
+            json.dumps({"hosts": [h.name for h in self.hosts]}, indent=2)
+        )
+
+    def _make_key(self) -> None:
+        if not self.key.exists():
+            _run(
+                "ssh-keygen",
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                "roadlog-lab",
+                "-f",
+                str(self.key),
+            )
+
+    def _make_bridge(self) -> None:
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")
+        _run("ip", "addr", "add", f"{CONTROLLER_IP}/24", "brd", BROADCAST, "dev", BRIDGE)
+        _run("ip", "link", "set", BRIDGE, "up")
+
+    def _prepare(self, host: LabHost) -> None:
+        """An empty upper layer with the lab's few files, mounted over /."""
+        for sub in ("upper", "work", "root"):
+            (host.dir / sub).mkdir(parents=True, exist_ok=True)
+        upper = host.dir / "upper"
+        etc = upper / "etc"
+        units = etc / "systemd" / "system"
+        (units / "multi-user.target.wants").mkdir(parents=True, exist_ok=True)
+        (etc / "hostname").write_text(f"{host.name}\n")
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{h.ip} {h.name}\n" for h in self.hosts)
+        (etc / "hosts").write_text(hosts)
+        for unit in MASKED_UNITS:
+            link = units / unit
+            if not link.is_symlink():
+                link.symlink_to("/dev/null")
+        (units / "roadlog-lab-net.service").write_text(NET_UNIT.format(ip=host.ip, brd=BROADCAST))
+        wants = units / "multi-user.target.wants" / "roadlog-lab-net.service"
+        if not wants.is_symlink():
+            wants.symlink_to("/etc/systemd/system/roadlog-lab-net.service")
+        ssh = upper / "root" / ".ssh"
+        ssh.mkdir(parents=True, exist_ok=True)
+        ssh.chmod(0o700)
+        (ssh / "authorized_keys").write_text(Path(f"{self.key}.pub").read_text())
+        (ssh / "authorized_keys").chmod(0o600)
+        # The machine underneath may carry our own lab directory and work
+        # trees; a host must not see a previous lab's state as its own.
+        _run(
+            "mount",
+            "-t",
+            "overlay",
+            "overlay",
+            "-o",
+            f"lowerdir=/,upperdir={upper},workdir={host.dir / 'work'}",
+            str(host.root),
+        )
+
+    def _boot(self, host: LabHost) -> None:
+        with open(host.console_log, "ab") as out:
+            proc = subprocess.Popen(
+                [
+                    "systemd-nspawn",
+                    "--quiet",
+                    "--boot",
+                    "--register=no",
+                    "--keep-unit",
+                    f"--network-bridge={BRIDGE}",
+                    f"--machine={host.name}",
+                    "--console=read-only",
+                    "-D",
+                    str(host.root),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        host.pid_file.write_text(str(proc.pid))
+
+    def _ssh_ready(self, host: LabHost) -> bool:
+        pid = host.pid()
+        if pid is None or not _alive(pid):
+            tail = host.console_log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"lab: {host.name} (nspawn) exited during boot:\n{tail}")
+        if not _port_open(host.ip, 22):
+            return False
+        return self.ssh(host, "systemctl is-system-running --wait", check=False).returncode in (
+            0,
+            1,
+        )
+
+    def _write_inventory(self) -> None:
+        lines = [f"{h.name} ansible_host={h.ip}" for h in self.hosts]
+        self.inventory.write_text("\n".join(lines) + "\n")
+
+    # -- use ----------------------------------------------------------------
+
+    def ssh_argv(self, host: LabHost) -> list[str]:
+        return [
+            "ssh",
+            "-i",
+            str(self.key),
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=5",
+            f"root@{host.ip}",
+        ]
+
+    def ssh(
+        self, host: LabHost, command: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return _run(*self.ssh_argv(host), command, check=check, timeout=timeout)
+
+    # -- tear down ----------------------------------------------------------
+
+    def down(self) -> None:
+        clear_leftovers()
+
+
+def _our_mounts() -> list[str]:
+    prefix = str(LAB_ROOT) + "/"
+    mounts = []
+    for line in Path("/proc/mounts").read_text().splitlines():
+        point = line.split()[1].replace("\\040", " ")
+        if point.startswith(prefix):
+            mounts.append(point)
+    return mounts
+
+
+def clear_leftovers(timeout: float = 60) -> None:
+    """Stop every lab host we started (SIGTERM to its nspawn: a clean
+    shutdown, SIGKILL after `timeout`), unmount the overlays, delete the
+    upper layers and the bridge. Safe to call when nothing is left."""
+    if LAB_ROOT.exists():
+        hosts = [LabHost(int(p.name[3:])) for p in LAB_ROOT.glob("lab*") if p.name[3:].isdigit()]
+        pids = [pid for pid in (h.pid() for h in hosts) if pid is not None]
+        running = [pid for pid in pids if _alive(pid) and _is_nspawn(pid)]
+        for pid in running:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for pid in running:
+            while _alive(pid) and time.monotonic() < deadline:
+                _reap(pid)
+                time.sleep(0.2)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+                _wait(partial(_reaped, pid), 30, f"nspawn {pid} to die")
+        for point in sorted(_our_mounts(), key=len, reverse=True):
+            _run("umount", "-l", point, check=False)
+        for host in hosts:
+            shutil.rmtree(host.dir, ignore_errors=True)
+    if Path(f"/sys/class/net/{BRIDGE}").exists():
+        _run("ip", "link", "del", BRIDGE, check=False)
+
+
+def _is_nspawn(pid: int) -> bool:
+    try:
+        return "systemd-nspawn" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(
+            errors="replace"
+        )
+    except OSError:
+        return False
+
+
+def _reaped(pid: int) -> bool:
+    _reap(pid)
+    return not _alive(pid)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="build and boot the lab hosts")
+    up.add_argument("--hosts", type=int, default=3)
+    sub.add_parser("down", help="stop the hosts, unmount, remove the bridge")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        lab = Lab(args.hosts)
+        try:
+            lab.up()
+        except BaseException:
+            lab.down()
+            raise
+        print(lab.inventory)
+    else:
+        clear_leftovers()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
