@@ -10,20 +10,24 @@ and SIGINT stop it gracefully.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
+import socket
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import click
 import grpc
+import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from discovery.agent import DiscoveryAgent, now_ms
 from discovery.core import DiscoveryCore, Found, Join
+from node_daemon.backup import BackupError, restore_backup, take_backup
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
 from node_daemon.identity import node_id_for
 from node_daemon.membership import Membership
@@ -404,17 +408,7 @@ def leave(
 ) -> None:
     """Make a running node leave its cluster gracefully (it hands over
     leadership, has the leader remove it, then stops)."""
-    flags: dict[str, Any] = {"secret_file": secret_file, "cluster_name": cluster_name}
-    try:
-        cfg = configfile.load(
-            NodeConfig,
-            config_path,
-            {**flags, "discovery_port": 0, "node_id": 0},
-            {"secret_file": Path, "data_dir": Path, "peers": parse_peers},
-            validate=False,
-        )
-    except ConfigError as e:
-        raise click.BadParameter(str(e)) from None
+    cfg = _offline_config(config_path, {"secret_file": secret_file, "cluster_name": cluster_name})
     target = address or cfg.address
     if target.startswith("0.0.0.0:"):
         target = "127.0.0.1:" + target.rpartition(":")[2]
@@ -427,6 +421,91 @@ def leave(
         except grpc.RpcError as e:
             raise click.ClickException(f"{target}: {e.code().name}: {e.details()}") from None
     click.echo(f"node at {target} left the cluster (removed at index {resp.index}); it stops now")
+
+
+def _offline_config(config_path: Path | None, flags: dict[str, Any]) -> NodeConfig:
+    """The node's configuration for commands that do not run it."""
+    try:
+        return configfile.load(
+            NodeConfig,
+            config_path,
+            {**flags, "discovery_port": 0, "node_id": 0},
+            {"secret_file": Path, "data_dir": Path, "peers": parse_peers},
+            validate=False,
+        )
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
+@click.option("--data-dir", type=click.Path(path_type=Path))
+@click.option("--cluster-name")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="a new directory")
+@click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
+def backup(
+    config_path: Path | None,
+    data_dir: Path | None,
+    cluster_name: str | None,
+    out: Path,
+    as_json: bool,
+) -> None:
+    """Copy this node's state (consistent, at its applied index) into OUT,
+    with a manifest. Safe while the node runs."""
+    cfg = _offline_config(config_path, {"data_dir": data_dir, "cluster_name": cluster_name})
+    data = Path(cfg.data_dir)
+    node_id = int((data / "node_id").read_text()) if (data / "node_id").exists() else cfg.node_id
+    try:
+        manifest = take_backup(data, out, cfg.cluster_name, node_id)
+    except (BackupError, lmdb.Error, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(asdict(manifest)))
+    else:
+        click.echo(
+            f"backup of {cfg.cluster_name} at index {manifest.applied_index} "
+            f"({manifest.bytes} bytes) in {out}"
+        )
+
+
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
+@click.option("--data-dir", type=click.Path(path_type=Path))
+@click.option("--cluster-name")
+@click.option("--listen", help="the node's HOST:PORT (checked: it must not be serving)")
+@click.option("--from", "source", type=click.Path(path_type=Path), required=True, help="a backup")
+@click.option(
+    "--voters", required=True, help="every node of the restored cluster: ID=HOST:PORT,..."
+)
+def restore(
+    config_path: Path | None,
+    data_dir: Path | None,
+    cluster_name: str | None,
+    listen: str | None,
+    source: Path,
+    voters: str,
+) -> None:
+    """Make this (stopped) node start from a backup. Restore every node from
+    the same backup with the same --voters; the old data is moved aside."""
+    cfg = _offline_config(
+        config_path, {"data_dir": data_dir, "cluster_name": cluster_name, "listen": listen}
+    )
+    host, _, port = cfg.listen.rpartition(":")
+    if _listening("127.0.0.1" if host in ("", "0.0.0.0") else host, int(port)):
+        raise click.ClickException(f"a node is serving on {cfg.listen}: stop it before a restore")
+    try:
+        aside = restore_backup(Path(cfg.data_dir), source, cfg.cluster_name, parse_peers(voters))
+    except (BackupError, ConfigError, lmdb.Error, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"restored from {source}; the previous data is in {aside}")
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def main() -> None:

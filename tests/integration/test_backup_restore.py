@@ -1,0 +1,124 @@
+"""Backups taken from a running node, and a whole cluster restored from one
+(`roadlog-node backup` / `roadlog-node restore`, what backup.yml and
+restore.yml run on the hosts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from roadlog.client import Connection, Producer
+from roadlog.localcluster import LocalCluster
+from tests.integration.conftest import create_topic, make_pings, read_topic, wait_for
+from tests.integration.test_replicated_log import digest
+
+pytestmark = pytest.mark.integration
+MakeCluster = Callable[..., LocalCluster]
+
+
+def node_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "node_daemon.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def stored(conn: Connection) -> set[tuple[str, int]]:
+    return {row for rows in read_topic(conn, "munich").values() for row in rows}
+
+
+def test_a_cluster_restored_from_a_live_backup_holds_exactly_the_backed_up_state(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    lc = make_cluster(nodes=3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        p = Producer(conn, "munich")
+        for k in range(4):
+            p.send_batch(make_pings("p", k * 500, 500))
+        p.flush()
+        before = stored(conn)
+        assert len(before) == 2000
+        # Every node applies what was acknowledged before it is backed up.
+        wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "equal replicas")
+        # Taken while the node runs.
+        backup = tmp_path / "backup"
+        r = node_cli(
+            "backup", "--data-dir", lc.nodes[0].data_dir, "--cluster-name", "roadlog",
+            "--out", str(backup), "--json",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        manifest = json.loads(r.stdout)
+        assert manifest["applied_index"] > 0 and manifest["cluster_name"] == "roadlog"
+        p.send_batch(make_pings("p", 2000, 700))  # after the backup: gone after a restore
+        p.flush()
+        assert len(stored(conn)) == 2700
+        # A running node refuses to be restored over.
+        voters = ",".join(f"{n.id}={n.address}" for n in lc.nodes)
+        r = node_cli(
+            "restore", "--data-dir", lc.nodes[1].data_dir, "--cluster-name", "roadlog",
+            "--listen", lc.nodes[1].address, "--from", str(backup), "--voters", voters,
+        )  # fmt: skip
+        assert r.returncode != 0 and "stop it" in r.stderr
+    lc.down()
+    for n in lc.nodes:
+        r = node_cli(
+            "restore", "--data-dir", n.data_dir, "--cluster-name", "roadlog",
+            "--listen", n.address, "--from", str(backup), "--voters", voters,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        aside = list(Path(n.data_dir).glob("pre-restore-*"))
+        assert aside and (aside[0] / "state" / "data.mdb").exists(), "old data kept aside"
+    lc.start_all()
+    lc.wait_ready(60)
+    with Connection(lc.servers) as conn:
+        assert stored(conn) == before
+        digests = {digest(n.address) for n in lc.nodes}
+        assert len(digests) == 1, f"replicas differ after the restore: {digests}"
+        # The restored cluster takes writes again.
+        Producer(conn, "munich").send_batch(make_pings("q", 0, 100))
+        assert len(stored(conn)) == 2100
+
+
+def test_a_corrupt_or_foreign_backup_is_refused_and_the_node_keeps_its_data(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    lc = make_cluster(nodes=1)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        Producer(conn, "munich").send_batch(make_pings("p", 0, 300))
+    node = lc.nodes[0]
+    backup = tmp_path / "b"
+    assert node_cli("backup", "--data-dir", node.data_dir, "--out", str(backup)).returncode == 0
+    r = node_cli("backup", "--data-dir", node.data_dir, "--out", str(backup))
+    assert r.returncode != 0 and "not empty" in r.stderr
+    lc.down()
+    voters = f"{node.id}={node.address}"
+    args = ["--data-dir", node.data_dir, "--listen", node.address, "--voters", voters]
+    r = node_cli("restore", *args, "--cluster-name", "berlin", "--from", str(backup))
+    assert r.returncode != 0 and "cluster 'roadlog'" in r.stderr
+    state = backup / "state.mdb"
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    r = node_cli("restore", *args, "--from", str(backup))
+    assert r.returncode != 0 and "SHA-256" in r.stderr
+    assert not list(Path(node.data_dir).glob("pre-restore-*")), "a refused restore moved data"
+    lc.start_all()
+    lc.wait_ready(60)
+    with Connection(lc.servers) as conn:
+        assert len(stored(conn)) == 300
+    # The node's ops endpoint: live, ready with its role, and metrics.
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/readyz", timeout=5) as r2:
+        ready = json.loads(r2.read())
+    assert ready["ready"] is True and ready["role"] == "leader" and ready["member"] is True
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz", timeout=5) as r2:
+        assert json.loads(r2.read())["live"] is True
