@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
 LAB_ROOT = Path(os.environ.get("ROADLOG_LAB_ROOT", "/var/tmp/roadlog-lab"))
 BRIDGE = "rl-lab0"
 SUBNET = "10.77.0"
@@ -264,8 +265,7 @@ class Lab:
         )
 
     def _write_inventory(self) -> None:
-        lines = [f"{h.name} ansible_host={h.ip}" for h in self.hosts]
-        self.inventory.write_text("\n".join(lines) + "\n")
+        self.inventory.write_text(lab_inventory([h.name for h in self.hosts]))
 
     # -- use ----------------------------------------------------------------
 
@@ -296,6 +296,23 @@ class Lab:
 
     def down(self) -> None:
         clear_leftovers()
+
+
+def lab_inventory(names: list[str]) -> str:
+    """The committed lab inventory (inventory/lab.ini) with these hosts:
+    every host a node and a Spark worker, the first the Spark master, the
+    first two queue servers. Its [all:vars] are kept as they are."""
+    committed = (REPO / "inventory" / "lab.ini").read_text()
+    all_vars = committed[committed.index("[all:vars]") :]
+    hosts = {n: f"{SUBNET}.{10 + int(n[3:])}" for n in names}
+    groups = {
+        "nodes": [f"{n} ansible_host={ip}" for n, ip in hosts.items()],
+        "queue_servers": names[:2],
+        "spark_master": names[:1],
+        "spark_workers": names,
+    }
+    body = "".join(f"[{g}]\n" + "\n".join(members) + "\n\n" for g, members in groups.items())
+    return "# Written by tests/lab/hosts.py from inventory/lab.ini\n" + body + all_vars
 
 
 def _our_mounts() -> list[str]:
