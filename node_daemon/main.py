@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,9 @@ from node_daemon.transport import AUTH_KEY, auth_token, authorized
 from node_daemon.worker import Executor, QueueServerLink
 from roadlog import configfile
 from roadlog.http_health import serve_metrics_and_health
+from roadlog.localcluster import node_view
 from roadlog.logs import setup_logging
+from roadlog.ops import HostView, leader_host, transfer_target
 from roadlog.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -498,6 +501,74 @@ def restore(
     except (BackupError, ConfigError, lmdb.Error, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"restored from {source}; the previous data is in {aside}")
+
+
+@cli.command("transfer-leader")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
+@click.option("--address", help="any node's gRPC HOST:PORT (default: this node's, from the config)")
+@click.option("--secret-file", type=click.Path(path_type=Path))
+@click.option("--cluster-name")
+@click.option("--to", "to", type=int, default=0, help="node id (default: the most caught-up)")
+@click.option("--timeout", default=30.0, show_default=True)
+def transfer_leader(
+    config_path: Path | None,
+    address: str | None,
+    secret_file: Path | None,
+    cluster_name: str | None,
+    to: int,
+    timeout: float,
+) -> None:
+    """Hand the leadership to another voter and wait until it leads; prints
+    {"from": ID, "to": ID, "seconds": S} as JSON."""
+    cfg = _offline_config(config_path, {"secret_file": secret_file, "cluster_name": cluster_name})
+    start = address or cfg.address
+    if start.startswith("0.0.0.0:"):
+        start = "127.0.0.1:" + start.rpartition(":")[2]
+    views, addresses = _member_views(start)
+    lead = leader_host(views)
+    if lead is None:
+        raise click.ClickException("no leader right now: nothing to transfer")
+    lead_id = next(v.node_id for v in views if v.host == lead)
+    target = transfer_target(views, prefer=to)
+    if target == 0:
+        raise click.ClickException(
+            f"no ready voter to hand over to{f' (node {to} is not one)' if to else ''}"
+        )
+    token = auth_token(cfg.secret(), cfg.cluster_name)
+    t0 = time.monotonic()
+    with grpc.insecure_channel(addresses[lead_id]) as ch:
+        try:
+            admin_pb2_grpc.AdminStub(ch).TransferLeader(
+                admin_pb2.TransferLeaderRequest(node_id=target),
+                metadata=((AUTH_KEY, token),),
+                timeout=timeout,
+            )
+        except grpc.RpcError as e:
+            raise click.ClickException(f"{e.code().name}: {e.details()}") from None
+    while time.monotonic() - t0 < timeout:
+        view = node_view(addresses[target], 2.0)
+        if view is not None and view["role"] == "leader":
+            out = {"from": lead_id, "to": target, "seconds": round(time.monotonic() - t0, 3)}
+            click.echo(json.dumps(out))
+            return
+        time.sleep(0.1)
+    raise click.ClickException(f"node {target} did not take over within {timeout:.0f} s")
+
+
+def _member_views(start: str) -> tuple[list[HostView], dict[int, str]]:
+    """Every member's own view, found from one node; hosts named by address."""
+    first = node_view(start, 2.0)
+    if first is None:
+        raise click.ClickException(f"no node answers at {start}")
+    addresses = {int(first["id"]): str(first["address"]), **first["members"]}
+    views = []
+    for node_id, addr in sorted(addresses.items()):
+        view = first if node_id == first["id"] else node_view(addr, 2.0)
+        doc = None
+        if view is not None:
+            doc = {**view, "node_id": node_id, "member": node_id in addresses}
+        views.append(HostView.from_readyz(addr, doc, "unknown"))
+    return views, addresses
 
 
 def _listening(host: str, port: int) -> bool:

@@ -1,0 +1,144 @@
+"""Cluster logic for operators (the Fabric CLI, the playbooks' checks), as
+pure functions over what hosts report, so it is tested without SSH.
+
+A host's view is what its node serves on /readyz (node_id, role, term,
+leader, commit_index, applied_index, member, ready) plus the state of its
+systemd unit; a host whose node does not answer has `reachable=False`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HostView:
+    host: str
+    reachable: bool = False
+    ready: bool = False
+    member: bool = False
+    node_id: int = 0
+    role: str = "down"
+    term: int = 0
+    leader: int = 0
+    commit_index: int = 0
+    applied_index: int = 0
+    service: str = "unknown"  # systemctl is-active
+
+    @classmethod
+    def from_readyz(cls, host: str, doc: dict[str, Any] | None, service: str) -> HostView:
+        if not doc or "node_id" not in doc:
+            return cls(host=host, service=service)
+        return cls(
+            host=host,
+            reachable=True,
+            ready=bool(doc.get("ready")),
+            member=bool(doc.get("member")),
+            node_id=int(doc["node_id"]),
+            role=str(doc.get("role", "")),
+            term=int(doc.get("term", 0)),
+            leader=int(doc.get("leader", 0)),
+            commit_index=int(doc.get("commit_index", 0)),
+            applied_index=int(doc.get("applied_index", 0)),
+            service=service,
+        )
+
+
+def leader_host(views: Sequence[HostView]) -> str | None:
+    """The host whose node leads in the highest term any host reports;
+    None while no host is leader in that term."""
+    up = [v for v in views if v.reachable]
+    if not up:
+        return None
+    term = max(v.term for v in up)
+    leaders = [v for v in up if v.role == "leader" and v.term == term]
+    return leaders[0].host if len(leaders) == 1 else None
+
+
+def restart_order(views: Sequence[HostView]) -> list[str]:
+    """Every host, followers first (in name order), the leader last: the
+    cluster pays for one election at most, at the very end."""
+    lead = leader_host(views)
+    return sorted(v.host for v in views if v.host != lead) + ([lead] if lead else [])
+
+
+def lag(views: Sequence[HostView]) -> dict[str, int]:
+    """Entries each host has yet to apply, against the leader's commit
+    index (or the highest commit index seen when there is no leader)."""
+    lead = leader_host(views)
+    ref = next((v.commit_index for v in views if v.host == lead), None)
+    if ref is None:
+        ref = max((v.commit_index for v in views if v.reachable), default=0)
+    return {v.host: max(0, ref - v.applied_index) for v in views if v.reachable}
+
+
+def health_problems(views: Sequence[HostView], max_lag: int = 1000) -> list[str]:
+    """Why the cluster is not healthy; empty when every host's node is up,
+    ready, a member, agrees on one leader, and is within `max_lag`."""
+    problems = []
+    for v in views:
+        if not v.reachable:
+            problems.append(f"{v.host}: node not answering (service {v.service})")
+        elif not v.ready:
+            problems.append(f"{v.host}: node not ready")
+        elif not v.member:
+            problems.append(f"{v.host}: not a member of the cluster")
+    lead = leader_host(views)
+    if lead is None:
+        problems.append("no leader")
+    else:
+        lead_id = next(v.node_id for v in views if v.host == lead)
+        disagree = [v.host for v in views if v.reachable and v.leader != lead_id]
+        if disagree:
+            problems.append(f"{', '.join(disagree)}: see another leader than {lead}")
+    for host, behind in lag(views).items():
+        if behind > max_lag:
+            problems.append(f"{host}: {behind} entries behind")
+    return problems
+
+
+def transfer_target(views: Sequence[HostView], prefer: int = 0) -> int:
+    """The node to hand leadership to: `prefer` if it is a ready member,
+    else the ready member follower that has applied the most. 0 if none."""
+    lead = leader_host(views)
+    candidates = [v for v in views if v.ready and v.member and v.host != lead]
+    if prefer:
+        return prefer if any(v.node_id == prefer for v in candidates) else 0
+    if not candidates:
+        return 0
+    return max(candidates, key=lambda v: (v.applied_index, -v.node_id)).node_id
+
+
+def write_pause(ack_times: Iterable[float], fault_at: float) -> float:
+    """How long writes stopped around a fault: the gap between the last
+    acknowledgement before `fault_at` and the first one after it (seconds;
+    inf when none came after)."""
+    times = sorted(ack_times)
+    before = [t for t in times if t <= fault_at]
+    after = [t for t in times if t > fault_at]
+    if not after:
+        return float("inf")
+    start = before[-1] if before else fault_at
+    return after[0] - start
+
+
+def status_rows(views: Sequence[HostView]) -> list[dict[str, Any]]:
+    """One row per host for `fab status`: role, term, leader, lag, service."""
+    behind = lag(views)
+    lead = leader_host(views)
+    return [
+        {
+            "host": v.host,
+            "service": v.service,
+            "node_id": v.node_id,
+            "role": v.role if v.reachable else "down",
+            "term": v.term,
+            "leader": v.host == lead,
+            "applied_index": v.applied_index,
+            "lag": behind.get(v.host),
+            "ready": v.ready,
+        }
+        for v in views
+    ]

@@ -1,0 +1,103 @@
+"""Operator logic without SSH: leader, restart order, health, lag, transfer
+target, the drill's write pause."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from roadlog.ops import (
+    HostView,
+    health_problems,
+    lag,
+    leader_host,
+    restart_order,
+    status_rows,
+    transfer_target,
+    write_pause,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def view(
+    host: str, node_id: int, role: str, term: int = 3, leader: int = 2, **kw: object
+) -> HostView:
+    doc = {
+        "node_id": node_id,
+        "role": role,
+        "term": term,
+        "leader": leader,
+        "commit_index": kw.pop("commit", 100),
+        "applied_index": kw.pop("applied", 100),
+        "member": kw.pop("member", True),
+        "ready": kw.pop("ready", True),
+    }
+    return HostView.from_readyz(host, doc, "active")
+
+
+def healthy() -> list[HostView]:
+    return [view("lab1", 1, "follower"), view("lab2", 2, "leader"), view("lab3", 3, "follower")]
+
+
+def test_the_leader_is_restarted_last_and_followers_in_name_order() -> None:
+    views = [view("lab3", 3, "follower"), view("lab2", 2, "leader"), view("lab1", 1, "follower")]
+    assert leader_host(views) == "lab2"
+    assert restart_order(views) == ["lab1", "lab3", "lab2"]
+
+
+def test_a_stale_leader_of_an_older_term_is_not_the_leader() -> None:
+    views = [
+        view("lab1", 1, "leader", term=2, leader=1),
+        view("lab2", 2, "leader", term=3, leader=2),
+        view("lab3", 3, "follower", term=3, leader=2),
+    ]
+    assert leader_host(views) == "lab2"
+    assert restart_order(views) == ["lab1", "lab3", "lab2"]
+
+
+def test_without_a_leader_every_host_is_restarted_in_name_order() -> None:
+    views = [view("lab2", 2, "candidate", leader=0), HostView("lab1")]
+    assert leader_host(views) is None
+    assert restart_order(views) == ["lab1", "lab2"]
+    assert "no leader" in health_problems(views)
+
+
+def test_a_healthy_cluster_has_no_problems_and_each_fault_is_named() -> None:
+    assert health_problems(healthy()) == []
+    down = [*healthy()[:2], HostView.from_readyz("lab3", None, "failed")]
+    assert health_problems(down) == ["lab3: node not answering (service failed)"]
+    behind = [*healthy()[:2], view("lab3", 3, "follower", applied=10)]
+    assert health_problems(behind, max_lag=50) == ["lab3: 90 entries behind"]
+    assert lag(behind) == {"lab1": 0, "lab2": 0, "lab3": 90}
+    learner = [*healthy()[:2], view("lab3", 3, "follower", member=False)]
+    assert health_problems(learner) == ["lab3: not a member of the cluster"]
+    split = [*healthy()[:2], view("lab3", 3, "follower", leader=1)]
+    assert health_problems(split) == ["lab3: see another leader than lab2"]
+
+
+def test_leadership_goes_to_the_most_caught_up_ready_member() -> None:
+    views = [
+        view("lab1", 1, "follower", applied=90),
+        view("lab2", 2, "leader"),
+        view("lab3", 3, "follower", applied=99),
+        view("lab4", 4, "follower", applied=100, member=False),
+    ]
+    assert transfer_target(views) == 3
+    assert transfer_target(views, prefer=1) == 1
+    assert transfer_target(views, prefer=4) == 0  # not a voter
+    assert transfer_target([view("lab2", 2, "leader")]) == 0
+
+
+def test_the_write_pause_spans_the_fault() -> None:
+    acks = [0.0, 0.1, 0.2, 0.3, 1.5, 1.6]
+    assert write_pause(acks, fault_at=0.35) == pytest.approx(1.2)
+    assert write_pause(acks, fault_at=-1.0) == pytest.approx(1.0)  # first ack after the fault
+    assert math.isinf(write_pause([0.0, 0.1], fault_at=0.5))
+
+
+def test_status_rows_mark_the_leader_and_down_hosts() -> None:
+    rows = status_rows([*healthy()[:2], HostView.from_readyz("lab3", None, "inactive")])
+    assert [r["leader"] for r in rows] == [False, True, False]
+    assert rows[2]["role"] == "down" and rows[2]["lag"] is None and rows[2]["service"] == "inactive"
