@@ -29,6 +29,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StructField, StructType
 
+from roadlog.client import RoadlogError
 from roadlog.geo import parse_region
 from spark.h3cells import cells_for
 
@@ -278,17 +279,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             end = int(time.time() * 1000)
             start = end - args.since_ms
-        summary = run(
-            topic=args.topic,
-            nodes=args.nodes.split(","),
-            servers=args.servers.split(","),
-            secret_file=args.secret_file,
-            cluster_name=args.cluster_name,
-            window_start_ms=start,
-            window_end_ms=end,
-            master=args.master,
-            out_dir=args.out,
-        )
+        try:
+            summary = run(
+                topic=args.topic,
+                nodes=args.nodes.split(","),
+                servers=args.servers.split(","),
+                secret_file=args.secret_file,
+                cluster_name=args.cluster_name,
+                window_start_ms=start,
+                window_end_ms=end,
+                master=args.master,
+                out_dir=args.out,
+            )
+        except RoadlogError as e:  # unknown topic, cluster unavailable: one clear line
+            print(f"heatmap {args.topic}: {e}", file=sys.stderr)
+            return 1
     finally:
         held.close()
     print(json.dumps(summary))
