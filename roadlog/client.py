@@ -70,6 +70,10 @@ class FailedPrecondition(RoadlogError):
     """The request no longer fits the state (a stale group generation, say)."""
 
 
+class AlreadyExists(RoadlogError):
+    """A topic of that name exists already."""
+
+
 def _error(code: grpc.StatusCode, message: str) -> RoadlogError:
     cls = {
         grpc.StatusCode.NOT_FOUND: NotFound,
@@ -78,6 +82,7 @@ def _error(code: grpc.StatusCode, message: str) -> RoadlogError:
         grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
         grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
         grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+        grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
     }.get(code, RoadlogError)
     return cls(code, message)
 

@@ -112,16 +112,18 @@ def transfer_target(views: Sequence[HostView], prefer: int = 0) -> int:
 
 
 def write_pause(ack_times: Iterable[float], fault_at: float) -> float:
-    """How long writes stopped around a fault: the gap between the last
-    acknowledgement before `fault_at` and the first one after it (seconds;
-    inf when none came after)."""
+    """How long writes stopped after a fault: the longest gap between
+    consecutive acknowledgements from the last one before `fault_at` on
+    (seconds; inf when none came after). The longest gap, not the first:
+    the fault's timestamp is taken just before it is injected, so a few
+    acknowledgements may still arrive between the two."""
     times = sorted(ack_times)
     before = [t for t in times if t <= fault_at]
     after = [t for t in times if t > fault_at]
     if not after:
         return float("inf")
-    start = before[-1] if before else fault_at
-    return after[0] - start
+    series = [before[-1] if before else fault_at, *after]
+    return max(b - a for a, b in zip(series, series[1:], strict=False))
 
 
 def status_rows(views: Sequence[HostView]) -> list[dict[str, Any]]:
@@ -142,3 +144,46 @@ def status_rows(views: Sequence[HostView]) -> list[dict[str, Any]]:
         }
         for v in views
     ]
+
+
+@dataclass(frozen=True)
+class SshHost:
+    """A host of the Ansible inventory, as Fabric connects to it."""
+
+    name: str
+    address: str
+    user: str = "root"
+    key_file: str | None = None
+    port: int = 22
+
+    @property
+    def needs_sudo(self) -> bool:
+        return self.user != "root"
+
+
+def hosts_from_inventory(doc: dict[str, Any]) -> dict[str, list[SshHost]]:
+    """Groups of hosts from `ansible-inventory --list` JSON (group -> hosts,
+    in inventory order; children groups are flattened)."""
+    hostvars: dict[str, dict[str, Any]] = doc.get("_meta", {}).get("hostvars", {})
+
+    def host(name: str) -> SshHost:
+        v = hostvars.get(name, {})
+        return SshHost(
+            name=name,
+            address=str(v.get("ansible_host", name)),
+            user=str(v.get("ansible_user", "root")),
+            key_file=v.get("ansible_ssh_private_key_file"),
+            port=int(v.get("ansible_port", 22)),
+        )
+
+    def members(group: str, seen: frozenset[str] = frozenset()) -> list[str]:
+        if group in seen:
+            return []
+        g = doc.get(group, {})
+        names = list(g.get("hosts", []))
+        for child in g.get("children", []):
+            names += members(child, seen | {group})
+        return list(dict.fromkeys(names))
+
+    groups = [k for k in doc if k != "_meta"]
+    return {g: [host(n) for n in members(g)] for g in groups}

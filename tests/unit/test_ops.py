@@ -10,6 +10,7 @@ import pytest
 from roadlog.ops import (
     HostView,
     health_problems,
+    hosts_from_inventory,
     lag,
     leader_host,
     restart_order,
@@ -93,11 +94,36 @@ def test_leadership_goes_to_the_most_caught_up_ready_member() -> None:
 def test_the_write_pause_spans_the_fault() -> None:
     acks = [0.0, 0.1, 0.2, 0.3, 1.5, 1.6]
     assert write_pause(acks, fault_at=0.35) == pytest.approx(1.2)
-    assert write_pause(acks, fault_at=-1.0) == pytest.approx(1.0)  # first ack after the fault
+    assert write_pause(acks, fault_at=-1.0) == pytest.approx(1.2)  # from the fault on
     assert math.isinf(write_pause([0.0, 0.1], fault_at=0.5))
+    # Acknowledgements that slipped in between the timestamp and the kill.
+    assert write_pause([0.0, 0.1, 0.31, 0.32, 1.5, 1.51], fault_at=0.3) == pytest.approx(1.18)
 
 
 def test_status_rows_mark_the_leader_and_down_hosts() -> None:
     rows = status_rows([*healthy()[:2], HostView.from_readyz("lab3", None, "inactive")])
     assert [r["leader"] for r in rows] == [False, True, False]
     assert rows[2]["role"] == "down" and rows[2]["lag"] is None and rows[2]["service"] == "inactive"
+
+
+def test_inventory_groups_become_ssh_hosts_with_their_connection_settings() -> None:
+    doc = {
+        "_meta": {
+            "hostvars": {
+                "lab1": {"ansible_host": "10.77.0.11", "ansible_user": "root",
+                         "ansible_ssh_private_key_file": "/k"},
+                "vm2": {"ansible_host": "10.0.0.12", "ansible_user": "azureuser",
+                        "ansible_port": 2222},
+            }
+        },
+        "all": {"children": ["ungrouped", "nodes", "roadlog"]},
+        "nodes": {"hosts": ["lab1", "vm2"]},
+        "roadlog": {"children": ["nodes", "spark_master"]},
+        "spark_master": {"hosts": ["lab1"]},
+    }  # fmt: skip
+    groups = hosts_from_inventory(doc)
+    assert [h.address for h in groups["nodes"]] == ["10.77.0.11", "10.0.0.12"]
+    assert groups["nodes"][0].key_file == "/k" and not groups["nodes"][0].needs_sudo
+    assert groups["nodes"][1].needs_sudo and groups["nodes"][1].port == 2222
+    assert [h.name for h in groups["roadlog"]] == ["lab1", "vm2"]  # children flattened, once
+    assert [h.name for h in groups["all"]] == ["lab1", "vm2"]

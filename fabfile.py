@@ -1,0 +1,329 @@
+"""roadlog operations over SSH (Fabric). Hosts come from the Ansible
+inventory: --inventory FILE, else $ROADLOG_INVENTORY, else inventory/hosts.
+
+    fab --list
+    fab status [--json]                 every host's view: role, term, lag, service
+    fab logs [--unit roadlog-node] [--lines 50] [--host lab1]
+    fab restart                         rolling, leader last, health-gated
+    fab transfer-leader [--to NODE_ID]
+    fab backup [--dest backups]         consistent copy of the state, to here
+    fab heatmap-now                     run the cron heat-map job now
+    fab drill [--seconds 20] [--json]   SIGKILL the leader's node; how long writes stopped
+
+The cluster logic (leader, order, health, pause) is roadlog.ops, tested
+without SSH; this file only moves commands and their output.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fabric import Connection, task
+from invoke.context import Context
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from roadlog.ops import (
+    HostView,
+    SshHost,
+    health_problems,
+    hosts_from_inventory,
+    leader_host,
+    restart_order,
+    status_rows,
+    write_pause,
+)
+
+VENV = "/opt/roadlog/venv"
+CONFIG = "/etc/roadlog/node.toml"
+USER = "roadlog"
+METRICS_PORT = 9400
+QUEUE_PORT = 7500
+
+READYZ = (
+    "import json, urllib.request, urllib.error\n"
+    "try:\n"
+    "    body = urllib.request.urlopen('http://127.0.0.1:{port}/readyz', timeout=3).read()\n"
+    "except urllib.error.HTTPError as e:\n"
+    "    body = e.read()\n"
+    "except OSError:\n"
+    "    body = b'null'\n"
+    "print(body.decode())\n"
+)
+
+
+# ------------------------------------------------------------------ hosts
+
+
+def _inventory(path: str | None) -> dict[str, list[SshHost]]:
+    inv = path or os.environ.get("ROADLOG_INVENTORY") or "inventory/hosts"
+    here = Path(sys.executable).parent / "ansible-inventory"
+    tool = str(here) if here.exists() else "ansible-inventory"
+    out = subprocess.run([tool, "-i", inv, "--list"], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        sys.exit(f"fab: cannot read the inventory {inv}: {out.stderr.strip()}")
+    return hosts_from_inventory(jsonlib.loads(out.stdout))
+
+
+def _connect(h: SshHost) -> Connection:
+    kwargs: dict[str, Any] = {"key_filename": h.key_file} if h.key_file else {}
+    return Connection(
+        h.address, user=h.user, port=h.port, connect_kwargs=kwargs, connect_timeout=10
+    )
+
+
+def _run(conn: Connection, cmd: str, as_user: str | None = None, warn: bool = False) -> Any:
+    """Run as root (sudo when the SSH user is not root), or as `as_user`."""
+    if as_user:
+        cmd = f"sudo -u {as_user} -- {cmd}" if conn.user == "root" else cmd
+        if conn.user != "root":
+            return conn.sudo(cmd, user=as_user, hide=True, warn=warn)
+        return conn.run(cmd, hide=True, warn=warn)
+    if conn.user == "root":
+        return conn.run(cmd, hide=True, warn=warn)
+    return conn.sudo(cmd, hide=True, warn=warn)
+
+
+def _view(h: SshHost) -> HostView:
+    try:
+        with _connect(h) as conn:
+            service = _run(conn, "systemctl is-active roadlog-node", warn=True).stdout.strip()
+            script = READYZ.format(port=METRICS_PORT)
+            raw = conn.run(f"python3 -c {shlex.quote(script)}", hide=True, warn=True).stdout
+    except Exception as e:  # an unreachable host is a row, not a crash
+        return HostView(host=h.name, service=f"ssh: {type(e).__name__}")
+    try:
+        doc = jsonlib.loads(raw)
+    except ValueError:
+        doc = None
+    return HostView.from_readyz(h.name, doc, service)
+
+
+def _views(nodes: list[SshHost]) -> list[HostView]:
+    return [_view(h) for h in nodes]
+
+
+def _wait_healthy(nodes: list[SshHost], timeout: float = 180) -> list[HostView]:
+    deadline = time.monotonic() + timeout
+    while True:
+        views = _views(nodes)
+        problems = health_problems(views)
+        if not problems:
+            return views
+        if time.monotonic() > deadline:
+            sys.exit("fab: the cluster is not healthy: " + "; ".join(problems))
+        time.sleep(2)
+
+
+def _say(msg: str) -> None:
+    print(f"[fab] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ tasks
+
+
+@task(help={"inventory": "Ansible inventory", "json": "print JSON rows"})
+def status(c: Context, inventory: str | None = None, json: bool = False) -> None:
+    """Every host's view of the cluster: role, term, lag, service state."""
+    groups = _inventory(inventory)
+    views = _views(groups.get("nodes", []))
+    rows = status_rows(views)
+    problems = health_problems(views)
+    if json:
+        print(jsonlib.dumps({"hosts": rows, "healthy": not problems, "problems": problems}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="roadlog cluster")
+    for col in ("host", "service", "node", "role", "term", "applied", "lag", "ready"):
+        table.add_column(col)
+    for r in rows:
+        role = f"{r['role']} *" if r["leader"] else r["role"]
+        lag = "-" if r["lag"] is None else str(r["lag"])
+        table.add_row(
+            r["host"], r["service"], str(r["node_id"]), role, str(r["term"]),
+            str(r["applied_index"]), lag, "yes" if r["ready"] else "no",
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    console.print("healthy" if not problems else "problems: " + "; ".join(problems))
+
+
+@task(help={"unit": "systemd unit", "lines": "how many", "host": "only this host"})
+def logs(
+    c: Context,
+    unit: str = "roadlog-node",
+    lines: int = 50,
+    host: str | None = None,
+    inventory: str | None = None,
+) -> None:
+    """Show a unit's journal on every host (or on --host)."""
+    groups = _inventory(inventory)
+    everyone = {h.name: h for hs in groups.values() for h in hs}
+    targets = [everyone[host]] if host else list(everyone.values())
+    if host and host not in everyone:
+        sys.exit(f"fab: no host {host} in the inventory")
+    for h in targets:
+        with _connect(h) as conn:
+            out = _run(
+                conn,
+                f"journalctl -u {shlex.quote(unit)} -n {int(lines)} --no-pager -o short-iso",
+                warn=True,
+            )
+        print(f"===== {h.name}: {unit}")
+        print(out.stdout.rstrip())
+
+
+@task(help={"inventory": "Ansible inventory"})
+def restart(c: Context, inventory: str | None = None) -> None:
+    """Rolling restart of the nodes, leader last, health-gated.
+
+    One host at a time; the leader hands its leadership over first; the
+    cluster must be healthy before and after each host."""
+    nodes = _inventory(inventory).get("nodes", [])
+    by_name = {h.name: h for h in nodes}
+    views = _wait_healthy(nodes)
+    for name in restart_order(views):
+        views = _wait_healthy(nodes)
+        h = by_name[name]
+        with _connect(h) as conn:
+            if leader_host(views) == name:
+                moved = _run(conn, f"{VENV}/bin/roadlog-node transfer-leader --config {CONFIG}")
+                _say(f"{name}: leadership handed over {moved.stdout.strip()}")
+            t0 = time.monotonic()
+            _run(conn, "systemctl restart roadlog-node")  # Type=notify: back and caught up
+        _say(f"{name}: restarted, ready again in {time.monotonic() - t0:.1f} s")
+    _wait_healthy(nodes)
+    _say("rolling restart done; the cluster is healthy")
+
+
+@task(name="transfer-leader", help={"to": "node id (default: the most caught-up follower)"})
+def transfer_leader(c: Context, to: int = 0, inventory: str | None = None) -> None:
+    """Hand the Raft leadership to another voter."""
+    nodes = _inventory(inventory).get("nodes", [])
+    views = _views(nodes)
+    lead = leader_host(views)
+    h = next((n for n in nodes if n.name == lead), nodes[0] if nodes else None)
+    if h is None:
+        sys.exit("fab: no nodes in the inventory")
+    with _connect(h) as conn:
+        flag = f" --to {int(to)}" if to else ""
+        out = _run(
+            conn, f"{VENV}/bin/roadlog-node transfer-leader --config {CONFIG}{flag}", warn=True
+        )
+    if out.failed:
+        sys.exit(f"fab: {out.stderr.strip() or out.stdout.strip()}")
+    print(out.stdout.strip())
+
+
+@task(help={"dest": "directory on this machine"})
+def backup(c: Context, dest: str = "backups", inventory: str | None = None) -> None:
+    """Back up the cluster's state (consistent, from one ready node) to here."""
+    nodes = _inventory(inventory).get("nodes", [])
+    views = _views(nodes)
+    ready = [v.host for v in views if v.ready]
+    if not ready:
+        sys.exit("fab: no ready node to back up from")
+    h = next(n for n in nodes if n.name == ready[0])
+    name = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    remote = f"/var/lib/roadlog/backups/{name}"
+    local = Path(dest) / name
+    local.mkdir(parents=True, exist_ok=False)
+    with _connect(h) as conn:
+        out = _run(
+            conn,
+            f"{VENV}/bin/roadlog-node backup --config {CONFIG} --out {remote} --json",
+            as_user=USER,
+        )
+        for f in ("manifest.json", "state.mdb"):
+            if conn.user == "root":
+                conn.get(f"{remote}/{f}", str(local / f))
+            else:  # the files belong to roadlog: stream them through sudo
+                data = conn.sudo(f"cat {remote}/{f}", hide=True, encoding="latin-1").stdout
+                (local / f).write_bytes(data.encode("latin-1"))
+        _run(conn, f"rm -rf {remote}")
+    manifest = jsonlib.loads(out.stdout)
+    print(
+        f"backup {local}: {h.name} at index {manifest['applied_index']}, {manifest['bytes']} bytes"
+    )
+
+
+@task(name="heatmap-now")
+def heatmap_now(c: Context, inventory: str | None = None) -> None:
+    """Run the heat-map job now (the cron job's script, on the Spark master).
+
+    One run at a time: if cron's run is going, this one says so and exits."""
+    masters = _inventory(inventory).get("spark_master", [])
+    if not masters:
+        sys.exit("fab: no spark_master host in the inventory")
+    with _connect(masters[0]) as conn:
+        out = _run(conn, "/opt/roadlog/bin/roadlog-heatmap", as_user=USER, warn=True)
+    print(out.stdout.rstrip())
+    if out.failed:
+        sys.exit(f"fab: the heat-map job failed:\n{out.stderr[-3000:]}")
+
+
+@task(help={"seconds": "how long the write probe runs", "json": "print JSON"})
+def drill(c: Context, seconds: int = 20, json: bool = False, inventory: str | None = None) -> None:
+    """SIGKILL the leader's node while a probe writes; report the write pause.
+
+    systemd restarts the killed node (Restart=on-failure)."""
+    groups = _inventory(inventory)
+    nodes, queues = groups.get("nodes", []), groups.get("queue_servers", [])
+    if not nodes or not queues:
+        sys.exit("fab: the inventory needs nodes and queue_servers")
+    views = _wait_healthy(nodes)
+    lead = leader_host(views)
+    victim = next(n for n in nodes if n.name == lead)
+    prober = next((q for q in queues if q.name != lead), queues[0])
+    servers = ",".join(f"{q.address}:{QUEUE_PORT}" for q in queues)
+    out_file = f"/tmp/roadlog-probe-{int(time.time())}.json"
+    probe = (
+        f"ROADLOG_CLIENT_ID=roadlog-drill HOME=/tmp timeout {seconds + 60} "
+        f"{VENV}/bin/python -m roadlog.probe --servers {servers} "
+        f"--duration {seconds} --out {out_file}"
+    )
+    _say(f"leader is {lead}; probe writes from {prober.name} for {seconds} s")
+    with _connect(prober) as pconn:
+        _run(pconn, f"nohup sh -c {shlex.quote(probe)} > /dev/null 2>&1 &")
+        time.sleep(min(5.0, seconds / 3))
+        with _connect(victim) as vconn:
+            killed = _run(
+                vconn,
+                "date +%s.%N && systemctl kill --kill-whom=main --signal=SIGKILL roadlog-node",
+            )
+        fault_at = float(killed.stdout.split()[0])
+        _say(f"killed roadlog-node on {lead} (SIGKILL)")
+        deadline = time.monotonic() + seconds + 60
+        while _run(pconn, f"test -f {out_file}", warn=True).failed:
+            if time.monotonic() > deadline:
+                sys.exit("fab: the probe did not finish")
+            time.sleep(1)
+        result = jsonlib.loads(_run(pconn, f"cat {out_file}").stdout)
+        _run(pconn, f"rm -f {out_file}")
+    pause = write_pause(result["acks"], fault_at)
+    views = _wait_healthy(nodes)
+    report = {
+        "killed": lead,
+        "new_leader": leader_host(views),
+        "write_pause_s": round(pause, 3),
+        "acks": len(result["acks"]),
+        "errors": result["errors"],
+        "healthy_again": True,
+    }
+    if json:
+        print(jsonlib.dumps(report))
+    else:
+        _say(
+            f"writes stopped for {pause:.2f} s; new leader {report['new_leader']}; "
+            f"{len(result['acks'])} writes acknowledged, {result['errors']} retried; "
+            "cluster healthy"
+        )
