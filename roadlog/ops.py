@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 
@@ -123,7 +124,7 @@ def write_pause(ack_times: Iterable[float], fault_at: float) -> float:
     if not after:
         return float("inf")
     series = [before[-1] if before else fault_at, *after]
-    return max(b - a for a, b in zip(series, series[1:], strict=False))
+    return max(b - a for a, b in pairwise(series))
 
 
 def status_rows(views: Sequence[HostView]) -> list[dict[str, Any]]:
