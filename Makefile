@@ -7,7 +7,7 @@ SEEDS  ?= 200
 START  ?= 0
 JOBS   ?= $(shell nproc)
 
-.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration test-netns sim bench demo lock clean
+.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration test-netns test-lab sim bench demo lock clean
 
 setup:
 	./scripts/setup.sh
@@ -36,7 +36,12 @@ test-integration: setup
 test-netns: setup
 	$(PYTEST) -m netns tests/netns
 
-test: lint typecheck test-unit test-simulation test-integration test-netns
+# Real systemd hosts (systemd-nspawn) deployed by Ansible, checked by
+# testinfra, operated with fab; needs root. Tears everything down after.
+test-lab: setup
+	$(PYTEST) -m lab tests/lab
+
+test: lint typecheck test-unit test-simulation test-integration test-netns test-lab
 
 sim: setup
 	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS) $(SIMFLAGS)

@@ -1,0 +1,136 @@
+"""The lab: real systemd hosts (systemd-nspawn) deployed by Ansible.
+
+One lab per session: hosts booted, the wheelhouse built, `site.yml` run.
+It is torn down at the end, also when a test or the setup fails, and a
+run first clears what an interrupted run left behind (tests/lab/hosts.py).
+ROADLOG_LAB_HOSTS=5 deploys five hosts instead of three. One more host is
+booted but left out of the inventory: the one `add_node.yml` adds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.lab.hosts import Lab, LabHost, lab_inventory
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, every: float = 1.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@dataclass
+class Deployed:
+    lab: Lab
+    count: int
+    inventory: Path
+    timings: dict[str, float] = field(default_factory=dict)
+    first_site: str = ""
+
+    @property
+    def hosts(self) -> list[LabHost]:
+        return self.lab.hosts[: self.count]
+
+    @property
+    def spare(self) -> LabHost:
+        return self.lab.hosts[self.count]
+
+    @property
+    def servers(self) -> list[str]:
+        return [f"{h.ip}:7500" for h in self.hosts[:2]]
+
+    def host(self, name: str) -> LabHost:
+        return next(h for h in self.lab.hosts if h.name == name)
+
+    def ssh(self, host: LabHost | str, command: str, check: bool = True) -> str:
+        h = self.host(host) if isinstance(host, str) else host
+        return self.lab.ssh(h, command, check=check).stdout
+
+    def local_http(self, host: LabHost | str, port: int, path: str) -> str:
+        """GET http://127.0.0.1:PORT/PATH on a host (as its own services see it)."""
+        url = f"http://127.0.0.1:{port}{path}"
+        script = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
+        return self.ssh(host, f"python3 -c {shlex.quote(script)}")
+
+    def playbook(self, name: str, *args: str, inventory: Path | None = None) -> str:
+        """Run a playbook; returns its output (fails the test on failure)."""
+        t0 = time.monotonic()
+        r = subprocess.run(
+            [str(BIN / "ansible-playbook"), "-i", str(inventory or self.inventory),
+             f"playbooks/{name}", *args],
+            cwd=REPO, capture_output=True, text=True, timeout=1500,
+            env={**os.environ, "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"},
+        )  # fmt: skip
+        self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t0
+        assert r.returncode == 0, f"{name} failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+        return r.stdout
+
+    def fab(self, *args: str) -> str:
+        r = subprocess.run(
+            [str(BIN / "fab"), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+            env={**os.environ, "ROADLOG_INVENTORY": str(self.inventory)},
+        )  # fmt: skip
+        assert r.returncode == 0, f"fab {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    def roadlog(self, *args: str, client: str = "lab-driver") -> dict[str, Any]:
+        r = subprocess.run(
+            [str(BIN / "roadlog"), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={**os.environ, "ROADLOG_CLIENT_ID": client},
+        )  # fmt: skip
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr.strip() or r.stdout.strip())
+        return dict(json.loads(r.stdout))
+
+    def cluster(self) -> dict[str, Any]:
+        return self.roadlog("cluster", "status", "--servers", ",".join(self.servers), "--json")
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP counters per host."""
+    out = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):
+        out[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return out
+
+
+@pytest.fixture(scope="session")
+def deployed() -> Iterator[Deployed]:
+    count = int(os.environ.get("ROADLOG_LAB_HOSTS", "3"))
+    lab = Lab(count + 1)
+    try:
+        t0 = time.monotonic()
+        lab.up()
+        inventory = lab.inventory.with_name("inventory-deployed.ini")
+        inventory.write_text(lab_inventory([h.name for h in lab.hosts[:count]]))
+        d = Deployed(lab, count, inventory, {"boot": time.monotonic() - t0})
+        t0 = time.monotonic()
+        subprocess.run(
+            ["./scripts/build_wheelhouse.sh"], cwd=REPO, check=True, capture_output=True,
+            env={**os.environ, "PY": sys.executable}, timeout=900,
+        )  # fmt: skip
+        d.timings["wheelhouse"] = time.monotonic() - t0
+        d.first_site = d.playbook("site.yml")
+        yield d
+        print("\nlab timings (s):", json.dumps({k: round(v, 1) for k, v in d.timings.items()}))
+    finally:
+        lab.down()

@@ -1,0 +1,134 @@
+"""pytest-testinfra checks of deployed hosts, over the Ansible inventory:
+
+    pytest --hosts=ansible://all --ansible-inventory=INV \
+        -o python_files='infra_*.py' tests/lab/infra_hosts.py
+
+(the lab test runs exactly this). Each host is checked for what its groups
+say it runs: users, files and modes, units enabled and running, ports,
+`systemd-analyze security` exposure, the cluster's health, Spark workers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.lab
+
+MAX_EXPOSURE = 2.0  # systemd-analyze security: 0 (sealed) .. 10 (exposed)
+
+
+def groups(host: Any) -> list[str]:
+    return list(host.ansible.get_variables()["group_names"])
+
+
+def get_json(host: Any, url: str) -> Any:
+    script = (
+        "import urllib.request, urllib.error\n"
+        "try:\n"
+        f"    print(urllib.request.urlopen({url!r}, timeout=5).read().decode())\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print(e.read().decode())\n"
+    )
+    return json.loads(host.check_output("python3 -c %s", script))
+
+
+def test_the_roadlog_user_is_a_system_user_without_a_shell(host: Any) -> None:
+    user = host.user("roadlog")
+    assert user.exists and user.uid < 1000
+    assert user.shell == "/usr/sbin/nologin"
+    assert user.group == "roadlog"
+
+
+def test_configuration_and_state_have_their_owners_and_modes(host: Any) -> None:
+    secret = host.file("/etc/roadlog/secret")
+    assert secret.user == "root" and secret.group == "roadlog" and secret.mode == 0o640
+    conf = host.file("/etc/roadlog")
+    assert conf.is_directory and conf.mode == 0o750 and conf.group == "roadlog"
+    data = host.file("/var/lib/roadlog")
+    assert data.user == "roadlog" and data.mode == 0o750
+    assert host.file("/opt/roadlog/venv/bin/roadlog-node").is_file
+    assert host.file("/opt/roadlog/wheelhouse/SHA256SUMS").is_file
+    if "nodes" in groups(host):
+        node_toml = host.file("/etc/roadlog/node.toml")
+        assert node_toml.mode == 0o640 and node_toml.group == "roadlog"
+        assert "bootstrap_expect" in node_toml.content_string
+        assert "peers" not in node_toml.content_string  # discovery forms the cluster
+        assert host.file("/var/lib/roadlog/node/node_id").user == "roadlog"
+
+
+def units(host: Any) -> list[str]:
+    g = groups(host)
+    wanted = {
+        "roadlog-node": "nodes",
+        "roadlog-queue": "queue_servers",
+        "spark-master": "spark_master",
+        "spark-worker": "spark_workers",
+    }
+    return [u for u, group in wanted.items() if group in g]
+
+
+def test_units_are_enabled_and_running(host: Any) -> None:
+    assert units(host), "the host runs nothing"
+    for unit in units(host):
+        service = host.service(unit)
+        assert service.is_enabled and service.is_running, unit
+    node_type = host.check_output("systemctl show -p Type --value roadlog-node")
+    assert node_type == "notify"
+
+
+def test_ports_listen(host: Any) -> None:
+    g = groups(host)
+    expected = []
+    if "nodes" in g:
+        expected += ["tcp://0.0.0.0:7400", "tcp://0.0.0.0:9400", "udp://0.0.0.0:7499"]
+    if "queue_servers" in g:
+        expected += ["tcp://0.0.0.0:7500", "tcp://0.0.0.0:8080", "tcp://0.0.0.0:9500"]
+    for spec in expected:
+        assert host.socket(spec).is_listening, spec
+    if "spark_master" in g:  # the JVM binds the host's address (as ::ffff:IP)
+        ip = host.ansible.get_variables()["ansible_host"]
+        listening = host.socket.get_listening_sockets()
+        for port in (7077, 8090):
+            assert any(s.endswith(f"{ip}:{port}") for s in listening), (port, listening)
+
+
+def test_units_are_hardened(host: Any) -> None:
+    for unit in units(host):
+        out = host.check_output(f"systemd-analyze security {unit} --no-pager")
+        m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", out)
+        assert m, out[-500:]
+        assert float(m.group(1)) <= MAX_EXPOSURE, f"{unit}: exposure {m.group(1)}"
+        props = host.check_output(
+            f"systemctl show -p NoNewPrivileges,ProtectSystem,ProtectHome,PrivateTmp,User {unit}"
+        )
+        for want in (
+            "NoNewPrivileges=yes",
+            "ProtectSystem=strict",
+            "PrivateTmp=yes",
+            "User=roadlog",
+        ):
+            assert want in props, f"{unit}: {want} not in {props}"
+
+
+def test_the_node_is_a_ready_member(host: Any) -> None:
+    if "nodes" not in groups(host):
+        pytest.skip("no node on this host")
+    ready = get_json(host, "http://127.0.0.1:9400/readyz")
+    assert ready["ready"] and ready["member"] and ready["leader"] != 0
+
+
+def test_every_spark_worker_is_registered_with_the_master(host: Any) -> None:
+    if "spark_master" not in groups(host):
+        pytest.skip("not the Spark master")
+    ip = host.ansible.get_variables()["ansible_host"]
+    status = get_json(host, f"http://{ip}:8090/json/")
+    workers = host.ansible.get_variables()["groups"]["spark_workers"]
+    alive = [w for w in status["workers"] if w["state"] == "ALIVE"]
+    assert status["status"] == "ALIVE" and len(alive) >= len(workers)
+    crontab = host.check_output("crontab -l -u roadlog")
+    assert "/opt/roadlog/bin/roadlog-heatmap" in crontab
+    assert host.file("/opt/roadlog/spark-env/roadlog-env.tar.gz").mode == 0o644

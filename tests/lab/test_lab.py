@@ -1,0 +1,174 @@
+"""The appliance on real hosts: Ansible deploys it onto systemd machines,
+testinfra checks them, and the operations (drill, rolling restart, backup
+and restore, adding a node, the cron heat map, Fabric) run against it.
+
+The tests share one deployed lab (conftest.py) and run in file order; each
+leaves the cluster healthy for the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from roadlog.client import Connection
+from tests.integration.conftest import ProducerRun, assert_exactly_once_in_order, read_topic
+from tests.lab.conftest import REPO, Deployed, recap, wait_for
+from tests.lab.hosts import BROADCAST, lab_inventory
+
+pytestmark = pytest.mark.lab
+CITY = "lab-city"
+BBOX = "11.4,48.05,11.75,48.25"
+HOTSPOT = "11.575,48.137"
+
+
+def test_site_deploys_every_host_and_a_second_run_changes_nothing(deployed: Deployed) -> None:
+    first = recap(deployed.first_site)
+    assert set(first) == {h.name for h in deployed.hosts}
+    assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in first.values())
+    assert all(c["changed"] > 0 for c in first.values()), "the first run installed nothing?"
+    again = recap(deployed.playbook("site.yml"))
+    assert {h: c["changed"] for h, c in again.items()} == {h.name: 0 for h in deployed.hosts}
+
+
+def test_hosts_pass_testinfra(deployed: Deployed) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "lab",
+         "--hosts=ansible://all", f"--ansible-inventory={deployed.inventory}",
+         "-o", "python_files=infra_*.py", "tests/lab/infra_hosts.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    passed = int(r.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
+    assert passed >= 6 * len(deployed.hosts), r.stdout[-1000:]
+
+
+def test_the_nodes_formed_one_cluster_by_broadcast_discovery(deployed: Deployed) -> None:
+    conf = deployed.ssh(deployed.hosts[0], "cat /etc/roadlog/node.toml")
+    assert f'discovery_broadcast = "{BROADCAST}"' in conf and "\npeers" not in conf
+    assert f"bootstrap_expect = {deployed.count}" in conf
+    st = deployed.cluster()
+    members = [n for n in st["nodes"] if n["role"] in ("leader", "follower")]
+    assert st["leader"] != 0 and len(members) == deployed.count
+    # Each node heard the others' HELLOs on the broadcast address.
+    metrics = deployed.local_http(deployed.hosts[-1], 9400, "/metrics")
+    received = [
+        line for line in metrics.splitlines()
+        if line.startswith('roadlog_discovery_datagrams_total{outcome="accepted"}')
+        and not line.endswith(" 0.0")
+    ]  # fmt: skip
+    assert received, "no discovery HELLOs received"
+
+
+def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_map(
+    deployed: Deployed,
+) -> None:
+    deployed.roadlog("topic", "create", CITY, "--bbox", BBOX, "--partitions", "4",
+                     "--servers", ",".join(deployed.servers), "--json")  # fmt: skip
+    with Connection(deployed.servers) as conn:
+        run = ProducerRun(conn, CITY, "lab-drill").start()
+        wait_for(lambda: len(run.acked) > 2000, 60, "writes before the fault", every=0.2)
+        leader = next(n for n in deployed.cluster()["nodes"] if n["role"] == "leader")
+        host = next(h for h in deployed.hosts if leader["address"].startswith(h.ip + ":"))
+        deployed.ssh(host, "systemctl stop roadlog-node")
+        stopped_at = len(run.acked)
+        wait_for(
+            lambda: len(run.acked) > stopped_at + 2000, 90, "writes without the leader", every=0.2
+        )
+        deployed.ssh(host, "systemctl start roadlog-node")  # returns once caught up
+        run.join()
+        assert_exactly_once_in_order(read_topic(conn, CITY), run.acked)
+    # Traffic of the last minutes with a jam, as a contributor.
+    sim = deployed.roadlog("simulate", CITY, "--vehicles", "60", "--duration", "300",
+                           "--hotspot", HOTSPOT, "--servers", ",".join(deployed.servers),
+                           "--json")  # fmt: skip
+    assert sim
+    got: dict[str, object] = {}
+
+    def cron_heatmap_served() -> bool:
+        try:
+            got.update(deployed.roadlog("heatmap", "get", CITY, "--servers",
+                                        ",".join(deployed.servers), "--json"))  # fmt: skip
+        except RuntimeError:
+            return False
+        return True
+
+    wait_for(cron_heatmap_served, 420, "the cron job's heat map", every=5)
+    assert got.get("type") == "FeatureCollection" and got.get("features"), str(got)[:500]
+    # The job ran on the standalone cluster from cron, executors with the packed env.
+    log = deployed.ssh(deployed.hosts[0], "journalctl -t roadlog-heatmap --no-pager -o cat")
+    assert "building lab-city" in log
+    envs = "".join(
+        deployed.ssh(h, "find /var/lib/roadlog/spark/work -maxdepth 3 -name environment", False)
+        for h in deployed.hosts
+    )
+    assert "environment" in envs, "no executor unpacked the packed virtualenv"
+
+
+def test_a_rolling_restart_with_producers_running_loses_nothing(deployed: Deployed) -> None:
+    with Connection(deployed.servers) as conn:
+        runs = [ProducerRun(conn, CITY, f"lab-roll-{i}", deadline_s=60).start() for i in range(2)]
+        wait_for(lambda: all(len(r.acked) > 500 for r in runs), 60, "writes", every=0.2)
+        out = deployed.playbook("rolling_restart.yml")
+        counts = recap(out)
+        assert all(c["failed"] == 0 for c in counts.values())
+        for r in runs:
+            r.join()
+        stored = read_topic(conn, CITY)
+        for r in runs:
+            assert_exactly_once_in_order(stored, r.acked)
+    assert "Hand the leadership to the most caught-up follower" in out
+    assert deployed.cluster()["leader"] != 0
+
+
+def test_fab_status_and_drill(deployed: Deployed) -> None:
+    status = json.loads(deployed.fab("status", "--json"))
+    assert status["healthy"], status
+    assert [r["leader"] for r in status["hosts"]].count(True) == 1
+    listing = deployed.fab("--list")
+    for name in ("status", "logs", "restart", "transfer-leader", "backup", "heatmap-now", "drill"):
+        assert name in listing
+    report = json.loads(deployed.fab("drill", "--seconds", "15", "--json").splitlines()[-1])
+    assert report["healthy_again"] and report["acks"] > 100
+    assert report["new_leader"] != report["killed"]
+    assert 0 < report["write_pause_s"] < 15, report
+    print(f"\nfab drill: writes stopped for {report['write_pause_s']} s")
+    logs = deployed.fab(
+        "logs", "--unit", "roadlog-node", "--lines", "5", "--host", report["killed"]
+    )
+    assert f"===== {report['killed']}: roadlog-node" in logs
+
+
+def test_backup_then_restore_brings_the_cluster_back_to_the_backup(deployed: Deployed) -> None:
+    out = deployed.playbook("backup.yml")
+    name = out.split("backups/")[1].split(":")[0]
+    backup = REPO / "backups" / name
+    assert (backup / "state.mdb").exists() and (backup / "manifest.json").exists()
+    with Connection(deployed.servers) as conn:
+        before = read_topic(conn, CITY)
+        run = ProducerRun(conn, CITY, "lab-after-backup").start()
+        wait_for(lambda: len(run.acked) > 500, 60, "writes after the backup", every=0.2)
+        run.join()
+    deployed.playbook("restore.yml", "-e", f"roadlog_restore_from={backup}")
+    with Connection(deployed.servers) as conn:
+        after = read_topic(conn, CITY)
+    assert after == before, "the restored cluster differs from the backup"
+
+
+def test_add_node_joins_a_new_host_to_the_running_cluster(deployed: Deployed) -> None:
+    spare = deployed.spare
+    names = [h.name for h in deployed.hosts] + [spare.name]
+    inventory = deployed.inventory.with_name("inventory-added.ini")
+    inventory.write_text(lab_inventory(names))
+    deployed.playbook("add_node.yml", "--limit", spare.name, inventory=inventory)
+    ready = json.loads(deployed.local_http(spare, 9400, "/readyz"))
+    assert ready["ready"] and ready["member"]
+    st = deployed.cluster()
+    assert any(n["address"].startswith(spare.ip + ":") for n in st["nodes"])
+    deployed.inventory = inventory
+    assert json.loads(deployed.fab("status", "--json"))["healthy"]
