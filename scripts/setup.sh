@@ -15,10 +15,20 @@ command -v ip >/dev/null 2>&1 || need_debs+=(iproute2)
 command -v nft >/dev/null 2>&1 || need_debs+=(nftables)
 command -v python3.11 >/dev/null 2>&1 || need_debs+=(python3.11)
 # Spark (pyspark from pip) runs on a JVM: Java 17 when there is none.
-command -v java >/dev/null 2>&1 || need_debs+=(openjdk-17-jre-headless)
+# (the lab hosts and the Ansible roles use Debian's OpenJDK 17 at its usual path)
+[ -d /usr/lib/jvm/java-17-openjdk-amd64 ] || need_debs+=(openjdk-17-jre-headless)
 # The HTML heat map is checked in headless Chromium (the test tier).
 command -v chromium >/dev/null 2>&1 || need_debs+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need_debs+=(chromium-driver)
+# The lab tier: systemd hosts (systemd-nspawn) over an overlay of this
+# machine's root reached by SSH, so the packages the hosts need are
+# installed here (their services are not started here, see below).
+command -v systemd-nspawn >/dev/null 2>&1 || need_debs+=(systemd-container)
+[ -x /usr/sbin/sshd ] || need_debs+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need_debs+=(openssh-client)
+[ -x /usr/sbin/cron ] || need_debs+=(cron)
+command -v sudo >/dev/null 2>&1 || need_debs+=(sudo)
+command -v flock >/dev/null 2>&1 || need_debs+=(util-linux)
 PY=$(command -v python3.11 || echo /usr/bin/python3.11)
 if [ -x "$PY" ] && ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
   need_debs+=(python3.11-venv)
@@ -28,8 +38,15 @@ if [ "${#need_debs[@]}" -gt 0 ]; then
     log "missing Debian packages: ${need_debs[*]} (run as root to install them)"; exit 1
   fi
   log "installing Debian packages: ${need_debs[*]}"
+  # Installed for the lab hosts, not to run here: no service starts now.
+  own_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    own_policy=1
+  fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_debs[@]}" >/dev/null
+  if [ "$own_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
   PY=$(command -v python3.11)
 fi
 

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -203,6 +204,7 @@ class Lab:
         units = etc / "systemd" / "system"
         (units / "multi-user.target.wants").mkdir(parents=True, exist_ok=True)
         (etc / "hostname").write_text(f"{host.name}\n")
+        (etc / "machine-id").write_text(uuid.uuid4().hex + "\n")
         hosts = "127.0.0.1 localhost\n" + "".join(f"{h.ip} {h.name}\n" for h in self.hosts)
         (etc / "hosts").write_text(hosts)
         for unit in MASKED_UNITS:
@@ -231,6 +233,17 @@ class Lab:
         )
 
     def _boot(self, host: LabHost) -> None:
+        # Each host in its own cgroup: nspawn (--keep-unit) builds the
+        # container's tree under the cgroup it runs in, and two hosts sharing
+        # one would share (and fight over) their units' cgroups.
+        cgroups = _cgroup_dirs(host)
+        for d in cgroups:
+            d.mkdir(parents=True, exist_ok=True)
+
+        def enter_cgroups() -> None:
+            for d in cgroups:
+                (d / "cgroup.procs").write_text(str(os.getpid()))
+
         with open(host.console_log, "ab") as out:
             proc = subprocess.Popen(
                 [
@@ -249,6 +262,7 @@ class Lab:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=enter_cgroups,
             )
         host.pid_file.write_text(str(proc.pid))
 
@@ -315,6 +329,28 @@ def lab_inventory(names: list[str]) -> str:
     return "# Written by tests/lab/hosts.py from inventory/lab.ini\n" + body + all_vars
 
 
+def _cgroup_roots() -> list[Path]:
+    base = Path("/sys/fs/cgroup")
+    if (base / "cgroup.controllers").exists():  # the unified hierarchy only
+        return [base]
+    return [p for p in (base / "systemd", base / "unified") if (p / "cgroup.procs").exists()]
+
+
+def _cgroup_dirs(host: LabHost) -> list[Path]:
+    return [root / "roadlog-lab" / host.name for root in _cgroup_roots()]
+
+
+def _remove_cgroups() -> None:
+    """The lab's cgroup trees, deepest first (a cgroup goes once it is empty)."""
+    for root in _cgroup_roots():
+        top = root / "roadlog-lab"
+        if not top.exists():
+            continue
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+
 def _our_mounts() -> list[str]:
     prefix = str(LAB_ROOT) + "/"
     mounts = []
@@ -347,8 +383,14 @@ def clear_leftovers(timeout: float = 60) -> None:
             _run("umount", "-l", point, check=False)
         for host in hosts:
             shutil.rmtree(host.dir, ignore_errors=True)
+    _remove_cgroups()
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         _run("ip", "link", "del", BRIDGE, check=False)
+    # A stopped container's veth goes away with its namespace, which the
+    # kernel tears down asynchronously: wait, so a new lab can reuse the name.
+    for veth in Path("/sys/class/net").glob("vb-lab*"):
+        _run("ip", "link", "del", veth.name, check=False)
+    _wait(lambda: not list(Path("/sys/class/net").glob("vb-lab*")), 30, "old lab veths to go")
 
 
 def _is_nspawn(pid: int) -> bool:
