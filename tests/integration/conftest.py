@@ -73,6 +73,7 @@ class ProducerRun:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     deadline_s: float = 30.0
+    pause_s: float = 0.0  # between batches: a steady load instead of a flood
 
     def start(self) -> ProducerRun:
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -92,6 +93,8 @@ class ProducerRun:
                 continue
             dev = cols.device_of()
             self.acked += list(zip(dev.tolist(), cols.ts_ms.tolist(), strict=True))
+            if self.pause_s:
+                self.stop.wait(self.pause_s)
 
     def join(self) -> None:
         self.stop.set()

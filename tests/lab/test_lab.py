@@ -20,7 +20,8 @@ from tests.integration.conftest import ProducerRun, assert_exactly_once_in_order
 from tests.lab.conftest import REPO, Deployed, recap, wait_for
 from tests.lab.hosts import BROADCAST, lab_inventory
 
-pytestmark = pytest.mark.lab
+# The first test also boots the lab, builds the wheelhouse and runs site.yml.
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
 CITY = "lab-city"
 BBOX = "11.4,48.05,11.75,48.25"
 HOTSPOT = "11.575,48.137"
@@ -71,7 +72,7 @@ def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_m
     deployed.roadlog("topic", "create", CITY, "--bbox", BBOX, "--partitions", "4",
                      "--servers", ",".join(deployed.servers), "--json")  # fmt: skip
     with Connection(deployed.servers) as conn:
-        run = ProducerRun(conn, CITY, "lab-drill").start()
+        run = ProducerRun(conn, CITY, "lab-drill", pause_s=0.02).start()
         wait_for(lambda: len(run.acked) > 2000, 60, "writes before the fault", every=0.2)
         leader = next(n for n in deployed.cluster()["nodes"] if n["role"] == "leader")
         host = next(h for h in deployed.hosts if leader["address"].startswith(h.ip + ":"))
@@ -108,11 +109,16 @@ def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_m
         for h in deployed.hosts
     )
     assert "environment" in envs, "no executor unpacked the packed virtualenv"
+    # Proven: stop the every-minute job so the next tests get the two cores.
+    deployed.ssh(deployed.hosts[0], "crontab -r -u roadlog")
 
 
 def test_a_rolling_restart_with_producers_running_loses_nothing(deployed: Deployed) -> None:
     with Connection(deployed.servers) as conn:
-        runs = [ProducerRun(conn, CITY, f"lab-roll-{i}", deadline_s=60).start() for i in range(2)]
+        runs = [
+            ProducerRun(conn, CITY, f"lab-roll-{i}", deadline_s=60, pause_s=0.1).start()
+            for i in range(2)
+        ]
         wait_for(lambda: all(len(r.acked) > 500 for r in runs), 60, "writes", every=0.2)
         out = deployed.playbook("rolling_restart.yml")
         counts = recap(out)
@@ -151,7 +157,7 @@ def test_backup_then_restore_brings_the_cluster_back_to_the_backup(deployed: Dep
     assert (backup / "state.mdb").exists() and (backup / "manifest.json").exists()
     with Connection(deployed.servers) as conn:
         before = read_topic(conn, CITY)
-        run = ProducerRun(conn, CITY, "lab-after-backup").start()
+        run = ProducerRun(conn, CITY, "lab-after-backup", pause_s=0.02).start()
         wait_for(lambda: len(run.acked) > 500, 60, "writes after the backup", every=0.2)
         run.join()
     deployed.playbook("restore.yml", "-e", f"roadlog_restore_from={backup}")
