@@ -81,14 +81,9 @@ def _connect(h: SshHost) -> Connection:
 
 def _run(conn: Connection, cmd: str, as_user: str | None = None, warn: bool = False) -> Any:
     """Run as root (sudo when the SSH user is not root), or as `as_user`."""
-    if as_user:
-        cmd = f"sudo -u {as_user} -- {cmd}" if conn.user == "root" else cmd
-        if conn.user != "root":
-            return conn.sudo(cmd, user=as_user, hide=True, warn=warn)
-        return conn.run(cmd, hide=True, warn=warn)
     if conn.user == "root":
-        return conn.run(cmd, hide=True, warn=warn)
-    return conn.sudo(cmd, hide=True, warn=warn)
+        return conn.run(f"sudo -u {as_user} -- {cmd}" if as_user else cmd, hide=True, warn=warn)
+    return conn.sudo(cmd, user=as_user or "root", hide=True, warn=warn)
 
 
 def _view(h: SshHost) -> HostView:

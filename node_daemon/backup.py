@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,11 +28,9 @@ from pathlib import Path
 import lmdb
 
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
-from node_daemon.state_machine import StateMachine
+from node_daemon.state_machine import _U64, StateMachine
 from node_daemon.storage.raft_log import LmdbLogStorage
 
-_U64 = struct.Struct(">Q")
-_PEER = struct.Struct(">5sQ")
 STATE_FILE = "state.mdb"
 MANIFEST = "manifest.json"
 
@@ -160,12 +157,7 @@ def restore_backup(data_dir: Path, backup: Path, cluster_name: str, voters: dict
     sm = StateMachine(data_dir / "state")
     try:
         sm.install_snapshot(snap_file)
-        with sm.env.begin(write=True) as txn:
-            for node_id in list(sm.peers()):
-                txn.delete(_PEER.pack(b"peer/", node_id), db=sm.meta)
-            for node_id, address in sorted(voters.items()):
-                txn.put(_PEER.pack(b"peer/", node_id), address.encode(), db=sm.meta)
-        sm.env.sync(True)
+        sm.replace_address_book(voters)
         if sm.applied_index != manifest.applied_index:
             raise BackupError(
                 f"restored state is at {sm.applied_index}, the manifest says "

@@ -444,6 +444,16 @@ class StateMachine:
                     out[_PEER.unpack(k)[1]] = bytes(v).decode()
         return out
 
+    def replace_address_book(self, addresses: dict[int, str]) -> None:
+        """Make the address book exactly `addresses` (restore only: outside
+        the log, the same on every node restored with the same voters)."""
+        with self.env.begin(write=True) as txn:
+            for node_id in list(self.peers()):
+                txn.delete(_PEER.pack(b"peer/", node_id), db=self.meta)
+            for node_id, address in sorted(addresses.items()):
+                txn.put(_PEER.pack(b"peer/", node_id), address.encode(), db=self.meta)
+        self.env.sync(True)
+
     def describe_group(self, name: str) -> groups_pb2.GroupDescription:
         with self.env.begin() as txn:
             return self.groups.describe(txn, name)
