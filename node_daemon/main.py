@@ -251,15 +251,15 @@ async def serve(cfg: NodeConfig) -> None:
 
         def readiness_detail() -> tuple[bool, dict[str, Any]]:
             core = node.core
-            ok = node.ready and membership.in_config()
-            return ok, {
+            member = membership.in_config()
+            return node.ready and member, {
                 "node_id": core.id,
                 "role": core.role.name.lower(),
                 "term": core.term,
                 "leader": core.lead,
                 "commit_index": core.log.committed,
                 "applied_index": node.sm.applied_index,
-                "member": membership.in_config(),
+                "member": member,
             }
 
         serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
@@ -412,9 +412,7 @@ def leave(
     """Make a running node leave its cluster gracefully (it hands over
     leadership, has the leader remove it, then stops)."""
     cfg = _offline_config(config_path, {"secret_file": secret_file, "cluster_name": cluster_name})
-    target = address or cfg.address
-    if target.startswith("0.0.0.0:"):
-        target = "127.0.0.1:" + target.rpartition(":")[2]
+    target = _dialable(address or cfg.address)
     token = auth_token(cfg.secret(), cfg.cluster_name)
     with grpc.insecure_channel(target) as ch:
         try:
@@ -424,6 +422,12 @@ def leave(
         except grpc.RpcError as e:
             raise click.ClickException(f"{target}: {e.code().name}: {e.details()}") from None
     click.echo(f"node at {target} left the cluster (removed at index {resp.index}); it stops now")
+
+
+def _dialable(address: str) -> str:
+    """A listen address one can connect to: 0.0.0.0 means this host."""
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host in ("", "0.0.0.0") else address
 
 
 def _offline_config(config_path: Path | None, flags: dict[str, Any]) -> NodeConfig:
@@ -493,8 +497,8 @@ def restore(
     cfg = _offline_config(
         config_path, {"data_dir": data_dir, "cluster_name": cluster_name, "listen": listen}
     )
-    host, _, port = cfg.listen.rpartition(":")
-    if _listening("127.0.0.1" if host in ("", "0.0.0.0") else host, int(port)):
+    host, _, port = _dialable(cfg.listen).rpartition(":")
+    if _listening(host, int(port)):
         raise click.ClickException(f"a node is serving on {cfg.listen}: stop it before a restore")
     try:
         aside = restore_backup(Path(cfg.data_dir), source, cfg.cluster_name, parse_peers(voters))
@@ -521,9 +525,7 @@ def transfer_leader(
     """Hand the leadership to another voter and wait until it leads; prints
     {"from": ID, "to": ID, "seconds": S} as JSON."""
     cfg = _offline_config(config_path, {"secret_file": secret_file, "cluster_name": cluster_name})
-    start = address or cfg.address
-    if start.startswith("0.0.0.0:"):
-        start = "127.0.0.1:" + start.rpartition(":")[2]
+    start = _dialable(address or cfg.address)
     views, addresses = _member_views(start)
     lead = leader_host(views)
     if lead is None:

@@ -82,12 +82,13 @@ def _run(*argv: str, check: bool = True, timeout: float = 60) -> subprocess.Comp
     return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=timeout)
 
 
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> None:
+    """Poll `cond` every `every` seconds until it holds; TimeoutError after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return
-        time.sleep(0.25)
+        time.sleep(every)
     raise TimeoutError(f"lab: timed out after {timeout:.0f} s waiting for {what}")
 
 
@@ -169,7 +170,7 @@ class Lab:
             self._prepare(host)
             self._boot(host)
         for host in self.hosts:
-            _wait(partial(self._ssh_ready, host), boot_timeout, f"sshd on {host.name}")
+            wait_for(partial(self._ssh_ready, host), boot_timeout, f"sshd on {host.name}")
         self._write_inventory()
         (LAB_ROOT / "lab.json").write_text(
             json.dumps({"hosts": [h.name for h in self.hosts]}, indent=2)
@@ -378,7 +379,7 @@ def clear_leftovers(timeout: float = 60) -> None:
                 time.sleep(0.2)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-                _wait(partial(_reaped, pid), 30, f"nspawn {pid} to die")
+                wait_for(partial(_reaped, pid), 30, f"nspawn {pid} to die")
         for point in sorted(_our_mounts(), key=len, reverse=True):
             _run("umount", "-l", point, check=False)
         for host in hosts:
@@ -390,7 +391,7 @@ def clear_leftovers(timeout: float = 60) -> None:
     # kernel tears down asynchronously: wait, so a new lab can reuse the name.
     for veth in Path("/sys/class/net").glob("vb-lab*"):
         _run("ip", "link", "del", veth.name, check=False)
-    _wait(lambda: not list(Path("/sys/class/net").glob("vb-lab*")), 30, "old lab veths to go")
+    wait_for(lambda: not list(Path("/sys/class/net").glob("vb-lab*")), 30, "old lab veths to go")
 
 
 def _is_nspawn(pid: int) -> bool:

@@ -17,8 +17,8 @@ import pytest
 
 from roadlog.client import Connection
 from tests.integration.conftest import ProducerRun, assert_exactly_once_in_order, read_topic
-from tests.lab.conftest import REPO, Deployed, recap, wait_for
-from tests.lab.hosts import BROADCAST, lab_inventory
+from tests.lab.conftest import REPO, Deployed, recap
+from tests.lab.hosts import BROADCAST, lab_inventory, wait_for
 
 # The first test also boots the lab, builds the wheelhouse and runs site.yml.
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
