@@ -109,16 +109,18 @@ def _merge(
 ) -> PreparedAppend | None:
     merged = columnar.concat([r.cols for r in chunk])
     reasons = ping_reasons(merged, region, now_ms)
-    keep: list[_Request] = []
-    lo = 0
-    for r in chunk:
-        hi = lo + len(r.cols)
-        try:
-            raise_if_bad(reasons[lo:hi])
-            keep.append(r)
-        except BatchRejected as e:
-            errors[r.position] = e
-        lo = hi
+    keep: list[_Request] = chunk
+    if reasons.any():
+        keep = []
+        lo = 0
+        for r in chunk:
+            hi = lo + len(r.cols)
+            try:
+                raise_if_bad(reasons[lo:hi])
+                keep.append(r)
+            except BatchRejected as e:
+                errors[r.position] = e
+            lo = hi
     if not keep:
         return None
     lengths = np.array([len(r.cols) for r in keep], dtype=np.int64)
@@ -131,7 +133,9 @@ def _merge(
     cells = row_span * partitions + per_device[merged.device_index]
     counts = np.bincount(cells, minlength=len(keep) * partitions).reshape(len(keep), partitions)
     parts = split_by_partition(merged, partitions, per_device)
-    op = command_pb2.AppendOp(topic=topic)
+    wrapper = command_pb2.Op()
+    op = wrapper.append  # filled in place: wrapping it afterwards would copy the pings
+    op.topic = topic
     for p, cols in parts:
         op.parts.add(partition=p, batch=columnar.encode(cols), count=len(cols))
     span_counts = counts[:, [p for p, _ in parts]].tolist()
@@ -142,4 +146,4 @@ def _merge(
             sequence=r.view.sequence,
             counts=row,
         )
-    return PreparedAppend(command_pb2.Op(append=op), [r.position for r in keep])
+    return PreparedAppend(wrapper, [r.position for r in keep])

@@ -1,12 +1,14 @@
 """Columnar ping batches: numpy arrays in memory, a PingBatch on the wire.
 
 Every PingBatch column is a packed fixed-width field, so its wire bytes are
-the array's little-endian bytes behind a tag and a length: ``decode`` reads
-them with ``np.frombuffer`` and ``encode`` writes ``ndarray.tobytes()``. No
-Python object is made per ping; only the distinct device ids become strings.
-Anything a generic protobuf encoder may legally produce that this fast path
-does not expect (split or unpacked columns, unknown fields) is decoded by
-the generated protobuf class instead, with the same result.
+the array's little-endian bytes behind a tag and a length, which is exactly
+how a bytes field is written. ``decode`` parses through ``PingBatchView``
+(columns as bytes: one C parse) and wraps each with ``np.frombuffer``;
+``encode`` sets ``ndarray.tobytes()`` and serializes in C. No Python object
+is made per ping; only the distinct device ids become strings. Anything a
+generic protobuf encoder may legally produce that the view cannot hold
+(split or unpacked columns) is decoded by the generated PingBatch class
+instead, with the same result.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.message import DecodeError
 
 from roadlog.v1 import pings_pb2
 
@@ -117,22 +120,24 @@ NO_DEVICE = np.uint32(0xFFFFFFFF)  # a device index no dictionary reaches
 def concat(batches: Sequence[PingColumns]) -> PingColumns:
     """All pings of ``batches`` in order, as one batch whose dictionary holds
     each device id once. A device index out of its batch's dictionary stays
-    out of range (``NO_DEVICE``), so validation still reports it."""
+    out of range (``NO_DEVICE``), so validation still reports it. Python
+    work is per distinct device id, never per ping."""
     if len(batches) == 1:
         return batches[0]
-    ids: dict[str, int] = {}
-    index_parts = []
-    for b in batches:
-        nd = len(b.device_ids)
-        remap = np.fromiter(
-            (ids.setdefault(d, len(ids)) for d in b.device_ids), dtype=np.uint32, count=nd
-        )
-        remap = np.append(remap, NO_DEVICE)
-        index_parts.append(remap[np.minimum(b.device_index, nd)])
     cat = np.concatenate
+    all_ids = [d for b in batches for d in b.device_ids]
+    ids = {d: i for i, d in enumerate(dict.fromkeys(all_ids))}
+    # Global dictionary position of every batch's every id, then one sentinel.
+    remap = np.fromiter(map(ids.__getitem__, all_ids), dtype=np.uint32, count=len(all_ids))
+    remap = np.append(remap, NO_DEVICE)
+    ndev = np.array([len(b.device_ids) for b in batches], dtype=np.int64)
+    sizes = np.array([len(b) for b in batches], dtype=np.int64)
+    first = np.repeat(np.cumsum(ndev) - ndev, sizes)  # each ping's batch's first id
+    local = cat([b.device_index for b in batches]).astype(np.int64)
+    glob = np.where(local < np.repeat(ndev, sizes), first + local, len(all_ids))
     return PingColumns(
         list(ids),
-        cat(index_parts),
+        remap[glob],
         cat([b.ts_ms for b in batches]),
         cat([b.lat for b in batches]),
         cat([b.lon for b in batches]),
@@ -188,73 +193,40 @@ def rows(
     ]
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise BatchDecodeError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-
-
 def encode(cols: PingColumns) -> bytes:
-    """PingBatch wire bytes. All-NaN optional columns are left out."""
-    parts: list[bytes] = []
-    for d in cols.device_ids:
-        raw = d.encode()
-        parts += [b"\x0a", _varint(len(raw)), raw]
-    for field, (dtype, attr) in _COLUMNS.items():
+    """PingBatch wire bytes (written through ``PingBatchView``: one
+    serialization in C). All-NaN optional columns are left out."""
+    view = pings_pb2.PingBatchView(device_ids=cols.device_ids)
+    for dtype, attr in _COLUMNS.values():
         arr = getattr(cols, attr)
         if len(arr) == 0 or (attr in _OPTIONAL and bool(np.isnan(arr).all())):
             continue
-        raw = np.ascontiguousarray(arr, dtype=dtype).tobytes()
-        parts += [_varint(field << 3 | 2), _varint(len(raw)), raw]
-    return b"".join(parts)
+        setattr(view, attr, np.ascontiguousarray(arr, dtype=dtype).tobytes())
+    return view.SerializeToString()
 
 
 def decode(data: bytes) -> PingColumns:
-    """Read PingBatch wire bytes as columns (zero-copy for the columns)."""
-    buf = memoryview(data)
-    pos, end = 0, len(buf)
-    devices: list[str] = []
-    cols: dict[str, np.ndarray] = {}
+    """Read PingBatch wire bytes as columns: one C parse through
+    ``PingBatchView``, then ``np.frombuffer`` per column. If the view did not
+    account for every byte (a column split in pieces or not packed), or the
+    columns disagree, the generated PingBatch class decides instead."""
     try:
-        while pos < end:
-            key, pos = _read_varint(buf, pos)
-            field, wire = key >> 3, key & 7
-            if wire != 2 or (field != 1 and field not in _COLUMNS):
+        view = pings_pb2.PingBatchView.FromString(data)
+    except DecodeError:
+        return _decode_slow(data)
+    if view.ByteSize() != len(data):
+        return _decode_slow(data)
+    cols: dict[str, np.ndarray] = {}
+    for dtype, attr in _COLUMNS.values():
+        raw = getattr(view, attr)
+        if raw:
+            if len(raw) % np.dtype(dtype).itemsize:
                 return _decode_slow(data)
-            length, pos = _read_varint(buf, pos)
-            if pos + length > end:
-                raise BatchDecodeError("truncated field")
-            chunk = buf[pos : pos + length]
-            pos += length
-            if field == 1:
-                devices.append(bytes(chunk).decode())
-                continue
-            dtype, attr = _COLUMNS[field]
-            if attr in cols or length % np.dtype(dtype).itemsize:
-                return _decode_slow(data)
-            cols[attr] = np.frombuffer(chunk, dtype=dtype)
-    except UnicodeDecodeError as e:
-        raise BatchDecodeError(f"device id is not UTF-8: {e}") from None
-    return _assemble(devices, cols)
+            cols[attr] = np.frombuffer(raw, dtype=dtype)
+    try:
+        return _assemble(list(view.device_ids), cols)
+    except BatchDecodeError:
+        return _decode_slow(data)
 
 
 def _decode_slow(data: bytes) -> PingColumns:

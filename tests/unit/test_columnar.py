@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roadlog.columnar import BatchDecodeError, PingColumns, decode, encode
+from roadlog.columnar import NO_DEVICE, BatchDecodeError, PingColumns, concat, decode, encode
 from roadlog.partitioning import partition_of, split_by_partition
 from roadlog.v1 import pings_pb2
 
@@ -58,6 +58,54 @@ def test_decode_accepts_any_legal_encoding() -> None:
         decode(wire + rest + b"\xa8\x06\x01"),
         PingColumns(**{**cols.__dict__, "speed_mps": np.full(5, np.nan, np.float32)}),
     )
+
+
+def test_a_column_in_several_pieces_or_unpacked_is_read_whole() -> None:
+    cols = sample(6)
+    msg = pings_pb2.PingBatch.FromString(encode(cols))
+    # Parsing concatenated messages appends repeated fields: every column
+    # comes in two pieces (consistent lengths in each piece, so only a check
+    # that every byte was accounted for can tell).
+    cut = 2
+    head = pings_pb2.PingBatch(
+        device_index=msg.device_index[:cut],
+        ts_ms=msg.ts_ms[:cut],
+        lat=msg.lat[:cut],
+        lon=msg.lon[:cut],
+        speed_mps=msg.speed_mps[:cut],
+    ).SerializeToString()
+    tail = pings_pb2.PingBatch(
+        device_ids=msg.device_ids,
+        device_index=msg.device_index[cut:],
+        ts_ms=msg.ts_ms[cut:],
+        lat=msg.lat[cut:],
+        lon=msg.lon[cut:],
+        speed_mps=msg.speed_mps[cut:],
+    ).SerializeToString()
+    assert same(decode(head + tail), cols)
+    # Unpacked: one tag per value (wire type 1, 64 bits each) for ts_ms.
+    rest = pings_pb2.PingBatch(
+        device_ids=msg.device_ids,
+        device_index=msg.device_index,
+        lat=msg.lat,
+        lon=msg.lon,
+        speed_mps=msg.speed_mps,
+    ).SerializeToString()
+    unpacked = b"".join(b"\x19" + int(t).to_bytes(8, "little", signed=True) for t in cols.ts_ms)
+    assert same(decode(rest + unpacked), cols)
+
+
+def test_concat_merges_dictionaries_and_keeps_bad_indexes_bad() -> None:
+    a, b = sample(4), sample(5)
+    broken = PingColumns(**{**b.__dict__, "device_index": b.device_index.copy()})
+    broken.device_index[1] = 99  # out of its own dictionary
+    both = concat([a, broken])
+    assert both.device_ids == ["car-0", "car-1", "car-2"]
+    assert both.device_index[len(a) + 1] == NO_DEVICE
+    ok = np.flatnonzero(both.device_index != NO_DEVICE)
+    expect = list(a.device_of()) + list(b.device_of())
+    assert [str(x) for x in both.take(ok).device_of()] == [expect[i] for i in ok]
+    assert np.array_equal(both.ts_ms, np.concatenate([a.ts_ms, b.ts_ms]))
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import shapely
 
 from roadlog.columnar import PingColumns
 from roadlog.geo import RegionError, bbox_region, parse_region
@@ -49,6 +50,32 @@ def test_a_feature_wrapping_a_polygon_is_accepted() -> None:
 def test_contains_is_vectorised() -> None:
     inside = MUNICH.contains(np.array([11.5, 12.0]), np.array([48.1, 48.1]))
     assert inside.tolist() == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("text", "box"),
+    [
+        (MUNICH.geojson, True),
+        ('{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}', False),
+        ('{"type":"Polygon","coordinates":[[[0,0],[2,0],[2,2],[1,2.5],[0,2],[0,0]]]}', False),
+        (
+            '{"type":"Polygon","coordinates":[[[0,0],[3,0],[3,3],[0,3],[0,0]],'
+            "[[1,1],[2,1],[2,2],[1,2],[1,1]]]}",
+            False,
+        ),
+    ],
+)
+def test_contains_agrees_with_shapely_on_boxes_and_other_shapes(text: str, box: bool) -> None:
+    region = parse_region(text)
+    assert region.is_box is box
+    minx, miny, maxx, maxy = region.bbox
+    rng = np.random.default_rng(7)
+    lon = rng.uniform(minx - 0.5, maxx + 0.5, 2000)
+    lat = rng.uniform(miny - 0.5, maxy + 0.5, 2000)
+    lon[:4], lat[:4] = [minx, maxx, minx, maxx], [miny, maxy, maxy, miny]  # the corners
+    want = shapely.intersects_xy(region.polygon, lon, lat)
+    assert np.array_equal(region.contains(lon, lat), want)
+    assert 0 < want.sum() < len(want)
 
 
 def good(n: int = 4) -> dict[str, list[object]]:
