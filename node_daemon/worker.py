@@ -34,6 +34,7 @@ log = logging.getLogger("roadlog.worker")
 WRITE_CREDIT = 256
 READ_CREDIT = 64
 RETRY_ELSEWHERE = grpc.StatusCode.UNAVAILABLE  # the queue server gives it to another node
+MAX_BATCH_REQUESTS = 4096  # requests in one PublishBatch
 
 
 def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[OpResult]) -> None:
@@ -53,6 +54,22 @@ def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[O
             f.set_result(res.spans[span] if res.spans else res)
 
 
+def failure_status(e: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status a client is answered with for a failed request."""
+    if isinstance(e, NotLeader):
+        return RETRY_ELSEWHERE, f"{e} (leader {e.leader})"
+    if isinstance(e, OpError):
+        return e.code, e.message
+    if isinstance(e, MalformedRequest | BatchRejected):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, DecodeError | columnar.BatchDecodeError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}"
+    if isinstance(e, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "cancelled"
+    log.error("work item failed", exc_info=e, extra={"method": method})
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
 class Executor:
     """Turns work items into results against one RaftNode."""
 
@@ -60,7 +77,7 @@ class Executor:
         self.node = node
         self.cpu = ThreadPoolExecutor(2, thread_name_prefix="work")
         self._regions: dict[tuple[str, int], Region] = {}
-        self._publishes: list[tuple[work_pb2.WorkItem, asyncio.Future[OpResult]]] = []
+        self._publishes: list[tuple[bytes, asyncio.Future[OpResult]]] = []
         self._publish_wakeup = asyncio.Event()
         self._merger: asyncio.Task[None] | None = None
         self.groups = GroupCoordinator(node)
@@ -81,28 +98,16 @@ class Executor:
         try:
             out = await handler(item)
             res.code, res.message, res.response = out.code.value[0], out.message, out.response
-        except NotLeader as e:
-            res.code, res.message = RETRY_ELSEWHERE.value[0], f"{e} (leader {e.leader})"
-        except OpError as e:
-            res.code, res.message = e.code.value[0], e.message
-        except MalformedRequest as e:
-            res.code, res.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e)
-        except (DecodeError, columnar.BatchDecodeError) as e:
-            res.code, res.message = (
-                grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                f"malformed request: {e}",
-            )
-        except BatchRejected as e:
-            res.code, res.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e)
         except Exception as e:
-            log.exception("work item failed", extra={"method": item.method})
-            res.code, res.message = grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
+            code, res.message = failure_status(e, item.method)
+            res.code = code.value[0]
         metrics.WORK_DONE.labels("write" if item.kind == work_pb2.WORK_KIND_WRITE else "read").inc()
         return res
 
     def _handlers(self) -> dict[str, Callable[[work_pb2.WorkItem], Awaitable[OpResult]]]:
         return {
             "Publish": self.publish,
+            "PublishBatch": self.publish_batch,
             "CreateTopic": self.create_topic,
             "DeleteTopic": self.delete_topic,
             "InitProducer": self.init_producer,
@@ -122,16 +127,52 @@ class Executor:
     # ---------------------------------------------------------------- writes
 
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
-        """Queue the publish for the next merge (see ``_merge_loop``)."""
-        fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
+        return await self._publish(item.request)
+
+    async def publish_batch(self, item: work_pb2.WorkItem) -> OpResult:
+        """Every request of the batch goes the way of a lone publish, and
+        gets its own result. If none could be taken because this node is not
+        the leader, the whole item goes back to the queue for the leader."""
+        try:
+            requests = list(client_pb2.PublishBatchRequestView.FromString(item.request).requests)
+        except DecodeError as e:
+            raise MalformedRequest(f"malformed PublishBatchRequest: {e}") from None
+        if not requests:
+            raise MalformedRequest("a PublishBatch needs at least one request")
+        if len(requests) > MAX_BATCH_REQUESTS:
+            raise MalformedRequest(
+                f"a PublishBatch holds at most {MAX_BATCH_REQUESTS} requests, not {len(requests)}"
+            )
+        futs = [self._enqueue_publish(r) for r in requests]
+        await asyncio.wait(futs)
+        errors = [f.exception() for f in futs]
+        if all(isinstance(e, NotLeader) for e in errors):
+            raise errors[0]  # type: ignore[misc]
+        out = client_pb2.PublishBatchResponseView()
+        for fut, err in zip(futs, errors, strict=True):
+            if err is None:
+                r = fut.result()
+                out.results.add(code=r.code.value[0], message=r.message, response=r.response)
+            else:
+                code, message = failure_status(err, "PublishBatch")
+                out.results.add(code=code.value[0], message=message)
+        return OpResult(response=out.SerializeToString())
+
+    async def _publish(self, request: bytes) -> OpResult:
         if not self.node.cfg.merge_publishes:
-            await self._propose_publishes([(item, fut)])
+            fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
+            await self._propose_publishes([(request, fut)])
             return await fut
-        self._publishes.append((item, fut))
+        return await self._enqueue_publish(request)
+
+    def _enqueue_publish(self, request: bytes) -> asyncio.Future[OpResult]:
+        """Queue one publish for the next merge (see ``_merge_loop``)."""
+        fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
+        self._publishes.append((request, fut))
         if self._merger is None or self._merger.done():
             self._merger = asyncio.get_running_loop().create_task(self._merge_loop())
         self._publish_wakeup.set()
-        return await fut
+        return fut
 
     async def _merge_loop(self) -> None:
         """Server-side group commit: publishes that arrive while the node is
@@ -152,7 +193,7 @@ class Executor:
                             fut.set_exception(e)
 
     async def _propose_publishes(
-        self, batch: list[tuple[work_pb2.WorkItem, asyncio.Future[OpResult]]]
+        self, batch: list[tuple[bytes, asyncio.Future[OpResult]]]
     ) -> None:
         loop = asyncio.get_running_loop()
         if not self.node.is_leader:
@@ -161,7 +202,7 @@ class Executor:
                 fut.set_exception(err)
             return
         t0 = time.perf_counter()
-        requests = [it.request for it, _ in batch]
+        requests = [r for r, _ in batch]
         now_ms = int(time.time() * 1000)
         if sum(len(r) for r in requests) < 64 << 10:
             # small: a thread hop costs more than the work

@@ -63,6 +63,7 @@ METHODS: dict[str, Kind] = {
     "DeleteTopic": Kind.WRITE,
     "InitProducer": Kind.WRITE,
     "Publish": Kind.WRITE,
+    "PublishBatch": Kind.WRITE,
     "Fetch": Kind.READ,
     "DescribeTopic": Kind.READ,
     "ListTopics": Kind.READ,

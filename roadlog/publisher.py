@@ -1,0 +1,251 @@
+"""Publishing from many coroutines at once, corked.
+
+A ``Publisher`` keeps at most ``max_in_flight`` PublishBatch calls out to
+the queue servers. Publishes made while they are out wait, and all of them
+travel together in the next call: the same thing a NATS or Kafka client
+does with its write buffer, so that a process publishing thousands of small
+batches a second pays for a few gRPC calls, not thousands. Nothing else
+changes: each publish is validated, stored, deduplicated (producer id and
+sequence) and answered on its own, as if it had been sent alone.
+
+Invariants: every publish is answered exactly once, with its
+PublishResponse or a RoadlogError; a publish is sent again only after a
+retryable failure (no leader, a queue server down, full queues), to the next
+queue server, with backoff, until its deadline; calls go out in the order
+publishes were made, retries first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from roadlog.client import RETRYABLE, RoadlogError, _error, client_id
+from roadlog.columnar import PingColumns, encode
+from roadlog.v1 import client_pb2, pings_pb2
+
+MAX_BATCH_REQUESTS = 4096  # what a node takes in one PublishBatch
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: bytes
+    future: asyncio.Future[client_pb2.PublishResponse]
+    deadline: float  # time.monotonic()
+    reason: str = ""  # the last retryable failure, for the final error
+
+
+@dataclass
+class PublisherStats:
+    calls: int = 0  # PublishBatch calls made
+    sent: int = 0  # publishes in them (sent / calls: how well publishes cork)
+    acked: int = 0
+    retried: int = 0
+    failed: int = 0
+
+
+class Publisher:
+    """Corked, pipelined publishing over one connection (asyncio)."""
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        *,
+        max_in_flight: int = 4,
+        max_batch_requests: int = 1024,
+        max_batch_bytes: int = 8 << 20,
+        timeout: float = 30.0,
+        client: str | None = None,
+    ) -> None:
+        if not servers:
+            raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
+        if not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
+            raise ValueError(f"max_batch_requests must be 1..{MAX_BATCH_REQUESTS}")
+        self.servers = list(servers)
+        self.max_in_flight = max_in_flight
+        self.max_batch_requests = max_batch_requests
+        self.max_batch_bytes = max_batch_bytes
+        self.timeout = timeout
+        self.metadata = (("roadlog-client", client or client_id()),)
+        self.fence = 0  # the highest applied index of any answer (read your writes)
+        self.stats = PublisherStats()
+        self._channels: list[grpc.aio.Channel] = []
+        self._calls: list[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = []
+        self._current = 0
+        self._queue: deque[_Pending] = deque()
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._backoff = 0.0
+        self._idle = asyncio.Event()  # nothing queued, nothing out
+        self._idle.set()
+
+    async def __aenter__(self) -> Publisher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _open(self) -> None:
+        opts = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
+        for s in self.servers:
+            ch = grpc.aio.insecure_channel(s, options=opts)
+            self._channels.append(ch)
+            self._calls.append(ch.unary_unary("/roadlog.v1.Roadlog/PublishBatch"))
+
+    async def close(self) -> None:
+        """Wait until every publish made is answered, then close the channels."""
+        await self._idle.wait()
+        for ch in self._channels:
+            await ch.close()
+        self._channels, self._calls = [], []
+
+    async def publish(
+        self, request: client_pb2.PublishRequest | bytes, timeout: float | None = None
+    ) -> client_pb2.PublishResponse:
+        """Publish one request; returns once it is stored on a majority."""
+        if not self._calls:
+            self._open()
+        raw = request if isinstance(request, bytes) else request.SerializeToString()
+        fut: asyncio.Future[client_pb2.PublishResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        wait = self.timeout if timeout is None else timeout
+        self._queue.append(_Pending(raw, fut, time.monotonic() + wait))
+        self._idle.clear()
+        self._pump()
+        return await fut
+
+    async def publish_pings(
+        self, topic: str, cols: PingColumns, timeout: float | None = None
+    ) -> client_pb2.PublishResponse:
+        """Publish columns as one batch (not idempotent: no producer id)."""
+        req = client_pb2.PublishRequest(
+            topic=topic, batch=pings_pb2.PingBatch.FromString(encode(cols))
+        )
+        return await self.publish(req, timeout)
+
+    # ------------------------------------------------------------ sending
+
+    def _pump(self) -> None:
+        """Send what waits, as long as fewer than max_in_flight calls are out."""
+        while self._queue and self._in_flight < self.max_in_flight:
+            batch = self._take()
+            if not batch:
+                break
+            self._in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if not self._queue and not self._in_flight:
+            self._idle.set()
+
+    def _take(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        size = 0
+        now = time.monotonic()
+        q = self._queue
+        while q and len(batch) < self.max_batch_requests:
+            p = q[0]
+            if p.future.done():  # the caller gave up
+                q.popleft()
+                continue
+            if p.deadline <= now:
+                q.popleft()
+                self._fail(p, _error(grpc.StatusCode.UNAVAILABLE, p.reason or "no time left"))
+                continue
+            if batch and size + len(p.request) > self.max_batch_bytes:
+                break
+            q.popleft()
+            batch.append(p)
+            size += len(p.request)
+        return batch
+
+    async def _send(self, batch: list[_Pending]) -> None:
+        try:
+            await self._call(batch)
+        except Exception as e:  # never leave a publish unanswered
+            for p in batch:
+                self._fail(p, RoadlogError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
+        finally:
+            self._in_flight -= 1
+            self._pump()
+
+    async def _call(self, batch: list[_Pending]) -> None:
+        server = self._current
+        body = client_pb2.PublishBatchRequestView(requests=[p.request for p in batch])
+        left = max(p.deadline for p in batch) - time.monotonic()
+        self.stats.calls += 1
+        self.stats.sent += len(batch)
+        try:
+            raw = await self._calls[server](
+                body.SerializeToString(), timeout=max(left, 0.01), metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as e:
+            code, why = e.code(), e.details() or e.code().name
+            if code not in RETRYABLE:
+                for p in batch:
+                    self._fail(p, _error(code, why))
+                return
+            if self._current == server:  # fail over to the next queue server
+                self._current = (server + 1) % len(self._calls)
+            self._retry(batch, why)
+            return
+        resp = client_pb2.PublishBatchResponseView.FromString(raw)
+        if len(resp.results) != len(batch):
+            err = RoadlogError(
+                grpc.StatusCode.INTERNAL,
+                f"{len(resp.results)} results for {len(batch)} publishes",
+            )
+            for p in batch:
+                self._fail(p, err)
+            return
+        again: list[_Pending] = []
+        for p, r in zip(batch, resp.results, strict=True):
+            if r.code == 0:
+                out = client_pb2.PublishResponse.FromString(r.response)
+                self.fence = max(self.fence, out.applied_index)
+                self.stats.acked += 1
+                if not p.future.done():
+                    p.future.set_result(out)
+                continue
+            code = _STATUS.get(r.code, grpc.StatusCode.UNKNOWN)
+            if code in RETRYABLE:
+                p.reason = r.message
+                again.append(p)
+            else:
+                self._fail(p, _error(code, r.message))
+        if again:
+            self._retry(again, again[0].reason)
+        else:
+            self._backoff = 0.0
+
+    def _retry(self, batch: list[_Pending], reason: str) -> None:
+        """Send these again after a backoff, ahead of newer publishes."""
+        self.stats.retried += len(batch)
+        for p in batch:
+            p.reason = p.reason or reason
+        self._backoff = min(max(self._backoff * 2, 0.02), 1.0)
+        self._in_flight += 1  # the backoff holds a slot: no new call jumps ahead
+
+        def requeue() -> None:
+            self._in_flight -= 1
+            self._queue.extendleft(reversed(batch))
+            self._pump()
+
+        asyncio.get_running_loop().call_later(self._backoff, requeue)
+
+    def _fail(self, p: _Pending, err: RoadlogError) -> None:
+        self.stats.failed += 1
+        if not p.future.done():
+            p.future.set_exception(err)
+
+
+_STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}

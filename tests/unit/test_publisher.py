@@ -1,0 +1,157 @@
+"""The corked publisher against a scripted PublishBatch server (in-process
+gRPC on loopback): per-publish retries, deadlines, fail-over, corking."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from roadlog.client import InvalidArgument, Unavailable
+from roadlog.localcluster import free_port
+from roadlog.publisher import Publisher
+from roadlog.v1 import client_pb2
+
+pytestmark = pytest.mark.unit
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+# request bytes -> the code to answer it with this time (0: store it)
+Script = Callable[[bytes, int], int]
+
+
+class Scripted:
+    """Answers each request of a batch by the script; counts calls."""
+
+    def __init__(self, script: Script, abort: grpc.StatusCode | None = None) -> None:
+        self.script = script
+        self.abort = abort
+        self.calls: list[list[bytes]] = []
+        self.seen: dict[bytes, int] = {}
+
+    async def handle(self, body: bytes, context: Any) -> bytes:
+        reqs = list(client_pb2.PublishBatchRequestView.FromString(body).requests)
+        self.calls.append(reqs)
+        if self.abort is not None:
+            await context.abort(self.abort, "scripted failure")
+        out = client_pb2.PublishBatchResponseView()
+        for r in reqs:
+            n = self.seen[r] = self.seen.get(r, 0) + 1
+            code = self.script(r, n)
+            resp = client_pb2.PublishResponse(applied_index=len(self.calls)).SerializeToString()
+            out.results.add(code=code, message=f"scripted {code}", response=b"" if code else resp)
+        await asyncio.sleep(0.01)  # let more publishes pile up behind this call
+        return out.SerializeToString()
+
+
+async def serve(handler: Scripted) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "roadlog.v1.Roadlog",
+                {"PublishBatch": grpc.unary_unary_rpc_method_handler(handler.handle)},
+            ),
+        )
+    )
+    addr = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(addr)
+    await server.start()
+    return server, addr
+
+
+def req(i: int) -> bytes:
+    return client_pb2.PublishRequest(topic="t", sequence=i).SerializeToString()
+
+
+def test_publishes_are_corked_and_each_is_answered() -> None:
+    async def run() -> tuple[Scripted, list[Any]]:
+        h = Scripted(lambda r, n: INVALID if r == req(5) else 0)
+        server, addr = await serve(h)
+        try:
+            async with Publisher([addr], max_in_flight=1) as pub:
+                out = await asyncio.gather(
+                    *(pub.publish(req(i)) for i in range(40)), return_exceptions=True
+                )
+                assert pub.fence == len(h.calls)
+                return h, out
+        finally:
+            await server.stop(None)
+
+    h, out = asyncio.run(run())
+    assert isinstance(out[5], InvalidArgument) and "scripted" in str(out[5])
+    assert all(isinstance(o, client_pb2.PublishResponse) for i, o in enumerate(out) if i != 5)
+    assert len(h.calls) < 40 and sum(len(c) for c in h.calls) == 40
+    assert [r for c in h.calls for r in c] == [req(i) for i in range(40)]  # in order
+
+
+def test_a_retryable_answer_sends_that_publish_again_only() -> None:
+    async def run() -> tuple[Scripted, list[Any]]:
+        # Request 3 is refused as UNAVAILABLE twice, then stored.
+        h = Scripted(lambda r, n: UNAVAILABLE if r == req(3) and n <= 2 else 0)
+        server, addr = await serve(h)
+        try:
+            async with Publisher([addr]) as pub:
+                out = await asyncio.gather(*(pub.publish(req(i)) for i in range(8)))
+                assert pub.stats.retried == 2
+                return h, list(out)
+        finally:
+            await server.stop(None)
+
+    h, out = asyncio.run(run())
+    assert len(out) == 8
+    assert h.seen[req(3)] == 3
+    assert all(h.seen[req(i)] == 1 for i in range(8) if i != 3)
+
+
+def test_a_publish_that_never_gets_through_fails_at_its_deadline_with_the_reason() -> None:
+    async def run() -> Exception:
+        h = Scripted(lambda r, n: UNAVAILABLE)
+        server, addr = await serve(h)
+        try:
+            async with Publisher([addr]) as pub:
+                with pytest.raises(Unavailable) as e:
+                    await pub.publish(req(1), timeout=0.5)
+                return e.value
+        finally:
+            await server.stop(None)
+
+    err = asyncio.run(run())
+    assert "scripted" in str(err)
+
+
+def test_a_failed_call_fails_over_to_the_next_queue_server() -> None:
+    async def run() -> tuple[Scripted, Scripted]:
+        down = Scripted(lambda r, n: 0, abort=grpc.StatusCode.UNAVAILABLE)
+        up = Scripted(lambda r, n: 0)
+        s1, a1 = await serve(down)
+        s2, a2 = await serve(up)
+        try:
+            async with Publisher([a1, a2]) as pub:
+                await asyncio.gather(*(pub.publish(req(i)) for i in range(5)))
+            return down, up
+        finally:
+            await s1.stop(None)
+            await s2.stop(None)
+
+    down, up = asyncio.run(run())
+    assert down.calls and sum(len(c) for c in up.calls) == 5
+
+
+def test_a_refused_call_fails_its_publishes_at_once() -> None:
+    async def run() -> None:
+        h = Scripted(lambda r, n: 0, abort=grpc.StatusCode.INVALID_ARGUMENT)
+        server, addr = await serve(h)
+        try:
+            async with Publisher([addr]) as pub:
+                with pytest.raises(InvalidArgument):
+                    await pub.publish(req(1))
+            assert len(h.calls) == 1
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
