@@ -192,9 +192,7 @@ class Executor:
                         if not fut.done():
                             fut.set_exception(e)
 
-    async def _propose_publishes(
-        self, batch: list[tuple[bytes, asyncio.Future[OpResult]]]
-    ) -> None:
+    async def _propose_publishes(self, batch: list[tuple[bytes, asyncio.Future[OpResult]]]) -> None:
         loop = asyncio.get_running_loop()
         if not self.node.is_leader:
             err = NotLeader(self.node.core.lead)

@@ -114,9 +114,7 @@ class Publisher:
         if not self._calls:
             self._open()
         raw = request if isinstance(request, bytes) else request.SerializeToString()
-        fut: asyncio.Future[client_pb2.PublishResponse] = (
-            asyncio.get_running_loop().create_future()
-        )
+        fut: asyncio.Future[client_pb2.PublishResponse] = asyncio.get_running_loop().create_future()
         wait = self.timeout if timeout is None else timeout
         self._queue.append(_Pending(raw, fut, time.monotonic() + wait))
         self._idle.clear()
