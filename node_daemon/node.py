@@ -49,6 +49,10 @@ from roadlog.v1 import command_pb2
 log = logging.getLogger("roadlog.node")
 
 
+# Committed entries up to this size are applied on the event loop (see _apply).
+INLINE_APPLY_BYTES = 256 << 10
+
+
 class NotLeader(Exception):
     def __init__(self, leader: int, reason: str = "not the leader") -> None:
         super().__init__(reason)
@@ -87,6 +91,7 @@ class RaftNode:
                 election_tick=cfg.election_ticks,
                 heartbeat_tick=cfg.heartbeat_ticks,
                 applied=self.sm.applied_index,
+                lazy_commit=True,
             ),
             self.log_store,
             random.Random(int.from_bytes(os.urandom(8), "big")),
@@ -351,13 +356,24 @@ class RaftNode:
                 stable = min(stable, rd.entries[0].index - 1)
             now_apply = [e for e in rd.committed_entries if e.index <= stable]
         later_apply = rd.committed_entries[len(now_apply) :]
-        applying = None
+        applying: asyncio.Future[list[list[OpResult]]] | None = None
         if now_apply:
-            applying = loop.run_in_executor(self._apply_io, self.sm.apply, now_apply)
+            applying = self._apply(loop, now_apply)
         t0 = time.perf_counter()
-        write = loop.run_in_executor(
-            self._log_io, self.log_store.save, rd.hard_state, rd.entries, rd.snapshot, rd.must_sync
-        )
+        write: asyncio.Future[None]
+        if rd.entries or rd.snapshot is not None or rd.must_sync:
+            write = loop.run_in_executor(
+                self._log_io,
+                self.log_store.save,
+                rd.hard_state,
+                rd.entries,
+                rd.snapshot,
+                rd.must_sync,
+            )
+        else:  # only the commit index moved: nothing to write, no thread hop
+            self.log_store.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
+            write = loop.create_future()
+            write.set_result(None)
         # Keep stepping the core while the write runs (never a new Ready).
         while not write.done():
             self._wakeup.clear()
@@ -394,7 +410,7 @@ class RaftNode:
             self._resolve(now_apply, await applying)
         self._resolved_early = False
         if later_apply:
-            results = await loop.run_in_executor(self._apply_io, self.sm.apply, later_apply)
+            results = await self._apply(loop, later_apply)
             self._resolve(later_apply, results)
         if rd.snapshot is not None or rd.committed_entries:
             async with self._applied:
@@ -406,6 +422,21 @@ class RaftNode:
         if rd.soft_state is not None:
             self._on_soft_state()
         self.core.advance(rd)
+
+    def _apply(
+        self, loop: asyncio.AbstractEventLoop, entries: list[Entry]
+    ) -> asyncio.Future[list[list[OpResult]]]:
+        """Apply committed entries: small ones right here (LMDB without
+        fsync takes less than a thread hop), big ones on the apply thread.
+        Either way one at a time: the driver awaits each before the next."""
+        if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
+            fut: asyncio.Future[list[list[OpResult]]] = loop.create_future()
+            try:
+                fut.set_result(self.sm.apply(entries))
+            except Exception as e:
+                fut.set_exception(e)
+            return fut
+        return loop.run_in_executor(self._apply_io, self.sm.apply, entries)
 
     def _resolve(self, entries: list[Entry], results: list[list[OpResult]]) -> None:
         for e, res in zip(entries, results, strict=True):

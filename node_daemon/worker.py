@@ -35,6 +35,8 @@ WRITE_CREDIT = 256
 READ_CREDIT = 64
 RETRY_ELSEWHERE = grpc.StatusCode.UNAVAILABLE  # the queue server gives it to another node
 MAX_BATCH_REQUESTS = 4096  # requests in one PublishBatch
+EAGER_PUBLISHES = 8  # this many waiting publishes are validated without waiting for the log
+INDEX_EVERY_S = 0.005  # how often at most a node tells a queue server its indexes
 
 
 def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[OpResult]) -> None:
@@ -175,13 +177,16 @@ class Executor:
         return fut
 
     async def _merge_loop(self) -> None:
-        """Server-side group commit: publishes that arrive while the node is
-        still persisting the previous proposals are merged into one append op
-        per topic and proposed together as soon as the driver takes them."""
+        """Server-side group commit: a few publishes wait while the node is
+        still persisting the previous proposals, so that they are merged
+        into one append op per topic; once EAGER_PUBLISHES wait (a corked
+        PublishBatch is that at once), they are validated right away, while
+        the log write runs, and proposed for the next entry."""
         while True:
             await self._publish_wakeup.wait()
             self._publish_wakeup.clear()
-            await self.node.proposals_taken()
+            if len(self._publishes) < EAGER_PUBLISHES:
+                await self.node.proposals_taken()
             batch, self._publishes = self._publishes, []
             if batch:
                 try:
@@ -304,6 +309,9 @@ class QueueServerLink:
         self.outbox: asyncio.Queue[work_pb2.WorkerMessage] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.connected = False
+        self._told: tuple[bool, int, int, str] | None = None  # the role it last told
+        self._index_timer: asyncio.TimerHandle | None = None
+        self._told_at = 0.0
 
     def state(self) -> work_pb2.WorkerState:
         n = self.node
@@ -320,8 +328,32 @@ class QueueServerLink:
         )
 
     def state_changed(self) -> None:
+        """Tell the queue server at once when leadership moved; index moves
+        (every applied entry) at once when the last word is INDEX_EVERY_S
+        old, else when it is (and with every result): a busy node sends a
+        few state messages, not one per entry, and an idle one is not late."""
+        if not self.connected:
+            return
+        st = self.state()
+        wait = self._told_at + INDEX_EVERY_S - time.monotonic()
+        if (st.is_leader, st.leader, st.term, st.leader_address) != self._told or (
+            wait <= 0 and self._index_timer is None
+        ):
+            self._tell(work_pb2.WorkerMessage(state=st))
+        elif self._index_timer is None:
+            self._index_timer = asyncio.get_running_loop().call_later(wait, self._tell_indexes)
+
+    def _tell_indexes(self) -> None:
+        self._index_timer = None
         if self.connected:
-            self.outbox.put_nowait(work_pb2.WorkerMessage(state=self.state()))
+            self._tell(work_pb2.WorkerMessage(state=self.state()))
+
+    def _tell(self, msg: work_pb2.WorkerMessage) -> None:
+        if msg.HasField("state"):
+            s = msg.state
+            self._told = (s.is_leader, s.leader, s.term, s.leader_address)
+            self._told_at = time.monotonic()
+        self.outbox.put_nowait(msg)
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -333,9 +365,11 @@ class QueueServerLink:
                 await self.task
 
     async def _messages(self) -> AsyncIterator[work_pb2.WorkerMessage]:
-        yield work_pb2.WorkerMessage(
+        first = work_pb2.WorkerMessage(
             state=self.state(), credit=work_pb2.Credit(writes=WRITE_CREDIT, reads=READ_CREDIT)
         )
+        self._told = None
+        yield first
         while True:
             msg = await self.outbox.get()
             while not self.outbox.empty():  # merge what piled up into one message
@@ -383,4 +417,6 @@ class QueueServerLink:
             writes=1 if item.kind == work_pb2.WORK_KIND_WRITE else 0,
             reads=1 if item.kind == work_pb2.WORK_KIND_READ else 0,
         )
-        self.outbox.put_nowait(work_pb2.WorkerMessage(results=[res], credit=credit))
+        # The state rides along: a read fenced at this write's index can be
+        # handed to this node as soon as its answer arrives.
+        self._tell(work_pb2.WorkerMessage(results=[res], credit=credit, state=self.state()))

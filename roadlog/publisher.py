@@ -56,7 +56,7 @@ class Publisher:
         self,
         servers: Sequence[str],
         *,
-        max_in_flight: int = 4,
+        max_in_flight: int = 2,
         max_batch_requests: int = 1024,
         max_batch_bytes: int = 8 << 20,
         timeout: float = 30.0,

@@ -55,6 +55,7 @@ class Inflights:
 
 class Progress:
     __slots__ = (
+        "commit_sent",
         "inflights",
         "is_learner",
         "match",
@@ -70,6 +71,7 @@ class Progress:
     ) -> None:
         self.match = 0
         self.next = next_index
+        self.commit_sent = 0  # the highest commit index the follower was sent
         self.state = ProgressState.PROBE
         self.probe_sent = False
         self.pending_snapshot = 0

@@ -119,6 +119,7 @@ class Options:
     early_send: bool  # a leader's appends go out before its own write is durable
     write_delay: int  # time units a write takes; 0: synchronous
     p_crash_in_ready: float  # a crash in the middle of handling one Ready
+    lazy_commit: bool  # the commit index rides on the next append or tick (as in the node)
 
     @classmethod
     def from_seed(cls, seed: int, rng: random.Random) -> Options:
@@ -143,6 +144,7 @@ class Options:
             early_send=rng.random() < 0.5,
             write_delay=rng.choice([0, 0, 3, 12]),
             p_crash_in_ready=rng.choice([0.0, 0.0005, 0.002]),
+            lazy_commit=rng.random() < 0.5,
         )
 
 
@@ -180,6 +182,7 @@ class SimNode:
             max_entries_per_msg=opts.max_msg_entries,
             max_inflight_msgs=opts.max_inflight,
             applied=self.sm.applied,
+            lazy_commit=opts.lazy_commit,
         )
         rng = random.Random(self.sim.seed * 7919 + self.id * 104729 + self.restarts)
         self.core = RaftCore(cfg, self.storage, rng)

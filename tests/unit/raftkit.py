@@ -48,6 +48,7 @@ def new_core(
     seed: int = 0,
     storage: MemoryStorage | None = None,
     applied: int = 0,
+    lazy_commit: bool = False,
 ) -> RaftCore:
     st = storage or storage_with(voters, log_terms, term, learners)
     cfg = Config(
@@ -57,6 +58,7 @@ def new_core(
         pre_vote=pre_vote,
         check_quorum=check_quorum,
         applied=applied,
+        lazy_commit=lazy_commit,
     )
     return RaftCore(cfg, st, random.Random(seed))
 

@@ -120,6 +120,46 @@ def test_replication_pipelines_up_to_the_inflight_window() -> None:
     assert more and more[0].entries[-1].index == r.log.last_index()
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_an_idle_followers_hears_a_new_commit_index_at_once(lazy: bool) -> None:
+    net = _net(3, heartbeat_tick=5, lazy_commit=lazy)
+    net.elect(1)
+    leader = net.cores[1]
+    leader.propose(b"x")
+    net.stabilize()
+    index = leader.log.last_index()
+    assert leader.log.committed == index
+    assert net.cores[2].log.committed == net.cores[3].log.committed == index
+
+
+def test_lazy_commit_rides_on_the_next_append_while_entries_are_in_flight() -> None:
+    net = _net(3, heartbeat_tick=5, lazy_commit=True)
+    net.elect(1)
+    leader = net.cores[1]
+    leader.propose(b"a")
+    leader.propose(b"b")
+    msgs = persist(leader)  # two appends in flight to each follower
+    first = [m for m in msgs if m.type == MT.APPEND and m.to == 2 and m.entries]
+    assert len(first) == 2
+    # The follower acknowledges the first entry only: commit moves, but the
+    # second entry is still in flight, so no empty APPEND goes out for it.
+    a = first[0].entries[-1].index
+    leader.step(Message(MT.APPEND_RESP, 1, 2, leader.term, index=a))
+    assert leader.log.committed == a
+    assert not [m for m in persist(leader) if m.type == MT.APPEND and m.to == 2]
+    # A new entry carries the new commit index along.
+    leader.propose(b"c")
+    carrier = [m for m in persist(leader) if m.type == MT.APPEND and m.to == 2]
+    assert carrier and carrier[0].entries and carrier[0].commit == a
+    # Had nothing carried it, the next tick would have told the commit index.
+    leader.step(Message(MT.APPEND_RESP, 1, 2, leader.term, index=carrier[0].entries[-1].index))
+    persist(leader)
+    leader.prs[3].commit_sent = 0
+    leader.tick()
+    told = [m for m in persist(leader) if m.type == MT.APPEND and m.to == 3]
+    assert told and told[0].commit == leader.log.committed
+
+
 def test_fast_backtracking_skips_a_whole_conflicting_term() -> None:
     leader = new_core(1, log_terms=[1, 1, 1, 4, 4, 4, 4, 4, 4, 4], term=5)
     follower = new_core(2, log_terms=[1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2], term=5)
