@@ -135,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
             r = asyncio.run(roadlog_case(lc.servers[0], b, args.concurrency, args.seconds))
             cases.append({"system": "roadlog", "pings_per_message": b, **r})
             show("roadlog", b, r)
+    with roadlog_cluster() as lc:  # a fresh cluster: the same starting point
+        for b in sizes:
+            r = asyncio.run(
+                roadlog_case(lc.servers[0], b, args.concurrency, args.seconds, corked=False)
+            )
+            cases.append({"system": "roadlog-unary", "pings_per_message": b, **r})
+            show("unary", b, r)
     with nats_cluster() as nc:
 
         async def all_nats() -> list[dict[str, Any]]:

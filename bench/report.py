@@ -102,11 +102,15 @@ def render() -> str:
             "nats-server processes (3 replicas, file storage, `sync_interval: always`), "
             f"all on loopback on the same 2 cores; {ing['concurrency']} concurrent async "
             "publishers in one client process; pings of 36-40 bytes packed the same number per "
-            "message; non-idempotent publishes on both sides.",
+            "message; non-idempotent publishes on both sides. roadlog publishes through "
+            "`roadlog.publisher` (corked: the publishes made while earlier calls are out "
+            "travel together in one PublishBatch call, as nats-py buffers publishes into one "
+            "socket write; each is still validated, stored and acknowledged on its own); the "
+            "unary column is one `Publish` call per message.",
             "",
-            "| pings/message | roadlog pings/s | p50 / p99 ms | JetStream pings/s "
-            "| p50 / p99 ms | ratio |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| pings/message | roadlog pings/s | p50 / p99 ms | publishes per call "
+            "| unary pings/s | JetStream pings/s | p50 / p99 ms | ratio |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for b, ratio in ing["ratio"].items():
             o = next(
@@ -119,24 +123,38 @@ def render() -> str:
                 for c in ing["cases"]
                 if c["system"] == "jetstream" and str(c["pings_per_message"]) == b
             )
+            u = next(
+                (
+                    c
+                    for c in ing["cases"]
+                    if c["system"] == "roadlog-unary" and str(c["pings_per_message"]) == b
+                ),
+                None,
+            )
+            unary = f"{u['pings_per_s']:,.0f}" if u else "-"
             lines.append(
                 f"| {b} | {o['pings_per_s']:,.0f} | {o['ack_p50_ms']} / {o['ack_p99_ms']} "
+                f"| {o.get('publishes_per_call', 1)} | {unary} "
                 f"| {t['pings_per_s']:,.0f} | {t['ack_p50_ms']} / {t['ack_p99_ms']} | {ratio} |"
             )
         lines += [
             "",
-            "Where the time goes (py-spy with `--gil`, process CPU from /proc, and the "
-            "`roadlog_work_stage_seconds`, `roadlog_merged_publishes` and "
-            "`roadlog_raft_log_write_seconds` metrics): the machine's two cores run the client, "
-            "the queue server and three nodes, all Python, and are ~95% busy. Publishes that "
-            "reach the leader while it persists are merged into one append op per topic "
-            "(validated, split and encoded once, one set of LMDB writes on every replica); with "
-            "32 publishers about 4 publishes share an op, and a Raft write round takes ~5 ms "
-            "because every thread competes for the same cores. The rest of the cost is spread "
-            "thin: gRPC stream reads and writes in each process, protobuf framing, asyncio "
-            "scheduling; no single function holds more than ~15% of the leader's GIL time. "
-            "Before the merge the figures were 667 / 45.0k / 335k pings/s (ratios 0.09 / 0.08 / "
-            "0.26). The goal (>= 1.0 at 100 and 1000 pings per message) is not met.",
+            "Where the time goes (py-spy with `--gil`, process CPU from /proc, and a "
+            "timestamp trace of one publish through every process): a lone publish crosses "
+            "six gRPC hops (client, queue server, leader, followers and back), each ~0.3-1 ms "
+            "of Python gRPC and asyncio on this machine (a bare grpc.aio stream round trip is "
+            "0.3 ms here, a unary call 0.7 ms), plus an fsynced LMDB write on every node; a "
+            "serial 100-ping publish costs ~9 ms and ~12 ms of CPU over the five processes. "
+            "With 32 publishers the run is bound by that latency (the cores are ~75% busy): "
+            "throughput is the publishes in flight over the round trip. What closed part of "
+            "the gap: corking (publishes per call above), the leader validating a corked "
+            "batch while its log write runs, lazy commit propagation (no empty APPEND per "
+            "follower and entry while entries are in flight), node state to queue servers "
+            "throttled to 5 ms while busy, a C-parsed PingBatch view, rectangle regions "
+            "checked without shapely. Earlier figures: 634 / 57.3k / 515k pings/s (ratios "
+            "0.07 / 0.10 / 0.37), unary calls without these changes. The goal (>= 1.0 at 100 "
+            "and 1000 pings per message) is not met: it needs fewer hops or far cheaper ones "
+            "per publish than Python gRPC gives (see the closing notes of issue 3).",
             "",
         ]
     fd = _load("front_door")

@@ -58,7 +58,8 @@ class Publisher:
         *,
         max_in_flight: int = 2,
         max_batch_requests: int = 1024,
-        max_batch_bytes: int = 8 << 20,
+        max_batch_bytes: int = 256 << 10,
+        max_full_in_flight: int = 8,
         timeout: float = 30.0,
         client: str | None = None,
     ) -> None:
@@ -70,6 +71,8 @@ class Publisher:
         self.max_in_flight = max_in_flight
         self.max_batch_requests = max_batch_requests
         self.max_batch_bytes = max_batch_bytes
+        self.max_full_in_flight = max(max_full_in_flight, max_in_flight)
+        self._queued_bytes = 0
         self.timeout = timeout
         self.metadata = (("roadlog-client", client or client_id()),)
         self.fence = 0  # the highest applied index of any answer (read your writes)
@@ -117,6 +120,7 @@ class Publisher:
         fut: asyncio.Future[client_pb2.PublishResponse] = asyncio.get_running_loop().create_future()
         wait = self.timeout if timeout is None else timeout
         self._queue.append(_Pending(raw, fut, time.monotonic() + wait))
+        self._queued_bytes += len(raw)
         self._idle.clear()
         self._pump()
         return await fut
@@ -133,8 +137,16 @@ class Publisher:
     # ------------------------------------------------------------ sending
 
     def _pump(self) -> None:
-        """Send what waits, as long as fewer than max_in_flight calls are out."""
-        while self._queue and self._in_flight < self.max_in_flight:
+        """Send what waits while fewer than max_in_flight calls are out; a
+        full batch (max_batch_bytes) goes out at once, up to
+        max_full_in_flight calls: big publishes pipeline, small ones cork."""
+        while self._queue and (
+            self._in_flight < self.max_in_flight
+            or (
+                self._queued_bytes >= self.max_batch_bytes
+                and self._in_flight < self.max_full_in_flight
+            )
+        ):
             batch = self._take()
             if not batch:
                 break
@@ -154,14 +166,17 @@ class Publisher:
             p = q[0]
             if p.future.done():  # the caller gave up
                 q.popleft()
+                self._queued_bytes -= len(p.request)
                 continue
             if p.deadline <= now:
                 q.popleft()
+                self._queued_bytes -= len(p.request)
                 self._fail(p, _error(grpc.StatusCode.UNAVAILABLE, p.reason or "no time left"))
                 continue
             if batch and size + len(p.request) > self.max_batch_bytes:
                 break
             q.popleft()
+            self._queued_bytes -= len(p.request)
             batch.append(p)
             size += len(p.request)
         return batch
@@ -236,6 +251,7 @@ class Publisher:
         def requeue() -> None:
             self._in_flight -= 1
             self._queue.extendleft(reversed(batch))
+            self._queued_bytes += sum(len(p.request) for p in batch)
             self._pump()
 
         asyncio.get_running_loop().call_later(self._backoff, requeue)

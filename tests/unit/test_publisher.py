@@ -32,6 +32,8 @@ class Scripted:
         self.abort = abort
         self.calls: list[list[bytes]] = []
         self.seen: dict[bytes, int] = {}
+        self.out = 0  # calls being answered now
+        self.most_out = 0
 
     async def handle(self, body: bytes, context: Any) -> bytes:
         reqs = list(client_pb2.PublishBatchRequestView.FromString(body).requests)
@@ -44,7 +46,10 @@ class Scripted:
             code = self.script(r, n)
             resp = client_pb2.PublishResponse(applied_index=len(self.calls)).SerializeToString()
             out.results.add(code=code, message=f"scripted {code}", response=b"" if code else resp)
+        self.out += 1
+        self.most_out = max(self.most_out, self.out)
         await asyncio.sleep(0.01)  # let more publishes pile up behind this call
+        self.out -= 1
         return out.SerializeToString()
 
 
@@ -87,6 +92,29 @@ def test_publishes_are_corked_and_each_is_answered() -> None:
     assert all(isinstance(o, client_pb2.PublishResponse) for i, o in enumerate(out) if i != 5)
     assert len(h.calls) < 40 and sum(len(c) for c in h.calls) == 40
     assert [r for c in h.calls for r in c] == [req(i) for i in range(40)]  # in order
+
+
+def test_full_batches_go_out_at_once_small_ones_wait_for_a_slot() -> None:
+    def big(i: int) -> bytes:
+        return client_pb2.PublishRequest(
+            topic="t", sequence=i, client_id="x" * 3000
+        ).SerializeToString()
+
+    async def run(make: Callable[[int], bytes]) -> Scripted:
+        h = Scripted(lambda r, n: 0)
+        server, addr = await serve(h)
+        try:
+            async with Publisher([addr], max_in_flight=1, max_batch_bytes=10_000) as pub:
+                await asyncio.gather(*(pub.publish(make(i)) for i in range(40)))
+            return h
+        finally:
+            await server.stop(None)
+
+    small = asyncio.run(run(req))
+    assert small.most_out == 1  # corked behind the one call out
+    large = asyncio.run(run(big))
+    assert large.most_out > 1  # 3 KB each: batches fill up and pipeline
+    assert max(len(c) for c in large.calls) <= 4  # never past max_batch_bytes
 
 
 def test_a_retryable_answer_sends_that_publish_again_only() -> None:
