@@ -2,7 +2,8 @@
 NATS JetStream (3 servers, 3 replicas, file storage, fsync before ack), the
 same pings packed the same number per message, the same number of
 concurrent async publishers. Reports pings/s, ack latency p50/p99 and the
-ratio roadlog/JetStream. Writes bench/results/ingest.json.
+ratio roadlog/JetStream. Both clients run on the same event loop (uvloop
+when installed, as the daemons do). Writes bench/results/ingest.json.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from bench.common import write_result
 from bench.peers import nats_cluster, nats_stream, percentile, roadlog_cluster
-from roadlog import columnar
+from roadlog import columnar, eventloop
 from roadlog.columnar import PingColumns
 from roadlog.publisher import Publisher
 from roadlog.v1 import client_pb2, pings_pb2
@@ -132,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     cases: list[dict[str, Any]] = []
     with roadlog_cluster() as lc:
         for b in sizes:
-            r = asyncio.run(roadlog_case(lc.servers[0], b, args.concurrency, args.seconds))
+            r = eventloop.run(roadlog_case(lc.servers[0], b, args.concurrency, args.seconds))
             cases.append({"system": "roadlog", "pings_per_message": b, **r})
             show("roadlog", b, r)
     with roadlog_cluster() as lc:  # a fresh cluster: the same starting point
         for b in sizes:
-            r = asyncio.run(
+            r = eventloop.run(
                 roadlog_case(lc.servers[0], b, args.concurrency, args.seconds, corked=False)
             )
             cases.append({"system": "roadlog-unary", "pings_per_message": b, **r})
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 await conn.close()
             return out
 
-        cases += asyncio.run(all_nats())
+        cases += eventloop.run(all_nats())
     ratios = {}
     for b in sizes:
         ours = next(c for c in cases if c["system"] == "roadlog" and c["pings_per_message"] == b)
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "ingest",
             {
                 "concurrency": args.concurrency,
+                "event_loop": eventloop.loop_name(),
                 "seconds": args.seconds,
                 "cases": cases,
                 "ratio": ratios,

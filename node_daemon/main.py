@@ -39,7 +39,7 @@ from node_daemon.sdnotify import notify
 from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.transport import AUTH_KEY, auth_token, authorized
 from node_daemon.worker import Executor, QueueServerLink
-from roadlog import configfile
+from roadlog import configfile, eventloop
 from roadlog.http_health import serve_metrics_and_health
 from roadlog.localcluster import node_view
 from roadlog.logs import setup_logging
@@ -390,7 +390,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
         raise click.BadParameter(str(e)) from None
     setup_logging("node", cfg.log_level)
     try:
-        asyncio.run(serve(cfg))
+        eventloop.run(serve(cfg))
     except ConfigError as e:
         log.error("bad configuration", extra={"error": str(e)})
         sys.exit(2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import click
 from node_daemon.config import ConfigError
 from queue_server.config import load_queue_config
 from queue_server.server import serve
+from roadlog import eventloop
 from roadlog.logs import setup_logging
 
 
@@ -43,7 +43,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
         raise click.BadParameter(str(e)) from None
     setup_logging("queue", cfg.log_level)
     try:
-        asyncio.run(serve(cfg))
+        eventloop.run(serve(cfg))
     except RuntimeError as e:
         print(f"roadlog-queue: {e}", file=sys.stderr)
         sys.exit(2)
