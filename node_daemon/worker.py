@@ -368,7 +368,9 @@ class QueueServerLink:
         first = work_pb2.WorkerMessage(
             state=self.state(), credit=work_pb2.Credit(writes=WRITE_CREDIT, reads=READ_CREDIT)
         )
-        self._told = None
+        s = first.state
+        self._told = (s.is_leader, s.leader, s.term, s.leader_address)  # a new stream's first word
+        self._told_at = time.monotonic()
         yield first
         while True:
             msg = await self.outbox.get()
