@@ -258,19 +258,35 @@ class LocalCluster:
     def wait_ready(
         self, timeout: float = 60.0, progress: Callable[[str], None] | None = None
     ) -> dict[str, Any]:
-        """Wait until a leader exists and every running node is ready."""
+        """Wait until a leader exists, every running node is ready and every
+        running queue server answers. A process started here that died on
+        the way raises at once, with the end of its log."""
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
+        started = {p.name: p for p in [*self.nodes, *self.queue_servers] if p.pid}
         while time.monotonic() < deadline:
+            for p in started.values():
+                if not alive(p.pid):
+                    raise RuntimeError(f"{p.name} (pid {p.pid}) died:\n{_tail(p.log)}")
             last = self.status()
             running = [n for n in self.nodes if n.pid and alive(n.pid)]
             ready = [n for n in last["nodes"] if n.get("ready")]
-            if last.get("leader") and len(ready) >= len(running):
+            queues_up = {q["grpc"] for q in last["queue_servers"] if q.get("up")}
+            queues = {q.grpc for q in self.queue_servers if q.pid and alive(q.pid)}
+            if last.get("leader") and len(ready) >= len(running) and queues <= queues_up:
                 return last
             if progress is not None:
                 progress(f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)}")
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
 
 
 def alive(pid: int) -> bool:

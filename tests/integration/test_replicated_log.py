@@ -4,8 +4,10 @@ consumers, nodes killed with SIGKILL, a wiped node, bad input."""
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -359,3 +361,17 @@ def test_a_leader_without_a_majority_never_acknowledges(make_cluster: MakeCluste
         with pytest.raises(Unavailable):
             p.send_batch(make_pings("p", 100, 10))
         assert p.acked == 10
+
+
+def test_a_process_that_dies_while_the_cluster_starts_is_reported_with_its_log(
+    tmp_path: Path,
+) -> None:
+    lc = LocalCluster.create(tmp_path / "c", 1, 1)
+    lc.queue_servers[0].argv = [sys.executable, "-c", "print('cannot bind, say'); exit(3)"]
+    lc.start_all()
+    try:
+        with pytest.raises(RuntimeError) as e:
+            lc.wait_ready(60)
+        assert "q1" in str(e.value) and "cannot bind, say" in str(e.value)
+    finally:
+        lc.down(grace=3)
