@@ -152,7 +152,10 @@ def render() -> str:
             "batch while its log write runs, lazy commit propagation (no empty APPEND per "
             "follower and entry while entries are in flight), node state to queue servers "
             "throttled to 5 ms while busy, a C-parsed PingBatch view, rectangle regions "
-            "checked without shapely. Earlier figures: 634 / 57.3k / 515k pings/s (ratios "
+            "checked without shapely, uvloop. Run to run this varies by about 15%: three "
+            "runs on 2026-11-22 gave 127k-152k pings/s at 100 per message and 712k-889k at "
+            "1000 (ratios 0.21-0.26 and 0.44-0.47); the table is the last of them. Earlier "
+            "figures: 634 / 57.3k / 515k pings/s (ratios "
             "0.07 / 0.10 / 0.37), unary calls without these changes. The goal (>= 1.0 at 100 "
             "and 1000 pings per message) is not met: it needs fewer hops or far cheaper ones "
             "per publish than Python gRPC gives (see the closing notes of issue 3).",
