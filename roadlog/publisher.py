@@ -1,8 +1,9 @@
 """Publishing from many coroutines at once, corked.
 
 A ``Publisher`` keeps at most ``max_in_flight`` PublishBatch calls out to
-the queue servers. Publishes made while they are out wait, and all of them
-travel together in the next call: the same thing a NATS or Kafka client
+the queue servers (a batch that is already full, ``max_batch_bytes``, goes
+out anyway, up to ``max_full_in_flight``). Publishes made while they are
+out wait, and all of them travel together in the next call: the same thing a NATS or Kafka client
 does with its write buffer, so that a process publishing thousands of small
 batches a second pays for a few gRPC calls, not thousands. Nothing else
 changes: each publish is validated, stored, deduplicated (producer id and
@@ -26,8 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from roadlog.client import RETRYABLE, RoadlogError, _error, client_id
-from roadlog.columnar import PingColumns, encode
-from roadlog.v1 import client_pb2, pings_pb2
+from roadlog.v1 import client_pb2
 
 MAX_BATCH_REQUESTS = 4096  # what a node takes in one PublishBatch
 
@@ -124,15 +124,6 @@ class Publisher:
         self._idle.clear()
         self._pump()
         return await fut
-
-    async def publish_pings(
-        self, topic: str, cols: PingColumns, timeout: float | None = None
-    ) -> client_pb2.PublishResponse:
-        """Publish columns as one batch (not idempotent: no producer id)."""
-        req = client_pb2.PublishRequest(
-            topic=topic, batch=pings_pb2.PingBatch.FromString(encode(cols))
-        )
-        return await self.publish(req, timeout)
 
     # ------------------------------------------------------------ sending
 
