@@ -361,7 +361,7 @@ class RaftNode:
             applying = self._apply(loop, now_apply)
         t0 = time.perf_counter()
         write: asyncio.Future[None]
-        if rd.entries or rd.snapshot is not None or rd.must_sync:
+        if self.log_store.writes(rd.entries, rd.snapshot, rd.must_sync):
             write = loop.run_in_executor(
                 self._log_io,
                 self.log_store.save,
@@ -370,7 +370,7 @@ class RaftNode:
                 rd.snapshot,
                 rd.must_sync,
             )
-        else:  # only the commit index moved: nothing to write, no thread hop
+        else:  # nothing to write: no thread hop
             self.log_store.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
             write = loop.create_future()
             write.set_result(None)

@@ -172,6 +172,13 @@ class LmdbLogStorage:
 
     # -- writes --------------------------------------------------------------
 
+    @staticmethod
+    def writes(entries: Sequence[Entry], snapshot: Snapshot | None, sync: bool) -> bool:
+        """Does ``save`` with these touch the disk? Not when only the commit
+        index moved (no entries, no snapshot, no sync asked): then it just
+        remembers the hard state, and callers may skip a thread hop."""
+        return bool(entries) or snapshot is not None or sync
+
     def save(
         self,
         hard_state: HardState | None,
@@ -180,7 +187,7 @@ class LmdbLogStorage:
         sync: bool = True,
     ) -> None:
         hard = hard_state if hard_state is not None else self._hard
-        if not entries and snapshot is None and not sync:
+        if not self.writes(entries, snapshot, sync):
             self._hard = hard  # only the commit index moved: written with the next sync
             return
         self._write(lambda txn: self._save_txn(txn, hard, entries, snapshot))
