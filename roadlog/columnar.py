@@ -29,16 +29,17 @@ I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 F32 = npt.NDArray[np.float32]
 
-# Field number -> (numpy little-endian dtype, attribute) for the packed columns.
-_COLUMNS: dict[int, tuple[str, str]] = {
-    2: ("<u4", "device_index"),
-    3: ("<i8", "ts_ms"),
-    4: ("<f8", "lat"),
-    5: ("<f8", "lon"),
-    6: ("<f4", "speed_mps"),
-    7: ("<f4", "heading_deg"),
-    8: ("<f4", "accuracy_m"),
-}
+# (numpy little-endian dtype, attribute) of each packed column, in field
+# order (PingBatch fields 2..8; the names are those of PingBatchView too).
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("<u4", "device_index"),
+    ("<i8", "ts_ms"),
+    ("<f8", "lat"),
+    ("<f8", "lon"),
+    ("<f4", "speed_mps"),
+    ("<f4", "heading_deg"),
+    ("<f4", "accuracy_m"),
+)
 _OPTIONAL = ("speed_mps", "heading_deg", "accuracy_m")
 
 
@@ -197,7 +198,7 @@ def encode(cols: PingColumns) -> bytes:
     """PingBatch wire bytes (written through ``PingBatchView``: one
     serialization in C). All-NaN optional columns are left out."""
     view = pings_pb2.PingBatchView(device_ids=cols.device_ids)
-    for dtype, attr in _COLUMNS.values():
+    for dtype, attr in _COLUMNS:
         arr = getattr(cols, attr)
         if len(arr) == 0 or (attr in _OPTIONAL and bool(np.isnan(arr).all())):
             continue
@@ -217,7 +218,7 @@ def decode(data: bytes) -> PingColumns:
     if view.ByteSize() != len(data):
         return _decode_slow(data)
     cols: dict[str, np.ndarray] = {}
-    for dtype, attr in _COLUMNS.values():
+    for dtype, attr in _COLUMNS:
         raw = getattr(view, attr)
         if raw:
             if len(raw) % np.dtype(dtype).itemsize:
@@ -235,7 +236,7 @@ def _decode_slow(data: bytes) -> PingColumns:
     except Exception as e:
         raise BatchDecodeError(f"not a PingBatch: {e}") from None
     cols: dict[str, np.ndarray] = {}
-    for dtype, attr in _COLUMNS.values():
+    for dtype, attr in _COLUMNS:
         values = getattr(msg, attr)
         if len(values):
             cols[attr] = np.asarray(values, dtype=dtype)

@@ -28,7 +28,7 @@ class Region:
     polygon: Polygon
     geojson: str  # normalised GeoJSON text
 
-    @property
+    @cached_property
     def bbox(self) -> tuple[float, float, float, float]:
         minx, miny, maxx, maxy = self.polygon.bounds
         return (float(minx), float(miny), float(maxx), float(maxy))
