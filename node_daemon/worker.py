@@ -71,8 +71,8 @@ def failure_status(e: BaseException, method: str) -> tuple[grpc.StatusCode, str]
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, DecodeError | columnar.BatchDecodeError):
         return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}"
-    if isinstance(e, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED, "cancelled"
+    if isinstance(e, asyncio.CancelledError):  # its proposal was given up: try again
+        return RETRY_ELSEWHERE, str(e) or "cancelled"
     log.error("work item failed", exc_info=e, extra={"method": method})
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
@@ -152,7 +152,12 @@ class Executor:
             )
         futs = [self._enqueue_publish(r) for r in requests]
         await asyncio.wait(futs)
-        errors = [f.exception() for f in futs]
+        errors = [
+            asyncio.CancelledError("the node stopped before answering")
+            if f.cancelled()
+            else f.exception()
+            for f in futs
+        ]
         if all(isinstance(e, NotLeader) for e in errors):
             raise errors[0]  # type: ignore[misc]
         out = client_pb2.PublishBatchResponseView()

@@ -1,0 +1,78 @@
+"""A node's PublishBatch handling against a stub node (no Raft, no LMDB):
+each request answered on its own, a given-up proposal answered as retryable."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from node_daemon.state_machine import OpResult
+from node_daemon.worker import Executor
+from roadlog.columnar import PingColumns, encode
+from roadlog.geo import bbox_region
+from roadlog.v1 import client_pb2, pings_pb2, topics_pb2, work_pb2
+
+pytestmark = pytest.mark.unit
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+
+
+def publish(n: int = 5) -> bytes:
+    cols = PingColumns.from_columns(
+        [f"d{i % 2}" for i in range(n)], [1_790_000_000_000] * n, [48.1] * n, [11.5] * n
+    )
+    batch = pings_pb2.PingBatch.FromString(encode(cols))
+    return client_pb2.PublishRequest(topic="munich", batch=batch).SerializeToString()
+
+
+class StubNode:
+    """What the Executor asks of a leader; proposals end as ``outcome`` says."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+        self.cfg = SimpleNamespace(merge_publishes=True)
+        self.core = SimpleNamespace(lead=1)
+        self.is_leader = True
+        topic = topics_pb2.Topic(id=7)
+        topic.spec.name, topic.spec.partitions, topic.spec.region_geojson = "munich", 2, REGION
+        self.sm = SimpleNamespace(topic=lambda name: topic)
+
+    async def proposals_taken(self) -> None:
+        return None
+
+    async def propose_op(self, op: Any) -> OpResult:
+        if self.outcome == "cancelled":
+            raise asyncio.CancelledError  # the node stopped with it in flight
+        spans = tuple(OpResult(response=b"ok") for _ in op.append.spans)
+        return OpResult(spans=spans)
+
+
+def run_batch(outcome: str, requests: list[bytes]) -> work_pb2.WorkResult:
+    async def go() -> work_pb2.WorkResult:
+        ex = Executor(StubNode(outcome))  # type: ignore[arg-type]
+        body = client_pb2.PublishBatchRequestView(requests=requests).SerializeToString()
+        return await ex.run(work_pb2.WorkItem(id=1, method="PublishBatch", request=body))
+
+    return asyncio.run(go())
+
+
+def test_each_request_of_a_batch_gets_its_own_answer() -> None:
+    good = publish()
+    res = run_batch("ok", [good, b"\xff\xff", good])
+    assert res.code == 0
+    out = client_pb2.PublishBatchResponseView.FromString(res.response)
+    assert [r.code for r in out.results] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0]
+    assert out.results[0].response == b"ok"
+
+
+def test_a_proposal_given_up_is_answered_as_retryable_not_dropped() -> None:
+    good = publish()
+    res = run_batch("cancelled", [good, good])
+    assert res.code == 0
+    out = client_pb2.PublishBatchResponseView.FromString(res.response)
+    assert [r.code for r in out.results] == [grpc.StatusCode.UNAVAILABLE.value[0]] * 2
+    assert "stopped" in out.results[0].message
