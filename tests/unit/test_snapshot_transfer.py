@@ -38,15 +38,16 @@ class FlakySender(raft_pb2_grpc.RaftPeerServicer):
         self, request: raft_pb2.SnapshotRequest, context: Any
     ) -> AsyncIterator[raft_pb2.SnapshotChunk]:
         self.requests.append(request.offset)
+        call = len(self.requests)  # this call's own number: an abandoned call may run on
         data = self.path.read_bytes()
         offset = request.offset
         while offset < len(data):
             chunk = data[offset : offset + CHUNK]
             crc = zlib.crc32(chunk)
-            if offset >= CHUNK and not self.corrupted:
+            if call == 1 and offset >= CHUNK and not self.corrupted:
                 self.corrupted = True
                 chunk = b"\x00" + chunk[1:]  # flipped on the wire; the CRC still says the truth
-            if len(self.requests) == 2 and offset >= 2 * CHUNK and not self.cut:
+            if call == 2 and offset >= 2 * CHUNK and not self.cut:
                 self.cut = True
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
             yield raft_pb2.SnapshotChunk(
