@@ -374,27 +374,49 @@ class RaftNode:
             self.log_store.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
             write = loop.create_future()
             write.set_result(None)
-        # Keep stepping the core while the write runs (never a new Ready).
+        # Keep stepping the core while the write runs (never a new Ready):
+        # new proposals and the leader's appends go out, and entries that
+        # become committed and are already on disk are applied and answered,
+        # so one write in flight does not hold up the next round.
+        core = self.core
+        mid: tuple[list[Entry], asyncio.Future[list[list[OpResult]]]] | None = None
         while not write.done():
             self._wakeup.clear()
             if self._inbox:
-                core = self.core
                 while self._inbox:
                     self._inbox.popleft()(core)
                 continue
+            if self._ops:
+                self._propose_ops()
+            early_now = core.take_early_messages()
+            if early_now:
+                self.transport.send(early_now)
             if applying is not None and applying.done() and not self._resolved_early:
                 self._resolved_early = True
                 self._resolve(now_apply, applying.result())
+                core.applied_to(now_apply[-1].index)
                 async with self._applied:
                     self._applied.notify_all()
+            if mid is not None and mid[1].done():
+                await self._resolve_applied(mid)
+                mid = None
+            if mid is None and rd.snapshot is None and (applying is None or self._resolved_early):
+                ents = core.take_committed()
+                if ents:
+                    mid = (ents, self._apply(loop, ents))
+                    continue
             waiter: asyncio.Future[Any] = loop.create_task(self._wakeup.wait())
             watch: set[asyncio.Future[Any]] = {write, waiter}
             if applying is not None and not self._resolved_early:
                 watch.add(applying)
+            if mid is not None:
+                watch.add(mid[1])
             await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
         if self._ops or self._inbox:
             self._wakeup.set()
+        if mid is not None:
+            await self._resolve_applied(mid)
         await write  # raises StorageError: the node cannot go on safely
         if rd.must_sync:
             metrics.FSYNC_SECONDS.observe(time.perf_counter() - t0)
@@ -437,6 +459,16 @@ class RaftNode:
                 fut.set_exception(e)
             return fut
         return loop.run_in_executor(self._apply_io, self.sm.apply, entries)
+
+    async def _resolve_applied(
+        self, applied: tuple[list[Entry], asyncio.Future[list[list[OpResult]]]]
+    ) -> None:
+        """Answer entries applied between Readys and tell the core."""
+        entries, fut = applied
+        self._resolve(entries, await fut)
+        self.core.applied_to(entries[-1].index)
+        async with self._applied:
+            self._applied.notify_all()
 
     def _resolve(self, entries: list[Entry], results: list[list[OpResult]]) -> None:
         for e, res in zip(entries, results, strict=True):

@@ -31,6 +31,7 @@ from node_daemon.raft.progress import Progress, ProgressState
 from node_daemon.raft.read_only import ReadOnly
 from node_daemon.raft.storage import LogStorage
 from node_daemon.raft.types import (
+    LEADER_STREAM,
     NONE,
     ConfChange,
     ConfState,
@@ -128,6 +129,7 @@ class RaftCore:
         self.invalid = 0  # malformed messages dropped
         self._prev_soft = SoftState(NONE, Role.FOLLOWER)
         self._prev_hard = hs
+        self._durable_hard = hs  # the hard state of the last advanced Ready
         self._become_follower(self.term, NONE)
 
     # ------------------------------------------------------------------ state
@@ -828,8 +830,44 @@ class RaftCore:
         rd.must_sync = rd.must_sync or bool(rd.entries) or rd.snapshot is not None
         return rd
 
+    # ------------------------------------- between ready() and advance()
+    # While the caller persists a Ready it may keep stepping the core; these
+    # let what needs no new write leave before that write is done.
+
+    def take_early_messages(self) -> list[Message]:
+        """The messages that may go out before any write in flight is
+        durable (a leader's appends, heartbeats and snapshots), taken from
+        those waiting for the next Ready. None while the term or vote
+        differs from the last advanced Ready's: a node never speaks for a
+        term it could forget."""
+        if not self.msgs:
+            return []
+        if (self.term, self.vote) != (self._durable_hard.term, self._durable_hard.vote):
+            return []
+        early = [m for m in self.msgs if m.type in LEADER_STREAM]
+        if early:
+            self.msgs = [m for m in self.msgs if m.type not in LEADER_STREAM]
+        return early
+
+    def take_committed(self) -> list[Entry]:
+        """Committed entries already on this node's disk (not in a write in
+        flight) and not handed out yet, once everything handed out before
+        is reported applied (``applied_to``). The caller applies them in
+        order and reports that with ``applied_to``; the next Ready starts
+        after them."""
+        log = self.log
+        if log.applied != log.applying or log.unstable.snapshot is not None:
+            return []
+        return log.next_committed(upto=self._stable_last())
+
+    def applied_to(self, index: int) -> None:
+        """The state machine applied everything up to ``index``."""
+        self.log.applied_to(index)
+
     def advance(self, rd: Ready) -> None:
         """The caller persisted, sent and applied everything in ``rd``."""
+        if rd.hard_state is not None:
+            self._durable_hard = rd.hard_state
         u = self.log.unstable
         if rd.snapshot is not None:
             u.stable_snap_to(rd.snapshot.meta.index)

@@ -1,8 +1,9 @@
 """The Raft log as the core sees it: stable entries (in storage) followed by
 unstable ones (appended here, not yet persisted), plus commit and apply marks.
 
-Invariants: ``applied <= committed <= last_index()``; the unstable part starts
-right after the stable part (or after a pending snapshot).
+Invariants: ``applied <= applying <= committed <= last_index()`` (``applying``:
+the last committed entry handed to the caller to apply); the unstable part
+starts right after the stable part (or after a pending snapshot).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class RaftLog:
         self.unstable = Unstable(last + 1)
         self.committed = first - 1
         self.applied = first - 1
+        self.applying = first - 1
         self.max_apply_bytes = max_apply_bytes
 
     # -- positions ---------------------------------------------------------
@@ -195,18 +197,26 @@ class RaftLog:
         return False
 
     def applied_to(self, index: int) -> None:
-        if index:
-            if index > self.committed or index < self.applied:
-                raise AssertionError(f"applied {index} outside [{self.applied}, {self.committed}]")
+        """Everything up to ``index`` is applied (never moves back)."""
+        if index > self.applied:
+            if index > self.committed:
+                raise AssertionError(f"applied {index} beyond committed {self.committed}")
             self.applied = index
+            self.applying = max(self.applying, index)
 
-    def has_next_committed(self) -> bool:
-        return self.committed > max(self.applied, self.first_index() - 1)
+    def has_next_committed(self, upto: int | None = None) -> bool:
+        hi = self.committed if upto is None else min(self.committed, upto)
+        return hi > max(self.applying, self.first_index() - 1)
 
-    def next_committed(self) -> list[Entry]:
-        lo = max(self.applied + 1, self.first_index())
-        if self.committed + 1 > lo:
-            return self.slice(lo, self.committed + 1, self.max_apply_bytes)
+    def next_committed(self, upto: int | None = None) -> list[Entry]:
+        """Committed entries not handed out yet (up to ``upto``, within
+        ``max_apply_bytes``); they count as handed out from now on."""
+        hi = self.committed if upto is None else min(self.committed, upto)
+        lo = max(self.applying + 1, self.first_index())
+        if hi + 1 > lo:
+            ents = self.slice(lo, hi + 1, self.max_apply_bytes)
+            self.applying = ents[-1].index
+            return ents
         return []
 
     # -- reading -----------------------------------------------------------

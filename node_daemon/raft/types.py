@@ -166,7 +166,7 @@ class ReadState:
     context: bytes
 
 
-_LEADER_STREAM = frozenset({MessageType.APPEND, MessageType.HEARTBEAT, MessageType.SNAPSHOT})
+LEADER_STREAM = frozenset({MessageType.APPEND, MessageType.HEARTBEAT, MessageType.SNAPSHOT})
 
 
 @dataclass(slots=True)
@@ -199,8 +199,8 @@ class Ready:
         votes) always wait for the write."""
         if self.term_or_vote_changed:
             return [], list(self.messages)
-        early = [m for m in self.messages if m.type in _LEADER_STREAM]
-        late = [m for m in self.messages if m.type not in _LEADER_STREAM]
+        early = [m for m in self.messages if m.type in LEADER_STREAM]
+        late = [m for m in self.messages if m.type not in LEADER_STREAM]
         return early, late
 
     def is_empty(self) -> bool:

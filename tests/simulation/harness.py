@@ -120,6 +120,9 @@ class Options:
     write_delay: int  # time units a write takes; 0: synchronous
     p_crash_in_ready: float  # a crash in the middle of handling one Ready
     lazy_commit: bool  # the commit index rides on the next append or tick (as in the node)
+    # While a write is in flight, a leader's appends go out and entries
+    # committed and already on disk are applied (as in the node).
+    mid_write: bool
 
     @classmethod
     def from_seed(cls, seed: int, rng: random.Random) -> Options:
@@ -145,6 +148,7 @@ class Options:
             write_delay=rng.choice([0, 0, 3, 12]),
             p_crash_in_ready=rng.choice([0.0, 0.0005, 0.002]),
             lazy_commit=rng.random() < 0.5,
+            mid_write=rng.random() < 0.5,
         )
 
 
@@ -207,6 +211,8 @@ class SimNode:
         of its own), and the core keeps taking messages and ticks meanwhile,
         as the node daemon's does; no new Ready is taken until it is done."""
         core = self.core
+        if core is not None and self.pending is not None and self.sim.opts.mid_write:
+            self._between_readys(core)
         while core is not None and self.pending is None and core.has_ready():
             rd = core.ready()
             if self.sim.opts.early_send:
@@ -223,6 +229,17 @@ class SimNode:
                 return
             if not self._finish(core, rd, late):
                 return
+
+    def _between_readys(self, core: RaftCore) -> None:
+        """What the core lets go while the write of a Ready is in flight."""
+        for m in core.take_early_messages():
+            self.sim.net.send(m)
+        ents = core.take_committed()
+        for e in ents:
+            self.sm.apply(e)
+            self.sim.checker.on_apply(self, e)
+        if ents:
+            core.applied_to(ents[-1].index)
 
     def complete_write(self) -> None:
         assert self.pending is not None and self.core is not None

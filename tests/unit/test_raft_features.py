@@ -14,6 +14,7 @@ from node_daemon.raft import (
     Message,
     MessageType,
     ProposalDropped,
+    Ready,
     Role,
     Snapshot,
 )
@@ -510,3 +511,81 @@ def test_a_wiped_follower_is_noticed_by_heartbeats_alone() -> None:
     net.tick_all(3)
     assert net.cores[3].log.last_index() == net.cores[1].log.last_index()
     assert net.cores[3].log.committed == net.cores[1].log.committed
+
+
+# ------------------------------------------ between ready() and advance()
+
+
+def _write_in_flight(net: Net, node: int) -> Ready:
+    """Take ``node``'s Ready and leave it unpersisted (a write in flight)."""
+    rd = net.cores[node].ready()
+    assert rd.entries  # the test needs something being written
+    return rd
+
+
+def test_a_leaders_appends_leave_while_its_own_write_is_in_flight() -> None:
+    net = _net()
+    net.elect(1)
+    leader = net.cores[1]
+    leader.propose(b"a")
+    rd = _write_in_flight(net, 1)
+    leader.propose(b"b")
+    early = leader.take_early_messages()
+    assert {m.to for m in early} == {2, 3}
+    assert all(m.type == MT.APPEND for m in early)
+    assert [e.data for m in early for e in m.entries if e.data] == [b"b", b"b"]
+    assert not leader.take_early_messages()  # taken once
+    leader.log.storage.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
+    leader.advance(rd)
+    nxt = leader.ready()
+    assert not [m for m in nxt.messages if m.type == MT.APPEND and m.entries]  # not sent twice
+
+
+def test_no_early_message_for_a_term_or_vote_not_yet_on_disk() -> None:
+    net = _net()
+    c = net.cores[1]
+    c.campaign()
+    rd = c.ready()  # the new term and the vote for itself: not yet durable
+    assert rd.hard_state is not None and rd.hard_state.vote == 1
+    for voter in (2, 3):
+        c.step(Message(MT.VOTE_RESP, 1, voter, c.term))
+    assert c.role == Role.LEADER
+    assert not c.take_early_messages()  # its first appends wait for the vote's write
+    c.log.storage.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
+    c.advance(rd)
+    assert {m.to for m in c.take_early_messages() if m.type == MT.APPEND} == {2, 3}
+
+
+def test_take_committed_gives_only_entries_on_disk_once_each() -> None:
+    net = _net()
+    net.elect(1)
+    leader = net.cores[1]
+    start = leader.log.applied
+    leader.propose(b"a")
+    rd_a = leader.ready()
+    leader.log.storage.save(rd_a.hard_state, rd_a.entries, rd_a.snapshot, rd_a.must_sync)
+    early = list(rd_a.messages)
+    leader.advance(rd_a)
+    a = rd_a.entries[-1].index
+    leader.propose(b"b")
+    rd_b = _write_in_flight(net, 1)  # b is being written on the leader
+    early += rd_b.split_messages()[0]
+    # the followers persist a (and b, sent early) and answer
+    for m in early:
+        net.cores[m.to].step(m)
+    for f in (2, 3):
+        for m in persist(net.cores[f]):
+            if m.to == 1:
+                leader.step(m)
+    b = a + 1
+    assert leader.log.committed == b  # the followers alone are a quorum for b
+    got = leader.take_committed()
+    assert [e.index for e in got] == list(range(start + 1, a + 1))  # b is not on our disk yet
+    assert not leader.take_committed()  # nothing more until those are applied
+    leader.applied_to(a)
+    assert not leader.take_committed()  # b still in flight
+    leader.log.storage.save(rd_b.hard_state, rd_b.entries, rd_b.snapshot, rd_b.must_sync)
+    leader.advance(rd_b)
+    nxt = leader.ready()
+    assert [e.index for e in nxt.committed_entries] == [b]  # a is never applied twice
+    assert leader.log.applied == a
