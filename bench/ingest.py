@@ -13,6 +13,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -114,10 +115,47 @@ async def nats_case(js: Any, pings: int, concurrency: int, seconds: float) -> di
     return await drive(send, concurrency, seconds, pings)
 
 
-def show(system: str, b: int, r: dict[str, Any]) -> None:
+async def nats_round(nc: Any, pings: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    """One JetStream case on a connection of its own (the stream is made
+    once; making it again with the same config is a no-op)."""
+    conn, js = await nats_stream(nc)
+    try:
+        return await nats_case(js, pings, concurrency, seconds)
+    finally:
+        await conn.close()
+
+
+def median_case(system: str, pings: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case from several rounds: the round with the median pings/s (its
+    latencies with it), and every round's pings/s to show the spread."""
+    ranked = sorted(runs, key=lambda r: r["pings_per_s"])
+    mid = ranked[(len(ranked) - 1) // 2]
+    return {
+        "system": system,
+        "pings_per_message": pings,
+        **mid,
+        "rounds_pings_per_s": [r["pings_per_s"] for r in runs],
+    }
+
+
+def run_rounds(
+    system: str, sizes: list[int], rounds: int, one: Callable[[int], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Every size once a round, rounds in turn (slow drift of the machine
+    touches every size alike); one median case per size."""
+    runs: dict[int, list[dict[str, Any]]] = {b: [] for b in sizes}
+    for rnd in range(rounds):
+        for b in sizes:
+            r = one(b)
+            runs[b].append(r)
+            show(system, b, r, f"round {rnd + 1}/{rounds}")
+    return [median_case(system, b, runs[b]) for b in sizes]
+
+
+def show(system: str, b: int, r: dict[str, Any], what: str = "") -> None:
     print(
         f"{system:<9} {b:>5}/msg: {r['pings_per_s']:>12,.0f} pings/s  "
-        f"p50 {r['ack_p50_ms']} ms  p99 {r['ack_p99_ms']} ms  errors {r['errors']}",
+        f"p50 {r['ack_p50_ms']} ms  p99 {r['ack_p99_ms']} ms  errors {r['errors']}  {what}",
         file=sys.stderr,
         flush=True,
     )
@@ -125,39 +163,38 @@ def show(system: str, b: int, r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--seconds", type=float, default=6.0, help="per case and round")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--batches", default="1,100,1000")
+    ap.add_argument("--rounds", type=int, default=3, help="figures are the median round")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     sizes = [int(b) for b in args.batches.split(",")]
     cases: list[dict[str, Any]] = []
     with roadlog_cluster() as lc:
-        for b in sizes:
-            r = eventloop.run(roadlog_case(lc.servers[0], b, args.concurrency, args.seconds))
-            cases.append({"system": "roadlog", "pings_per_message": b, **r})
-            show("roadlog", b, r)
+        cases += run_rounds(
+            "roadlog",
+            sizes,
+            args.rounds,
+            lambda b: eventloop.run(roadlog_case(lc.servers[0], b, args.concurrency, args.seconds)),
+        )
     with roadlog_cluster() as lc:  # a fresh cluster: the same starting point
-        for b in sizes:
-            r = eventloop.run(
+        cases += run_rounds(
+            "roadlog-unary",
+            sizes,
+            args.rounds,
+            lambda b: eventloop.run(
                 roadlog_case(lc.servers[0], b, args.concurrency, args.seconds, corked=False)
-            )
-            cases.append({"system": "roadlog-unary", "pings_per_message": b, **r})
-            show("unary", b, r)
+            ),
+        )
     with nats_cluster() as nc:
-
-        async def all_nats() -> list[dict[str, Any]]:
-            conn, js = await nats_stream(nc)
-            out = []
-            try:
-                for b in sizes:
-                    r = await nats_case(js, b, args.concurrency, args.seconds)
-                    out.append({"system": "jetstream", "pings_per_message": b, **r})
-                    show("jetstream", b, r)
-            finally:
-                await conn.close()
-            return out
-
-        cases += eventloop.run(all_nats())
+        cases += run_rounds(
+            "jetstream",
+            sizes,
+            args.rounds,
+            lambda b: eventloop.run(nats_round(nc, b, args.concurrency, args.seconds)),
+        )
     ratios = {}
     for b in sizes:
         ours = next(c for c in cases if c["system"] == "roadlog" and c["pings_per_message"] == b)
@@ -165,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             c for c in cases if c["system"] == "jetstream" and c["pings_per_message"] == b
         )
         ratios[str(b)] = round(ours["pings_per_s"] / max(theirs["pings_per_s"], 1e-9), 2)
-    print(f"ratio roadlog/jetstream: {ratios}", file=sys.stderr)
+    print(f"ratio roadlog/jetstream (medians): {ratios}", file=sys.stderr)
     print(
         write_result(
             "ingest",
@@ -173,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 "concurrency": args.concurrency,
                 "event_loop": eventloop.loop_name(),
                 "seconds": args.seconds,
+                "rounds": args.rounds,
                 "cases": cases,
                 "ratio": ratios,
             },

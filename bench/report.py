@@ -31,12 +31,29 @@ def _case(doc: dict[str, Any], system: str, batch: str) -> dict[str, Any]:
     )
 
 
+def _spread(case: dict[str, Any]) -> str:
+    """ " (low-high)" over a case's rounds, when it had more than one."""
+    runs = case.get("rounds_pings_per_s") or []
+    if len(runs) < 2:
+        return ""
+    return f" ({_short(min(runs))}-{_short(max(runs))})"
+
+
+def _short(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.0f}k" if x >= 1e4 else f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
 def render() -> str:
     lines = [
         "# Benchmarks",
         "",
         "Figures from `make bench` (rendered by `bench/report.py` from `bench/results/*.json`).",
-        "Single runs on a shared 2-core machine: read them as orders of magnitude.",
+        "Single runs (unless said otherwise) on a shared 2-core machine: read them as "
+        "orders of magnitude.",
         "",
     ]
     st = _load("storage_ceiling")
@@ -132,11 +149,13 @@ def render() -> str:
                 ),
                 None,
             )
-            unary = f"{u['pings_per_s']:,.0f}" if u else "-"
+            unary = f"{u['pings_per_s']:,.0f}{_spread(u)}" if u else "-"
             lines.append(
-                f"| {b} | {o['pings_per_s']:,.0f} | {o['ack_p50_ms']} / {o['ack_p99_ms']} "
+                f"| {b} | {o['pings_per_s']:,.0f}{_spread(o)} "
+                f"| {o['ack_p50_ms']} / {o['ack_p99_ms']} "
                 f"| {o.get('publishes_per_call', 1)} | {unary} "
-                f"| {t['pings_per_s']:,.0f} | {t['ack_p50_ms']} / {t['ack_p99_ms']} | {ratio} |"
+                f"| {t['pings_per_s']:,.0f}{_spread(t)} | {t['ack_p50_ms']} / {t['ack_p99_ms']} "
+                f"| {ratio} |"
             )
         lines += [
             "",
@@ -152,10 +171,12 @@ def render() -> str:
             "batch while its log write runs, lazy commit propagation (no empty APPEND per "
             "follower and entry while entries are in flight), node state to queue servers "
             "throttled to 5 ms while busy, a C-parsed PingBatch view, rectangle regions "
-            "checked without shapely, uvloop, validation on the leader's loop. Run to run "
-            "this varies by about 15% (JetStream's figures too): four runs on 2026-11-22 gave "
-            "127k-152k pings/s at 100 per message and 712k-889k at 1000 (ratios 0.21-0.26 and "
-            "0.44-0.51); the table is the last of them. Earlier "
+            "checked without shapely, uvloop, validation on the leader's loop, and a leader "
+            "that proposes, sends and applies between Readys while its log write runs. Run to "
+            f"run this varies by 15-25% on both sides, so each case ran {ing.get('rounds', 1)} "
+            "time(s), the sizes taking turns; a figure is the median round (with its "
+            "latencies), the brackets give the lowest and highest round, and the ratio is "
+            "of the medians. Earlier "
             "figures: 634 / 57.3k / 515k pings/s (ratios "
             "0.07 / 0.10 / 0.37), unary calls without these changes. The goal (>= 1.0 at 100 "
             "and 1000 pings per message) is not met: it needs fewer hops or far cheaper ones "
