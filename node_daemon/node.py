@@ -51,6 +51,7 @@ log = logging.getLogger("roadlog.node")
 
 # Committed entries up to this size are applied on the event loop (see _apply).
 INLINE_APPLY_BYTES = 256 << 10
+SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot, before the next try
 
 
 class NotLeader(Exception):
@@ -125,6 +126,12 @@ class RaftNode:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._snapshot_requests: list[asyncio.Future[int]] = []
+        # A snapshot is taken on its own thread while the driver goes on;
+        # only compacting the log to it happens between Readys.
+        self._snap_io = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._snapshotting: asyncio.Future[tuple[int, int, Path]] | None = None
+        self._snapshot_waiters: list[asyncio.Future[int]] = []  # asked before it began
+        self._snapshot_retry_at = 0.0
         self._resolved_early = False
         self.state_listeners: list[Callable[[], None]] = []
         self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
@@ -260,6 +267,8 @@ class RaftNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await self.transport.close()
+        await self._snapshot_done()
+        self._snap_io.shutdown(wait=True)
         self._log_io.shutdown(wait=True)
         self._apply_io.shutdown(wait=True)
         self.sm.checkpoint()
@@ -331,18 +340,7 @@ class RaftNode:
                 await self._handle(rd, loop)
                 self._drain()
             self._observe()
-            force, self._snapshot_requests = self._snapshot_requests, []
-            try:
-                index = await self._maybe_compact(loop, force=bool(force))
-            except Exception as e:
-                log.exception("snapshot failed")
-                for f in force:
-                    if not f.done():
-                        f.set_exception(e)
-            else:
-                for f in force:
-                    if not f.done():
-                        f.set_result(index)
+            await self._snapshots(loop)
 
     async def _handle(self, rd: Ready, loop: asyncio.AbstractEventLoop) -> None:
         early, late = rd.split_messages()
@@ -424,6 +422,7 @@ class RaftNode:
             metrics.APPENDED_ENTRIES.inc(len(rd.entries))
         self.transport.send(late)
         if rd.snapshot is not None:
+            await self._snapshot_done()  # its thread reads the state being replaced
             await loop.run_in_executor(
                 self._apply_io, self.sm.install_snapshot, rd.snapshot.data.decode()
             )
@@ -527,30 +526,91 @@ class RaftNode:
         p = self.snapshot_dir / f"snap-{index}-{term}.mdb"
         return p if p.exists() else None
 
-    async def _maybe_compact(self, loop: asyncio.AbstractEventLoop, force: bool = False) -> int:
-        applied = self.sm.applied_index
-        first = self.log_store.first_index()
-        if not force and applied - first < self.cfg.snapshot_entries:
-            return 0
-        if applied < first:
-            return 0
-        await loop.run_in_executor(self._apply_io, self.sm.checkpoint)
-        meta = self.core.snapshot_meta_at(applied)
-        path = self.snapshot_dir / f"snap-{meta.index}-{meta.term}.mdb"
-        await loop.run_in_executor(self._apply_io, self.sm.write_snapshot, path)
-        snap = Snapshot(meta, str(path).encode())
-        await loop.run_in_executor(self._log_io, self.log_store.compact, snap)
+    async def _snapshots(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Between Readys: compact the log to a snapshot finished in the
+        background, and begin one when the log has grown ``snapshot_entries``
+        past the last or one was asked for. Taking it (a compact copy of the
+        state machine and an fsync of it) never holds up the driver: writes
+        go on meanwhile, and the copy is what one read transaction saw."""
+        task = self._snapshotting
+        if task is not None and task.done():
+            self._snapshotting = None
+            waiters, self._snapshot_waiters = self._snapshot_waiters, []
+            await self._compact_to(loop, task, waiters)
+        if self._snapshotting is not None:
+            return
+        applied, first = self.sm.applied_index, self.log_store.first_index()
+        asked = bool(self._snapshot_requests)
+        if applied < first:  # nothing applied past the last snapshot: it covers all
+            current = self.log_store.snapshot().meta.index
+            for f in self._snapshot_requests:
+                if not f.done():
+                    f.set_result(current)
+            self._snapshot_requests = []
+            return
+        due = applied - first >= self.cfg.snapshot_entries
+        if asked or (due and time.monotonic() >= self._snapshot_retry_at):
+            self._snapshot_waiters, self._snapshot_requests = self._snapshot_requests, []
+            self._snapshotting = loop.run_in_executor(self._snap_io, self._take_snapshot)
+            self._snapshotting.add_done_callback(lambda _: self._wakeup.set())
+
+    def _take_snapshot(self) -> tuple[int, int, Path]:
+        """(snapshot thread) A compact copy of the state machine as one read
+        transaction sees it, then an fsync of all it has applied: the log
+        may be compacted to the copy's index only once that is durable."""
+        taking = self.snapshot_dir / "snap-taking.mdb"
+        index, term = self.sm.write_snapshot(taking)
+        path = self.snapshot_dir / f"snap-{index}-{term}.mdb"
+        os.replace(taking, path)
+        self.sm.checkpoint()
+        return index, term, path
+
+    async def _compact_to(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        task: asyncio.Future[tuple[int, int, Path]],
+        waiters: list[asyncio.Future[int]],
+    ) -> None:
+        """Compact the log to a finished snapshot and answer who asked for it."""
+        try:
+            index, _, path = task.result()
+            current = self.log_store.snapshot().meta.index
+            if index <= current:  # a newer one was installed from the leader meanwhile
+                path.unlink(missing_ok=True)
+                index = current
+            else:
+                snap = Snapshot(self.core.snapshot_meta_at(index), str(path).encode())
+                await loop.run_in_executor(self._log_io, self.log_store.compact, snap)
+                self._remove_old_snapshots(path)
+                log.info("snapshot and compaction", extra={"index": index})
+        except Exception as e:
+            log.exception("snapshot failed")
+            self._snapshot_retry_at = time.monotonic() + SNAPSHOT_RETRY_S
+            for f in waiters:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for f in waiters:
+            if not f.done():
+                f.set_result(index)
+
+    def _remove_old_snapshots(self, keep: Path) -> None:
         for old in self.snapshot_dir.glob("snap-*.mdb"):
-            if old != path:
+            if old != keep:
                 old.unlink(missing_ok=True)
+        current = Path(self.log_store.snapshot().data.decode()).resolve()
         for old in self.snapshot_dir.glob("recv-*.mdb"):
-            if old.resolve() != Path(self.log_store.snapshot().data.decode()).resolve():
+            if old.resolve() != current:
                 old.unlink(missing_ok=True)
-        log.info("snapshot and compaction", extra={"index": meta.index})
-        return meta.index
+
+    async def _snapshot_done(self) -> None:
+        """Wait for a snapshot being taken (its outcome is handled later)."""
+        if self._snapshotting is not None:
+            await asyncio.wait([self._snapshotting])
 
     async def snapshot_now(self) -> int:
-        """Snapshot the state machine and compact the log now (between Readys)."""
+        """Snapshot the state machine and compact the log now; the index of
+        the snapshot that covers everything applied when asked."""
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._snapshot_requests.append(fut)
         self._wakeup.set()

@@ -620,14 +620,17 @@ class StateMachine:
         return h.digest()
 
     def write_snapshot(self, dest: str | os.PathLike[str]) -> tuple[int, int]:
-        """A compact, consistent copy of the state at the applied index, as
-        one file ``dest`` (fsynced). Returns (applied index, applied term)."""
+        """A compact copy of the state as one read transaction sees it, as
+        one file ``dest`` (fsynced). Returns the (applied index, applied term)
+        of that copy. Safe while another thread applies: the copy is
+        consistent at whatever index that transaction began."""
         tmp = Path(f"{dest}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        with self.env.begin():
-            index, term = self.applied_index, self.applied_term
-            self.env.copy(str(tmp), compact=True)
+        with self.env.begin() as txn:
+            index = self._meta_int(txn, b"applied_index")
+            term = self._meta_int(txn, b"applied_term")
+            self.env.copy(str(tmp), compact=True, txn=txn)
         data = tmp / "data.mdb"
         with open(data, "rb+") as f:
             os.fsync(f.fileno())

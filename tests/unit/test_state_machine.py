@@ -261,6 +261,49 @@ def test_snapshot_round_trip(tmp_path: Path) -> None:
     dst.close()
 
 
+def test_a_snapshot_taken_while_another_thread_applies_is_consistent_at_its_index(
+    tmp_path: Path,
+) -> None:
+    """The node takes snapshots on a thread of their own while it goes on
+    applying: each copy must be exactly the state at the index it reports."""
+    import threading
+
+    src = StateMachine(tmp_path / "src")
+    log = Log(src)
+    log.create()
+    created = src.applied_index
+    done = threading.Event()
+
+    def apply_more() -> None:
+        try:
+            for k in range(400):
+                log.append(pings(20, start=k * 20))
+        finally:
+            done.set()
+
+    applier = threading.Thread(target=apply_more)
+    applier.start()
+    seen: list[int] = []
+    try:
+        for n in range(50):  # bounded: a few snapshots while the applier runs
+            snap = tmp_path / f"snap-{n}.mdb"
+            index, _ = src.write_snapshot(snap)
+            dst = StateMachine(tmp_path / f"dst-{n}")
+            dst.install_snapshot(snap)
+            stored = sum(p.next_offset for p in dst.describe("munich").partitions)
+            assert dst.applied_index == index
+            assert stored == 20 * (index - created), (index, stored)
+            dst.close()
+            seen.append(index)
+            if done.is_set():
+                break
+    finally:
+        applier.join(timeout=60)
+    assert not applier.is_alive()
+    assert len(set(seen)) > 1  # the copies were taken at different points of the run
+    src.close()
+
+
 def test_undecodable_commands_and_config_entries_change_nothing(sm: StateMachine) -> None:
     before = sm.digest()
     res = sm.apply(

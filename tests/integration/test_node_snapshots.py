@@ -1,0 +1,90 @@
+"""Snapshots on a real node (in this process, LMDB on disk): taking one
+never holds up the write path, and the log is compacted to it afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from node_daemon.config import NodeConfig
+from node_daemon.node import RaftNode
+from roadlog.v1 import command_pb2
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def _op(i: int) -> command_pb2.Op:
+    return command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id=f"c{i}"))
+
+
+def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
+    addr = f"127.0.0.1:{_free_port()}"
+    cfg = NodeConfig(
+        node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr}, snapshot_entries=5
+    )
+
+    async def main() -> None:
+        node = RaftNode(cfg)
+        taking, release = threading.Event(), threading.Event()
+        real = node.sm.write_snapshot
+
+        def held_snapshot(dest: str | os.PathLike[str]) -> tuple[int, int]:
+            taking.set()
+            release.wait(30)  # held until the writes below went through
+            return real(dest)
+
+        node.sm.write_snapshot = held_snapshot  # type: ignore[method-assign]
+        await node.start()
+        try:
+            await _until(lambda: node.is_leader, "a leader")
+            for i in range(8):  # past snapshot_entries: a snapshot becomes due
+                await asyncio.wait_for(node.propose_op(_op(i)), 10)
+            await _until(taking.is_set, "the snapshot to begin")
+            first = node.log_store.first_index()
+            before = node.sm.applied_index
+            for i in range(8, 28):  # the snapshot is held: writes must not be
+                await asyncio.wait_for(node.propose_op(_op(i)), 10)
+            assert node.sm.applied_index >= before + 20
+            assert node.log_store.first_index() == first  # not compacted yet
+            release.set()
+            await _until(lambda: node.log_store.first_index() > first, "the log compaction")
+            snap = node.log_store.snapshot().meta
+            assert before <= snap.index <= node.sm.applied_index
+            assert node._snapshot_file(snap.index, snap.term) is not None
+            # An operator's snapshot covers everything applied when asked.
+            await asyncio.wait_for(node.propose_op(_op(99)), 10)
+            asked_at = node.sm.applied_index
+            assert asked_at > snap.index
+            index = await asyncio.wait_for(node.snapshot_now(), 20)
+            assert index >= asked_at
+            assert node.log_store.first_index() == index + 1
+            assert node.log_store.snapshot().meta.index == index
+            assert sorted(p.name for p in node.snapshot_dir.glob("snap-*.mdb")) == [
+                f"snap-{index}-{node.log_store.snapshot().meta.term}.mdb"
+            ]
+        finally:
+            release.set()
+            await node.stop()
+
+    asyncio.run(main())
