@@ -30,3 +30,10 @@ MERGED_PUBLISHES = Histogram(
     "publish requests merged into one round of append ops (server-side group commit)",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
 )
+SNAPSHOT_SECONDS = Histogram(
+    "roadlog_snapshot_seconds",
+    "time to take a snapshot (compact copy of the state machine, then its fsync); "
+    "on a thread of its own, writes go on meanwhile",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+SNAPSHOT_INDEX = Gauge("roadlog_snapshot_index", "index of the snapshot the log is compacted to")

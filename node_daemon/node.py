@@ -83,6 +83,7 @@ class RaftNode:
             bootstrap(self.log_store, sorted(cfg.peers))
             log.info("bootstrapped a new cluster", extra={"voters": sorted(cfg.peers)})
         snap = self.log_store.snapshot()
+        metrics.SNAPSHOT_INDEX.set(snap.meta.index)
         if self.sm.applied_index < snap.meta.index:
             # Crashed between saving a snapshot and installing it.
             self.sm.install_snapshot(snap.data.decode())
@@ -426,6 +427,7 @@ class RaftNode:
             await loop.run_in_executor(
                 self._apply_io, self.sm.install_snapshot, rd.snapshot.data.decode()
             )
+            metrics.SNAPSHOT_INDEX.set(rd.snapshot.meta.index)
             log.info("installed snapshot", extra={"index": rd.snapshot.meta.index})
         if applying is not None and not self._resolved_early:
             self._resolve(now_apply, await applying)
@@ -558,11 +560,13 @@ class RaftNode:
         """(snapshot thread) A compact copy of the state machine as one read
         transaction sees it, then an fsync of all it has applied: the log
         may be compacted to the copy's index only once that is durable."""
+        t0 = time.perf_counter()
         taking = self.snapshot_dir / "snap-taking.mdb"
         index, term = self.sm.write_snapshot(taking)
         path = self.snapshot_dir / f"snap-{index}-{term}.mdb"
         os.replace(taking, path)
         self.sm.checkpoint()
+        metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
         return index, term, path
 
     async def _compact_to(
@@ -582,6 +586,7 @@ class RaftNode:
                 snap = Snapshot(self.core.snapshot_meta_at(index), str(path).encode())
                 await loop.run_in_executor(self._log_io, self.log_store.compact, snap)
                 self._remove_old_snapshots(path)
+                metrics.SNAPSHOT_INDEX.set(index)
                 log.info("snapshot and compaction", extra={"index": index})
         except Exception as e:
             log.exception("snapshot failed")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode
@@ -55,6 +56,7 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
             return real(dest)
 
         node.sm.write_snapshot = held_snapshot  # type: ignore[method-assign]
+        taken_before = REGISTRY.get_sample_value("roadlog_snapshot_seconds_count") or 0.0
         await node.start()
         try:
             await _until(lambda: node.is_leader, "a leader")
@@ -80,6 +82,9 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
             assert index >= asked_at
             assert node.log_store.first_index() == index + 1
             assert node.log_store.snapshot().meta.index == index
+            assert REGISTRY.get_sample_value("roadlog_snapshot_index") == index
+            taken = REGISTRY.get_sample_value("roadlog_snapshot_seconds_count") or 0.0
+            assert taken - taken_before == 2
             assert sorted(p.name for p in node.snapshot_dir.glob("snap-*.mdb")) == [
                 f"snap-{index}-{node.log_store.snapshot().meta.term}.mdb"
             ]

@@ -288,6 +288,7 @@ def test_metrics_and_health_are_served(make_cluster: MakeCluster) -> None:
             "roadlog_raft_applied_index",
             "roadlog_raft_appended_entries_total",
             "roadlog_raft_log_write_seconds_bucket",
+            "roadlog_snapshot_index",
         ):
             assert name in text, f"node {n.id} lacks metric {name}"
     leader = next(n for n in lc.nodes if n.id == lc.status()["leader"])
