@@ -58,6 +58,9 @@ class NodeConfig:
     election_ticks: int = 25
     heartbeat_ticks: int = 5
     snapshot_entries: int = 20_000  # compact the log this far behind the applied index
+    # ... or once the applied part of the log holds this many bytes (a log
+    # of big ping batches reaches it long before snapshot_entries).
+    snapshot_bytes: int = 256 << 20
     max_ops_per_entry: int = 256  # server-side batching of writes into one entry
     # Merge publishes that arrive while the leader persists into one append
     # op per topic (server-side group commit). Off: one op per publish.
@@ -94,6 +97,8 @@ class NodeConfig:
             raise ConfigError(f"peers: must include this node ({self.node_id})")
         if not 10 <= self.tick_ms <= 10_000:
             raise ConfigError("tick_ms: must be in 10..10000")
+        if self.snapshot_entries < 1 or self.snapshot_bytes < 1:
+            raise ConfigError("snapshot_entries and snapshot_bytes: must be positive")
         if self.election_ticks <= self.heartbeat_ticks:
             raise ConfigError("election_ticks: must exceed heartbeat_ticks")
 

@@ -369,6 +369,7 @@ def cli() -> None:
 @click.option("--queue-servers", help="HOST:PORT,... of the queue servers to pull work from")
 @click.option("--tick-ms", type=int)
 @click.option("--snapshot-entries", type=int)
+@click.option("--snapshot-bytes", type=int, help="snapshot once the applied log holds this much")
 @click.option("--trim-interval-s", type=int)
 @click.option("--discovery-port", type=int, help="UDP port of discovery HELLOs (0: none)")
 @click.option("--discovery-broadcast", help="where HELLOs are broadcast ('' for seeds only)")

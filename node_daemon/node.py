@@ -530,10 +530,11 @@ class RaftNode:
 
     async def _snapshots(self, loop: asyncio.AbstractEventLoop) -> None:
         """Between Readys: compact the log to a snapshot finished in the
-        background, and begin one when the log has grown ``snapshot_entries``
-        past the last or one was asked for. Taking it (a compact copy of the
-        state machine and an fsync of it) never holds up the driver: writes
-        go on meanwhile, and the copy is what one read transaction saw."""
+        background, and begin one when the applied log has grown
+        ``snapshot_entries`` or ``snapshot_bytes`` past the last, or one was
+        asked for. Taking it (a compact copy of the state machine and an
+        fsync of it) never holds up the driver: writes go on meanwhile, and
+        the copy is what one read transaction saw."""
         task = self._snapshotting
         if task is not None and task.done():
             self._snapshotting = None
@@ -550,11 +551,22 @@ class RaftNode:
                     f.set_result(current)
             self._snapshot_requests = []
             return
-        due = applied - first >= self.cfg.snapshot_entries
+        due = applied - first >= self.cfg.snapshot_entries or (
+            self._applied_log_bytes(applied, first) >= self.cfg.snapshot_bytes
+        )
         if asked or (due and time.monotonic() >= self._snapshot_retry_at):
             self._snapshot_waiters, self._snapshot_requests = self._snapshot_requests, []
             self._snapshotting = loop.run_in_executor(self._snap_io, self._take_snapshot)
             self._snapshotting.add_done_callback(lambda _: self._wakeup.set())
+
+    def _applied_log_bytes(self, applied: int, first: int) -> int:
+        """The bytes of the log's applied part (its share of the log's pages):
+        entries not applied yet cannot be compacted, so they never make a
+        snapshot due (else a slow applier would take one after another)."""
+        last = self.log_store.last_index()
+        if last < first:
+            return 0
+        return self.log_store.log_bytes() * (applied - first + 1) // (last - first + 1)
 
     def _take_snapshot(self) -> tuple[int, int, Path]:
         """(snapshot thread) A compact copy of the state machine as one read

@@ -119,6 +119,13 @@ class LmdbLogStorage:
     def first_index(self) -> int:
         return self._snap_meta.index + 1
 
+    def log_bytes(self) -> int:
+        """Bytes the entries after the snapshot take (their LMDB pages): what
+        compacting the whole log would free."""
+        with self.env.begin() as txn:
+            st = txn.stat(self._log)
+        return int(st["psize"] * (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]))
+
     def last_index(self) -> int:
         return self._last
 

@@ -93,3 +93,30 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
             await node.stop()
 
     asyncio.run(main())
+
+
+def test_a_log_of_big_entries_is_snapshotted_by_its_bytes(tmp_path: Path) -> None:
+    addr = f"127.0.0.1:{_free_port()}"
+    cfg = NodeConfig(
+        node_id=1,
+        data_dir=tmp_path / "n1",
+        listen=addr,
+        peers={1: addr},
+        snapshot_entries=1_000_000,  # never reached here
+        snapshot_bytes=256 << 10,
+    )
+
+    async def main() -> None:
+        node = RaftNode(cfg)
+        await node.start()
+        try:
+            await _until(lambda: node.is_leader, "a leader")
+            big = command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id="x" * 20_000))
+            for _ in range(30):  # ~600 KB of log, far fewer entries than snapshot_entries
+                await asyncio.wait_for(node.propose_op(big), 10)
+            await _until(lambda: node.log_store.first_index() > 1, "a snapshot by bytes")
+            assert node.log_store.log_bytes() < 256 << 10
+        finally:
+            await node.stop()
+
+    asyncio.run(main())

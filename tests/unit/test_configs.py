@@ -46,6 +46,7 @@ def test_peers_as_a_table_and_as_a_flag(tmp_path: Path) -> None:
         ({"node_id": 1, "peers": "2=a:1"}, "must include this node"),
         ({"node_id": 1, "colour": "red"}, "unknown config keys"),
         ({"node_id": "one"}, "node_id"),
+        ({"node_id": 1, "peers": "1=a:1", "snapshot_bytes": 0}, "snapshot_bytes"),
     ],
 )
 def test_bad_node_configs_name_the_key(overrides: dict[str, object], message: str) -> None:

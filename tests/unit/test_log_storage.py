@@ -147,6 +147,17 @@ def test_lmdb_reopens_with_everything_saved(tmp_path: Path) -> None:
     r.close()
 
 
+def test_lmdb_log_bytes_grow_with_entries_and_shrink_with_compaction(tmp_path: Path) -> None:
+    s = LmdbLogStorage(tmp_path / "log")
+    empty = s.log_bytes()
+    s.save(HardState(1, 1, 0), ents(1, 201, size=20_000))  # ~4 MB, overflow pages
+    full = s.log_bytes()
+    assert full - empty >= 200 * 20_000
+    s.compact(Snapshot(SnapshotMeta(150, 1, ConfState(frozenset({1}))), b"snap"))
+    assert s.log_bytes() < full / 3  # 50 of the 200 entries are left
+    s.close()
+
+
 def test_lmdb_commit_only_saves_are_written_with_the_next_sync(tmp_path: Path) -> None:
     s = LmdbLogStorage(tmp_path / "log")
     s.save(HardState(1, 1, 0), ents(1, 3))
