@@ -59,7 +59,8 @@ class NodeConfig:
     heartbeat_ticks: int = 5
     snapshot_entries: int = 20_000  # compact the log this far behind the applied index
     # ... or once the applied part of the log holds this many bytes (a log
-    # of big ping batches reaches it long before snapshot_entries).
+    # of big ping batches reaches it long before snapshot_entries). A state
+    # bigger than this is snapshotted only once the log is half its size.
     snapshot_bytes: int = 256 << 20
     max_ops_per_entry: int = 256  # server-side batching of writes into one entry
     # Merge publishes that arrive while the leader persists into one append

@@ -52,6 +52,26 @@ log = logging.getLogger("roadlog.node")
 # Committed entries up to this size are applied on the event loop (see _apply).
 INLINE_APPLY_BYTES = 256 << 10
 SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot, before the next try
+SNAPSHOT_LOG_SHARE = 0.5  # a big state is snapshotted once the log is this share of it
+
+
+def snapshot_due(
+    entries: int,
+    log_bytes: int,
+    state_bytes: Callable[[], int],
+    max_entries: int,
+    max_bytes: int,
+) -> bool:
+    """Whether a log whose applied part holds ``entries`` entries of
+    ``log_bytes`` bytes should be compacted into a snapshot: once it reaches
+    ``max_entries`` or ``max_bytes``; but a state machine bigger than
+    ``max_bytes`` is copied only once that log is at least SNAPSHOT_LOG_SHARE
+    of its size, which bounds the copying to a few times what is written
+    (days of pings are not copied again for every few minutes of log)."""
+    if entries < max_entries and log_bytes < max_bytes:
+        return False
+    state = state_bytes()
+    return state <= max_bytes or log_bytes >= state * SNAPSHOT_LOG_SHARE
 
 
 class NotLeader(Exception):
@@ -551,10 +571,16 @@ class RaftNode:
                     f.set_result(current)
             self._snapshot_requests = []
             return
-        due = applied - first >= self.cfg.snapshot_entries or (
-            self._applied_log_bytes(applied, first) >= self.cfg.snapshot_bytes
-        )
-        if asked or (due and time.monotonic() >= self._snapshot_retry_at):
+        if asked or (
+            time.monotonic() >= self._snapshot_retry_at
+            and snapshot_due(
+                applied - first + 1,
+                self._applied_log_bytes(applied, first),
+                self.sm.size_bytes,
+                self.cfg.snapshot_entries,
+                self.cfg.snapshot_bytes,
+            )
+        ):
             self._snapshot_waiters, self._snapshot_requests = self._snapshot_requests, []
             self._snapshotting = loop.run_in_executor(self._snap_io, self._take_snapshot)
             self._snapshotting.add_done_callback(lambda _: self._wakeup.set())

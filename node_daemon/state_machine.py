@@ -592,6 +592,11 @@ class StateMachine:
 
     # ----------------------------------------------------------- durability
 
+    def size_bytes(self) -> int:
+        """The high-water mark of the state's LMDB pages: about what a
+        snapshot copies."""
+        return int((self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"])
+
     def checkpoint(self) -> None:
         """fsync: what is applied now survives a crash."""
         self.env.sync(True)
