@@ -544,8 +544,11 @@ class RaftNode:
 
     # ------------------------------------------------------------ snapshots
 
+    def _snapshot_path(self, index: int, term: int) -> Path:
+        return self.snapshot_dir / f"snap-{index}-{term}.mdb"
+
     def _snapshot_file(self, index: int, term: int) -> Path | None:
-        p = self.snapshot_dir / f"snap-{index}-{term}.mdb"
+        p = self._snapshot_path(index, term)
         return p if p.exists() else None
 
     async def _snapshots(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -601,7 +604,7 @@ class RaftNode:
         t0 = time.perf_counter()
         taking = self.snapshot_dir / "snap-taking.mdb"
         index, term = self.sm.write_snapshot(taking)
-        path = self.snapshot_dir / f"snap-{index}-{term}.mdb"
+        path = self._snapshot_path(index, term)
         os.replace(taking, path)
         self.sm.checkpoint()
         metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
