@@ -36,4 +36,11 @@ SNAPSHOT_SECONDS = Histogram(
     "on a thread of its own, writes go on meanwhile",
     buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
+PEER_STREAM_WRITES = Counter(
+    "roadlog_peer_stream_writes_total",
+    "stream messages written to peers (each carries one or more Raft messages)",
+)
+PEER_MESSAGES_SENT = Counter(
+    "roadlog_peer_messages_sent_total", "Raft messages sent to peers, by type", ["type"]
+)
 SNAPSHOT_INDEX = Gauge("roadlog_snapshot_index", "index of the snapshot the log is compacted to")

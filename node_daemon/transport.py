@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from node_daemon import metrics
 from node_daemon.raft import Message, MessageType
 from node_daemon.wire import message_from_pb, message_to_pb
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
@@ -47,6 +48,10 @@ CHANNEL_OPTIONS = [
 ]
 QUEUE_LIMIT = 4096
 BATCH_BYTES = 8 << 20  # entry bytes per stream message (the receiver takes up to 64 MiB)
+
+
+# Counter children made once: labels() on every message would cost more than the count.
+_SENT_BY_TYPE = {t: metrics.PEER_MESSAGES_SENT.labels(t.name.lower()) for t in MessageType}
 
 
 def _payload(m: Message) -> int:
@@ -102,10 +107,13 @@ class _Peer:
             # Bounded in count and bytes: a catching-up follower is sent up to
             # 64 MiB of APPENDs at once, and a stream message past the
             # receiver's limit would break the stream and start over.
+            _SENT_BY_TYPE[first.type].inc()
             while not self.queue.empty() and len(batch.messages) < 512 and size < BATCH_BYTES:
                 m = self.queue.get_nowait()
                 size += _payload(m)
                 batch.messages.append(message_to_pb(m))
+                _SENT_BY_TYPE[m.type].inc()
+            metrics.PEER_STREAM_WRITES.inc()
             yield batch
 
     async def _run(self) -> None:
