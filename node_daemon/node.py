@@ -53,6 +53,9 @@ log = logging.getLogger("roadlog.node")
 INLINE_APPLY_BYTES = 256 << 10
 SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot, before the next try
 SNAPSHOT_LOG_SHARE = 0.5  # a big state is snapshotted once the log is this share of it
+# How often at most the driver asks whether a snapshot is due: asking reads
+# LMDB statistics, and the driver wakes hundreds of times a second under load.
+SNAPSHOT_CHECK_S = 0.1
 
 
 def snapshot_due(
@@ -153,6 +156,7 @@ class RaftNode:
         self._snapshotting: asyncio.Future[tuple[int, int, Path]] | None = None
         self._snapshot_waiters: list[asyncio.Future[int]] = []  # asked before it began
         self._snapshot_retry_at = 0.0
+        self._snapshot_next_check = 0.0  # no snapshot_due() check before this
         self._resolved_early = False
         self.state_listeners: list[Callable[[], None]] = []
         self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
@@ -574,9 +578,12 @@ class RaftNode:
                     f.set_result(current)
             self._snapshot_requests = []
             return
+        now = time.monotonic()
+        if not asked and now < max(self._snapshot_retry_at, self._snapshot_next_check):
+            return
+        self._snapshot_next_check = now + SNAPSHOT_CHECK_S
         if asked or (
-            time.monotonic() >= self._snapshot_retry_at
-            and snapshot_due(
+            snapshot_due(
                 applied - first + 1,
                 self._applied_log_bytes(applied, first),
                 self.sm.size_bytes,
