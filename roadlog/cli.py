@@ -41,6 +41,7 @@ from roadlog.localcluster import LocalCluster, alive, gather_status
 from roadlog.readers import InputError, read_pings
 from roadlog.traffic import TrafficSpec, simulate
 
+DIR_HELP = "the local cluster's DIR (--cluster is the same)"
 err = Console(stderr=True)
 out = Console()
 
@@ -100,7 +101,13 @@ def _meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
 
 def where(f: Callable[..., Any]) -> Callable[..., Any]:
     f = click.option("--servers", help="queue servers HOST:PORT,... (or ROADLOG_SERVERS)")(f)
-    f = click.option("--cluster", type=click.Path(path_type=Path), help="a local cluster's DIR")(f)
+    f = click.option(
+        "--cluster",
+        "--dir",
+        "cluster",
+        type=click.Path(path_type=Path),
+        help="a local cluster's DIR (--dir is the same)",
+    )(f)
     f = click.option(
         "--discover",
         is_flag=True,
@@ -169,7 +176,9 @@ def cluster() -> None:
 @cluster.command("up")
 @click.option("--nodes", default=3, show_default=True)
 @click.option("--queue-servers", default=1, show_default=True)
-@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
 @click.option("--timeout", default=60.0, show_default=True, help="seconds to wait for a leader")
 def cluster_up(nodes: int, queue_servers: int, directory: Path, timeout: float) -> None:
     """Start node daemons and queue servers, wait for a leader, write DIR/cluster.json."""
@@ -225,7 +234,9 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
 
 @cluster.command("kill")
 @click.argument("node")
-@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
 def cluster_kill(node: str, directory: Path) -> None:
     """SIGKILL one node of a local cluster."""
     n = _local(directory, lambda lc: lc.kill(node))
@@ -234,7 +245,9 @@ def cluster_kill(node: str, directory: Path) -> None:
 
 @cluster.command("start")
 @click.argument("node")
-@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
 def cluster_start(node: str, directory: Path) -> None:
     """Start a stopped node of a local cluster again (with its data)."""
     n = _local(directory, lambda lc: lc.start(node))
@@ -242,7 +255,9 @@ def cluster_start(node: str, directory: Path) -> None:
 
 
 @cluster.command("down")
-@click.option("--dir", "directory", type=click.Path(path_type=Path), required=True)
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
 def cluster_down(directory: Path) -> None:
     """Stop every process of a local cluster (data stays in DIR)."""
     lc = _local(directory, lambda lc: lc)
@@ -430,7 +445,7 @@ def simulate_cmd(
             for cols in simulate(region, spec):
                 if len(cols):
                     p.send_batch(cols)
-                bar.update(task, advance=vehicles * 10)
+                bar.update(task, advance=len(cols))  # one ping per vehicle and second
     if as_json:
         click.echo(
             json.dumps({"acknowledged": p.acked, "vehicles": vehicles, "duration_s": duration})

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,15 @@ def cluster_dir(tmp_path: Path) -> Iterator[Path]:
         yield d
     finally:
         roadlog("cluster", "down", "--dir", str(d), check=False)
+
+
+def roadlog_status(d: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:  # the restarted node answers once it has heard the leader
+        st: dict[str, Any] = json.loads(roadlog("cluster", "status", "--dir", d, "--json").stdout)
+        if all(n["role"] != "down" for n in st["nodes"]) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.2)
 
 
 def write_inputs(tmp: Path, now: int) -> tuple[Path, Path, Path]:
@@ -80,6 +90,9 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
     servers = st["queue_servers"][0]["grpc"]
     by_servers = json.loads(roadlog("cluster", "status", "--servers", servers, "--json").stdout)
     assert by_servers["leader"] == st["leader"]
+    # The spelling, `cluster status --dir DIR`, names the same cluster.
+    by_dir = json.loads(roadlog("cluster", "status", "--dir", d, "--json").stdout)
+    assert by_dir["leader"] == st["leader"] and by_dir["nodes"] == st["nodes"]
 
     roadlog(
         "topic",
@@ -152,7 +165,9 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
     roadlog("cluster", "kill", leader, "--dir", d)
     out = roadlog("produce", "munich", "--file", str(csv), "--cluster", d, "--json").stdout
     assert json.loads(out.strip().splitlines()[-1]) == {"acknowledged": 30}
-    roadlog("cluster", "start", leader, "--dir", d)
+    roadlog("cluster", "start", leader, "--cluster", d)  # --cluster works here as well
+    node = next(n for n in roadlog_status(d)["nodes"] if str(n["id"]) == leader)
+    assert node["role"] != "down"
 
 
 def test_cli_errors_are_clear(tmp_path: Path) -> None:
