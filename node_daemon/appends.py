@@ -1,8 +1,9 @@
 """Publish requests to append operations (server-side group commit).
 
 Publishes that reach the leader together are merged per topic: each request
-is decoded on its own (a malformed one fails alone), the pings of all of
-them are checked at once and split by partition once, and one AppendOp
+is parsed on its own (a malformed one fails alone), the pings of all of
+them become one set of columns at once (``columnar.join``: one array per
+column), are checked at once and split by partition once, and one AppendOp
 carries them with one span per request. A request with a bad ping is
 refused alone, with ping indexes relative to its own batch; the others
 still go in. So many small publishes cost one validation, one split and
@@ -18,7 +19,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from roadlog import columnar
-from roadlog.columnar import PingColumns
+from roadlog.columnar import ColumnBytes
 from roadlog.geo import Region
 from roadlog.partitioning import device_partitions, split_by_partition
 from roadlog.v1 import client_pb2, command_pb2
@@ -46,7 +47,7 @@ class PreparedAppend:
 class _Request:
     position: int
     view: client_pb2.PublishRequestView
-    cols: PingColumns
+    pings: ColumnBytes  # decoded together with the rest of its chunk (columnar.join)
 
 
 def prepare_appends(
@@ -63,15 +64,15 @@ def prepare_appends(
     for i, raw in enumerate(requests):
         try:
             view = client_pb2.PublishRequestView.FromString(raw)
-            cols = columnar.decode(view.batch)
-            check_size(len(cols))
+            pings = columnar.parse(view.batch)
+            check_size(pings.n)
         except (DecodeError, columnar.BatchDecodeError) as e:
             errors[i] = MalformedRequest(f"malformed request: {e}")
             continue
         except BatchRejected as e:
             errors[i] = e
             continue
-        by_topic.setdefault(view.topic, []).append(_Request(i, view, cols))
+        by_topic.setdefault(view.topic, []).append(_Request(i, view, pings))
     out: list[PreparedAppend] = []
     for topic, reqs in by_topic.items():
         try:
@@ -91,11 +92,11 @@ def _chunks(reqs: list[_Request], max_pings: int) -> list[list[_Request]]:
     chunks: list[list[_Request]] = [[]]
     pings = 0
     for r in reqs:
-        if chunks[-1] and pings + len(r.cols) > max_pings:
+        if chunks[-1] and pings + r.pings.n > max_pings:
             chunks.append([])
             pings = 0
         chunks[-1].append(r)
-        pings += len(r.cols)
+        pings += r.pings.n
     return chunks
 
 
@@ -107,14 +108,14 @@ def _merge(
     now_ms: int,
     errors: dict[int, Exception],
 ) -> PreparedAppend | None:
-    merged = columnar.concat([r.cols for r in chunk])
+    merged = columnar.join([r.pings for r in chunk])
     reasons = ping_reasons(merged, region, now_ms)
     keep: list[_Request] = chunk
     if reasons.any():
         keep = []
         lo = 0
         for r in chunk:
-            hi = lo + len(r.cols)
+            hi = lo + r.pings.n
             try:
                 raise_if_bad(reasons[lo:hi])
                 keep.append(r)
@@ -123,10 +124,10 @@ def _merge(
             lo = hi
     if not keep:
         return None
-    lengths = np.array([len(r.cols) for r in keep], dtype=np.int64)
+    lengths = np.array([r.pings.n for r in keep], dtype=np.int64)
     if len(keep) < len(chunk):
         kept_at = {r.position for r in keep}
-        kept = np.repeat([r.position in kept_at for r in chunk], [len(r.cols) for r in chunk])
+        kept = np.repeat([r.position in kept_at for r in chunk], [r.pings.n for r in chunk])
         merged = merged.take(np.flatnonzero(kept))
     per_device = device_partitions(merged, partitions)
     row_span = np.repeat(np.arange(len(keep)), lengths)

@@ -118,36 +118,6 @@ class PingColumns:
 NO_DEVICE = np.uint32(0xFFFFFFFF)  # a device index no dictionary reaches
 
 
-def concat(batches: Sequence[PingColumns]) -> PingColumns:
-    """All pings of ``batches`` in order, as one batch whose dictionary holds
-    each device id once. A device index out of its batch's dictionary stays
-    out of range (``NO_DEVICE``), so validation still reports it. Python
-    work is per distinct device id, never per ping."""
-    if len(batches) == 1:
-        return batches[0]
-    cat = np.concatenate
-    all_ids = [d for b in batches for d in b.device_ids]
-    ids = {d: i for i, d in enumerate(dict.fromkeys(all_ids))}
-    # Global dictionary position of every batch's every id, then one sentinel.
-    remap = np.fromiter(map(ids.__getitem__, all_ids), dtype=np.uint32, count=len(all_ids))
-    remap = np.append(remap, NO_DEVICE)
-    ndev = np.array([len(b.device_ids) for b in batches], dtype=np.int64)
-    sizes = np.array([len(b) for b in batches], dtype=np.int64)
-    first = np.repeat(np.cumsum(ndev) - ndev, sizes)  # each ping's batch's first id
-    local = cat([b.device_index for b in batches]).astype(np.int64)
-    glob = np.where(local < np.repeat(ndev, sizes), first + local, len(all_ids))
-    return PingColumns(
-        list(ids),
-        remap[glob],
-        cat([b.ts_ms for b in batches]),
-        cat([b.lat for b in batches]),
-        cat([b.lon for b in batches]),
-        cat([b.speed_mps for b in batches]),
-        cat([b.heading_deg for b in batches]),
-        cat([b.accuracy_m for b in batches]),
-    )
-
-
 PING_FIELDS = (
     "partition",
     "offset",
@@ -211,23 +181,87 @@ def decode(data: bytes) -> PingColumns:
     ``PingBatchView``, then ``np.frombuffer`` per column. If the view did not
     account for every byte (a column split in pieces or not packed), or the
     columns disagree, the generated PingBatch class decides instead."""
+    return join([parse(data)])
+
+
+@dataclass(frozen=True, eq=False)
+class ColumnBytes:
+    """A parsed PingBatch whose columns are still wire bytes (little-endian,
+    ``_COLUMNS`` dtypes): what ``join`` needs to merge many batches with one
+    ``np.frombuffer`` per column. Invariant: every column present holds
+    exactly ``n`` values; an absent column is an optional one, all unknown."""
+
+    n: int
+    device_ids: list[str]
+    columns: dict[str, bytes]
+
+
+def parse(data: bytes) -> ColumnBytes:
+    """Check PingBatch wire bytes and keep their columns as bytes (no array
+    yet). Raises BatchDecodeError for anything that is not a PingBatch."""
     try:
         view = pings_pb2.PingBatchView.FromString(data)
     except DecodeError:
-        return _decode_slow(data)
+        return _column_bytes(_decode_slow(data))
     if view.ByteSize() != len(data):
-        return _decode_slow(data)
+        return _column_bytes(_decode_slow(data))
+    raw = {attr: getattr(view, attr) for _, attr in _COLUMNS}
+    n, rem = divmod(len(raw["ts_ms"]), 8)
+    for (dtype, attr), size in zip(_COLUMNS, _ITEMSIZES, strict=True):
+        b = raw[attr]
+        if len(b) != n * size or rem:
+            if not b and attr in _OPTIONAL:
+                del raw[attr]
+                continue
+            return _column_bytes(_decode_slow(data))  # it decides, or names the column
+    return ColumnBytes(n, list(view.device_ids), raw)
+
+
+def join(parts: Sequence[ColumnBytes]) -> PingColumns:
+    """All pings of ``parts`` in order, as one batch whose dictionary holds
+    each device id once; one array per column is made, from the joined
+    bytes. Python work is per part and per distinct device id, never per
+    ping. A device index out of its part's dictionary stays out of range
+    (``NO_DEVICE``), so validation still reports it."""
+    n = sum(p.n for p in parts)
     cols: dict[str, np.ndarray] = {}
     for dtype, attr in _COLUMNS:
-        raw = getattr(view, attr)
-        if raw:
-            if len(raw) % np.dtype(dtype).itemsize:
-                return _decode_slow(data)
-            cols[attr] = np.frombuffer(raw, dtype=dtype)
-    try:
-        return _assemble(list(view.device_ids), cols)
-    except BatchDecodeError:
-        return _decode_slow(data)
+        if attr in _OPTIONAL:
+            if not any(attr in p.columns for p in parts):
+                cols[attr] = np.full(n, np.nan, dtype=np.float32)
+                continue
+            chunks = [p.columns.get(attr) or _NAN32 * p.n for p in parts]
+        else:
+            chunks = [p.columns[attr] for p in parts]
+        buf = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        cols[attr] = np.frombuffer(buf, dtype=dtype)
+    if len(parts) == 1:
+        return _assemble(parts[0].device_ids, cols)
+    all_ids = [d for p in parts for d in p.device_ids]
+    ids = {d: i for i, d in enumerate(dict.fromkeys(all_ids))}
+    # Global dictionary position of every part's every id, then one sentinel.
+    remap = np.fromiter(map(ids.__getitem__, all_ids), dtype=np.uint32, count=len(all_ids))
+    remap = np.append(remap, NO_DEVICE)
+    ndev = np.array([len(p.device_ids) for p in parts], dtype=np.int64)
+    sizes = np.array([p.n for p in parts], dtype=np.int64)
+    first = np.repeat(np.cumsum(ndev) - ndev, sizes)  # each ping's part's first id
+    local = cols["device_index"].astype(np.int64)
+    glob = np.where(local < np.repeat(ndev, sizes), first + local, len(all_ids))
+    cols["device_index"] = remap[glob]
+    return _assemble(list(ids), cols)
+
+
+_ITEMSIZES = tuple(np.dtype(dtype).itemsize for dtype, _ in _COLUMNS)
+_NAN32 = np.float32(np.nan).tobytes()
+
+
+def _column_bytes(cols: PingColumns) -> ColumnBytes:
+    """A batch decoded the slow way, as column bytes again (a rare path)."""
+    raw = {
+        attr: np.ascontiguousarray(getattr(cols, attr), dtype=dtype).tobytes()
+        for dtype, attr in _COLUMNS
+    }
+    return ColumnBytes(len(cols), cols.device_ids, raw)
 
 
 def _decode_slow(data: bytes) -> PingColumns:

@@ -202,10 +202,10 @@ def test_inconsistent_spans_are_refused_on_every_replica(replica: Replica) -> No
     assert [replica.read(q) for q in range(PARTS)] == [[]] * PARTS
 
 
-def test_concat_keeps_each_device_once() -> None:
+def test_join_keeps_each_device_once() -> None:
     a = PingColumns.from_columns(["x", "y"], [1, 2], [48.1, 48.1], [11.5, 11.5])
     b = PingColumns.from_columns(["y", "z", "y"], [3, 4, 5], [48.1] * 3, [11.5] * 3)
-    m = columnar.concat([a, b])
+    m = columnar.join([columnar.parse(columnar.encode(c)) for c in (a, b)])
     assert sorted(m.device_ids) == ["x", "y", "z"] and len(m.device_ids) == 3
     assert m.device_of().tolist() == ["x", "y", "y", "z", "y"]
     assert np.array_equal(m.ts_ms, [1, 2, 3, 4, 5])

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roadlog.columnar import NO_DEVICE, BatchDecodeError, PingColumns, concat, decode, encode
+from roadlog.columnar import (
+    NO_DEVICE,
+    BatchDecodeError,
+    PingColumns,
+    decode,
+    encode,
+    join,
+    parse,
+)
 from roadlog.partitioning import partition_of, split_by_partition
 from roadlog.v1 import pings_pb2
 
@@ -95,17 +103,92 @@ def test_a_column_in_several_pieces_or_unpacked_is_read_whole() -> None:
     assert same(decode(rest + unpacked), cols)
 
 
-def test_concat_merges_dictionaries_and_keeps_bad_indexes_bad() -> None:
+def join_of(*batches: PingColumns) -> PingColumns:
+    return join([parse(encode(b)) for b in batches])
+
+
+def test_join_merges_dictionaries_and_keeps_bad_indexes_bad() -> None:
     a, b = sample(4), sample(5)
     broken = PingColumns(**{**b.__dict__, "device_index": b.device_index.copy()})
     broken.device_index[1] = 99  # out of its own dictionary
-    both = concat([a, broken])
+    both = join_of(a, broken)
     assert both.device_ids == ["car-0", "car-1", "car-2"]
     assert both.device_index[len(a) + 1] == NO_DEVICE
     ok = np.flatnonzero(both.device_index != NO_DEVICE)
     expect = list(a.device_of()) + list(b.device_of())
     assert [str(x) for x in both.take(ok).device_of()] == [expect[i] for i in ok]
     assert np.array_equal(both.ts_ms, np.concatenate([a.ts_ms, b.ts_ms]))
+
+
+def test_join_fills_an_optional_column_only_some_parts_have() -> None:
+    with_speed = sample(3)
+    without = PingColumns.from_columns(["bus"] * 2, [1, 2], [48.0, 48.1], [11.0, 11.1])
+    both = join_of(with_speed, without, with_speed)
+    assert both.speed_mps[:3].tolist() == [0.0, 1.0, 2.0]
+    assert np.isnan(both.speed_mps[3:5]).all() and both.speed_mps[5:].tolist() == [0.0, 1.0, 2.0]
+    assert np.isnan(both.heading_deg).all() and len(both) == 8
+    assert both.device_of().tolist() == [*with_speed.device_of(), "bus", "bus"] + list(
+        with_speed.device_of()
+    )
+
+
+def test_join_reads_a_non_canonical_part_like_the_rest() -> None:
+    cols = sample(6)
+    msg = pings_pb2.PingBatch.FromString(encode(cols))
+    head = pings_pb2.PingBatch(device_ids=msg.device_ids, ts_ms=msg.ts_ms[:2])
+    rest = pings_pb2.PingBatch(
+        ts_ms=msg.ts_ms[2:],
+        device_index=msg.device_index,
+        lat=msg.lat,
+        lon=msg.lon,
+        speed_mps=msg.speed_mps,
+    )
+    split = head.SerializeToString() + rest.SerializeToString()  # ts_ms in two pieces
+    merged = join([parse(encode(cols)), parse(split)])
+    assert same(merged, join_of(cols, cols))
+
+
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["a", "b", "c", "d"]),
+                st.integers(0, 2**40),
+                st.floats(-90, 90),
+                st.floats(-180, 180),
+                st.one_of(st.none(), st.floats(0, 80, width=32)),
+            ),
+            min_size=0,
+            max_size=6,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_join_is_the_batches_one_after_another(
+    batches: list[list[tuple[str, int, float, float, float | None]]],
+) -> None:
+    cols = [
+        PingColumns.from_columns(
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            [r[3] for r in rows],
+            speed_mps=[np.nan if r[4] is None else r[4] for r in rows]
+            if any(r[4] is not None for r in rows)
+            else None,
+        )
+        for rows in batches
+    ]
+    merged = join_of(*cols)
+    rows = [r for b in batches for r in b]
+    assert merged.device_of().tolist() == [r[0] for r in rows]
+    assert merged.ts_ms.tolist() == [r[1] for r in rows]
+    assert merged.lat.tolist() == [r[2] for r in rows] and merged.lon.tolist() == [r[3] for r in rows]
+    speeds = [np.nan if r[4] is None else np.float32(r[4]) for r in rows]
+    assert np.array_equal(merged.speed_mps, np.array(speeds, dtype=np.float32), equal_nan=True)
+    assert len(set(merged.device_ids)) == len(merged.device_ids)
 
 
 @pytest.mark.parametrize(
