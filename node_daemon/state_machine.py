@@ -165,10 +165,14 @@ class StateMachine:
     def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int, index: int) -> bytes:
         kind = op.WhichOneof("op")
         if kind == "create_topic":
-            return self._create_topic(txn, op.create_topic.spec, leader_ms).SerializeToString()
+            desc = self._create_topic(txn, op.create_topic.spec, leader_ms)
+            desc.applied_index = index  # read your writes: describe and list see it
+            return desc.SerializeToString()
         if kind == "delete_topic":
             self._delete_topic(txn, op.delete_topic.name)
-            return client_pb2.DeleteTopicResponse(deleted=True).SerializeToString()
+            return client_pb2.DeleteTopicResponse(
+                deleted=True, applied_index=index
+            ).SerializeToString()
         if kind == "init_producer":
             pid = self._meta_int(txn, b"next_producer_id") + 1
             txn.put(b"next_producer_id", _U64.pack(pid), db=self.meta)

@@ -276,11 +276,12 @@ class Executor:
 
     async def describe_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.DescribeTopicRequest.FromString(item.request)
-        await self._fenced(item.fence)
+        await self._fenced(max(item.fence, req.min_applied_index))
         return OpResult(response=self.node.sm.describe(req.name).SerializeToString())
 
     async def list_topics(self, item: work_pb2.WorkItem) -> OpResult:
-        await self._fenced(item.fence)
+        req = client_pb2.ListTopicsRequest.FromString(item.request)
+        await self._fenced(max(item.fence, req.min_applied_index))
         resp = client_pb2.ListTopicsResponse(topics=self.node.sm.list_topics())
         return OpResult(response=resp.SerializeToString())
 

@@ -190,11 +190,14 @@ class HttpApi:
             client_pb2.CreateTopicRequest(spec=spec),
             topics_pb2.TopicDescription,
         )
-        return web.json_response(topic_json(d), status=201)
+        return web.json_response({**topic_json(d), "applied_index": d.applied_index}, status=201)
 
     async def list_topics(self, request: web.Request) -> web.Response:
         resp = await self.call(
-            request, "ListTopics", client_pb2.ListTopicsRequest(), client_pb2.ListTopicsResponse
+            request,
+            "ListTopics",
+            client_pb2.ListTopicsRequest(min_applied_index=_fence(request)),
+            client_pb2.ListTopicsResponse,
         )
         return web.json_response({"topics": [topic_json(d) for d in resp.topics]})
 
@@ -202,7 +205,9 @@ class HttpApi:
         d = await self.call(
             request,
             "DescribeTopic",
-            client_pb2.DescribeTopicRequest(name=request.match_info["name"]),
+            client_pb2.DescribeTopicRequest(
+                name=request.match_info["name"], min_applied_index=_fence(request)
+            ),
             topics_pb2.TopicDescription,
         )
         return web.json_response(topic_json(d))
@@ -236,9 +241,7 @@ class HttpApi:
             partition=partition,
             offset=_query_int(q.get("offset", "0"), "offset", 0, 2**63 - 1),
             max_pings=_query_int(q.get("limit", "1000"), "limit", 1, MAX_FETCH_PINGS),
-            min_applied_index=_query_int(
-                q.get("min_applied_index", "0"), "min_applied_index", 0, 2**63 - 1
-            ),
+            min_applied_index=_fence(request),
         )
         resp = await self.call(request, "Fetch", req, client_pb2.FetchResponse)
         pings: list[dict[str, Any]] = []
@@ -263,7 +266,7 @@ class HttpApi:
             topic=request.match_info["name"],
             client_id=q.get("client_id", ""),
             window_start_ms=_query_int(q.get("window_start_ms", "0"), "window_start_ms", 0),
-            min_applied_index=_query_int(q.get("min_applied_index", "0"), "min_applied_index", 0),
+            min_applied_index=_fence(request),
         )
         if len(req.client_id.encode()) > MAX_CLIENT_ID:
             raise bad(f"client_id is longer than {MAX_CLIENT_ID} bytes")
@@ -366,6 +369,13 @@ def pings_to_json(cols: PingColumns, partition: int, base: int) -> list[dict[str
         dict(zip(columnar.PING_FIELDS, r, strict=True))
         for r in columnar.rows(cols, partition, base)
     ]
+
+
+def _fence(request: web.Request) -> int:
+    """The read-your-writes fence a request asks for (0: none)."""
+    return _query_int(
+        request.query.get("min_applied_index", "0"), "min_applied_index", 0, 2**63 - 1
+    )
 
 
 def topic_json(d: topics_pb2.TopicDescription) -> dict[str, Any]:

@@ -43,6 +43,12 @@ def _ok(description: str, schema: dict[str, Any], status: str = "200") -> dict[s
 
 
 _NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+_FENCE = {
+    "name": "min_applied_index",
+    "in": "query",
+    "description": "read your writes: the applied_index a write answered",
+    "schema": {"type": "integer", "minimum": 0},
+}
 _PING = {
     "type": "object",
     "required": ["device_id", "ts_ms", "lat", "lon"],
@@ -109,6 +115,7 @@ OPENAPI: dict[str, Any] = {
         "/v1/topics": {
             "get": {
                 "summary": "Every topic",
+                "parameters": [_FENCE],
                 "responses": {
                     **_ok(
                         "the topics",
@@ -117,7 +124,7 @@ OPENAPI: dict[str, Any] = {
                             "properties": {"topics": {"type": "array", "items": _TOPIC}},
                         },
                     ),
-                    **_errors("503", "504"),
+                    **_errors("400", "503", "504"),
                 },
             },
             "post": {
@@ -159,7 +166,20 @@ OPENAPI: dict[str, Any] = {
                     },
                 },
                 "responses": {
-                    **_ok("the topic created (or the same one again)", _TOPIC, "201"),
+                    **_ok(
+                        "the topic created (or the same one again), with applied_index: "
+                        "the fence under which every node knows it",
+                        {
+                            "allOf": [
+                                _TOPIC,
+                                {
+                                    "type": "object",
+                                    "properties": {"applied_index": {"type": "integer"}},
+                                },
+                            ]
+                        },
+                        "201",
+                    ),
                     **_errors("400", "409", "413", "503", "504"),
                 },
             },
@@ -167,7 +187,7 @@ OPENAPI: dict[str, Any] = {
         "/v1/topics/{name}": {
             "get": {
                 "summary": "One topic with its partitions",
-                "parameters": [_NAME],
+                "parameters": [_NAME, _FENCE],
                 "responses": {**_ok("the topic", _TOPIC), **_errors("400", "404", "503", "504")},
             }
         },

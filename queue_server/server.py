@@ -79,6 +79,8 @@ METHODS: dict[str, Kind] = {
 # Reads that carry a fence (read your writes): the request class to read it from.
 FENCED: dict[str, Any] = {
     "Fetch": client_pb2.FetchRequest,
+    "DescribeTopic": client_pb2.DescribeTopicRequest,
+    "ListTopics": client_pb2.ListTopicsRequest,
     "DescribeGroup": client_pb2.DescribeGroupRequest,
     "GetHeatmap": client_pb2.GetHeatmapRequest,
 }

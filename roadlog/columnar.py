@@ -207,7 +207,7 @@ def parse(data: bytes) -> ColumnBytes:
         return _column_bytes(_decode_slow(data))
     raw = {attr: getattr(view, attr) for _, attr in _COLUMNS}
     n, rem = divmod(len(raw["ts_ms"]), 8)
-    for (dtype, attr), size in zip(_COLUMNS, _ITEMSIZES, strict=True):
+    for (_, attr), size in zip(_COLUMNS, _ITEMSIZES, strict=True):
         b = raw[attr]
         if len(b) != n * size or rem:
             if not b and attr in _OPTIONAL:

@@ -103,6 +103,41 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
         assert code == 200 and body["window_start_ms"] == now - 300_000
 
 
+def test_topic_changes_are_read_back_at_once_through_grpc_and_http(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """Read your writes for topics: a create's or delete's applied_index
+    fences the reads after it, so a node that has not applied the change yet
+    (followers hear of a commit up to a tick late) never answers them."""
+    lc = make_cluster(3)
+    base = lc.queue_servers[0].http
+    with Connection(lc.servers) as conn:
+        admin = Admin(conn)
+        for i in range(12):
+            name = f"city-{i}"
+            created = admin.create_topic(name, REGION)
+            assert created.applied_index > 0 and conn.fence == created.applied_index
+            assert admin.describe(name).topic.spec.name == name
+            assert name in {t.topic.spec.name for t in admin.list_topics()}
+        for i in range(12):
+            name = f"city-{i}"
+            assert admin.delete_topic(name)
+            assert name not in {t.topic.spec.name for t in admin.list_topics()}
+    for i in range(12):
+        name = f"town-{i}"
+        code, _, body = http(
+            "POST", f"{base}/v1/topics", {"name": name, "region": json.loads(REGION)}
+        )
+        assert code == 201 and body["applied_index"] > 0, body
+        fence = f"min_applied_index={body['applied_index']}"
+        code, _, desc = http("GET", f"{base}/v1/topics/{name}?{fence}")
+        assert code == 200 and desc["name"] == name, desc
+        code, _, listed = http("GET", f"{base}/v1/topics?{fence}")
+        assert code == 200 and name in {t["name"] for t in listed["topics"]}
+    code, _, body = http("GET", f"{base}/v1/topics?min_applied_index=-1")
+    assert code == 400 and "min_applied_index" in body["error"]["reason"]
+
+
 def test_http_api_operations_and_errors(make_cluster: Callable[..., LocalCluster]) -> None:
     lc = make_cluster(3)
     base = lc.queue_servers[0].http

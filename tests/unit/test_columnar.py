@@ -127,9 +127,8 @@ def test_join_fills_an_optional_column_only_some_parts_have() -> None:
     assert both.speed_mps[:3].tolist() == [0.0, 1.0, 2.0]
     assert np.isnan(both.speed_mps[3:5]).all() and both.speed_mps[5:].tolist() == [0.0, 1.0, 2.0]
     assert np.isnan(both.heading_deg).all() and len(both) == 8
-    assert both.device_of().tolist() == [*with_speed.device_of(), "bus", "bus"] + list(
-        with_speed.device_of()
-    )
+    twice = list(with_speed.device_of())
+    assert both.device_of().tolist() == [*twice, "bus", "bus", *twice]
 
 
 def test_join_reads_a_non_canonical_part_like_the_rest() -> None:
@@ -185,7 +184,9 @@ def test_join_is_the_batches_one_after_another(
     rows = [r for b in batches for r in b]
     assert merged.device_of().tolist() == [r[0] for r in rows]
     assert merged.ts_ms.tolist() == [r[1] for r in rows]
-    assert merged.lat.tolist() == [r[2] for r in rows] and merged.lon.tolist() == [r[3] for r in rows]
+    assert merged.lat.tolist() == [r[2] for r in rows] and merged.lon.tolist() == [
+        r[3] for r in rows
+    ]
     speeds = [np.nan if r[4] is None else np.float32(r[4]) for r in rows]
     assert np.array_equal(merged.speed_mps, np.array(speeds, dtype=np.float32), equal_nan=True)
     assert len(set(merged.device_ids)) == len(merged.device_ids)

@@ -46,13 +46,16 @@ class Log:
             out.append((r.code, r.response, r.message))
         return out
 
-    def create(self, name: str = "munich", partitions: int = 4, retention_ms: int = 0) -> None:
+    def create(
+        self, name: str = "munich", partitions: int = 4, retention_ms: int = 0
+    ) -> topics_pb2.TopicDescription:
         spec = topics_pb2.TopicSpec(
             name=name, region_geojson=REGION, partitions=partitions, retention_ms=retention_ms
         )
         op = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
-        [(code, _, msg)] = self.run(command_pb2.Command(leader_ms=T0, ops=[op]))
+        [(code, raw, msg)] = self.run(command_pb2.Command(leader_ms=T0, ops=[op]))
         assert code == grpc.StatusCode.OK, msg
+        return topics_pb2.TopicDescription.FromString(raw)
 
     def append(
         self,
@@ -101,7 +104,8 @@ def read_all(sm: StateMachine, partition: int, offset: int = 0, max_pings: int =
 
 def test_create_describe_and_list(sm: StateMachine) -> None:
     log = Log(sm)
-    log.create()
+    created = log.create()
+    assert created.applied_index == log.index  # a read fence for what follows
     d = sm.describe("munich")
     assert d.topic.spec.partitions == 4 and d.topic.spec.h3_resolution == 9
     assert [p.next_offset for p in d.partitions] == [0, 0, 0, 0]
@@ -201,11 +205,13 @@ def test_delete_topic_removes_its_data(sm: StateMachine) -> None:
     log = Log(sm)
     log.create()
     log.append(pings(30), producer=3, seq=1)
-    log.run(
+    [(code, raw, _)] = log.run(
         command_pb2.Command(
             ops=[command_pb2.Op(delete_topic=command_pb2.DeleteTopicOp(name="munich"))]
         )
     )
+    deleted = client_pb2.DeleteTopicResponse.FromString(raw)
+    assert code == grpc.StatusCode.OK and deleted.deleted and deleted.applied_index == log.index
     assert sm.list_topics() == []
     log.create()
     assert all(p.next_offset == 0 for p in sm.describe("munich").partitions)

@@ -76,3 +76,60 @@ def test_a_proposal_given_up_is_answered_as_retryable_not_dropped() -> None:
     out = client_pb2.PublishBatchResponseView.FromString(res.response)
     assert [r.code for r in out.results] == [grpc.StatusCode.UNAVAILABLE.value[0]] * 2
     assert "stopped" in out.results[0].message
+
+
+class LaggingNode:
+    """A node that has applied up to ``applied`` and catches up when told."""
+
+    def __init__(self, applied: int) -> None:
+        self.cfg = SimpleNamespace(merge_publishes=True)
+        self.applied = asyncio.Condition()
+        desc = topics_pb2.TopicDescription()
+        desc.topic.spec.name = "munich"
+        self.sm: Any = SimpleNamespace(applied_index=applied, describe=lambda name: desc)
+        self.sm.list_topics = lambda: [desc] if self.sm.applied_index >= 5 else []
+
+    async def wait_applied(self, index: int, timeout: float | None = None) -> None:
+        async with self.applied:
+            await asyncio.wait_for(
+                self.applied.wait_for(lambda: self.sm.applied_index >= index), timeout
+            )
+
+    async def catch_up(self, index: int) -> None:
+        async with self.applied:
+            self.sm.applied_index = index
+            self.applied.notify_all()
+
+
+@pytest.mark.parametrize(
+    ("method", "request_bytes"),
+    [
+        ("ListTopics", client_pb2.ListTopicsRequest(min_applied_index=5).SerializeToString()),
+        (
+            "DescribeTopic",
+            client_pb2.DescribeTopicRequest(name="munich", min_applied_index=5).SerializeToString(),
+        ),
+    ],
+)
+def test_topic_reads_wait_for_their_fence(method: str, request_bytes: bytes) -> None:
+    """Read your writes: a node behind a read's min_applied_index answers
+    only once it has applied that far (the create it must reflect)."""
+
+    async def go() -> tuple[bool, work_pb2.WorkResult]:
+        node = LaggingNode(applied=3)
+        ex = Executor(node)  # type: ignore[arg-type]
+        item = work_pb2.WorkItem(id=1, method=method, request=request_bytes)
+        answer = asyncio.ensure_future(ex.run(item))
+        await asyncio.sleep(0)  # let it start; it must now wait for index 5
+        for _ in range(20):
+            await asyncio.sleep(0)
+        early = answer.done()
+        await node.catch_up(5)
+        return early, await asyncio.wait_for(answer, 10)
+
+    early, res = asyncio.run(go())
+    assert not early and res.code == 0
+    if method == "ListTopics":
+        assert [
+            t.topic.spec.name for t in client_pb2.ListTopicsResponse.FromString(res.response).topics
+        ] == ["munich"]
