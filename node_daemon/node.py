@@ -155,8 +155,9 @@ class RaftNode:
         self._snap_io = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._snapshotting: asyncio.Future[tuple[int, int, Path]] | None = None
         self._snapshot_waiters: list[asyncio.Future[int]] = []  # asked before it began
-        self._snapshot_retry_at = 0.0
-        self._snapshot_next_check = 0.0  # no snapshot_due() check before this
+        # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
+        # a failed snapshot, SNAPSHOT_RETRY_S); asking for one skips the wait.
+        self._snapshot_next_check = 0.0
         self._resolved_early = False
         self.state_listeners: list[Callable[[], None]] = []
         self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
@@ -579,7 +580,7 @@ class RaftNode:
             self._snapshot_requests = []
             return
         now = time.monotonic()
-        if not asked and now < max(self._snapshot_retry_at, self._snapshot_next_check):
+        if not asked and now < self._snapshot_next_check:
             return
         self._snapshot_next_check = now + SNAPSHOT_CHECK_S
         if asked or (
@@ -638,7 +639,7 @@ class RaftNode:
                 log.info("snapshot and compaction", extra={"index": index})
         except Exception as e:
             log.exception("snapshot failed")
-            self._snapshot_retry_at = time.monotonic() + SNAPSHOT_RETRY_S
+            self._snapshot_next_check = time.monotonic() + SNAPSHOT_RETRY_S
             for f in waiters:
                 if not f.done():
                     f.set_exception(e)

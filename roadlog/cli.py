@@ -41,7 +41,7 @@ from roadlog.localcluster import LocalCluster, alive, gather_status
 from roadlog.readers import InputError, read_pings
 from roadlog.traffic import TrafficSpec, simulate
 
-DIR_HELP = "the local cluster's DIR (--cluster is the same)"
+DIR_HELP = "a local cluster's DIR (--cluster and --dir are the same)"
 err = Console(stderr=True)
 out = Console()
 
@@ -106,7 +106,7 @@ def where(f: Callable[..., Any]) -> Callable[..., Any]:
         "--dir",
         "cluster",
         type=click.Path(path_type=Path),
-        help="a local cluster's DIR (--dir is the same)",
+        help=DIR_HELP,
     )(f)
     f = click.option(
         "--discover",
