@@ -271,7 +271,7 @@ def cluster_down(directory: Path) -> None:
 
 @cli.group()
 def topic() -> None:
-    """Create, list and describe topics (city regions)."""
+    """Create, list, describe and delete topics (city regions)."""
 
 
 @topic.command("create")
@@ -331,6 +331,26 @@ def topic_list(cluster: Path | None, servers: str | None, as_json: bool) -> None
         doc = _topic_doc(d)
         t.add_row(doc["name"], str(doc["partitions"]), f"{doc['pings']:,}", str(doc["bbox"]))
     out.print(t)
+
+
+@topic.command("delete")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="do not ask first")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_delete(
+    name: str, yes: bool, cluster: Path | None, servers: str | None, as_json: bool
+) -> None:
+    """Delete a topic with every ping, offset, consumer group and heat map in it."""
+    if not yes:
+        click.confirm(f"delete topic {name!r} and every ping in it?", abort=True, err=True)
+    with connection(cluster, servers) as conn:
+        Admin(conn).delete_topic(name)
+        fence = conn.fence  # reads fenced by it no longer see the topic
+    if as_json:
+        click.echo(json.dumps({"deleted": name, "applied_index": fence}))
+    else:
+        err.print(f"deleted topic {name}")
 
 
 @topic.command("describe")

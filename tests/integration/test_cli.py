@@ -24,6 +24,7 @@ def roadlog(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "roadlog.cli", *args],
         capture_output=True,
+        stdin=subprocess.DEVNULL,  # a question goes unanswered, never waits for a terminal
         text=True,
         timeout=120,
         cwd=ROOT,
@@ -160,6 +161,18 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
         "--json",
     )
     assert json.loads(sim.stdout.strip().splitlines()[-1])["acknowledged"] > 150
+
+    roadlog("topic", "create", "scratch", "--bbox", "11.4,48.05,11.75,48.25", "--cluster", d)
+    asked = roadlog("topic", "delete", "scratch", "--cluster", d, check=False)
+    assert asked.returncode != 0  # no --yes and nobody to say yes: nothing deleted
+    names = [t["name"] for t in json.loads(roadlog("topic", "list", "--dir", d, "--json").stdout)]
+    assert sorted(names) == ["munich", "scratch"]
+    gone = json.loads(roadlog("topic", "delete", "scratch", "--yes", "--dir", d, "--json").stdout)
+    assert gone["deleted"] == "scratch" and gone["applied_index"] > 0
+    names = [t["name"] for t in json.loads(roadlog("topic", "list", "--dir", d, "--json").stdout)]
+    assert names == ["munich"]
+    again = roadlog("topic", "delete", "scratch", "--yes", "--dir", d, check=False)
+    assert again.returncode != 0 and "no topic 'scratch'" in again.stderr
 
     leader = str(st["leader"])
     roadlog("cluster", "kill", leader, "--dir", d)
