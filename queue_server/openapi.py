@@ -244,12 +244,7 @@ OPENAPI: dict[str, Any] = {
                         "in": "query",
                         "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
                     },
-                    {
-                        "name": "min_applied_index",
-                        "in": "query",
-                        "description": "read your writes: the applied_index a publish answered",
-                        "schema": {"type": "integer", "minimum": 0},
-                    },
+                    _FENCE,
                 ],
                 "responses": {
                     **_ok(
@@ -281,12 +276,7 @@ OPENAPI: dict[str, Any] = {
                         "in": "query",
                         "schema": {"type": "integer", "minimum": 0},
                     },
-                    {
-                        "name": "min_applied_index",
-                        "in": "query",
-                        "description": "read your writes: the applied_index a publish answered",
-                        "schema": {"type": "integer", "minimum": 0},
-                    },
+                    _FENCE,
                 ],
                 "responses": {
                     **_ok(
