@@ -108,7 +108,8 @@ def test_topic_changes_are_read_back_at_once_through_grpc_and_http(
 ) -> None:
     """Read your writes for topics: a create's or delete's applied_index
     fences the reads after it, so a node that has not applied the change yet
-    (followers hear of a commit up to a tick late) never answers them."""
+    (a follower applies a commit only once the leader has told it) never
+    answers them."""
     lc = make_cluster(3)
     base = lc.queue_servers[0].http
     with Connection(lc.servers) as conn:
