@@ -10,7 +10,8 @@ arrives, and proposals that arrive pile up into the next Ready: group commit
 comes from that, one fsync for all of them.
 
 Writes are batched on the way in too: publish operations that arrive
-together are packed into one entry (``max_ops_per_entry``).
+together are packed into one entry (at most ``max_ops_per_entry`` ops and
+``limits.ENTRY_BYTES`` bytes, or one bigger op alone).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from node_daemon.raft import (
 from node_daemon.state_machine import OpResult, StateMachine
 from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.transport import PeerTransport
+from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
 from roadlog.v1 import command_pb2
 
 log = logging.getLogger("roadlog.node")
@@ -338,8 +340,9 @@ class RaftNode:
                     fut.set_exception(NotLeader(core.lead))
             return
         now_ms = int(time.time() * 1000)
-        step = self.cfg.max_ops_per_entry
-        groups = [ops[i : i + step] for i in range(0, len(ops), step)]
+        sizes = [op.ByteSize() for op, _ in ops]
+        runs = chunk_by_bytes(sizes, self.cfg.max_ops_per_entry, ENTRY_BYTES)
+        groups = [ops[r.start : r.stop] for r in runs]
         datas = [
             command_pb2.Command(leader_ms=now_ms, ops=[op for op, _ in g]).SerializeToString()
             for g in groups
