@@ -41,6 +41,7 @@ from node_daemon.transport import AUTH_KEY, auth_token, authorized
 from node_daemon.worker import Executor, QueueServerLink
 from roadlog import configfile, eventloop
 from roadlog.http_health import serve_metrics_and_health
+from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.localcluster import node_view
 from roadlog.logs import setup_logging
 from roadlog.ops import HostView, leader_host, transfer_target
@@ -223,8 +224,8 @@ async def serve(cfg: NodeConfig) -> None:
     stop = asyncio.Event()
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", PEER_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", PEER_MESSAGE_BYTES),
             # Peers ping every 2 s to notice a dead node early: allow it.
             ("grpc.http2.min_ping_interval_without_data_ms", 1000),
             ("grpc.keepalive_permit_without_calls", 1),

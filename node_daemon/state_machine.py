@@ -436,6 +436,29 @@ class StateMachine:
                 for _, raw in txn.cursor(db=self.topics)
             ]
 
+    def topics_page(
+        self, after: str, limit: int, max_bytes: int
+    ) -> tuple[list[topics_pb2.TopicDescription], str]:
+        """Topics named after ``after``, in name order: at most ``limit``,
+        and no more once ``max_bytes`` are reached (always one, if any is
+        left). Returns them and the token of the next page ("": none)."""
+        out: list[topics_pb2.TopicDescription] = []
+        size = 0
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.topics)
+            key = after.encode()
+            if not cur.set_range(key):
+                return out, ""
+            for k, raw in cur:
+                if k == key:
+                    continue
+                if len(out) >= limit or (out and size >= max_bytes):
+                    return out, out[-1].topic.spec.name
+                d = self._describe(txn, topics_pb2.Topic.FromString(raw))
+                out.append(d)
+                size += d.ByteSize()
+        return out, ""
+
     def peers(self) -> dict[int, str]:
         """The replicated address book: node id -> gRPC address."""
         out: dict[int, str] = {}

@@ -26,6 +26,15 @@ from node_daemon.state_machine import OpResult, normalized_spec
 from node_daemon.transport import AUTH_KEY
 from roadlog import columnar
 from roadlog.geo import Region, parse_region
+from roadlog.limits import (
+    CLIENT_MESSAGE_BYTES,
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
+    PAGE_BYTES,
+    WORK_BATCH_BYTES,
+    WORK_MESSAGE_BYTES,
+    grpc_options,
+)
 from roadlog.v1 import client_pb2, command_pb2, work_pb2, work_pb2_grpc
 from roadlog.validation import BatchRejected
 
@@ -108,6 +117,15 @@ class Executor:
         except Exception as e:
             code, res.message = failure_status(e, item.method)
             res.code = code.value[0]
+        if len(res.response) > CLIENT_MESSAGE_BYTES:
+            # Never send what the client's hop refuses: it would break this
+            # stream, and the request would be handed out again.
+            res.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            res.message = (
+                f"the answer of {len(res.response)} bytes is over the limit of "
+                f"{CLIENT_MESSAGE_BYTES}: ask for less (a smaller max_bytes or page_size)"
+            )
+            res.response = b""
         metrics.WORK_DONE.labels("write" if item.kind == work_pb2.WORK_KIND_WRITE else "read").inc()
         return res
 
@@ -282,7 +300,9 @@ class Executor:
     async def list_topics(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.ListTopicsRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
-        resp = client_pb2.ListTopicsResponse(topics=self.node.sm.list_topics())
+        size = min(req.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        topics, token = self.node.sm.topics_page(req.page_token, size, PAGE_BYTES)
+        resp = client_pb2.ListTopicsResponse(topics=topics, next_page_token=token)
         return OpResult(response=resp.SerializeToString())
 
     async def describe_group(self, item: work_pb2.WorkItem) -> OpResult:
@@ -382,15 +402,25 @@ class QueueServerLink:
         self._told = (s.is_leader, s.leader, s.term, s.leader_address)  # a new stream's first word
         self._told_at = time.monotonic()
         yield first
+        carried: work_pb2.WorkerMessage | None = None  # did not fit the last message
         while True:
-            msg = await self.outbox.get()
-            while not self.outbox.empty():  # merge what piled up into one message
+            msg = carried if carried is not None else await self.outbox.get()
+            carried = None
+            size = msg.ByteSize()
+            # Merge what piled up into one message, up to WORK_BATCH_BYTES of
+            # results (a bigger result goes alone).
+            while not self.outbox.empty():
                 more = self.outbox.get_nowait()
+                extra = sum(len(r.response) for r in more.results)
+                if extra and size + extra > WORK_BATCH_BYTES:
+                    carried = more
+                    break
                 if more.HasField("state"):
                     msg.state.CopyFrom(more.state)
                 msg.credit.writes += more.credit.writes
                 msg.credit.reads += more.credit.reads
                 msg.results.extend(more.results)
+                size += extra
             yield msg
 
     async def _run(self) -> None:
@@ -398,7 +428,8 @@ class QueueServerLink:
         while True:
             inflight: set[asyncio.Task[None]] = set()
             try:
-                async with grpc.aio.insecure_channel(self.address) as ch:
+                opts = grpc_options(WORK_MESSAGE_BYTES)
+                async with grpc.aio.insecure_channel(self.address, options=opts) as ch:
                     stub = work_pb2_grpc.WorkStub(ch)
                     self.outbox = asyncio.Queue()
                     call = stub.Pull(self._messages(), metadata=((AUTH_KEY, self.token),))

@@ -25,12 +25,12 @@ from queue_server.openapi import OPENAPI
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import RegionError, bbox_region, parse_region
+from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
 from roadlog.v1 import client_pb2, pings_pb2, topics_pb2
 from roadlog.validation import MAX_BATCH_PINGS
 
 log = logging.getLogger("roadlog.http")
 
-MAX_BODY_BYTES = 32 << 20
 MAX_FETCH_PINGS = 100_000
 MAX_CLIENT_ID = 128
 RETRY_AFTER_S = "1"
@@ -95,7 +95,7 @@ class HttpApi:
         self._status = status
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_as_json])
+        app = web.Application(client_max_size=HTTP_BODY_BYTES, middlewares=[errors_as_json])
         r = app.router
         r.add_get("/openapi.json", self.openapi)
         r.add_get("/healthz", self.healthz)
@@ -196,10 +196,19 @@ class HttpApi:
         resp = await self.call(
             request,
             "ListTopics",
-            client_pb2.ListTopicsRequest(min_applied_index=_fence(request)),
+            client_pb2.ListTopicsRequest(
+                min_applied_index=_fence(request),
+                page_size=_query_int(
+                    request.query.get("page_size", "0"), "page_size", 0, MAX_PAGE_SIZE
+                ),
+                page_token=request.query.get("page_token", ""),
+            ),
             client_pb2.ListTopicsResponse,
         )
-        return web.json_response({"topics": [topic_json(d) for d in resp.topics]})
+        body: dict[str, Any] = {"topics": [topic_json(d) for d in resp.topics]}
+        if resp.next_page_token:
+            body["next_page_token"] = resp.next_page_token
+        return web.json_response(body)
 
     async def describe_topic(self, request: web.Request) -> web.Response:
         d = await self.call(

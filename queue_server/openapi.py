@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from roadlog.limits import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, PAGE_BYTES
+
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -48,6 +50,19 @@ _FENCE = {
     "in": "query",
     "description": "read your writes: the applied_index a write answered",
     "schema": {"type": "integer", "minimum": 0},
+}
+_PAGE_SIZE = {
+    "name": "page_size",
+    "in": "query",
+    "description": f"topics in one page (0 or absent: {DEFAULT_PAGE_SIZE}); a page also "
+    f"closes at about {PAGE_BYTES >> 20} MiB",
+    "schema": {"type": "integer", "minimum": 0, "maximum": MAX_PAGE_SIZE},
+}
+_PAGE_TOKEN = {
+    "name": "page_token",
+    "in": "query",
+    "description": "next_page_token of the page before (absent: the first page)",
+    "schema": {"type": "string"},
 }
 _PING = {
     "type": "object",
@@ -114,14 +129,17 @@ OPENAPI: dict[str, Any] = {
         },
         "/v1/topics": {
             "get": {
-                "summary": "Every topic",
-                "parameters": [_FENCE],
+                "summary": "The topics in name order, a page at a time",
+                "parameters": [_FENCE, _PAGE_SIZE, _PAGE_TOKEN],
                 "responses": {
                     **_ok(
-                        "the topics",
+                        "a page of topics; next_page_token is there when more follow",
                         {
                             "type": "object",
-                            "properties": {"topics": {"type": "array", "items": _TOPIC}},
+                            "properties": {
+                                "topics": {"type": "array", "items": _TOPIC},
+                                "next_page_token": {"type": "string"},
+                            },
                         },
                     ),
                     **_errors("400", "503", "504"),

@@ -6,10 +6,13 @@ it, so a busy node takes less and an idle one steals more.
 Time is passed in (``now``, in seconds); nothing here blocks or does I/O.
 Invariants: an item is queued, handed to exactly one worker, or finished;
 work a worker took and did not finish goes back to the front of its queue
-when that worker leaves; queued items whose deadline passed are dropped and
-reported; the queues never hold more than their bounds, and are fair
-between clients (``fair.FairQueue``): one client's flood neither fills the
-queue for others nor delays their requests behind it.
+when that worker leaves, unless its deadline passed or it was handed out
+MAX_DELIVERIES times already (then it is dropped and reported: a request
+whose answer breaks every node's stream must not circle forever); items
+whose deadline passed are never handed out, and are dropped and reported;
+the queues never hold more than their bounds, and are fair between clients
+(``fair.FairQueue``): one client's flood neither fills the queue for others
+nor delays their requests behind it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ class QueueFull(Exception):
     """The queue is at its bound; the client should back off."""
 
 
+# How many times one item may be handed to a worker whose stream then broke
+# before it is given up (a node restarting is once or twice; a request that
+# breaks every stream it rides on is forever).
+MAX_DELIVERIES = 3
+
+
 @dataclass(slots=True)
 class Item:
     id: int
@@ -38,8 +47,9 @@ class Item:
     deadline: float
     enqueued: float
     fence: int = 0
-    attempts: int = 0
+    attempts: int = 0  # times a worker handed it back (not the leader any more, say)
     client: str = ""  # whose request: the unit of fairness
+    deliveries: int = 0  # times handed to a worker
 
 
 @dataclass(slots=True)
@@ -60,6 +70,7 @@ class Worker:
 class Expired:
     item: Item
     reason: str
+    gave_up: bool = False  # dropped for breaking streams, not for its deadline
 
 
 def per_client_share(total: int) -> int:
@@ -80,6 +91,7 @@ class WorkQueues:
         }
         self.workers: dict[int, Worker] = {}
         self._rr = 0  # rotates ties between equally idle readers
+        self._dropped: list[Expired] = []  # not requeued on disconnect; expire() reports them
 
     # ------------------------------------------------------------ clients
 
@@ -90,12 +102,18 @@ class WorkQueues:
             raise QueueFull(f"{item.kind.name.lower()} {e}") from None
 
     def cancel(self, item_id: int) -> bool:
-        """A client gave up: forget the item if it is still queued."""
+        """A client gave up: forget the item if it is still queued; if a
+        worker holds it, it is not requeued when that worker leaves."""
+        for w in self.workers.values():
+            it = w.inflight.get(item_id)
+            if it is not None:
+                it.deadline = float("-inf")
         return any(q.remove_if(lambda it: it.id == item_id) for q in self.queues.values())
 
     def expire(self, now: float) -> list[Expired]:
-        """Drop queued items whose deadline passed."""
-        out: list[Expired] = []
+        """Drop queued items whose deadline passed; report them, and the
+        items a leaving worker held that were not requeued."""
+        out, self._dropped = self._dropped, []
         for kind, q in self.queues.items():
             for it in q.remove_if(lambda it: it.deadline <= now):
                 out.append(Expired(it, self._why_waiting(kind, it)))
@@ -134,12 +152,28 @@ class WorkQueues:
             w.write_credit = min(w.write_credit + max(writes, 0), 1 << 20)
             w.read_credit = min(w.read_credit + max(reads, 0), 1 << 20)
 
-    def disconnect(self, worker_id: int) -> list[Item]:
-        """The worker is gone: what it held goes back to the front, in order."""
+    def disconnect(self, worker_id: int, now: float) -> list[Item]:
+        """The worker is gone: what it held goes back to the front, in order,
+        and is returned; what is past its deadline or was handed out
+        MAX_DELIVERIES times is dropped instead (``expire`` reports it)."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
-        back = sorted(w.inflight.values(), key=lambda it: it.id)
+        back: list[Item] = []
+        for it in sorted(w.inflight.values(), key=lambda it: it.id):
+            if it.deadline <= now:
+                self._dropped.append(Expired(it, "not done before the deadline: its node left"))
+            elif it.deliveries >= MAX_DELIVERIES:
+                self._dropped.append(
+                    Expired(
+                        it,
+                        f"given up after {it.deliveries} nodes took it and their work streams "
+                        "broke (is the request or its answer too big?)",
+                        gave_up=True,
+                    )
+                )
+            else:
+                back.append(it)
         for kind in Kind:
             self.queues[kind].push_front([it for it in back if it.kind == kind])
         return back
@@ -180,6 +214,7 @@ class WorkQueues:
                 continue
             lead.write_credit -= 1
             lead.taken_writes += 1
+            it.deliveries += 1
             lead.inflight[it.id] = it
             out.append((lead.id, it))
         wq.push_front(expired)
@@ -189,12 +224,16 @@ class WorkQueues:
             it = rq.pop()
             if it is None:
                 break
+            if it.deadline <= now:
+                waiting.append(it)  # expire() reports it
+                continue
             w = self._reader_for(it)
             if w is None:
                 waiting.append(it)
                 continue
             w.read_credit -= 1
             w.taken_reads += 1
+            it.deliveries += 1
             w.inflight[it.id] = it
             out.append((w.id, it))
         rq.push_front(waiting)

@@ -34,6 +34,7 @@ from queue_server.errors import Failed
 from queue_server.http_api import HttpApi
 from queue_server.queues import Item, Kind, QueueFull, WorkQueues
 from roadlog.http_health import serve_metrics_and_health
+from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
 from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
 
 log = logging.getLogger("roadlog.queue")
@@ -104,6 +105,11 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         """Queue one client request and wait for its answer. ``client`` is
         who asks (the unit of fairness between clients)."""
         kind = METHODS[method]
+        if len(request) > CLIENT_MESSAGE_BYTES:
+            raise Failed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request of {len(request)} bytes is over the limit of {CLIENT_MESSAGE_BYTES}",
+            )
         fence = 0
         if method in FENCED:
             cls = FENCED[method]
@@ -166,26 +172,29 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     async def expire_loop(self) -> None:
         while True:
             await asyncio.sleep(0.05)
-            now = time.monotonic()
-            if self.states:
-                commit = max(s.commit_index for s in self.states.values())
-                for it in self.q.drop_unreachable_fences(commit, now - FENCE_GRACE_S):
-                    self._fail(
-                        it.id,
-                        grpc.StatusCode.OUT_OF_RANGE,
-                        f"min_applied_index {it.fence} is beyond the cluster's commit index "
-                        f"{commit}: no write was answered with it",
-                    )
-            for e in self.q.expire(now):
-                fut = self._futures.get(e.item.id)
-                if fut is not None and not fut.done():
-                    fut.set_result(
-                        work_pb2.WorkResult(
-                            id=e.item.id,
-                            code=grpc.StatusCode.UNAVAILABLE.value[0],
-                            message=f"not done before the deadline: {e.reason}",
-                        )
-                    )
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        """Answer the requests dropped from the queues: past their deadline,
+        fenced beyond every commit, or given up after breaking streams."""
+        if self.states:
+            commit = max(s.commit_index for s in self.states.values())
+            for it in self.q.drop_unreachable_fences(commit, now - FENCE_GRACE_S):
+                self._fail(
+                    it.id,
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"min_applied_index {it.fence} is beyond the cluster's commit index "
+                    f"{commit}: no write was answered with it",
+                )
+        for e in self.q.expire(now):
+            if e.gave_up:
+                self._fail(e.item.id, grpc.StatusCode.INTERNAL, e.reason)
+            else:
+                self._fail(
+                    e.item.id,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"not done before the deadline: {e.reason}",
+                )
 
     def _fail(self, item_id: int, code: grpc.StatusCode, message: str) -> None:
         fut = self._futures.get(item_id)
@@ -228,18 +237,28 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 out.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
+        carried: work_pb2.WorkItem | None = None  # did not fit the last message
         try:
             while True:
-                item = await out.get()
+                item = carried if carried is not None else await out.get()
+                carried = None
                 if item is None:
                     return
                 batch = work_pb2.WorkItems(items=[item])
-                while not out.empty():  # one stream message for all that is ready
+                size = len(item.request)
+                # One stream message for what is ready, up to WORK_BATCH_BYTES
+                # (an item bigger than that goes alone): the node's stream
+                # takes WORK_MESSAGE_BYTES, never a merge of big requests.
+                while not out.empty():
                     nxt = out.get_nowait()
                     if nxt is None:
                         yield batch
                         return
+                    if size + len(nxt.request) > WORK_BATCH_BYTES:
+                        carried = nxt
+                        break
                     batch.items.append(nxt)
+                    size += len(nxt.request)
                 yield batch
         finally:
             reader.cancel()
@@ -247,9 +266,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 await reader
             self._sessions.pop(wid, None)
             self.states.pop(wid, None)
-            back = self.q.disconnect(wid)
+            back = self.q.disconnect(wid, time.monotonic())
             WORKERS.set(len(self.q.workers))
             log.info("node disconnected", extra={"worker": wid, "requeued": len(back)})
+            self._expire(time.monotonic())
             self._kick()
 
     def _result(self, wid: int, r: work_pb2.WorkResult) -> None:
@@ -335,12 +355,9 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
 
 async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     qs = QueueServer(cfg)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-        ]
-    )
+    # One port serves clients and the nodes' Work streams: it takes what a
+    # node may send, and ``call`` refuses a client request over its own limit.
+    server = grpc.aio.server(options=grpc_options(WORK_MESSAGE_BYTES))
     server.add_generic_rpc_handlers((client_handler(qs),))
     work_pb2_grpc.add_WorkServicer_to_server(qs, server)
     health_servicer = health.aio.HealthServicer()

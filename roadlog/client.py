@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import (
     client_pb2,
     client_pb2_grpc,
@@ -87,6 +88,14 @@ def _error(code: grpc.StatusCode, message: str) -> RoadlogError:
     return cls(code, message)
 
 
+def _too_big(e: grpc.RpcError) -> bool:
+    """A request or answer over a hop's byte limit: no retry will fit it."""
+    details = e.details() or ""
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+        "over the limit" in details or "larger than max" in details
+    )
+
+
 def servers_from_env(value: str | None = None) -> list[str]:
     raw = value if value is not None else os.environ.get("ROADLOG_SERVERS", "")
     return [s.strip() for s in raw.split(",") if s.strip()]
@@ -123,8 +132,8 @@ class Connection:
         self.servers = list(servers)
         self.timeout = timeout
         opts = [
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", CLIENT_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES),
         ]
         self.channels = [grpc.insecure_channel(s, options=opts) for s in self.servers]
         self.stubs = [client_pb2_grpc.RoadlogStub(c) for c in self.channels]
@@ -173,7 +182,7 @@ class Connection:
                 return getattr(stub, method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
                 code = e.code()
-                if code not in RETRYABLE:
+                if code not in RETRYABLE or _too_big(e):
                     raise _error(code, e.details() or "") from None
                 last = e
                 if e.details() and e.details() != "Deadline Exceeded":
@@ -214,7 +223,15 @@ class Admin:
         return self.conn.call("DescribeTopic", client_pb2.DescribeTopicRequest(name=name))  # type: ignore[no-any-return]
 
     def list_topics(self) -> list[topics_pb2.TopicDescription]:
-        return list(self.conn.call("ListTopics", client_pb2.ListTopicsRequest()).topics)
+        """Every topic, in name order (asked for a page at a time)."""
+        out: list[topics_pb2.TopicDescription] = []
+        token = ""
+        while True:
+            page = self.conn.call("ListTopics", client_pb2.ListTopicsRequest(page_token=token))
+            out.extend(page.topics)
+            token = page.next_page_token
+            if not token:
+                return out
 
     def delete_topic(self, name: str) -> bool:
         return bool(self.conn.call("DeleteTopic", client_pb2.DeleteTopicRequest(name=name)).deleted)

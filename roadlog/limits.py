@@ -34,11 +34,16 @@ WORK_BATCH_BYTES: Final = 4 << 20
 # Ops packed into one Raft entry: several small ones ride together, one
 # bigger than this is an entry of its own.
 ENTRY_BYTES: Final = 8 << 20
+# One page of a listing (topics): a page closes once it holds this much.
+PAGE_BYTES: Final = 4 << 20
+DEFAULT_PAGE_SIZE: Final = 100
+MAX_PAGE_SIZE: Final = 1000
 # One message between nodes (Raft, admin, node reads).
 PEER_MESSAGE_BYTES: Final = 64 << 20
 
 assert CLIENT_MESSAGE_BYTES + WORK_ENVELOPE_BYTES <= WORK_MESSAGE_BYTES < PEER_MESSAGE_BYTES
 assert HTTP_BODY_BYTES <= CLIENT_MESSAGE_BYTES
+assert PAGE_BYTES <= CLIENT_MESSAGE_BYTES // 2  # one more item after the bound still fits
 
 
 def grpc_options(max_bytes: int) -> list[tuple[str, int]]:

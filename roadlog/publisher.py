@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from roadlog.client import RETRYABLE, RoadlogError, _error, client_id
+from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import client_pb2
 
 MAX_BATCH_REQUESTS = 4096  # what a node takes in one PublishBatch
@@ -95,8 +96,8 @@ class Publisher:
 
     def _open(self) -> None:
         opts = [
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", CLIENT_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES),
         ]
         for s in self.servers:
             ch = grpc.aio.insecure_channel(s, options=opts)

@@ -39,6 +39,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from node_daemon.transport import AUTH_KEY, auth_token
 from roadlog import columnar
 from roadlog.configfile import read_secret
+from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.v1 import noderead_pb2, noderead_pb2_grpc
 
 SCHEMA = (
@@ -62,7 +63,7 @@ ARROW_SCHEMA = pa.schema(
 DEFAULT_LEAD_MS = 5 * 60_000
 DEFAULT_LATENESS_MS = 3_600_000
 DEFAULT_TASK_PINGS = 2_000_000
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+GRPC_OPTIONS = [("grpc.max_receive_message_length", PEER_MESSAGE_BYTES)]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from queue_server.queues import Item, Kind, QueueFull, WorkQueues
+from queue_server.queues import MAX_DELIVERIES, Item, Kind, QueueFull, WorkQueues
 
 pytestmark = pytest.mark.unit
 _ids = itertools.count(1)
@@ -82,7 +82,7 @@ def test_work_of_a_lost_node_goes_back_to_the_front_in_order() -> None:
     taken = [it.id for _, it in q.dispatch(0)]
     assert taken == [i.id for i in items[:3]]
     q.complete(1, items[0].id)
-    back = q.disconnect(1)
+    back = q.disconnect(1, now=0)
     assert [it.id for it in back] == [items[1].id, items[2].id]
     q.connect(2, 2)
     q.update(2, True, 2, 0)
@@ -175,7 +175,7 @@ def test_work_handed_back_is_served_first_in_its_order() -> None:
         q.submit(it)
     assert len(q.dispatch(0)) == 3
     q.submit(Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="d"))
-    back = q.disconnect(1)
+    back = q.disconnect(1, now=0)
     assert [it.id for it in back] == [it.id for it in items]
     q.connect(2, 2)
     q.update(2, True, 2, 0)
@@ -194,3 +194,55 @@ def test_reads_fenced_beyond_every_commit_are_dropped_after_a_grace() -> None:
     dropped = q.drop_unreachable_fences(commit_index=50, queued_before=3.0)
     assert [it.id for it in dropped] == [early.id]  # late gets its grace, fine can be served
     assert q.depth(Kind.READ) == 2
+
+
+def _reader(q: WorkQueues, worker: int) -> None:
+    q.connect(worker, node_id=worker)
+    q.update(worker, is_leader=False, term=1, applied=10)
+    q.grant(worker, writes=0, reads=10)
+
+
+def test_an_item_that_breaks_every_stream_is_given_up_not_circled() -> None:
+    """Finding 7 of issue 19: a read whose answer broke each node's stream
+    went back to the front and out again, forever."""
+    q = WorkQueues()
+    poison = item(Kind.READ)
+    q.submit(poison)
+    for w in range(1, MAX_DELIVERIES + 1):
+        _reader(q, w)
+        [(got, it)] = q.dispatch(0)
+        assert (got, it.id) == (w, poison.id)
+        back = q.disconnect(w, now=0)
+        assert back == ([poison] if w < MAX_DELIVERIES else [])
+    assert q.depth(Kind.READ) == 0
+    [e] = q.expire(0)
+    assert e.item is poison and e.gave_up and f"after {MAX_DELIVERIES} nodes" in e.reason
+    assert q.expire(0) == []  # reported once
+
+
+def test_work_past_its_deadline_is_not_requeued_nor_handed_out() -> None:
+    q = WorkQueues()
+    _reader(q, 1)
+    held = item(Kind.READ, deadline=5.0)
+    q.submit(held)
+    assert [it.id for _, it in q.dispatch(0)] == [held.id]
+    assert q.disconnect(1, now=6.0) == []  # its deadline passed while the node held it
+    [e] = q.expire(6.0)
+    assert e.item is held and not e.gave_up
+    stale = item(Kind.READ, deadline=5.0)
+    q.submit(stale)
+    _reader(q, 2)
+    assert q.dispatch(6.0) == []  # never handed out late
+    [e] = q.expire(6.0)
+    assert e.item is stale
+
+
+def test_an_item_the_client_gave_up_on_is_not_requeued() -> None:
+    q = WorkQueues()
+    _reader(q, 1)
+    it = item(Kind.READ)
+    q.submit(it)
+    assert len(q.dispatch(0)) == 1
+    assert not q.cancel(it.id)  # not queued: held by worker 1
+    assert q.disconnect(1, now=0) == []
+    assert q.depth(Kind.READ) == 0

@@ -102,6 +102,27 @@ def read_all(sm: StateMachine, partition: int, offset: int = 0, max_pings: int =
     return out
 
 
+def test_topics_come_in_pages_by_count_and_by_bytes(sm: StateMachine) -> None:
+    log = Log(sm)
+    names = [f"city{i:02d}" for i in range(7)]
+    for name in reversed(names):
+        log.create(name)
+    pages, token = [], ""
+    while True:
+        page, token = sm.topics_page(token, limit=3, max_bytes=1 << 20)
+        pages.append([t.topic.spec.name for t in page])
+        if not token:
+            break
+    assert pages == [names[0:3], names[3:6], names[6:7]]  # name order, each once
+    one = sm.describe(names[0]).ByteSize()
+    page, token = sm.topics_page("", limit=100, max_bytes=2 * one)
+    assert [t.topic.spec.name for t in page] == names[:2] and token == names[1]
+    page, token = sm.topics_page("", limit=100, max_bytes=1)  # always at least one
+    assert len(page) == 1 and token == names[0]
+    assert sm.topics_page(names[-1], limit=3, max_bytes=1 << 20) == ([], "")
+    assert sm.topics_page("zzz", limit=3, max_bytes=1 << 20) == ([], "")
+
+
 def test_create_describe_and_list(sm: StateMachine) -> None:
     log = Log(sm)
     created = log.create()

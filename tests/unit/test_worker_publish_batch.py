@@ -12,6 +12,7 @@ import pytest
 
 from node_daemon.state_machine import OpResult
 from node_daemon.worker import Executor
+from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.columnar import PingColumns, encode
 from roadlog.geo import bbox_region
 from roadlog.v1 import client_pb2, pings_pb2, topics_pb2, work_pb2
@@ -87,7 +88,10 @@ class LaggingNode:
         desc = topics_pb2.TopicDescription()
         desc.topic.spec.name = "munich"
         self.sm: Any = SimpleNamespace(applied_index=applied, describe=lambda name: desc)
-        self.sm.list_topics = lambda: [desc] if self.sm.applied_index >= 5 else []
+        self.sm.topics_page = lambda after, limit, max_bytes: (
+            ([desc] if self.sm.applied_index >= 5 else []),
+            "",
+        )
 
     async def wait_applied(self, index: int, timeout: float | None = None) -> None:
         async with self.applied:
@@ -132,3 +136,19 @@ def test_topic_reads_wait_for_their_fence(method: str, request_bytes: bytes) -> 
         assert [
             t.topic.spec.name for t in client_pb2.ListTopicsResponse.FromString(res.response).topics
         ] == ["munich"]
+
+
+def test_an_answer_too_big_for_the_client_hop_is_refused_not_sent() -> None:
+    """Finding 7 of issue 19: a node sent an answer the queue server refused,
+    which broke the node's work stream; it is now a clear error instead."""
+
+    async def big(item: work_pb2.WorkItem) -> OpResult:
+        return OpResult(response=b"x" * (CLIENT_MESSAGE_BYTES + 1))
+
+    async def go() -> work_pb2.WorkResult:
+        ex = Executor(StubNode("ok"))  # type: ignore[arg-type]
+        return await ex.run(work_pb2.WorkItem(id=1, method="ListTopics"), big)
+
+    res = asyncio.run(go())
+    assert res.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert res.response == b"" and "over the limit" in res.message
