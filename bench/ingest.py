@@ -21,9 +21,10 @@ import numpy as np
 
 from bench.common import write_result
 from bench.peers import nats_cluster, nats_stream, percentile, roadlog_cluster
-from roadlog import columnar, eventloop
+from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.publisher import Publisher
+from roadlog.runtime import eventloop
 from roadlog.v1 import client_pb2, pings_pb2
 
 PING_BYTES = 36

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from roadlog import configfile
-from roadlog.configfile import ConfigError
+from roadlog.runtime import config as configfile
+from roadlog.runtime.config import ConfigError, check_address
 
 __all__ = ["ConfigError", "NodeConfig", "check_address", "load_config", "parse_peers"]
 
@@ -32,12 +32,6 @@ def parse_peers(value: Any) -> dict[int, str]:
         check_address(v, "peers")
         out[int(k)] = v
     return out
-
-
-def check_address(addr: str, key: str) -> None:
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{key}: {addr!r} is not HOST:PORT")
 
 
 @dataclass

@@ -28,7 +28,7 @@ from discovery.core import Join
 from discovery.protocol import Member
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.raft import ConfChange, ConfChangeType, Role
-from node_daemon.transport import AUTH_KEY
+from roadlog.runtime.auth import token_metadata
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, command_pb2
 
 log = logging.getLogger("roadlog.membership")
@@ -94,7 +94,7 @@ class Membership:
             async with grpc.aio.insecure_channel(j.leader_address) as ch:
                 await admin_pb2_grpc.AdminStub(ch).AddNode(
                     admin_pb2.AddNodeRequest(node_id=n.id, address=n.cfg.address),
-                    metadata=((AUTH_KEY, self.token),),
+                    metadata=token_metadata(self.token),
                     timeout=10,
                 )
             log.info("asked to join", extra={"leader": j.leader, "at": j.leader_address})
@@ -190,7 +190,7 @@ class Membership:
                     async with grpc.aio.insecure_channel(addr) as ch:
                         resp = await admin_pb2_grpc.AdminStub(ch).RemoveNode(
                             admin_pb2.RemoveNodeRequest(node_id=n.id),
-                            metadata=((AUTH_KEY, self.token),),
+                            metadata=token_metadata(self.token),
                             timeout=10,
                         )
                     return int(resp.index)

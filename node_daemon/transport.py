@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import logging
 import os
 import time
@@ -31,11 +30,11 @@ import grpc
 from node_daemon import metrics
 from node_daemon.raft import Message, MessageType
 from node_daemon.wire import message_from_pb, message_to_pb
+from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 
 log = logging.getLogger("roadlog.transport")
 
-AUTH_KEY = "x-roadlog-auth"
 CHUNK = 1 << 20
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 50),
@@ -61,15 +60,6 @@ def _payload(m: Message) -> int:
 # A receiver starts pulling a snapshot within moments of its message; if no
 # pull has started by then, the message was lost: tell Raft, which resends.
 SNAPSHOT_START_TIMEOUT_S = 5.0
-
-
-def auth_token(secret: bytes, cluster: str) -> str:
-    return hmac.new(secret, cluster.encode(), hashlib.sha256).hexdigest()
-
-
-def authorized(context: grpc.aio.ServicerContext[Any, Any], token: str) -> bool:
-    md = dict(context.invocation_metadata() or ())
-    return hmac.compare_digest(str(md.get(AUTH_KEY, "")), token)
 
 
 def file_sha256(path: Path) -> bytes:
@@ -130,7 +120,7 @@ class _Peer:
             started = time.monotonic()
             try:
                 await stub.Stream(
-                    self._batches(), metadata=((AUTH_KEY, self.t.token),), wait_for_ready=True
+                    self._batches(), metadata=token_metadata(self.t.token), wait_for_ready=True
                 )
             except asyncio.CancelledError:
                 raise
@@ -166,7 +156,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
     ) -> None:
         self.node_id = node_id
         self.cluster = cluster
-        self.token = auth_token(secret, cluster)
+        self.token = cluster_token(secret, cluster)
         self.snapshot_dir = snapshot_dir
         self.on_message = on_message
         self.on_unreachable = on_unreachable
@@ -233,10 +223,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         request_iterator: AsyncIterator[raft_pb2.RaftBatch],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> raft_pb2.StreamClosed:
-        if not authorized(context, self.token):
-            self.rejected += 1
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
-        async for batch in request_iterator:
+        async for batch in request_iterator:  # the cluster token is checked by ClusterAuth
             if batch.cluster != self.cluster:
                 self.rejected += 1
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
@@ -253,7 +240,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
     async def FetchSnapshot(
         self, request: raft_pb2.SnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[raft_pb2.SnapshotChunk]:
-        if not authorized(context, self.token) or request.cluster != self.cluster:
+        if request.cluster != self.cluster:  # the cluster token is checked by ClusterAuth
             self.rejected += 1
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
         timer = self._snapshot_timers.pop(request.node_id, None)
@@ -343,7 +330,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                         offset=offset,
                         node_id=self.node_id,
                     )
-                    md = ((AUTH_KEY, self.token),)
+                    md = token_metadata(self.token)
                     with open(part, "ab") as f:
                         async for chunk in stub.FetchSnapshot(req, metadata=md):
                             sha, total = chunk.sha256, chunk.total_size

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_daemon.config import ConfigError, check_address
-from roadlog import configfile
+from roadlog.runtime import config as configfile
+from roadlog.runtime.config import ConfigError, check_address
 
 
 @dataclass

@@ -8,11 +8,11 @@ from typing import Any
 
 import click
 
-from node_daemon.config import ConfigError
 from queue_server.config import load_queue_config
 from queue_server.server import serve
-from roadlog import eventloop
-from roadlog.logs import setup_logging
+from roadlog.runtime import eventloop
+from roadlog.runtime.config import ConfigError
+from roadlog.runtime.logs import setup_logging
 
 
 @click.group()

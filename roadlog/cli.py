@@ -35,10 +35,10 @@ from roadlog.client import (
     RoadlogError,
     servers_from_env,
 )
-from roadlog.configfile import read_secret
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.localcluster import LocalCluster, alive, gather_status
 from roadlog.readers import InputError, read_pings
+from roadlog.runtime.config import read_secret
 from roadlog.traffic import TrafficSpec, simulate
 
 DIR_HELP = "a local cluster's DIR (--cluster and --dir are the same)"

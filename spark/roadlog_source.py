@@ -36,10 +36,10 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from node_daemon.transport import AUTH_KEY, auth_token
 from roadlog import columnar
-from roadlog.configfile import read_secret
 from roadlog.limits import PEER_MESSAGE_BYTES
+from roadlog.runtime.auth import cluster_token, token_metadata
+from roadlog.runtime.config import read_secret
 from roadlog.v1 import noderead_pb2, noderead_pb2_grpc
 
 SCHEMA = (
@@ -101,7 +101,7 @@ def credentials(options: dict[str, str]) -> str:
     secret_file = options.get("secret_file")
     if not secret_file:
         raise ValueError("the roadlog source needs option secret_file")
-    return auth_token(read_secret(Path(secret_file)), options.get("cluster_name", "roadlog"))
+    return cluster_token(read_secret(Path(secret_file)), options.get("cluster_name", "roadlog"))
 
 
 def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
@@ -126,7 +126,7 @@ def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
         try:
             with grpc.insecure_channel(n, options=GRPC_OPTIONS) as ch:
                 resp = noderead_pb2_grpc.NodeReadStub(ch).Plan(
-                    req, metadata=((AUTH_KEY, token),), timeout=30
+                    req, metadata=token_metadata(token), timeout=30
                 )
             break
         except grpc.RpcError as e:
@@ -213,7 +213,7 @@ def _stream(task: RangeTask, node: str, offset: int) -> Iterator[tuple[pa.Record
     lo, hi = task.window
     with grpc.insecure_channel(node, options=GRPC_OPTIONS) as ch:
         stream = noderead_pb2_grpc.NodeReadStub(ch).ReadRange(
-            req, metadata=((AUTH_KEY, task.token),), timeout=600
+            req, metadata=token_metadata(task.token), timeout=600
         )
         for b in stream:
             cols = columnar.decode(b.batch.SerializeToString())

@@ -37,8 +37,8 @@ def big_publish(topic: str, name: str, target_bytes: int) -> client_pb2.PublishR
     cols = PingColumns.from_columns(
         [f"{name}-{i:08d}".ljust(64, "x") for i in range(n)],
         ts,
-        48.1 + (np.arange(n) % 1000) * 1e-5,
-        11.5 + (np.arange(n) % 1000) * 1e-5,
+        (48.1 + (np.arange(n) % 1000) * 1e-5).astype(np.float64),
+        (11.5 + (np.arange(n) % 1000) * 1e-5).astype(np.float64),
     )
     batch = pings_pb2.PingBatch.FromString(encode(cols))
     return client_pb2.PublishRequest(topic=topic, batch=batch, client_id=name)
@@ -88,7 +88,9 @@ def test_32_concurrent_big_publishes_succeed_or_are_refused_never_unavailable(
         requests = [big_publish("munich", f"p{i:02d}", request_bytes) for i in range(32)]
         # Raw calls, no SDK retries: each code is what the server answered.
         channel = grpc.insecure_channel(lc.servers[0], options=grpc_options(CLIENT_MESSAGE_BYTES))
-        publish = channel.unary_unary("/roadlog.v1.Roadlog/Publish")
+        publish: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/roadlog.v1.Roadlog/Publish"
+        )
 
         fences: list[int] = []
 
@@ -118,7 +120,9 @@ def test_a_request_over_the_front_doors_limit_is_refused_clearly(
         options=[("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES * 2)],
     )
     with channel:
-        publish = channel.unary_unary("/roadlog.v1.Roadlog/Publish")
+        publish: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/roadlog.v1.Roadlog/Publish"
+        )
         with pytest.raises(grpc.RpcError) as e:
             publish(b"\x0a\x01m" + b"\x12" + b"\xff" * CLIENT_MESSAGE_BYTES, timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

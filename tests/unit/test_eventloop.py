@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from roadlog import eventloop
+from roadlog.runtime import eventloop
 
 pytestmark = pytest.mark.unit
 

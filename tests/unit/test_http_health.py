@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from roadlog.http_health import serve_metrics_and_health
+from roadlog.runtime.health import serve_metrics_and_health
 
 pytestmark = pytest.mark.unit
 

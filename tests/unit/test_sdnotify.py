@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.sdnotify import notify
+from roadlog.runtime.sdnotify import notify
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.transport import CHUNK, PeerTransport, auth_token, file_sha256
+from node_daemon.transport import CHUNK, PeerTransport, file_sha256
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 
 pytestmark = pytest.mark.unit
@@ -91,8 +91,3 @@ def test_a_corrupt_chunk_and_a_broken_stream_are_fetched_again(tmp_path: Path) -
     assert sender.requests[0] == 0 and all(r > 0 for r in sender.requests[1:])
     assert len(sender.requests) >= 3
     assert not list((tmp_path / "recv").glob("*.part"))
-
-
-def test_the_auth_token_depends_on_secret_and_cluster() -> None:
-    assert auth_token(b"a", "c1") != auth_token(b"b", "c1")
-    assert auth_token(b"a", "c1") != auth_token(b"a", "c2")

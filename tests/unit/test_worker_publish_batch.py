@@ -12,9 +12,9 @@ import pytest
 
 from node_daemon.state_machine import OpResult
 from node_daemon.worker import Executor
-from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.columnar import PingColumns, encode
 from roadlog.geo import bbox_region
+from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import client_pb2, pings_pb2, topics_pb2, work_pb2
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,5 @@
-"""Daemon configuration: a TOML file whose keys are also flags (flags win)."""
+"""Daemon configuration: a TOML file whose keys are also flags (flags win),
+the cluster secret, and the checks every daemon's config shares."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ class _Config(Protocol):
 
 
 C = TypeVar("C", bound=_Config)
+
+
+def check_address(addr: str, key: str) -> None:
+    """``addr`` is HOST:PORT with a port in 1..65535, else ConfigError naming ``key``."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}: {addr!r} is not HOST:PORT")
 
 
 def read_secret(path: Path | None) -> bytes:
