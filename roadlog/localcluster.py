@@ -24,7 +24,8 @@ from typing import Any
 
 import grpc
 
-from roadlog.v1 import admin_pb2_grpc, client_pb2, client_pb2_grpc
+from roadlog.status import DOWN, ask_node
+from roadlog.v1 import client_pb2, client_pb2_grpc
 
 
 def free_port() -> int:
@@ -316,28 +317,6 @@ def wait_dead(pid: int, timeout: float) -> bool:
     return not alive(pid)
 
 
-def node_view(address: str, timeout: float) -> dict[str, Any] | None:
-    """A node's own status, and (under "members") the addresses of the
-    other members it knows."""
-    try:
-        with grpc.insecure_channel(address) as ch:
-            st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=timeout)
-    except grpc.RpcError:
-        return None
-    n = st.nodes[0]
-    return {
-        "members": {o.id: o.address for o in st.nodes[1:] if o.address},
-        "id": n.id,
-        "address": n.address,
-        "role": n.role,
-        "term": n.term,
-        "commit_index": n.commit_index,
-        "applied_index": n.applied_index,
-        "leader": n.leader,
-        "ready": n.ready,
-    }
-
-
 def gather_status(
     servers: list[str],
     node_addresses: list[str],
@@ -375,7 +354,7 @@ def gather_status(
         if addr in asked:
             continue
         asked.add(addr)
-        view = node_view(addr, timeout)
+        view = ask_node(addr, timeout)
         if view is not None:
             for nid, a in view.pop("members").items():  # found through this node
                 if a not in asked and a not in todo:
@@ -385,14 +364,14 @@ def gather_status(
         else:
             for k, v in known.items():
                 if v["address"] == addr and "role" not in v:
-                    known[k] = {**v, "role": "down", "ready": False}
+                    known[k] = {**v, "role": DOWN, "ready": False}
             if not any(v["address"] == addr for v in known.values()):
                 nid = (ids or {}).get(addr, 0)
                 key = nid or -len(known) - 1
-                known[key] = {"id": nid, "address": addr, "role": "down", "ready": False}
+                known[key] = {"id": nid, "address": addr, "role": DOWN, "ready": False}
     nodes = sorted(known.values(), key=lambda v: (v["id"] == 0, v["id"]))
     for n in nodes:
-        n.setdefault("role", "down")
+        n.setdefault("role", DOWN)
         n.setdefault("term", 0)
         n.setdefault("commit_index", 0)
         n.setdefault("applied_index", 0)

@@ -1,0 +1,41 @@
+"""The one builder of this node's status: Admin.Status, /readyz and the
+logs all show what ``node_status`` says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from node_daemon.node import RaftNode
+from roadlog.status import role_name
+from roadlog.v1 import client_pb2
+
+
+def node_status(node: RaftNode) -> client_pb2.NodeStatus:
+    core = node.core
+    return client_pb2.NodeStatus(
+        id=node.id,
+        address=node.cfg.address,
+        role=role_name(core.role.name),
+        term=core.term,
+        commit_index=core.log.committed,
+        applied_index=node.sm.applied_index,
+        leader=core.lead,
+        ready=node.ready,
+        voters=sorted(core.conf.voters),
+        learners=sorted(core.conf.learners),
+    )
+
+
+def node_readiness(node: RaftNode, member: bool) -> tuple[bool, dict[str, Any]]:
+    """/readyz: ready once the node knows a leader and is a member; the
+    detail is its status (``node_id`` names it, as operators' tools expect)."""
+    ns = node_status(node)
+    return ns.ready and member, {
+        "node_id": ns.id,
+        "role": ns.role,
+        "term": ns.term,
+        "leader": ns.leader,
+        "commit_index": ns.commit_index,
+        "applied_index": ns.applied_index,
+        "member": member,
+    }

@@ -1,0 +1,49 @@
+"""A node's status as every tool and endpoint shows it: one spelling of the
+Raft roles, one JSON view of a ``NodeStatus``, and one way to ask a node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from roadlog.v1 import admin_pb2_grpc, client_pb2
+
+ROLES = ("follower", "pre-candidate", "candidate", "leader")
+DOWN = "down"  # what tools show for a node that did not answer
+
+
+def role_name(enum_name: str) -> str:
+    """The one spelling of a role ("PRE_CANDIDATE" -> "pre-candidate")."""
+    name = enum_name.lower().replace("_", "-")
+    if name not in ROLES:
+        raise ValueError(f"not a Raft role: {enum_name!r}")
+    return name
+
+
+def node_json(ns: client_pb2.NodeStatus) -> dict[str, Any]:
+    """The JSON view of one node's status (CLI, HTTP /v1/cluster, tools)."""
+    return {
+        "id": ns.id,
+        "address": ns.address,
+        "role": ns.role,
+        "term": ns.term,
+        "commit_index": ns.commit_index,
+        "applied_index": ns.applied_index,
+        "leader": ns.leader,
+        "ready": ns.ready,
+    }
+
+
+def ask_node(address: str, timeout: float) -> dict[str, Any] | None:
+    """A node's own status (``node_json``), and under "members" the
+    addresses of the other members it knows; None if it does not answer."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return None
+    return {
+        "members": {o.id: o.address for o in st.nodes[1:] if o.address},
+        **node_json(st.nodes[0]),
+    }

@@ -1,0 +1,35 @@
+"""One spelling of the Raft roles and one JSON view of a node's status."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_daemon.raft import Role
+from roadlog.status import ROLES, node_json, role_name
+from roadlog.v1 import client_pb2
+
+pytestmark = pytest.mark.unit
+
+
+def test_every_role_of_the_core_has_its_one_spelling() -> None:
+    assert [role_name(r.name) for r in Role] == list(ROLES)
+    assert role_name("PRE_CANDIDATE") == "pre-candidate"
+    with pytest.raises(ValueError, match="not a Raft role"):
+        role_name("LEARNER")
+
+
+def test_the_json_view_carries_every_field_tools_read() -> None:
+    ns = client_pb2.NodeStatus(
+        id=2, address="h:1", role="leader", term=4, commit_index=9, applied_index=8, leader=2
+    )
+    ns.ready = True
+    assert node_json(ns) == {
+        "id": 2,
+        "address": "h:1",
+        "role": "leader",
+        "term": 4,
+        "commit_index": 9,
+        "applied_index": 8,
+        "leader": 2,
+        "ready": True,
+    }
