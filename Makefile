@@ -18,6 +18,7 @@ proto: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: setup
 	$(PY) -m mypy
@@ -61,7 +62,8 @@ demo:
 
 lock: setup
 	$(PY) -m pip install -q --disable-pip-version-check uv
-	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra ops --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
+	$(VENV)/bin/uv pip compile pyproject.toml --extra node --extra spark --extra dev --extra ops --extra bench --python-version 3.11 --generate-hashes -o requirements.lock
+	$(VENV)/bin/uv pip compile pyproject.toml requirements-host.in --extra node --extra spark -c requirements.lock --python-version 3.11 --generate-hashes -o requirements-host.lock
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
