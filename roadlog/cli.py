@@ -714,7 +714,12 @@ def heatmap_build(
 ) -> None:
     """Run the Spark job for one window: the heat map is committed into the
     cluster and written as Parquet, GeoJSON, PNG and HTML under --out."""
-    from spark.jobs.heatmap import AlreadyRunning, lock, run
+    try:
+        from spark.jobs.heatmap import AlreadyRunning, lock, run
+    except ImportError as e:
+        raise click.ClickException(
+            f"heatmap build runs Spark: install roadlog[spark] ({e})"
+        ) from None
 
     start, end = _window(window, since)
     qs = _servers(cluster, servers)
