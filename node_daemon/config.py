@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from roadlog.runtime import config as configfile
-from roadlog.runtime.config import ConfigError, check_address
+from roadlog.runtime.config import ConfigError, check_address, key
 
 __all__ = ["ConfigError", "NodeConfig", "check_address", "load_config", "parse_peers"]
 
@@ -36,41 +36,51 @@ def parse_peers(value: Any) -> dict[int, str]:
 
 @dataclass
 class NodeConfig:
-    node_id: int = 0
-    cluster_name: str = "roadlog"
-    data_dir: Path = Path("/var/lib/roadlog")
-    listen: str = "0.0.0.0:7400"
-    advertise_address: str = ""
-    peers: dict[int, str] = field(default_factory=dict)
-    secret_file: Path | None = None
-    metrics_port: int = 9400
-    queue_servers: list[str] = field(default_factory=list)
-    tick_ms: int = 20
+    """Every key of a node's TOML file, each also a flag of ``roadlog-node run``."""
+
+    node_id: int = key(0, "this node's id (with peers; with discovery it is made once)")
+    cluster_name: str = key("roadlog", "the cluster's name (nodes of other names are refused)")
+    data_dir: Path = key(Path("/var/lib/roadlog"), "where the LMDB log, state and snapshots live")
+    listen: str = key("0.0.0.0:7400", "HOST:PORT for peers, admin and health")
+    advertise_address: str = key("", "HOST:PORT others reach this node at (default: listen)")
+    peers: dict[int, str] = key(
+        help="ID=HOST:PORT,... (every voter of a new cluster, this node too)", factory=dict
+    )
+    secret_file: Path | None = key(None, "the file holding the shared cluster secret")
+    metrics_port: int = key(9400, "port of Prometheus /metrics, /healthz and /readyz")
+    queue_servers: list[str] = key(
+        help="HOST:PORT,... of the queue servers to pull work from", factory=list
+    )
+    tick_ms: int = key(20, "one Raft tick, in milliseconds (10..10000)")
     # Heartbeat every 5 ticks (100 ms); election timeout randomized over
     # [25, 50) ticks (500-1000 ms): fine-grained, so that two followers of a
     # dead leader rarely time out in the same tick and split the vote.
-    election_ticks: int = 25
-    heartbeat_ticks: int = 5
-    snapshot_entries: int = 20_000  # compact the log this far behind the applied index
-    # ... or once the applied part of the log holds this many bytes (a log
-    # of big ping batches reaches it long before snapshot_entries). A state
-    # bigger than this is snapshotted only once the log is half its size.
-    snapshot_bytes: int = 256 << 20
-    max_ops_per_entry: int = 256  # server-side batching of writes into one entry
-    # Merge publishes that arrive while the leader persists into one append
-    # op per topic (server-side group commit). Off: one op per publish.
-    merge_publishes: bool = True
+    election_ticks: int = key(25, "election timeout in ticks (randomized up to twice this)")
+    heartbeat_ticks: int = key(5, "ticks between a leader's heartbeats")
+    snapshot_entries: int = key(20_000, "snapshot and compact the log this far behind applied")
+    # A log of big ping batches reaches snapshot_bytes long before
+    # snapshot_entries. A state bigger than this is snapshotted only once
+    # the log is half its size.
+    snapshot_bytes: int = key(256 << 20, "... or once the applied log holds this many bytes")
+    max_ops_per_entry: int = key(256, "ops packed into one Raft entry, at most")
+    merge_publishes: bool = key(
+        True, "server-side group commit: merge publishes that arrive together (default on)"
+    )
     # Discovery (UDP HELLOs; see discovery/). With discovery, `peers` and
     # `node_id` may be left out: the node makes an id once, keeps it in its
     # data dir, and founds or joins a cluster by what it hears.
-    discovery_port: int = 7499  # 0: no discovery
-    discovery_broadcast: str = "255.255.255.255"  # "": seeds only (no broadcast)
-    discovery_seeds: list[str] = field(default_factory=list)  # HOST:PORT, unicast HELLOs
-    bootstrap_expect: int = 0  # found a new cluster once this many nodes agree
-    voters: int = 0  # voters to keep (learners beyond are standbys); 0: bootstrap_expect or 3
-    dead_voter_timeout_s: int = 30  # a silent voter is replaced by a caught-up learner
-    trim_interval_s: int = 60  # how often the leader applies retention through the log
-    log_level: str = "info"
+    discovery_port: int = key(7499, "UDP port of discovery HELLOs (0: none)")
+    discovery_broadcast: str = key(
+        "255.255.255.255", "where HELLOs are broadcast ('' for seeds only)"
+    )
+    discovery_seeds: list[str] = key(
+        help="HOST:PORT,... to send HELLOs to by unicast", factory=list
+    )
+    bootstrap_expect: int = key(0, "found a new cluster of this many nodes (0..15)")
+    voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
+    dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
+    trim_interval_s: int = key(60, "how often the leader applies retention through the log")
+    log_level: str = key("info", "debug, info, warning or error")
 
     def validate(self) -> None:
         if self.node_id < 0 or (self.node_id == 0 and self.peers):

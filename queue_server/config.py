@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from roadlog.runtime import config as configfile
-from roadlog.runtime.config import ConfigError, check_address
+from roadlog.runtime.config import ConfigError, check_address, key
 
 
 @dataclass
 class QueueConfig:
-    cluster_name: str = "roadlog"
-    listen: str = "0.0.0.0:7500"
-    advertise_address: str = ""
-    http_listen: str = ""  # HOST:PORT of the HTTP/JSON API; empty: none
-    secret_file: Path | None = None
-    metrics_port: int = 9500
-    max_writes: int = 10_000  # queued write requests before RESOURCE_EXHAUSTED
-    max_reads: int = 10_000
-    default_timeout_ms: int = 30_000  # for clients that set no deadline
+    """Every key of a queue server's TOML file, each also a flag of ``roadlog-queue run``."""
+
+    cluster_name: str = key("roadlog", "the cluster's name")
+    listen: str = key("0.0.0.0:7500", "HOST:PORT of the gRPC API (clients and nodes)")
+    advertise_address: str = key("", "HOST:PORT clients and nodes reach it at (default: listen)")
+    http_listen: str = key("", "HOST:PORT of the HTTP/JSON API (empty: none)")
+    secret_file: Path | None = key(None, "the file holding the shared cluster secret")
+    metrics_port: int = key(9500, "port of Prometheus /metrics, /healthz and /readyz")
+    max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
+    max_reads: int = key(10_000, "queued read requests before RESOURCE_EXHAUSTED")
+    default_timeout_ms: int = key(30_000, "deadline for clients that set none, in ms")
     # Announce this queue server to the nodes by discovery HELLOs (so they
-    # pull from it without a list). 0: no announcements.
-    discovery_port: int = 7499
-    discovery_broadcast: str = "255.255.255.255"
-    discovery_seeds: list[str] = field(default_factory=list)
-    log_level: str = "info"
+    # pull from it without a list).
+    discovery_port: int = key(7499, "announce to nodes on this UDP port (0: no)")
+    discovery_broadcast: str = key("255.255.255.255", "where announcements are broadcast")
+    discovery_seeds: list[str] = key(help="HOST:PORT,... to announce to by unicast", factory=list)
+    log_level: str = key("info", "debug, info, warning or error")
 
     @property
     def address(self) -> str:

@@ -8,10 +8,10 @@ from typing import Any
 
 import click
 
-from queue_server.config import load_queue_config
+from queue_server.config import QueueConfig, load_queue_config
 from queue_server.server import serve
 from roadlog.runtime import eventloop
-from roadlog.runtime.config import ConfigError
+from roadlog.runtime.config import ConfigError, config_flags
 from roadlog.runtime.logs import setup_logging
 
 
@@ -22,19 +22,7 @@ def cli() -> None:
 
 @cli.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML file")
-@click.option("--cluster-name")
-@click.option("--listen", help="HOST:PORT of the gRPC API (clients and nodes)")
-@click.option("--advertise-address")
-@click.option("--http-listen", help="HOST:PORT of the HTTP/JSON API")
-@click.option("--secret-file", type=click.Path(path_type=Path))
-@click.option("--metrics-port", type=int)
-@click.option("--max-writes", type=int)
-@click.option("--max-reads", type=int)
-@click.option("--default-timeout-ms", type=int)
-@click.option("--discovery-port", type=int, help="announce to nodes on this UDP port (0: no)")
-@click.option("--discovery-broadcast", help="where announcements are broadcast")
-@click.option("--discovery-seeds", help="HOST:PORT,... to announce to by unicast")
-@click.option("--log-level")
+@config_flags(QueueConfig)
 def run(config_path: Path | None, **flags: Any) -> None:
     """Run a queue server until SIGTERM."""
     try:

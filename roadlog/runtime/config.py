@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import MISSING, Field, field, fields
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, get_type_hints
+
+import click
 
 
 class ConfigError(ValueError):
@@ -19,6 +21,46 @@ class _Config(Protocol):
 
 
 C = TypeVar("C", bound=_Config)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def key(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
+    """A config key, declared once: its default and what it means. The
+    TOML key, the ``--flag`` (``config_flags``) and the docs come from it."""
+    if not help:
+        raise ValueError("every config key says what it means")
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def keys(cls: type) -> list[Field[Any]]:
+    """The config keys of a config dataclass, in declaration order."""
+    return list(fields(cls))
+
+
+def config_flags(cls: type) -> Callable[[F], F]:
+    """A ``--flag`` for every key of ``cls`` (``node_id`` -> ``--node-id``),
+    with its help; a flag left out is None, so the file's value stands."""
+    hints = get_type_hints(cls)
+
+    def decorate(fn: F) -> F:
+        for f in reversed(keys(cls)):
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            kw: dict[str, Any] = {"help": f.metadata["help"], "default": None}
+            if kind is bool:
+                decl = [f"{flag}/--no-{flag[2:]}"]
+            elif kind is int:
+                decl, kw["type"] = [flag], int
+            elif kind in (Path, Path | None):
+                decl, kw["type"] = [flag], click.Path(path_type=Path)
+            else:  # str, and lists and tables given as text ("a,b")
+                decl = [flag]
+            fn = click.option(*decl, f.name, **kw)(fn)
+        return fn
+
+    return decorate
 
 
 def check_address(addr: str, key: str) -> None:
