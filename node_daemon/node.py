@@ -1,13 +1,16 @@
 """RaftNode: the Raft core driven by asyncio, with LMDB off the event loop.
 
 One driver task owns the core. Everything else (peer messages, proposals,
-timer ticks, admin requests) reaches it as a callable in the inbox. Each
-round the driver takes a Ready and does the etcd-io/raft order: send what
-may go early, persist (one LMDB transaction, one fsync, in the log's
-thread), send the rest, apply (in the state machine's thread), advance.
-While a write is in flight the driver keeps stepping the core with what
-arrives, and proposals that arrive pile up into the next Ready: group commit
-comes from that, one fsync for all of them.
+timer ticks, admin requests) reaches it as a callable in the inbox. The
+Ready loop itself (send what may go early, persist, send the rest, apply,
+advance; apply committed entries already on disk while a write runs) is
+``raft.driver.ReadyDriver``, shared with the simulation and the unit tests;
+this module gives it its I/O: one LMDB transaction and one fsync per Ready
+in the log's thread, applies inline or in the state machine's thread, the
+peer transport. Completions come back as ``write_done``/``apply_done`` on
+the event loop. While a write is in flight the driver task keeps stepping
+the core with what arrives, and proposals that arrive pile up into the next
+Ready: group commit comes from that, one fsync for all of them.
 
 Writes are batched on the way in too: publish operations that arrive
 together are packed into one entry (at most ``max_ops_per_entry`` ops and
@@ -32,12 +35,15 @@ from typing import Any
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.raft import (
+    ApplyJob,
     ConfChange,
     Config,
     Entry,
+    LogWrite,
     ProposalDropped,
     RaftCore,
     Ready,
+    ReadyDriver,
     Role,
     Snapshot,
     bootstrap,
@@ -160,7 +166,20 @@ class RaftNode:
         # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
         # a failed snapshot, SNAPSHOT_RETRY_S); asking for one skips the wait.
         self._snapshot_next_check = 0.0
-        self._resolved_early = False
+        self._failure: BaseException | None = None  # of a write or an apply: fatal
+        self._notified_applied = self.sm.applied_index
+        self._loop: asyncio.AbstractEventLoop
+        # The one Ready loop (persist, send, apply, advance); this class gives
+        # it its I/O: LMDB writes on the log's thread, applies inline or on the
+        # apply thread, the peer transport, and the clock that times writes.
+        self.driver = ReadyDriver(
+            self.core,
+            write_log=self._write_log,
+            apply=self._apply_job,
+            send=self.transport.send,
+            clock=time.perf_counter,
+            on_ready_done=self._ready_done,
+        )
         self.state_listeners: list[Callable[[], None]] = []
         self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
         self._last_soft = (0, Role.FOLLOWER, 0)
@@ -283,11 +302,12 @@ class RaftNode:
     # ----------------------------------------------------------------- driver
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._ticker()), loop.create_task(self._drive())]
 
     async def stop(self) -> None:
         self._stopping = True
+        self.driver.stop()
         self._wakeup.set()
         for t in self._tasks:
             t.cancel()
@@ -360,144 +380,93 @@ class RaftNode:
 
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
+        driver = self.driver
         while not self._stopping:
             await self._wakeup.wait()
             self._wakeup.clear()
             self._drain()
-            while self.core.has_ready():
-                rd = self.core.ready()
-                await self._handle(rd, loop)
-                self._drain()
-            self._observe()
-            await self._snapshots(loop)
-
-    async def _handle(self, rd: Ready, loop: asyncio.AbstractEventLoop) -> None:
-        early, late = rd.split_messages()
-        self.transport.send(early)
-        # Committed entries already on this node's disk are applied while the
-        # write runs; the rest (in this very write) after it.
-        now_apply: list[Entry] = []
-        if rd.snapshot is None and rd.committed_entries:
-            stable = self.log_store.last_index()
-            if rd.entries:
-                stable = min(stable, rd.entries[0].index - 1)
-            now_apply = [e for e in rd.committed_entries if e.index <= stable]
-        later_apply = rd.committed_entries[len(now_apply) :]
-        applying: asyncio.Future[list[list[OpResult]]] | None = None
-        if now_apply:
-            applying = self._apply(loop, now_apply)
-        t0 = time.perf_counter()
-        write: asyncio.Future[None]
-        if self.log_store.writes(rd.entries, rd.snapshot, rd.must_sync):
-            write = loop.run_in_executor(
-                self._log_io,
-                self.log_store.save,
-                rd.hard_state,
-                rd.entries,
-                rd.snapshot,
-                rd.must_sync,
-            )
-        else:  # nothing to write: no thread hop
-            self.log_store.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
-            write = loop.create_future()
-            write.set_result(None)
-        # Keep stepping the core while the write runs (never a new Ready):
-        # new proposals and the leader's appends go out, and entries that
-        # become committed and are already on disk are applied and answered,
-        # so one write in flight does not hold up the next round.
-        core = self.core
-        mid: tuple[list[Entry], asyncio.Future[list[list[OpResult]]]] | None = None
-        while not write.done():
-            self._wakeup.clear()
-            if self._inbox:
-                while self._inbox:
-                    self._inbox.popleft()(core)
-                continue
-            if self._ops:
-                self._propose_ops()
-            early_now = core.take_early_messages()
-            if early_now:
-                self.transport.send(early_now)
-            if applying is not None and applying.done() and not self._resolved_early:
-                self._resolved_early = True
-                self._resolve(now_apply, applying.result())
-                core.applied_to(now_apply[-1].index)
+            driver.pump()
+            if self._failure is not None:
+                raise self._failure  # a failed write or apply: the node cannot go on safely
+            if self.sm.applied_index != self._notified_applied:
+                self._notified_applied = self.sm.applied_index
                 async with self._applied:
                     self._applied.notify_all()
-            if mid is not None and mid[1].done():
-                await self._resolve_applied(mid)
-                mid = None
-            if mid is None and rd.snapshot is None and (applying is None or self._resolved_early):
-                ents = core.take_committed()
-                if ents:
-                    mid = (ents, self._apply(loop, ents))
-                    continue
-            waiter: asyncio.Future[Any] = loop.create_task(self._wakeup.wait())
-            watch: set[asyncio.Future[Any]] = {write, waiter}
-            if applying is not None and not self._resolved_early:
-                watch.add(applying)
-            if mid is not None:
-                watch.add(mid[1])
-            await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-        if self._ops or self._inbox:
-            self._wakeup.set()
-        if mid is not None:
-            await self._resolve_applied(mid)
-        await write  # raises StorageError: the node cannot go on safely
-        if rd.must_sync:
-            metrics.FSYNC_SECONDS.observe(time.perf_counter() - t0)
+            if driver.idle:
+                self._observe()
+                await self._snapshots(loop)
+
+    # The driver's I/O: the log's thread, the state machine (inline or on the
+    # apply thread), the transport. Completions come back on the event loop.
+
+    def _write_log(self, w: LogWrite) -> bool:
+        if not self.log_store.writes(w.entries, w.snapshot, w.sync):
+            # Only the commit index moved: nothing touches the disk, no thread hop.
+            self.log_store.save(w.hard_state, w.entries, w.snapshot, w.sync)
+            return True
+        fut = self._loop.run_in_executor(
+            self._log_io, self.log_store.save, w.hard_state, w.entries, w.snapshot, w.sync
+        )
+        fut.add_done_callback(lambda f: self._completed(f, lambda _: self.driver.write_done(w)))
+        return False
+
+    def _apply_job(self, job: ApplyJob) -> bool:
+        """Install a snapshot (on the apply thread, once a snapshot being
+        taken is done), or apply committed entries: small ones right here
+        (LMDB without fsync takes less than a thread hop), big ones on the
+        apply thread. The driver hands out one job at a time."""
+        loop = self._loop
+        if job.snapshot is not None:
+            task = loop.create_task(self._install_snapshot(job.snapshot))
+            task.add_done_callback(
+                lambda t: self._completed(t, lambda _: self.driver.apply_done(job))
+            )
+            return False
+        entries = job.entries
+        if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
+            self._resolve(entries, self.sm.apply(entries))
+            return True
+
+        def applied(results: list[list[OpResult]]) -> None:
+            self._resolve(entries, results)
+            self.driver.apply_done(job)
+
+        fut = loop.run_in_executor(self._apply_io, self.sm.apply, entries)
+        fut.add_done_callback(lambda f: self._completed(f, applied))
+        return False
+
+    def _completed(self, fut: asyncio.Future[Any], report: Callable[[Any], None]) -> None:
+        """A write or an apply finished: report it to the driver (or keep
+        its error for the driver task to raise), and wake the driver task."""
+        if self._stopping:
+            return
+        if fut.cancelled():
+            self._failure = asyncio.CancelledError()
+        elif (exc := fut.exception()) is not None:
+            self._failure = exc
+        else:
+            report(fut.result())
+        self._wakeup.set()
+
+    async def _install_snapshot(self, snap: Snapshot) -> None:
+        await self._snapshot_done()  # its thread reads the state being replaced
+        await self._loop.run_in_executor(
+            self._apply_io, self.sm.install_snapshot, snap.data.decode()
+        )
+        metrics.SNAPSHOT_INDEX.set(snap.meta.index)
+        log.info("installed snapshot", extra={"index": snap.meta.index})
+
+    def _ready_done(self, rd: Ready, w: LogWrite) -> None:
+        if w.sync:
+            metrics.FSYNC_SECONDS.observe(w.seconds)
         if rd.entries:
             metrics.APPENDED_ENTRIES.inc(len(rd.entries))
-        self.transport.send(late)
-        if rd.snapshot is not None:
-            await self._snapshot_done()  # its thread reads the state being replaced
-            await loop.run_in_executor(
-                self._apply_io, self.sm.install_snapshot, rd.snapshot.data.decode()
-            )
-            metrics.SNAPSHOT_INDEX.set(rd.snapshot.meta.index)
-            log.info("installed snapshot", extra={"index": rd.snapshot.meta.index})
-        if applying is not None and not self._resolved_early:
-            self._resolve(now_apply, await applying)
-        self._resolved_early = False
-        if later_apply:
-            results = await self._apply(loop, later_apply)
-            self._resolve(later_apply, results)
-        if rd.snapshot is not None or rd.committed_entries:
-            async with self._applied:
-                self._applied.notify_all()
         for rs in rd.read_states:
             fut = self._reads.get(rs.context)
             if fut is not None and not fut.done():
                 fut.set_result(rs.index)
         if rd.soft_state is not None:
             self._on_soft_state()
-        self.core.advance(rd)
-
-    def _apply(
-        self, loop: asyncio.AbstractEventLoop, entries: list[Entry]
-    ) -> asyncio.Future[list[list[OpResult]]]:
-        """Apply committed entries: small ones right here (LMDB without
-        fsync takes less than a thread hop), big ones on the apply thread.
-        Either way one at a time: the driver awaits each before the next."""
-        if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
-            fut: asyncio.Future[list[list[OpResult]]] = loop.create_future()
-            try:
-                fut.set_result(self.sm.apply(entries))
-            except Exception as e:
-                fut.set_exception(e)
-            return fut
-        return loop.run_in_executor(self._apply_io, self.sm.apply, entries)
-
-    async def _resolve_applied(
-        self, applied: tuple[list[Entry], asyncio.Future[list[list[OpResult]]]]
-    ) -> None:
-        """Answer entries applied between Readys and tell the core."""
-        entries, fut = applied
-        self._resolve(entries, await fut)
-        self.core.applied_to(entries[-1].index)
-        async with self._applied:
-            self._applied.notify_all()
 
     def _resolve(self, entries: list[Entry], results: list[list[OpResult]]) -> None:
         for e, res in zip(entries, results, strict=True):

@@ -1,11 +1,13 @@
 """A sans-I/O Raft core in the manner of etcd-io/raft.
 
 Drive it with ``tick()``, ``step(message)``, ``propose(data)``; collect work
-with ``ready()``; persist, send, apply; then ``advance(ready)``.
+with ``ready()``; persist, send, apply; then ``advance(ready)``. That loop is
+``ReadyDriver`` (``driver``), with the I/O injected.
 """
 
 from node_daemon.raft.bootstrap import bootstrap
 from node_daemon.raft.core import Config, RaftCore
+from node_daemon.raft.driver import ApplyJob, LogWrite, ReadyDriver
 from node_daemon.raft.errors import (
     CompactedError,
     ProposalDropped,
@@ -35,6 +37,7 @@ from node_daemon.raft.types import (
 
 __all__ = [
     "NONE",
+    "ApplyJob",
     "CompactedError",
     "ConfChange",
     "ConfChangeType",
@@ -44,6 +47,7 @@ __all__ = [
     "EntryType",
     "HardState",
     "LogStorage",
+    "LogWrite",
     "MemoryStorage",
     "Message",
     "MessageType",
@@ -52,6 +56,7 @@ __all__ = [
     "RaftError",
     "ReadState",
     "Ready",
+    "ReadyDriver",
     "Role",
     "Snapshot",
     "SnapshotMeta",

@@ -1,6 +1,8 @@
 """A deterministic Raft cluster simulator: one seed drives everything.
 
-N RaftCores in one process over a simulated network that drops, duplicates,
+N RaftCores in one process, each driven by the node daemon's own Ready loop
+(``ReadyDriver``: early sends, writes that complete later, applies while a
+write is in flight), over a simulated network that drops, duplicates,
 delays (so reorders) and partitions messages; nodes crash and restart from
 their storage (what the core held in memory is lost); membership changes,
 log compactions, snapshot installs, leadership transfers and ReadIndex reads
@@ -23,18 +25,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_daemon.raft import (
+    ApplyJob,
     ConfChange,
     ConfChangeType,
     Config,
     Entry,
     EntryType,
     LogStorage,
+    LogWrite,
     MemoryStorage,
     Message,
     MessageType,
     ProposalDropped,
     RaftCore,
     Ready,
+    ReadyDriver,
     Role,
     Snapshot,
     bootstrap,
@@ -156,6 +161,11 @@ class Options:
 
 
 class SimNode:
+    """One node: its storage and state machine (which survive a crash), and
+    while it is up a RaftCore driven by the node daemon's ReadyDriver, whose
+    I/O is simulated here: writes complete after ``write_delay`` (an event
+    of their own), applies at once, sends go to the simulated network."""
+
     def __init__(self, sim: Simulation, node_id: int, storage_dir: Path | None) -> None:
         self.sim = sim
         self.id = node_id
@@ -163,7 +173,8 @@ class SimNode:
         self.storage: LogStorage = self._open_storage()
         self.sm = StateMachine()
         self.core: RaftCore | None = None
-        self.pending: tuple[Ready, list[Message]] | None = None  # a write in flight
+        self.driver: ReadyDriver | None = None
+        self.pending: LogWrite | None = None  # a write in flight
         self.restarts = 0
 
     def _open_storage(self) -> LogStorage:
@@ -190,10 +201,23 @@ class SimNode:
         )
         rng = random.Random(self.sim.seed * 7919 + self.id * 104729 + self.restarts)
         self.core = RaftCore(cfg, self.storage, rng)
+        self.driver = ReadyDriver(
+            self.core,
+            write_log=self._write_log,
+            apply=self._apply,
+            send=self._send,
+            clock=lambda: float(self.sim.now),
+            on_ready_done=self._ready_done,
+            early_send=opts.early_send,
+            work_during_write=opts.mid_write,
+        )
 
     def crash(self) -> None:
         """Lose everything in memory; the storage keeps what it persisted."""
+        if self.driver is not None:
+            self.driver.stop()
         self.core = None
+        self.driver = None
         self.pending = None
         self.restarts += 1
         if isinstance(self.storage, LmdbLogStorage):
@@ -205,47 +229,53 @@ class SimNode:
             self.storage.close()
 
     def process(self) -> None:
-        """Handle Readys until there are none or a write is in flight.
+        """Let the driver do what it can: Readys until there are none or a
+        write is in flight; while one is (``mid_write``), what the core lets
+        go before it is durable."""
+        if self.driver is not None:
+            self.driver.pump()
 
-        With ``write_delay`` the write of a Ready completes later (an event
-        of its own), and the core keeps taking messages and ticks meanwhile,
-        as the node daemon's does; no new Ready is taken until it is done."""
-        core = self.core
-        if core is not None and self.pending is not None and self.sim.opts.mid_write:
-            self._between_readys(core)
-        while core is not None and self.pending is None and core.has_ready():
-            rd = core.ready()
-            if self.sim.opts.early_send:
-                early, late = rd.split_messages()
-            else:
-                early, late = [], rd.messages
-            for m in early:
-                self.sim.net.send(m)
-            if self._crash_point():
-                return  # before the write: it is lost
-            if self.sim.opts.write_delay:
-                self.pending = (rd, late)
-                self.sim.net.schedule_write(self)
-                return
-            if not self._finish(core, rd, late):
-                return
+    # -- the driver's I/O ------------------------------------------------------
 
-    def _between_readys(self, core: RaftCore) -> None:
-        """What the core lets go while the write of a Ready is in flight."""
-        for m in core.take_early_messages():
+    def _send(self, msgs: list[Message]) -> None:
+        for m in msgs:
             self.sim.net.send(m)
-        ents = core.take_committed()
-        for e in ents:
-            self.sm.apply(e)
-            self.sim.checker.on_apply(self, e)
-        if ents:
-            core.applied_to(ents[-1].index)
+
+    def _write_log(self, w: LogWrite) -> bool:
+        if self._crash_point():
+            return False  # before the write: it is lost
+        if self.sim.opts.write_delay:
+            self.pending = w
+            self.sim.net.schedule_write(self)
+            return False
+        return self._persist(w)
 
     def complete_write(self) -> None:
-        assert self.pending is not None and self.core is not None
-        (rd, late), self.pending = self.pending, None
-        if self._finish(self.core, rd, late):
-            self.process()
+        assert self.pending is not None and self.driver is not None
+        w, self.pending = self.pending, None
+        if self._persist(w):
+            self.driver.write_done(w)
+            self.driver.pump()
+
+    def _persist(self, w: LogWrite) -> bool:
+        """The write lands; False when the node crashes right after it."""
+        self.storage.save(w.hard_state, w.entries, w.snapshot, sync=w.sync)
+        self.sim.checker.on_persist(self, w.entries)
+        return not self._crash_point()  # written, but nothing else happened
+
+    def _apply(self, job: ApplyJob) -> bool:
+        check = self.sim.checker
+        if job.snapshot is not None:
+            self.sm.restore(job.snapshot.data)
+            check.on_snapshot_installed(self, job.snapshot)
+        for e in job.entries:
+            self.sm.apply(e)
+            check.on_apply(self, e)
+        return True
+
+    def _ready_done(self, rd: Ready, w: LogWrite) -> None:
+        for rs in rd.read_states:
+            self.sim.checker.on_read_state(self, rs.index, rs.context)
 
     def _crash_point(self) -> bool:
         sim = self.sim
@@ -253,26 +283,6 @@ class SimNode:
             sim.crash(self)
             return True
         return False
-
-    def _finish(self, core: RaftCore, rd: Ready, late: list[Message]) -> bool:
-        """The write of ``rd`` is done: send the rest, apply, advance."""
-        self.storage.save(rd.hard_state, rd.entries, rd.snapshot, sync=rd.must_sync)
-        check = self.sim.checker
-        check.on_persist(self, rd)
-        if self._crash_point():
-            return False  # written, but nothing else happened
-        for m in late:
-            self.sim.net.send(m)
-        if rd.snapshot is not None:
-            self.sm.restore(rd.snapshot.data)
-            check.on_snapshot_installed(self, rd.snapshot)
-        for e in rd.committed_entries:
-            self.sm.apply(e)
-            check.on_apply(self, e)
-        for rs in rd.read_states:
-            check.on_read_state(self, rs.index, rs.context)
-        core.advance(rd)
-        return True
 
 
 # ---------------------------------------------------------------------- network
@@ -380,10 +390,10 @@ class Checker:
     def fail(self, what: str) -> None:
         raise Violation(f"seed {self.sim.seed} at t={self.sim.now}: {what}")
 
-    def on_persist(self, node: SimNode, rd: Ready) -> None:
+    def on_persist(self, node: SimNode, entries: list[Entry]) -> None:
         """Log matching: one (index, term) names one entry and one history."""
         st = node.storage
-        for e in rd.entries:
+        for e in entries:
             if e.index < st.first_index():
                 continue
             try:

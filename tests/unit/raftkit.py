@@ -1,18 +1,26 @@
-"""Helpers to drive RaftCores by hand in unit tests (no I/O, no clock)."""
+"""Helpers to drive RaftCores by hand in unit tests (no I/O, no clock).
+
+The Ready loop is the node daemon's ``ReadyDriver`` with synchronous I/O: a
+write lands in the core's MemoryStorage at once, applies are recorded, and
+every message of a Ready leaves after its write, in the Ready's order."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from node_daemon.raft import (
+    ApplyJob,
     Config,
     ConfState,
     Entry,
     HardState,
+    LogStorage,
+    LogWrite,
     MemoryStorage,
     Message,
     RaftCore,
+    ReadyDriver,
     Snapshot,
     SnapshotMeta,
 )
@@ -63,14 +71,34 @@ def new_core(
     return RaftCore(cfg, st, random.Random(seed))
 
 
+def sync_driver(
+    core: RaftCore,
+    sent: list[Message],
+    applied: Callable[[], list[Entry]] | None = None,
+) -> ReadyDriver:
+    """A ReadyDriver whose writes land in ``core``'s storage at once, whose
+    messages go to ``sent`` and whose committed entries go to the list
+    ``applied()`` returns."""
+    storage: LogStorage = core.log.storage
+
+    def write(w: LogWrite) -> bool:
+        storage.save(w.hard_state, w.entries, w.snapshot, w.sync)
+        return True
+
+    def apply(job: ApplyJob) -> bool:
+        if applied is not None:
+            applied().extend(job.entries)
+        return True
+
+    return ReadyDriver(
+        core, write_log=write, apply=apply, send=sent.extend, clock=lambda: 0.0, early_send=False
+    )
+
+
 def persist(core: RaftCore) -> list[Message]:
     """Do what a Ready asks (persist; apply nothing); return its messages."""
     msgs: list[Message] = []
-    while core.has_ready():
-        rd = core.ready()
-        core.log.storage.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
-        msgs.extend(rd.messages)
-        core.advance(rd)
+    sync_driver(core, msgs).pump()
     return msgs
 
 
@@ -90,6 +118,14 @@ class Net:
         self.applied: dict[int, list[Entry]] = {i: [] for i in self.cores}
         self.cut: set[tuple[int, int]] = set()
         self.delivered: list[Message] = []
+        self._queue: list[Message] = []
+        self._drivers: dict[int, ReadyDriver] = {}
+
+    def _driver(self, i: int, core: RaftCore) -> ReadyDriver:
+        d = self._drivers.get(i)
+        if d is None or d.core is not core:  # a test put a new core in place
+            d = self._drivers[i] = sync_driver(core, self._queue, lambda: self.applied[i])
+        return d
 
     def isolate(self, node: int) -> None:
         for other in self.cores:
@@ -101,14 +137,10 @@ class Net:
 
     def stabilize(self, max_rounds: int = 10_000) -> None:
         for _ in range(max_rounds):
-            queue: list[Message] = []
             for i, c in self.cores.items():
-                while c.has_ready():
-                    rd = c.ready()
-                    c.log.storage.save(rd.hard_state, rd.entries, rd.snapshot, rd.must_sync)
-                    queue.extend(rd.messages)
-                    self.applied[i].extend(rd.committed_entries)
-                    c.advance(rd)
+                self._driver(i, c).pump()
+            queue = self._queue.copy()
+            self._queue.clear()
             if not queue:
                 return
             for m in queue:
