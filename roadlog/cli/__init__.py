@@ -1,0 +1,17 @@
+"""``roadlog``: the command line for clusters, topics, producing and consuming.
+
+Every command finds the cluster by ``--cluster DIR`` (a local cluster made
+by ``cluster up``), ``--servers HOST:PORT,...`` or ROADLOG_SERVERS. One
+module a command group; ``common`` holds what they share.
+"""
+
+from __future__ import annotations
+
+from roadlog.cli import cluster, heatmap, pings, topic
+from roadlog.cli.common import cli
+
+__all__ = ["cli", "cluster", "heatmap", "main", "pings", "topic"]
+
+
+def main() -> None:
+    cli()

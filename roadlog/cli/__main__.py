@@ -1,0 +1,5 @@
+"""``python -m roadlog.cli``."""
+
+from roadlog.cli import main
+
+main()

@@ -1,0 +1,110 @@
+"""``roadlog cluster``: a local cluster on loopback (up, status, kill, start, down)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from roadlog.cli.common import DIR_HELP, cli, err, on_local_cluster, out, resolve_servers, where
+from roadlog.localcluster import LocalCluster, alive, gather_status
+
+
+@cli.group()
+def cluster() -> None:
+    """Run a local cluster on 127.0.0.1, or look at any cluster."""
+
+
+@cluster.command("up")
+@click.option("--nodes", default=3, show_default=True)
+@click.option("--queue-servers", default=1, show_default=True)
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
+@click.option("--timeout", default=60.0, show_default=True, help="seconds to wait for a leader")
+def cluster_up(nodes: int, queue_servers: int, directory: Path, timeout: float) -> None:
+    """Start node daemons and queue servers, wait for a leader, write DIR/cluster.json."""
+    if nodes < 1 or queue_servers < 1:
+        raise click.BadParameter("need at least one node and one queue server")
+    try:
+        lc = LocalCluster.create(directory, nodes, queue_servers)
+    except FileExistsError as e:
+        raise click.ClickException(str(e)) from None
+    lc.start_all()
+    with err.status("waiting for a leader") as st:
+        try:
+            status = lc.wait_ready(timeout, progress=lambda s: st.update(f"waiting: {s}"))
+        except TimeoutError as e:
+            lc.down()
+            raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
+    err.print(
+        f"cluster up: {nodes} nodes, leader {status['leader']} (term {status['term']}); "
+        f"queue servers {', '.join(lc.servers)}; {lc.file}"
+    )
+    out.print(",".join(lc.servers))
+
+
+@cluster.command("status")
+@where
+@click.option("--json", "as_json", is_flag=True, help="machine-readable")
+def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """Leader, term, and each node's role and indexes."""
+    if cluster is not None:
+        st = on_local_cluster(cluster, LocalCluster.status)
+    else:
+        st = gather_status(resolve_servers(None, servers), [])
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    t = Table(title=f"leader {st['leader'] or '-'}, term {st['term']}")
+    for col in ("id", "address", "role", "term", "commit", "applied", "ready"):
+        t.add_column(col)
+    for n in st["nodes"]:
+        t.add_row(
+            str(n["id"]),
+            n["address"],
+            n["role"],
+            str(n["term"]),
+            str(n["commit_index"]),
+            str(n["applied_index"]),
+            "yes" if n["ready"] else "no",
+        )
+    out.print(t)
+    for q in st["queue_servers"]:
+        out.print(f"queue server {q['grpc']}" + (f" {q['http']}" if q.get("http") else ""))
+
+
+@cluster.command("kill")
+@click.argument("node")
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
+def cluster_kill(node: str, directory: Path) -> None:
+    """SIGKILL one node of a local cluster."""
+    n = on_local_cluster(directory, lambda lc: lc.kill(node))
+    err.print(f"killed node {n.id}")
+
+
+@cluster.command("start")
+@click.argument("node")
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
+def cluster_start(node: str, directory: Path) -> None:
+    """Start a stopped node of a local cluster again (with its data)."""
+    n = on_local_cluster(directory, lambda lc: lc.start(node))
+    err.print(f"started node {n.id} (pid {n.pid})")
+
+
+@cluster.command("down")
+@click.option(
+    "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
+)
+def cluster_down(directory: Path) -> None:
+    """Stop every process of a local cluster (data stays in DIR)."""
+    lc = on_local_cluster(directory, lambda lc: lc)
+    lc.down()
+    left = [p.pid for p in [*lc.nodes, *lc.queue_servers] if p.pid and alive(p.pid)]
+    err.print("cluster down" + (f"; still running: {left}" if left else ""))

@@ -1,0 +1,142 @@
+"""What every ``roadlog`` command shares: finding the cluster (``--cluster``,
+``--servers``, ``--discover``), a connection, progress bars, and the root group."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from discovery.listen import find_queue_servers
+from roadlog.client import Connection, RoadlogError, servers_from_env
+from roadlog.localcluster import LocalCluster
+from roadlog.runtime.config import read_secret
+
+DIR_HELP = "a local cluster's DIR (--cluster and --dir are the same)"
+err = Console(stderr=True)
+out = Console()
+
+
+def resolve_servers(cluster: Path | None, servers: str | None) -> list[str]:
+    if cluster is not None:
+        return LocalCluster.load(cluster).servers
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.meta.get("discover"):
+        return _discovered(ctx.meta)
+    found = servers_from_env(servers) if servers else servers_from_env()
+    if not found:
+        raise click.UsageError(
+            "say where the cluster is: --cluster DIR, --servers HOST:PORT or ROADLOG_SERVERS"
+        )
+    return found
+
+
+T = TypeVar("T")
+
+
+def on_local_cluster(directory: Path, action: Callable[[LocalCluster], T]) -> T:
+    """Run ``action`` on the local cluster in DIR; a missing cluster or node
+    is a clear error, not a traceback."""
+    try:
+        return action(LocalCluster.load(directory))
+    except (FileNotFoundError, KeyError) as e:
+        raise click.ClickException(str(e).strip("'\"")) from None
+
+
+def _discovered(meta: dict[str, Any]) -> list[str]:
+    secret_file = meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
+    if not secret_file:
+        raise click.UsageError(
+            "--discover needs the cluster secret: --secret-file or ROADLOG_SECRET_FILE"
+        )
+    try:
+        secret = read_secret(Path(secret_file))
+        found = find_queue_servers(
+            secret, meta.get("cluster_name"), meta.get("discovery_port", 7499)
+        )
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"discovery: {e}") from None
+    if not found:
+        raise click.ClickException("no queue server announced itself on this network")
+    err.print(f"discovered queue servers: {', '.join(found)}")
+    return found
+
+
+def _meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def store(ctx: click.Context, _: click.Parameter, value: Any) -> None:
+        if value is not None:
+            ctx.meta[key] = value
+
+    return store
+
+
+def where(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--servers", help="queue servers HOST:PORT,... (or ROADLOG_SERVERS)")(f)
+    f = click.option(
+        "--cluster",
+        "--dir",
+        "cluster",
+        type=click.Path(path_type=Path),
+        help=DIR_HELP,
+    )(f)
+    f = click.option(
+        "--discover",
+        is_flag=True,
+        default=None,
+        expose_value=False,
+        callback=_meta("discover"),
+        help="find queue servers by their announcements on this network",
+    )(f)
+    f = click.option(
+        "--secret-file",
+        expose_value=False,
+        callback=_meta("secret_file"),
+        help="with --discover: the cluster secret (or ROADLOG_SECRET_FILE)",
+    )(f)
+    f = click.option(
+        "--cluster-name", expose_value=False, callback=_meta("cluster_name"), help="with --discover"
+    )(f)
+    f = click.option(
+        "--discovery-port", type=int, expose_value=False, callback=_meta("discovery_port")
+    )(f)
+    return f
+
+
+@contextmanager
+def connection(cluster: Path | None, servers: str | None) -> Iterator[Connection]:
+    try:
+        conn = Connection(resolve_servers(cluster, servers))
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        yield conn
+    except RoadlogError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        conn.close()
+
+
+def progress(known_total: bool = True) -> Progress:
+    """A progress bar on stderr; without a known total it counts up."""
+    count = (
+        "{task.completed:,.0f}/{task.total:,.0f}" if known_total else "{task.completed:,.0f} pings"
+    )
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn(count),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    )
+
+
+@click.group()
+def cli() -> None:
+    """roadlog: GPS pings replicated with Raft, turned into traffic heat maps."""

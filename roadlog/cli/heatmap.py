@@ -1,0 +1,188 @@
+"""``roadlog heatmap``: build a window's heat map with Spark, show one."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import click
+
+from roadlog.cli.common import cli, connection, err, resolve_servers, where
+from roadlog.client import Admin, PermissionDenied, RoadlogError
+from roadlog.localcluster import LocalCluster, gather_status
+
+
+@cli.group()
+def heatmap() -> None:
+    """Traffic heat maps (built by Spark, read under give-to-get)."""
+
+
+_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _duration_ms(text: str) -> int:
+    try:
+        return int(float(text[:-1]) * _UNITS[text[-1]])
+    except (KeyError, ValueError, IndexError):
+        raise click.BadParameter(f"{text!r}: a number and s, m, h or d (15m, 2h)") from None
+
+
+def _instant_ms(text: str) -> int:
+    from datetime import datetime
+
+    if text.isdigit():
+        return int(text)
+    try:
+        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: milliseconds or an ISO 8601 time") from None
+
+
+def _window(window: str | None, since: str | None) -> tuple[int, int]:
+    if window and since:
+        raise click.UsageError("--window and --since exclude each other")
+    if window:
+        parts = window.split(",")
+        if len(parts) != 2:
+            raise click.BadParameter("--window START,END")
+        start, end = _instant_ms(parts[0]), _instant_ms(parts[1])
+        if end <= start:
+            raise click.BadParameter("--window: END must come after START")
+        return start, end
+    end = int(time.time() * 1000)
+    return end - _duration_ms(since or "15m"), end
+
+
+@heatmap.command("build")
+@click.argument("name")
+@click.option("--since", help="the window is the last this long (15m, 2h; default 15m)")
+@click.option("--window", help="START,END (milliseconds or ISO 8601)")
+@click.option("--master", default="local[2]", show_default=True, help="or spark://HOST:7077")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/heatmaps"))
+@click.option("--json", "as_json", is_flag=True)
+@where
+def heatmap_build(
+    name: str,
+    since: str | None,
+    window: str | None,
+    master: str,
+    out: Path,
+    as_json: bool,
+    cluster: Path | None,
+    servers: str | None,
+) -> None:
+    """Run the Spark job for one window: the heat map is committed into the
+    cluster and written as Parquet, GeoJSON, PNG and HTML under --out."""
+    try:
+        from spark.jobs.heatmap import AlreadyRunning, lock, run
+    except ImportError as e:
+        raise click.ClickException(
+            f"heatmap build runs Spark: install roadlog[spark] ({e})"
+        ) from None
+
+    start, end = _window(window, since)
+    qs = resolve_servers(cluster, servers)
+    if cluster is not None:
+        secret = Path(LocalCluster.load(cluster).secret_file)
+    else:
+        ctx = click.get_current_context()
+        given = ctx.meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
+        if not given:
+            raise click.UsageError(
+                "the job reads from the nodes: --secret-file or ROADLOG_SECRET_FILE"
+            )
+        secret = Path(given)
+    st = gather_status(qs, [])
+    nodes = [n["address"] for n in st["nodes"] if n.get("role") != "down"]
+    if not nodes:
+        raise click.ClickException("no node answers")
+    try:
+        held = lock(Path(f"/tmp/roadlog-heatmap-{name}.lock"))
+    except AlreadyRunning as e:
+        err.print(f"not running: {e}")
+        return
+    try:
+        with err.status(f"building the heat map of {name!r} with Spark ({master})"):
+            summary = run(
+                topic=name,
+                nodes=nodes,
+                servers=qs,
+                secret_file=secret,
+                cluster_name=click.get_current_context().meta.get("cluster_name") or "roadlog",
+                window_start_ms=start,
+                window_end_ms=end,
+                master=master,
+                out_dir=out,
+            )
+    except RoadlogError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        held.close()
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        err.print(
+            f"heat map of {name}: {summary['cells']} cells from {summary['pings']:,} pings "
+            f"in {summary['seconds']} s; committed at index {summary['applied_index']}; "
+            f"files in {summary['dir']}"
+        )
+
+
+@heatmap.command("get")
+@click.argument("name")
+@click.option("--window", help="the window's START (milliseconds or ISO 8601); default: latest")
+@click.option("--png", type=click.Path(path_type=Path))
+@click.option("--geojson", type=click.Path(path_type=Path))
+@click.option("--html", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+@where
+def heatmap_get(
+    name: str,
+    window: str | None,
+    png: Path | None,
+    geojson: Path | None,
+    html: Path | None,
+    as_json: bool,
+    cluster: Path | None,
+    servers: str | None,
+) -> None:
+    """The latest heat map (or one window's) for this client: allowed only if
+    this client sent pings to the region lately (give-to-get)."""
+    from roadlog.heatmap_render import geojson as to_geojson
+    from roadlog.heatmap_render import write_geojson, write_html, write_png
+
+    start = _instant_ms(window) if window else 0
+    with connection(cluster, servers) as conn:
+        try:
+            resp = Admin(conn).heatmap(name, window_start_ms=start)
+        except PermissionDenied as e:
+            raise click.ClickException(f"not allowed: {e.reason}") from None
+    hm = resp.heatmap
+    if png:
+        write_png(hm, png)
+    if geojson:
+        write_geojson(hm, geojson)
+    if html:
+        write_html(hm, html)
+    if as_json:
+        doc = to_geojson(hm)
+        doc["properties"]["windows"] = list(resp.windows)
+        click.echo(json.dumps(doc))
+        return
+    c = hm.cells
+    worst = max(
+        range(len(c.h3)),
+        key=lambda i: (c.congestion[i] if c.congestion else 0) * c.pings[i],
+        default=None,
+    )
+    err.print(
+        f"{name}: window {hm.window_start_ms}..{hm.window_end_ms}, {len(c.h3)} cells, "
+        f"{hm.source_pings:,} pings"
+        + (f"; most congested busy cell {c.h3[worst]:x}" if worst is not None else "")
+    )
+    for label, path in (("PNG", png), ("GeoJSON", geojson), ("HTML", html)):
+        if path:
+            err.print(f"{label}: {path}")

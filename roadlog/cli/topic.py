@@ -1,0 +1,140 @@
+"""``roadlog topic``: create, list, describe and delete topics (city regions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from roadlog.cli.common import cli, connection, err, out, where
+from roadlog.client import Admin
+from roadlog.geo import RegionError, bbox_region, parse_region
+
+
+@cli.group()
+def topic() -> None:
+    """Create, list, describe and delete topics (city regions)."""
+
+
+@topic.command("create")
+@click.argument("name")
+@click.option("--region", type=click.Path(exists=True, path_type=Path), help="GeoJSON Polygon file")
+@click.option("--bbox", help="MINLON,MINLAT,MAXLON,MAXLAT")
+@click.option("--partitions", type=int, default=0, help="default 8")
+@click.option("--retention-hours", type=float, default=0.0, help="default 168")
+@click.option("--h3-resolution", type=int, default=0, help="default 9")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_create(
+    name: str,
+    region: Path | None,
+    bbox: str | None,
+    partitions: int,
+    retention_hours: float,
+    h3_resolution: int,
+    cluster: Path | None,
+    servers: str | None,
+    as_json: bool,
+) -> None:
+    """Create a topic for a region."""
+    if (region is None) == (bbox is None):
+        raise click.UsageError("give exactly one of --region FILE.geojson or --bbox")
+    try:
+        if region is not None:
+            geo = parse_region(region.read_text())
+        else:
+            parts = [float(v) for v in (bbox or "").split(",")]
+            if len(parts) != 4:
+                raise RegionError("bbox needs four numbers")
+            geo = bbox_region(*parts)
+    except (RegionError, ValueError) as e:
+        raise click.BadParameter(str(e)) from None
+    with connection(cluster, servers) as conn:
+        d = Admin(conn).create_topic(
+            name, geo.geojson, partitions, int(retention_hours * 3600_000), h3_resolution
+        )
+    _print_topic(d, as_json)
+
+
+@topic.command("list")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_list(cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """The topics and their sizes."""
+    with connection(cluster, servers) as conn:
+        topics = Admin(conn).list_topics()
+    if as_json:
+        click.echo(json.dumps([_topic_doc(d) for d in topics], indent=2))
+        return
+    t = Table()
+    for col in ("name", "partitions", "pings", "bbox"):
+        t.add_column(col)
+    for d in topics:
+        doc = _topic_doc(d)
+        t.add_row(doc["name"], str(doc["partitions"]), f"{doc['pings']:,}", str(doc["bbox"]))
+    out.print(t)
+
+
+@topic.command("delete")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="do not ask first")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_delete(
+    name: str, yes: bool, cluster: Path | None, servers: str | None, as_json: bool
+) -> None:
+    """Delete a topic with every ping, offset, consumer group and heat map in it."""
+    if not yes:
+        click.confirm(f"delete topic {name!r} and every ping in it?", abort=True, err=True)
+    with connection(cluster, servers) as conn:
+        Admin(conn).delete_topic(name)
+        fence = conn.fence  # reads fenced by it no longer see the topic
+    if as_json:
+        click.echo(json.dumps({"deleted": name, "applied_index": fence}))
+    else:
+        err.print(f"deleted topic {name}")
+
+
+@topic.command("describe")
+@click.argument("name")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_describe(name: str, cluster: Path | None, servers: str | None, as_json: bool) -> None:
+    """One topic: its region, partitions and offsets."""
+    with connection(cluster, servers) as conn:
+        _print_topic(Admin(conn).describe(name), as_json)
+
+
+def _topic_doc(d: Any) -> dict[str, Any]:
+    spec = d.topic.spec
+    return {
+        "name": spec.name,
+        "id": d.topic.id,
+        "partitions": spec.partitions,
+        "retention_ms": spec.retention_ms,
+        "h3_resolution": spec.h3_resolution,
+        "bbox": [round(v, 6) for v in d.topic.bbox],
+        "region": json.loads(spec.region_geojson),
+        "pings": sum(p.next_offset - p.first_offset for p in d.partitions),
+        "offsets": [
+            {"partition": p.partition, "first": p.first_offset, "next": p.next_offset}
+            for p in d.partitions
+        ],
+    }
+
+
+def _print_topic(d: Any, as_json: bool) -> None:
+    doc = _topic_doc(d)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    out.print(
+        f"[bold]{doc['name']}[/] id {doc['id']}, {doc['partitions']} partitions, "
+        f"H3 {doc['h3_resolution']}, retention {doc['retention_ms'] / 3600_000:g} h, "
+        f"bbox {doc['bbox']}, {doc['pings']:,} pings"
+    )
+    for o in doc["offsets"]:
+        out.print(f"  partition {o['partition']}: offsets {o['first']}..{o['next']}")
