@@ -1,0 +1,115 @@
+"""The node's Admin service (membership changes, leadership transfer,
+snapshots, leaving, status and state digests) and what of it only the
+cluster's own processes may call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from node_daemon.membership import Membership
+from node_daemon.node import NotLeader, RaftNode
+from node_daemon.raft import ConfChange, ConfChangeType
+from node_daemon.status import node_status
+from roadlog.errors import Code
+from roadlog.runtime.auth import protects
+from roadlog.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    client_pb2,
+    command_pb2,
+)
+
+log = logging.getLogger("roadlog.node")
+
+
+# What only the cluster's own processes may call (ClusterAuth checks the token).
+NODE_PROTECTED = protects(
+    ("roadlog.v1.RaftPeer", "roadlog.v1.NodeRead"),
+    [
+        f"/roadlog.v1.Admin/{m}"
+        for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave")
+    ],
+)
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    """Operators' calls. Changing calls need the cluster's credentials."""
+
+    def __init__(
+        self, node: RaftNode, membership: Membership, token: str, stop: asyncio.Event
+    ) -> None:
+        self.node = node
+        self.membership = membership
+        self.token = token
+        self.stop = stop
+
+    async def Status(self, request: Any, context: Any) -> client_pb2.ClusterStatus:
+        n = self.node
+        st = client_pb2.ClusterStatus(leader=n.core.lead, term=n.core.term)
+        st.nodes.append(node_status(n))
+        for m in self.membership.members():  # the others: where to ask them
+            if m.node_id != n.id:
+                st.nodes.add(id=m.node_id, address=m.address)
+        return st
+
+    async def _admin(self, context: Any, coro: Any) -> admin_pb2.AdminResponse:
+        try:
+            index = await coro
+        except NotLeader as e:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{e}; the leader is node {e.leader} ({self.node.address_of(e.leader)})",
+            )
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "not applied in time")
+        return admin_pb2.AdminResponse(ok=True, index=index or 0)
+
+    async def AddNode(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        if request.node_id <= 0 or not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need node_id and address")
+        return await self._admin(
+            context, self._add(request.node_id, request.address, request.as_voter)
+        )
+
+    async def _add(self, node_id: int, address: str, as_voter: bool) -> int:
+        """Record the address through the log, then add the node (a node
+        already in the configuration only gets its address updated)."""
+        n = self.node
+        n.update_addresses({node_id: address})
+        if n.sm.peers().get(node_id) != address:
+            op = command_pb2.Op(add_peer=command_pb2.AddPeerOp(node_id=node_id, address=address))
+            res = await n.propose_op(op)
+            if res.code != Code.OK:
+                raise NotLeader(n.core.lead, res.message)
+        conf = n.core.conf
+        if node_id in conf.voters or (node_id in conf.learners and not as_voter):
+            return n.sm.applied_index
+        kind = ConfChangeType.ADD_VOTER if as_voter else ConfChangeType.ADD_LEARNER
+        log.info("adding a node", extra={"node": node_id, "address": address, "voter": as_voter})
+        return await n.conf_change(ConfChange(kind, node_id))
+
+    async def RemoveNode(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        cc = ConfChange(ConfChangeType.REMOVE_NODE, request.node_id)
+        return await self._admin(context, self.node.conf_change(cc))
+
+    async def TransferLeader(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        return await self._admin(context, self.node.transfer_leader(request.node_id))
+
+    async def Snapshot(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        return await self._admin(context, self.node.snapshot_now())
+
+    async def Leave(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
+        resp = await self._admin(context, self.membership.leave())
+        log.info("left the cluster: stopping", extra={"index": resp.index})
+        asyncio.get_running_loop().call_later(0.5, self.stop.set)
+        return resp
+
+    async def StateDigest(self, request: Any, context: Any) -> admin_pb2.StateDigestResponse:
+        loop = asyncio.get_running_loop()
+        sm = self.node.sm
+        digest = await loop.run_in_executor(self.node._apply_io, sm.digest)
+        return admin_pb2.StateDigestResponse(applied_index=sm.applied_index, sha256=digest)

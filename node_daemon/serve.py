@@ -1,0 +1,225 @@
+"""A node process, wired: discovery and cold start, the Raft node, its gRPC
+services (peers, admin, node reads, health, reflection) behind the cluster's
+auth interceptor, metrics and health endpoints, the work links to every
+queue server, systemd readiness, and a graceful stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from discovery.agent import DiscoveryAgent, now_ms
+from discovery.core import DiscoveryCore, Found, Join
+from node_daemon.admin import NODE_PROTECTED, AdminService
+from node_daemon.config import ConfigError, NodeConfig
+from node_daemon.identity import node_id_for
+from node_daemon.membership import Membership
+from node_daemon.node import RaftNode
+from node_daemon.node_read import NodeReadService
+from node_daemon.raft import Role
+from node_daemon.status import node_readiness
+from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.worker import Executor, QueueServerLink
+from roadlog.limits import PEER_MESSAGE_BYTES
+from roadlog.runtime.auth import ClusterAuth, cluster_token
+from roadlog.runtime.health import serve_metrics_and_health
+from roadlog.runtime.sdnotify import notify
+from roadlog.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    noderead_pb2,
+    noderead_pb2_grpc,
+    raft_pb2,
+    raft_pb2_grpc,
+)
+
+log = logging.getLogger("roadlog.node")
+
+
+def _has_raft_state(cfg: NodeConfig) -> bool:
+    raft = Path(cfg.data_dir) / "raft"
+    if not raft.exists():
+        return False
+    store = LmdbLogStorage(raft)
+    try:
+        return store.last_index() > 0 or store.initial_state().term > 0
+    finally:
+        store.close()
+
+
+async def _discover(cfg: NodeConfig, agent: DiscoveryAgent | None) -> NodeConfig:
+    """For a node with no state and no peer list: found a cluster (this node
+    its only voter) or wait to join one, as discovery decides."""
+    if agent is None:
+        raise ConfigError("no peers and no discovery: nothing to start from")
+    log.info(
+        "discovering",
+        extra={"node_id": cfg.node_id, "bootstrap_expect": cfg.bootstrap_expect},
+    )
+    while True:
+        d = agent.core.decide(now_ms())
+        if isinstance(d, Found):
+            log.info("founding the cluster", extra={"with": list(d.others)})
+            return replace(cfg, peers={cfg.node_id: cfg.address})
+        if isinstance(d, Join):
+            log.info("found a cluster to join", extra={"leader": d.leader})
+            return cfg
+        await asyncio.sleep(0.1)
+
+
+async def serve(cfg: NodeConfig) -> None:
+    # LMDB commits and fsyncs release the GIL; hand it back quickly when they
+    # return, instead of after the default 5 ms switch interval.
+    sys.setswitchinterval(0.0005)
+    if cfg.discovery:
+        cfg = replace(cfg, node_id=node_id_for(Path(cfg.data_dir), cfg.node_id))
+    token = cluster_token(cfg.secret(), cfg.cluster_name)
+    agent: DiscoveryAgent | None = None
+    if cfg.discovery_port:
+        core = DiscoveryCore(
+            cfg.cluster_name, cfg.node_id, "node", cfg.address, expect=cfg.bootstrap_expect
+        )
+        agent = DiscoveryAgent(
+            core, cfg.secret(), cfg.discovery_port, cfg.discovery_broadcast, cfg.discovery_seeds
+        )
+        try:
+            await agent.start()
+        except OSError as e:
+            if cfg.discovery:
+                raise ConfigError(f"discovery_port {cfg.discovery_port}: {e}") from None
+            log.warning("discovery off: cannot bind its port", extra={"error": str(e)})
+            agent = None
+    discovered_peers = cfg.discovery
+    if cfg.discovery and not _has_raft_state(cfg):
+        cfg = await _discover(cfg, agent)
+    node = RaftNode(cfg)
+    membership = Membership(node, token, sync_addresses=discovered_peers)
+    stop = asyncio.Event()
+    server = grpc.aio.server(
+        interceptors=[ClusterAuth(token, NODE_PROTECTED)],
+        options=[
+            ("grpc.max_receive_message_length", PEER_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", PEER_MESSAGE_BYTES),
+            # Peers ping every 2 s to notice a dead node early: allow it.
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    )
+    raft_pb2_grpc.add_RaftPeerServicer_to_server(node.transport, server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(node, membership, token, stop), server)
+    noderead_pb2_grpc.add_NodeReadServicer_to_server(NodeReadService(node, token), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        raft_pb2.DESCRIPTOR.services_by_name["RaftPeer"].full_name,
+        admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+        noderead_pb2.DESCRIPTOR.services_by_name["NodeRead"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(cfg.listen)
+    if port == 0:
+        raise ConfigError(f"listen: cannot bind {cfg.listen}")
+    await server.start()
+    if cfg.metrics_port:
+
+        def readiness_detail() -> tuple[bool, dict[str, Any]]:
+            return node_readiness(node, membership.in_config())
+
+        serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
+    node.update_addresses(node.sm.peers())
+    await node.start()
+    executor = Executor(node)
+    executor.groups.start()
+    links: dict[str, QueueServerLink] = {}
+
+    def link_queue_servers(addresses: list[str]) -> None:
+        for q in addresses:
+            if q not in links:
+                links[q] = QueueServerLink(q, node, executor, token)
+                links[q].start()
+                log.info("pulling work from a queue server", extra={"queue": q})
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    last_health: list[bool | None] = [None]
+
+    async def tell_systemd_when_ready() -> None:
+        """Type=notify: ready once in a cluster, knowing a leader, caught up."""
+        while not (node.ready and membership.in_config()):
+            await asyncio.sleep(0.2)
+        notify(f"READY=1\nSTATUS=member of the cluster, leader {node.core.lead}")
+
+    def on_state() -> None:
+        for link in links.values():
+            link.state_changed()
+        ok = node.ready
+        if ok != last_health[0]:
+            last_health[0] = ok
+            status = serving if ok else not_serving
+            asyncio.get_running_loop().create_task(health_servicer.set("", status))
+            asyncio.get_running_loop().create_task(health_servicer.set("roadlog.node", status))
+
+    node.state_listeners.append(on_state)
+    on_state()
+    link_queue_servers(cfg.queue_servers)
+    if agent is not None:
+        discovered = agent
+
+        def on_discovery_step() -> None:
+            now = now_ms()
+            node.update_addresses({**node.sm.peers(), **discovered.core.addresses(now)})
+            link_queue_servers(discovered.core.queue_servers(now))
+            if membership.in_config():
+                core = node.core
+                discovered.core.set_member(
+                    core.lead, node.address_of(core.lead), core.term, membership.members()
+                )
+
+        agent.listeners.append(on_discovery_step)
+    membership.start()
+    readiness = asyncio.get_running_loop().create_task(tell_systemd_when_ready())
+    log.info(
+        "node started",
+        extra={
+            "node_id": cfg.node_id,
+            "listen": cfg.listen,
+            "peers": {str(k): v for k, v in cfg.peers.items()},
+            "queue_servers": cfg.queue_servers,
+            "metrics_port": cfg.metrics_port,
+            "discovery_port": cfg.discovery_port if agent is not None else 0,
+        },
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    joining = None
+    if agent is not None:
+        joining = loop.create_task(
+            membership.keep_in_cluster(lambda: discovered.core.known_cluster(now_ms()))
+        )
+    await stop.wait()
+    readiness.cancel()
+    notify("STOPPING=1")
+    log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
+    if joining is not None:
+        joining.cancel()
+    await health_servicer.enter_graceful_shutdown()
+    await membership.stop()
+    for link in links.values():
+        await link.stop()
+    if agent is not None:
+        await agent.stop()
+    await server.stop(grace=1.0)
+    await node.stop()
+    log.info("stopped")
