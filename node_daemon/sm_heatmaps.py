@@ -9,9 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-import grpc
-
-from node_daemon.sm_errors import OpError
+from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import heatmaps_pb2, topics_pb2
 
 DEFAULT_CONTRIBUTION_WINDOW_MS = 15 * 60 * 1000
@@ -72,11 +70,11 @@ class HeatmapTables:
             f"pings inside its region with this client_id, then ask again within {minutes}"
         )
         if not client_id:
-            raise OpError(grpc.StatusCode.PERMISSION_DENIED, f"no client_id given; {how}")
+            raise RoadlogError(Code.PERMISSION_DENIED, f"no client_id given; {how}")
         last = self.last_contribution(txn, topic.id, client_id)
         if last is None or now_ms - last > window:
-            raise OpError(
-                grpc.StatusCode.PERMISSION_DENIED,
+            raise RoadlogError(
+                Code.PERMISSION_DENIED,
                 f"client {client_id!r} has not published pings to {topic.spec.name!r} "
                 f"in the last {minutes}; {how}",
             )
@@ -96,14 +94,12 @@ def check_heatmap(hm: heatmaps_pb2.HeatMap, topic: topics_pb2.Topic) -> None:
     c = hm.cells
     n = len(c.h3)
     if hm.window_start_ms < 0 or hm.window_end_ms <= hm.window_start_ms:
-        raise OpError(
-            grpc.StatusCode.INVALID_ARGUMENT, "a heat map window must end after it starts"
-        )
+        raise RoadlogError(Code.INVALID_ARGUMENT, "a heat map window must end after it starts")
     if hm.h3_resolution > 15:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
     if not len(c.pings) == len(c.devices) == len(c.mean_speed_mps) == n:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "heat map columns differ in length")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "heat map columns differ in length")
     if len(c.free_flow_mps) not in (0, n) or len(c.congestion) not in (0, n):
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "heat map columns differ in length")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "heat map columns differ in length")
     if hm.topic and hm.topic != topic.spec.name:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "the heat map is of another topic")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "the heat map is of another topic")

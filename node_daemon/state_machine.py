@@ -32,16 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import lmdb
 import numpy as np
 
 from node_daemon.raft import Entry, EntryType, StorageFullError
-from node_daemon.sm_errors import OpError
 from node_daemon.sm_groups import GroupTables
 from node_daemon.sm_heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS, HeatmapTables
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, parse_region
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2
 from roadlog.validation import MAX_PARTITIONS, check_topic_name
@@ -67,7 +66,7 @@ _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 class OpResult:
     """What the proposer tells the client about one operation."""
 
-    code: grpc.StatusCode = grpc.StatusCode.OK
+    code: Code = Code.OK
     message: str = ""
     response: bytes = b""
     # An append op's result per span (publish request), in span order; the
@@ -149,7 +148,7 @@ class StateMachine:
         try:
             cmd = command_pb2.Command.FromString(e.data)
         except Exception:
-            return [OpResult(grpc.StatusCode.INTERNAL, "undecodable command")]
+            return [OpResult(Code.INTERNAL, "undecodable command")]
         out = []
         for op in cmd.ops:
             try:
@@ -158,7 +157,7 @@ class StateMachine:
                     out.append(OpResult(spans=tuple(spans)))
                 else:
                     out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms, e.index)))
-            except OpError as err:
+            except RoadlogError as err:
                 out.append(OpResult(err.code, err.message))
         return out
 
@@ -183,7 +182,7 @@ class StateMachine:
         if kind == "add_peer":
             ap = op.add_peer
             if not ap.node_id or not ap.address or len(ap.address) > 255:
-                raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "a peer needs an id and an address")
+                raise RoadlogError(Code.INVALID_ARGUMENT, "a peer needs an id and an address")
             txn.put(_PEER.pack(b"peer/", ap.node_id), ap.address.encode(), db=self.meta)
             return b""
         if kind == "join_group":
@@ -202,7 +201,7 @@ class StateMachine:
             commit = op.commit_offsets.request
             g = self.groups.get(txn, commit.group)
             if g is None:
-                raise OpError(grpc.StatusCode.NOT_FOUND, f"no group {commit.group!r}")
+                raise RoadlogError(Code.NOT_FOUND, f"no group {commit.group!r}")
             topic = self._topic(txn, g.topic)
             ends = {
                 o.partition: self._part_state(txn, topic.id, o.partition).next_offset
@@ -215,7 +214,7 @@ class StateMachine:
             hm = op.put_heatmap.request.heatmap
             self.heat.put(txn, self._topic(txn, hm.topic), hm)
             return client_pb2.PutHeatmapResponse(applied_index=index).SerializeToString()
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown operation {kind!r}")
+        raise RoadlogError(Code.INVALID_ARGUMENT, f"unknown operation {kind!r}")
 
     # --------------------------------------------------------------- topics
 
@@ -228,7 +227,7 @@ class StateMachine:
             topic = topics_pb2.Topic.FromString(existing)
             if topic.spec == spec:
                 return self._describe(txn, topic)  # the same request again
-            raise OpError(grpc.StatusCode.ALREADY_EXISTS, f"topic {spec.name!r} already exists")
+            raise RoadlogError(Code.ALREADY_EXISTS, f"topic {spec.name!r} already exists")
         tid = self._meta_int(txn, b"next_topic_id") + 1
         txn.put(b"next_topic_id", _U64.pack(tid), db=self.meta)
         region = parse_region(spec.region_geojson)
@@ -241,7 +240,7 @@ class StateMachine:
     def _delete_topic(self, txn: Any, name: str) -> None:
         raw = txn.get(name.encode(), db=self.topics)
         if raw is None:
-            raise OpError(grpc.StatusCode.NOT_FOUND, f"no topic {name!r}")
+            raise RoadlogError(Code.NOT_FOUND, f"no topic {name!r}")
         topic = topics_pb2.Topic.FromString(raw)
         prefix = struct.pack(">I", topic.id)
         for db in (self.parts, self.batches, self.timeidx):
@@ -257,16 +256,16 @@ class StateMachine:
         try:
             check_topic_name(name)  # also keeps LMDB from an empty or oversized key
         except ValueError as e:
-            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise RoadlogError(Code.INVALID_ARGUMENT, str(e)) from None
         raw = txn.get(name.encode(), db=self.topics)
         if raw is None:
-            raise OpError(grpc.StatusCode.NOT_FOUND, f"no topic {name!r}")
+            raise RoadlogError(Code.NOT_FOUND, f"no topic {name!r}")
         return topics_pb2.Topic.FromString(raw)
 
     def _part_state(self, txn: Any, tid: int, p: int) -> PartitionState:
         raw = txn.get(_PART.pack(tid, p), db=self.parts)
         if raw is None:
-            raise OpError(grpc.StatusCode.NOT_FOUND, f"no partition {p}")
+            raise RoadlogError(Code.NOT_FOUND, f"no partition {p}")
         return PartitionState(*_PART_VAL.unpack(raw))
 
     def _describe(self, txn: Any, topic: topics_pb2.Topic) -> topics_pb2.TopicDescription:
@@ -299,7 +298,7 @@ class StateMachine:
         for span in op.spans:
             try:
                 dup = self._duplicate(txn, span, op, tid)
-            except OpError as err:
+            except RoadlogError as err:
                 kept.append(False)
                 results.append(OpResult(err.code, err.message))
                 continue
@@ -363,8 +362,8 @@ class StateMachine:
                 _, base, stored = match[0]
                 resp.offsets.add(partition=part.partition, base_offset=base, count=stored)
             elif seen and span.sequence < seen[-1][0]:
-                raise OpError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise RoadlogError(
+                    Code.FAILED_PRECONDITION,
                     f"sequence {span.sequence} of producer {span.producer_id} is older than "
                     f"the last {RECENT_SEQUENCES} it stored",
                 )
@@ -502,8 +501,8 @@ class StateMachine:
             hm = self.heat.get(txn, topic.id, start) if windows else None
             if hm is None:
                 what = f"window {req.window_start_ms}" if req.window_start_ms else "any window"
-                raise OpError(
-                    grpc.StatusCode.NOT_FOUND,
+                raise RoadlogError(
+                    Code.NOT_FOUND,
                     f"no heat map of {req.topic!r} for {what} yet (the Spark job writes them)",
                 )
             return client_pb2.GetHeatmapResponse(heatmap=hm, contributed_ms=last, windows=windows)
@@ -544,14 +543,14 @@ class StateMachine:
         with self.env.begin() as txn:
             topic = self._topic(txn, req.topic)
             if req.partition >= topic.spec.partitions:
-                raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"no partition {req.partition}")
+                raise RoadlogError(Code.INVALID_ARGUMENT, f"no partition {req.partition}")
             tid, p = topic.id, req.partition
             st = self._part_state(txn, tid, p)
             resp = client_pb2.FetchResponse(end_offset=st.next_offset, first_offset=st.first_offset)
             offset = max(req.offset, st.first_offset)
             if req.offset > st.next_offset:
-                raise OpError(
-                    grpc.StatusCode.OUT_OF_RANGE,
+                raise RoadlogError(
+                    Code.OUT_OF_RANGE,
                     f"offset {req.offset} is beyond the end {st.next_offset}",
                 )
             total = 0
@@ -689,12 +688,12 @@ class StateMachine:
 
 
 def normalized_spec(spec: topics_pb2.TopicSpec) -> topics_pb2.TopicSpec:
-    """Defaults filled in and everything checked; OpError when invalid."""
+    """Defaults filled in and everything checked; RoadlogError when invalid."""
     try:
         check_topic_name(spec.name)
         region = parse_region(spec.region_geojson)
     except (ValueError, RegionError) as e:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        raise RoadlogError(Code.INVALID_ARGUMENT, str(e)) from None
     out = topics_pb2.TopicSpec(
         name=spec.name,
         region_geojson=region.geojson,
@@ -704,15 +703,13 @@ def normalized_spec(spec: topics_pb2.TopicSpec) -> topics_pb2.TopicSpec:
         contribution_window_ms=spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS,
     )
     if out.contribution_window_ms < 0:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "the contribution window must be positive")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "the contribution window must be positive")
     if not 1 <= out.partitions <= MAX_PARTITIONS:
-        raise OpError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"partitions must be in 1..{MAX_PARTITIONS}"
-        )
+        raise RoadlogError(Code.INVALID_ARGUMENT, f"partitions must be in 1..{MAX_PARTITIONS}")
     if out.retention_ms < 0:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "retention must be positive")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "retention must be positive")
     if out.h3_resolution > 15:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
     return out
 
 
@@ -728,24 +725,24 @@ def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
 def _check_layout(op: command_pb2.AppendOp, nparts: int) -> None:
     """Refuse (on every replica alike) an op whose parts and spans disagree."""
     if not op.spans:
-        raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "an append without spans")
+        raise RoadlogError(Code.INVALID_ARGUMENT, "an append without spans")
     sums = [0] * len(op.parts)
     for span in op.spans:
         if len(span.counts) != len(op.parts):
-            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "a span without a count per part")
+            raise RoadlogError(Code.INVALID_ARGUMENT, "a span without a count per part")
         if not any(span.counts):
-            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "an empty span")
+            raise RoadlogError(Code.INVALID_ARGUMENT, "an empty span")
         for i, c in enumerate(span.counts):
             sums[i] += c
     seen = set()
     for part, total in zip(op.parts, sums, strict=True):
         if part.partition >= nparts:
-            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"no partition {part.partition}")
+            raise RoadlogError(Code.INVALID_ARGUMENT, f"no partition {part.partition}")
         if part.partition in seen:
-            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, f"partition {part.partition} twice")
+            raise RoadlogError(Code.INVALID_ARGUMENT, f"partition {part.partition} twice")
         seen.add(part.partition)
         if part.count == 0 or part.count != total:
-            raise OpError(grpc.StatusCode.INVALID_ARGUMENT, "part counts disagree with spans")
+            raise RoadlogError(Code.INVALID_ARGUMENT, "part counts disagree with spans")
 
 
 def _kept_rows(batch: bytes, counts: list[int], kept: list[bool]) -> bytes:

@@ -21,10 +21,9 @@ from node_daemon import metrics
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.sm_errors import OpError
 from node_daemon.state_machine import OpResult, normalized_spec
-from node_daemon.transport import AUTH_KEY
 from roadlog import columnar
+from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, parse_region
 from roadlog.limits import (
     CLIENT_MESSAGE_BYTES,
@@ -35,6 +34,8 @@ from roadlog.limits import (
     WORK_MESSAGE_BYTES,
     grpc_options,
 )
+from roadlog.rpc import QUEUED
+from roadlog.runtime.auth import token_metadata
 from roadlog.v1 import client_pb2, command_pb2, work_pb2, work_pb2_grpc
 from roadlog.validation import BatchRejected
 
@@ -42,7 +43,7 @@ log = logging.getLogger("roadlog.worker")
 
 WRITE_CREDIT = 256
 READ_CREDIT = 64
-RETRY_ELSEWHERE = grpc.StatusCode.UNAVAILABLE  # the queue server gives it to another node
+RETRY_ELSEWHERE = Code.UNAVAILABLE  # the queue server gives it to another node
 MAX_BATCH_REQUESTS = 4096  # requests in one PublishBatch
 EAGER_PUBLISHES = 8  # this many waiting publishes are validated without waiting for the log
 # Publishes up to this many bytes are validated on the event loop: validation
@@ -70,24 +71,26 @@ def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[O
             f.set_result(res.spans[span] if res.spans else res)
 
 
-def failure_status(e: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
     """The status a client is answered with for a failed request."""
     if isinstance(e, NotLeader):
         return RETRY_ELSEWHERE, f"{e} (leader {e.leader})"
-    if isinstance(e, OpError):
+    if isinstance(e, RoadlogError):
         return e.code, e.message
     if isinstance(e, MalformedRequest | BatchRejected):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        return Code.INVALID_ARGUMENT, str(e)
     if isinstance(e, DecodeError | columnar.BatchDecodeError):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}"
+        return Code.INVALID_ARGUMENT, f"malformed request: {e}"
     if isinstance(e, asyncio.CancelledError):  # its proposal was given up: try again
         return RETRY_ELSEWHERE, str(e) or "cancelled"
     log.error("work item failed", exc_info=e, extra={"method": method})
-    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+    return Code.INTERNAL, f"{type(e).__name__}: {e}"
 
 
 class Executor:
-    """Turns work items into results against one RaftNode."""
+    """Turns work items into results against one RaftNode. A work item's
+    method is an rpc of ``roadlog.rpc``; the method of this class named by
+    its ``handler`` does it (``PublishBatch``: ``publish_batch``)."""
 
     def __init__(self, node: RaftNode) -> None:
         self.node = node
@@ -103,24 +106,21 @@ class Executor:
         item: work_pb2.WorkItem,
         handler: Callable[[work_pb2.WorkItem], Awaitable[OpResult]] | None = None,
     ) -> work_pb2.WorkResult:
-        handler = handler or self._handlers().get(item.method)
+        if handler is None and item.method in QUEUED:
+            handler = getattr(self, QUEUED[item.method].handler)
         res = work_pb2.WorkResult(id=item.id)
         if handler is None:
-            res.code, res.message = (
-                grpc.StatusCode.UNIMPLEMENTED.value[0],
-                f"no method {item.method}",
-            )
+            res.code, res.message = Code.UNIMPLEMENTED, f"no method {item.method}"
             return res
         try:
             out = await handler(item)
-            res.code, res.message, res.response = out.code.value[0], out.message, out.response
+            res.code, res.message, res.response = out.code, out.message, out.response
         except Exception as e:
-            code, res.message = failure_status(e, item.method)
-            res.code = code.value[0]
+            res.code, res.message = failure_status(e, item.method)
         if len(res.response) > CLIENT_MESSAGE_BYTES:
             # Never send what the client's hop refuses: it would break this
             # stream, and the request would be handed out again.
-            res.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            res.code = Code.RESOURCE_EXHAUSTED
             res.message = (
                 f"the answer of {len(res.response)} bytes is over the limit of "
                 f"{CLIENT_MESSAGE_BYTES}: ask for less (a smaller max_bytes or page_size)"
@@ -128,26 +128,6 @@ class Executor:
             res.response = b""
         metrics.WORK_DONE.labels("write" if item.kind == work_pb2.WORK_KIND_WRITE else "read").inc()
         return res
-
-    def _handlers(self) -> dict[str, Callable[[work_pb2.WorkItem], Awaitable[OpResult]]]:
-        return {
-            "Publish": self.publish,
-            "PublishBatch": self.publish_batch,
-            "CreateTopic": self.create_topic,
-            "DeleteTopic": self.delete_topic,
-            "InitProducer": self.init_producer,
-            "Fetch": self.fetch,
-            "DescribeTopic": self.describe_topic,
-            "ListTopics": self.list_topics,
-            "JoinGroup": lambda it: self.groups.join(it.request),
-            "Heartbeat": lambda it: self.groups.heartbeat(it.request),
-            "CommitOffsets": lambda it: self.groups.commit(it.request),
-            "LeaveGroup": lambda it: self.groups.leave(it.request),
-            "DescribeGroup": self.describe_group,
-            "ListGroups": self.list_groups,
-            "GetHeatmap": self.get_heatmap,
-            "PutHeatmap": self.put_heatmap,
-        }
 
     # ---------------------------------------------------------------- writes
 
@@ -182,10 +162,10 @@ class Executor:
         for fut, err in zip(futs, errors, strict=True):
             if err is None:
                 r = fut.result()
-                out.results.add(code=r.code.value[0], message=r.message, response=r.response)
+                out.results.add(code=r.code, message=r.message, response=r.response)
             else:
                 code, message = failure_status(err, "PublishBatch")
-                out.results.add(code=code.value[0], message=message)
+                out.results.add(code=code, message=message)
         return OpResult(response=out.SerializeToString())
 
     async def _publish(self, request: bytes) -> OpResult:
@@ -277,6 +257,18 @@ class Executor:
         return await self.node.propose_op(
             command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id=req.client_id))
         )
+
+    async def join_group(self, item: work_pb2.WorkItem) -> OpResult:
+        return await self.groups.join(item.request)
+
+    async def heartbeat(self, item: work_pb2.WorkItem) -> OpResult:
+        return await self.groups.heartbeat(item.request)
+
+    async def commit_offsets(self, item: work_pb2.WorkItem) -> OpResult:
+        return await self.groups.commit(item.request)
+
+    async def leave_group(self, item: work_pb2.WorkItem) -> OpResult:
+        return await self.groups.leave(item.request)
 
     # ----------------------------------------------------------------- reads
 
@@ -432,7 +424,7 @@ class QueueServerLink:
                 async with grpc.aio.insecure_channel(self.address, options=opts) as ch:
                     stub = work_pb2_grpc.WorkStub(ch)
                     self.outbox = asyncio.Queue()
-                    call = stub.Pull(self._messages(), metadata=((AUTH_KEY, self.token),))
+                    call = stub.Pull(self._messages(), metadata=token_metadata(self.token))
                     self.connected = True
                     backoff = 0.05
                     async for batch in call:

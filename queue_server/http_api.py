@@ -16,16 +16,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
 import numpy as np
 from aiohttp import web
 
-from queue_server.errors import Failed
 from queue_server.openapi import OPENAPI
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
+from roadlog.rpc import BY_NAME, RPCS
+from roadlog.status import node_json
 from roadlog.v1 import client_pb2, pings_pb2, topics_pb2
 from roadlog.validation import MAX_BATCH_PINGS
 
@@ -36,17 +37,18 @@ MAX_CLIENT_ID = 128
 RETRY_AFTER_S = "1"
 TIMEOUT_HEADER = "X-Timeout-Ms"
 
+# roadlog's codes as HTTP statuses (the HTTP edge of roadlog.errors); 500 else.
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.FAILED_PRECONDITION: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
+    Code.INVALID_ARGUMENT: 400,
+    Code.OUT_OF_RANGE: 400,
+    Code.PERMISSION_DENIED: 403,
+    Code.NOT_FOUND: 404,
+    Code.ALREADY_EXISTS: 409,
+    Code.FAILED_PRECONDITION: 409,
+    Code.RESOURCE_EXHAUSTED: 503,
+    Code.UNAVAILABLE: 503,
+    Code.DEADLINE_EXCEEDED: 504,
+    Code.UNIMPLEMENTED: 501,
 }
 
 Call = Callable[[str, bytes, float | None, str], Awaitable[bytes]]
@@ -99,20 +101,20 @@ class HttpApi:
         r = app.router
         r.add_get("/openapi.json", self.openapi)
         r.add_get("/healthz", self.healthz)
-        r.add_get("/v1/cluster", self.cluster)
-        r.add_post("/v1/topics", self.create_topic)
-        r.add_get("/v1/topics", self.list_topics)
-        r.add_get("/v1/topics/{name}", self.describe_topic)
-        r.add_post("/v1/topics/{name}/pings", self.publish)
-        r.add_get("/v1/topics/{name}/partitions/{partition}/pings", self.fetch)
-        r.add_get("/v1/topics/{name}/heatmap", self.heatmap)
+        # The rpcs with an HTTP route (roadlog.rpc), each by its handler here.
+        for rpc in RPCS:
+            if rpc.http is not None:
+                handler = getattr(self, rpc.handler)
+                if rpc.http.method == "GET":
+                    r.add_get(rpc.http.path, handler)
+                else:
+                    r.add_route(rpc.http.method, rpc.http.path, handler)
         return app
 
-    async def call(
-        self, request: web.Request, method: str, req: Any, resp_cls: Any, client: str = ""
-    ) -> Any:
+    async def call(self, request: web.Request, method: str, req: Any, client: str = "") -> Any:
         """Through the queues like a gRPC call; the deadline from the
-        ``X-Timeout-Ms`` header (else the queue server's default)."""
+        ``X-Timeout-Ms`` header (else the queue server's default). The
+        answer is the rpc's response message."""
         timeout = None
         if TIMEOUT_HEADER in request.headers:
             ms = _query_int(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000)
@@ -121,9 +123,9 @@ class HttpApi:
             raw = await self._call(
                 method, req.SerializeToString(), timeout, client or (request.remote or "")
             )
-        except Failed as e:
+        except RoadlogError as e:
             raise ApiError(HTTP_STATUS.get(e.code, 500), e.code.name, e.message) from None
-        return resp_cls.FromString(raw)
+        return BY_NAME[method].response.FromString(raw)
 
     # -------------------------------------------------------------- handlers
 
@@ -134,24 +136,13 @@ class HttpApi:
         st = self._status()
         return web.json_response({"ok": True, "leader": st.leader})
 
-    async def cluster(self, request: web.Request) -> web.Response:
+    async def status(self, request: web.Request) -> web.Response:
         st = self._status()
         return web.json_response(
             {
                 "leader": st.leader,
                 "term": st.term,
-                "nodes": [
-                    {
-                        "id": n.id,
-                        "address": n.address,
-                        "role": n.role,
-                        "term": n.term,
-                        "commit_index": n.commit_index,
-                        "applied_index": n.applied_index,
-                        "ready": n.ready,
-                    }
-                    for n in st.nodes
-                ],
+                "nodes": [node_json(n) for n in st.nodes],
                 "queue_servers": [{"grpc": q.grpc, "http": q.http} for q in st.queue_servers],
             }
         )
@@ -184,12 +175,7 @@ class HttpApi:
             h3_resolution=_int(body, "h3_resolution", 0, 0, 15),
             contribution_window_ms=_int(body, "contribution_window_ms", 0, 0, 30 * 86_400_000),
         )
-        d = await self.call(
-            request,
-            "CreateTopic",
-            client_pb2.CreateTopicRequest(spec=spec),
-            topics_pb2.TopicDescription,
-        )
+        d = await self.call(request, "CreateTopic", client_pb2.CreateTopicRequest(spec=spec))
         return web.json_response({**topic_json(d), "applied_index": d.applied_index}, status=201)
 
     async def list_topics(self, request: web.Request) -> web.Response:
@@ -203,7 +189,6 @@ class HttpApi:
                 ),
                 page_token=request.query.get("page_token", ""),
             ),
-            client_pb2.ListTopicsResponse,
         )
         body: dict[str, Any] = {"topics": [topic_json(d) for d in resp.topics]}
         if resp.next_page_token:
@@ -217,7 +202,6 @@ class HttpApi:
             client_pb2.DescribeTopicRequest(
                 name=request.match_info["name"], min_applied_index=_fence(request)
             ),
-            topics_pb2.TopicDescription,
         )
         return web.json_response(topic_json(d))
 
@@ -230,7 +214,7 @@ class HttpApi:
             client_id=client,
             batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
         )
-        resp = await self.call(request, "Publish", req, client_pb2.PublishResponse, client)
+        resp = await self.call(request, "Publish", req, client)
         return web.json_response(
             {
                 "offsets": [
@@ -252,7 +236,7 @@ class HttpApi:
             max_pings=_query_int(q.get("limit", "1000"), "limit", 1, MAX_FETCH_PINGS),
             min_applied_index=_fence(request),
         )
-        resp = await self.call(request, "Fetch", req, client_pb2.FetchResponse)
+        resp = await self.call(request, "Fetch", req)
         pings: list[dict[str, Any]] = []
         for b in resp.batches:
             pings += pings_to_json(
@@ -269,7 +253,7 @@ class HttpApi:
             }
         )
 
-    async def heatmap(self, request: web.Request) -> web.Response:
+    async def get_heatmap(self, request: web.Request) -> web.Response:
         q = request.query
         req = client_pb2.GetHeatmapRequest(
             topic=request.match_info["name"],
@@ -279,7 +263,7 @@ class HttpApi:
         )
         if len(req.client_id.encode()) > MAX_CLIENT_ID:
             raise bad(f"client_id is longer than {MAX_CLIENT_ID} bytes")
-        resp = await self.call(request, "GetHeatmap", req, client_pb2.GetHeatmapResponse)
+        resp = await self.call(request, "GetHeatmap", req)
         return web.json_response(heatmap_json(resp))
 
 

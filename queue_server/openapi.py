@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from roadlog.limits import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, PAGE_BYTES
+from roadlog.rpc import RPCS
 
 _ERROR = {
     "type": "object",
@@ -101,6 +102,217 @@ _TOPIC = {
     },
 }
 
+# Each HTTP route of an rpc (roadlog.rpc), documented under the rpc's name;
+# the path, the verb, the operationId and the fence parameter come from the table.
+_OPERATIONS: dict[str, dict[str, Any]] = {
+    "Status": {
+        "summary": "The cluster as this queue server sees it",
+        "responses": _ok(
+            "leader, term, nodes and queue servers",
+            {
+                "type": "object",
+                "properties": {
+                    "leader": {"type": "integer"},
+                    "term": {"type": "integer"},
+                    "nodes": {"type": "array", "items": {"type": "object"}},
+                    "queue_servers": {"type": "array", "items": {"type": "object"}},
+                },
+            },
+        ),
+    },
+    "ListTopics": {
+        "summary": "The topics in name order, a page at a time",
+        "parameters": [_PAGE_SIZE, _PAGE_TOKEN],
+        "responses": {
+            **_ok(
+                "a page of topics; next_page_token is there when more follow",
+                {
+                    "type": "object",
+                    "properties": {
+                        "topics": {"type": "array", "items": _TOPIC},
+                        "next_page_token": {"type": "string"},
+                    },
+                },
+            ),
+            **_errors("400", "503", "504"),
+        },
+    },
+    "CreateTopic": {
+        "summary": "Create a topic (a city region)",
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {
+                                "type": "string",
+                                "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
+                            },
+                            "region": {
+                                "type": "object",
+                                "description": "a GeoJSON Polygon (lon/lat) or a "
+                                "Feature holding one",
+                            },
+                            "bbox": {
+                                "type": "array",
+                                "items": {"type": "number"},
+                                "minItems": 4,
+                                "maxItems": 4,
+                            },
+                            "partitions": {"type": "integer", "minimum": 0, "maximum": 256},
+                            "retention_ms": {"type": "integer", "minimum": 0},
+                            "h3_resolution": {
+                                "type": "integer",
+                                "minimum": 0,
+                                "maximum": 15,
+                            },
+                            "contribution_window_ms": {"type": "integer", "minimum": 0},
+                        },
+                    }
+                }
+            },
+        },
+        "responses": {
+            **_ok(
+                "the topic created (or the same one again), with applied_index: "
+                "the fence under which every node knows it",
+                {
+                    "allOf": [
+                        _TOPIC,
+                        {
+                            "type": "object",
+                            "properties": {"applied_index": {"type": "integer"}},
+                        },
+                    ]
+                },
+                "201",
+            ),
+            **_errors("400", "409", "413", "503", "504"),
+        },
+    },
+    "DescribeTopic": {
+        "summary": "One topic with its partitions",
+        "parameters": [_NAME],
+        "responses": {**_ok("the topic", _TOPIC), **_errors("400", "404", "503", "504")},
+    },
+    "Publish": {
+        "summary": "Publish pings; a batch with any bad ping is refused whole",
+        "parameters": [_NAME],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["client_id", "pings"],
+                        "properties": {
+                            "client_id": {"type": "string", "minLength": 1},
+                            "pings": {"type": "array", "items": _PING, "minItems": 1},
+                        },
+                    }
+                }
+            },
+        },
+        "responses": {
+            **_ok(
+                "where the pings went",
+                {
+                    "type": "object",
+                    "required": ["offsets", "applied_index", "count"],
+                    "properties": {
+                        "offsets": {"type": "array", "items": {"type": "object"}},
+                        "applied_index": {"type": "integer"},
+                        "count": {"type": "integer"},
+                    },
+                },
+            ),
+            **_errors("400", "404", "409", "413", "503", "504"),
+        },
+    },
+    "Fetch": {
+        "summary": "Read pings of one partition from an offset",
+        "parameters": [
+            _NAME,
+            {
+                "name": "partition",
+                "in": "path",
+                "required": True,
+                "schema": {"type": "integer", "minimum": 0},
+            },
+            {"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+            {
+                "name": "limit",
+                "in": "query",
+                "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
+            },
+        ],
+        "responses": {
+            **_ok(
+                "the pings, in offset order",
+                {
+                    "type": "object",
+                    "required": ["pings", "next_offset", "end_offset"],
+                    "properties": {
+                        "pings": {"type": "array", "items": _STORED_PING},
+                        "next_offset": {"type": "integer"},
+                        "end_offset": {"type": "integer"},
+                        "first_offset": {"type": "integer"},
+                        "served_by": {"type": "string"},
+                    },
+                },
+            ),
+            **_errors("400", "404", "503", "504"),
+        },
+    },
+    "GetHeatmap": {
+        "summary": "The topic's latest heat map, for clients that contributed lately",
+        "parameters": [
+            _NAME,
+            {"name": "client_id", "in": "query", "schema": {"type": "string"}},
+            {
+                "name": "window_start_ms",
+                "in": "query",
+                "schema": {"type": "integer", "minimum": 0},
+            },
+        ],
+        "responses": {
+            **_ok(
+                "the heat map: one entry per H3 cell",
+                {
+                    "type": "object",
+                    "required": ["cells", "window_start_ms", "window_end_ms"],
+                    "properties": {
+                        "window_start_ms": {"type": "integer"},
+                        "window_end_ms": {"type": "integer"},
+                        "h3_resolution": {"type": "integer"},
+                        "cells": {"type": "array", "items": {"type": "object"}},
+                        "windows": {"type": "array", "items": {"type": "integer"}},
+                    },
+                },
+            ),
+            **_errors("400", "403", "404", "503", "504"),
+        },
+    },
+}
+
+
+def _paths() -> dict[str, Any]:
+    """The paths of the rpcs with an HTTP route; a fenced one takes
+    min_applied_index (after its own parameters)."""
+    paths: dict[str, Any] = {}
+    for rpc in RPCS:
+        if rpc.http is None:
+            continue
+        op: dict[str, Any] = {"operationId": rpc.name, **_OPERATIONS[rpc.name]}
+        if rpc.fenced:
+            op["parameters"] = [*op.get("parameters", []), _FENCE]
+        paths.setdefault(rpc.http.path, {})[rpc.http.method.lower()] = op
+    return paths
+
+
 OPENAPI: dict[str, Any] = {
     "openapi": "3.0.3",
     "info": {
@@ -109,212 +321,6 @@ OPENAPI: dict[str, Any] = {
         "description": "GPS pings into geo-fenced topics, replicated with Raft; traffic heat "
         "maps for the clients that contribute pings (give-to-get).",
     },
-    "paths": {
-        "/v1/cluster": {
-            "get": {
-                "summary": "The cluster as this queue server sees it",
-                "responses": _ok(
-                    "leader, term, nodes and queue servers",
-                    {
-                        "type": "object",
-                        "properties": {
-                            "leader": {"type": "integer"},
-                            "term": {"type": "integer"},
-                            "nodes": {"type": "array", "items": {"type": "object"}},
-                            "queue_servers": {"type": "array", "items": {"type": "object"}},
-                        },
-                    },
-                ),
-            }
-        },
-        "/v1/topics": {
-            "get": {
-                "summary": "The topics in name order, a page at a time",
-                "parameters": [_FENCE, _PAGE_SIZE, _PAGE_TOKEN],
-                "responses": {
-                    **_ok(
-                        "a page of topics; next_page_token is there when more follow",
-                        {
-                            "type": "object",
-                            "properties": {
-                                "topics": {"type": "array", "items": _TOPIC},
-                                "next_page_token": {"type": "string"},
-                            },
-                        },
-                    ),
-                    **_errors("400", "503", "504"),
-                },
-            },
-            "post": {
-                "summary": "Create a topic (a city region)",
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["name"],
-                                "properties": {
-                                    "name": {
-                                        "type": "string",
-                                        "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
-                                    },
-                                    "region": {
-                                        "type": "object",
-                                        "description": "a GeoJSON Polygon (lon/lat) or a "
-                                        "Feature holding one",
-                                    },
-                                    "bbox": {
-                                        "type": "array",
-                                        "items": {"type": "number"},
-                                        "minItems": 4,
-                                        "maxItems": 4,
-                                    },
-                                    "partitions": {"type": "integer", "minimum": 0, "maximum": 256},
-                                    "retention_ms": {"type": "integer", "minimum": 0},
-                                    "h3_resolution": {
-                                        "type": "integer",
-                                        "minimum": 0,
-                                        "maximum": 15,
-                                    },
-                                    "contribution_window_ms": {"type": "integer", "minimum": 0},
-                                },
-                            }
-                        }
-                    },
-                },
-                "responses": {
-                    **_ok(
-                        "the topic created (or the same one again), with applied_index: "
-                        "the fence under which every node knows it",
-                        {
-                            "allOf": [
-                                _TOPIC,
-                                {
-                                    "type": "object",
-                                    "properties": {"applied_index": {"type": "integer"}},
-                                },
-                            ]
-                        },
-                        "201",
-                    ),
-                    **_errors("400", "409", "413", "503", "504"),
-                },
-            },
-        },
-        "/v1/topics/{name}": {
-            "get": {
-                "summary": "One topic with its partitions",
-                "parameters": [_NAME, _FENCE],
-                "responses": {**_ok("the topic", _TOPIC), **_errors("400", "404", "503", "504")},
-            }
-        },
-        "/v1/topics/{name}/pings": {
-            "post": {
-                "summary": "Publish pings; a batch with any bad ping is refused whole",
-                "parameters": [_NAME],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["client_id", "pings"],
-                                "properties": {
-                                    "client_id": {"type": "string", "minLength": 1},
-                                    "pings": {"type": "array", "items": _PING, "minItems": 1},
-                                },
-                            }
-                        }
-                    },
-                },
-                "responses": {
-                    **_ok(
-                        "where the pings went",
-                        {
-                            "type": "object",
-                            "required": ["offsets", "applied_index", "count"],
-                            "properties": {
-                                "offsets": {"type": "array", "items": {"type": "object"}},
-                                "applied_index": {"type": "integer"},
-                                "count": {"type": "integer"},
-                            },
-                        },
-                    ),
-                    **_errors("400", "404", "409", "413", "503", "504"),
-                },
-            }
-        },
-        "/v1/topics/{name}/partitions/{partition}/pings": {
-            "get": {
-                "summary": "Read pings of one partition from an offset",
-                "parameters": [
-                    _NAME,
-                    {
-                        "name": "partition",
-                        "in": "path",
-                        "required": True,
-                        "schema": {"type": "integer", "minimum": 0},
-                    },
-                    {"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
-                    {
-                        "name": "limit",
-                        "in": "query",
-                        "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
-                    },
-                    _FENCE,
-                ],
-                "responses": {
-                    **_ok(
-                        "the pings, in offset order",
-                        {
-                            "type": "object",
-                            "required": ["pings", "next_offset", "end_offset"],
-                            "properties": {
-                                "pings": {"type": "array", "items": _STORED_PING},
-                                "next_offset": {"type": "integer"},
-                                "end_offset": {"type": "integer"},
-                                "first_offset": {"type": "integer"},
-                                "served_by": {"type": "string"},
-                            },
-                        },
-                    ),
-                    **_errors("400", "404", "503", "504"),
-                },
-            }
-        },
-        "/v1/topics/{name}/heatmap": {
-            "get": {
-                "summary": "The topic's latest heat map, for clients that contributed lately",
-                "parameters": [
-                    _NAME,
-                    {"name": "client_id", "in": "query", "schema": {"type": "string"}},
-                    {
-                        "name": "window_start_ms",
-                        "in": "query",
-                        "schema": {"type": "integer", "minimum": 0},
-                    },
-                    _FENCE,
-                ],
-                "responses": {
-                    **_ok(
-                        "the heat map: one entry per H3 cell",
-                        {
-                            "type": "object",
-                            "required": ["cells", "window_start_ms", "window_end_ms"],
-                            "properties": {
-                                "window_start_ms": {"type": "integer"},
-                                "window_end_ms": {"type": "integer"},
-                                "h3_resolution": {"type": "integer"},
-                                "cells": {"type": "array", "items": {"type": "object"}},
-                                "windows": {"type": "array", "items": {"type": "integer"}},
-                            },
-                        },
-                    ),
-                    **_errors("400", "403", "404", "503", "504"),
-                },
-            }
-        },
-    },
+    "paths": _paths(),
     "components": {"schemas": {"Error": _ERROR}},
 }

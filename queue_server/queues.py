@@ -18,14 +18,9 @@ nor delays their requests behind it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from queue_server.fair import FairQueue, Full
-
-
-class Kind(IntEnum):
-    WRITE = 1
-    READ = 2
+from roadlog.rpc import Kind as Kind  # which queue: declared with the rpcs
 
 
 class QueueFull(Exception):

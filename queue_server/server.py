@@ -28,18 +28,19 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from discovery.agent import DiscoveryAgent
 from discovery.core import DiscoveryCore
-from node_daemon.transport import auth_token, authorized
 from queue_server.config import QueueConfig
-from queue_server.errors import Failed
 from queue_server.http_api import HttpApi
-from queue_server.queues import Item, Kind, QueueFull, WorkQueues
-from roadlog.http_health import serve_metrics_and_health
+from queue_server.queues import Item, QueueFull, WorkQueues
+from roadlog.errors import Code, RoadlogError
+from roadlog.grpc_status import to_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
+from roadlog.rpc import BY_NAME, QUEUED, SERVICE, Kind
+from roadlog.runtime.auth import ClusterAuth, cluster_token, protects
+from roadlog.runtime.health import serve_metrics_and_health
 from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
 
 log = logging.getLogger("roadlog.queue")
 
-STATUS_BY_VALUE = {sc.value[0]: sc for sc in grpc.StatusCode}
 MAX_ATTEMPTS = 50
 # A read fenced beyond every node's commit index waits this long (the
 # nodes' state may lag the write's answer a little) before it is refused.
@@ -58,40 +59,12 @@ REQUESTS = Counter(
 )
 WORKERS = Gauge("roadlog_queue_connected_nodes", "nodes pulling work from this queue server")
 
-# method -> which queue: writes go to the leader, reads to any node past the fence
-METHODS: dict[str, Kind] = {
-    "CreateTopic": Kind.WRITE,
-    "DeleteTopic": Kind.WRITE,
-    "InitProducer": Kind.WRITE,
-    "Publish": Kind.WRITE,
-    "PublishBatch": Kind.WRITE,
-    "Fetch": Kind.READ,
-    "DescribeTopic": Kind.READ,
-    "ListTopics": Kind.READ,
-    "JoinGroup": Kind.WRITE,
-    "Heartbeat": Kind.WRITE,
-    "CommitOffsets": Kind.WRITE,
-    "LeaveGroup": Kind.WRITE,
-    "PutHeatmap": Kind.WRITE,
-    "DescribeGroup": Kind.READ,
-    "ListGroups": Kind.READ,
-    "GetHeatmap": Kind.READ,
-}
-# Reads that carry a fence (read your writes): the request class to read it from.
-FENCED: dict[str, Any] = {
-    "Fetch": client_pb2.FetchRequest,
-    "DescribeTopic": client_pb2.DescribeTopicRequest,
-    "ListTopics": client_pb2.ListTopicsRequest,
-    "DescribeGroup": client_pb2.DescribeGroupRequest,
-    "GetHeatmap": client_pb2.GetHeatmapRequest,
-}
-
 
 class QueueServer(work_pb2_grpc.WorkServicer):
     def __init__(self, cfg: QueueConfig) -> None:
         self.cfg = cfg
         self.q = WorkQueues(cfg.max_writes, cfg.max_reads)
-        self.token = auth_token(cfg.secret(), cfg.cluster_name)
+        self.token = cluster_token(cfg.secret(), cfg.cluster_name)
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future[work_pb2.WorkResult]] = {}
         self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | None]] = {}  # per worker
@@ -104,20 +77,22 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     ) -> bytes:
         """Queue one client request and wait for its answer. ``client`` is
         who asks (the unit of fairness between clients)."""
-        kind = METHODS[method]
+        rpc = QUEUED[method]
+        kind = rpc.kind
+        assert kind is not None  # QUEUED holds the rpcs that have a queue
         if len(request) > CLIENT_MESSAGE_BYTES:
-            raise Failed(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise RoadlogError(
+                Code.RESOURCE_EXHAUSTED,
                 f"request of {len(request)} bytes is over the limit of {CLIENT_MESSAGE_BYTES}",
             )
         fence = 0
-        if method in FENCED:
-            cls = FENCED[method]
+        if rpc.fenced:  # read your writes: the fence routes it
+            cls = rpc.request
             try:
-                fence = cls.FromString(request).min_applied_index
+                fence = cls.FromString(request).min_applied_index  # type: ignore[attr-defined]
             except Exception:
-                raise Failed(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.DESCRIPTOR.name}"
+                raise RoadlogError(
+                    Code.INVALID_ARGUMENT, f"malformed {cls.DESCRIPTOR.name}"
                 ) from None
         now = time.monotonic()
         wait = timeout if timeout is not None else self.cfg.default_timeout_ms / 1000
@@ -127,7 +102,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         try:
             self.q.submit(item)
         except QueueFull as e:
-            raise Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            raise RoadlogError(Code.RESOURCE_EXHAUSTED, str(e)) from None
         fut: asyncio.Future[work_pb2.WorkResult] = asyncio.get_running_loop().create_future()
         self._futures[item.id] = fut
         self._kick()
@@ -135,13 +110,11 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             res = await asyncio.wait_for(fut, wait + 0.5)
         except TimeoutError:
             self.q.cancel(item.id)
-            raise Failed(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer before the deadline"
-            ) from None
+            raise RoadlogError(Code.DEADLINE_EXCEEDED, "no answer before the deadline") from None
         finally:
             self._futures.pop(item.id, None)
         if res.code:
-            raise Failed(STATUS_BY_VALUE.get(res.code, grpc.StatusCode.UNKNOWN), res.message)
+            raise RoadlogError(Code.of(res.code), res.message)
         return res.response
 
     def _kick(self) -> None:
@@ -182,33 +155,31 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             for it in self.q.drop_unreachable_fences(commit, now - FENCE_GRACE_S):
                 self._fail(
                     it.id,
-                    grpc.StatusCode.OUT_OF_RANGE,
+                    Code.OUT_OF_RANGE,
                     f"min_applied_index {it.fence} is beyond the cluster's commit index "
                     f"{commit}: no write was answered with it",
                 )
         for e in self.q.expire(now):
             if e.gave_up:
-                self._fail(e.item.id, grpc.StatusCode.INTERNAL, e.reason)
+                self._fail(e.item.id, Code.INTERNAL, e.reason)
             else:
                 self._fail(
                     e.item.id,
-                    grpc.StatusCode.UNAVAILABLE,
+                    Code.UNAVAILABLE,
                     f"not done before the deadline: {e.reason}",
                 )
 
-    def _fail(self, item_id: int, code: grpc.StatusCode, message: str) -> None:
+    def _fail(self, item_id: int, code: Code, message: str) -> None:
         fut = self._futures.get(item_id)
         if fut is not None and not fut.done():
-            fut.set_result(work_pb2.WorkResult(id=item_id, code=code.value[0], message=message))
+            fut.set_result(work_pb2.WorkResult(id=item_id, code=code, message=message))
 
     # --------------------------------------------------------------- nodes
 
     async def Pull(
         self, request_iterator: AsyncIterator[work_pb2.WorkerMessage], context: Any
     ) -> AsyncIterator[work_pb2.WorkItems]:
-        if not authorized(context, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
-        wid = next(self._ids)
+        wid = next(self._ids)  # the cluster token is checked by ClusterAuth
         out: asyncio.Queue[work_pb2.WorkItem | None] = asyncio.Queue()
         self._sessions[wid] = out
         connected = False
@@ -274,7 +245,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
     def _result(self, wid: int, r: work_pb2.WorkResult) -> None:
         fut = self._futures.get(r.id)
-        if r.code == grpc.StatusCode.UNAVAILABLE.value[0]:
+        if r.code == Code.UNAVAILABLE:
             it = self.q.retry(wid, r.id)
             if it is not None and it.attempts < MAX_ATTEMPTS and fut is not None and not fut.done():
                 return  # another node (the new leader) will take it
@@ -335,9 +306,9 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
             remaining = context.time_remaining()
             try:
                 out = await server.call(method, request, remaining, client_key(context))
-            except Failed as e:
+            except RoadlogError as e:
                 REQUESTS.labels(method, e.code.name).inc()
-                await context.abort(e.code, e.message)
+                await context.abort(to_grpc(e.code), e.message)
             REQUESTS.labels(method, "OK").inc()
             return out
 
@@ -346,18 +317,24 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
     async def status(request: bytes, context: Any) -> bytes:
         return server.status().SerializeToString()
 
+    local: dict[str, Callable[[bytes, Any], Awaitable[bytes]]] = {"Status": status}
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-        m: grpc.unary_unary_rpc_method_handler(unary(m)) for m in METHODS
+        name: grpc.unary_unary_rpc_method_handler(
+            unary(name) if rpc.kind is not None else local[name]
+        )
+        for name, rpc in BY_NAME.items()
     }
-    handlers["Status"] = grpc.unary_unary_rpc_method_handler(status)
-    return grpc.method_handlers_generic_handler("roadlog.v1.Roadlog", handlers)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
 async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     qs = QueueServer(cfg)
     # One port serves clients and the nodes' Work streams: it takes what a
     # node may send, and ``call`` refuses a client request over its own limit.
-    server = grpc.aio.server(options=grpc_options(WORK_MESSAGE_BYTES))
+    server = grpc.aio.server(
+        interceptors=[ClusterAuth(qs.token, protects(["roadlog.v1.Work"]))],
+        options=grpc_options(WORK_MESSAGE_BYTES),
+    )
     server.add_generic_rpc_handlers((client_handler(qs),))
     work_pb2_grpc.add_WorkServicer_to_server(qs, server)
     health_servicer = health.aio.HealthServicer()

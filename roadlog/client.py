@@ -24,6 +24,17 @@ from google.protobuf.message import Message
 
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+
+# The SDK's error names (re-exported: callers catch roadlog.client.NotFound ...).
+from roadlog.errors import AlreadyExists as AlreadyExists
+from roadlog.errors import Code, error
+from roadlog.errors import FailedPrecondition as FailedPrecondition
+from roadlog.errors import InvalidArgument as InvalidArgument
+from roadlog.errors import NotFound as NotFound
+from roadlog.errors import PermissionDenied as PermissionDenied
+from roadlog.errors import RoadlogError as RoadlogError
+from roadlog.errors import Unavailable as Unavailable
+from roadlog.grpc_status import from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import (
     client_pb2,
@@ -34,58 +45,13 @@ from roadlog.v1 import (
     topics_pb2,
 )
 
-RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-}
+RETRYABLE = {Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED}
 M = TypeVar("M", bound=Message)
 
 
-class RoadlogError(Exception):
-    """A request failed; ``code`` is the gRPC status, the message the reason."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.reason = message
-
-
-class NotFound(RoadlogError):
-    pass
-
-
-class InvalidArgument(RoadlogError):
-    pass
-
-
-class Unavailable(RoadlogError):
-    """No answer before the deadline: no leader, no majority, or no server."""
-
-
-class PermissionDenied(RoadlogError):
-    """Give-to-get: heat maps are for clients that contributed pings lately."""
-
-
-class FailedPrecondition(RoadlogError):
-    """The request no longer fits the state (a stale group generation, say)."""
-
-
-class AlreadyExists(RoadlogError):
-    """A topic of that name exists already."""
-
-
-def _error(code: grpc.StatusCode, message: str) -> RoadlogError:
-    cls = {
-        grpc.StatusCode.NOT_FOUND: NotFound,
-        grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-        grpc.StatusCode.UNAVAILABLE: Unavailable,
-        grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
-        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-        grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-        grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    }.get(code, RoadlogError)
-    return cls(code, message)
+def _rpc_error(e: grpc.RpcError) -> RoadlogError:
+    """The SDK error for a failed gRPC call: its status and details."""
+    return error(from_grpc(e.code()), e.details() or "")
 
 
 def _too_big(e: grpc.RpcError) -> bool:
@@ -181,9 +147,8 @@ class Connection:
             try:
                 return getattr(stub, method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
-                code = e.code()
-                if code not in RETRYABLE or _too_big(e):
-                    raise _error(code, e.details() or "") from None
+                if from_grpc(e.code()) not in RETRYABLE or _too_big(e):
+                    raise _rpc_error(e) from None
                 last = e
                 if e.details() and e.details() != "Deadline Exceeded":
                     reason = e.details() or ""
@@ -192,8 +157,8 @@ class Connection:
                 delay = min(delay * 2, 1.0)
         if last is not None:
             why = reason or last.details() or "no answer"
-            raise _error(grpc.StatusCode.UNAVAILABLE, why) from None
-        raise _error(grpc.StatusCode.UNAVAILABLE, "no time left")
+            raise error(Code.UNAVAILABLE, why) from None
+        raise error(Code.UNAVAILABLE, "no time left")
 
 
 class Admin:
@@ -384,7 +349,7 @@ class Producer:
                 except RoadlogError as e:
                     self._error = e
                 except Exception as e:  # never lose an error in a background thread
-                    self._error = RoadlogError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+                    self._error = RoadlogError(Code.UNKNOWN, f"{type(e).__name__}: {e}")
 
     def send_batch(self, cols: PingColumns) -> Ack:
         """Publish columns as one batch; returns once it is stored on a majority."""

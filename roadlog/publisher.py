@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from roadlog.client import RETRYABLE, RoadlogError, _error, client_id
+from roadlog.client import RETRYABLE, client_id
+from roadlog.errors import Code, RoadlogError, error
+from roadlog.grpc_status import from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import client_pb2
 
@@ -163,7 +165,7 @@ class Publisher:
             if p.deadline <= now:
                 q.popleft()
                 self._queued_bytes -= len(p.request)
-                self._fail(p, _error(grpc.StatusCode.UNAVAILABLE, p.reason or "no time left"))
+                self._fail(p, error(Code.UNAVAILABLE, p.reason or "no time left"))
                 continue
             if batch and size + len(p.request) > self.max_batch_bytes:
                 break
@@ -178,7 +180,7 @@ class Publisher:
             await self._call(batch)
         except Exception as e:  # never leave a publish unanswered
             for p in batch:
-                self._fail(p, RoadlogError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
+                self._fail(p, RoadlogError(Code.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             self._in_flight -= 1
             self._pump()
@@ -194,10 +196,11 @@ class Publisher:
                 body.SerializeToString(), timeout=max(left, 0.01), metadata=self.metadata
             )
         except grpc.aio.AioRpcError as e:
-            code, why = e.code(), e.details() or e.code().name
+            code = from_grpc(e.code())
+            why = e.details() or code.name
             if code not in RETRYABLE:
                 for p in batch:
-                    self._fail(p, _error(code, why))
+                    self._fail(p, error(code, why))
                 return
             if self._current == server:  # fail over to the next queue server
                 self._current = (server + 1) % len(self._calls)
@@ -206,7 +209,7 @@ class Publisher:
         resp = client_pb2.PublishBatchResponseView.FromString(raw)
         if len(resp.results) != len(batch):
             err = RoadlogError(
-                grpc.StatusCode.INTERNAL,
+                Code.INTERNAL,
                 f"{len(resp.results)} results for {len(batch)} publishes",
             )
             for p in batch:
@@ -221,12 +224,12 @@ class Publisher:
                 if not p.future.done():
                     p.future.set_result(out)
                 continue
-            code = _STATUS.get(r.code, grpc.StatusCode.UNKNOWN)
+            code = Code.of(r.code)
             if code in RETRYABLE:
                 p.reason = r.message
                 again.append(p)
             else:
-                self._fail(p, _error(code, r.message))
+                self._fail(p, error(code, r.message))
         if again:
             self._retry(again, again[0].reason)
         else:
@@ -252,6 +255,3 @@ class Publisher:
         self.stats.failed += 1
         if not p.future.done():
             p.future.set_exception(err)
-
-
-_STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}

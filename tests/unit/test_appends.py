@@ -6,16 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.raft import Entry, EntryType
-from node_daemon.sm_errors import OpError
 from node_daemon.state_machine import OpResult, StateMachine
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, bbox_region
 from roadlog.v1 import client_pb2, command_pb2, pings_pb2, topics_pb2
 from roadlog.validation import BatchRejected
@@ -29,7 +28,7 @@ PARTS = 4
 
 def lookup(name: str) -> tuple[int, Region]:
     if name != "munich":
-        raise OpError(grpc.StatusCode.NOT_FOUND, f"no topic {name!r}")
+        raise RoadlogError(Code.NOT_FOUND, f"no topic {name!r}")
     return PARTS, REGION
 
 
@@ -107,7 +106,7 @@ def test_requests_merge_into_one_op_and_each_gets_its_own_offsets(replica: Repli
     stored = {q: replica.read(q) for q in range(PARTS)}
     assert sum(map(len, stored.values())) == 500
     for k, span in enumerate(res.spans):
-        assert span.code == grpc.StatusCode.OK
+        assert span.code == Code.OK
         resp = client_pb2.PublishResponse.FromString(span.response)
         assert ts_of(resp, stored) == list(range(k * 100, k * 100 + 100))
         assert resp.applied_index == replica.index
@@ -131,7 +130,7 @@ def test_a_bad_request_is_refused_alone_with_its_own_indexes() -> None:
     assert isinstance(bad, BatchRejected)
     assert [(b.index, b.reason) for b in bad.bad] == [(1, "latitude must be a number in [-90, 90]")]
     assert isinstance(errors[3], MalformedRequest)
-    assert isinstance(errors[4], OpError) and errors[4].code == grpc.StatusCode.NOT_FOUND
+    assert isinstance(errors[4], RoadlogError) and errors[4].code == Code.NOT_FOUND
     assert (
         prepared[0].op.append.parts[0].count
         + sum(pt.count for pt in prepared[0].op.append.parts[1:])
@@ -183,8 +182,8 @@ def test_an_old_sequence_fails_alone(replica: Replica) -> None:
     fresh = request([100], devices=["car"])
     [p], _ = prepare_appends([stale, fresh], lookup, T0)
     [res] = replica.apply([p.op])
-    assert res.spans[0].code == grpc.StatusCode.FAILED_PRECONDITION
-    assert res.spans[1].code == grpc.StatusCode.OK
+    assert res.spans[0].code == Code.FAILED_PRECONDITION
+    assert res.spans[1].code == Code.OK
     stored = [t for q in range(PARTS) for t in replica.read(q)]
     assert 99 not in stored and 100 in stored
 
@@ -195,10 +194,10 @@ def test_inconsistent_spans_are_refused_on_every_replica(replica: Replica) -> No
     op.CopyFrom(p.op)
     op.append.spans[0].counts[0] += 1
     [res] = replica.apply([op])
-    assert res.code == grpc.StatusCode.INVALID_ARGUMENT and "disagree" in res.message
+    assert res.code == Code.INVALID_ARGUMENT and "disagree" in res.message
     del op.append.spans[:]
     [res] = replica.apply([op])
-    assert res.code == grpc.StatusCode.INVALID_ARGUMENT and "without spans" in res.message
+    assert res.code == Code.INVALID_ARGUMENT and "without spans" in res.message
     assert [replica.read(q) for q in range(PARTS)] == [[]] * PARTS
 
 

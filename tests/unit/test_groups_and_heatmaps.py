@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.sm_errors import OpError
 from node_daemon.state_machine import OpResult, StateMachine, append_op
 from roadlog.columnar import PingColumns
+from roadlog.errors import Code, RoadlogError
 from roadlog.geo import bbox_region
 from roadlog.partitioning import split_by_partition
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, heatmaps_pb2, topics_pb2
@@ -42,7 +41,7 @@ class Cluster:
 
     def ok(self, op: command_pb2.Op, at_ms: int = T0) -> bytes:
         res = self.apply(op, at_ms)
-        assert res.code == grpc.StatusCode.OK, res.message
+        assert res.code == Code.OK, res.message
         return res.response
 
     def join(self, member: str, group: str = "dash") -> client_pb2.JoinGroupResponse:
@@ -106,20 +105,20 @@ def test_members_share_the_partitions_and_every_change_bumps_the_generation(c: C
 def test_commits_are_fenced_by_generation_and_ownership(c: Cluster) -> None:
     c.publish("x", T0, n=40)
     a = c.join("a")
-    assert c.commit("a", a.generation, {0: 1}).code == grpc.StatusCode.OK
+    assert c.commit("a", a.generation, {0: 1}).code == Code.OK
     b = c.join("b")
     mine_b = c.assignment()["b"]
     stale = c.commit("a", a.generation, {mine_b[0]: 1})
-    assert stale.code == grpc.StatusCode.FAILED_PRECONDITION and "stale generation" in stale.message
+    assert stale.code == Code.FAILED_PRECONDITION and "stale generation" in stale.message
     not_owned = c.commit("a", b.generation, {mine_b[0]: 1})
-    assert not_owned.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not_owned.code == Code.FAILED_PRECONDITION
     assert "not assigned" in not_owned.message
     gone = c.commit("zed", b.generation, {0: 1})
-    assert gone.code == grpc.StatusCode.FAILED_PRECONDITION and "join again" in gone.message
+    assert gone.code == Code.FAILED_PRECONDITION and "join again" in gone.message
     end = c.sm.describe("munich").partitions[mine_b[0]].next_offset
     past = c.commit("b", b.generation, {mine_b[0]: end + 1})
-    assert past.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert c.commit("b", b.generation, {mine_b[0]: end}).code == grpc.StatusCode.OK
+    assert past.code == Code.INVALID_ARGUMENT
+    assert c.commit("b", b.generation, {mine_b[0]: end}).code == Code.OK
     offsets = {o.partition: o.offset for o in c.sm.describe_group("dash").offsets}
     assert offsets == {0: 1, mine_b[0]: end}
 
@@ -136,7 +135,7 @@ def test_bad_group_requests_change_nothing(c: Cluster) -> None:
         ),
     ):
         res = c.apply(command_pb2.Op(join_group=command_pb2.JoinGroupOp(request=req)))
-        assert res.code != grpc.StatusCode.OK
+        assert res.code != Code.OK
     with c.sm.env.begin() as txn:  # everything but the applied index is as it was
         assert c.sm.groups.describe(txn, "dash").group.generation == 1
     assert before != c.sm.digest()  # the applied index moved on ...
@@ -147,13 +146,13 @@ def test_give_to_get_checks_the_rule_before_the_map(c: Cluster) -> None:
     def get(client: str, now: int) -> client_pb2.GetHeatmapResponse:
         return c.sm.heatmap(client_pb2.GetHeatmapRequest(topic="munich", client_id=client), now)
 
-    with pytest.raises(OpError) as e:
+    with pytest.raises(RoadlogError) as e:
         get("stranger", T0)
-    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "publish" in e.value.message
+    assert e.value.code == Code.PERMISSION_DENIED and "publish" in e.value.message
     c.publish("alice", T0)
-    with pytest.raises(OpError) as e:  # allowed, but no map yet
+    with pytest.raises(RoadlogError) as e:  # allowed, but no map yet
         get("alice", T0 + 1000)
-    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert e.value.code == Code.NOT_FOUND
     cells = heatmaps_pb2.HeatMapCells(
         h3=[617700169958293503], pings=[3], devices=[3], mean_speed_mps=[7.5]
     )
@@ -176,9 +175,9 @@ def test_give_to_get_checks_the_rule_before_the_map(c: Cluster) -> None:
     assert got.heatmap.window_start_ms == T0 + 300_000 and list(got.windows) == [T0, T0 + 300_000]
     assert got.contributed_ms == T0 and list(got.heatmap.cells.pings) == [3]
     for who, now in (("stranger", T0), ("alice", T0 + 61_000), ("", T0)):
-        with pytest.raises(OpError) as e:  # a stranger, a lapsed contributor, no id
+        with pytest.raises(RoadlogError) as e:  # a stranger, a lapsed contributor, no id
             get(who, now)
-        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert e.value.code == Code.PERMISSION_DENIED
 
 
 def test_a_malformed_heat_map_is_refused(c: Cluster) -> None:
@@ -193,14 +192,14 @@ def test_a_malformed_heat_map_is_refused(c: Cluster) -> None:
             put_heatmap=command_pb2.PutHeatmapOp(request=client_pb2.PutHeatmapRequest(heatmap=hm))
         )
     )
-    assert res.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert res.code == Code.INVALID_ARGUMENT
     hm.window_end_ms = T0 + 1
     res = c.apply(
         command_pb2.Op(
             put_heatmap=command_pb2.PutHeatmapOp(request=client_pb2.PutHeatmapRequest(heatmap=hm))
         )
     )
-    assert res.code == grpc.StatusCode.INVALID_ARGUMENT and "length" in res.message
+    assert res.code == Code.INVALID_ARGUMENT and "length" in res.message
 
 
 def test_deleting_a_topic_forgets_its_groups_and_maps(c: Cluster) -> None:

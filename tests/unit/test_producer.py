@@ -7,10 +7,10 @@ import threading
 import time
 from typing import Any
 
-import grpc
 import pytest
 
 from roadlog.client import Producer, Unavailable
+from roadlog.errors import Code
 from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit
@@ -27,7 +27,7 @@ class FakeConnection:
             return client_pb2.InitProducerResponse(producer_id=7)
         assert method == "Publish"
         if self.fail:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "no leader")
+            raise Unavailable(Code.UNAVAILABLE, "no leader")
         with self.lock:
             self.published.append(request)
         n = len(request.batch.ts_ms)

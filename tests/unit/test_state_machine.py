@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
@@ -15,6 +14,7 @@ from node_daemon.raft import Entry, EntryType
 from node_daemon.state_machine import OpResult, StateMachine, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+from roadlog.errors import Code
 from roadlog.geo import bbox_region
 from roadlog.partitioning import split_by_partition
 from roadlog.v1 import client_pb2, command_pb2, topics_pb2
@@ -37,7 +37,7 @@ class Log:
         [res] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())])
         return res
 
-    def run(self, cmd: command_pb2.Command) -> list[tuple[grpc.StatusCode, bytes, str]]:
+    def run(self, cmd: command_pb2.Command) -> list[tuple[Code, bytes, str]]:
         """One (code, response, message) per op; an append op's single span's."""
         out = []
         for r in self.results(cmd):
@@ -54,7 +54,7 @@ class Log:
         )
         op = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
         [(code, raw, msg)] = self.run(command_pb2.Command(leader_ms=T0, ops=[op]))
-        assert code == grpc.StatusCode.OK, msg
+        assert code == Code.OK, msg
         return topics_pb2.TopicDescription.FromString(raw)
 
     def append(
@@ -64,7 +64,7 @@ class Log:
         producer: int = 0,
         seq: int = 0,
         topic: str = "munich",
-    ) -> tuple[grpc.StatusCode, client_pb2.PublishResponse, str]:
+    ) -> tuple[Code, client_pb2.PublishResponse, str]:
         op = append_op(topic, split_by_partition(cols, 4), producer, seq)
         cmd = command_pb2.Command(leader_ms=at_ms, ops=[op])
         [(code, raw, msg)] = self.run(cmd)
@@ -136,7 +136,7 @@ def test_create_describe_and_list(sm: StateMachine) -> None:
     [(code, _, msg)] = log.run(
         command_pb2.Command(ops=[command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))])
     )
-    assert code == grpc.StatusCode.ALREADY_EXISTS and "exists" in msg
+    assert code == Code.ALREADY_EXISTS and "exists" in msg
 
 
 def test_offsets_are_dense_and_keep_the_order_sent(sm: StateMachine) -> None:
@@ -145,7 +145,7 @@ def test_offsets_are_dense_and_keep_the_order_sent(sm: StateMachine) -> None:
     sent: dict[int, list[int]] = {}
     for k in range(10):
         code, resp, _ = log.append(pings(50, start=k * 50))
-        assert code == grpc.StatusCode.OK
+        assert code == Code.OK
         for o in resp.offsets:
             sent.setdefault(o.partition, [])
             assert o.base_offset == sum(1 for _ in sent[o.partition])
@@ -188,7 +188,7 @@ def test_a_retried_batch_is_stored_once_with_its_original_offsets(sm: StateMachi
 def test_unknown_topic_and_partition_are_clear_errors(sm: StateMachine) -> None:
     log = Log(sm)
     code, _, msg = log.append(pings(3), topic="nowhere")
-    assert code == grpc.StatusCode.NOT_FOUND and "nowhere" in msg
+    assert code == Code.NOT_FOUND and "nowhere" in msg
     log.create()
     with pytest.raises(Exception, match="no partition"):
         sm.fetch(client_pb2.FetchRequest(topic="munich", partition=99))
@@ -232,7 +232,7 @@ def test_delete_topic_removes_its_data(sm: StateMachine) -> None:
         )
     )
     deleted = client_pb2.DeleteTopicResponse.FromString(raw)
-    assert code == grpc.StatusCode.OK and deleted.deleted and deleted.applied_index == log.index
+    assert code == Code.OK and deleted.deleted and deleted.applied_index == log.index
     assert sm.list_topics() == []
     log.create()
     assert all(p.next_offset == 0 for p in sm.describe("munich").partitions)
@@ -336,7 +336,7 @@ def test_undecodable_commands_and_config_entries_change_nothing(sm: StateMachine
     res = sm.apply(
         [Entry(1, 1, EntryType.NORMAL, b"\xff\xff"), Entry(1, 2, EntryType.CONFIG, b"x")]
     )
-    assert res[0][0].code == grpc.StatusCode.INTERNAL and res[1] == []
+    assert res[0][0].code == Code.INTERNAL and res[1] == []
     assert sm.applied_index == 2
     assert sm.digest() != before  # only the applied index moved
     assert sm.list_topics() == []

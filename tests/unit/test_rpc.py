@@ -1,0 +1,131 @@
+"""The RPC surface declared once (roadlog.rpc): the table agrees with the
+proto's service, and the queue server, the node's worker, the HTTP routes
+and the OpenAPI document are made from it."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+import pytest
+
+from node_daemon.worker import Executor
+from queue_server.http_api import HttpApi
+from queue_server.openapi import OPENAPI
+from queue_server.server import client_handler
+from roadlog.errors import Code
+from roadlog.rpc import BY_NAME, FENCE_FIELD, QUEUED, RPCS, SERVICE, Kind, Rpc
+from roadlog.v1 import client_pb2, work_pb2
+
+pytestmark = pytest.mark.unit
+
+SERVICE_DESCRIPTOR = client_pb2.DESCRIPTOR.services_by_name["Roadlog"]
+
+
+def test_the_table_is_the_protos_service() -> None:
+    assert SERVICE_DESCRIPTOR.full_name == SERVICE
+    methods = SERVICE_DESCRIPTOR.methods_by_name
+    assert [r.name for r in RPCS] == [m.name for m in SERVICE_DESCRIPTOR.methods]
+    for r in RPCS:
+        m = methods[r.name]
+        assert r.request.DESCRIPTOR.full_name == m.input_type.full_name, r.name
+        assert r.response.DESCRIPTOR.full_name == m.output_type.full_name, r.name
+        assert not m.client_streaming and not m.server_streaming, r.name
+
+
+def test_kinds_and_fences() -> None:
+    assert {r.name for r in RPCS if r.kind is None} == {"Status"}
+    assert {r.name for r in RPCS if r.fenced} == {
+        "Fetch",
+        "DescribeTopic",
+        "ListTopics",
+        "DescribeGroup",
+        "GetHeatmap",
+    }
+    # Only reads wait for a fence; every write is the leader's.
+    assert all(r.kind == Kind.READ for r in RPCS if r.fenced)
+    assert {r.name for r in RPCS if r.kind == Kind.READ} == {
+        "Fetch",
+        "DescribeTopic",
+        "ListTopics",
+        "DescribeGroup",
+        "ListGroups",
+        "GetHeatmap",
+    }
+    assert set(QUEUED) == set(BY_NAME) - {"Status"}
+
+
+def test_fenced_is_read_from_the_request() -> None:
+    r = Rpc("X", Kind.READ, client_pb2.FetchRequest, client_pb2.FetchResponse)
+    assert r.fenced and FENCE_FIELD in client_pb2.FetchRequest.DESCRIPTOR.fields_by_name
+    w = Rpc("Y", Kind.WRITE, client_pb2.PublishRequest, client_pb2.PublishResponse)
+    assert not w.fenced
+
+
+@pytest.mark.parametrize(
+    ("name", "handler"),
+    [
+        ("Publish", "publish"),
+        ("PublishBatch", "publish_batch"),
+        ("GetHeatmap", "get_heatmap"),
+        ("CommitOffsets", "commit_offsets"),
+        ("Status", "status"),
+    ],
+)
+def test_handler_names(name: str, handler: str) -> None:
+    assert BY_NAME[name].handler == handler
+
+
+def test_the_worker_has_a_handler_for_every_queued_rpc() -> None:
+    for r in QUEUED.values():
+        fn = getattr(Executor, r.handler, None)
+        assert fn is not None and inspect.iscoroutinefunction(fn), r.name
+
+
+def test_the_worker_refuses_a_method_not_in_the_table() -> None:
+    ex = Executor.__new__(Executor)  # dispatch needs no node for an unknown method
+    res = asyncio.run(ex.run(work_pb2.WorkItem(id=7, method="Status")))
+    assert (res.id, res.code) == (7, Code.UNIMPLEMENTED) and "no method Status" in res.message
+
+
+def test_the_queue_server_serves_every_rpc() -> None:
+    handler: Any = client_handler(None)  # type: ignore[arg-type]
+    for r in RPCS:
+        assert handler.service(_Details(f"/{SERVICE}/{r.name}")) is not None, r.name
+    assert handler.service(_Details(f"/{SERVICE}/Nope")) is None
+
+
+class _Details:
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.invocation_metadata = ()
+
+
+def test_http_routes_are_the_tables() -> None:
+    api = HttpApi(None, None)  # type: ignore[arg-type]
+    routes = {
+        (route.method, route.resource.canonical)
+        for route in api.app().router.routes()
+        if route.resource is not None and route.method != "HEAD"
+    }
+    table = {(r.http.method, r.http.path) for r in RPCS if r.http is not None}
+    assert routes == table | {("GET", "/openapi.json"), ("GET", "/healthz")}
+
+
+def test_the_openapi_document_has_every_http_rpc_and_its_fence() -> None:
+    documented = {
+        (verb.upper(), path, op["operationId"])
+        for path, ops in OPENAPI["paths"].items()
+        for verb, op in ops.items()
+    }
+    assert documented == {(r.http.method, r.http.path, r.name) for r in RPCS if r.http}
+    for r in RPCS:
+        if r.http is None:
+            continue
+        op = OPENAPI["paths"][r.http.path][r.http.method.lower()]
+        names = [p["name"] for p in op.get("parameters", [])]
+        assert (FENCE_FIELD in names) == r.fenced, r.name
+        for piece in r.http.path.split("/"):
+            if piece.startswith("{"):
+                assert piece.strip("{}") in names, (r.name, piece)
