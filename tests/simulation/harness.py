@@ -44,7 +44,11 @@ from node_daemon.raft import (
     Snapshot,
     bootstrap,
 )
+from node_daemon.state_machine import OpResult
+from node_daemon.state_machine import StateMachine as NodeStateMachine
 from node_daemon.storage.raft_log import LmdbLogStorage
+from roadlog.geo import bbox_region
+from roadlog.v1 import command_pb2, topics_pb2
 
 TICK = 10  # time units per tick; message delays are in time units
 
@@ -96,6 +100,116 @@ class StateMachine:
         self.digest = data[8:40]
         self.proposals = {p for p in data[40:].split(b"\n") if p}
 
+    def lacks(self, acked: set[bytes]) -> set[bytes]:
+        return acked - self.proposals
+
+    def state_digest(self) -> bytes:
+        return self.digest
+
+    def reopen(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RealStateMachine:
+    """The node daemon's own StateMachine (LMDB in the run's temp dir) under
+    the toy's interface. Each proposal is a real Command (``proposal_command``)
+    whose effect can be looked up, so an acknowledged proposal is something
+    every converged replica must hold; ``state_digest`` is the real state's SHA-256 over
+    every table. Beside it runs the toy's hash chain over the applied
+    entries: the checker compares that at every index (the real digest
+    reads the whole state, too dear to take per entry).
+
+    It survives a crash (closed and reopened from its files); a snapshot is
+    a compact copy of its LMDB file, which ``restore`` installs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sm = NodeStateMachine(path / "state", map_size=SM_MAP_BYTES)
+        self.chain = StateMachine()  # index order and per-index digests
+        self.snapshots = 0
+        self.last_results: list[OpResult] = []
+
+    @property
+    def applied(self) -> int:
+        return self.chain.applied
+
+    @property
+    def digest(self) -> bytes:
+        return self.chain.digest
+
+    def apply(self, e: Entry) -> None:
+        self.chain.apply(e)  # raises Violation on a gap or a double apply
+        if self.sm.applied_index != e.index - 1:
+            raise Violation(f"state machine at {self.sm.applied_index} is given entry {e.index}")
+        [self.last_results] = self.sm.apply([e])
+
+    def serialize(self) -> bytes:
+        self.snapshots += 1
+        dest = self.path / f"snap-{self.snapshots}.mdb"
+        index, _ = self.sm.write_snapshot(dest)
+        if index != self.applied:
+            raise Violation(f"snapshot copy at {index}, applied {self.applied}")
+        return struct.pack(">Q", index) + self.chain.digest + str(dest).encode()
+
+    def restore(self, data: bytes) -> None:
+        index = struct.unpack_from(">Q", data)[0]
+        self.sm.install_snapshot(data[40:].decode())
+        if self.sm.applied_index != index:
+            raise Violation(f"installed snapshot {index} holds state at {self.sm.applied_index}")
+        self.chain.restore(data[:40])
+
+    def lacks(self, acked: set[bytes]) -> set[bytes]:
+        topics = {t.topic.spec.name for t in self.sm.list_topics()}
+        peers = self.sm.peers()
+        missing = set()
+        for d in acked:
+            op = proposal_op(d)
+            if op.HasField("create_topic"):
+                found = op.create_topic.spec.name in topics
+            else:
+                found = peers.get(op.add_peer.node_id) == op.add_peer.address
+            if not found:
+                missing.add(d)
+        return missing
+
+    def state_digest(self) -> bytes:
+        return self.sm.digest()
+
+    def reopen(self) -> None:
+        """A crash: the state is what its files hold."""
+        self.sm.close()
+        self.sm = NodeStateMachine(self.path / "state", map_size=SM_MAP_BYTES)
+
+    def close(self) -> None:
+        self.sm.close()
+
+
+SM_MAP_BYTES = 64 << 20
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+
+
+def proposal_command(n: int, leader_ms: int) -> bytes:
+    """Proposal ``n`` for the real state machine: one in four creates topic
+    ``p<n>`` (its answer describes the topic), the others add ``p<n>`` to
+    the replicated address book (cheaper: no region to parse)."""
+    if n % 4 == 0:
+        spec = topics_pb2.TopicSpec(name=f"p{n}", region_geojson=REGION, partitions=1)
+        op = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
+    else:
+        op = command_pb2.Op(add_peer=command_pb2.AddPeerOp(node_id=PEER_BASE + n, address=f"p{n}"))
+    return command_pb2.Command(leader_ms=leader_ms, ops=[op]).SerializeToString()
+
+
+PEER_BASE = 1 << 32  # proposals' address-book ids, far from the nodes'
+
+
+def proposal_op(data: bytes) -> command_pb2.Op:
+    op: command_pb2.Op = command_pb2.Command.FromString(data).ops[0]
+    return op
+
 
 # --------------------------------------------------------------------- options
 
@@ -128,6 +242,9 @@ class Options:
     # While a write is in flight, a leader's appends go out and entries
     # committed and already on disk are applied (as in the node).
     mid_write: bool
+    # The node daemon's StateMachine on LMDB instead of the toy hash chain
+    # (decided by the seed alone, like lmdb: no draw from the seed's stream).
+    real_sm: bool
 
     @classmethod
     def from_seed(cls, seed: int, rng: random.Random) -> Options:
@@ -154,6 +271,7 @@ class Options:
             p_crash_in_ready=rng.choice([0.0, 0.0005, 0.002]),
             lazy_commit=rng.random() < 0.5,
             mid_write=rng.random() < 0.5,
+            real_sm=seed % 8 == 0,
         )
 
 
@@ -171,7 +289,11 @@ class SimNode:
         self.id = node_id
         self.storage_dir = storage_dir
         self.storage: LogStorage = self._open_storage()
-        self.sm = StateMachine()
+        self.sm: StateMachine | RealStateMachine = (
+            RealStateMachine(sim.tmp / f"sm{node_id}")
+            if sim.opts.real_sm and sim.tmp is not None
+            else StateMachine()
+        )
         self.core: RaftCore | None = None
         self.driver: ReadyDriver | None = None
         self.pending: LogWrite | None = None  # a write in flight
@@ -220,11 +342,13 @@ class SimNode:
         self.driver = None
         self.pending = None
         self.restarts += 1
+        self.sm.reopen()
         if isinstance(self.storage, LmdbLogStorage):
             self.storage.close()
             self.storage = self._open_storage()
 
     def close(self) -> None:
+        self.sm.close()
         if isinstance(self.storage, LmdbLogStorage):
             self.storage.close()
 
@@ -546,6 +670,23 @@ class Simulation:
         p = self.proposed.get(e.data)
         if p is not None and p[0] == node.id and p[1] == e.index and p[2] == e.term:
             self.acked.add(e.data)  # the proposer applied it: the client got its ack
+            if isinstance(node.sm, RealStateMachine):
+                self._check_ack(node.sm.last_results, e)
+
+    def _check_ack(self, results: list[OpResult], e: Entry) -> None:
+        """What the client is told: its topic, created at the entry's index."""
+        ok = OpResult().code  # a result's code when the operation succeeded
+        if len(results) != 1 or results[0].code != ok:
+            self.checker.fail(f"proposal at {e.index} acknowledged with {results}")
+        op = proposal_op(e.data)
+        if not op.HasField("create_topic"):
+            return
+        desc = topics_pb2.TopicDescription.FromString(results[0].response)
+        if desc.topic.spec.name != op.create_topic.spec.name or desc.applied_index != e.index:
+            self.checker.fail(
+                f"acknowledgement of {e.index} says topic {desc.topic.spec.name!r} "
+                f"at {desc.applied_index}"
+            )
 
     # -- the run ---------------------------------------------------------------
 
@@ -631,7 +772,8 @@ class Simulation:
         ids = []
         for _ in range(count):
             self.next_proposal += 1
-            ids.append(b"p%d" % self.next_proposal)
+            n = self.next_proposal
+            ids.append(proposal_command(n, self.now) if self.opts.real_sm else b"p%d" % n)
         try:
             first = lead.core.propose_many(ids)
         except ProposalDropped:
@@ -766,8 +908,10 @@ class Simulation:
         digests = {n.sm.digest for n in members}
         if len(digests) != 1:
             self.checker.fail(f"replicas differ at the end: {self._describe()}")
+        if len({n.sm.state_digest() for n in members}) != 1:
+            self.checker.fail(f"replicas' state differs at the end: {self._describe()}")
         for n in members:
-            missing = self.acked - n.sm.proposals
+            missing = n.sm.lacks(self.acked)
             if missing:
                 self.checker.fail(
                     f"node {n.id} lacks {len(missing)} acknowledged proposals, "
