@@ -61,7 +61,9 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
         )
         return resp
 
-    async def ReadRange(self, request: Any, context: Any) -> AsyncIterator[client_pb2.StoredBatch]:
+    async def ReadRange(
+        self, request: Any, context: Any
+    ) -> AsyncIterator[client_pb2.StoredBatchView]:
         await self._prepare(context, request.min_applied_index)
         sm = self.node.sm
         loop = asyncio.get_running_loop()

@@ -509,24 +509,23 @@ class StateMachine:
 
     def read_range(
         self, name: str, partition: int, start: int, end: int, max_pings: int = 200_000
-    ) -> tuple[list[client_pb2.StoredBatch], int]:
+    ) -> tuple[list[client_pb2.StoredBatchView], int]:
         """Batches covering offsets [start, end) from ``start`` on, cut to
         exactly that range, up to about ``max_pings``; and the offset to go on
         from (``end`` when done). Offsets trimmed by retention are skipped."""
         req = client_pb2.FetchRequest(
             topic=name, partition=partition, offset=start, max_pings=max_pings
         )
-        resp = self.fetch(req)
-        out: list[client_pb2.StoredBatch] = []
+        resp, counts = self._fetch(req)
+        out: list[client_pb2.StoredBatchView] = []
         nxt = max(start, resp.first_offset)
-        for b in resp.batches:
+        for b, count in zip(resp.batches, counts, strict=True):
             if b.base_offset >= end:
                 break
-            count = len(b.batch.ts_ms)
             if b.base_offset + count > end:  # cut the last batch at the range's end
-                cols = columnar.decode(b.batch.SerializeToString())
+                cols = columnar.decode(b.batch)
                 cols = cols.take(np.arange(end - b.base_offset))
-                b.batch.ParseFromString(columnar.encode(cols))
+                b.batch = columnar.encode(cols)
                 count = end - b.base_offset
             out.append(b)
             nxt = b.base_offset + count
@@ -536,17 +535,28 @@ class StateMachine:
 
     def fetch(
         self, req: client_pb2.FetchRequest, max_default: int = 10_000
-    ) -> client_pb2.FetchResponse:
+    ) -> client_pb2.FetchResponseView:
         """Pings of one partition from ``req.offset`` on, whole batches up to
-        ``max_pings`` (the first batch cut to start exactly at the offset)."""
+        ``max_pings`` (the first batch cut to start exactly at the offset).
+        Each batch is the PingBatch bytes as stored (only a cut one is
+        encoded anew)."""
+        return self._fetch(req, max_default)[0]
+
+    def _fetch(
+        self, req: client_pb2.FetchRequest, max_default: int = 10_000
+    ) -> tuple[client_pb2.FetchResponseView, list[int]]:
+        """``fetch``, and the number of pings of each batch."""
         limit = req.max_pings or max_default
+        counts: list[int] = []
         with self.env.begin() as txn:
             topic = self._topic(txn, req.topic)
             if req.partition >= topic.spec.partitions:
                 raise RoadlogError(Code.INVALID_ARGUMENT, f"no partition {req.partition}")
             tid, p = topic.id, req.partition
             st = self._part_state(txn, tid, p)
-            resp = client_pb2.FetchResponse(end_offset=st.next_offset, first_offset=st.first_offset)
+            resp = client_pb2.FetchResponseView(
+                end_offset=st.next_offset, first_offset=st.first_offset
+            )
             offset = max(req.offset, st.first_offset)
             if req.offset > st.next_offset:
                 raise RoadlogError(
@@ -563,16 +573,17 @@ class StateMachine:
                     skip = offset - base
                     cols = cols.take(np.arange(skip, count))
                     sb.base_offset, count = offset, count - skip
-                    sb.batch.ParseFromString(columnar.encode(cols))
+                    sb.batch = columnar.encode(cols)
                 else:
                     sb.base_offset = base
-                    sb.batch.ParseFromString(batch)
+                    sb.batch = batch
+                counts.append(count)
                 total += count
                 offset = sb.base_offset + count
                 if total >= limit:
                     break
             resp.next_offset = offset
-            return resp
+            return resp, counts
 
     def _batches_from(
         self, txn: Any, tid: int, p: int, offset: int

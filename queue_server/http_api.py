@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from google.protobuf.message import Message
 
 from queue_server.openapi import OPENAPI
 from roadlog import columnar
@@ -27,7 +28,7 @@ from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
 from roadlog.rpc import BY_NAME, RPCS
 from roadlog.status import node_json
-from roadlog.v1 import client_pb2, pings_pb2, topics_pb2
+from roadlog.v1 import client_pb2, topics_pb2
 from roadlog.validation import MAX_BATCH_PINGS
 
 log = logging.getLogger("roadlog.http")
@@ -111,10 +112,17 @@ class HttpApi:
                     r.add_route(rpc.http.method, rpc.http.path, handler)
         return app
 
-    async def call(self, request: web.Request, method: str, req: Any, client: str = "") -> Any:
+    async def call(
+        self,
+        request: web.Request,
+        method: str,
+        req: Any,
+        client: str = "",
+        response: type[Message] | None = None,
+    ) -> Any:
         """Through the queues like a gRPC call; the deadline from the
         ``X-Timeout-Ms`` header (else the queue server's default). The
-        answer is the rpc's response message."""
+        answer is the rpc's response message (or ``response``, a view of it)."""
         timeout = None
         if TIMEOUT_HEADER in request.headers:
             ms = _query_int(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000)
@@ -125,7 +133,7 @@ class HttpApi:
             )
         except RoadlogError as e:
             raise ApiError(HTTP_STATUS.get(e.code, 500), e.code.name, e.message) from None
-        return BY_NAME[method].response.FromString(raw)
+        return (response or BY_NAME[method].response).FromString(raw)
 
     # -------------------------------------------------------------- handlers
 
@@ -209,10 +217,8 @@ class HttpApi:
         body = await _json_object(request)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
         cols = pings_from_json(body.get("pings"))
-        req = client_pb2.PublishRequest(
-            topic=request.match_info["name"],
-            client_id=client,
-            batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
+        req = client_pb2.PublishRequestView(  # the encoded batch as it is: no re-parse
+            topic=request.match_info["name"], client_id=client, batch=columnar.encode(cols)
         )
         resp = await self.call(request, "Publish", req, client)
         return web.json_response(
@@ -236,12 +242,10 @@ class HttpApi:
             max_pings=_query_int(q.get("limit", "1000"), "limit", 1, MAX_FETCH_PINGS),
             min_applied_index=_fence(request),
         )
-        resp = await self.call(request, "Fetch", req)
+        resp = await self.call(request, "Fetch", req, response=client_pb2.FetchResponseView)
         pings: list[dict[str, Any]] = []
         for b in resp.batches:
-            pings += pings_to_json(
-                columnar.decode(b.batch.SerializeToString()), partition, b.base_offset
-            )
+            pings += pings_to_json(columnar.decode(b.batch), partition, b.base_offset)
         pings = pings[: req.max_pings]
         return web.json_response(
             {

@@ -36,12 +36,11 @@ from roadlog.errors import RoadlogError as RoadlogError
 from roadlog.errors import Unavailable as Unavailable
 from roadlog.grpc_status import from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
+from roadlog.rpc import BY_NAME, SERVICE
 from roadlog.v1 import (
     client_pb2,
-    client_pb2_grpc,
     groups_pb2,
     heatmaps_pb2,
-    pings_pb2,
     topics_pb2,
 )
 
@@ -102,7 +101,11 @@ class Connection:
             ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES),
         ]
         self.channels = [grpc.insecure_channel(s, options=opts) for s in self.servers]
-        self.stubs = [client_pb2_grpc.RoadlogStub(c) for c in self.channels]
+        # Per channel, per method: a call that sends and receives bytes (the
+        # rpc table says what they are; views are sent and read as they are).
+        self._calls: list[dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]]] = [
+            {} for _ in self.channels
+        ]
         self._current = 0
         self.metadata = (("roadlog-client", client or client_id()),)
         # Session consistency: the highest applied index any answer carried;
@@ -119,22 +122,38 @@ class Connection:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def call(self, method: str, request: Message, timeout: float | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        request: Message,
+        timeout: float | None = None,
+        response: type[Message] | None = None,
+    ) -> Any:
         """Call ``method``; retry retryable failures (on the next queue
         server) until ``timeout`` seconds have passed. A read that takes a
-        fence and sets none waits for everything this connection wrote."""
+        fence and sets none waits for everything this connection wrote.
+        ``request`` may be a view of the rpc's request (the same wire
+        bytes); the answer is the rpc's response, or ``response`` (a view)."""
         fenceable = "min_applied_index" in request.DESCRIPTOR.fields_by_name
         if self.fence and fenceable and not getattr(request, "min_applied_index"):  # noqa: B009
             fenced = type(request)()
             fenced.CopyFrom(request)
             fenced.min_applied_index = self.fence  # type: ignore[attr-defined]
             request = fenced
-        resp = self._call(method, request, timeout)
+        raw = self._call(method, request.SerializeToString(), timeout)
+        resp: Any = (response or BY_NAME[method].response).FromString(raw)
         if "applied_index" in resp.DESCRIPTOR.fields_by_name:
             self.fence = max(self.fence, resp.applied_index)
         return resp
 
-    def _call(self, method: str, request: Message, timeout: float | None) -> Any:
+    def _method(self, method: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
+        calls = self._calls[self._current]
+        fn = calls.get(method)
+        if fn is None:
+            fn = calls[method] = self.channels[self._current].unary_unary(f"/{SERVICE}/{method}")
+        return fn
+
+    def _call(self, method: str, request: bytes, timeout: float | None) -> bytes:
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         delay = 0.02
         last: grpc.RpcError | None = None
@@ -143,16 +162,15 @@ class Connection:
             left = deadline - time.monotonic()
             if left <= 0.05 or (last is not None and left <= 0.25):
                 break
-            stub = self.stubs[self._current]
             try:
-                return getattr(stub, method)(request, timeout=left, metadata=self.metadata)
+                return self._method(method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
                 if from_grpc(e.code()) not in RETRYABLE or _too_big(e):
                     raise _rpc_error(e) from None
                 last = e
                 if e.details() and e.details() != "Deadline Exceeded":
                     reason = e.details() or ""
-                self._current = (self._current + 1) % len(self.stubs)
+                self._current = (self._current + 1) % len(self.channels)
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 1.0)
         if last is not None:
@@ -358,12 +376,12 @@ class Producer:
 
     def _send_batch(self, cols: PingColumns) -> Ack:
         self.sequence += 1
-        req = client_pb2.PublishRequest(
+        req = client_pb2.PublishRequestView(  # the encoded batch as it is: no re-parse
             topic=self.topic,
             client_id=self.client_id,
             producer_id=self.producer_id,
             sequence=self.sequence,
-            batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
+            batch=columnar.encode(cols),
         )
         resp = self.conn.call("Publish", req, timeout=self.deadline_s)
         ack = Ack(
@@ -408,7 +426,7 @@ class Consumer:
 
     def fetch(
         self, partition: int, max_pings: int = 10_000
-    ) -> tuple[list[Fetched], client_pb2.FetchResponse]:
+    ) -> tuple[list[Fetched], client_pb2.FetchResponseView]:
         offset = self.positions.get(partition, 0)
         req = client_pb2.FetchRequest(
             topic=self.topic,
@@ -417,11 +435,9 @@ class Consumer:
             max_pings=max_pings,
             min_applied_index=self.min_applied_index,
         )
-        resp = self.conn.call("Fetch", req)
+        resp = self.conn.call("Fetch", req, response=client_pb2.FetchResponseView)
         out = [
-            Fetched(
-                partition, b.base_offset, b.append_ms, columnar.decode(b.batch.SerializeToString())
-            )
+            Fetched(partition, b.base_offset, b.append_ms, columnar.decode(b.batch))
             for b in resp.batches
         ]
         self.positions[partition] = resp.next_offset
@@ -561,11 +577,11 @@ class GroupConsumer:
             req = client_pb2.FetchRequest(
                 topic=self.topic, partition=p, offset=offset, max_pings=max_pings
             )
-            resp = self.conn.call("Fetch", req)
+            resp = self.conn.call("Fetch", req, response=client_pb2.FetchResponseView)
             if not resp.batches:
                 continue
             out = [
-                Fetched(p, b.base_offset, b.append_ms, columnar.decode(b.batch.SerializeToString()))
+                Fetched(p, b.base_offset, b.append_ms, columnar.decode(b.batch))
                 for b in resp.batches
             ]
             with self._lock:

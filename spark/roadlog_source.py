@@ -216,7 +216,7 @@ def _stream(task: RangeTask, node: str, offset: int) -> Iterator[tuple[pa.Record
             req, metadata=token_metadata(task.token), timeout=600
         )
         for b in stream:
-            cols = columnar.decode(b.batch.SerializeToString())
+            cols = columnar.decode(b.batch)
             n = len(cols)
             nxt = b.base_offset + n
             keep = np.ones(n, dtype=bool)

@@ -70,7 +70,7 @@ class Replica:
         resp = self.sm.fetch(client_pb2.FetchRequest(topic="munich", partition=partition))
         out: list[int] = []
         for b in resp.batches:
-            out += (columnar.decode(b.batch.SerializeToString()).ts_ms - T0).tolist()
+            out += (columnar.decode(b.batch).ts_ms - T0).tolist()
         return out
 
 

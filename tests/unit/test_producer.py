@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from roadlog import columnar
 from roadlog.client import Producer, Unavailable
 from roadlog.errors import Code
 from roadlog.v1 import client_pb2
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 class FakeConnection:
     def __init__(self, fail: bool = False) -> None:
-        self.published: list[client_pb2.PublishRequest] = []
+        self.published: list[client_pb2.PublishRequestView] = []
         self.fail = fail
         self.lock = threading.Lock()
 
@@ -30,7 +31,7 @@ class FakeConnection:
             raise Unavailable(Code.UNAVAILABLE, "no leader")
         with self.lock:
             self.published.append(request)
-        n = len(request.batch.ts_ms)
+        n = len(columnar.decode(request.batch))
         return client_pb2.PublishResponse(
             offsets=[client_pb2.PartitionOffsets(partition=0, base_offset=0, count=n)]
         )
@@ -51,7 +52,7 @@ def test_a_lone_ping_goes_out_after_linger_without_another_call() -> None:
     assert p.send("car", 1_800_000_000_000, 48.1, 11.5) is None
     wait_until(lambda: len(conn.published) == 1)
     req = conn.published[0]
-    assert (req.producer_id, req.sequence, len(req.batch.ts_ms)) == (7, 1, 1)
+    assert (req.producer_id, req.sequence, len(columnar.decode(req.batch))) == (7, 1, 1)
     p.close()
     assert p.acked == 1
 
@@ -63,7 +64,7 @@ def test_a_full_batch_goes_out_at_once_with_increasing_sequences() -> None:
     assert [a is not None for a in acks] == [False, False, True, False, False, True, False]
     p.close()  # sends the last ping
     assert [r.sequence for r in conn.published] == [1, 2, 3]
-    assert [len(r.batch.ts_ms) for r in conn.published] == [3, 3, 1]
+    assert [len(columnar.decode(r.batch)) for r in conn.published] == [3, 3, 1]
 
 
 def test_a_background_failure_is_raised_by_the_next_call() -> None:
