@@ -28,8 +28,8 @@ from pathlib import Path
 import lmdb
 
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
-from node_daemon.state_machine import _U64, StateMachine
-from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.state.machine import _U64, StateMachine
 
 STATE_FILE = "state.mdb"
 MANIFEST = "manifest.json"

@@ -14,8 +14,8 @@ import time
 import uuid
 
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.sm_groups import check_group_name, session_timeout
-from node_daemon.state_machine import OpResult
+from node_daemon.state.groups import check_group_name, session_timeout
+from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2
 

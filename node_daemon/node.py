@@ -48,8 +48,8 @@ from node_daemon.raft import (
     Snapshot,
     bootstrap,
 )
-from node_daemon.state_machine import OpResult, StateMachine
-from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.state.machine import OpResult, StateMachine
 from node_daemon.transport import PeerTransport
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
 from roadlog.v1 import command_pb2
@@ -288,8 +288,10 @@ class RaftNode:
         return self.core.role == Role.LEADER
 
     @property
-    def ready(self) -> bool:
-        """Knows a leader, heard from it lately, and has applied what it knows committed."""
+    def serving(self) -> bool:
+        """Ready to serve (what /readyz and NodeStatus.ready say): knows a
+        leader, heard from it lately, and has applied what it knows committed.
+        (Not ``RaftCore.ready()``, the core's next batch of work.)"""
         core = self.core
         if core.lead == 0:
             return False

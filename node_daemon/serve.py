@@ -26,9 +26,9 @@ from node_daemon.membership import Membership
 from node_daemon.node import RaftNode
 from node_daemon.node_read import NodeReadService
 from node_daemon.raft import Role
+from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.status import node_readiness
-from node_daemon.storage.raft_log import LmdbLogStorage
-from node_daemon.worker import Executor, QueueServerLink
+from node_daemon.worker import QueueServerLink, WorkHandler
 from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.runtime.auth import ClusterAuth, cluster_token
 from roadlog.runtime.health import serve_metrics_and_health
@@ -139,7 +139,7 @@ async def serve(cfg: NodeConfig) -> None:
         serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
     node.update_addresses(node.sm.peers())
     await node.start()
-    executor = Executor(node)
+    executor = WorkHandler(node)
     executor.groups.start()
     links: dict[str, QueueServerLink] = {}
 
@@ -156,14 +156,14 @@ async def serve(cfg: NodeConfig) -> None:
 
     async def tell_systemd_when_ready() -> None:
         """Type=notify: ready once in a cluster, knowing a leader, caught up."""
-        while not (node.ready and membership.in_config()):
+        while not (node.serving and membership.in_config()):
             await asyncio.sleep(0.2)
         notify(f"READY=1\nSTATUS=member of the cluster, leader {node.core.lead}")
 
     def on_state() -> None:
         for link in links.values():
             link.state_changed()
-        ok = node.ready
+        ok = node.serving
         if ok != last_health[0]:
             last_health[0] = ok
             status = serving if ok else not_serving

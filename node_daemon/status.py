@@ -20,7 +20,7 @@ def node_status(node: RaftNode) -> client_pb2.NodeStatus:
         commit_index=core.log.committed,
         applied_index=node.sm.applied_index,
         leader=core.lead,
-        ready=node.ready,
+        ready=node.serving,
         voters=sorted(core.conf.voters),
         learners=sorted(core.conf.learners),
     )

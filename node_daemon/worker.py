@@ -21,7 +21,7 @@ from node_daemon import metrics
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.state_machine import OpResult, normalized_spec
+from node_daemon.state.machine import OpResult, normalized_spec
 from roadlog import columnar
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, parse_region
@@ -87,7 +87,7 @@ def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
     return Code.INTERNAL, f"{type(e).__name__}: {e}"
 
 
-class Executor:
+class WorkHandler:
     """Turns work items into results against one RaftNode. A work item's
     method is an rpc of ``roadlog.rpc``; the method of this class named by
     its ``handler`` does it (``PublishBatch``: ``publish_batch``)."""
@@ -323,7 +323,7 @@ class Executor:
 class QueueServerLink:
     """One long-lived Pull stream to one queue server, re-opened when it breaks."""
 
-    def __init__(self, address: str, node: RaftNode, executor: Executor, token: str) -> None:
+    def __init__(self, address: str, node: RaftNode, executor: WorkHandler, token: str) -> None:
         self.address = address
         self.node = node
         self.executor = executor

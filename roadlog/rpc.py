@@ -8,7 +8,7 @@ carries it, if any. A read is fenced (read your writes) when its request has
 ``min_applied_index``.
 
 Derived from it: the queue server's routing and gRPC handlers, the node's
-work dispatch (``Executor.<rpc.handler>``), the HTTP routes
+work dispatch (``WorkHandler.<rpc.handler>``), the HTTP routes
 (``HttpApi.<rpc.handler>``) and the paths of the OpenAPI document.
 ``tests/unit/test_rpc.py`` checks the table against the proto's service
 descriptor, so an rpc added to the proto cannot be forgotten here.

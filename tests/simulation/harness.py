@@ -44,9 +44,9 @@ from node_daemon.raft import (
     Snapshot,
     bootstrap,
 )
-from node_daemon.state_machine import OpResult
-from node_daemon.state_machine import StateMachine as NodeStateMachine
-from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.state.machine import OpResult
+from node_daemon.state.machine import StateMachine as NodeStateMachine
 from roadlog.geo import bbox_region
 from roadlog.v1 import command_pb2, topics_pb2
 

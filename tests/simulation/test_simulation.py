@@ -134,7 +134,7 @@ def test_a_nondeterministic_state_machine_is_caught(monkeypatch: pytest.MonkeyPa
     import itertools
     from typing import Any
 
-    from node_daemon.state_machine import StateMachine
+    from node_daemon.state.machine import StateMachine
 
     original = StateMachine._create_topic
     clock = itertools.count()

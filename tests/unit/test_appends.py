@@ -11,7 +11,7 @@ import pytest
 
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state_machine import OpResult, StateMachine
+from node_daemon.state.machine import OpResult, StateMachine
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError

@@ -28,7 +28,7 @@ from node_daemon.raft import (
     UnavailableError,
     bootstrap,
 )
-from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.raft_log import LmdbLogStorage
 
 pytestmark = pytest.mark.unit
 
@@ -223,7 +223,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from node_daemon.raft import Entry, HardState
-    from node_daemon.storage.raft_log import LmdbLogStorage
+    from node_daemon.raft_log import LmdbLogStorage
     s = LmdbLogStorage(sys.argv[1])
     i = s.last_index() + 1
     term = int(sys.argv[2])

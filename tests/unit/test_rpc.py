@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from node_daemon.worker import Executor
+from node_daemon.worker import WorkHandler
 from queue_server.http_api import HttpApi
 from queue_server.openapi import OPENAPI
 from queue_server.server import client_handler
@@ -79,12 +79,12 @@ def test_handler_names(name: str, handler: str) -> None:
 
 def test_the_worker_has_a_handler_for_every_queued_rpc() -> None:
     for r in QUEUED.values():
-        fn = getattr(Executor, r.handler, None)
+        fn = getattr(WorkHandler, r.handler, None)
         assert fn is not None and inspect.iscoroutinefunction(fn), r.name
 
 
 def test_the_worker_refuses_a_method_not_in_the_table() -> None:
-    ex = Executor.__new__(Executor)  # dispatch needs no node for an unknown method
+    ex = WorkHandler.__new__(WorkHandler)  # dispatch needs no node for an unknown method
     res = asyncio.run(ex.run(work_pb2.WorkItem(id=7, method="Status")))
     assert (res.id, res.code) == (7, Code.UNIMPLEMENTED) and "no method Status" in res.message
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state_machine import OpResult, StateMachine, append_op
+from node_daemon.state.machine import OpResult, StateMachine, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.state_machine import OpResult
-from node_daemon.worker import Executor
+from node_daemon.state.machine import OpResult
+from node_daemon.worker import WorkHandler
 from roadlog.columnar import PingColumns, encode
 from roadlog.geo import bbox_region
 from roadlog.limits import CLIENT_MESSAGE_BYTES
@@ -31,7 +31,7 @@ def publish(n: int = 5) -> bytes:
 
 
 class StubNode:
-    """What the Executor asks of a leader; proposals end as ``outcome`` says."""
+    """What the WorkHandler asks of a leader; proposals end as ``outcome`` says."""
 
     def __init__(self, outcome: str) -> None:
         self.outcome = outcome
@@ -54,7 +54,7 @@ class StubNode:
 
 def run_batch(outcome: str, requests: list[bytes]) -> work_pb2.WorkResult:
     async def go() -> work_pb2.WorkResult:
-        ex = Executor(StubNode(outcome))  # type: ignore[arg-type]
+        ex = WorkHandler(StubNode(outcome))  # type: ignore[arg-type]
         body = client_pb2.PublishBatchRequestView(requests=requests).SerializeToString()
         return await ex.run(work_pb2.WorkItem(id=1, method="PublishBatch", request=body))
 
@@ -121,7 +121,7 @@ def test_topic_reads_wait_for_their_fence(method: str, request_bytes: bytes) -> 
 
     async def go() -> tuple[bool, work_pb2.WorkResult]:
         node = LaggingNode(applied=3)
-        ex = Executor(node)  # type: ignore[arg-type]
+        ex = WorkHandler(node)  # type: ignore[arg-type]
         item = work_pb2.WorkItem(id=1, method=method, request=request_bytes)
         answer = asyncio.ensure_future(ex.run(item))
         for _ in range(20):  # let it run as far as it can: up to waiting for index 5
@@ -146,7 +146,7 @@ def test_an_answer_too_big_for_the_client_hop_is_refused_not_sent() -> None:
         return OpResult(response=b"x" * (CLIENT_MESSAGE_BYTES + 1))
 
     async def go() -> work_pb2.WorkResult:
-        ex = Executor(StubNode("ok"))  # type: ignore[arg-type]
+        ex = WorkHandler(StubNode("ok"))  # type: ignore[arg-type]
         return await ex.run(work_pb2.WorkItem(id=1, method="ListTopics"), big)
 
     res = asyncio.run(go())

@@ -36,8 +36,8 @@ import lmdb
 import numpy as np
 
 from node_daemon.raft import Entry, EntryType, StorageFullError
-from node_daemon.sm_groups import GroupTables
-from node_daemon.sm_heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS, HeatmapTables
+from node_daemon.state.groups import GroupTables
+from node_daemon.state.heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS, HeatmapTables
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
