@@ -22,6 +22,7 @@ from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.state.machine import OpResult, normalized_spec
+from node_daemon.status import node_status
 from roadlog import columnar
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, parse_region
@@ -335,10 +336,12 @@ class QueueServerLink:
         self._index_timer: asyncio.TimerHandle | None = None
         self._told_at = 0.0
 
-    def state(self) -> work_pb2.WorkerState:
+    def state(self, with_status: bool = True) -> work_pb2.WorkerState:
+        """What routing needs (role, term, indexes), and unless told not to
+        (the state riding on every result) the node's full status."""
         n = self.node
         core = n.core
-        return work_pb2.WorkerState(
+        st = work_pb2.WorkerState(
             node_id=n.id,
             address=n.cfg.address,
             is_leader=n.is_leader,
@@ -348,6 +351,9 @@ class QueueServerLink:
             commit_index=core.log.committed,
             leader_address=n.address_of(core.lead),
         )
+        if with_status:
+            st.status.CopyFrom(node_status(n))
+        return st
 
     def state_changed(self) -> None:
         """Tell the queue server at once when leadership moved; index moves
@@ -408,7 +414,10 @@ class QueueServerLink:
                     carried = more
                     break
                 if more.HasField("state"):
+                    status = msg.state.status if msg.state.HasField("status") else None
                     msg.state.CopyFrom(more.state)
+                    if status is not None and not more.state.HasField("status"):
+                        msg.state.status.CopyFrom(status)  # the newest status stays
                 msg.credit.writes += more.credit.writes
                 msg.credit.reads += more.credit.reads
                 msg.results.extend(more.results)
@@ -454,4 +463,4 @@ class QueueServerLink:
         )
         # The state rides along: a read fenced at this write's index can be
         # handed to this node as soon as its answer arrives.
-        self._tell(work_pb2.WorkerMessage(results=[res], credit=credit, state=self.state()))
+        self._tell(work_pb2.WorkerMessage(results=[res], credit=credit, state=self.state(False)))

@@ -69,6 +69,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self._futures: dict[int, asyncio.Future[work_pb2.WorkResult]] = {}
         self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | None]] = {}  # per worker
         self.states: dict[int, work_pb2.WorkerState] = {}
+        self.statuses: dict[int, client_pb2.NodeStatus] = {}  # the last full status per worker
 
     # ------------------------------------------------------------- clients
 
@@ -196,6 +197,8 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                             WORKERS.set(len(self.q.workers))
                             log.info("node connected", extra={"node": s.node_id, "worker": wid})
                         self.states[wid] = s
+                        if s.HasField("status"):
+                            self.statuses[wid] = s.status
                         self.q.update(wid, s.is_leader, s.term, s.applied_index)
                     if not connected:
                         continue
@@ -237,6 +240,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 await reader
             self._sessions.pop(wid, None)
             self.states.pop(wid, None)
+            self.statuses.pop(wid, None)
             back = self.q.disconnect(wid, time.monotonic())
             WORKERS.set(len(self.q.workers))
             log.info("node disconnected", extra={"worker": wid, "requeued": len(back)})
@@ -265,20 +269,16 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         elif self.states:
             st.term = max(s.term for s in self.states.values())
         seen = set()
-        for s in sorted(self.states.values(), key=lambda s: s.node_id):
+        for wid, s in sorted(self.states.items(), key=lambda ws: ws[1].node_id):
             if s.node_id in seen:
                 continue
             seen.add(s.node_id)
-            st.nodes.add(
-                id=s.node_id,
-                address=s.address,
-                role="leader" if s.is_leader and s.node_id == st.leader else "follower",
-                term=s.term,
-                commit_index=s.commit_index,
-                applied_index=s.applied_index,
-                leader=s.leader,
-                ready=s.leader != 0,
-            )
+            ns = st.nodes.add()
+            if wid in self.statuses:  # as the node built it (node_daemon/status.py)
+                ns.CopyFrom(self.statuses[wid])
+            # the routing fields are newer: they ride on every result
+            ns.id, ns.address, ns.term, ns.leader = s.node_id, s.address, s.term, s.leader
+            ns.commit_index, ns.applied_index = s.commit_index, s.applied_index
         qs = st.queue_servers.add(grpc=self.cfg.address)
         if self.cfg.http_listen:
             qs.http = f"http://{self.cfg.http_listen}"

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
 from roadlog.localcluster import LocalCluster, alive
 from roadlog.v1 import client_pb2, heatmaps_pb2
-from tests.integration.conftest import REGION, create_topic, make_pings
+from tests.integration.conftest import REGION, create_topic, make_pings, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -337,3 +337,23 @@ def test_a_flood_of_reads_does_not_stall_producers(
                 acked += p.send_batch(make_pings("phone", acked, 50)).count
             assert sum(r.result() for r in readers) > 50  # the readers kept the nodes busy
         assert acked >= 50 * 5  # writes kept going meanwhile, each within its deadline
+
+
+def test_the_queue_servers_status_shows_each_node_as_the_node_builds_it(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """One node-status builder: the queue server's Status carries what each
+    node's own Admin.Status says (its role spelling, readiness and the
+    voters it knows), not a copy of its own making."""
+    lc = make_cluster(3)
+    with Connection(lc.servers) as conn:
+
+        def settled() -> bool:
+            st = Admin(conn).status()
+            return len(st.nodes) == 3 and all(n.ready and n.voters for n in st.nodes)
+
+        wait_for(settled, 30, "every node ready in the queue server's view")
+        st = Admin(conn).status()
+        assert sorted(n.role for n in st.nodes) == ["follower", "follower", "leader"]
+        assert all(list(n.voters) == [1, 2, 3] for n in st.nodes)
+        assert next(n.id for n in st.nodes if n.role == "leader") == st.leader
