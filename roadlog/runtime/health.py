@@ -9,6 +9,11 @@
 Runs in a daemon thread (wsgiref, threaded), so a busy event loop never
 makes health checks time out; `ready()` must therefore only read plain
 attributes (no awaits, no locks held by the loop).
+
+Bounded: at most ``max_connections`` requests are served at once (one
+thread each; a connection over the bound is closed at once), and a
+connection that sends nothing for ``idle_timeout_s`` (a half-sent request)
+is dropped, so no client can pile up threads on a daemon.
 """
 
 from __future__ import annotations
@@ -26,12 +31,38 @@ Readiness = Callable[[], tuple[bool, dict[str, Any]]]
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
 
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+MAX_CONNECTIONS = 32
+IDLE_TIMEOUT_S = 5.0
+
+
+class _BoundedWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``max_connections`` of them."""
+
     daemon_threads = True
     allow_reuse_address = True
+    block_on_close = False
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the bound: closed, no thread
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_S  # the socket's: a connection idle this long is dropped
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds are not worth a log line."""
 
@@ -62,15 +93,25 @@ def health_app(ready: Readiness) -> Callable[[dict[str, Any], StartResponse], It
     return app
 
 
-def serve_metrics_and_health(host: str, port: int, ready: Readiness) -> WSGIServer:
+def serve_metrics_and_health(
+    host: str,
+    port: int,
+    ready: Readiness,
+    max_connections: int = MAX_CONNECTIONS,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+) -> WSGIServer:
     """Start the endpoint in a daemon thread; returns the server (its
     `server_port` is the bound port, useful with port 0)."""
-    server = make_server(
+    server_class = type(
+        "BoundedWSGIServer", (_BoundedWSGIServer,), {"max_connections": max_connections}
+    )
+    handler_class = type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+    server: WSGIServer = make_server(
         host or "0.0.0.0",
         port,
         health_app(ready),
-        server_class=_ThreadingWSGIServer,
-        handler_class=_QuietHandler,
+        server_class=server_class,
+        handler_class=handler_class,
     )
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -46,5 +50,41 @@ def test_readiness_follows_the_callback_and_a_failing_check_is_not_ready() -> No
         code, body = get(port, "/metrics")
         assert code == 200 and b"python_info" in body
     finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_half_sent_requests_neither_pile_up_threads_nor_stay_forever() -> None:
+    """Issue 19, finding 12: 200 half-sent requests held a metrics port's
+    threads for as long as the client liked."""
+    server = serve_metrics_and_health(
+        "127.0.0.1", 0, lambda: (True, {}), max_connections=4, idle_timeout_s=0.5
+    )
+    port = server.server_port
+    before = threading.active_count()
+    slow = []
+    try:
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+            slow.append(s)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            assert threading.active_count() - before <= 4  # bounded: one thread per slot
+            try:
+                if get(port, "/healthz")[0] == 200:
+                    break  # idle ones were dropped: the endpoint answers again
+            except OSError:
+                pass  # refused while every slot is held
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the endpoint never answered again")
+        for s in slow:  # every half-sent request was closed by the server
+            s.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(100) == b""
+    finally:
+        for s in slow:
+            s.close()
         server.shutdown()
         server.server_close()
