@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from queue_server.queues import MAX_QUEUED_BYTES
+from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.runtime import config as configfile
 from roadlog.runtime.config import ConfigError, check_address, key
 
@@ -22,6 +24,9 @@ class QueueConfig:
     metrics_port: int = key(9500, "port of Prometheus /metrics, /healthz and /readyz")
     max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
     max_reads: int = key(10_000, "queued read requests before RESOURCE_EXHAUSTED")
+    max_queued_bytes: int = key(
+        MAX_QUEUED_BYTES, "bytes of requests each queue holds (a client: a quarter)"
+    )
     default_timeout_ms: int = key(30_000, "deadline for clients that set none, in ms")
     # Announce this queue server to the nodes by discovery HELLOs (so they
     # pull from it without a list).
@@ -45,6 +50,11 @@ class QueueConfig:
             check_address(seed, "discovery_seeds")
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:
             raise ConfigError("max_writes, max_reads and default_timeout_ms must be positive")
+        if self.max_queued_bytes < CLIENT_MESSAGE_BYTES:
+            raise ConfigError(
+                f"max_queued_bytes: at least {CLIENT_MESSAGE_BYTES} (one request of the "
+                "largest size a client may send)"
+            )
 
 
 def _list(v: Any) -> list[str]:

@@ -5,9 +5,11 @@ client that floods the queue waits behind its own requests, not in front of
 everyone else's. Items handed back (their node died, or lost leadership) go
 to a front lane that is served before anyone's FIFO, in their first order.
 
-Invariants: ``len`` counts every item held; ``push`` never lets the total
-exceed ``max_total`` nor one client's share exceed ``max_per_client``;
-items of one client come out in the order they went in.
+Invariants: ``len`` counts every item held and ``bytes`` their sizes;
+``push`` never lets the total exceed ``max_total`` items or ``max_bytes``,
+nor one client's share exceed ``max_per_client`` items or
+``max_client_bytes``; items of one client come out in the order they went
+in.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ class HasClient(Protocol):
     @property
     def client(self) -> str: ...
 
+    @property
+    def size(self) -> int: ...
+
 
 T = TypeVar("T", bound=HasClient)
 
@@ -30,12 +35,22 @@ class Full(Exception):
 
 
 class FairQueue(Generic[T]):
-    def __init__(self, max_total: int, max_per_client: int) -> None:
+    def __init__(
+        self,
+        max_total: int,
+        max_per_client: int,
+        max_bytes: int = 1 << 62,
+        max_client_bytes: int = 1 << 62,
+    ) -> None:
         self.max_total = max_total
         self.max_per_client = max_per_client
+        self.max_bytes = max_bytes
+        self.max_client_bytes = max_client_bytes
         self._front: deque[T] = deque()
         self._lanes: OrderedDict[str, deque[T]] = OrderedDict()  # rotation order
+        self._lane_bytes: dict[str, int] = {}
         self._len = 0
+        self.bytes = 0
 
     def __len__(self) -> int:
         return self._len
@@ -57,34 +72,53 @@ class FairQueue(Generic[T]):
                 f"queue: client {item.client!r} has {len(lane)} requests waiting already "
                 f"(at most {self.max_per_client} each)"
             )
+        if self.bytes + item.size > self.max_bytes:
+            raise Full(f"queue is full ({self.bytes} bytes waiting, at most {self.max_bytes})")
+        held = self._lane_bytes.get(item.client, 0)
+        if held + item.size > self.max_client_bytes:
+            raise Full(
+                f"queue: client {item.client!r} has {held} bytes waiting already "
+                f"(at most {self.max_client_bytes} each)"
+            )
         if lane is None:
             lane = self._lanes[item.client] = deque()
         lane.append(item)
+        self._lane_bytes[item.client] = held + item.size
         self._len += 1
+        self.bytes += item.size
 
     def push_front(self, items: list[T]) -> None:
         """Hand items back to be served first, in the given order (no bound:
         they were admitted before)."""
         self._front.extendleft(reversed(items))
         self._len += len(items)
+        self.bytes += sum(it.size for it in items)
 
     def pop(self) -> T | None:
         if self._front:
             self._len -= 1
-            return self._front.popleft()
+            first = self._front.popleft()
+            self.bytes -= first.size
+            return first
         while self._lanes:
             client, lane = next(iter(self._lanes.items()))
             if not lane:
-                del self._lanes[client]
+                self._drop_lane(client)
                 continue
             item = lane.popleft()
             self._len -= 1
+            self.bytes -= item.size
+            self._lane_bytes[client] -= item.size
             if lane:
                 self._lanes.move_to_end(client)  # the next client's turn
             else:
-                del self._lanes[client]
+                self._drop_lane(client)
             return item
         return None
+
+    def _drop_lane(self, client: str) -> None:
+        del self._lanes[client]
+        self._lane_bytes.pop(client, None)
 
     def remove_if(self, doomed: Callable[[T], bool]) -> list[T]:
         """Take out (and return, in queue order) every item ``doomed`` picks."""
@@ -99,7 +133,9 @@ class FairQueue(Generic[T]):
                 kept = deque(it for it in lane if not doomed(it))
                 if kept:
                     self._lanes[client] = kept
+                    self._lane_bytes[client] -= sum(it.size for it in gone)
                 else:
-                    del self._lanes[client]
+                    self._drop_lane(client)
         self._len -= len(out)
+        self.bytes -= sum(it.size for it in out)
         return out

@@ -10,7 +10,8 @@ when that worker leaves, unless its deadline passed or it was handed out
 MAX_DELIVERIES times already (then it is dropped and reported: a request
 whose answer breaks every node's stream must not circle forever); items
 whose deadline passed are never handed out, and are dropped and reported;
-the queues never hold more than their bounds, and are fair between clients
+the queues never hold more than their bounds (items and bytes, in all and
+per client), and are fair between clients
 (``fair.FairQueue``): one client's flood neither fills the queue for others
 nor delays their requests behind it.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from queue_server.fair import FairQueue, Full
+from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.rpc import Kind as Kind  # which queue: declared with the rpcs
 
 
@@ -45,6 +47,11 @@ class Item:
     attempts: int = 0  # times a worker handed it back (not the leader any more, say)
     client: str = ""  # whose request: the unit of fairness
     deliveries: int = 0  # times handed to a worker
+
+    @property
+    def size(self) -> int:
+        """What it weighs in the queue's byte bounds."""
+        return len(self.request)
 
 
 @dataclass(slots=True)
@@ -73,16 +80,34 @@ def per_client_share(total: int) -> int:
     return max(16, total // 4)
 
 
+def per_client_bytes(total: int) -> int:
+    """How many bytes of a queue one client may hold: a quarter, at least
+    one request of the largest size a client may send."""
+    return max(CLIENT_MESSAGE_BYTES, total // 4)
+
+
+MAX_QUEUED_BYTES = 256 << 20  # per queue (writes, reads): the default bound
+
+
 class WorkQueues:
     def __init__(
         self,
         max_writes: int = 10_000,
         max_reads: int = 10_000,
         max_per_client: int | None = None,
+        max_bytes: int = MAX_QUEUED_BYTES,
     ) -> None:
+        client_bytes = per_client_bytes(max_bytes)
         self.queues: dict[Kind, FairQueue[Item]] = {
-            Kind.WRITE: FairQueue(max_writes, max_per_client or per_client_share(max_writes)),
-            Kind.READ: FairQueue(max_reads, max_per_client or per_client_share(max_reads)),
+            Kind.WRITE: FairQueue(
+                max_writes,
+                max_per_client or per_client_share(max_writes),
+                max_bytes,
+                client_bytes,
+            ),
+            Kind.READ: FairQueue(
+                max_reads, max_per_client or per_client_share(max_reads), max_bytes, client_bytes
+            ),
         }
         self.workers: dict[int, Worker] = {}
         self._rr = 0  # rotates ties between equally idle readers

@@ -47,6 +47,7 @@ MAX_ATTEMPTS = 50
 FENCE_GRACE_S = 2.0
 
 DEPTH = Gauge("roadlog_queue_depth", "requests waiting", ["kind"])
+DEPTH_BYTES = Gauge("roadlog_queue_bytes", "bytes of requests waiting", ["kind"])
 WAIT = Histogram(
     "roadlog_queue_wait_seconds",
     "time from arrival to being handed to a node",
@@ -63,7 +64,7 @@ WORKERS = Gauge("roadlog_queue_connected_nodes", "nodes pulling work from this q
 class QueueServer(work_pb2_grpc.WorkServicer):
     def __init__(self, cfg: QueueConfig) -> None:
         self.cfg = cfg
-        self.q = WorkQueues(cfg.max_writes, cfg.max_reads)
+        self.q = WorkQueues(cfg.max_writes, cfg.max_reads, max_bytes=cfg.max_queued_bytes)
         self.token = cluster_token(cfg.secret(), cfg.cluster_name)
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future[work_pb2.WorkResult]] = {}
@@ -140,8 +141,9 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                     deadline_unix_ms=int((time.time() + it.deadline - now) * 1000),
                 )
             )
-        DEPTH.labels("write").set(self.q.depth(Kind.WRITE))
-        DEPTH.labels("read").set(self.q.depth(Kind.READ))
+        for queue_kind, label in ((Kind.WRITE, "write"), (Kind.READ, "read")):
+            DEPTH.labels(label).set(self.q.depth(queue_kind))
+            DEPTH_BYTES.labels(label).set(self.q.queues[queue_kind].bytes)
 
     async def expire_loop(self) -> None:
         while True:
