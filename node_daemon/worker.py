@@ -241,7 +241,9 @@ class WorkHandler:
 
     async def create_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.CreateTopicRequest.FromString(item.request)
-        spec = normalized_spec(req.spec)  # refuse bad specs before they enter the log
+        # Refuse bad specs before they enter the log; a region's parsing and
+        # checks (up to geo.MAX_REGION_BYTES) run off the event loop.
+        spec = await asyncio.get_running_loop().run_in_executor(self.cpu, normalized_spec, req.spec)
         return await self.node.propose_op(
             command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
         )

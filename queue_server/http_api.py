@@ -9,6 +9,7 @@ queues are full, 504 when no answer came before the deadline.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -164,7 +165,9 @@ class HttpApi:
             if region is not None and bbox is None:
                 if not isinstance(region, dict):
                     raise bad("region must be a GeoJSON object (a Polygon or a Feature)")
-                geojson = parse_region(region).geojson
+                geojson = (
+                    await asyncio.get_running_loop().run_in_executor(None, parse_region, region)
+                ).geojson
             elif bbox is not None and region is None:
                 if not (
                     isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox)
@@ -216,7 +219,12 @@ class HttpApi:
     async def publish(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
-        cols = pings_from_json(body.get("pings"))
+        pings = body.get("pings")
+        if isinstance(pings, list) and len(pings) > 1000:  # seconds of work: off the loop
+            loop = asyncio.get_running_loop()
+            cols = await loop.run_in_executor(None, pings_from_json, pings)
+        else:
+            cols = pings_from_json(pings)
         req = client_pb2.PublishRequestView(  # the encoded batch as it is: no re-parse
             topic=request.match_info["name"], client_id=client, batch=columnar.encode(cols)
         )
@@ -274,9 +282,18 @@ class HttpApi:
 # ------------------------------------------------------------------ JSON
 
 
+# Bodies bigger than this are parsed off the event loop (a 100,000-ping
+# publish is about 10 MB of JSON: seconds of parsing that would stall both APIs).
+INLINE_JSON_BYTES = 64 << 10
+
+
 async def _json_object(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
     try:
-        body = await request.json(loads=json.loads)
+        if len(raw) <= INLINE_JSON_BYTES:
+            body = json.loads(raw)
+        else:
+            body = await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise bad(f"the body is not JSON: {e}") from None
     except RecursionError:

@@ -15,6 +15,9 @@ import shapely
 from shapely.geometry import Polygon, shape
 
 MAX_VERTICES = 10_000
+# The GeoJSON text of a region, at most: 10,000 vertices at full precision
+# are about 0.4 MB; more than this is refused before it is parsed.
+MAX_REGION_BYTES = 2 << 20
 MAX_AREA_KM2 = 250_000.0  # a metro region, generously; not a continent
 KM_PER_DEGREE = 111.32
 
@@ -64,7 +67,11 @@ def approx_area_km2(poly: Polygon) -> float:
 
 
 def parse_region(text: str | dict[str, Any]) -> Region:
-    """Validate a GeoJSON Polygon (or a Feature holding one)."""
+    """Validate a GeoJSON Polygon (or a Feature holding one). Cheap checks
+    come first: the text's size before parsing it, the vertex count before
+    walking the vertices."""
+    if isinstance(text, str) and len(text) > MAX_REGION_BYTES:
+        raise RegionError(f"region is {len(text)} bytes of GeoJSON; at most {MAX_REGION_BYTES}")
     try:
         obj = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as e:
@@ -83,7 +90,9 @@ def parse_region(text: str | dict[str, Any]) -> Region:
     rings = obj.get("coordinates")
     if not isinstance(rings, list) or not rings:
         raise RegionError("a Polygon needs a list of linear rings")
-    vertices = 0
+    vertices = sum(len(ring) if isinstance(ring, list) else 0 for ring in rings)
+    if vertices > MAX_VERTICES:
+        raise RegionError(f"region has {vertices} vertices; at most {MAX_VERTICES}")
     for ring in rings:
         if not isinstance(ring, list) or len(ring) < 4:
             raise RegionError("each ring needs at least 4 positions (closed)")
@@ -101,9 +110,6 @@ def parse_region(text: str | dict[str, Any]) -> Region:
                 )
         if list(ring[0][:2]) != list(ring[-1][:2]):
             raise RegionError("each ring must be closed: first and last positions equal")
-        vertices += len(ring)
-    if vertices > MAX_VERTICES:
-        raise RegionError(f"region has {vertices} vertices; at most {MAX_VERTICES}")
     try:
         poly = shape(obj)
     except Exception as e:

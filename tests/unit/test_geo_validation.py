@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
 import shapely
 
 from roadlog.columnar import PingColumns
-from roadlog.geo import RegionError, bbox_region, parse_region
+from roadlog.geo import MAX_REGION_BYTES, MAX_VERTICES, RegionError, bbox_region, parse_region
 from roadlog.validation import BatchRejected, check_batch, check_topic_name
 
 pytestmark = pytest.mark.unit
@@ -128,3 +129,18 @@ def test_good_topic_names(name: str) -> None:
 def test_bad_topic_names(name: str) -> None:
     with pytest.raises(ValueError, match="bad topic name"):
         check_topic_name(name)
+
+
+def test_an_oversized_region_is_refused_before_it_is_parsed() -> None:
+    """Issue 19, finding 9: parse_region walked every vertex of a 28.6 MB
+    region before checking the limit."""
+    huge = " " * (MAX_REGION_BYTES + 1)  # not even JSON: its size alone refuses it
+    with pytest.raises(RegionError, match="bytes of GeoJSON; at most"):
+        parse_region(huge)
+
+
+def test_too_many_vertices_are_refused_before_any_vertex_is_walked() -> None:
+    ring: list[Any] = [[11.5 + i * 1e-6, 48.1] for i in range(MAX_VERTICES + 5)]
+    ring[-1] = "not a position"  # a walk would report this; the count comes first
+    with pytest.raises(RegionError, match=f"vertices; at most {MAX_VERTICES}"):
+        parse_region({"type": "Polygon", "coordinates": [ring]})
