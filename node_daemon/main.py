@@ -23,7 +23,7 @@ from roadlog.ops import HostView, leader_host, transfer_target
 from roadlog.runtime import config as configfile
 from roadlog.runtime import eventloop
 from roadlog.runtime.auth import cluster_token, token_metadata
-from roadlog.runtime.config import config_flags
+from roadlog.runtime.config import config_flags, private_files
 from roadlog.runtime.logs import setup_logging
 from roadlog.status import ask_node
 from roadlog.v1 import (
@@ -37,6 +37,7 @@ log = logging.getLogger("roadlog.node")
 @click.group()
 def cli() -> None:
     """The roadlog node daemon."""
+    private_files()  # data, snapshots and backups: 0600 files, 0700 directories
 
 
 @cli.command()

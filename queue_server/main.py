@@ -11,13 +11,14 @@ import click
 from queue_server.config import QueueConfig, load_queue_config
 from queue_server.server import serve
 from roadlog.runtime import eventloop
-from roadlog.runtime.config import ConfigError, config_flags
+from roadlog.runtime.config import ConfigError, config_flags, private_files
 from roadlog.runtime.logs import setup_logging
 
 
 @click.group()
 def cli() -> None:
     """The roadlog queue server."""
+    private_files()
 
 
 @cli.command()

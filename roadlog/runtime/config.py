@@ -3,6 +3,7 @@ the cluster secret, and the checks every daemon's config shares."""
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import MISSING, Field, field, fields
@@ -114,3 +115,12 @@ def load(
     if validate:
         cfg.validate()
     return cfg
+
+
+PRIVATE_UMASK = 0o077
+
+
+def private_files() -> None:
+    """What a daemon creates from now on (LMDB files, snapshots, backups)
+    is readable by its own user only: files 0600, directories 0700."""
+    os.umask(PRIVATE_UMASK)

@@ -58,6 +58,10 @@ def test_a_cluster_restored_from_a_live_backup_holds_exactly_the_backed_up_state
         assert r.returncode == 0, r.stderr
         manifest = json.loads(r.stdout)
         assert manifest["applied_index"] > 0 and manifest["cluster_name"] == "roadlog"
+        # Issue 19, findings 14 and 18: backups and a node's data are its user's alone.
+        for root in (backup, Path(lc.nodes[0].data_dir)):
+            exposed = [p for p in root.rglob("*") if p.stat().st_mode & 0o077]
+            assert not exposed, [f"{p} {p.stat().st_mode:o}" for p in exposed]
         p.send_batch(make_pings("p", 2000, 700))  # after the backup: gone after a restore
         p.flush()
         assert len(stored(conn)) == 2700
