@@ -11,7 +11,7 @@ import click
 from queue_server.config import QueueConfig, load_queue_config
 from queue_server.server import serve
 from roadlog.runtime import eventloop
-from roadlog.runtime.config import ConfigError, config_flags, private_files
+from roadlog.runtime.config import ConfigError, check_secret, config_flags, private_files
 from roadlog.runtime.logs import setup_logging
 
 
@@ -28,6 +28,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
     """Run a queue server until SIGTERM."""
     try:
         cfg = load_queue_config(config_path, flags)
+        check_secret(cfg.secret_file)
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     setup_logging("queue", cfg.log_level)

@@ -71,6 +71,32 @@ def check_address(addr: str, key: str) -> None:
         raise ConfigError(f"{key}: {addr!r} is not HOST:PORT")
 
 
+MIN_SECRET_BYTES = 16
+PLACEHOLDERS = (b"change-me", b"changeme", b"placeholder")
+
+
+def check_secret(path: Path | None) -> None:
+    """A daemon starts only with a real cluster secret: a file that exists,
+    is not readable by others, and holds at least MIN_SECRET_BYTES that are
+    not a placeholder (a guessable secret would let anyone compute the
+    cluster token). ConfigError says which rule failed."""
+    if path is None:
+        raise ConfigError("secret_file: required (the shared cluster secret)")
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise ConfigError(f"secret_file: cannot read {path}: {e}") from None
+    if mode & 0o007:
+        raise ConfigError(
+            f"secret_file: {path} is readable by others (mode {mode & 0o777:o}): chmod o-rwx"
+        )
+    secret = read_secret(path)
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"secret_file: the secret must be at least {MIN_SECRET_BYTES} bytes")
+    if any(p in secret.lower() for p in PLACEHOLDERS):
+        raise ConfigError("secret_file: the secret is a placeholder; make a random one")
+
+
 def read_secret(path: Path | None) -> bytes:
     """The cluster secret (empty when no file is configured)."""
     if path is None:

@@ -127,6 +127,7 @@ class Net:
         sh("ip", "link", "set", self.bridge, "up")
         self.secret = self.dir / "secret"
         self.secret.write_text("netns-test-secret-0123456789\n")
+        self.secret.chmod(0o600)
 
     def host(self, index: int) -> Host:
         """Host ``index`` (10.77.0.<10 + index>), made on first use."""

@@ -114,6 +114,7 @@ def test_a_stranger_with_the_wrong_secret_is_ignored_and_counted(
     start_shuffled(hosts, 3, seed=3)
     wrong = net.dir / "wrong-secret"
     wrong.write_text("not-the-cluster-secret-at-all\n")
+    wrong.chmod(0o600)  # a daemon refuses a secret others can read
     stranger = net.host(5)
     stranger.node(expect=3, secret=wrong)
     wait_for(lambda: one_cluster(hosts, 3, 3), 90, "the cluster without the stranger")

@@ -76,3 +76,31 @@ def test_the_example_config_files_load() -> None:
     assert node.node_id == 1 and len(node.peers) == 3 and node.election_ticks == 25
     q = load_queue_config(root / "queue.toml.example", {})
     assert q.listen == "0.0.0.0:7500" and q.metrics_port == 9500
+
+
+def test_a_daemon_refuses_a_missing_short_placeholder_or_world_readable_secret(
+    tmp_path: Path,
+) -> None:
+    """Issue 19, finding 5: a missing or empty secret was accepted silently,
+    and the inventory's CHANGE-ME placeholder passed."""
+    from roadlog.runtime.config import check_secret
+
+    def secret(text: str, mode: int = 0o600) -> Path:
+        f = tmp_path / f"s{len(list(tmp_path.iterdir()))}"
+        f.write_text(text)
+        f.chmod(mode)
+        return f
+
+    with pytest.raises(ConfigError, match="required"):
+        check_secret(None)
+    with pytest.raises(ConfigError, match="cannot read"):
+        check_secret(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        check_secret(secret("\n"))
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        check_secret(secret("short-secret\n"))
+    with pytest.raises(ConfigError, match="placeholder"):
+        check_secret(secret("CHANGE-ME-to-32-random-hex-characters\n"))
+    with pytest.raises(ConfigError, match="readable by others"):
+        check_secret(secret("9f1c2a7e4b8d6f3a0c5e7b9d1f3a5c7e\n", 0o644))
+    check_secret(secret("9f1c2a7e4b8d6f3a0c5e7b9d1f3a5c7e\n", 0o640))  # root:roadlog, as deployed
