@@ -273,6 +273,13 @@ class WorkHandler:
     async def leave_group(self, item: work_pb2.WorkItem) -> OpResult:
         return await self.groups.leave(item.request)
 
+    async def delete_group(self, item: work_pb2.WorkItem) -> OpResult:
+        req = client_pb2.DeleteGroupRequest.FromString(item.request)
+        self.node.sm.describe_group(req.group)  # NOT_FOUND before proposing
+        return await self.node.propose_op(
+            command_pb2.Op(delete_group=command_pb2.DeleteGroupOp(group=req.group))
+        )
+
     # ----------------------------------------------------------------- reads
 
     async def _fenced(self, fence: int) -> None:

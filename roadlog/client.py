@@ -225,6 +225,11 @@ class Admin:
     def list_groups(self) -> list[groups_pb2.GroupDescription]:
         return list(self.conn.call("ListGroups", client_pb2.ListGroupsRequest()).groups)
 
+    def delete_group(self, name: str) -> int:
+        """Delete a group no member is in; returns the index that deleted it."""
+        resp = self.conn.call("DeleteGroup", client_pb2.DeleteGroupRequest(group=name))
+        return int(resp.applied_index)
+
     def describe_group(self, name: str, min_applied_index: int = 0) -> groups_pb2.GroupDescription:
         req = client_pb2.DescribeGroupRequest(group=name, min_applied_index=min_applied_index)
         return self.conn.call("DescribeGroup", req)  # type: ignore[no-any-return]

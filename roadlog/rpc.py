@@ -99,6 +99,7 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("LeaveGroup", W, c.LeaveGroupRequest, c.LeaveGroupResponse),
     Rpc("DescribeGroup", R, c.DescribeGroupRequest, g.GroupDescription),
     Rpc("ListGroups", R, c.ListGroupsRequest, c.ListGroupsResponse),
+    Rpc("DeleteGroup", W, c.DeleteGroupRequest, c.DeleteGroupResponse),
     Rpc(
         "GetHeatmap",
         R,

@@ -179,13 +179,28 @@ class GroupTables:
         for name in self.names(txn):
             g = self.get(txn, name)
             if g is not None and g.topic == topic:
-                txn.delete(name.encode(), db=self.groups)
-                cur = txn.cursor(db=self.offsets)
-                prefix = name.encode() + b"\x00"
-                if cur.set_range(prefix):
-                    while cur.key().startswith(prefix):
-                        if not cur.delete():
-                            break
+                self._drop(txn, name)
+
+    def delete(self, txn: Any, name: str) -> None:
+        """Delete a group that no member is in any more, with its offsets."""
+        g = self.get(txn, name)
+        if g is None:
+            raise RoadlogError(Code.NOT_FOUND, f"no group {name!r}")
+        if g.members:
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
+                f"group {name!r} has {len(g.members)} members; they must leave (or expire) first",
+            )
+        self._drop(txn, name)
+
+    def _drop(self, txn: Any, name: str) -> None:
+        txn.delete(name.encode(), db=self.groups)
+        cur = txn.cursor(db=self.offsets)
+        prefix = name.encode() + b"\x00"
+        if cur.set_range(prefix):
+            while cur.key().startswith(prefix):
+                if not cur.delete():
+                    break
 
     @staticmethod
     def _rebalance(g: groups_pb2.Group, partitions: int) -> None:

@@ -210,6 +210,11 @@ class StateMachine:
             }
             self.groups.commit(txn, commit, ends, leader_ms)
             return client_pb2.CommitOffsetsResponse(applied_index=index).SerializeToString()
+        if kind == "delete_group":
+            self.groups.delete(txn, op.delete_group.group)
+            return client_pb2.DeleteGroupResponse(
+                deleted=True, applied_index=index
+            ).SerializeToString()
         if kind == "put_heatmap":
             hm = op.put_heatmap.request.heatmap
             self.heat.put(txn, self._topic(txn, hm.topic), hm)

@@ -255,6 +255,25 @@ def group_describe(name: str, cluster: Path | None, servers: str | None, as_json
     out.print(t)
 
 
+@group_cmd.command("delete")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="do not ask first")
+@where
+@click.option("--json", "as_json", is_flag=True)
+def group_delete(
+    name: str, yes: bool, cluster: Path | None, servers: str | None, as_json: bool
+) -> None:
+    """Delete a group no member is in any more, with its committed offsets."""
+    if not yes:
+        click.confirm(f"delete group {name!r} and its committed offsets?", abort=True, err=True)
+    with connection(cluster, servers) as conn:
+        index = Admin(conn).delete_group(name)
+    if as_json:
+        click.echo(json.dumps({"deleted": name, "applied_index": index}))
+    else:
+        err.print(f"deleted group {name}")
+
+
 def _group_json(d: Any) -> dict[str, Any]:
     g = d.group
     return {

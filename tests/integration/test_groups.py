@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from roadlog.client import Admin, Connection, Producer
+from roadlog.client import Admin, Connection, NotFound, Producer
 from roadlog.localcluster import LocalCluster, alive, wait_dead
 from tests.integration.conftest import create_topic, make_pings, wait_for
 
@@ -179,3 +179,13 @@ def test_members_share_partitions_take_over_and_resume(
         assert set(resumed) == {p for p, e in ends(conn).items() if e > committed[p]}
         d.stop()
         assert d.proc.returncode == 0, d.log.read_text()
+
+        # Once no member is in it, the group can be deleted, offsets and all.
+        wait_for(lambda: not describe(conn)["members"], 30, "the last member gone from the group")
+        deleted = json.loads(
+            subprocess.check_output([*cli, "delete", GROUP, "--yes", *where], timeout=60)
+        )
+        assert deleted["deleted"] == GROUP and deleted["applied_index"] > 0
+        with pytest.raises(NotFound):  # read at the delete's index: gone
+            Admin(conn).describe_group(GROUP, min_applied_index=deleted["applied_index"])
+        wait_for(lambda: Admin(conn).list_groups() == [], 10, "the group gone from the list")

@@ -209,3 +209,27 @@ def test_deleting_a_topic_forgets_its_groups_and_maps(c: Cluster) -> None:
     assert c.sm.list_groups() == []
     with c.sm.env.begin() as txn:
         assert list(txn.cursor(db=c.sm.heat.contrib)) == []
+
+
+def test_a_group_is_deleted_with_its_offsets_once_no_member_is_in_it(c: Cluster) -> None:
+    """Issue 19's bounds: consumer groups were never deleted."""
+
+    def delete(group: str = "dash") -> OpResult:
+        return c.apply(command_pb2.Op(delete_group=command_pb2.DeleteGroupOp(group=group)))
+
+    c.publish("phone", T0, n=8)
+    gen = c.join("m1").generation
+    assert c.commit("m1", gen, {0: 1}).code == Code.OK
+    busy = delete()
+    assert busy.code == Code.FAILED_PRECONDITION and "1 members" in busy.message
+    assert c.sm.describe_group("dash").offsets  # nothing was touched
+    c.leave("m1")
+    res = delete()
+    assert res.code == Code.OK
+    assert client_pb2.DeleteGroupResponse.FromString(res.response).applied_index == c.index
+    with pytest.raises(RoadlogError) as e:
+        c.sm.describe_group("dash")
+    assert e.value.code == Code.NOT_FOUND
+    assert delete().code == Code.NOT_FOUND
+    c.join("m2")  # the name can be used again, from no offsets
+    assert not c.sm.describe_group("dash").offsets
