@@ -280,14 +280,16 @@ def drill(c: Context, seconds: int = 20, json: bool = False, inventory: str | No
     victim = next(n for n in nodes if n.name == lead)
     prober = next((q for q in queues if q.name != lead), queues[0])
     servers = ",".join(f"{q.address}:{QUEUE_PORT}" for q in queues)
-    out_file = f"/tmp/roadlog-probe-{int(time.time())}.json"
-    probe = (
-        f"ROADLOG_CLIENT_ID=roadlog-drill HOME=/tmp timeout {seconds + 60} "
-        f"{VENV}/bin/python -m roadlog.probe --servers {servers} "
-        f"--duration {seconds} --out {out_file}"
-    )
     _say(f"leader is {lead}; probe writes from {prober.name} for {seconds} s")
     with _connect(prober) as pconn:
+        # A private directory made by mktemp (not a guessable /tmp path).
+        work = _run(pconn, "mktemp -d /tmp/roadlog-drill.XXXXXXXXXX").stdout.strip()
+        out_file = f"{work}/probe.json"
+        probe = (
+            f"ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
+            f"{VENV}/bin/python -m roadlog.probe --servers {servers} "
+            f"--duration {seconds} --out {out_file}"
+        )
         _run(pconn, f"nohup sh -c {shlex.quote(probe)} > /dev/null 2>&1 &")
         time.sleep(min(5.0, seconds / 3))
         with _connect(victim) as vconn:
@@ -303,7 +305,7 @@ def drill(c: Context, seconds: int = 20, json: bool = False, inventory: str | No
                 sys.exit("fab: the probe did not finish")
             time.sleep(1)
         result = jsonlib.loads(_run(pconn, f"cat {out_file}").stdout)
-        _run(pconn, f"rm -f {out_file}")
+        _run(pconn, f"rm -rf {shlex.quote(work)}")
     pause = write_pause(result["acks"], fault_at)
     views = _wait_healthy(nodes)
     report = {
