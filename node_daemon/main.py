@@ -18,7 +18,7 @@ import lmdb
 
 from node_daemon.backup import BackupError, restore_backup, take_backup
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
-from node_daemon.serve import serve
+from node_daemon.serve import NodeFailed, serve
 from roadlog.ops import HostView, leader_host, transfer_target
 from roadlog.runtime import config as configfile
 from roadlog.runtime import eventloop
@@ -56,6 +56,9 @@ def run(config_path: Path | None, **flags: Any) -> None:
     except ConfigError as e:
         log.error("bad configuration", extra={"error": str(e)})
         sys.exit(2)
+    except NodeFailed as e:
+        log.error("stopped on a failure", extra={"error": str(e)})
+        sys.exit(1)  # systemd restarts it (Restart=on-failure)
 
 
 @cli.command()

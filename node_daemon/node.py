@@ -303,9 +303,22 @@ class RaftNode:
 
     # ----------------------------------------------------------------- driver
 
-    async def start(self) -> None:
+    async def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Start ticking and driving. If the driver fails (a log write or an
+        apply failed: the node cannot go on safely), ``on_failure`` is told,
+        so the process stops instead of living on with a dead Raft loop."""
         loop = self._loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._ticker()), loop.create_task(self._drive())]
+        drive = loop.create_task(self._drive())
+        self._tasks = [loop.create_task(self._ticker()), drive]
+
+        def done(t: asyncio.Task[None]) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            log.critical("the Raft driver failed", exc_info=t.exception())
+            if on_failure is not None:
+                on_failure(t.exception())  # type: ignore[arg-type]
+
+        drive.add_done_callback(done)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -314,8 +327,8 @@ class RaftNode:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t  # a failed driver was reported when it failed
         await self.transport.close()
         await self._snapshot_done()
         self._snap_io.shutdown(wait=True)

@@ -76,6 +76,10 @@ async def _discover(cfg: NodeConfig, agent: DiscoveryAgent | None) -> NodeConfig
         await asyncio.sleep(0.1)
 
 
+class NodeFailed(RuntimeError):
+    """The node stopped because its Raft driver failed (systemd restarts it)."""
+
+
 async def serve(cfg: NodeConfig) -> None:
     # LMDB commits and fsyncs release the GIL; hand it back quickly when they
     # return, instead of after the default 5 ms switch interval.
@@ -138,7 +142,13 @@ async def serve(cfg: NodeConfig) -> None:
 
         serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
     node.update_addresses(node.sm.peers())
-    await node.start()
+    failed: list[BaseException] = []
+
+    def driver_failed(e: BaseException) -> None:
+        failed.append(e)
+        stop.set()
+
+    await node.start(driver_failed)
     executor = WorkHandler(node)
     executor.groups.start()
     links: dict[str, QueueServerLink] = {}
@@ -222,4 +232,6 @@ async def serve(cfg: NodeConfig) -> None:
         await agent.stop()
     await server.stop(grace=1.0)
     await node.stop()
+    if failed:
+        raise NodeFailed(f"the Raft driver failed: {failed[0]!r}")
     log.info("stopped")

@@ -116,6 +116,30 @@ class FairQueue(Generic[T]):
             return item
         return None
 
+    def take_first(self, eligible: Callable[[T], bool]) -> T | None:
+        """Like ``pop``, but only an item ``eligible`` accepts: the first such
+        handed-back item, else the head of the next client's lane that is
+        (a client whose head must wait keeps its place and its order). What
+        is not taken stays where it was, counted against its client."""
+        for i, it in enumerate(self._front):
+            if eligible(it):
+                del self._front[i]
+                self._len -= 1
+                self.bytes -= it.size
+                return it
+        for client, lane in list(self._lanes.items()):
+            if lane and eligible(lane[0]):
+                item = lane.popleft()
+                self._len -= 1
+                self.bytes -= item.size
+                self._lane_bytes[client] -= item.size
+                if lane:
+                    self._lanes.move_to_end(client)  # the next client's turn
+                else:
+                    self._drop_lane(client)
+                return item
+        return None
+
     def _drop_lane(self, client: str) -> None:
         del self._lanes[client]
         self._lane_bytes.pop(client, None)

@@ -6,10 +6,13 @@ it, so a busy node takes less and an idle one steals more.
 Time is passed in (``now``, in seconds); nothing here blocks or does I/O.
 Invariants: an item is queued, handed to exactly one worker, or finished;
 work a worker took and did not finish goes back to the front of its queue
-when that worker leaves, unless its deadline passed or it was handed out
-MAX_DELIVERIES times already (then it is dropped and reported: a request
-whose answer breaks every node's stream must not circle forever); items
-whose deadline passed are never handed out, and are dropped and reported;
+when that worker leaves, unless its deadline passed or the streams of
+MAX_STREAM_BREAKS workers that held it broke (then it is dropped and
+reported: a request whose answer breaks every node's stream must not circle
+forever; a worker answering "not the leader" is no break); items whose
+deadline passed are never handed out, and are dropped and reported; a read
+that waits for its fence waits in its client's place, within its client's
+bounds;
 the queues never hold more than their bounds (items and bytes, in all and
 per client), and are fair between clients
 (``fair.FairQueue``): one client's flood neither fills the queue for others
@@ -29,10 +32,10 @@ class QueueFull(Exception):
     """The queue is at its bound; the client should back off."""
 
 
-# How many times one item may be handed to a worker whose stream then broke
-# before it is given up (a node restarting is once or twice; a request that
-# breaks every stream it rides on is forever).
-MAX_DELIVERIES = 3
+# How many workers holding one item may have their stream break before it
+# is given up (a node restarting is once or twice; a request that breaks
+# every stream it rides on is forever).
+MAX_STREAM_BREAKS = 3
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class Item:
     attempts: int = 0  # times a worker handed it back (not the leader any more, say)
     client: str = ""  # whose request: the unit of fairness
     deliveries: int = 0  # times handed to a worker
+    broken: int = 0  # times a worker holding it left (its stream broke)
 
     @property
     def size(self) -> int:
@@ -174,20 +178,22 @@ class WorkQueues:
 
     def disconnect(self, worker_id: int, now: float) -> list[Item]:
         """The worker is gone: what it held goes back to the front, in order,
-        and is returned; what is past its deadline or was handed out
-        MAX_DELIVERIES times is dropped instead (``expire`` reports it)."""
+        and is returned; what is past its deadline or was held by
+        MAX_STREAM_BREAKS workers that left is dropped instead (``expire``
+        reports it)."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
         back: list[Item] = []
         for it in sorted(w.inflight.values(), key=lambda it: it.id):
+            it.broken += 1
             if it.deadline <= now:
                 self._dropped.append(Expired(it, "not done before the deadline: its node left"))
-            elif it.deliveries >= MAX_DELIVERIES:
+            elif it.broken >= MAX_STREAM_BREAKS:
                 self._dropped.append(
                     Expired(
                         it,
-                        f"given up after {it.deliveries} nodes took it and their work streams "
+                        f"given up after {it.broken} nodes took it and their work streams "
                         "broke (is the request or its answer too big?)",
                         gave_up=True,
                     )
@@ -238,26 +244,25 @@ class WorkQueues:
             lead.inflight[it.id] = it
             out.append((lead.id, it))
         wq.push_front(expired)
+        # Reads: the next one (fair between clients) that some node can take
+        # now; one that waits for its fence, or is past its deadline (expire()
+        # reports it), stays where it is.
         rq = self.queues[Kind.READ]
-        waiting: list[Item] = []
-        while len(rq):
-            it = rq.pop()
+        while any(w.read_credit > 0 for w in self.workers.values()):
+            it = rq.take_first(lambda it: it.deadline > now and self._can_read(it))
             if it is None:
                 break
-            if it.deadline <= now:
-                waiting.append(it)  # expire() reports it
-                continue
             w = self._reader_for(it)
-            if w is None:
-                waiting.append(it)
-                continue
+            assert w is not None  # _can_read said so
             w.read_credit -= 1
             w.taken_reads += 1
             it.deliveries += 1
             w.inflight[it.id] = it
             out.append((w.id, it))
-        rq.push_front(waiting)
         return out
+
+    def _can_read(self, it: Item) -> bool:
+        return any(w.read_credit > 0 and w.applied >= it.fence for w in self.workers.values())
 
     def _reader_for(self, it: Item) -> Worker | None:
         """The eligible worker with the most read credit left (the idlest)."""

@@ -111,10 +111,11 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         try:
             res = await asyncio.wait_for(fut, wait + 0.5)
         except TimeoutError:
-            self.q.cancel(item.id)
             raise RoadlogError(Code.DEADLINE_EXCEEDED, "no answer before the deadline") from None
         finally:
             self._futures.pop(item.id, None)
+            if not fut.done() or fut.cancelled():  # timed out, or the client went away
+                self.q.cancel(item.id)
         if res.code:
             raise RoadlogError(Code.of(res.code), res.message)
         return res.response

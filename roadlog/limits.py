@@ -36,8 +36,10 @@ WORK_BATCH_BYTES: Final = 4 << 20
 ENTRY_BYTES: Final = 8 << 20
 # One page of a listing (topics): a page closes once it holds this much.
 PAGE_BYTES: Final = 4 << 20
-DEFAULT_PAGE_SIZE: Final = 100
 MAX_PAGE_SIZE: Final = 1000
+# A listing that names no page size gets as much as fits a page: a small
+# cluster's whole list, as clients from before paging expect.
+DEFAULT_PAGE_SIZE: Final = MAX_PAGE_SIZE
 # One message between nodes (Raft, admin, node reads).
 PEER_MESSAGE_BYTES: Final = 64 << 20
 

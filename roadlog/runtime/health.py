@@ -11,14 +11,17 @@ makes health checks time out; `ready()` must therefore only read plain
 attributes (no awaits, no locks held by the loop).
 
 Bounded: at most ``max_connections`` requests are served at once (one
-thread each; a connection over the bound is closed at once), and a
-connection that sends nothing for ``idle_timeout_s`` (a half-sent request)
-is dropped, so no client can pile up threads on a daemon.
+thread each; a connection over the bound is closed at once), a connection
+that sends nothing for ``idle_timeout_s`` (a half-sent request) is dropped,
+and none lasts more than ``deadline_s`` (a byte now and then does not keep
+it), so no client can pile up threads on a daemon or hold its slots.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
@@ -33,6 +36,7 @@ StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
 MAX_CONNECTIONS = 32
 IDLE_TIMEOUT_S = 5.0
+DEADLINE_S = 15.0
 
 
 class _BoundedWSGIServer(ThreadingMixIn, WSGIServer):
@@ -62,6 +66,21 @@ class _BoundedWSGIServer(ThreadingMixIn, WSGIServer):
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = IDLE_TIMEOUT_S  # the socket's: a connection idle this long is dropped
+    deadline_s = DEADLINE_S  # a connection is cut this long after it was accepted
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(self.deadline_s, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds are not worth a log line."""
@@ -99,13 +118,16 @@ def serve_metrics_and_health(
     ready: Readiness,
     max_connections: int = MAX_CONNECTIONS,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
+    deadline_s: float = DEADLINE_S,
 ) -> WSGIServer:
     """Start the endpoint in a daemon thread; returns the server (its
     `server_port` is the bound port, useful with port 0)."""
     server_class = type(
         "BoundedWSGIServer", (_BoundedWSGIServer,), {"max_connections": max_connections}
     )
-    handler_class = type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+    handler_class = type(
+        "Handler", (_QuietHandler,), {"timeout": idle_timeout_s, "deadline_s": deadline_s}
+    )
     server: WSGIServer = make_server(
         host or "0.0.0.0",
         port,

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import lmdb
 import pytest
 from prometheus_client import REGISTRY
 
@@ -121,5 +122,40 @@ def test_a_log_of_big_entries_is_snapshotted_by_its_bytes(tmp_path: Path) -> Non
             assert 1 <= taken <= 3  # ~600 KB of log: one per 256 KiB, not one an entry
         finally:
             await node.stop()
+
+    asyncio.run(main())
+
+
+def test_a_failed_log_write_stops_the_node_instead_of_leaving_it_half_alive(
+    tmp_path: Path,
+) -> None:
+    """A failed write or apply ends the Raft driver; the node says so (the
+    daemon then exits and systemd restarts it) and still closes cleanly."""
+    addr = f"127.0.0.1:{_free_port()}"
+    cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr})
+
+    async def main() -> None:
+        node = RaftNode(cfg)
+        failures: list[BaseException] = []
+        await node.start(failures.append)
+        try:
+            await _until(lambda: node.is_leader, "a leader")
+            await asyncio.wait_for(node.propose_op(_op(0)), 10)
+            real = node.log_store.save
+
+            def broken_save(*args: object, **kwargs: object) -> None:
+                raise OSError(28, "No space left on device")
+
+            node.log_store.save = broken_save  # type: ignore[method-assign]
+            proposal = asyncio.ensure_future(node.propose_op(_op(1)))
+            await _until(lambda: bool(failures), "the driver's failure to be reported")
+            assert isinstance(failures[0], OSError)
+            assert not proposal.done() or proposal.exception() is not None  # never acked
+            proposal.cancel()
+            node.log_store.save = real  # type: ignore[method-assign]
+        finally:
+            await node.stop()  # the failure does not keep it from closing
+        with pytest.raises(lmdb.Error):  # closed: stop() ran to its end
+            node.sm.env.stat()
 
     asyncio.run(main())

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from queue_server.queues import MAX_DELIVERIES, Item, Kind, QueueFull, WorkQueues
+from queue_server.queues import MAX_STREAM_BREAKS, Item, Kind, QueueFull, WorkQueues
 
 pytestmark = pytest.mark.unit
 _ids = itertools.count(1)
@@ -208,15 +208,15 @@ def test_an_item_that_breaks_every_stream_is_given_up_not_circled() -> None:
     q = WorkQueues()
     poison = item(Kind.READ)
     q.submit(poison)
-    for w in range(1, MAX_DELIVERIES + 1):
+    for w in range(1, MAX_STREAM_BREAKS + 1):
         _reader(q, w)
         [(got, it)] = q.dispatch(0)
         assert (got, it.id) == (w, poison.id)
         back = q.disconnect(w, now=0)
-        assert back == ([poison] if w < MAX_DELIVERIES else [])
+        assert back == ([poison] if w < MAX_STREAM_BREAKS else [])
     assert q.depth(Kind.READ) == 0
     [e] = q.expire(0)
-    assert e.item is poison and e.gave_up and f"after {MAX_DELIVERIES} nodes" in e.reason
+    assert e.item is poison and e.gave_up and f"after {MAX_STREAM_BREAKS} nodes" in e.reason
     assert q.expire(0) == []  # reported once
 
 
@@ -279,3 +279,44 @@ def test_queues_are_bounded_in_bytes_in_all_and_per_client() -> None:
     q.submit(Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="z"))  # small still fits
     q.expire(1000.0)
     assert q.queues[Kind.WRITE].bytes == 0 and q.depth(Kind.WRITE) == 0
+
+
+def test_not_the_leader_answers_are_no_broken_streams() -> None:
+    """A leader crash looks like a few "not the leader" answers and then one
+    broken stream: the write must go back to the queue, not be given up."""
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.update(1, True, 1, 0)
+    q.grant(1, writes=10, reads=0)
+    w = item(Kind.WRITE)
+    q.submit(w)
+    for _ in range(MAX_STREAM_BREAKS):
+        [(_, got)] = q.dispatch(0)
+        assert got is w
+        q.retry(1, w.id)  # UNAVAILABLE: not the leader any more
+    [(_, got)] = q.dispatch(0)
+    assert q.disconnect(1, now=0) == [w]  # one broken stream: requeued
+    assert q.expire(0) == [] and q.depth(Kind.WRITE) == 1
+
+
+def test_reads_waiting_for_their_fence_keep_their_place_and_their_clients_bounds() -> None:
+    """A read no node can take yet used to go to the shared front lane on
+    every dispatch, escaping its client's bounds and jumping ahead of others."""
+    mib = 1 << 20
+    q = WorkQueues(max_bytes=64 * mib)  # a client may hold 16 MiB
+    _reader(q, 1)  # applied 10, 10 read credits
+
+    def read(client: str, fence: int, size: int = 4 * mib) -> Item:
+        return Item(next(_ids), Kind.READ, "m", b"x" * size, 100.0, 0.0, fence, client=client)
+
+    held = [read("a", fence=50) for _ in range(4)]  # 16 MiB: a's whole share
+    for it in held:
+        q.submit(it)
+        assert q.dispatch(0) == []  # fenced beyond node 1: it waits
+    with pytest.raises(QueueFull, match="'a' has 16777216 bytes waiting"):
+        q.submit(read("a", fence=50))
+    fine = read("b", fence=5)
+    q.submit(fine)  # another client is not crowded out
+    assert [it.id for _, it in q.dispatch(0)] == [fine.id]
+    q.update(1, is_leader=False, term=1, applied=50)
+    assert [it.id for _, it in q.dispatch(0)] == [it.id for it in held]  # a's order kept
