@@ -9,6 +9,12 @@ log compactions, snapshot installs, leadership transfers and ReadIndex reads
 happen at random. After every event the Raft invariants are checked; at the
 end the network heals and every node must converge to the same state.
 
+Clients write through the front door (``front.Front``): a real
+``WorkQueues`` with the nodes as its workers, idempotent producers that send
+a failed write again, and acknowledgements only through that path; the
+queue's items are checked after every queue operation, and at the end every
+acknowledged write must be stored once on every replica.
+
 A violation raises ``Violation`` with the seed; ``replay_command(seed)``
 reproduces it exactly.
 """
@@ -49,6 +55,7 @@ from node_daemon.state.machine import OpResult
 from node_daemon.state.machine import StateMachine as NodeStateMachine
 from roadlog.geo import bbox_region
 from roadlog.v1 import command_pb2, topics_pb2
+from tests.simulation.front import Front
 
 TICK = 10  # time units per tick; message delays are in time units
 
@@ -333,11 +340,13 @@ class SimNode:
             early_send=opts.early_send,
             work_during_write=opts.mid_write,
         )
+        self.sim.front.connect(self)  # its worker's stream to the queue server
 
     def crash(self) -> None:
         """Lose everything in memory; the storage keeps what it persisted."""
         if self.driver is not None:
             self.driver.stop()
+        self.sim.front.disconnect(self)
         self.core = None
         self.driver = None
         self.pending = None
@@ -616,12 +625,14 @@ class Result:
     crashes: int = 0
     conf_changes: int = 0
     reads: int = 0
+    writes: int = 0  # client writes acknowledged through the queue server
+    resent: int = 0  # writes a client sent again after a failure
 
 
 class Simulation:
     MAX_NODES = 7
 
-    def __init__(self, seed: int, opts: Options | None = None) -> None:
+    def __init__(self, seed: int, opts: Options | None = None, clients: bool = True) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.opts = opts or Options.from_seed(seed, self.rng)
@@ -638,6 +649,8 @@ class Simulation:
         self.next_proposal = 0
         self.down_until: dict[int, int] = {}
         self.stats = Result(seed, True)
+        # The clients and the queue server draw from a stream of their own.
+        self.front = Front(self, random.Random(seed * 1_000_003 + 0xF2), with_clients=clients)
         voters = list(range(1, self.opts.n_nodes + 1))
         for i in voters:
             node = self._add_node(i)
@@ -667,11 +680,20 @@ class Simulation:
         return best
 
     def on_applied(self, node: SimNode, e: Entry) -> None:
+        self.front.on_applied(node, e, lambda: self._result_of(node))
         p = self.proposed.get(e.data)
         if p is not None and p[0] == node.id and p[1] == e.index and p[2] == e.term:
             self.acked.add(e.data)  # the proposer applied it: the client got its ack
             if isinstance(node.sm, RealStateMachine):
                 self._check_ack(node.sm.last_results, e)
+
+    def _result_of(self, node: SimNode) -> OpResult:
+        """What the worker answers for the entry the node just applied (a
+        one-op command; an append's answer is its span's)."""
+        if not isinstance(node.sm, RealStateMachine):
+            return OpResult()
+        [r] = node.sm.last_results
+        return r.spans[0] if r.spans else r
 
     def _check_ack(self, results: list[OpResult], e: Entry) -> None:
         """What the client is told: its topic, created at the entry's index."""
@@ -707,6 +729,8 @@ class Simulation:
                 shutil.rmtree(self.tmp, ignore_errors=True)
         self.stats.ticks = self.now // TICK
         self.stats.acked = len(self.acked)
+        self.stats.writes = len(self.front.acked)
+        self.stats.resent = self.front.retries
         self.stats.reads = self.checker.reads_served
         return self.stats
 
@@ -737,6 +761,7 @@ class Simulation:
             if n.core is not None:
                 n.core.tick()
                 n.process()
+        self.front.step()
         self.checker.after_event()
 
     def _restart(self, nid: int) -> None:
@@ -901,6 +926,8 @@ class Simulation:
         ):
             return False
         target = core.log.committed
+        if self.front.busy():
+            return False
         return all(n.core is not None and n.sm.applied == target for n in self._members())
 
     def _final_checks(self) -> None:
@@ -917,6 +944,7 @@ class Simulation:
                     f"node {n.id} lacks {len(missing)} acknowledged proposals, "
                     f"e.g. {sorted(missing)[:3]}"
                 )
+        self.front.final_checks(members)
         self.stats.applied = members[0].sm.applied if members else 0
 
     def _describe(self) -> str:

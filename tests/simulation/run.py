@@ -37,7 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     violations = 0
-    totals = {"acked": 0, "snapshots": 0, "crashes": 0, "conf_changes": 0, "reads": 0}
+    totals = {
+        "acked": 0,
+        "writes": 0,
+        "resent": 0,
+        "snapshots": 0,
+        "crashes": 0,
+        "conf_changes": 0,
+        "reads": 0,
+    }
     seeds = range(args.start, args.start + args.seeds)
     for done, r in enumerate(run_seeds(seeds, args.jobs), start=1):
         for k in totals:
