@@ -28,10 +28,43 @@ from roadlog.status import DOWN, ask_node
 from roadlog.v1 import client_pb2, client_pb2_grpc
 
 
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port that is free now and stays out of the way.
+
+    Invariant: the port lies outside the kernel's ephemeral range, so no
+    outgoing connection (of this process or any other) can take it between
+    this call and the daemon's bind, which is what a port from bind(0)
+    cannot promise; and this process never hands the same port out twice."""
+    low, high = _ephemeral_range()
+    spans = [(p, q) for p, q in ((_LOWEST_PORT, low - 1), (high + 1, 65535)) if q > p]
+    rng = secrets.SystemRandom()
+    for _ in range(1000):
+        lo, hi = rng.choice(spans)
+        port = rng.randint(lo, hi)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free loopback port outside the ephemeral range")
 
 
 @dataclass

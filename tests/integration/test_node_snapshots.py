@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,15 +16,10 @@ from prometheus_client import REGISTRY
 
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode
+from roadlog.localcluster import free_port
 from roadlog.v1 import command_pb2
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _until(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
@@ -41,7 +35,7 @@ def _op(i: int) -> command_pb2.Op:
 
 
 def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     cfg = NodeConfig(
         node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr}, snapshot_entries=5
     )
@@ -97,7 +91,7 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
 
 
 def test_a_log_of_big_entries_is_snapshotted_by_its_bytes(tmp_path: Path) -> None:
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     cfg = NodeConfig(
         node_id=1,
         data_dir=tmp_path / "n1",
@@ -131,7 +125,7 @@ def test_a_failed_log_write_stops_the_node_instead_of_leaving_it_half_alive(
 ) -> None:
     """A failed write or apply ends the Raft driver; the node says so (the
     daemon then exits and systemd restarts it) and still closes cleanly."""
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr})
 
     async def main() -> None:
