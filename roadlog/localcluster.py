@@ -27,7 +27,6 @@ import grpc
 from roadlog.status import DOWN, ask_node
 from roadlog.v1 import client_pb2, client_pb2_grpc
 
-
 _LOWEST_PORT = 10000
 _handed_out: set[int] = set()
 
