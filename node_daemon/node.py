@@ -28,7 +28,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from node_daemon.raft import (
     Config,
     Entry,
     LogWrite,
+    PendingProposals,
     ProposalDropped,
     RaftCore,
     Ready,
@@ -91,10 +91,7 @@ class NotLeader(Exception):
         self.leader = leader
 
 
-@dataclass(slots=True)
-class _Pending:
-    term: int
-    futures: list[asyncio.Future[OpResult]]
+_Futures = list[asyncio.Future[OpResult]]  # one per op of a proposed entry
 
 
 class RaftNode:
@@ -149,7 +146,7 @@ class RaftNode:
         self._ops: list[tuple[command_pb2.Op, asyncio.Future[OpResult]]] = []
         self._ops_taken = asyncio.Event()  # set while no proposal waits for the driver
         self._ops_taken.set()
-        self._pending: dict[int, _Pending] = {}
+        self._pending: PendingProposals[_Futures] = PendingProposals()
         self._reads: dict[bytes, asyncio.Future[int]] = {}
         self._read_seq = 0
         self._applied = asyncio.Condition()
@@ -323,6 +320,7 @@ class RaftNode:
     async def stop(self) -> None:
         self._stopping = True
         self.driver.stop()
+        self._fail_lost(self._pending.drain())
         self._wakeup.set()
         for t in self._tasks:
             t.cancel()
@@ -390,7 +388,7 @@ class RaftNode:
                     fut.set_exception(NotLeader(e.leader, e.reason))
             return
         for i, g in enumerate(groups):
-            self._pending[first + i] = _Pending(core.term, [fut for _, fut in g])
+            self._pending.add(first + i, core.term, [fut for _, fut in g])
         metrics.PROPOSED_OPS.inc(len(ops))
 
     async def _drive(self) -> None:
@@ -482,24 +480,27 @@ class RaftNode:
                 fut.set_result(rs.index)
         if rd.soft_state is not None:
             self._on_soft_state()
+        first = rd.entries[0].index if rd.entries else None
+        if self._pending.may_be_lost(first, rd.snapshot is not None):
+            # A newer leader's entries replaced this node's tail, or a
+            # snapshot covered it: answer now, not when (if ever) some later
+            # entry is applied at those indexes.
+            self._fail_lost(self._pending.lost(self.core.log))
 
     def _resolve(self, entries: list[Entry], results: list[list[OpResult]]) -> None:
-        for e, res in zip(entries, results, strict=True):
-            p = self._pending.pop(e.index, None)
-            if p is None:
-                continue
-            if p.term != e.term:
-                for fut in p.futures:
-                    if not fut.done():
-                        fut.set_exception(NotLeader(self.core.lead, "leadership changed"))
-                continue
-            for fut, r in zip(p.futures, res, strict=False):
+        by_index = {e.index: res for e, res in zip(entries, results, strict=True)}
+        mine, lost = self._pending.applied(entries)
+        for e, futures in mine:
+            for fut, r in zip(futures, by_index[e.index], strict=False):
                 if not fut.done():
                     fut.set_result(r)
-        # Proposals below what is applied now were overwritten or lost.
-        applied = entries[-1].index
-        for idx in [i for i in self._pending if i <= applied]:
-            for fut in self._pending.pop(idx).futures:
+        self._fail_lost(lost)
+
+    def _fail_lost(self, lost: list[_Futures]) -> None:
+        """Answer proposals whose entry another took the place of: the outcome
+        is unknown to this node (see PendingProposals), the caller retries."""
+        for futures in lost:
+            for fut in futures:
                 if not fut.done():
                     fut.set_exception(NotLeader(self.core.lead, "leadership changed"))
 

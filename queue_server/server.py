@@ -256,6 +256,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             it = self.q.retry(wid, r.id)
             if it is not None and it.attempts < MAX_ATTEMPTS and fut is not None and not fut.done():
                 return  # another node (the new leader) will take it
+            if it is not None:
+                # Given up (or no one waits for it): out of the queue, so no
+                # node does it after its client heard UNAVAILABLE.
+                self.q.cancel(r.id)
         else:
             self.q.complete(wid, r.id)
         if fut is not None and not fut.done():

@@ -16,6 +16,7 @@ from node_daemon.raft.errors import (
     StorageFullError,
     UnavailableError,
 )
+from node_daemon.raft.proposals import PendingProposals
 from node_daemon.raft.storage import LogStorage, MemoryStorage
 from node_daemon.raft.types import (
     NONE,
@@ -51,6 +52,7 @@ __all__ = [
     "MemoryStorage",
     "Message",
     "MessageType",
+    "PendingProposals",
     "ProposalDropped",
     "RaftCore",
     "RaftError",

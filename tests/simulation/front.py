@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from node_daemon.raft import Entry, ProposalDropped, Role
+from node_daemon.raft import Entry, PendingProposals, ProposalDropped, Ready, Role
 from node_daemon.state.machine import OpResult, append_op
 from queue_server.queues import Item, Kind, QueueFull, WorkQueues
 from roadlog import columnar
@@ -41,11 +41,11 @@ if TYPE_CHECKING:
     from tests.simulation.harness import SimNode, Simulation
 
 TOPIC = "q"
-# Write credit a worker grants when it connects, as node_daemon.worker's
-# WRITE_CREDIT. Not smaller: a leader's proposal whose log entry was cut away
-# stays pending (as in RaftNode) until some entry reaches its index, holding
-# its credit; with a few credits and no other traffic that starves the queue.
-CREDIT = 256
+# Write credit a worker grants when it connects: node_daemon.worker's
+# WRITE_CREDIT, or a few, so that a proposal that is never answered (its
+# entry overwritten or cut away and nothing else ever applied at its index)
+# starves the queue and fails the run.
+CREDITS = (4, 256)
 MAX_ATTEMPTS = 50  # as queue_server.server: UNAVAILABLE answers before the client hears one
 TS_BASE = 1 << 20  # a stored ping's ts_ms is producer * TS_BASE + sequence
 
@@ -60,15 +60,6 @@ class Client:
     sent: int = 0  # how many times the current write was submitted
 
 
-@dataclass(slots=True)
-class Pending:
-    """A write a leader proposed for a worker: answered when applied."""
-
-    term: int
-    worker: int
-    item: int
-
-
 @dataclass
 class Front:
     sim: Simulation
@@ -76,10 +67,12 @@ class Front:
     q: WorkQueues = field(default_factory=lambda: WorkQueues(max_writes=64, max_reads=64))
     clients: list[Client] = field(default_factory=list)
     p_submit: float = 0.3
+    credit: int = CREDITS[-1]
     timeout: int = 1000  # time units a client waits for an answer
     next_item: int = 0
     workers: dict[int, int] = field(default_factory=dict)  # node id -> worker id
-    pending: dict[int, dict[int, Pending]] = field(default_factory=dict)  # node -> index -> p
+    # node -> (worker, item) of each write it proposed, by log index
+    pending: dict[int, PendingProposals[tuple[int, int]]] = field(default_factory=dict)
     open_items: dict[int, int] = field(default_factory=dict)  # item -> client index
     acked: dict[tuple[int, int], int] = field(default_factory=dict)  # (producer, seq) -> offset
     topic_ready: bool = False
@@ -94,6 +87,7 @@ class Front:
         self.clients = [Client(producer=i + 1) for i in range(n)]
         self.p_submit = self.rng.choice([0.05, 0.1, 0.3])
         self.timeout = self.rng.choice([300, 1000, 3000])
+        self.credit = self.rng.choice(CREDITS)
         if not self.sim.opts.real_sm:
             self.topic_ready = True  # the toy state machine has no topics
 
@@ -203,7 +197,7 @@ class Front:
         wid = self.next_item
         self.workers[node.id] = wid
         self.q.connect(wid, node.id)
-        self.q.grant(wid, CREDIT, 0)
+        self.q.grant(wid, self.credit, 0)
 
     def disconnect(self, node: SimNode) -> None:
         """The node crashed: its stream breaks; what it held goes back."""
@@ -239,7 +233,7 @@ class Front:
         except ProposalDropped:
             self._result(wid, it.id, None)
             return
-        self.pending.setdefault(node.id, {})[index] = Pending(core.term, wid, it.id)
+        self.pending.setdefault(node.id, PendingProposals()).add(index, core.term, (wid, it.id))
         node.process()
 
     def on_applied(self, node: SimNode, e: Entry, results: Callable[[], OpResult]) -> None:
@@ -248,12 +242,23 @@ class Front:
         pend = self.pending.get(node.id)
         if not pend:
             return
-        p = pend.pop(e.index, None)
-        if p is not None:
-            self._result(p.worker, p.item, results() if p.term == e.term else None)
-        for idx in [i for i in pend if i <= e.index]:
-            q = pend.pop(idx)
-            self._result(q.worker, q.item, None)
+        mine, lost = pend.applied([e])
+        for _, (wid, item) in mine:
+            self._result(wid, item, results())
+        for wid, item in lost:
+            self._result(wid, item, None)
+
+    def on_log_written(self, node: SimNode, rd: Ready) -> None:
+        """As RaftNode._ready_done: writes whose entry left the node's log
+        (overwritten, cut away, under a snapshot) are failed at once."""
+        pend = self.pending.get(node.id)
+        core = node.core
+        if pend is None or core is None:
+            return
+        first = rd.entries[0].index if rd.entries else None
+        if pend.may_be_lost(first, rd.snapshot is not None):
+            for wid, item in pend.lost(core.log):
+                self._result(wid, item, None)
 
     def _result(self, wid: int, item_id: int, r: OpResult | None) -> None:
         """The worker's answer reaches the queue server, with one credit."""
@@ -262,15 +267,11 @@ class Front:
         self.q.grant(wid, 1, 0)
         if r is None:
             it = self.q.retry(wid, item_id)
-            if it is not None:
-                # Queued again at the front. As queue_server.server: after
-                # MAX_ATTEMPTS the client hears UNAVAILABLE, but the item
-                # stays queued (a node may still do it: the client's retry
-                # must then be stored once).
-                if it.attempts >= MAX_ATTEMPTS:
-                    self._answer(item_id, None)
+            if it is not None and it.attempts < MAX_ATTEMPTS:
                 self.check()
-                return  # another node (the new leader) will take it
+                return  # queued again at the front: another node (the new leader) takes it
+            if it is not None:  # as queue_server.server: given up, out of the queue
+                self.q.cancel(item_id)
         else:
             self.q.complete(wid, item_id)
         self.open_items.pop(item_id, None)

@@ -409,6 +409,7 @@ class SimNode:
     def _ready_done(self, rd: Ready, w: LogWrite) -> None:
         for rs in rd.read_states:
             self.sim.checker.on_read_state(self, rs.index, rs.context)
+        self.sim.front.on_log_written(self, rd)
 
     def _crash_point(self) -> bool:
         sim = self.sim
