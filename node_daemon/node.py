@@ -15,6 +15,10 @@ Ready: group commit comes from that, one fsync for all of them.
 Writes are batched on the way in too: publish operations that arrive
 together are packed into one entry (at most ``max_ops_per_entry`` ops and
 ``limits.ENTRY_BYTES`` bytes, or one bigger op alone).
+
+Callers wait for their proposals in ``raft.PendingProposals`` (answered when
+applied, or failed when their entry leaves the log); when to snapshot and
+compact the log is ``snapshots.Snapshots``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from node_daemon.raft import (
     bootstrap,
 )
 from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.snapshots import Snapshots
 from node_daemon.state.machine import OpResult, StateMachine
 from node_daemon.transport import PeerTransport
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
@@ -59,30 +64,6 @@ log = logging.getLogger("roadlog.node")
 
 # Committed entries up to this size are applied on the event loop (see _apply).
 INLINE_APPLY_BYTES = 256 << 10
-SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot, before the next try
-SNAPSHOT_LOG_SHARE = 0.5  # a big state is snapshotted once the log is this share of it
-# How often at most the driver asks whether a snapshot is due: asking reads
-# LMDB statistics, and the driver wakes hundreds of times a second under load.
-SNAPSHOT_CHECK_S = 0.1
-
-
-def snapshot_due(
-    entries: int,
-    log_bytes: int,
-    state_bytes: Callable[[], int],
-    max_entries: int,
-    max_bytes: int,
-) -> bool:
-    """Whether a log whose applied part holds ``entries`` entries of
-    ``log_bytes`` bytes should be compacted into a snapshot: once it reaches
-    ``max_entries`` or ``max_bytes``; but a state machine bigger than
-    ``max_bytes`` is copied only once that log is at least SNAPSHOT_LOG_SHARE
-    of its size, which bounds the copying to a few times what is written
-    (days of pings are not copied again for every few minutes of log)."""
-    if entries < max_entries and log_bytes < max_bytes:
-        return False
-    state = state_bytes()
-    return state <= max_bytes or log_bytes >= state * SNAPSHOT_LOG_SHARE
 
 
 class NotLeader(Exception):
@@ -99,8 +80,6 @@ class RaftNode:
         self.cfg = cfg
         self.id = cfg.node_id
         data = Path(cfg.data_dir)
-        self.snapshot_dir = data / "snapshots"
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         self.log_store = LmdbLogStorage(data / "raft")
         self.sm = StateMachine(data / "state")
         if (
@@ -126,19 +105,30 @@ class RaftNode:
             self.log_store,
             random.Random(int.from_bytes(os.urandom(8), "big")),
         )
+        self._log_io = ThreadPoolExecutor(1, thread_name_prefix="raft-log")
+        self.snapshots = Snapshots(
+            data / "snapshots",
+            self.log_store,
+            self.sm,
+            self.core.snapshot_meta_at,
+            self._log_io,
+            lambda: self._wakeup.set(),
+            cfg.snapshot_entries,
+            cfg.snapshot_bytes,
+        )
         self.addresses: dict[int, str] = dict(cfg.peers)
         self.addresses[self.id] = cfg.address
         self.transport = PeerTransport(
             self.id,
             cfg.cluster_name,
             cfg.secret(),
-            self.snapshot_dir,
+            self.snapshots.directory,
             on_message=self._on_message,
             on_unreachable=lambda to: self.submit(lambda core: core.report_unreachable(to)),
             on_snapshot_status=lambda to, ok: self.submit(
                 lambda core: core.report_snapshot(to, ok)
             ),
-            snapshot_file=self._snapshot_file,
+            snapshot_file=self.snapshots.file,
         )
         self.transport.set_addresses(self.addresses)
         self._inbox: deque[Callable[[RaftCore], None]] = deque()
@@ -150,19 +140,9 @@ class RaftNode:
         self._reads: dict[bytes, asyncio.Future[int]] = {}
         self._read_seq = 0
         self._applied = asyncio.Condition()
-        self._log_io = ThreadPoolExecutor(1, thread_name_prefix="raft-log")
         self._apply_io = ThreadPoolExecutor(1, thread_name_prefix="apply")
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._snapshot_requests: list[asyncio.Future[int]] = []
-        # A snapshot is taken on its own thread while the driver goes on;
-        # only compacting the log to it happens between Readys.
-        self._snap_io = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
-        self._snapshotting: asyncio.Future[tuple[int, int, Path]] | None = None
-        self._snapshot_waiters: list[asyncio.Future[int]] = []  # asked before it began
-        # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
-        # a failed snapshot, SNAPSHOT_RETRY_S); asking for one skips the wait.
-        self._snapshot_next_check = 0.0
         self._failure: BaseException | None = None  # of a write or an apply: fatal
         self._notified_applied = self.sm.applied_index
         self._loop: asyncio.AbstractEventLoop
@@ -328,8 +308,8 @@ class RaftNode:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t  # a failed driver was reported when it failed
         await self.transport.close()
-        await self._snapshot_done()
-        self._snap_io.shutdown(wait=True)
+        await self.snapshots.taken()
+        self.snapshots.close()
         self._log_io.shutdown(wait=True)
         self._apply_io.shutdown(wait=True)
         self.sm.checkpoint()
@@ -407,7 +387,7 @@ class RaftNode:
                     self._applied.notify_all()
             if driver.idle:
                 self._observe()
-                await self._snapshots(loop)
+                await self.snapshots.between_readys(loop)
 
     # The driver's I/O: the log's thread, the state machine (inline or on the
     # apply thread), the transport. Completions come back on the event loop.
@@ -462,7 +442,7 @@ class RaftNode:
         self._wakeup.set()
 
     async def _install_snapshot(self, snap: Snapshot) -> None:
-        await self._snapshot_done()  # its thread reads the state being replaced
+        await self.snapshots.taken()  # its thread reads the state being replaced
         await self._loop.run_in_executor(
             self._apply_io, self.sm.install_snapshot, snap.data.decode()
         )
@@ -535,125 +515,7 @@ class RaftNode:
             for fn in self.state_listeners:
                 fn()
 
-    # ------------------------------------------------------------ snapshots
-
-    def _snapshot_path(self, index: int, term: int) -> Path:
-        return self.snapshot_dir / f"snap-{index}-{term}.mdb"
-
-    def _snapshot_file(self, index: int, term: int) -> Path | None:
-        p = self._snapshot_path(index, term)
-        return p if p.exists() else None
-
-    async def _snapshots(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Between Readys: compact the log to a snapshot finished in the
-        background, and begin one when the applied log has grown
-        ``snapshot_entries`` or ``snapshot_bytes`` past the last, or one was
-        asked for. Taking it (a compact copy of the state machine and an
-        fsync of it) never holds up the driver: writes go on meanwhile, and
-        the copy is what one read transaction saw."""
-        task = self._snapshotting
-        if task is not None and task.done():
-            self._snapshotting = None
-            waiters, self._snapshot_waiters = self._snapshot_waiters, []
-            await self._compact_to(loop, task, waiters)
-        if self._snapshotting is not None:
-            return
-        applied, first = self.sm.applied_index, self.log_store.first_index()
-        asked = bool(self._snapshot_requests)
-        if applied < first:  # nothing applied past the last snapshot: it covers all
-            current = self.log_store.snapshot().meta.index
-            for f in self._snapshot_requests:
-                if not f.done():
-                    f.set_result(current)
-            self._snapshot_requests = []
-            return
-        now = time.monotonic()
-        if not asked and now < self._snapshot_next_check:
-            return
-        self._snapshot_next_check = now + SNAPSHOT_CHECK_S
-        if asked or (
-            snapshot_due(
-                applied - first + 1,
-                self._applied_log_bytes(applied, first),
-                self.sm.size_bytes,
-                self.cfg.snapshot_entries,
-                self.cfg.snapshot_bytes,
-            )
-        ):
-            self._snapshot_waiters, self._snapshot_requests = self._snapshot_requests, []
-            self._snapshotting = loop.run_in_executor(self._snap_io, self._take_snapshot)
-            self._snapshotting.add_done_callback(lambda _: self._wakeup.set())
-
-    def _applied_log_bytes(self, applied: int, first: int) -> int:
-        """The bytes of the log's applied part (its share of the log's pages):
-        entries not applied yet cannot be compacted, so they never make a
-        snapshot due (else a slow applier would take one after another)."""
-        last = self.log_store.last_index()
-        if last < first:
-            return 0
-        return self.log_store.log_bytes() * (applied - first + 1) // (last - first + 1)
-
-    def _take_snapshot(self) -> tuple[int, int, Path]:
-        """(snapshot thread) A compact copy of the state machine as one read
-        transaction sees it, then an fsync of all it has applied: the log
-        may be compacted to the copy's index only once that is durable."""
-        t0 = time.perf_counter()
-        taking = self.snapshot_dir / "snap-taking.mdb"
-        index, term = self.sm.write_snapshot(taking)
-        path = self._snapshot_path(index, term)
-        os.replace(taking, path)
-        self.sm.checkpoint()
-        metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
-        return index, term, path
-
-    async def _compact_to(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        task: asyncio.Future[tuple[int, int, Path]],
-        waiters: list[asyncio.Future[int]],
-    ) -> None:
-        """Compact the log to a finished snapshot and answer who asked for it."""
-        try:
-            index, _, path = task.result()
-            current = self.log_store.snapshot().meta.index
-            if index <= current:  # a newer one was installed from the leader meanwhile
-                path.unlink(missing_ok=True)
-                index = current
-            else:
-                snap = Snapshot(self.core.snapshot_meta_at(index), str(path).encode())
-                await loop.run_in_executor(self._log_io, self.log_store.compact, snap)
-                self._remove_old_snapshots(path)
-                metrics.SNAPSHOT_INDEX.set(index)
-                log.info("snapshot and compaction", extra={"index": index})
-        except Exception as e:
-            log.exception("snapshot failed")
-            self._snapshot_next_check = time.monotonic() + SNAPSHOT_RETRY_S
-            for f in waiters:
-                if not f.done():
-                    f.set_exception(e)
-            return
-        for f in waiters:
-            if not f.done():
-                f.set_result(index)
-
-    def _remove_old_snapshots(self, keep: Path) -> None:
-        for old in self.snapshot_dir.glob("snap-*.mdb"):
-            if old != keep:
-                old.unlink(missing_ok=True)
-        current = Path(self.log_store.snapshot().data.decode()).resolve()
-        for old in self.snapshot_dir.glob("recv-*.mdb"):
-            if old.resolve() != current:
-                old.unlink(missing_ok=True)
-
-    async def _snapshot_done(self) -> None:
-        """Wait for a snapshot being taken (its outcome is handled later)."""
-        if self._snapshotting is not None:
-            await asyncio.wait([self._snapshotting])
-
     async def snapshot_now(self) -> int:
         """Snapshot the state machine and compact the log now; the index of
         the snapshot that covers everything applied when asked."""
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._snapshot_requests.append(fut)
-        self._wakeup.set()
-        return await fut
+        return await self.snapshots.now()

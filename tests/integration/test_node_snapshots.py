@@ -68,7 +68,7 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
             await _until(lambda: node.log_store.first_index() > first, "the log compaction")
             snap = node.log_store.snapshot().meta
             assert before <= snap.index <= node.sm.applied_index
-            assert node._snapshot_file(snap.index, snap.term) is not None
+            assert node.snapshots.file(snap.index, snap.term) is not None
             # An operator's snapshot covers everything applied when asked.
             await asyncio.wait_for(node.propose_op(_op(99)), 10)
             asked_at = node.sm.applied_index
@@ -80,7 +80,7 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
             assert REGISTRY.get_sample_value("roadlog_snapshot_index") == index
             taken = REGISTRY.get_sample_value("roadlog_snapshot_seconds_count") or 0.0
             assert taken - taken_before == 2
-            assert sorted(p.name for p in node.snapshot_dir.glob("snap-*.mdb")) == [
+            assert sorted(p.name for p in node.snapshots.directory.glob("snap-*.mdb")) == [
                 f"snap-{index}-{node.log_store.snapshot().meta.term}.mdb"
             ]
         finally:

@@ -1,0 +1,222 @@
+"""When and how a node compacts its Raft log into a snapshot of its state.
+
+A snapshot is a compact copy of the state machine's LMDB environment, taken
+on its own thread from one read transaction while the driver goes on
+writing; only compacting the log to it happens between Readys, on the
+event loop (``Snapshots.between_readys``).
+
+Invariants:
+- At most one snapshot is being taken at a time.
+- The log is compacted to a snapshot only once it is durable: the copy is
+  written and renamed into place, and the state machine's own environment
+  is fsynced up to the copy's index (``checkpoint``), so a crash after the
+  compaction finds every compacted entry in the state.
+- A snapshot installed from the leader while one was being taken wins: the
+  older local copy is dropped, the log keeps the newer one.
+- Everyone who asked for a snapshot (``now``) is answered with the index of
+  a snapshot that covers everything applied when they asked, or its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
+
+from node_daemon import metrics
+from node_daemon.raft import Snapshot, SnapshotMeta
+from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.state.machine import StateMachine
+
+log = logging.getLogger("roadlog.node")
+
+SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot, before the next try
+SNAPSHOT_LOG_SHARE = 0.5  # a big state is snapshotted once the log is this share of it
+# How often at most the driver asks whether a snapshot is due: asking reads
+# LMDB statistics, and the driver wakes hundreds of times a second under load.
+SNAPSHOT_CHECK_S = 0.1
+
+
+def snapshot_due(
+    entries: int,
+    log_bytes: int,
+    state_bytes: Callable[[], int],
+    max_entries: int,
+    max_bytes: int,
+) -> bool:
+    """Whether a log whose applied part holds ``entries`` entries of
+    ``log_bytes`` bytes should be compacted into a snapshot: once it reaches
+    ``max_entries`` or ``max_bytes``; but a state machine bigger than
+    ``max_bytes`` is copied only once that log is at least SNAPSHOT_LOG_SHARE
+    of its size, which bounds the copying to a few times what is written
+    (days of pings are not copied again for every few minutes of log)."""
+    if entries < max_entries and log_bytes < max_bytes:
+        return False
+    state = state_bytes()
+    return state <= max_bytes or log_bytes >= state * SNAPSHOT_LOG_SHARE
+
+
+class Snapshots:
+    """A node's snapshot files and the schedule of taking them.
+
+    ``log_io`` is the executor that owns the log's LMDB writes (compaction
+    runs there, in order with the driver's writes); ``wakeup`` wakes the
+    driver task when a snapshot being taken is done."""
+
+    def __init__(
+        self,
+        directory: Path,
+        log_store: LmdbLogStorage,
+        sm: StateMachine,
+        meta_at: Callable[[int], SnapshotMeta],
+        log_io: Executor,
+        wakeup: Callable[[], None],
+        max_entries: int,
+        max_bytes: int,
+    ) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._log_store = log_store
+        self._sm = sm
+        self._meta_at = meta_at
+        self._log_io = log_io
+        self._wakeup = wakeup
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._requests: list[asyncio.Future[int]] = []
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._taking: asyncio.Future[tuple[int, int, Path]] | None = None
+        self._waiters: list[asyncio.Future[int]] = []  # asked before it began
+        # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
+        # a failed snapshot, SNAPSHOT_RETRY_S); asking for one skips the wait.
+        self._next_check = 0.0
+
+    # ------------------------------------------------------------- files
+
+    def path(self, index: int, term: int) -> Path:
+        return self.directory / f"snap-{index}-{term}.mdb"
+
+    def file(self, index: int, term: int) -> Path | None:
+        """The local snapshot at (``index``, ``term``), if it is here (what
+        the transport sends to a follower behind the compacted log)."""
+        p = self.path(index, term)
+        return p if p.exists() else None
+
+    def _remove_old(self, keep: Path) -> None:
+        for old in self.directory.glob("snap-*.mdb"):
+            if old != keep:
+                old.unlink(missing_ok=True)
+        current = Path(self._log_store.snapshot().data.decode()).resolve()
+        for old in self.directory.glob("recv-*.mdb"):
+            if old.resolve() != current:
+                old.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------- schedule
+
+    async def now(self) -> int:
+        """Snapshot the state machine and compact the log now; the index of
+        the snapshot that covers everything applied when asked."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._requests.append(fut)
+        self._wakeup()
+        return await fut
+
+    async def between_readys(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Compact the log to a snapshot finished in the background, and
+        begin one when the applied log has grown ``max_entries`` or
+        ``max_bytes`` past the last, or one was asked for."""
+        task = self._taking
+        if task is not None and task.done():
+            self._taking = None
+            waiters, self._waiters = self._waiters, []
+            await self._compact_to(loop, task, waiters)
+        if self._taking is not None:
+            return
+        applied, first = self._sm.applied_index, self._log_store.first_index()
+        asked = bool(self._requests)
+        if applied < first:  # nothing applied past the last snapshot: it covers all
+            current = self._log_store.snapshot().meta.index
+            for f in self._requests:
+                if not f.done():
+                    f.set_result(current)
+            self._requests = []
+            return
+        now = time.monotonic()
+        if not asked and now < self._next_check:
+            return
+        self._next_check = now + SNAPSHOT_CHECK_S
+        if asked or snapshot_due(
+            applied - first + 1,
+            self._applied_log_bytes(applied, first),
+            self._sm.size_bytes,
+            self._max_entries,
+            self._max_bytes,
+        ):
+            self._waiters, self._requests = self._requests, []
+            self._taking = loop.run_in_executor(self._io, self._take)
+            self._taking.add_done_callback(lambda _: self._wakeup())
+
+    def _applied_log_bytes(self, applied: int, first: int) -> int:
+        """The bytes of the log's applied part (its share of the log's pages):
+        entries not applied yet cannot be compacted, so they never make a
+        snapshot due (else a slow applier would take one after another)."""
+        last = self._log_store.last_index()
+        if last < first:
+            return 0
+        return self._log_store.log_bytes() * (applied - first + 1) // (last - first + 1)
+
+    def _take(self) -> tuple[int, int, Path]:
+        """(snapshot thread) A compact copy of the state machine as one read
+        transaction sees it, then an fsync of all it has applied: the log
+        may be compacted to the copy's index only once that is durable."""
+        t0 = time.perf_counter()
+        taking = self.directory / "snap-taking.mdb"
+        index, term = self._sm.write_snapshot(taking)
+        path = self.path(index, term)
+        os.replace(taking, path)
+        self._sm.checkpoint()
+        metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
+        return index, term, path
+
+    async def _compact_to(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        task: asyncio.Future[tuple[int, int, Path]],
+        waiters: list[asyncio.Future[int]],
+    ) -> None:
+        """Compact the log to a finished snapshot and answer who asked for it."""
+        try:
+            index, _, path = task.result()
+            current = self._log_store.snapshot().meta.index
+            if index <= current:  # a newer one was installed from the leader meanwhile
+                path.unlink(missing_ok=True)
+                index = current
+            else:
+                snap = Snapshot(self._meta_at(index), str(path).encode())
+                await loop.run_in_executor(self._log_io, self._log_store.compact, snap)
+                self._remove_old(path)
+                metrics.SNAPSHOT_INDEX.set(index)
+                log.info("snapshot and compaction", extra={"index": index})
+        except Exception as e:
+            log.exception("snapshot failed")
+            self._next_check = time.monotonic() + SNAPSHOT_RETRY_S
+            for f in waiters:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for f in waiters:
+            if not f.done():
+                f.set_result(index)
+
+    async def taken(self) -> None:
+        """Wait for a snapshot being taken (its outcome is handled later):
+        its thread reads the state, which must not be replaced meanwhile."""
+        if self._taking is not None:
+            await asyncio.wait([self._taking])
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
