@@ -10,7 +10,8 @@ inventory: --inventory FILE, else $ROADLOG_INVENTORY, else inventory/hosts.
     fab heatmap-now                     run the cron heat-map job now
     fab drill [--seconds 20] [--json]   SIGKILL the leader's node; how long writes stopped
 
-The cluster logic (leader, order, health, pause) is roadlog.ops, tested
+The cluster logic (leader, order, health, pause) is roadlog.leadership and
+roadlog.tools.ops, tested
 without SSH; this file only moves commands and their output.
 """
 
@@ -30,12 +31,11 @@ from invoke.context import Context
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from roadlog.ops import (
-    HostView,
+from roadlog.leadership import HostView, leader_host
+from roadlog.tools.ops import (
     SshHost,
     health_problems,
     hosts_from_inventory,
-    leader_host,
     restart_order,
     status_rows,
     write_pause,
@@ -287,7 +287,7 @@ def drill(c: Context, seconds: int = 20, json: bool = False, inventory: str | No
         out_file = f"{work}/probe.json"
         probe = (
             f"ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
-            f"{VENV}/bin/python -m roadlog.probe --servers {servers} "
+            f"{VENV}/bin/python -m roadlog.tools.probe --servers {servers} "
             f"--duration {seconds} --out {out_file}"
         )
         _run(pconn, f"nohup sh -c {shlex.quote(probe)} > /dev/null 2>&1 &")

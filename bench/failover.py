@@ -23,7 +23,7 @@ from bench.ingest import batch_request
 from bench.peers import NatsCluster, nats_cluster, nats_stream, roadlog_cluster
 from roadlog.client import Connection, Producer
 from roadlog.columnar import PingColumns
-from roadlog.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import admin_pb2, admin_pb2_grpc
 
 

@@ -27,7 +27,7 @@ from bench.ingest import drive
 from bench.peers import roadlog_cluster
 from roadlog.client import Connection, Producer
 from roadlog.columnar import PingColumns
-from roadlog.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, pings_pb2
 
 

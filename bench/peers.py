@@ -17,7 +17,8 @@ from typing import Any
 
 from roadlog.client import Admin, Connection
 from roadlog.geo import bbox_region
-from roadlog.localcluster import LocalCluster, alive, free_port, wait_dead
+from roadlog.runtime.processes import alive, free_port, wait_dead
+from roadlog.tools.localcluster import LocalCluster
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 

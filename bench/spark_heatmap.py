@@ -26,7 +26,7 @@ from bench.common import write_result
 from roadlog.client import Admin, Connection, Producer
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
-from roadlog.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster
 from spark.h3cells import cells_for
 from spark.jobs.heatmap import run, session
 from spark.standalone import local_standalone

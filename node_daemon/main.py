@@ -19,7 +19,7 @@ import lmdb
 from node_daemon.backup import BackupError, restore_backup, take_backup
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
 from node_daemon.serve import NodeFailed, serve
-from roadlog.ops import HostView, leader_host, transfer_target
+from roadlog.leadership import HostView, leader_host, transfer_target
 from roadlog.runtime import config as configfile
 from roadlog.runtime import eventloop
 from roadlog.runtime.auth import cluster_token, token_metadata

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from roadlog.localcluster import alive, free_port, wait_dead
+from roadlog.runtime.processes import alive, free_port, wait_dead
 
 
 def spark_class() -> str:

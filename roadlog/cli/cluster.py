@@ -9,7 +9,8 @@ import click
 from rich.table import Table
 
 from roadlog.cli.common import DIR_HELP, cli, err, on_local_cluster, out, resolve_servers, where
-from roadlog.localcluster import LocalCluster, alive, gather_status
+from roadlog.runtime.processes import alive
+from roadlog.tools.localcluster import LocalCluster, gather_status
 
 
 @cli.group()

@@ -15,8 +15,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from discovery.listen import find_queue_servers
 from roadlog.client import Connection, RoadlogError, servers_from_env
-from roadlog.localcluster import LocalCluster
 from roadlog.runtime.config import read_secret
+from roadlog.tools.localcluster import LocalCluster
 
 DIR_HELP = "a local cluster's DIR (--cluster and --dir are the same)"
 err = Console(stderr=True)

@@ -11,7 +11,7 @@ import click
 
 from roadlog.cli.common import cli, connection, err, resolve_servers, where
 from roadlog.client import Admin, PermissionDenied, RoadlogError
-from roadlog.localcluster import LocalCluster, gather_status
+from roadlog.tools.localcluster import LocalCluster, gather_status
 
 
 @cli.group()

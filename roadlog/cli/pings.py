@@ -20,7 +20,7 @@ from roadlog.cli.common import cli, connection, err, out, progress, where
 from roadlog.client import Admin, Consumer, GroupConsumer, Producer
 from roadlog.geo import parse_region
 from roadlog.readers import InputError, read_pings
-from roadlog.traffic import TrafficSpec, simulate
+from roadlog.tools.traffic import TrafficSpec, simulate
 
 
 @cli.command()

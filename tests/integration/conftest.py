@@ -14,7 +14,7 @@ import pytest
 from roadlog.client import Admin, Connection, Consumer, Producer, RoadlogError
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
-from roadlog.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from roadlog.client import Connection, Producer
-from roadlog.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster
 from tests.integration.conftest import create_topic, make_pings, read_topic, wait_for
 from tests.integration.test_replicated_log import digest
 

@@ -17,7 +17,7 @@ import pytest
 from roadlog.client import Admin, Connection
 from roadlog.columnar import PingColumns, encode
 from roadlog.limits import CLIENT_MESSAGE_BYTES, PAGE_BYTES, WORK_MESSAGE_BYTES, grpc_options
-from roadlog.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, pings_pb2
 from tests.integration.conftest import (
     ProducerRun,

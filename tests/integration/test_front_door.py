@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
-from roadlog.localcluster import LocalCluster, alive
+from roadlog.runtime.processes import alive
+from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, heatmaps_pb2
 from tests.integration.conftest import REGION, create_topic, make_pings, wait_for
 

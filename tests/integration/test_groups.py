@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from roadlog.client import Admin, Connection, NotFound, Producer
-from roadlog.localcluster import LocalCluster, alive, wait_dead
+from roadlog.runtime.processes import alive, wait_dead
+from roadlog.tools.localcluster import LocalCluster
 from tests.integration.conftest import create_topic, make_pings, wait_for
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ import pytest
 
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
 from roadlog.geo import bbox_region, parse_region
-from roadlog.localcluster import LocalCluster
-from roadlog.traffic import TrafficSpec, simulate
+from roadlog.tools.localcluster import LocalCluster
+from roadlog.tools.traffic import TrafficSpec, simulate
 from spark.jobs.heatmap import AlreadyRunning, lock, main, run
 from spark.roadlog_source import plan, read_range
 from spark.standalone import local_standalone

@@ -22,7 +22,8 @@ from schemathesis.specs.openapi.checks import (
 
 from queue_server.openapi import OPENAPI
 from roadlog.client import Connection, Producer
-from roadlog.localcluster import LocalCluster, alive
+from roadlog.runtime.processes import alive
+from roadlog.tools.localcluster import LocalCluster
 from tests.integration.conftest import create_topic, make_pings
 
 pytestmark = pytest.mark.integration

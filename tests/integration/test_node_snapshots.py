@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode
-from roadlog.localcluster import free_port
+from roadlog.runtime.processes import free_port
 from roadlog.v1 import command_pb2
 
 pytestmark = pytest.mark.integration

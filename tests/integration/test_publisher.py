@@ -12,8 +12,9 @@ import pytest
 
 from roadlog.client import Admin, Connection, InvalidArgument, NotFound
 from roadlog.columnar import PingColumns, encode
-from roadlog.localcluster import LocalCluster, alive
 from roadlog.publisher import Publisher
+from roadlog.runtime.processes import alive
+from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, pings_pb2
 from tests.integration.conftest import (
     assert_exactly_once_in_order,

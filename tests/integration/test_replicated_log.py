@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from roadlog.client import Admin, Connection, Producer, Unavailable
-from roadlog.localcluster import LocalCluster, alive
+from roadlog.runtime.processes import alive
+from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import admin_pb2, admin_pb2_grpc
 from tests.integration.conftest import (
     ProducerRun,

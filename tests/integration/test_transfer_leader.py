@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from roadlog.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster
 from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.integration

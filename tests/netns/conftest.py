@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from roadlog.localcluster import alive, wait_dead
+from roadlog.runtime.processes import alive, wait_dead
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2
 
 SUBNET = "10.77.0"

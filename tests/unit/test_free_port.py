@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from roadlog.localcluster import _ephemeral_range, free_port
+from roadlog.runtime.processes import _ephemeral_range, free_port
 
 pytestmark = pytest.mark.unit
 

@@ -7,15 +7,13 @@ import math
 
 import pytest
 
-from roadlog.ops import (
-    HostView,
+from roadlog.leadership import HostView, leader_host, transfer_target
+from roadlog.tools.ops import (
     health_problems,
     hosts_from_inventory,
     lag,
-    leader_host,
     restart_order,
     status_rows,
-    transfer_target,
     write_pause,
 )
 

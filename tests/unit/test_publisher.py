@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from roadlog.client import InvalidArgument, Unavailable
-from roadlog.localcluster import free_port
 from roadlog.publisher import Publisher
+from roadlog.runtime.processes import free_port
 from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit

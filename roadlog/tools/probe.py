@@ -1,8 +1,8 @@
 """A write probe for drills: publishes one ping at a time for a while and
 records the wall-clock time of every acknowledgement, so a drill can say how
-long writes stopped (roadlog.ops.write_pause).
+long writes stopped (roadlog.tools.ops.write_pause).
 
-    python -m roadlog.probe --servers HOST:7500,... --duration 20 --out FILE
+    python -m roadlog.tools.probe --servers HOST:7500,... --duration 20 --out FILE
 
 Prints (or writes to --out, atomically) {"acks": [...], "errors": N,
 "last_error": "..."}. Errors while the cluster elects a leader are counted
