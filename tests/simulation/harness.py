@@ -51,10 +51,11 @@ from node_daemon.raft import (
     bootstrap,
 )
 from node_daemon.raft_log import LmdbLogStorage
-from node_daemon.state.machine import OpResult
+from node_daemon.state.machine import RECENT_SEQUENCES, OpResult
 from node_daemon.state.machine import StateMachine as NodeStateMachine
+from roadlog.errors import Code
 from roadlog.geo import bbox_region
-from roadlog.v1 import command_pb2, topics_pb2
+from roadlog.v1 import client_pb2, command_pb2, topics_pb2
 from tests.simulation.front import Front
 
 TICK = 10  # time units per tick; message delays are in time units
@@ -72,15 +73,27 @@ def replay_command(seed: int) -> str:
 
 
 class StateMachine:
-    """Applies entries into a hash chain and the set of proposal ids.
+    """Applies entries into a hash chain and the set of proposal ids; with
+    ``writes``, it stores clients' writes (``w<producer>.<sequence>``) as
+    the node's StateMachine stores a producer's appends: in offset order,
+    each (producer, sequence) once. It keeps each producer's last
+    RECENT_SEQUENCES sequences with their offsets; a write sent again is
+    answered with its first offset (``duplicate``) and not stored again,
+    one older than those is refused (FAILED_PRECONDITION). Unlike the node's
+    answer to a duplicate, the toy's carries the index that answered it as
+    its read fence (the write is applied at or below it).
 
     It survives a crash (in roadlog the state machine is applied in the same
     LMDB transaction as its applied index)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writes: bool = True) -> None:
         self.applied = 0
         self.digest = b"\0" * 32
         self.proposals: set[bytes] = set()
+        self.with_writes = writes
+        self.writes: list[bytes] = []  # stored client writes, by offset
+        self.recent: dict[int, list[tuple[int, int]]] = {}  # producer -> (sequence, offset)
+        self.last_result = OpResult()  # the answer for the entry applied last
 
     def apply(self, e: Entry) -> None:
         if e.index != self.applied + 1:
@@ -90,8 +103,37 @@ class StateMachine:
         h.update(e.data)
         self.digest = h.digest()
         self.applied = e.index
+        self.last_result = OpResult()
         if e.type == EntryType.NORMAL and e.data:
             self.proposals.add(e.data)
+            w = toy_write(e.data) if self.with_writes else None
+            if w is not None:
+                self.last_result = self._store(e.data, *w, e.index)
+
+    def _store(self, key: bytes, producer: int, seq: int, index: int) -> OpResult:
+        """Store a client's write unless it is a duplicate; its answer."""
+        seen = self.recent.get(producer, [])
+        resp = client_pb2.PublishResponse(applied_index=index)
+        dup = self._duplicate(seen, seq)
+        if dup is not None:
+            resp.duplicate = True
+            offset = dup
+        elif seen and seq < seen[-1][0]:
+            return OpResult(
+                Code.FAILED_PRECONDITION,
+                f"sequence {seq} of producer {producer} is older than the last "
+                f"{RECENT_SEQUENCES} it stored",
+            )
+        else:
+            offset = len(self.writes)
+            self.writes.append(key)
+            self.recent[producer] = [*seen, (seq, offset)][-RECENT_SEQUENCES:]
+        resp.offsets.add(partition=0, base_offset=offset, count=1)
+        return OpResult(response=resp.SerializeToString())
+
+    def _duplicate(self, seen: list[tuple[int, int]], seq: int) -> int | None:
+        """The offset ``seq`` was stored at, if it is one of ``seen``."""
+        return next((o for s, o in seen if s == seq), None)
 
     def serialize(self) -> bytes:
         return b"".join(
@@ -99,13 +141,22 @@ class StateMachine:
                 struct.pack(">Q", self.applied),
                 self.digest,
                 *sorted(p + b"\n" for p in self.proposals),
+                b"\0",
+                b"\n".join(self.writes),
             ]
         )
 
     def restore(self, data: bytes) -> None:
         self.applied = struct.unpack_from(">Q", data)[0]
         self.digest = data[8:40]
-        self.proposals = {p for p in data[40:].split(b"\n") if p}
+        proposals, _, writes = data[40:].partition(b"\0")
+        self.proposals = {p for p in proposals.split(b"\n") if p}
+        self.writes = [w for w in writes.split(b"\n") if w]
+        self.recent = {}
+        for offset, key in enumerate(self.writes):
+            w = toy_write(key)
+            assert w is not None
+            self.recent[w[0]] = [*self.recent.get(w[0], []), (w[1], offset)][-RECENT_SEQUENCES:]
 
     def lacks(self, acked: set[bytes]) -> set[bytes]:
         return acked - self.proposals
@@ -118,6 +169,14 @@ class StateMachine:
 
     def close(self) -> None:
         pass
+
+
+def toy_write(data: bytes) -> tuple[int, int] | None:
+    """(producer, sequence) of a client's write to the toy state machine."""
+    if not data.startswith(b"w"):
+        return None
+    producer, _, seq = data[1:].partition(b".")
+    return int(producer), int(seq)
 
 
 class RealStateMachine:
@@ -135,7 +194,7 @@ class RealStateMachine:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.sm = NodeStateMachine(path / "state", map_size=SM_MAP_BYTES)
-        self.chain = StateMachine()  # index order and per-index digests
+        self.chain = StateMachine(writes=False)  # index order and per-index digests
         self.snapshots = 0
         self.last_results: list[OpResult] = []
 
@@ -692,7 +751,7 @@ class Simulation:
         """What the worker answers for the entry the node just applied (a
         one-op command; an append's answer is its span's)."""
         if not isinstance(node.sm, RealStateMachine):
-            return OpResult()
+            return node.sm.last_result
         [r] = node.sm.last_results
         return r.spans[0] if r.spans else r
 
