@@ -1,27 +1,48 @@
 """The simulated front door: clients, one queue server (the real
 ``WorkQueues``) and the nodes as its workers, in virtual time.
 
-Clients are idempotent producers: each sends one write at a time, tagged
-with its producer id and a sequence, and until it is acknowledged sends the
-same (producer, sequence) again after every failure: its item given up by
-the queue (dropped on a worker's crash past its deadline, expired), an
-UNAVAILABLE answer after too many retries, or its own deadline (it cancels
-the item). A client is acknowledged only when the node that proposed its
-write applied it and the worker's answer reached the queue server, as in
-queue_server/server.py and node_daemon/worker.py: a node connects as a
-worker when it starts and disconnects when it crashes (what it held goes
-back to the queue), tells its role and indexes, grants credit and gets one
-credit back per answer; only the leader takes writes; a node that is not
-the leader, or whose proposal was overwritten, answers UNAVAILABLE and the
-queue hands the item to another worker.
+Clients are idempotent producers: each sends one request at a time, a write
+or a read. A write is tagged with its producer id and a sequence, and until
+it is acknowledged the client sends the same (producer, sequence) again
+after every failure: its item given up by the queue (dropped on a worker's
+crash past its deadline, expired), an UNAVAILABLE answer after too many
+retries, or its own deadline (it cancels the item). A client is
+acknowledged only when the node that proposed its write applied it and the
+worker's answer reached the queue server, as in queue_server/server.py and
+node_daemon/worker.py: a node connects as a worker when it starts and
+disconnects when it crashes (what it held goes back to the queue), tells
+its role and indexes (every tick, and with every answer), grants credit
+and gets one credit back per answer; only the leader takes writes; a node
+that is not the leader, or whose proposal was overwritten, answers
+UNAVAILABLE and the queue hands the item to another worker.
+
+A read is fenced, as roadlog.client does it: ``min_applied_index`` is the
+highest applied index the client's answers carried (now and then an earlier
+write's). It goes into the queue as a READ item with that fence, which any
+node whose worker told an applied index at or above it may take, leader or
+follower; the node waits until it has applied the fence (failing the read
+after FENCE_WAIT), takes a while, and answers with the topic's writes as
+its state machine holds them then (the real one through its fetch, the toy
+one its stored writes). A read that fails (its node crashed past its
+deadline, the client's deadline passed, its fence beyond every connected
+node's commit index for FENCE_GRACE, as the queue server refuses it) is
+sent again; one whose node crashed in time is handed to another node.
 
 Checked after every queue operation: each open item is in exactly one
-place (queued, or held by one connected worker), none is lost and none is
-held twice. Checked at the end, on every converged replica: each
+place (queued in the queue of its kind, or held by one connected worker),
+none is lost and none is held twice; a read a node waits on is held by its
+worker; a client's item is of the kind of its request; a read is handed
+only to a worker that told an applied index at or above its fence. Checked
+on every read answer: it holds every write of its client acknowledged at an
+index up to its fence, and every write of other clients acknowledged at an
+index in 1..fence, each at the offset its answer gave (read your writes);
+nothing it holds was never sent; and all reads agree (one is a prefix of
+the other). Checked at the end, on every converged replica: each
 acknowledged write is stored exactly once, at the offset its answer gave
 (on the real state machine its rows are read back; the toy one stores
 writes in offset order and dedupes a resent (producer, sequence) as the
-real one does), and no write is stored twice even when it was sent again.
+real one does), no write is stored twice even when it was sent again, and
+every read returned a prefix of what the replica holds.
 """
 
 from __future__ import annotations
@@ -36,6 +57,7 @@ from node_daemon.state.machine import OpResult, append_op
 from queue_server.queues import Item, Kind, QueueFull, WorkQueues
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, topics_pb2
 
 if TYPE_CHECKING:
@@ -47,8 +69,27 @@ TOPIC = "q"
 # entry overwritten or cut away and nothing else ever applied at its index)
 # starves the queue and fails the run.
 CREDITS = (4, 256)
+# Read credit: node_daemon.worker's READ_CREDIT, or a couple (reads waiting
+# for their fence on a node then hold all of it).
+READ_CREDITS = (2, 64)
 MAX_ATTEMPTS = 50  # as queue_server.server: UNAVAILABLE answers before the client hears one
 TS_BASE = 1 << 20  # a stored ping's ts_ms is producer * TS_BASE + sequence
+# As queue_server.server's FENCE_GRACE_S: a read fenced beyond every
+# connected node's commit index waits this long before it is refused.
+FENCE_GRACE = 200
+# As node_daemon.worker (wait_applied's timeout): how long a node holding a
+# read waits to apply its fence before it answers with a failure.
+FENCE_WAIT = 1000
+FENCE_TIMEOUT = "TimeoutError: the fence was not applied in time"
+
+
+@dataclass(slots=True)
+class Read:
+    """A fenced read of the whole topic: answered by a node that applied
+    ``fence``."""
+
+    fence: int
+    request: bytes
 
 
 @dataclass(slots=True)
@@ -57,8 +98,12 @@ class Client:
     seq: int = 0  # the sequence of the write in flight (or last acknowledged)
     item: int | None = None  # the queue item carrying it now
     deadline: int = 0  # virtual time the client stops waiting for ``item``
-    retry_at: int | None = None  # when to send the same write again
-    sent: int = 0  # how many times the current write was submitted
+    retry_at: int | None = None  # when to send the same request again
+    sent: int = 0  # how many times the current request was submitted
+    # As roadlog.client's fence: the highest applied index its answers carried.
+    fence: int = 0
+    indexes: list[int] = field(default_factory=list)  # its acknowledged writes' indexes
+    read: Read | None = None  # the read in flight, if it is one (else write ``seq`` is)
 
 
 @dataclass
@@ -76,9 +121,21 @@ class Front:
     pending: dict[int, PendingProposals[tuple[int, int]]] = field(default_factory=dict)
     open_items: dict[int, int] = field(default_factory=dict)  # item -> client index
     acked: dict[tuple[int, int], int] = field(default_factory=dict)  # (producer, seq) -> offset
+    # (producer, seq) -> the applied index its answer carried (its read fence)
+    acked_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    submitted: set[tuple[int, int]] = field(default_factory=set)  # writes ever sent
     topic_ready: bool = False
     sends: int = 0
     retries: int = 0
+    p_read: float = 0.25  # share of a client's requests that are reads
+    read_credit: int = READ_CREDITS[-1]
+    read_time: int = 0  # at most this long a node takes to serve a read
+    # node -> the reads it holds: (worker, item, served not before, given up at)
+    waiting: dict[int, list[tuple[int, Item, int, int]]] = field(default_factory=dict)
+    reads_ok: int = 0  # fenced reads answered and checked
+    reads_resent: int = 0  # sent again by their client
+    reads_handed_again: int = 0  # served after an earlier holder crashed or the client cancelled
+    longest_read: list[tuple[int, int]] = field(default_factory=list)
     # Without clients the queue sees only workers, and the run's history
     # (messages, faults) is the one of the Raft-only harness.
     with_clients: bool = True
@@ -89,6 +146,9 @@ class Front:
         self.p_submit = self.rng.choice([0.05, 0.1, 0.3])
         self.timeout = self.rng.choice([300, 1000, 3000])
         self.credit = self.rng.choice(CREDITS)
+        self.p_read = self.rng.choice([0.0, 0.25, 0.5])
+        self.read_credit = self.rng.choice(READ_CREDITS)
+        self.read_time = self.rng.choice([0, 50, 500])
         if not self.sim.opts.real_sm:
             self.topic_ready = True  # the toy state machine has no topics
 
@@ -109,6 +169,66 @@ class Front:
             op = append_op(TOPIC, [(0, cols)], c.producer, c.seq, f"c{c.producer}")
         return command_pb2.Command(leader_ms=self.sim.now, ops=[op]).SerializeToString()
 
+    # -- what a read is -----------------------------------------------------
+
+    def new_read(self, c: Client) -> Read:
+        """Read your writes: fenced at the client's fence (as roadlog.client
+        sets it), or now and then at an earlier write's index."""
+        fence = c.fence
+        if c.indexes and self.rng.random() < 0.25:
+            fence = self.rng.choice(c.indexes)
+        if not self.sim.opts.real_sm:
+            return Read(fence, b"r%d" % fence)
+        req = client_pb2.FetchRequest(
+            topic=TOPIC, partition=0, offset=0, max_pings=1 << 30, min_applied_index=fence
+        )
+        return Read(fence, req.SerializeToString())
+
+    def read_fence(self, it: Item) -> int:
+        """The fence the node waits for, as node_daemon.worker: the item's
+        or the request's, the higher."""
+        if not self.sim.opts.real_sm:
+            return max(it.fence, int(it.request[1:]))
+        return max(it.fence, client_pb2.FetchRequest.FromString(it.request).min_applied_index)
+
+    def serve_read(self, node: SimNode, it: Item) -> OpResult:
+        """What the node answers: the topic's writes as its state machine
+        holds them now (the real one through its fetch)."""
+        from tests.simulation.harness import RealStateMachine
+
+        sm = node.sm
+        if not isinstance(sm, RealStateMachine):
+            keys = b",".join(sm.writes)
+            return OpResult(response=b"%d|%s" % (node.id, keys))
+        try:
+            resp = sm.sm.fetch(client_pb2.FetchRequest.FromString(it.request))
+        except RoadlogError as e:
+            return OpResult(e.code, e.message)
+        resp.served_by = str(node.id)
+        return OpResult(response=resp.SerializeToString())
+
+    def read_rows(self, response: bytes) -> tuple[str, list[tuple[int, int]]]:
+        """Who served a read and the (producer, sequence) it returned, in
+        offset order."""
+        from tests.simulation.harness import toy_write
+
+        if not self.sim.opts.real_sm:
+            node, _, keys = response.partition(b"|")
+            rows = [w for w in map(toy_write, keys.split(b",")) if w is not None]
+            return node.decode(), rows
+        resp = client_pb2.FetchResponseView.FromString(response)
+        out: list[tuple[int, int]] = []
+        for b in resp.batches:
+            if b.base_offset != len(out):
+                self.sim.checker.fail(f"read from offset 0 has a batch at {b.base_offset}")
+            for ts in columnar.decode(b.batch).ts_ms.tolist():
+                out.append((ts // TS_BASE, ts % TS_BASE))
+        if resp.next_offset != len(out) or resp.end_offset != len(out):
+            self.sim.checker.fail(
+                f"read of {len(out)} pings ends at {resp.next_offset} of {resp.end_offset}"
+            )
+        return resp.served_by, out
+
     # -- clients ----------------------------------------------------------------
 
     def step(self) -> None:
@@ -124,25 +244,53 @@ class Front:
                 if now >= c.retry_at:
                     self._submit(i)
             elif c.item is None and self.sim.chaos and self.rng.random() < self.p_submit:
-                if self.topic_ready:
+                if self.topic_ready and c.fence and self.rng.random() < self.p_read:
+                    c.read = self.new_read(c)
+                    self._submit(i)
+                elif self.topic_ready:
                     c.seq += 1
                     self._submit(i)
                 elif i == 0:  # the topic's creation is the first client's write 0
                     self._submit(i)
-        for nid, wid in self.workers.items():
-            core = self.sim.nodes[nid].core
-            assert core is not None
-            self.q.update(wid, core.role == Role.LEADER, core.term, self.sim.nodes[nid].sm.applied)
+        for nid in self.workers:
+            self._tell(self.sim.nodes[nid])
+        self._serve_waiting()
+        self._drop_unreachable()
         self._expire()
         self._dispatch()
         self.check()
+
+    def _tell(self, node: SimNode) -> None:
+        """The node's worker tells the queue server its role and indexes."""
+        core, wid = node.core, self.workers.get(node.id)
+        if core is not None and wid is not None:
+            self.q.update(wid, core.role == Role.LEADER, core.term, node.sm.applied)
+
+    def _drop_unreachable(self) -> None:
+        """As QueueServer._expire: reads fenced beyond every connected
+        node's commit index for FENCE_GRACE are refused (OUT_OF_RANGE)."""
+        commits = [
+            core.log.committed
+            for nid in self.workers
+            if (core := self.sim.nodes[nid].core) is not None
+        ]
+        if not commits:
+            return
+        for it in self.q.drop_unreachable_fences(max(commits), float(self.sim.now - FENCE_GRACE)):
+            self.open_items.pop(it.id, None)
+            self._answer(it.id, None)
 
     def _submit(self, i: int) -> None:
         c = self.clients[i]
         self.next_item += 1
         now = self.sim.now
-        data = self.command(c)
-        item = Item(self.next_item, Kind.WRITE, "Publish", data, float(now + self.timeout), now)
+        deadline = float(now + self.timeout)
+        if c.read is not None:
+            item = Item(self.next_item, Kind.READ, "Fetch", c.read.request, deadline, now)
+            item.fence = c.read.fence  # as QueueServer.call: the request's fence routes it
+        else:
+            item = Item(self.next_item, Kind.WRITE, "Publish", self.command(c), deadline, now)
+            self.submitted.add((c.producer, c.seq))
         item.client = f"c{c.producer}"
         c.retry_at = None
         try:
@@ -150,13 +298,15 @@ class Front:
         except QueueFull:
             self.sim.checker.fail(f"queue full with {len(self.open_items)} items open")
         c.item, c.deadline, c.sent = item.id, now + self.timeout + 50, c.sent + 1
-        self.sends += 1
-        if c.sent > 1:
-            self.retries += 1
+        if c.read is not None:
+            self.reads_resent += c.sent > 1
+        else:
+            self.sends += 1
+            self.retries += c.sent > 1
         self.open_items[item.id] = i
 
     def _failed(self, i: int) -> None:
-        """The client's request failed: send the same write again later."""
+        """The client's request failed: send the same request again later."""
         c = self.clients[i]
         c.item = None
         c.retry_at = self.sim.now + self.rng.randint(1, 30)
@@ -167,10 +317,14 @@ class Front:
         for i, c in enumerate(self.clients):
             if c.item != item_id:
                 continue
-            if result is None:
+            if result is None or (c.read is not None and result.message == FENCE_TIMEOUT):
                 self._failed(i)
                 return
-            self._acknowledge(c, result)
+            if c.read is not None:
+                self._read_answered(c, c.read, result)
+                c.read = None
+            else:
+                self._acknowledge(c, result)
             c.item, c.sent = None, 0
             return
 
@@ -180,13 +334,51 @@ class Front:
         offset = -1
         if self.sim.opts.real_sm and c.seq == 0:
             self.topic_ready = True
+            index = topics_pb2.TopicDescription.FromString(r.response).applied_index
         else:
             resp = client_pb2.PublishResponse.FromString(r.response)
             [o] = resp.offsets  # a retry stored before is answered with its first offsets
             if o.count != 1:
                 self.sim.checker.fail(f"producer {c.producer} seq {c.seq} answered {o}")
-            offset = o.base_offset
+            offset, index = o.base_offset, resp.applied_index
         self.acked[(c.producer, c.seq)] = offset
+        self.acked_at[(c.producer, c.seq)] = index
+        c.fence = max(c.fence, index)  # as roadlog.client
+        if index:
+            c.indexes.append(index)
+
+    def _read_answered(self, c: Client, read: Read, r: OpResult) -> None:
+        """Read your writes: a read fenced at F holds every write of its
+        client acknowledged at an index up to F, and every other client's
+        write acknowledged at an index in 1..F, each at the offset its
+        answer gave; it holds nothing that was never sent, and it agrees
+        with every other read (one is a prefix of the other)."""
+        fail = self.sim.checker.fail
+        if r.code != Code.OK:
+            fail(f"read of producer {c.producer} fenced at {read.fence} answered {r}")
+        node, rows = self.read_rows(r.response)
+        where = f"read of producer {c.producer} fenced at {read.fence} (node {node})"
+        for (p, s), index in sorted(self.acked_at.items()):
+            if index > read.fence or (p != c.producer and not index):
+                continue
+            offset = self.acked[(p, s)]
+            if offset < 0:
+                continue  # the topic's creation: the read found the topic
+            if offset >= len(rows) or rows[offset] != (p, s):
+                fail(
+                    f"{where} lacks write {(p, s)} acknowledged at index {index} "
+                    f"offset {offset}: it holds {len(rows)} writes"
+                )
+        never = [w for w in rows if w not in self.submitted]
+        if never:
+            fail(f"{where} returned writes never sent: {never[:3]}")
+        longest = self.longest_read
+        common = min(len(rows), len(longest))
+        if rows[:common] != longest[:common]:
+            fail(f"{where} disagrees with an earlier read within its first {common} writes")
+        if len(rows) > len(longest):
+            self.longest_read = rows
+        self.reads_ok += 1
 
     # -- workers ----------------------------------------------------------------
 
@@ -195,11 +387,12 @@ class Front:
         wid = self.next_item
         self.workers[node.id] = wid
         self.q.connect(wid, node.id)
-        self.q.grant(wid, self.credit, 0)
+        self.q.grant(wid, self.credit, self.read_credit)
 
     def disconnect(self, node: SimNode) -> None:
         """The node crashed: its stream breaks; what it held goes back."""
         self.pending.pop(node.id, None)
+        self.waiting.pop(node.id, None)
         wid = self.workers.pop(node.id, None)
         if wid is None:
             return
@@ -216,6 +409,11 @@ class Front:
         nodes = {w: n for n, w in self.workers.items()}
         for wid, it in self.q.dispatch(float(self.sim.now)):
             w = self.q.workers.get(wid)
+            if it.kind == Kind.READ and w is not None and w.applied < it.fence:
+                self.sim.checker.fail(
+                    f"read fenced at {it.fence} handed to node {w.node_id}, "
+                    f"which told the queue it applied {w.applied}"
+                )
             if w is None or it.id not in w.inflight:
                 continue  # its node crashed while an earlier item was proposed
             self._work(self.sim.nodes[nodes[wid]], wid, it)
@@ -223,6 +421,14 @@ class Front:
     def _work(self, node: SimNode, wid: int, it: Item) -> None:
         core = node.core
         assert core is not None
+        if it.kind == Kind.READ:
+            # Any node serves a read, once it has applied its fence; it takes
+            # a while (it may crash meanwhile, or the client stop waiting).
+            now = self.sim.now
+            ready = now + self.rng.randint(0, self.read_time)
+            self.waiting.setdefault(node.id, []).append((wid, it, ready, now + FENCE_WAIT))
+            self._serve_waiting([node.id])
+            return
         if core.role != Role.LEADER:
             self._result(wid, it.id, None)  # NotLeader: UNAVAILABLE
             return
@@ -233,6 +439,33 @@ class Front:
             return
         self.pending.setdefault(node.id, PendingProposals()).add(index, core.term, (wid, it.id))
         node.process()
+
+    def fence_reached(self, node: SimNode, it: Item) -> bool:
+        """As WorkHandler._fenced: the node has applied the read's fence."""
+        return node.sm.applied >= self.read_fence(it)
+
+    def _serve_waiting(self, nids: list[int] | None = None) -> None:
+        """Answer the reads whose node has applied their fence (and taken
+        its time); fail those that waited FENCE_WAIT for it (the worker's
+        wait timed out)."""
+        now = self.sim.now
+        for nid in sorted(self.waiting) if nids is None else nids:
+            node = self.sim.nodes[nid]
+            done: list[tuple[int, Item, OpResult]] = []
+            still = []
+            for wid, it, ready, give_up in self.waiting.get(nid, []):
+                if self.fence_reached(node, it):
+                    if now >= ready:
+                        done.append((wid, it, self.serve_read(node, it)))
+                        self.reads_handed_again += it.deliveries > 1
+                        continue
+                elif now >= give_up:
+                    done.append((wid, it, OpResult(Code.INTERNAL, FENCE_TIMEOUT)))
+                    continue
+                still.append((wid, it, ready, give_up))
+            self.waiting[nid] = still
+            for wid, it, r in done:
+                self._result(wid, it.id, r)
 
     def on_applied(self, node: SimNode, e: Entry, results: Callable[[], OpResult]) -> None:
         """As RaftNode._resolve: the proposer's pending write at ``e.index``
@@ -259,10 +492,16 @@ class Front:
                 self._result(wid, item, None)
 
     def _result(self, wid: int, item_id: int, r: OpResult | None) -> None:
-        """The worker's answer reaches the queue server, with one credit."""
-        if wid not in self.q.workers:
+        """The worker's answer reaches the queue server, with one credit
+        and the node's state (as node_daemon.worker: a read fenced at this
+        write's index can go to this node at once)."""
+        w = self.q.workers.get(wid)
+        if w is None:
             return  # its stream broke: the item was handed back already
-        self.q.grant(wid, 1, 0)
+        held = w.inflight.get(item_id)
+        is_read = held is not None and held.kind == Kind.READ
+        self.q.grant(wid, 0 if is_read else 1, 1 if is_read else 0)
+        self._tell(self.sim.nodes[w.node_id])
         if r is None:
             it = self.q.retry(wid, item_id)
             if it is not None and it.attempts < MAX_ATTEMPTS:
@@ -282,22 +521,33 @@ class Front:
         """Each open item is in exactly one place: queued, or held by one
         connected worker; nothing else is in the queue."""
         seen: dict[int, str] = {}
+        kinds: dict[int, Kind] = {}
         fail = self.sim.checker.fail
         for kind, queue in self.q.queues.items():
             for it in queue:
                 if it.id in seen:
                     fail(f"queue item {it.id} is {seen[it.id]} and queued again")
-                seen[it.id] = f"queued ({kind.name})"
+                if it.kind != kind:
+                    fail(f"queue item {it.id} ({it.kind.name}) is in the {kind.name} queue")
+                seen[it.id], kinds[it.id] = f"queued ({kind.name})", it.kind
         for w in self.q.workers.values():
             for iid, it in w.inflight.items():
                 if iid != it.id:
                     fail(f"worker {w.id} holds item {it.id} under {iid}")
                 if iid in seen:
                     fail(f"queue item {iid} is {seen[iid]} and held by worker {w.id}")
-                seen[iid] = f"held by worker {w.id}"
-        for iid in self.open_items:
+                seen[iid], kinds[iid] = f"held by worker {w.id}", it.kind
+        for nid, held in self.waiting.items():
+            for wid, it, _, _ in held:
+                holder = self.q.workers.get(wid)
+                if holder is None or holder.node_id != nid or holder.inflight.get(it.id) is not it:
+                    fail(f"node {nid} waits to serve read {it.id}, which its worker does not hold")
+        for iid, i in self.open_items.items():
             if iid not in seen:
                 fail(f"queue item {iid} is lost: neither queued, held nor finished")
+            c = self.clients[i]
+            if c.item == iid and (c.read is None) != (kinds.get(iid) == Kind.WRITE):
+                fail(f"queue item {iid} of producer {c.producer} is of the wrong kind")
         for iid, where in seen.items():
             if iid not in self.open_items:
                 fail(f"queue item {iid} is {where} but was finished")
@@ -325,6 +575,8 @@ class Front:
                     fail(f"node {n.id} lacks acknowledged write {(p, s)}")
                 if stored[offset] != (p, s):
                     fail(f"write {(p, s)} acknowledged at offset {offset} holds {stored[offset]}")
+            if stored[: len(self.longest_read)] != self.longest_read:
+                fail(f"node {n.id} holds other writes than a read returned")
 
 
 def stored_writes(sm: object) -> list[tuple[int, int]]:

@@ -9,11 +9,13 @@ log compactions, snapshot installs, leadership transfers and ReadIndex reads
 happen at random. After every event the Raft invariants are checked; at the
 end the network heals and every node must converge to the same state.
 
-Clients write through the front door (``front.Front``): a real
+Clients write and read through the front door (``front.Front``): a real
 ``WorkQueues`` with the nodes as its workers, idempotent producers that send
-a failed write again, and acknowledgements only through that path; the
-queue's items are checked after every queue operation, and at the end every
-acknowledged write must be stored once on every replica.
+a failed write again, acknowledgements only through that path, and reads
+fenced at the client's acknowledged writes that any node may serve; the
+queue's items are checked after every queue operation, every read must hold
+the writes acknowledged up to its fence, and at the end every acknowledged
+write must be stored once on every replica.
 
 A violation raises ``Violation`` with the seed; ``replay_command(seed)``
 reproduces it exactly.
@@ -687,6 +689,8 @@ class Result:
     reads: int = 0
     writes: int = 0  # client writes acknowledged through the queue server
     resent: int = 0  # writes a client sent again after a failure
+    fetches: int = 0  # fenced reads through the queue server, answered and checked
+    refetched: int = 0  # reads sent again by their client or handed to another node
 
 
 class Simulation:
@@ -791,6 +795,8 @@ class Simulation:
         self.stats.acked = len(self.acked)
         self.stats.writes = len(self.front.acked)
         self.stats.resent = self.front.retries
+        self.stats.fetches = self.front.reads_ok
+        self.stats.refetched = self.front.reads_resent + self.front.reads_handed_again
         self.stats.reads = self.checker.reads_served
         return self.stats
 

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         "acked": 0,
         "writes": 0,
         "resent": 0,
+        "fetches": 0,
+        "refetched": 0,
         "snapshots": 0,
         "crashes": 0,
         "conf_changes": 0,

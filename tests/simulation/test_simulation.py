@@ -151,9 +151,11 @@ def test_a_nondeterministic_state_machine_is_caught(monkeypatch: pytest.MonkeyPa
     assert all("state differs" in r.message for r in bad), [r.message for r in bad]
 
 
-def test_clients_write_through_the_real_work_queues() -> None:
-    """Clients' writes go through a real WorkQueues to the nodes as workers;
-    some are sent again after a failure, and every run acknowledges some."""
+def test_clients_write_and_read_through_the_real_work_queues() -> None:
+    """Clients' writes and fenced reads go through a real WorkQueues to the
+    nodes as workers; some are sent again after a failure, every run
+    acknowledges some writes, and reads are answered on both kinds of state
+    machine (each checked: it holds the writes acknowledged up to its fence)."""
     from tests.simulation.front import Front
 
     sim = Simulation(3)
@@ -162,6 +164,44 @@ def test_clients_write_through_the_real_work_queues() -> None:
     assert all(r.ok for r in results), [r.message for r in results if not r.ok]
     assert all(r.writes > 0 for r in results)
     assert sum(r.resent for r in results) > 0
+    assert sum(r.refetched for r in results) > 0
+    real = {s for s in range(3, 24) if Simulation(s).opts.real_sm}
+    assert sum(r.fetches for r in results if r.seed in real) > 0
+    assert sum(r.fetches for r in results if r.seed not in real) > 0
+
+
+def test_a_read_served_below_its_fence_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes that tell the queue they applied more than they did and serve
+    a read without waiting for its fence answer reads that miss writes
+    acknowledged at or below it: the read-your-writes check finds them."""
+    from queue_server.queues import WorkQueues
+    from tests.simulation.front import Front
+
+    update = WorkQueues.update
+
+    def boasting(self: WorkQueues, worker_id: int, leader: bool, term: int, applied: int) -> None:
+        update(self, worker_id, leader, term, applied + 1_000_000)
+
+    monkeypatch.setattr(WorkQueues, "update", boasting)
+    monkeypatch.setattr(Front, "fence_reached", lambda self, node, it: True)
+    bad = [r for r in map(run_seed, range(10, 22)) if not r.ok]
+    assert bad, "the simulator did not notice reads served below their fence"
+    assert all("lacks write" in r.message for r in bad), [r.message for r in bad]
+
+
+def test_a_queue_ignoring_read_fences_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue that hands a read to a node that has not applied its fence
+    is caught when it hands it out."""
+    from queue_server.queues import Item, Worker, WorkQueues
+
+    def any_reader(self: WorkQueues, it: Item) -> Worker | None:
+        return next((w for w in self.workers.values() if w.read_credit > 0), None)
+
+    monkeypatch.setattr(WorkQueues, "_can_read", lambda self, it: any_reader(self, it) is not None)
+    monkeypatch.setattr(WorkQueues, "_reader_for", any_reader)
+    bad = [r for r in map(run_seed, range(3, 12)) if not r.ok]
+    assert bad, "the simulator did not notice a read handed out below its fence"
+    assert all("handed to node" in r.message for r in bad), [r.message for r in bad]
 
 
 def test_a_queue_losing_a_crashed_workers_items_is_caught(
