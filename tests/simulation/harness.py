@@ -787,10 +787,7 @@ class Simulation:
             self.stats.ok = False
             self.stats.message = f"seed {self.seed} at t={self.now}: {type(e).__name__}: {e}"
         finally:
-            for n in self.nodes.values():
-                n.close()
-            if self.tmp is not None:
-                shutil.rmtree(self.tmp, ignore_errors=True)
+            self.close()
         self.stats.ticks = self.now // TICK
         self.stats.acked = len(self.acked)
         self.stats.writes = len(self.front.acked)
@@ -799,6 +796,14 @@ class Simulation:
         self.stats.refetched = self.front.reads_resent + self.front.reads_handed_again
         self.stats.reads = self.checker.reads_served
         return self.stats
+
+    def close(self) -> None:
+        """Close every node's files and remove the run's directory (``run``
+        does it; a simulation built and not run must be closed)."""
+        for n in self.nodes.values():
+            n.close()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _run(self) -> None:
         for _ in range(self.opts.chaos_ticks):
@@ -1029,3 +1034,8 @@ class Simulation:
 
 def run_seed(seed: int) -> Result:
     return Simulation(seed).run()
+
+
+def options_of(seed: int) -> Options:
+    """What ``Simulation(seed)`` decides, without building it (no files)."""
+    return Options.from_seed(seed, random.Random(seed))
