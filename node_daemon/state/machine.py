@@ -310,6 +310,10 @@ class StateMachine:
             if dup is not None:
                 kept.append(False)
                 dup.duplicate = True
+                # A fence at this entry: it is past where the original was
+                # stored, so a read at it sees the write (read your writes
+                # holds for an answer that came from a retry too).
+                dup.applied_index = index
                 results.append(OpResult(response=dup.SerializeToString()))
                 continue
             kept.append(True)

@@ -177,6 +177,8 @@ def test_a_retried_batch_is_stored_once_with_its_original_offsets(sm: StateMachi
     _, first, _ = log.append(pings(20), producer=7, seq=1)
     _, again, _ = log.append(pings(20), producer=7, seq=1)
     assert again.duplicate and list(again.offsets) == list(first.offsets)
+    # The retry's answer is a read fence that covers the stored original.
+    assert again.applied_index > first.applied_index > 0
     _, nxt, _ = log.append(pings(20, start=20), producer=7, seq=2)
     assert not nxt.duplicate
     assert sum(len(read_all(sm, p)) for p in range(4)) == 40
