@@ -56,12 +56,6 @@ HTTP_STATUS = {
 Call = Callable[[str, bytes, float | None, str], Awaitable[bytes]]
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.code, self.reason = status, code, reason
-
-
 def error_response(status: int, code: str, reason: str) -> web.Response:
     headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
     return web.json_response(
@@ -69,8 +63,8 @@ def error_response(status: int, code: str, reason: str) -> web.Response:
     )
 
 
-def bad(reason: str) -> ApiError:
-    return ApiError(400, "INVALID_ARGUMENT", reason)
+def bad(reason: str) -> RoadlogError:
+    return RoadlogError(Code.INVALID_ARGUMENT, reason)
 
 
 @web.middleware
@@ -79,8 +73,8 @@ async def errors_as_json(
 ) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as e:
-        return error_response(e.status, e.code, e.reason)
+    except RoadlogError as e:  # roadlog's one error type, mapped at this edge
+        return error_response(HTTP_STATUS.get(e.code, 500), e.code.name, e.message)
     except web.HTTPException as e:  # 404 for unknown paths, 405, 413 ...
         if e.status < 400:
             raise
@@ -128,12 +122,9 @@ class HttpApi:
         if TIMEOUT_HEADER in request.headers:
             ms = _query_int(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000)
             timeout = ms / 1000
-        try:
-            raw = await self._call(
-                method, req.SerializeToString(), timeout, client or (request.remote or "")
-            )
-        except RoadlogError as e:
-            raise ApiError(HTTP_STATUS.get(e.code, 500), e.code.name, e.message) from None
+        raw = await self._call(
+            method, req.SerializeToString(), timeout, client or (request.remote or "")
+        )
         return (response or BY_NAME[method].response).FromString(raw)
 
     # -------------------------------------------------------------- handlers
