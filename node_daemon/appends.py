@@ -3,8 +3,10 @@
 Publishes that reach the leader together are merged per topic: each request
 is parsed on its own (a malformed one fails alone), the pings of all of
 them become one set of columns at once (``columnar.join``: one array per
-column), are checked at once and split by partition once, and one AppendOp
-carries them with one span per request. A request with a bad ping is
+column), are checked at once and split by partition in one pass (each
+ping's partition once, one stable permutation, each column gathered once,
+each partition's PingBatch written from slices of the permuted columns),
+and one AppendOp carries them with one span per request. A request with a bad ping is
 refused alone, with ping indexes relative to its own batch; the others
 still go in. So many small publishes cost one validation, one split and
 one encoding per partition, and one set of LMDB writes on every replica.
@@ -21,9 +23,15 @@ from google.protobuf.message import DecodeError
 from roadlog import columnar
 from roadlog.columnar import ColumnBytes
 from roadlog.geo import Region
-from roadlog.partitioning import device_partitions, split_by_partition
+from roadlog.partitioning import device_facts, permuted, plan_split
 from roadlog.v1 import client_pb2, command_pb2
-from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if_bad
+from roadlog.validation import (
+    MAX_DEVICE_ID_BYTES,
+    BatchRejected,
+    check_size,
+    ping_reasons,
+    raise_if_bad,
+)
 
 MAX_PINGS_PER_OP = 50_000  # about 2 MB of pings: keeps Raft entries bounded
 
@@ -109,7 +117,9 @@ def _merge(
     errors: dict[int, Exception],
 ) -> PreparedAppend | None:
     merged = columnar.join([r.pings for r in chunk])
-    reasons = ping_reasons(merged, region, now_ms)
+    facts = device_facts(merged.device_ids)
+    ids_ok = not facts.fields or (facts.shortest >= 1 and facts.longest <= MAX_DEVICE_ID_BYTES)
+    reasons = ping_reasons(merged, region, now_ms, ids_ok)
     keep: list[_Request] = chunk
     if reasons.any():
         keep = []
@@ -124,22 +134,32 @@ def _merge(
             lo = hi
     if not keep:
         return None
-    lengths = np.array([r.pings.n for r in keep], dtype=np.int64)
+    lengths = [r.pings.n for r in keep]
     if len(keep) < len(chunk):
         kept_at = {r.position for r in keep}
         kept = np.repeat([r.position in kept_at for r in chunk], [r.pings.n for r in chunk])
-        merged = merged.take(np.flatnonzero(kept))
-    per_device = device_partitions(merged, partitions)
-    row_span = np.repeat(np.arange(len(keep)), lengths)
-    cells = row_span * partitions + per_device[merged.device_index]
-    counts = np.bincount(cells, minlength=len(keep) * partitions).reshape(len(keep), partitions)
-    parts = split_by_partition(merged, partitions, per_device)
+        merged = merged.take(np.flatnonzero(kept))  # its dictionary: the ids still used
+        facts = device_facts(merged.device_ids)
+    # One pass: each ping's partition once, one stable permutation, each
+    # column gathered once, each partition's batch written from slices.
+    split = plan_split(facts.partitions(partitions), merged.device_index, partitions)
+    fields = facts.fields
+    grouped = [fields[i] for i in split.devices.tolist()]
+    batches = columnar.encode_runs(
+        permuted(merged, split), split.bounds, [grouped[lo:hi] for lo, hi in split.device_ranges]
+    )
+    if len(keep) == 1:
+        span_counts = [split.sizes]
+    else:
+        row_span = np.repeat(np.arange(len(keep)), lengths)
+        cells = row_span * partitions + split.ping_partition
+        counts = np.bincount(cells, minlength=len(keep) * partitions)
+        span_counts = counts.reshape(len(keep), partitions)[:, split.partitions].tolist()
     wrapper = command_pb2.Op()
     op = wrapper.append  # filled in place: wrapping it afterwards would copy the pings
     op.topic = topic
-    for p, cols in parts:
-        op.parts.add(partition=p, batch=columnar.encode(cols), count=len(cols))
-    span_counts = counts[:, [p for p, _ in parts]].tolist()
+    for p, batch, size in zip(split.partitions, batches, split.sizes, strict=True):
+        op.parts.add(partition=p, batch=batch, count=size)
     for r, row in zip(keep, span_counts, strict=True):
         op.spans.add(
             client_id=r.view.client_id,

@@ -14,8 +14,10 @@ instead, with the same result.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -176,6 +178,62 @@ def encode(cols: PingColumns) -> bytes:
     return view.SerializeToString()
 
 
+def device_id_field(utf8: bytes) -> bytes:
+    """One ``device_ids`` entry of PingBatch wire bytes (tag, length, UTF-8)."""
+    return b"\n" + _varint(len(utf8)) + utf8
+
+
+def encode_runs(
+    cols: PingColumns, bounds: Sequence[int], dictionaries: Sequence[Sequence[bytes]]
+) -> list[bytes]:
+    """PingBatch wire bytes of consecutive runs of ``cols``, byte for byte
+    what ``encode`` writes for each run on its own: run ``k`` is rows
+    ``bounds[k]`` to ``bounds[k + 1]`` (at least one), its device indexes
+    already relative to its own dictionary, whose ``device_ids`` entries
+    (``device_id_field``) are ``dictionaries[k]``; ``cols.device_ids`` is not
+    read. Each column is made contiguous once and sliced per run; an
+    optional column is left out of a run where all its values are unknown."""
+    runs = len(bounds) - 1
+    columns: list[tuple[bytes, int, memoryview, list[bool] | None]] = []
+    for (dtype, attr), tag in zip(_COLUMNS, _TAGS, strict=True):
+        arr = getattr(cols, attr)
+        present: list[bool] | None = None
+        if attr in _OPTIONAL:
+            if is_unknown(arr):
+                continue
+            nan = np.isnan(arr)
+            if nan.any():
+                present = (~np.logical_and.reduceat(nan, bounds[:-1])).tolist()
+        arr = np.ascontiguousarray(arr, dtype=dtype)
+        columns.append((tag, arr.itemsize, arr.view(np.uint8).data, present))
+    out = []
+    for k in range(runs):
+        lo, hi = bounds[k], bounds[k + 1]
+        heads = {4: _varint(4 * (hi - lo)), 8: _varint(8 * (hi - lo))}
+        pieces: list[bytes | memoryview] = [*dictionaries[k]]
+        for tag, size, raw, present in columns:
+            if present is None or present[k]:
+                pieces += (tag, heads[size], raw[lo * size : hi * size])
+        out.append(b"".join(pieces))
+    return out
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL_VARINTS[n]
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
+# The tag of each packed column (field 2..8, wire type 2: length-delimited).
+_TAGS = tuple(bytes(((field << 3) | 2,)) for field in range(2, 2 + len(_COLUMNS)))
+
+
 def decode(data: bytes) -> PingColumns:
     """Read PingBatch wire bytes as columns: one C parse through
     ``PingBatchView``, then ``np.frombuffer`` per column. If the view did not
@@ -205,15 +263,18 @@ def parse(data: bytes) -> ColumnBytes:
         return _column_bytes(_decode_slow(data))
     if view.ByteSize() != len(data):
         return _column_bytes(_decode_slow(data))
-    raw = {attr: getattr(view, attr) for _, attr in _COLUMNS}
-    n, rem = divmod(len(raw["ts_ms"]), 8)
-    for (_, attr), size in zip(_COLUMNS, _ITEMSIZES, strict=True):
-        b = raw[attr]
-        if len(b) != n * size or rem:
-            if not b and attr in _OPTIONAL:
-                del raw[attr]
-                continue
-            return _column_bytes(_decode_slow(data))  # it decides, or names the column
+    ts = view.ts_ms
+    n, rem = divmod(len(ts), 8)
+    index, lat, lon = view.device_index, view.lat, view.lon
+    if rem or len(index) != 4 * n or len(lat) != 8 * n or len(lon) != 8 * n:
+        return _column_bytes(_decode_slow(data))  # it decides, or names the column
+    raw = {"device_index": index, "ts_ms": ts, "lat": lat, "lon": lon}
+    for attr in _OPTIONAL:
+        b = getattr(view, attr)
+        if len(b) == 4 * n:
+            raw[attr] = b
+        elif b:
+            return _column_bytes(_decode_slow(data))
     return ColumnBytes(n, list(view.device_ids), raw)
 
 
@@ -222,36 +283,77 @@ def join(parts: Sequence[ColumnBytes]) -> PingColumns:
     each device id once; one array per column is made, from the joined
     bytes. Python work is per part and per distinct device id, never per
     ping. A device index out of its part's dictionary stays out of range
-    (``NO_DEVICE``), so validation still reports it."""
+    (``NO_DEVICE``), so validation still reports it. An optional column
+    that no part has is the shared all-unknown column (``is_unknown``)."""
     n = sum(p.n for p in parts)
-    cols: dict[str, np.ndarray] = {}
+    arrays: list[np.ndarray] = []
     for dtype, attr in _COLUMNS:
         if attr in _OPTIONAL:
             if not any(attr in p.columns for p in parts):
-                cols[attr] = np.full(n, np.nan, dtype=np.float32)
+                arrays.append(unknown_column(n))
                 continue
             chunks = [p.columns.get(attr) or _NAN32 * p.n for p in parts]
         else:
             chunks = [p.columns[attr] for p in parts]
         buf = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        cols[attr] = np.frombuffer(buf, dtype=dtype)
-    if len(parts) == 1:
-        return _assemble(parts[0].device_ids, cols)
-    all_ids = [d for p in parts for d in p.device_ids]
-    ids = {d: i for i, d in enumerate(dict.fromkeys(all_ids))}
-    # Global dictionary position of every part's every id, then one sentinel.
-    remap = np.fromiter(map(ids.__getitem__, all_ids), dtype=np.uint32, count=len(all_ids))
-    remap = np.append(remap, NO_DEVICE)
+        arrays.append(np.frombuffer(buf, dtype=dtype))
+    ids0 = parts[0].device_ids
+    if len(parts) > 1:
+        index = arrays[0]
+        if all(p.device_ids == ids0 for p in parts) and len(set(ids0)) == len(ids0):
+            # One dictionary for all (a producer's batches often share
+            # theirs): every index already means the same id.
+            if n and int(index.max()) >= len(ids0):
+                arrays[0] = np.where(index < len(ids0), index, NO_DEVICE)
+        else:
+            ids0, arrays[0] = _merge_dictionaries(parts, index)
+    if not _LITTLE_ENDIAN:
+        return _assemble(ids0, {attr: a for (_, attr), a in zip(_COLUMNS, arrays, strict=True)})
+    return PingColumns(ids0, *arrays)
+
+
+def _merge_dictionaries(
+    parts: Sequence[ColumnBytes], index: npt.NDArray[np.uint32]
+) -> tuple[list[str], npt.NDArray[np.uint32]]:
+    """One dictionary for ``parts`` (first occurrences in order), and their
+    joined device indexes ``index`` moved onto it."""
+    all_ids = list(chain.from_iterable(p.device_ids for p in parts))
+    unique = dict.fromkeys(all_ids)
     ndev = np.array([len(p.device_ids) for p in parts], dtype=np.int64)
     sizes = np.array([p.n for p in parts], dtype=np.int64)
     first = np.repeat(np.cumsum(ndev) - ndev, sizes)  # each ping's part's first id
-    local = cols["device_index"].astype(np.int64)
+    local = index.astype(np.int64)
     glob = np.where(local < np.repeat(ndev, sizes), first + local, len(all_ids))
-    cols["device_index"] = remap[glob]
-    return _assemble(list(ids), cols)
+    if len(unique) == len(all_ids):  # no id in two parts: the parts' ids one after another
+        return all_ids, np.where(glob < len(all_ids), glob, NO_DEVICE).astype(np.uint32)
+    ids = dict(zip(unique, range(len(unique)), strict=True))
+    # Global dictionary position of every part's every id, then one sentinel.
+    remap = np.fromiter(map(ids.__getitem__, all_ids), dtype=np.uint32, count=len(all_ids))
+    remap = np.append(remap, NO_DEVICE)
+    return list(ids), remap[glob]
 
 
-_ITEMSIZES = tuple(np.dtype(dtype).itemsize for dtype, _ in _COLUMNS)
+def unknown_column(n: int) -> F32:
+    """``n`` unknown values (NaN, read-only): a view of one shared column
+    when it is long enough, so that ``is_unknown`` knows it without looking."""
+    if n <= len(_UNKNOWN):
+        return _UNKNOWN[:n]
+    out = np.full(n, np.nan, dtype=np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def is_unknown(arr: npt.NDArray[Any]) -> bool:
+    """True if ``arr`` is (a view of) the shared all-unknown column; False
+    says nothing (an all-NaN column may come from anywhere)."""
+    return arr.base is _UNKNOWN
+
+
+_UNKNOWN = np.full(1 << 16, np.nan, dtype=np.float32)
+_UNKNOWN.flags.writeable = False
+_LITTLE_ENDIAN = sys.byteorder == "little"  # the wire's order is the arrays' own
+
+
 _NAN32 = np.float32(np.nan).tobytes()
 
 
@@ -284,7 +386,7 @@ def _assemble(devices: list[str], cols: dict[str, np.ndarray]) -> PingColumns:
             raise BatchDecodeError(f"column {attr} has {len(cols.get(attr, ()))} values, not {n}")
     for attr in _OPTIONAL:
         if attr not in cols:
-            cols[attr] = np.full(n, np.nan, dtype=np.float32)
+            cols[attr] = unknown_column(n)
         elif len(cols[attr]) != n:
             raise BatchDecodeError(f"column {attr} has {len(cols[attr])} values, not {n}")
     empty = np.empty(0)

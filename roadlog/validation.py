@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from roadlog.columnar import PingColumns
+from roadlog.columnar import PingColumns, is_unknown
 from roadlog.geo import Region
 
 MAX_REPORTED = 100
@@ -67,10 +67,59 @@ def raise_if_bad(reasons: npt.NDArray[np.int8]) -> None:
         raise BatchRejected(shown, len(bad))
 
 
-def ping_reasons(cols: PingColumns, region: Region, now_ms: int) -> npt.NDArray[np.int8]:
+def ping_reasons(
+    cols: PingColumns, region: Region, now_ms: int, ids_ok: bool | None = None
+) -> npt.NDArray[np.int8]:
     """Per ping, 0 if it is plausible and inside ``region``, else the code of
     the first rule it breaks (vectorised; also over several requests' pings
-    concatenated, whose results the caller slices back per request)."""
+    concatenated, whose results the caller slices back per request).
+    ``ids_ok``: whether every dictionary id is known to be 1..64 bytes of
+    UTF-8 (None: checked here). A batch that breaks none of the rules before
+    the region's (the usual case) is recognised from a few reductions per
+    column; only one that may break some is looked at ping by ping."""
+    if ids_ok is None:
+        ids_ok = all(1 <= len(d.encode()) <= MAX_DEVICE_ID_BYTES for d in cols.device_ids)
+    if ids_ok and len(cols):
+        reasons = _plausible(cols, region, now_ms)
+        if reasons is not None:
+            return reasons
+    return _reasons(cols, region, now_ms)
+
+
+def _plausible(cols: PingColumns, region: Region, now_ms: int) -> npt.NDArray[np.int8] | None:
+    """The reasons of a non-empty batch none of whose pings breaks rules 1
+    and 3..8, or None if some may. A few min/max reductions per column: NaN
+    fails a required column's range (the comparisons with a NaN minimum or
+    maximum are False) and is unknown, so fine, in an optional one."""
+    if not cols.device_index.max() < len(cols.device_ids):
+        return None
+    lat, lon, ts = cols.lat, cols.lon, cols.ts_ms
+    lat_lo, lat_hi, lon_lo, lon_hi = lat.min(), lat.max(), lon.min(), lon.max()
+    if not (lat_lo >= -90 and lat_hi <= 90 and lon_lo >= -180 and lon_hi <= 180):
+        return None
+    if not (ts.min() >= MIN_TS_MS and ts.max() <= now_ms + FUTURE_SLACK_MS):
+        return None
+    for arr, top in (
+        (cols.speed_mps, MAX_SPEED_MPS),
+        (cols.heading_deg, None),
+        (cols.accuracy_m, MAX_ACCURACY_M),
+    ):
+        if is_unknown(arr):
+            continue
+        lo, hi = arr.min(), arr.max()
+        if lo != lo:  # NaN: some unknown, so the known ones' range
+            lo, hi = np.fmin.reduce(arr), np.fmax.reduce(arr)
+        if lo < 0 or (hi >= 360 if top is None else hi > top):
+            return None
+    if region.is_box:
+        minx, miny, maxx, maxy = region.bbox
+        if minx <= lon_lo and lon_hi <= maxx and miny <= lat_lo and lat_hi <= maxy:
+            return np.zeros(len(ts), dtype=np.int8)
+    return np.where(region.contains(lon, lat), 0, 9).astype(np.int8)
+
+
+def _reasons(cols: PingColumns, region: Region, now_ms: int) -> npt.NDArray[np.int8]:
+    """``ping_reasons`` ping by ping."""
     n = len(cols)
     reasons = np.zeros(n, dtype=np.int8)
 
