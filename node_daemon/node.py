@@ -416,15 +416,19 @@ class RaftNode:
             )
             return False
         entries = job.entries
+        # Results are built only while a proposal of this node waits (every
+        # entry it proposes is in the log, so in PendingProposals, before it
+        # can be applied): a follower's applies answer nobody.
+        wanted = len(self._pending) > 0
         if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
-            self._resolve(entries, self.sm.apply(entries))
+            self._resolve(entries, self.sm.apply(entries, wanted))
             return True
 
         def applied(results: list[list[OpResult]]) -> None:
             self._resolve(entries, results)
             self.driver.apply_done(job)
 
-        fut = loop.run_in_executor(self._apply_io, self.sm.apply, entries)
+        fut = loop.run_in_executor(self._apply_io, self.sm.apply, entries, wanted)
         fut.add_done_callback(lambda f: self._completed(f, applied))
         return False
 

@@ -59,7 +59,10 @@ _PART_VAL = struct.Struct(">QQq")
 _BATCH_HDR = struct.Struct(">Iq")  # count, append ms
 _SEQ = struct.Struct(">QQI")
 _U64 = struct.Struct(">Q")
+_Seq = tuple[int, int, int]  # a producer's sequence, its base offset and count in a partition
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
+# Operations that write topic records or partition states other than by appending.
+_FORGETTING = frozenset({"create_topic", "delete_topic", "trim"})
 
 
 @dataclass(slots=True)
@@ -105,6 +108,17 @@ class StateMachine:
         with self.env.begin() as txn:
             self.applied_index = self._meta_int(txn, b"applied_index")
             self.applied_term = self._meta_int(txn, b"applied_term")
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop what appends remember between applies (see ``_append``)."""
+        # Only the applying thread reads or writes these, always mirroring
+        # what its transactions wrote: a topic record by name, and a
+        # partition's state by (topic id, partition). Whatever else writes
+        # the topics or partition states (creating, deleting, trimming, a
+        # failed transaction, a snapshot installed) forgets them all.
+        self._topics: dict[str, topics_pb2.Topic] = {}
+        self._states: dict[tuple[int, int], PartitionState] = {}
 
     def _meta_int(self, txn: Any, key: bytes) -> int:
         raw = txn.get(key, db=self.meta)
@@ -115,34 +129,42 @@ class StateMachine:
 
     # ------------------------------------------------------------- applying
 
-    def apply(self, entries: Sequence[Entry]) -> list[list[OpResult]]:
+    def apply(self, entries: Sequence[Entry], results: bool = True) -> list[list[OpResult]]:
         """Apply committed entries in one transaction; one list of results
         (one per operation) per entry. Entries at or below the applied index
-        are skipped (they were applied before a crash)."""
-        results: list[list[OpResult]] = []
+        are skipped (they were applied before a crash). ``results=False``:
+        nobody waits for these entries' answers (a follower's applies), so
+        none are built and every list is empty; what is stored is the same."""
+        out: list[list[OpResult]] = []
         todo = [e for e in entries if e.index > self.applied_index]
         if not todo:
             return [[] for _ in entries]
         try:
             with self.env.begin(write=True) as txn:
                 for e in todo:
-                    results.append(self._apply_entry(txn, e))
+                    res = self._apply_entry(txn, e, results)
+                    out.append(res if results else [])
                 last = todo[-1]
                 txn.put(b"applied_index", _U64.pack(last.index), db=self.meta)
                 txn.put(b"applied_term", _U64.pack(last.term), db=self.meta)
-        except lmdb.MapFullError:
-            raise StorageFullError(
-                f"state machine map full at {self.map_size} bytes in {self.path}"
-            ) from None
-        except lmdb.Error as e:
-            if "No space left" in str(e):
-                raise StorageFullError(f"disk full in {self.path}: {e}") from e
+        except BaseException as e:
+            self._forget()  # the transaction is gone, and what it wrote
+            if isinstance(e, lmdb.Error):
+                self._storage_error(e)
             raise
         self.applied_index, self.applied_term = todo[-1].index, todo[-1].term
         skipped: list[list[OpResult]] = [[] for _ in range(len(entries) - len(todo))]
-        return skipped + results
+        return skipped + out
 
-    def _apply_entry(self, txn: Any, e: Entry) -> list[OpResult]:
+    def _storage_error(self, e: lmdb.Error) -> None:
+        if isinstance(e, lmdb.MapFullError):
+            raise StorageFullError(
+                f"state machine map full at {self.map_size} bytes in {self.path}"
+            ) from None
+        if "No space left" in str(e):
+            raise StorageFullError(f"disk full in {self.path}: {e}") from e
+
+    def _apply_entry(self, txn: Any, e: Entry, results: bool = True) -> list[OpResult]:
         if e.type != EntryType.NORMAL or not e.data:
             return []  # configuration changes and the leader's empty entries
         try:
@@ -152,10 +174,13 @@ class StateMachine:
         out = []
         for op in cmd.ops:
             try:
-                if op.WhichOneof("op") == "append":
-                    spans = self._append(txn, op.append, cmd.leader_ms, e.index)
+                kind = op.WhichOneof("op")
+                if kind == "append":
+                    spans = self._append(txn, op.append, cmd.leader_ms, e.index, results)
                     out.append(OpResult(spans=tuple(spans)))
                 else:
+                    if kind in _FORGETTING:
+                        self._forget()
                     out.append(OpResult(response=self._apply_op(txn, op, cmd.leader_ms, e.index)))
             except RoadlogError as err:
                 out.append(OpResult(err.code, err.message))
@@ -288,49 +313,74 @@ class StateMachine:
     # --------------------------------------------------------------- append
 
     def _append(
-        self, txn: Any, op: command_pb2.AppendOp, leader_ms: int, index: int
+        self,
+        txn: Any,
+        op: command_pb2.AppendOp,
+        leader_ms: int,
+        index: int,
+        results: bool = True,
     ) -> list[OpResult]:
-        """Store the op's parts; one result per span. A span that is a retry
-        of a stored (producer, sequence) is answered with its original
-        offsets and its pings are left out of what is stored."""
-        topic = self._topic(txn, op.topic)
+        """Store the op's parts; one result per span (none if ``results`` is
+        False). A span that is a retry of a stored (producer, sequence) is
+        answered with its original offsets and its pings are left out of
+        what is stored. The topic and the partitions' states are remembered
+        from one append to the next (``_forget``)."""
+        topic = self._topics.get(op.topic)
+        if topic is None:
+            topic = self._topics[op.topic] = self._topic(txn, op.topic)
         tid, nparts = topic.id, topic.spec.partitions
-        _check_layout(op, nparts)
-        states = [self._part_state(txn, tid, part.partition) for part in op.parts]
+        counts = [list(span.counts) for span in op.spans]
+        _check_layout(op, counts, nparts)
+        partitions = [part.partition for part in op.parts]
+        states = [self._state(txn, tid, p) for p in partitions]
         nxt = [st.next_offset for st in states]
         kept: list[bool] = []
-        results: list[OpResult] = []
-        for span in op.spans:
-            try:
-                dup = self._duplicate(txn, span, op, tid)
-            except RoadlogError as err:
-                kept.append(False)
-                results.append(OpResult(err.code, err.message))
-                continue
-            if dup is not None:
-                kept.append(False)
-                dup.duplicate = True
-                # A fence at this entry: it is past where the original was
-                # stored, so a read at it sees the write (read your writes
-                # holds for an answer that came from a retry too).
-                dup.applied_index = index
-                results.append(OpResult(response=dup.SerializeToString()))
-                continue
-            kept.append(True)
-            resp = client_pb2.PublishResponse(applied_index=index)  # a read fence
-            for i, part in enumerate(op.parts):
-                count = span.counts[i]
-                if not count:
+        out: list[OpResult] = []
+        for span, row in zip(op.spans, counts, strict=True):
+            pid, seq = span.producer_id, span.sequence
+            if pid:
+                seen = [
+                    self._sequences(txn, pid, tid, p) if count else []
+                    for p, count in zip(partitions, row, strict=True)
+                ]
+                try:
+                    dup = _duplicate(pid, seq, partitions, row, seen)
+                except RoadlogError as err:
+                    kept.append(False)
+                    out.append(OpResult(err.code, err.message))
                     continue
-                resp.offsets.add(partition=part.partition, base_offset=nxt[i], count=count)
-                if span.producer_id:
-                    self._remember_sequence(
-                        txn, span.producer_id, tid, part.partition, span.sequence, nxt[i], count
-                    )
-                nxt[i] += count
-            results.append(OpResult(response=resp.SerializeToString()))
+                if dup is not None:
+                    kept.append(False)
+                    # A fence at this entry: it is past where the original was
+                    # stored, so a read at it sees the write (read your writes
+                    # holds for an answer that came from a retry too).
+                    dup.applied_index = index
+                    out.append(OpResult(response=dup.SerializeToString()))
+                    continue
+                for p, base, count, recent in zip(partitions, nxt, row, seen, strict=True):
+                    if count:
+                        recent.append((seq, base, count))
+                        txn.put(
+                            _PROD.pack(pid, tid, p),
+                            b"".join(_SEQ.pack(*s) for s in recent[-RECENT_SEQUENCES:]),
+                            db=self.producers,
+                        )
+            kept.append(True)
+            if results:
+                resp = client_pb2.PublishResponse(applied_index=index)  # a read fence
+                for p, base, count in zip(partitions, nxt, row, strict=True):
+                    if count:
+                        resp.offsets.add(partition=p, base_offset=base, count=count)
+                out.append(OpResult(response=resp.SerializeToString()))
+            nxt = [base + count for base, count in zip(nxt, row, strict=True)]
+        every = all(kept)
         self.heat.record(
-            txn, tid, {s.client_id for s, k in zip(op.spans, kept, strict=True) if k}, leader_ms
+            txn,
+            tid,
+            {s.client_id for s in op.spans}
+            if every
+            else {s.client_id for s, k in zip(op.spans, kept, strict=True) if k},
+            leader_ms,
         )
         for i, part in enumerate(op.parts):
             st = states[i]
@@ -338,8 +388,8 @@ class StateMachine:
             if not count:
                 continue
             batch = part.batch
-            if not all(kept):
-                batch = _kept_rows(batch, [span.counts[i] for span in op.spans], kept)
+            if not every:
+                batch = _kept_rows(batch, [row[i] for row in counts], kept)
             p, base = part.partition, st.next_offset
             append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
             txn.put(
@@ -353,44 +403,21 @@ class StateMachine:
                 _PART_VAL.pack(st.first_offset, base + count, append_ms),
                 db=self.parts,
             )
-        return results
+            self._states[tid, p] = PartitionState(st.first_offset, base + count, append_ms)
+        return out if results else []
 
-    def _duplicate(
-        self, txn: Any, span: command_pb2.AppendSpan, op: command_pb2.AppendOp, tid: int
-    ) -> client_pb2.PublishResponse | None:
-        """The original answer if the span's (producer, sequence) was stored before."""
-        if not span.producer_id:
-            return None
-        resp = client_pb2.PublishResponse()
-        for part, count in zip(op.parts, span.counts, strict=True):
-            if not count:
-                continue
-            seen = self._sequences(txn, span.producer_id, tid, part.partition)
-            match = [s for s in seen if s[0] == span.sequence]
-            if match:
-                _, base, stored = match[0]
-                resp.offsets.add(partition=part.partition, base_offset=base, count=stored)
-            elif seen and span.sequence < seen[-1][0]:
-                raise RoadlogError(
-                    Code.FAILED_PRECONDITION,
-                    f"sequence {span.sequence} of producer {span.producer_id} is older than "
-                    f"the last {RECENT_SEQUENCES} it stored",
-                )
-            else:
-                return None
-        return resp
+    def _state(self, txn: Any, tid: int, p: int) -> PartitionState:
+        """``_part_state`` for appends: remembered between them."""
+        st = self._states.get((tid, p))
+        if st is None:
+            st = self._states[tid, p] = self._part_state(txn, tid, p)
+        return st
 
-    def _sequences(self, txn: Any, pid: int, tid: int, p: int) -> list[tuple[int, int, int]]:
+    def _sequences(self, txn: Any, pid: int, tid: int, p: int) -> list[_Seq]:
         raw = txn.get(_PROD.pack(pid, tid, p), db=self.producers)
         if not raw:
             return []
         return [_SEQ.unpack_from(raw, i) for i in range(0, len(raw), _SEQ.size)]
-
-    def _remember_sequence(
-        self, txn: Any, pid: int, tid: int, p: int, seq: int, base: int, count: int
-    ) -> None:
-        recent = [*self._sequences(txn, pid, tid, p), (seq, base, count)][-RECENT_SEQUENCES:]
-        txn.put(_PROD.pack(pid, tid, p), b"".join(_SEQ.pack(*s) for s in recent), db=self.producers)
 
     # ------------------------------------------------------------ retention
 
@@ -742,18 +769,18 @@ def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
             break
 
 
-def _check_layout(op: command_pb2.AppendOp, nparts: int) -> None:
-    """Refuse (on every replica alike) an op whose parts and spans disagree."""
-    if not op.spans:
+def _check_layout(op: command_pb2.AppendOp, counts: list[list[int]], nparts: int) -> None:
+    """Refuse (on every replica alike) an op whose parts and spans disagree;
+    ``counts`` are the spans' counts."""
+    if not counts:
         raise RoadlogError(Code.INVALID_ARGUMENT, "an append without spans")
-    sums = [0] * len(op.parts)
-    for span in op.spans:
-        if len(span.counts) != len(op.parts):
+    width = len(op.parts)
+    for row in counts:
+        if len(row) != width:
             raise RoadlogError(Code.INVALID_ARGUMENT, "a span without a count per part")
-        if not any(span.counts):
+        if not any(row):
             raise RoadlogError(Code.INVALID_ARGUMENT, "an empty span")
-        for i, c in enumerate(span.counts):
-            sums[i] += c
+    sums = [sum(column) for column in zip(*counts, strict=True)] if width else []
     seen = set()
     for part, total in zip(op.parts, sums, strict=True):
         if part.partition >= nparts:
@@ -763,6 +790,35 @@ def _check_layout(op: command_pb2.AppendOp, nparts: int) -> None:
         seen.add(part.partition)
         if part.count == 0 or part.count != total:
             raise RoadlogError(Code.INVALID_ARGUMENT, "part counts disagree with spans")
+
+
+def _duplicate(
+    pid: int,
+    seq: int,
+    partitions: list[int],
+    row: list[int],
+    seen: list[list[tuple[int, int, int]]],
+) -> client_pb2.PublishResponse | None:
+    """The original answer if producer ``pid``'s ``seq`` (counts ``row`` in
+    ``partitions``) was stored before, given the recent sequences ``seen``
+    in each partition it has pings in; raises if it is older than those."""
+    resp = client_pb2.PublishResponse(duplicate=True)
+    for p, count, recent in zip(partitions, row, seen, strict=True):
+        if not count:
+            continue
+        match = [s for s in recent if s[0] == seq]
+        if match:
+            _, base, stored = match[0]
+            resp.offsets.add(partition=p, base_offset=base, count=stored)
+        elif recent and seq < recent[-1][0]:
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
+                f"sequence {seq} of producer {pid} is older than "
+                f"the last {RECENT_SEQUENCES} it stored",
+            )
+        else:
+            return None
+    return resp
 
 
 def _kept_rows(batch: bytes, counts: list[int], kept: list[bool]) -> bytes:
