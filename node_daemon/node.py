@@ -66,6 +66,25 @@ log = logging.getLogger("roadlog.node")
 INLINE_APPLY_BYTES = 256 << 10
 
 
+def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
+    """``Command(leader_ms=leader_ms, ops=...).SerializeToString()`` from the
+    ops' own serializations, byte for byte: field 1 (a varint, left out when
+    0), then each op as field 2 (tag, length, bytes)."""
+    pieces = [_varint_field(0x08, leader_ms % (1 << 64))] if leader_ms else []
+    for op in ops:
+        pieces += (_varint_field(0x12, len(op)), op)
+    return b"".join(pieces)
+
+
+def _varint_field(tag: int, n: int) -> bytes:
+    out = bytearray((tag,))
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 class NotLeader(Exception):
     def __init__(self, leader: int, reason: str = "not the leader") -> None:
         super().__init__(reason)
@@ -353,13 +372,12 @@ class RaftNode:
                     fut.set_exception(NotLeader(core.lead))
             return
         now_ms = int(time.time() * 1000)
-        sizes = [op.ByteSize() for op, _ in ops]
-        runs = chunk_by_bytes(sizes, self.cfg.max_ops_per_entry, ENTRY_BYTES)
+        # Each op serialized once and framed as a Command's ops field by
+        # hand: no copy of the ops into a Command message, no sizing pass.
+        serialized = [op.SerializeToString() for op, _ in ops]
+        runs = chunk_by_bytes([len(s) for s in serialized], self.cfg.max_ops_per_entry, ENTRY_BYTES)
         groups = [ops[r.start : r.stop] for r in runs]
-        datas = [
-            command_pb2.Command(leader_ms=now_ms, ops=[op for op, _ in g]).SerializeToString()
-            for g in groups
-        ]
+        datas = [command_bytes(now_ms, serialized[r.start : r.stop]) for r in runs]
         try:
             first = core.propose_many(datas)
         except ProposalDropped as e:

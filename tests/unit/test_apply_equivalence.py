@@ -4,7 +4,7 @@ retries, stale sequences, malformed ops), trims, deletes and re-creates,
 snapshots installed and failed transactions leave byte-identical state
 (``digest``) and, where results are wanted, identical results; with
 ``results=False`` (a follower's apply) the state is the same and no result
-is built."""
+is built. Also the node's hand-framed Command bytes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from node_daemon.appends import prepare_appends
+from node_daemon.node import command_bytes
 from node_daemon.raft import Entry, EntryType
 from node_daemon.state.machine import StateMachine
 from roadlog import columnar
@@ -171,3 +172,19 @@ def _fail_at(call: int, real: Callable[..., None]) -> Callable[..., None]:
         real(*args)
 
     return record
+
+
+@pytest.mark.parametrize("leader_ms", [0, 1, 127, 128, T0, -1, -(1 << 40)])
+def test_command_bytes_are_what_protobuf_writes(leader_ms: int) -> None:
+    ops = [
+        command_pb2.Op(trim=command_pb2.TrimOp()),
+        create("munich"),
+        command_pb2.Op(delete_topic=command_pb2.DeleteTopicOp(name="x" * 200)),
+    ]
+    prepared, _ = prepare_appends(
+        [publish(np.random.default_rng(1), "munich", 1, 1, T0)], lookup, T0
+    )
+    ops.append(prepared[0].op)
+    for k in range(len(ops) + 1):
+        want = command_pb2.Command(leader_ms=leader_ms, ops=ops[:k]).SerializeToString()
+        assert command_bytes(leader_ms, [op.SerializeToString() for op in ops[:k]]) == want
