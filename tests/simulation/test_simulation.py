@@ -273,9 +273,14 @@ def test_a_state_machine_storing_a_retry_twice_is_caught(monkeypatch: pytest.Mon
     """Without the producer (id, sequence) check a write handed out again
     (its leader lost leadership after the entry was in the log) or sent
     again by its client is stored twice: the end-of-run read-back finds it."""
-    from node_daemon.state.machine import StateMachine
+    from typing import Any
 
-    monkeypatch.setattr(StateMachine, "_duplicate", lambda self, txn, span, op, tid: None)
+    from node_daemon.state import machine
+
+    def never(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(machine, "_duplicate", never)
     bad = [r for r in map(run_seed, REAL_SEEDS[:4]) if not r.ok]
     assert bad, "the simulator did not notice a retried write stored twice"
     assert all("more than once" in r.message for r in bad), [r.message for r in bad]
