@@ -6,10 +6,10 @@ them become one set of columns at once (``columnar.join``: one array per
 column), are checked at once and split by partition in one pass (each
 ping's partition once, one stable permutation, each column gathered once,
 each partition's PingBatch written from slices of the permuted columns),
-and one AppendOp carries them with one span per request. A request with a bad ping is
-refused alone, with ping indexes relative to its own batch; the others
-still go in. So many small publishes cost one validation, one split and
-one encoding per partition, and one set of LMDB writes on every replica.
+and one AppendOp carries them with one span per request. A request with a
+bad ping is refused alone, with ping indexes relative to its own batch; the
+others still go in. So many small publishes cost one validation, one split
+and one encoding, and one set of LMDB writes on every replica.
 """
 
 from __future__ import annotations

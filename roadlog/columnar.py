@@ -17,7 +17,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, pairwise
 from typing import Any
 
 import numpy as np
@@ -193,8 +193,15 @@ def encode_runs(
     (``device_id_field``) are ``dictionaries[k]``; ``cols.device_ids`` is not
     read. Each column is made contiguous once and sliced per run; an
     optional column is left out of a run where all its values are unknown."""
-    runs = len(bounds) - 1
-    columns: list[tuple[bytes, int, memoryview, list[bool] | None]] = []
+    runs = list(pairwise(bounds))
+    by_width = {
+        size: (
+            [_varint(size * (hi - lo)) for lo, hi in runs],
+            [(size * lo, size * hi) for lo, hi in runs],
+        )
+        for size in (4, 8)
+    }
+    out: list[list[bytes | memoryview]] = [[*d] for d in dictionaries]
     for (dtype, attr), tag in zip(_COLUMNS, _TAGS, strict=True):
         arr = getattr(cols, attr)
         present: list[bool] | None = None
@@ -205,17 +212,16 @@ def encode_runs(
             if nan.any():
                 present = (~np.logical_and.reduceat(nan, bounds[:-1])).tolist()
         arr = np.ascontiguousarray(arr, dtype=dtype)
-        columns.append((tag, arr.itemsize, arr.view(np.uint8).data, present))
-    out = []
-    for k in range(runs):
-        lo, hi = bounds[k], bounds[k + 1]
-        heads = {4: _varint(4 * (hi - lo)), 8: _varint(8 * (hi - lo))}
-        pieces: list[bytes | memoryview] = [*dictionaries[k]]
-        for tag, size, raw, present in columns:
-            if present is None or present[k]:
-                pieces += (tag, heads[size], raw[lo * size : hi * size])
-        out.append(b"".join(pieces))
-    return out
+        raw = arr.view(np.uint8).data
+        heads, ranges = by_width[arr.itemsize]
+        if present is None:
+            for pieces, head, (a, b) in zip(out, heads, ranges, strict=True):
+                pieces += (tag, head, raw[a:b])
+        else:
+            for pieces, head, (a, b), keep in zip(out, heads, ranges, present, strict=True):
+                if keep:
+                    pieces += (tag, head, raw[a:b])
+    return [b"".join(pieces) for pieces in out]
 
 
 def _varint(n: int) -> bytes:
