@@ -52,7 +52,14 @@ EAGER_PUBLISHES = 8  # this many waiting publishes are validated without waiting
 # 19-24% more ingest with 1000-ping messages); beyond it (about 15 ms of
 # work) a thread keeps the loop free for heartbeats.
 INLINE_VALIDATE_BYTES = 4 << 20
-INDEX_EVERY_S = 0.005  # how often at most a node tells a queue server its indexes
+# How often at most a node tells a queue server its indexes: while fenced
+# reads need them there (FenceWait: they wait for an index this node has not
+# told, or came in lately; always for a queue server that never says), and
+# otherwise (then with its full NodeStatus, which rides on a message at most
+# that often). Role and leader moves go at once; the indexes ride on every
+# result.
+INDEX_EVERY_S = 0.005
+INDEX_IDLE_S = 0.1
 
 
 def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[OpResult]) -> None:
@@ -331,7 +338,17 @@ class WorkHandler:
 
 
 class QueueServerLink:
-    """One long-lived Pull stream to one queue server, re-opened when it breaks."""
+    """One long-lived Pull stream to one queue server, re-opened when it breaks.
+
+    What it tells the queue server about this node: the role, leader and
+    term at once when they move (with the full NodeStatus); the applied and
+    commit indexes with every result, promptly (every INDEX_EVERY_S at most,
+    at once when it reaches the fence) while the queue server holds reads
+    waiting for an index this node has not told or fenced reads came in
+    there lately (``FenceWait``), and otherwise every INDEX_IDLE_S at most,
+    with the full status (which is built only for the messages that carry
+    it). A queue server that never sends ``FenceWait`` (an older one) is
+    told every index move promptly."""
 
     def __init__(self, address: str, node: RaftNode, executor: WorkHandler, token: str) -> None:
         self.address = address
@@ -342,8 +359,15 @@ class QueueServerLink:
         self.task: asyncio.Task[None] | None = None
         self.connected = False
         self._told: tuple[bool, int, int, str] | None = None  # the role it last told
+        self._told_applied = 0  # the indexes it last told
+        self._told_commit = 0
+        self._told_at = 0.0  # when it last told a state
+        self._status_at = float("-inf")  # when it last told a full status
         self._index_timer: asyncio.TimerHandle | None = None
-        self._told_at = 0.0
+        self._timer_due = 0.0
+        self._fences_told = False  # the queue server sends FenceWait (on this stream)
+        self._fence_wait = 0  # reads there wait for this applied index
+        self._fence_reads = False  # fenced reads come in there lately
 
     def state(self, with_status: bool = True) -> work_pb2.WorkerState:
         """What routing needs (role, term, indexes), and unless told not to
@@ -364,33 +388,86 @@ class QueueServerLink:
             st.status.CopyFrom(node_status(n))
         return st
 
+    def _role(self) -> tuple[bool, int, int, str]:
+        n = self.node
+        lead = n.core.lead
+        return (n.is_leader, lead, n.core.term, n.address_of(lead))
+
     def state_changed(self) -> None:
-        """Tell the queue server at once when leadership moved; index moves
-        (every applied entry) at once when the last word is INDEX_EVERY_S
-        old, else when it is (and with every result): a busy node sends a
-        few state messages, not one per entry, and an idle one is not late."""
+        """The node's role or indexes moved: tell the queue server now, later
+        (a timer) or not at all yet (see the class docstring)."""
         if not self.connected:
             return
-        st = self.state()
-        wait = self._told_at + INDEX_EVERY_S - time.monotonic()
-        if (st.is_leader, st.leader, st.term, st.leader_address) != self._told or (
-            wait <= 0 and self._index_timer is None
-        ):
-            self._tell(work_pb2.WorkerMessage(state=st))
-        elif self._index_timer is None:
-            self._index_timer = asyncio.get_running_loop().call_later(wait, self._tell_indexes)
+        if self._role() != self._told:
+            self._tell_state(with_status=True)
+        else:
+            self._indexes_moved()
+
+    def fence_wait(self, index: int, reads: bool) -> None:
+        """The queue server's FenceWait: reads there wait for ``index`` (0:
+        none does); fenced reads come in there lately (``reads``)."""
+        self._fences_told = True
+        self._fence_wait = index
+        self._fence_reads = reads
+        if self.connected and (reads or index > self._told_applied):
+            self._indexes_moved()
+
+    def fence_wait_ended(self) -> None:
+        """The stream broke or starts over: no word from the queue server."""
+        self._fence_reads = False
+
+    def _prompt(self) -> bool:
+        """Tell index moves promptly (see the class docstring)."""
+        return not self._fences_told or self._fence_reads or self._fence_wait > self._told_applied
+
+    def _indexes_moved(self) -> None:
+        n = self.node
+        applied = n.sm.applied_index
+        moved = applied > self._told_applied or n.core.log.committed > self._told_commit
+        if moved and self._prompt():
+            if self._told_applied < self._fence_wait <= applied:
+                self._tell_state()  # reads wait for just this: at once
+                return
+            due = self._told_at + INDEX_EVERY_S
+        else:
+            # Now and then, with the full status: indexes no read waits for,
+            # and whatever else moved (a member added, ready again).
+            due = self._status_at + INDEX_IDLE_S
+        now = time.monotonic()
+        if due <= now:
+            self._tell_state()
+        elif self._index_timer is None or due < self._timer_due:
+            if self._index_timer is not None:
+                self._index_timer.cancel()
+            self._timer_due = due
+            self._index_timer = asyncio.get_running_loop().call_later(due - now, self._tell_indexes)
 
     def _tell_indexes(self) -> None:
         self._index_timer = None
         if self.connected:
-            self._tell(work_pb2.WorkerMessage(state=self.state()))
+            self._tell_state()
+
+    def _tell_state(self, with_status: bool = False) -> None:
+        """A state message; it carries the full status when asked to, or when
+        the last one told is INDEX_IDLE_S old."""
+        if self._index_timer is not None:
+            self._index_timer.cancel()
+            self._index_timer = None
+        with_status = with_status or time.monotonic() - self._status_at >= INDEX_IDLE_S
+        self._tell(work_pb2.WorkerMessage(state=self.state(with_status)))
 
     def _tell(self, msg: work_pb2.WorkerMessage) -> None:
         if msg.HasField("state"):
-            s = msg.state
-            self._told = (s.is_leader, s.leader, s.term, s.leader_address)
-            self._told_at = time.monotonic()
+            self._told_state(msg.state)
         self.outbox.put_nowait(msg)
+
+    def _told_state(self, s: work_pb2.WorkerState) -> None:
+        self._told = (s.is_leader, s.leader, s.term, s.leader_address)
+        self._told_applied = s.applied_index
+        self._told_commit = s.commit_index
+        self._told_at = time.monotonic()
+        if s.HasField("status"):
+            self._status_at = self._told_at
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -405,9 +482,7 @@ class QueueServerLink:
         first = work_pb2.WorkerMessage(
             state=self.state(), credit=work_pb2.Credit(writes=WRITE_CREDIT, reads=READ_CREDIT)
         )
-        s = first.state
-        self._told = (s.is_leader, s.leader, s.term, s.leader_address)  # a new stream's first word
-        self._told_at = time.monotonic()
+        self._told_state(first.state)  # a new stream's first word
         yield first
         carried: work_pb2.WorkerMessage | None = None  # did not fit the last message
         while True:
@@ -442,10 +517,15 @@ class QueueServerLink:
                 async with grpc.aio.insecure_channel(self.address, options=opts) as ch:
                     stub = work_pb2_grpc.WorkStub(ch)
                     self.outbox = asyncio.Queue()
+                    self._fences_told, self._fence_wait = False, 0  # until this server says
+                    self.fence_wait_ended()
                     call = stub.Pull(self._messages(), metadata=token_metadata(self.token))
                     self.connected = True
                     backoff = 0.05
                     async for batch in call:
+                        if batch.HasField("fence_wait"):
+                            fw = batch.fence_wait
+                            self.fence_wait(fw.index, fw.reads)
                         loop = asyncio.get_running_loop()
                         for it in batch.items:
                             t = loop.create_task(self._do(it))
@@ -459,6 +539,10 @@ class QueueServerLink:
                 log.exception("work stream failed", extra={"queue": self.address})
             finally:
                 self.connected = False
+                self.fence_wait_ended()
+                if self._index_timer is not None:
+                    self._index_timer.cancel()
+                    self._index_timer = None
                 for t in inflight:
                     t.cancel()
             await asyncio.sleep(backoff)

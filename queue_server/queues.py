@@ -91,6 +91,8 @@ def per_client_bytes(total: int) -> int:
 
 
 MAX_QUEUED_BYTES = 256 << 20  # per queue (writes, reads): the default bound
+# Fenced reads count as coming in for this long after the last one arrived.
+READS_FLOWING_S = 1.0
 
 
 class WorkQueues:
@@ -115,6 +117,7 @@ class WorkQueues:
         }
         self.workers: dict[int, Worker] = {}
         self._rr = 0  # rotates ties between equally idle readers
+        self.fenced_read_at = float("-inf")  # when the last fenced read arrived
         self._dropped: list[Expired] = []  # not requeued on disconnect; expire() reports them
 
     # ------------------------------------------------------------ clients
@@ -124,6 +127,14 @@ class WorkQueues:
             self.queues[item.kind].push(item)
         except Full as e:
             raise QueueFull(f"{item.kind.name.lower()} {e}") from None
+        if item.kind == Kind.READ and item.fence:
+            self.fenced_read_at = max(self.fenced_read_at, item.enqueued)
+
+    def reads_flowing(self, now: float) -> bool:
+        """Fenced reads came in lately: nodes that tell their applied index
+        promptly can take them too, not only the leader (whose answer to
+        the write told its index)."""
+        return now - self.fenced_read_at < READS_FLOWING_S
 
     def cancel(self, item_id: int) -> bool:
         """A client gave up: forget the item if it is still queued; if a
@@ -150,6 +161,17 @@ class WorkQueues:
         return self.queues[Kind.READ].remove_if(
             lambda it: it.fence > commit_index and it.enqueued < queued_before
         )
+
+    def awaited_fence(self) -> int:
+        """The highest fence of the queued reads that no connected worker
+        has told it reached (0: none waits for a fence). Workers below it
+        are asked to tell their applied index promptly; otherwise they tell
+        it only now and then. Cheap while no read is queued."""
+        rq = self.queues[Kind.READ]
+        if not len(rq):
+            return 0
+        applied = max((w.applied for w in self.workers.values()), default=0)
+        return max((it.fence for it in rq if it.fence > applied), default=0)
 
     def _why_waiting(self, kind: Kind, it: Item) -> str:
         if not self.workers:

@@ -68,7 +68,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self.token = cluster_token(cfg.secret(), cfg.cluster_name)
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future[work_pb2.WorkResult]] = {}
-        self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | None]] = {}  # per worker
+        # per worker: what goes out on its stream (None: the end)
+        self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | work_pb2.FenceWait | None]] = {}
+        # per worker: the FenceWait (index, reads) it was told last
+        self._fence_told: dict[int, tuple[int, bool]] = {}
         self.states: dict[int, work_pb2.WorkerState] = {}
         self.statuses: dict[int, client_pb2.NodeStatus] = {}  # the last full status per worker
 
@@ -145,6 +148,27 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         for queue_kind, label in ((Kind.WRITE, "write"), (Kind.READ, "read")):
             DEPTH.labels(label).set(self.q.depth(queue_kind))
             DEPTH_BYTES.labels(label).set(self.q.queues[queue_kind].bytes)
+        self._tell_fences()
+
+    def _tell_fences(self) -> None:
+        """Nodes tell their applied index promptly only while fenced reads
+        need it (``FenceWait``), else now and then. Ask the nodes below the
+        highest fence reads wait for, and all of them while fenced reads
+        keep coming; tell them when that ends. A node that told an index at
+        or above what it was asked stops by itself, so a read served needs
+        no second message."""
+        wanted = self.q.awaited_fence()
+        flowing = self.q.reads_flowing(time.monotonic())
+        if not wanted and not flowing and not any(i or r for i, r in self._fence_told.values()):
+            return
+        for wid, w in self.q.workers.items():
+            want = (wanted if wanted > w.applied else 0, flowing)
+            index, reads = self._fence_told.get(wid, (0, False))
+            if want != (index if index > w.applied else 0, reads):
+                session = self._sessions.get(wid)
+                if session is not None:
+                    self._fence_told[wid] = want
+                    session.put_nowait(work_pb2.FenceWait(index=want[0], reads=flowing))
 
     async def expire_loop(self) -> None:
         while True:
@@ -172,6 +196,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                     Code.UNAVAILABLE,
                     f"not done before the deadline: {e.reason}",
                 )
+        self._tell_fences()  # reads dropped, or none came in lately: nodes need not hurry
 
     def _fail(self, item_id: int, code: Code, message: str) -> None:
         fut = self._futures.get(item_id)
@@ -184,8 +209,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self, request_iterator: AsyncIterator[work_pb2.WorkerMessage], context: Any
     ) -> AsyncIterator[work_pb2.WorkItems]:
         wid = next(self._ids)  # the cluster token is checked by ClusterAuth
-        out: asyncio.Queue[work_pb2.WorkItem | None] = asyncio.Queue()
+        out: asyncio.Queue[work_pb2.WorkItem | work_pb2.FenceWait | None] = asyncio.Queue()
         self._sessions[wid] = out
+        self._fence_told[wid] = (0, False)
+        out.put_nowait(work_pb2.FenceWait())  # the first word: this server tells fences
         connected = False
 
         async def read() -> None:
@@ -217,31 +244,39 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         carried: work_pb2.WorkItem | None = None  # did not fit the last message
         try:
             while True:
-                item = carried if carried is not None else await out.get()
+                nxt = carried if carried is not None else await out.get()
                 carried = None
-                if item is None:
+                if nxt is None:
                     return
-                batch = work_pb2.WorkItems(items=[item])
-                size = len(item.request)
+                batch = work_pb2.WorkItems()
+                size = 0
                 # One stream message for what is ready, up to WORK_BATCH_BYTES
                 # (an item bigger than that goes alone): the node's stream
                 # takes WORK_MESSAGE_BYTES, never a merge of big requests.
-                while not out.empty():
+                # The newest FenceWait rides along.
+                while True:
+                    if isinstance(nxt, work_pb2.FenceWait):
+                        batch.fence_wait.CopyFrom(nxt)
+                        batch.fence_wait.SetInParent()  # an empty one says "none"
+                    elif batch.items and size + len(nxt.request) > WORK_BATCH_BYTES:
+                        carried = nxt
+                        break
+                    else:
+                        batch.items.append(nxt)
+                        size += len(nxt.request)
+                    if out.empty():
+                        break
                     nxt = out.get_nowait()
                     if nxt is None:
                         yield batch
                         return
-                    if size + len(nxt.request) > WORK_BATCH_BYTES:
-                        carried = nxt
-                        break
-                    batch.items.append(nxt)
-                    size += len(nxt.request)
                 yield batch
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
             self._sessions.pop(wid, None)
+            self._fence_told.pop(wid, None)
             self.states.pop(wid, None)
             self.statuses.pop(wid, None)
             back = self.q.disconnect(wid, time.monotonic())

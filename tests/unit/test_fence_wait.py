@@ -1,0 +1,311 @@
+"""Index chatter between nodes and a queue server: a node tells its applied
+index promptly only while reads wait for it there (``FenceWait``), now and
+then otherwise; role moves at once; a full NodeStatus only on the messages
+that carry it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from node_daemon import worker
+from node_daemon.worker import INDEX_IDLE_S, QueueServerLink
+from queue_server.config import QueueConfig
+from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
+from queue_server.server import QueueServer
+from roadlog.v1 import client_pb2, work_pb2
+
+pytestmark = pytest.mark.unit
+_ids = itertools.count(1)
+
+
+def _read(fence: int) -> Item:
+    return Item(next(_ids), Kind.READ, "Fetch", b"", 1e12, 0.0, fence, client="c")
+
+
+# ------------------------------------------------------------- WorkQueues
+
+
+def test_the_awaited_fence_is_the_highest_no_worker_has_told() -> None:
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.connect(2, 2)
+    q.update(1, False, 1, applied=10)
+    q.update(2, False, 1, applied=4)
+    assert q.awaited_fence() == 0  # no read queued
+    q.submit(_read(8))  # node 1 has it (no read credit, but no fence to wait for)
+    assert q.awaited_fence() == 0
+    q.submit(_read(12))
+    q.submit(_read(15))
+    assert q.awaited_fence() == 15
+    q.update(1, False, 1, applied=15)
+    assert q.awaited_fence() == 0
+
+
+# ------------------------------------------------------------- QueueServer
+
+
+def _server(tmp_path: Path) -> QueueServer:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    return QueueServer(QueueConfig(secret_file=secret))
+
+
+def _drain(q: asyncio.Queue[Any]) -> list[Any]:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def _session(qs: QueueServer, wid: int, applied: int, leader: bool = False) -> asyncio.Queue[Any]:
+    q: asyncio.Queue[Any] = asyncio.Queue()
+    qs._sessions[wid] = q
+    qs._fence_told[wid] = (0, False)
+    qs.q.connect(wid, wid)
+    qs.q.update(wid, leader, 1, applied=applied)
+    return q
+
+
+def test_the_queue_server_asks_for_a_fence_only_while_reads_wait_for_it(tmp_path: Path) -> None:
+    async def main() -> None:
+        qs = _server(tmp_path)
+        sessions = {wid: _session(qs, wid, 5, leader=wid == 1) for wid in (1, 2)}
+        qs._kick()
+        assert not _drain(sessions[1]) and not _drain(sessions[2])  # nothing waits: silence
+
+        qs.q.submit(_read(9))  # no read credit, and no node told 9 yet
+        qs.q.fenced_read_at = float("-inf")  # (not "lately": see the next test)
+        qs._kick()
+        for wid in (1, 2):
+            [fw] = _drain(sessions[wid])
+            assert isinstance(fw, work_pb2.FenceWait) and fw.index == 9 and not fw.reads
+        qs._kick()
+        assert not _drain(sessions[1]) and not _drain(sessions[2])  # told once
+
+        # Node 1 tells 9: it stops by itself; node 2 still hurries, which is
+        # no harm, and is told only once nothing waits for it any more.
+        qs.q.update(1, True, 1, applied=9)
+        qs._kick()
+        assert not _drain(sessions[1])
+        [fw] = _drain(sessions[2])
+        assert fw.index == 0
+
+        # A read nobody can reach is dropped: the nodes asked are told 0.
+        qs.q.submit(_read(100))
+        qs.q.fenced_read_at = float("-inf")
+        qs._kick()
+        assert [m.index for m in _drain(sessions[1])] == [100]
+        assert [m.index for m in _drain(sessions[2])] == [100]
+        qs.q.queues[Kind.READ].remove_if(lambda it: True)
+        qs._expire(0.0)
+        assert [m.index for m in _drain(sessions[1])] == [0]
+        assert [m.index for m in _drain(sessions[2])] == [0]
+
+    asyncio.run(main())
+
+
+def test_while_fenced_reads_come_in_every_node_is_asked_to_hurry(tmp_path: Path) -> None:
+    async def main() -> None:
+        qs = _server(tmp_path)
+        sessions = {wid: _session(qs, wid, 5, leader=wid == 1) for wid in (1, 2)}
+        qs.q.grant(1, 0, 10)
+        read = _read(5)
+        read.enqueued = time.monotonic()
+        qs.q.submit(read)  # served at once: it does not wait, but the next may
+        qs._kick()
+        out = {wid: _drain(sessions[wid]) for wid in (1, 2)}
+        assert [m.id for m in out[1] if isinstance(m, work_pb2.WorkItem)] == [read.id]
+        for wid in (1, 2):
+            [fw] = [m for m in out[wid] if isinstance(m, work_pb2.FenceWait)]
+            assert fw.reads and fw.index == 0
+        qs._kick()
+        assert not _drain(sessions[1]) and not _drain(sessions[2])  # told once
+        qs.q.submit(_read(0))  # unfenced reads need no hurry
+        qs.q.fenced_read_at -= READS_FLOWING_S  # none came in lately
+        qs._expire(time.monotonic())
+        for wid in (1, 2):
+            [fw] = _drain(sessions[wid])
+            assert not fw.reads
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------- QueueServerLink
+
+
+class _Node:
+    """What QueueServerLink reads of a RaftNode."""
+
+    def __init__(self) -> None:
+        self.id = 1
+        self.cfg = SimpleNamespace(address="n1:1")
+        self.is_leader = False
+        self.core = SimpleNamespace(lead=2, term=3, log=SimpleNamespace(committed=0))
+        self.sm = SimpleNamespace(applied_index=0)
+
+    def address_of(self, node: int) -> str:
+        return f"n{node}:1"
+
+    def apply(self, index: int) -> None:
+        self.core.log.committed = max(self.core.log.committed, index)
+        self.sm.applied_index = index
+
+
+class _Handler:
+    """What QueueServerLink tells the WorkHandler."""
+
+    def __init__(self) -> None:
+        self.flowing: list[bool] = []
+
+    def reads_flowing(self, link: object, on: bool) -> None:
+        self.flowing.append(on)
+
+
+def _link(monkeypatch: pytest.MonkeyPatch) -> tuple[QueueServerLink, _Node, list[int]]:
+    built: list[int] = []
+
+    def status(n: Any) -> client_pb2.NodeStatus:
+        built.append(n.sm.applied_index)
+        return client_pb2.NodeStatus(id=n.id)
+
+    monkeypatch.setattr(worker, "node_status", status)
+    node = _Node()
+    link = QueueServerLink("q:1", node, _Handler(), "t")  # type: ignore[arg-type]
+    link.connected = True
+    link._told_state(link.state())  # a new stream's first word
+    return link, node, built
+
+
+def _sent(link: QueueServerLink) -> list[work_pb2.WorkerState]:
+    return [m.state for m in _drain(link.outbox) if m.HasField("state")]
+
+
+async def _settle(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+def test_without_waiting_reads_indexes_go_now_and_then_without_a_status_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        link, node, built = _link(monkeypatch)
+        link.fence_wait(0, False)  # this queue server tells fences: none waits
+        built.clear()
+        for i in range(1, 50):
+            node.apply(i)
+            link.state_changed()
+        assert not _sent(link) and not built  # nothing yet, and no status built for nothing
+        await _settle(INDEX_IDLE_S + 0.05)
+        [st] = _sent(link)
+        assert st.applied_index == 49 and st.commit_index == 49
+        assert len(built) <= 1  # at most one status, on the message that carries it
+
+    asyncio.run(main())
+
+
+def test_a_waiting_read_makes_the_node_tell_its_fence_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        link, node, built = _link(monkeypatch)
+        link.fence_wait(0, False)
+        node.apply(3)
+        link.state_changed()
+        assert not _sent(link)
+        link.fence_wait(7, False)  # a read waits for 7: what we have goes promptly
+        await _settle(worker.INDEX_EVERY_S + 0.02)
+        [st] = _sent(link)
+        assert st.applied_index == 3
+        built.clear()
+        node.apply(7)
+        link.state_changed()
+        [st] = _sent(link)  # reached: at once, not at the next period
+        assert st.applied_index == 7 and not st.HasField("status") and not built
+        node.apply(8)  # told 7: no read waits for more
+        link.state_changed()
+        assert not _sent(link)
+
+    asyncio.run(main())
+
+
+def test_a_queue_server_that_never_tells_fences_hears_every_move_promptly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        link, node, _ = _link(monkeypatch)
+        link._told_at -= 1  # the first word was a while ago
+        node.apply(1)
+        link.state_changed()
+        assert [s.applied_index for s in _sent(link)] == [1]
+        node.apply(2)
+        link.state_changed()  # within INDEX_EVERY_S of the last word: a timer
+        assert not _sent(link)
+        await _settle(worker.INDEX_EVERY_S + 0.02)
+        assert [s.applied_index for s in _sent(link)] == [2]
+
+    asyncio.run(main())
+
+
+def test_a_role_move_goes_at_once_with_the_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        link, node, _ = _link(monkeypatch)
+        link.fence_wait(0, False)
+        node.is_leader, node.core.lead, node.core.term = True, 1, 4
+        link.state_changed()
+        [st] = _sent(link)
+        assert st.is_leader and st.term == 4 and st.leader_address == "n1:1"
+        assert st.HasField("status")
+
+    asyncio.run(main())
+
+
+def test_a_status_rides_only_on_messages_that_carry_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        link, node, built = _link(monkeypatch)
+        link.fence_wait(0, False)
+        built.clear()
+        for i in range(1, 20):  # results carry the indexes, never a status
+            node.apply(i)
+            link._tell(work_pb2.WorkerMessage(state=link.state(False)))
+            link.state_changed()  # nothing the results did not tell
+        assert not built and all(not s.HasField("status") for s in _sent(link))
+        # The status is refreshed now and then, on a message of its own.
+        await _settle(INDEX_IDLE_S + 0.05)
+        [st] = _sent(link)
+        assert st.HasField("status") and st.applied_index == 19 and len(built) == 1
+
+    asyncio.run(main())
+
+
+def test_while_fenced_reads_come_in_the_node_tells_every_move_promptly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        link, node, _ = _link(monkeypatch)
+        link.fence_wait(0, True)
+        link._told_at -= 1
+        node.apply(1)
+        link.state_changed()
+        assert [s.applied_index for s in _sent(link)] == [1]  # at once: no read waits,
+        node.apply(2)  # but followers can take the next one only if told
+        link.state_changed()
+        await _settle(worker.INDEX_EVERY_S + 0.02)
+        assert [s.applied_index for s in _sent(link)] == [2]
+        link.fence_wait(0, False)
+        link.fence_wait(0, False)
+        node.apply(3)
+        link.state_changed()
+        await _settle(worker.INDEX_EVERY_S + 0.02)
+        assert not _sent(link)  # now and then again
+        link.fence_wait(0, True)
+        link.fence_wait_ended()  # the stream broke: no word any more
+
+    asyncio.run(main())
