@@ -108,6 +108,20 @@ class WorkHandler:
         self._publish_wakeup = asyncio.Event()
         self._merger: asyncio.Task[None] | None = None
         self.groups = GroupCoordinator(node)
+        self._read_links: set[object] = set()  # queue servers where fenced reads come in
+
+    def reads_flowing(self, link: object, on: bool) -> None:
+        """A queue server says fenced reads come in there lately (or no
+        more). While any does, this node (as leader) tells its followers
+        each commit at once, so that they can take such reads too."""
+        before = bool(self._read_links)
+        if on:
+            self._read_links.add(link)
+        else:
+            self._read_links.discard(link)
+        prompt = bool(self._read_links)
+        if prompt != before:
+            self.node.submit(lambda core: core.set_prompt_commit(prompt))
 
     async def run(
         self,
@@ -408,13 +422,17 @@ class QueueServerLink:
         none does); fenced reads come in there lately (``reads``)."""
         self._fences_told = True
         self._fence_wait = index
-        self._fence_reads = reads
+        if reads != self._fence_reads:
+            self._fence_reads = reads
+            self.executor.reads_flowing(self, reads)
         if self.connected and (reads or index > self._told_applied):
             self._indexes_moved()
 
     def fence_wait_ended(self) -> None:
         """The stream broke or starts over: no word from the queue server."""
-        self._fence_reads = False
+        if self._fence_reads:
+            self._fence_reads = False
+            self.executor.reads_flowing(self, False)
 
     def _prompt(self) -> bool:
         """Tell index moves promptly (see the class docstring)."""

@@ -66,11 +66,15 @@ class Config:
     max_apply_bytes: int | None = 64 << 20  # committed entries handed out per Ready
     pre_vote: bool = True
     check_quorum: bool = True
-    # While a follower still has entries in flight, tell it a new commit
-    # index with the next APPEND that carries entries (or at the next tick),
-    # not with an empty APPEND at once: under load that is two messages fewer
-    # per follower and entry. A follower with nothing in flight is told at
-    # once, so that an idle cluster's followers apply as soon as they can.
+    # Tell a follower a new commit index with the next APPEND that carries
+    # entries, not with an empty APPEND at once, while writes keep coming:
+    # under load that is two messages (and a step on each side) fewer per
+    # follower and entry. A write that follows a heartbeat interval without
+    # any (an idle cluster's) is told at once, so that followers apply it as
+    # soon as they can. A commit index that nothing carried by the second
+    # tick goes in an empty APPEND then (heartbeats carry it too): a
+    # follower learns a commit at most two ticks late, and at once when the
+    # cluster was idle or the caller asks for that (``set_prompt_commit``).
     lazy_commit: bool = False
     # What the state machine had applied when it was reopened. It must be at
     # least the log storage's snapshot index: after a crash between saving a
@@ -127,6 +131,13 @@ class RaftCore:
         self.heartbeat_elapsed = 0
         self.randomized_election_timeout = 0
         self.invalid = 0  # malformed messages dropped
+        # Lazy commit (leader): ticks since the last proposal, whether that
+        # proposal came after a quiet heartbeat interval, and the commit
+        # index at the last tick.
+        self._quiet_ticks = 0
+        self._lone_write = True
+        self._tick_committed = 0
+        self.prompt_commit = False
         self._prev_soft = SoftState(NONE, Role.FOLLOWER)
         self._prev_hard = hs
         self._durable_hard = hs  # the hard state of the last advanced Ready
@@ -218,6 +229,9 @@ class RaftCore:
         self._reset(self.term)
         self.lead = self.id
         self.role = Role.LEADER
+        self._quiet_ticks = self.cfg.heartbeat_tick
+        self._lone_write = True
+        self._tick_committed = self.log.committed
         self.prs[self.id].become_replicate()
         # An empty entry of the new term: committing it commits everything
         # before it (§5.4.2) and tells ReadIndex the leader is current.
@@ -249,8 +263,11 @@ class RaftCore:
             self._bcast_heartbeat(b"")
         elif self.cfg.lazy_commit:
             for node, pr in self.prs.items():
-                if node != self.id and pr.commit_sent < self.log.committed:
+                # A commit index known at the last tick and still untold.
+                if node != self.id and pr.commit_sent < self._tick_committed:
                     self._send_append(node)  # nothing else told it the commit index
+        self._tick_committed = self.log.committed
+        self._quiet_ticks += 1
 
     def _quorum_active(self) -> bool:
         """Check-quorum: did a majority hear from us this election timeout?"""
@@ -537,6 +554,7 @@ class RaftCore:
                 self.cfg.lazy_commit
                 and pr.match >= self.log.last_index()
                 and pr.commit_sent < self.log.committed
+                and not self._writes_keep_coming()
             ):
                 self._send_append(m.frm)  # caught up, nothing in flight: tell it now
             if m.frm == self.lead_transferee and pr.match == self.log.last_index():
@@ -607,11 +625,19 @@ class RaftCore:
             self._bcast_append()  # an APPEND, empty if need be, tells the commit index
             return
         last = self.log.last_index()
+        keep_coming = self._writes_keep_coming()
         for node, pr in self.prs.items():
-            if node == self.id or self._send_append(node, send_empty=False):
+            if node == self.id or self._send_append(node, send_empty=False) or keep_coming:
                 continue
             if pr.match >= last and pr.commit_sent < self.log.committed:
                 self._send_append(node)  # nothing more in flight to carry it: tell it now
+
+    def _writes_keep_coming(self) -> bool:
+        """Lazy commit: the last proposal came less than a heartbeat
+        interval after the one before, so the next one will likely carry a
+        new commit index (see ``Config.lazy_commit``), and no one asked for
+        each commit at once."""
+        return not (self._lone_write or self.prompt_commit)
 
     def _bcast_append(self) -> None:
         for node in self.prs:
@@ -682,8 +708,13 @@ class RaftCore:
         """Append several entries with one broadcast; returns the first index."""
         self._check_can_propose()
         first = self._append([Entry(0, 0, EntryType.NORMAL, d) for d in datas])
+        self._proposed()
         self._bcast_append()
         return first
+
+    def _proposed(self) -> None:
+        self._lone_write = self._quiet_ticks >= self.cfg.heartbeat_tick
+        self._quiet_ticks = 0
 
     def propose_conf_change(self, cc: ConfChange) -> int:
         """Append a configuration change; returns its index. Refused while
@@ -699,6 +730,7 @@ class RaftCore:
         except ValueError as e:
             raise ProposalDropped(str(e), self.lead) from e
         index = self._append([Entry(0, 0, EntryType.CONFIG, new_conf.encode())])
+        self._proposed()
         self._bcast_append()
         return index
 
@@ -707,6 +739,14 @@ class RaftCore:
             raise ProposalDropped("not the leader", self.lead)
         if self.lead_transferee != NONE:
             raise ProposalDropped("leadership transfer in progress", self.lead)
+
+    def set_prompt_commit(self, on: bool) -> None:
+        """Lazy commit: while ``on``, a leader tells a caught-up follower each
+        new commit index at once, as after an idle spell, not with the next
+        entry. For a caller whose followers serve reads that closely follow
+        writes (read your writes): they can take them only once they know
+        the commit. Off (the default), writes that keep coming carry it."""
+        self.prompt_commit = on
 
     def read_index(self, context: bytes) -> None:
         """Ask for a linearizable read. A ReadState with the same context

@@ -290,7 +290,9 @@ def test_while_fenced_reads_come_in_the_node_tells_every_move_promptly(
 ) -> None:
     async def main() -> None:
         link, node, _ = _link(monkeypatch)
+        handler = link.executor
         link.fence_wait(0, True)
+        assert handler.flowing == [True]  # type: ignore[attr-defined]
         link._told_at -= 1
         node.apply(1)
         link.state_changed()
@@ -301,11 +303,33 @@ def test_while_fenced_reads_come_in_the_node_tells_every_move_promptly(
         assert [s.applied_index for s in _sent(link)] == [2]
         link.fence_wait(0, False)
         link.fence_wait(0, False)
+        assert handler.flowing == [True, False]  # type: ignore[attr-defined]
         node.apply(3)
         link.state_changed()
         await _settle(worker.INDEX_EVERY_S + 0.02)
         assert not _sent(link)  # now and then again
         link.fence_wait(0, True)
         link.fence_wait_ended()  # the stream broke: no word any more
+        assert handler.flowing == [True, False, True, False]  # type: ignore[attr-defined]
 
     asyncio.run(main())
+
+
+def test_the_leader_tells_commits_at_once_while_any_queue_server_has_fenced_reads() -> None:
+    submitted: list[bool] = []
+
+    class _Core:
+        def set_prompt_commit(self, on: bool) -> None:
+            submitted.append(on)
+
+    node = SimpleNamespace(submit=lambda fn: fn(_Core()))
+    handler = worker.WorkHandler.__new__(worker.WorkHandler)
+    handler.node = node  # type: ignore[assignment]
+    handler._read_links = set()
+    a, b = object(), object()
+    handler.reads_flowing(a, True)
+    handler.reads_flowing(b, True)
+    handler.reads_flowing(a, False)
+    assert submitted == [True]  # b still has them
+    handler.reads_flowing(b, False)
+    assert submitted == [True, False]

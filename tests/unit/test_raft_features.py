@@ -152,13 +152,104 @@ def test_lazy_commit_rides_on_the_next_append_while_entries_are_in_flight() -> N
     leader.propose(b"c")
     carrier = [m for m in persist(leader) if m.type == MT.APPEND and m.to == 2]
     assert carrier and carrier[0].entries and carrier[0].commit == a
-    # Had nothing carried it, the next tick would have told the commit index.
+    # Had nothing carried it, the second tick would have told the commit index.
     leader.step(Message(MT.APPEND_RESP, 1, 2, leader.term, index=carrier[0].entries[-1].index))
     persist(leader)
     leader.prs[3].commit_sent = 0
+    leader.tick()  # the next proposal may still carry it
+    assert not [m for m in persist(leader) if m.type == MT.APPEND and m.to == 3]
     leader.tick()
     told = [m for m in persist(leader) if m.type == MT.APPEND and m.to == 3]
     assert told and told[0].commit == leader.log.committed
+
+
+def _commit_only(net: Net, to: int, since: int) -> list[Message]:
+    return [
+        m for m in net.delivered[since:] if m.type == MT.APPEND and m.to == to and not m.entries
+    ]
+
+
+def test_under_steady_writes_a_caught_up_follower_gets_no_commit_only_append() -> None:
+    net = _net(3, heartbeat_tick=5, lazy_commit=True)
+    net.elect(1)
+    leader = net.cores[1]
+    net.tick_all(5)  # a heartbeat went: the tick count starts over
+    start = len(net.delivered)
+    first = leader.log.last_index() + 1
+    for i in range(4):  # writes keep coming, each one replicated before the next
+        leader.propose(b"w%d" % i)
+        net.stabilize()
+    index = leader.log.last_index()
+    assert leader.log.committed == index
+    for f in (2, 3):
+        # The first write was a lone one, told at once; the next entry
+        # carried each later commit.
+        assert [m.commit for m in _commit_only(net, f, start)] == [first]
+        appends = [m for m in net.delivered[start:] if m.type == MT.APPEND and m.to == f]
+        assert len(appends) == 4 + 1  # one APPEND per entry, not two
+        assert net.cores[f].log.committed == index - 1  # the last commit is not told yet
+    # Nothing carried it: the second tick tells it (within a heartbeat).
+    mark = len(net.delivered)
+    for _ in range(2):
+        leader.tick()
+        net.stabilize()
+    for f in (2, 3):
+        assert [m.commit for m in _commit_only(net, f, mark)] == [index]
+        assert net.cores[f].log.committed == index
+
+
+def test_while_writes_keep_coming_followers_learn_each_commit_within_two_ticks() -> None:
+    net = _net(3, heartbeat_tick=5, lazy_commit=True)
+    net.elect(1)
+    leader = net.cores[1]
+    net.tick_all(5)
+    committed_at_tick = [leader.log.committed]
+    for t in range(12):  # heartbeats come too, every five ticks
+        for i in range(3):  # three writes a tick, the last one still in flight
+            leader.propose(b"t%d-%d" % (t, i))
+            net.stabilize()
+        leader.propose(b"t%d-in-flight" % t)
+        for c in net.cores.values():
+            c.tick()
+        net.stabilize()
+        committed_at_tick.append(leader.log.committed)
+        if t >= 2:
+            for f in (2, 3):
+                assert net.cores[f].log.committed >= committed_at_tick[-3]
+
+
+def test_a_lone_write_is_told_at_once_but_not_one_soon_after() -> None:
+    net = _net(3, heartbeat_tick=5, lazy_commit=True)
+    net.elect(1)
+    leader = net.cores[1]
+    net.tick_all(5)
+    start = len(net.delivered)
+    leader.propose(b"lone")
+    net.stabilize()
+    assert all(net.cores[f].log.committed == leader.log.last_index() for f in (2, 3))
+    assert _commit_only(net, 2, start)  # an idle cluster's followers apply at once
+    mark = len(net.delivered)
+    leader.tick()
+    leader.propose(b"second")  # within a heartbeat interval: writes keep coming
+    net.stabilize()
+    assert not _commit_only(net, 2, mark)
+
+
+def test_prompt_commit_tells_each_commit_at_once_under_steady_writes() -> None:
+    """For followers that serve reads closely following writes."""
+    net = _net(3, heartbeat_tick=5, lazy_commit=True)
+    net.elect(1)
+    leader = net.cores[1]
+    leader.set_prompt_commit(True)
+    for i in range(4):
+        leader.propose(b"w%d" % i)
+        net.stabilize()
+        index = leader.log.last_index()
+        assert all(net.cores[f].log.committed == index for f in (2, 3))
+    leader.set_prompt_commit(False)
+    leader.propose(b"lazy again")
+    net.stabilize()
+    assert all(net.cores[f].log.committed == index for f in (2, 3))
 
 
 def test_fast_backtracking_skips_a_whole_conflicting_term() -> None:
