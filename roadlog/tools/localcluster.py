@@ -207,21 +207,22 @@ class LocalCluster:
 
     def kill(self, ident: str | int, sig: int = signal.SIGKILL) -> NodeInfo:
         n = self.node(ident)
-        if n.pid and alive(n.pid):
-            os.kill(n.pid, sig)
-            wait_dead(n.pid, 10)
-        n.pid = 0
-        self.save()
+        self._signal(n, sig)
         return n
 
     def kill_queue_server(self, index: int = 0, sig: int = signal.SIGKILL) -> QueueInfo:
         q = self.queue_servers[index]
-        if q.pid and alive(q.pid):
-            os.kill(q.pid, sig)
-            wait_dead(q.pid, 10)
-        q.pid = 0
-        self.save()
+        self._signal(q, sig)
         return q
+
+    def _signal(self, p: NodeInfo | QueueInfo, sig: int) -> None:
+        """Send ``sig`` to a process started here, wait until it is gone,
+        and record it as down."""
+        if p.pid and alive(p.pid):
+            os.kill(p.pid, sig)
+            wait_dead(p.pid, 10)
+        p.pid = 0
+        self.save()
 
     def start(self, ident: str | int) -> NodeInfo:
         n = self.node(ident)
