@@ -105,15 +105,7 @@ class FairQueue(Generic[T]):
             if not lane:
                 self._drop_lane(client)
                 continue
-            item = lane.popleft()
-            self._len -= 1
-            self.bytes -= item.size
-            self._lane_bytes[client] -= item.size
-            if lane:
-                self._lanes.move_to_end(client)  # the next client's turn
-            else:
-                self._drop_lane(client)
-            return item
+            return self._take_head(client, lane)
         return None
 
     def take_first(self, eligible: Callable[[T], bool]) -> T | None:
@@ -129,16 +121,21 @@ class FairQueue(Generic[T]):
                 return it
         for client, lane in list(self._lanes.items()):
             if lane and eligible(lane[0]):
-                item = lane.popleft()
-                self._len -= 1
-                self.bytes -= item.size
-                self._lane_bytes[client] -= item.size
-                if lane:
-                    self._lanes.move_to_end(client)  # the next client's turn
-                else:
-                    self._drop_lane(client)
-                return item
+                return self._take_head(client, lane)
         return None
+
+    def _take_head(self, client: str, lane: deque[T]) -> T:
+        """Take the head of ``client``'s non-empty lane; the next client's
+        turn comes after (an emptied lane is dropped)."""
+        item = lane.popleft()
+        self._len -= 1
+        self.bytes -= item.size
+        self._lane_bytes[client] -= item.size
+        if lane:
+            self._lanes.move_to_end(client)
+        else:
+            self._drop_lane(client)
+        return item
 
     def _drop_lane(self, client: str) -> None:
         del self._lanes[client]
