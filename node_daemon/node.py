@@ -56,6 +56,7 @@ from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.snapshots import Snapshots
 from node_daemon.state.machine import OpResult, StateMachine
 from node_daemon.transport import PeerTransport
+from roadlog.columnar import varint
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
 from roadlog.v1 import command_pb2
 
@@ -70,19 +71,10 @@ def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
     """``Command(leader_ms=leader_ms, ops=...).SerializeToString()`` from the
     ops' own serializations, byte for byte: field 1 (a varint, left out when
     0), then each op as field 2 (tag, length, bytes)."""
-    pieces = [_varint_field(0x08, leader_ms % (1 << 64))] if leader_ms else []
+    pieces = [b"\x08", varint(leader_ms % (1 << 64))] if leader_ms else []
     for op in ops:
-        pieces += (_varint_field(0x12, len(op)), op)
+        pieces += (b"\x12", varint(len(op)), op)
     return b"".join(pieces)
-
-
-def _varint_field(tag: int, n: int) -> bytes:
-    out = bytearray((tag,))
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 class NotLeader(Exception):

@@ -180,7 +180,7 @@ def encode(cols: PingColumns) -> bytes:
 
 def device_id_field(utf8: bytes) -> bytes:
     """One ``device_ids`` entry of PingBatch wire bytes (tag, length, UTF-8)."""
-    return b"\n" + _varint(len(utf8)) + utf8
+    return b"\n" + varint(len(utf8)) + utf8
 
 
 def encode_runs(
@@ -196,7 +196,7 @@ def encode_runs(
     runs = list(pairwise(bounds))
     by_width = {
         size: (
-            [_varint(size * (hi - lo)) for lo, hi in runs],
+            [varint(size * (hi - lo)) for lo, hi in runs],
             [(size * lo, size * hi) for lo, hi in runs],
         )
         for size in (4, 8)
@@ -224,7 +224,8 @@ def encode_runs(
     return [b"".join(pieces) for pieces in out]
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf base-128 varint."""
     if n < 0x80:
         return _SMALL_VARINTS[n]
     out = bytearray()
