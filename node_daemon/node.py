@@ -482,10 +482,11 @@ class RaftNode:
             self._fail_lost(self._pending.lost(self.core.log))
 
     def _resolve(self, entries: list[Entry], results: list[list[OpResult]]) -> None:
-        by_index = {e.index: res for e, res in zip(entries, results, strict=True)}
+        assert len(results) == len(entries)  # one list per entry, in index order
+        first = entries[0].index
         mine, lost = self._pending.applied(entries)
         for e, futures in mine:
-            for fut, r in zip(futures, by_index[e.index], strict=False):
+            for fut, r in zip(futures, results[e.index - first], strict=False):
                 if not fut.done():
                     fut.set_result(r)
         self._fail_lost(lost)
