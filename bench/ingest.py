@@ -1,8 +1,10 @@
 """Replicated ingest: roadlog (3 nodes, through the queue server) against
 NATS JetStream (3 servers, 3 replicas, file storage, fsync before ack), the
 same pings packed the same number per message, the same number of
-concurrent async publishers. Reports pings/s, ack latency p50/p99 and the
-ratio roadlog/JetStream. Both clients run on the same event loop (uvloop
+concurrent async publishers. Reports pings/s, ack latency p50/p99, server
+CPU-seconds per million pings (server processes only, from /proc; the
+client left out) with each process's share of a core, and the ratios
+roadlog/JetStream of throughput and of CPU per ping. Both clients run on the same event loop (uvloop
 when installed, as the daemons do). Writes bench/results/ingest.json.
 """
 
@@ -20,11 +22,13 @@ import grpc
 import numpy as np
 
 from bench.common import write_result
-from bench.peers import nats_cluster, nats_stream, percentile, roadlog_cluster
+from bench.cpu import CpuMeter
+from bench.peers import NatsCluster, nats_cluster, nats_stream, percentile, roadlog_cluster
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.publisher import Publisher
 from roadlog.runtime import eventloop
+from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, pings_pb2
 
 PING_BYTES = 36
@@ -45,7 +49,11 @@ def batch_request(pings: int) -> bytes:
     return req.SerializeToString()
 
 
-async def drive(send: Any, concurrency: int, seconds: float, pings: int) -> dict[str, Any]:
+async def drive(
+    send: Any, concurrency: int, seconds: float, pings: int, meter: CpuMeter | None = None
+) -> dict[str, Any]:
+    """``concurrency`` workers each awaiting ``send()`` in turn for ``seconds``;
+    with a meter, the server processes' CPU over exactly that window."""
     lat: list[float] = []
     done = 0
     errors = 0
@@ -63,20 +71,30 @@ async def drive(send: Any, concurrency: int, seconds: float, pings: int) -> dict
             lat.append(time.perf_counter() - t0)
             done += 1
 
+    if meter is not None:
+        meter.start()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
-    return {
+    out: dict[str, Any] = {
         "messages": done,
         "errors": errors,
         "pings_per_s": round(done * pings / elapsed, 1),
         "ack_p50_ms": round(percentile(lat, 0.5) * 1000, 2),
         "ack_p99_ms": round(percentile(lat, 0.99) * 1000, 2),
     }
+    if meter is not None:
+        out |= meter.stop(done * pings)
+    return out
 
 
 async def roadlog_case(
-    server: str, pings: int, concurrency: int, seconds: float, corked: bool = True
+    server: str,
+    pings: int,
+    concurrency: int,
+    seconds: float,
+    meter: CpuMeter | None = None,
+    corked: bool = True,
 ) -> dict[str, Any]:
     """Corked (the default): publishes go through roadlog.publisher, which
     sends the publishes made while earlier calls are out together in one
@@ -91,7 +109,7 @@ async def roadlog_case(
                 await pub.publish(payload)
 
             await drive(send, concurrency, 1.0, pings)  # warm up
-            out = await drive(send, concurrency, seconds, pings)
+            out = await drive(send, concurrency, seconds, pings, meter)
             out["publishes_per_call"] = round(pub.stats.sent / max(pub.stats.calls, 1), 1)
             return out
     async with grpc.aio.insecure_channel(server) as ch:
@@ -103,27 +121,48 @@ async def roadlog_case(
             await call(payload, timeout=30)
 
         await drive(send_one, concurrency, 1.0, pings)
-        return await drive(send_one, concurrency, seconds, pings)
+        return await drive(send_one, concurrency, seconds, pings, meter)
 
 
-async def nats_case(js: Any, pings: int, concurrency: int, seconds: float) -> dict[str, Any]:
+async def nats_case(
+    js: Any, pings: int, concurrency: int, seconds: float, meter: CpuMeter | None = None
+) -> dict[str, Any]:
     payload = os.urandom(PING_BYTES * pings)
 
     async def send() -> None:
         await js.publish("pings.bench", payload, timeout=30)
 
     await drive(send, concurrency, 1.0, pings)
-    return await drive(send, concurrency, seconds, pings)
+    return await drive(send, concurrency, seconds, pings, meter)
 
 
-async def nats_round(nc: Any, pings: int, concurrency: int, seconds: float) -> dict[str, Any]:
+async def nats_round(
+    nc: NatsCluster, pings: int, concurrency: int, seconds: float
+) -> dict[str, Any]:
     """One JetStream case on a connection of its own (the stream is made
     once; making it again with the same config is a no-op)."""
     conn, js = await nats_stream(nc)
     try:
-        return await nats_case(js, pings, concurrency, seconds)
+        meter = CpuMeter({s.name: s.pid for s in nc.servers})
+        return await nats_case(js, pings, concurrency, seconds, meter)
     finally:
         await conn.close()
+
+
+def cpu_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float | None:
+    """roadlog's server CPU per ping over JetStream's (lower is better)."""
+    a, b = ours.get("server_cpu_s_per_m_pings"), theirs.get("server_cpu_s_per_m_pings")
+    return round(a / b, 2) if a and b else None
+
+
+def roadlog_meter(lc: LocalCluster) -> CpuMeter:
+    """The queue server, the leader and the followers, labelled by role as
+    they stand when the case starts."""
+    leader = lc.status()["leader"]
+    pids = {f"queue_server_{i + 1}": q.pid for i, q in enumerate(lc.queue_servers)}
+    for n in lc.nodes:
+        pids[f"node_{n.id}_leader" if n.id == leader else f"node_{n.id}"] = n.pid
+    return CpuMeter(pids)
 
 
 def median_case(system: str, pings: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -136,6 +175,7 @@ def median_case(system: str, pings: int, runs: list[dict[str, Any]]) -> dict[str
         "pings_per_message": pings,
         **mid,
         "rounds_pings_per_s": [r["pings_per_s"] for r in runs],
+        "rounds_server_cpu_s_per_m_pings": [r.get("server_cpu_s_per_m_pings") for r in runs],
     }
 
 
@@ -154,9 +194,12 @@ def run_rounds(
 
 
 def show(system: str, b: int, r: dict[str, Any], what: str = "") -> None:
+    cpu = r.get("server_cpu_s_per_m_pings")
+    cores = " ".join(f"{k}={v}" for k, v in r.get("cores", {}).items())
     print(
         f"{system:<9} {b:>5}/msg: {r['pings_per_s']:>12,.0f} pings/s  "
-        f"p50 {r['ack_p50_ms']} ms  p99 {r['ack_p99_ms']} ms  errors {r['errors']}  {what}",
+        f"p50 {r['ack_p50_ms']} ms  p99 {r['ack_p99_ms']} ms  errors {r['errors']}  "
+        f"server CPU-s/M pings {cpu}  cores {cores}  {what}",
         file=sys.stderr,
         flush=True,
     )
@@ -178,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             "roadlog",
             sizes,
             args.rounds,
-            lambda b: eventloop.run(roadlog_case(lc.servers[0], b, args.concurrency, args.seconds)),
+            lambda b: eventloop.run(
+                roadlog_case(lc.servers[0], b, args.concurrency, args.seconds, roadlog_meter(lc))
+            ),
         )
     with roadlog_cluster() as lc:  # a fresh cluster: the same starting point
         cases += run_rounds(
@@ -186,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             sizes,
             args.rounds,
             lambda b: eventloop.run(
-                roadlog_case(lc.servers[0], b, args.concurrency, args.seconds, corked=False)
+                roadlog_case(
+                    lc.servers[0],
+                    b,
+                    args.concurrency,
+                    args.seconds,
+                    roadlog_meter(lc),
+                    corked=False,
+                )
             ),
         )
     with nats_cluster() as nc:
@@ -196,14 +248,16 @@ def main(argv: list[str] | None = None) -> int:
             args.rounds,
             lambda b: eventloop.run(nats_round(nc, b, args.concurrency, args.seconds)),
         )
-    ratios = {}
+    ratios, cpu_ratios = {}, {}
     for b in sizes:
         ours = next(c for c in cases if c["system"] == "roadlog" and c["pings_per_message"] == b)
         theirs = next(
             c for c in cases if c["system"] == "jetstream" and c["pings_per_message"] == b
         )
         ratios[str(b)] = round(ours["pings_per_s"] / max(theirs["pings_per_s"], 1e-9), 2)
+        cpu_ratios[str(b)] = cpu_ratio(ours, theirs)
     print(f"ratio roadlog/jetstream (medians): {ratios}", file=sys.stderr)
+    print(f"server CPU per ping, roadlog/jetstream: {cpu_ratios}", file=sys.stderr)
     print(
         write_result(
             "ingest",
@@ -214,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds": args.rounds,
                 "cases": cases,
                 "ratio": ratios,
+                "cpu_ratio": cpu_ratios,
             },
         )
     )

@@ -46,6 +46,10 @@ class NatsServer:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
     def start(self) -> None:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(

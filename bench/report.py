@@ -25,6 +25,33 @@ def _machine(doc: dict[str, Any]) -> str:
     )
 
 
+def _ingest_cpu(ing: dict[str, Any]) -> list[str]:
+    """The server-CPU table of the ingest benchmark (empty for results
+    recorded before the benchmark measured CPU)."""
+    cases = [c for c in ing["cases"] if "server_cpu_s_per_m_pings" in c]
+    if not cases:
+        return []
+    out = [
+        "Server CPU over the same measured windows (user + system CPU-seconds of the "
+        "server processes from /proc, the client left out), per million pings acknowledged, "
+        "and each process's share of a core (1.0 = one core kept busy):",
+        "",
+        "| system | pings/message | server CPU-s per M pings | cores by process |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for c in cases:
+        cores = ", ".join(f"{k} {v:.2f}" for k, v in c["cores"].items())
+        out.append(
+            f"| {c['system']} | {c['pings_per_message']} | {c['server_cpu_s_per_m_pings']} "
+            f"| {cores} |"
+        )
+    ratios = ing.get("cpu_ratio", {})
+    if ratios:
+        shown = ", ".join(f"{r}x at {b}" for b, r in ratios.items() if r is not None)
+        out += ["", f"roadlog's server CPU per ping over JetStream's: {shown}."]
+    return [*out, ""]
+
+
 def _case(doc: dict[str, Any], system: str, batch: str) -> dict[str, Any]:
     return next(
         c for c in doc["cases"] if c["system"] == system and str(c["pings_per_message"]) == batch
@@ -157,36 +184,26 @@ def render() -> str:
                 f"| {t['pings_per_s']:,.0f}{_spread(t)} | {t['ack_p50_ms']} / {t['ack_p99_ms']} "
                 f"| {ratio} |"
             )
+        lines += _ingest_cpu(ing)
         lines += [
-            "",
-            "Where the time goes (py-spy with `--gil`, process CPU from /proc, and a "
-            "timestamp trace of one publish through every process): a lone publish crosses "
-            "six gRPC hops (client, queue server, leader, followers and back), each ~0.3-1 ms "
-            "of Python gRPC and asyncio on this machine (a bare grpc.aio stream round trip is "
-            "0.3 ms here, a unary call 0.7 ms), plus an fsynced LMDB write on every node; a "
-            "serial 100-ping publish costs ~9 ms and ~12 ms of CPU over the five processes. "
-            "With 32 publishers the run is bound by that latency (the cores are ~75% busy): "
-            "throughput is the publishes in flight over the round trip. What closed part of "
-            "the gap: corking (publishes per call above), the leader validating a corked "
-            "batch while its log write runs, lazy commit propagation (no empty APPEND per "
-            "follower and entry while entries are in flight), node state to queue servers "
-            "throttled to 5 ms while busy, a C-parsed PingBatch view, rectangle regions "
-            "checked without shapely, uvloop, validation on the leader's loop, and a leader "
-            "that proposes, sends and applies between Readys while its log write runs, and "
-            "merged publishes decoded together (one array per column, not per publish). "
-            "A timestamp trace of one corked call (16 publishes, one call out at a time), "
-            "taken just before that last change: queue server to leader 0.4 ms, validation "
-            "1.7 ms (about half of it since), leader log write "
-            "1.9 ms while followers receive (0.5 ms) and write (1.5 ms), commit and apply "
-            "0.9 ms, the answer back to the queue server 1.4-1.7 ms. Run to "
-            f"run this varies by 15-25% on both sides, so each case ran {ing.get('rounds', 1)} "
-            "time(s), the sizes taking turns; a figure is the median round (with its "
-            "latencies), the brackets give the lowest and highest round, and the ratio is "
-            "of the medians. Earlier "
-            "figures: 634 / 57.3k / 515k pings/s (ratios "
-            "0.07 / 0.10 / 0.37), unary calls without these changes. The goal (>= 1.0 at 100 "
-            "and 1000 pings per message) is not met: it needs fewer hops or far cheaper ones "
-            "per publish than Python gRPC gives (see the closing notes of issue 3).",
+            "Where the time goes is written up hop by hop in "
+            "`bench/profiles/write-path.md` (py-spy with `--gil`, per-thread CPU from /proc, "
+            "the daemons' counters): at 100 pings per message most of the server CPU is a "
+            "fixed cost per corked call (gRPC aio and asyncio hand-overs in the queue server, "
+            "the leader and the followers), not a cost per ping. What closed part of the gap: "
+            "corking (publishes per call above), the leader validating a corked batch while "
+            "its log write runs, merged publishes decoded together (one array per column), a "
+            "C-parsed PingBatch view, one pass over a call's appends, apply without building "
+            "answers where nobody waits, each op serialized once, no commit-only APPEND under "
+            "steady writes, index updates to queue servers only while fenced reads wait, "
+            "rectangle regions checked without shapely, and uvloop. Run to run this varies by "
+            f"15-25% on both sides, so each case ran {ing.get('rounds', 1)} time(s), the "
+            "sizes taking turns; a figure is the median round (with its latencies and CPU), "
+            "the brackets give the lowest and highest round, and the ratios are of the "
+            "medians. Earlier figures: 634 / 57.3k / 515k pings/s (ratios 0.07 / 0.10 / "
+            "0.37), unary calls without these changes. The goals (issue 17): server CPU per "
+            "ping at most JetStream's at 1000 pings per message and at most 1.5x at 100; "
+            "throughput at least JetStream's at both.",
             "",
         ]
     fd = _load("front_door")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from bench.ingest import median_case
+from bench.cpu import CpuMeter, cpu_seconds
+from bench.ingest import cpu_ratio, median_case
 from bench.report import _spread
 
 pytestmark = pytest.mark.unit
@@ -32,3 +37,39 @@ def test_the_spread_is_shown_only_for_several_rounds() -> None:
     assert _spread({"rounds_pings_per_s": [812_000.0, 1_080_000.0]}) == " (812k-1.08M)"
     assert _spread({"rounds_pings_per_s": [1735.0]}) == ""
     assert _spread({}) == ""
+
+
+def test_the_cpu_meter_counts_a_busy_process_and_not_an_idle_one() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        meter = CpuMeter({"busy": busy.pid, "idle": idle.pid})
+        meter.start()
+        start = cpu_seconds(busy.pid)
+        deadline = time.monotonic() + 30
+        while cpu_seconds(busy.pid) - start < 0.2:  # a condition, with a deadline
+            assert time.monotonic() < deadline, "the busy process got no CPU in 30 s"
+            time.sleep(0.01)
+        out = meter.stop(pings=2_000_000)
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
+    assert out["server_cpu_s"] >= 0.2
+    assert out["server_cpu_s_per_m_pings"] == pytest.approx(out["server_cpu_s"] / 2, abs=0.001)
+    assert out["cores"]["busy"] > out["cores"]["idle"]
+    assert out["cores"]["idle"] < 0.2
+
+
+def test_a_process_that_is_gone_has_no_cpu_figure() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    with pytest.raises(ProcessLookupError):
+        cpu_seconds(p.pid)
+
+
+def test_the_cpu_ratio_is_roadlogs_cpu_per_ping_over_jetstreams() -> None:
+    ours = {"server_cpu_s_per_m_pings": 3.0}
+    assert cpu_ratio(ours, {"server_cpu_s_per_m_pings": 1.5}) == 2.0
+    assert cpu_ratio(ours, {}) is None  # no figure on one side: no ratio

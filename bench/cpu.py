@@ -1,0 +1,62 @@
+"""CPU spent by server processes over a measured window, read from /proc.
+
+A benchmark names the processes it cares about (label -> pid), calls
+``CpuMeter.start()`` when its timed window opens and ``stop()`` when it
+closes; the figures are user + system CPU-seconds of each process (all its
+threads) over that window. Client processes are left out on purpose: the
+figure is what the servers spend, the same for every system compared.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU-seconds of a process so far (every thread).
+
+    Raises ProcessLookupError when the process is gone: a benchmark whose
+    server died must not report a figure for it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    fields = stat.rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / CLOCK_TICKS
+
+
+@dataclass
+class CpuMeter:
+    """CPU of named processes over one window (``start`` .. ``stop``)."""
+
+    pids: dict[str, int]
+    _at_start: dict[str, float] = field(default_factory=dict)
+    _t0: float = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._at_start = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def stop(self, pings: int) -> dict[str, Any]:
+        """Figures for the window: ``server_cpu_s`` (all processes),
+        ``server_cpu_s_per_m_pings`` (that over the pings acknowledged in
+        the window, in millions) and ``cores`` (each process's CPU-seconds
+        over the window's seconds: 1.0 is one core kept busy)."""
+        if not self._at_start:
+            raise RuntimeError("CpuMeter.stop before start")
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        used = {name: cpu_seconds(pid) - self._at_start[name] for name, pid in self.pids.items()}
+        total = sum(used.values())
+        return {
+            "server_cpu_s": round(total, 3),
+            "server_cpu_s_per_m_pings": round(total / (pings / 1e6), 3) if pings else None,
+            "cores": {name: round(s / elapsed, 3) for name, s in used.items()},
+        }
