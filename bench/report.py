@@ -25,6 +25,29 @@ def _machine(doc: dict[str, Any]) -> str:
     )
 
 
+def _transport_hop(hop: dict[str, Any]) -> list[str]:
+    out = [
+        "## One internal hop: gRPC aio stream against plain framed TCP",
+        "",
+        f"Machine: {_machine(hop)}. `bench/transport_hop.py`: a server process answers "
+        "every message with 200 bytes; the client keeps that many exchanges in flight on one "
+        "connection (one gRPC bidi stream, or length-prefixed frames on asyncio streams), "
+        f"both on {hop.get('event_loop', 'asyncio')}. CPU of each side per exchange (one "
+        "message each way), from /proc. This is the price of the transport alone in every "
+        "replication round and Work stream message.",
+        "",
+        "| payload | in flight | transport | exchanges/s | client µs | server µs |",
+        "| ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for c in hop["cases"]:
+        out.append(
+            f"| {c['payload_bytes']:,} B | {c['concurrency']} | {c['transport']} "
+            f"| {c['exchanges_per_s']:,} | {c['client_us_per_exchange']} "
+            f"| {c['server_us_per_exchange']} |"
+        )
+    return [*out, ""]
+
+
 def _ingest_cpu(ing: dict[str, Any]) -> list[str]:
     """The server-CPU table of the ingest benchmark (empty for results
     recorded before the benchmark measured CPU)."""
@@ -206,6 +229,9 @@ def render() -> str:
             "throughput at least JetStream's at both.",
             "",
         ]
+    hop = _load("transport_hop")
+    if hop:
+        lines += _transport_hop(hop)
     fd = _load("front_door")
     if fd:
         lines += [
