@@ -62,21 +62,62 @@ INDEX_EVERY_S = 0.005
 INDEX_IDLE_S = 0.1
 
 
-def _settle_spans(futs: list[asyncio.Future[OpResult]], proposal: asyncio.Task[OpResult]) -> None:
-    """Give each request its share (its span) of a merged append op's result."""
+# Metric children bound once: labels() per work item costs more than the count.
+_WORK_DONE = {True: metrics.WORK_DONE.labels("write"), False: metrics.WORK_DONE.labels("read")}
+_VALIDATE_SECONDS = metrics.STAGE_SECONDS.labels("validate")
+
+Outcome = OpResult | BaseException  # a publish's result, or why it has none
+
+
+class _Call:
+    """The publishes of one work item (a PublishBatch, or a lone Publish),
+    answered together: one future for the call, not one per publish.
+
+    Invariant: ``future`` gets its result exactly when every publish has an
+    outcome; each publish's first outcome stands."""
+
+    __slots__ = ("future", "outcomes", "remaining", "requests")
+
+    def __init__(self, requests: list[bytes]) -> None:
+        self.requests = requests
+        self.outcomes: list[Outcome | None] = [None] * len(requests)
+        self.remaining = len(requests)
+        self.future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
+
+    def settle(self, i: int, outcome: Outcome) -> None:
+        if self.outcomes[i] is not None:
+            return
+        self.outcomes[i] = outcome
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(self.outcomes)  # type: ignore[arg-type]  # all set now
+
+    def settle_rest(self, outcome: Outcome) -> None:
+        for i, o in enumerate(self.outcomes):
+            if o is None:
+                self.settle(i, outcome)
+
+
+def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Task[OpResult]) -> None:
+    """Give each publish its share (its span) of a merged append op's result;
+    ``owners[span]`` is the call and position of that span's publish."""
     if proposal.cancelled():
-        for f in futs:
-            f.cancel()
+        gone = asyncio.CancelledError("the node stopped before answering")
+        for call, i in owners:
+            call.settle(i, gone)
         return
     err = proposal.exception()
-    for span, f in enumerate(futs):
-        if f.done():
-            continue
-        if err is not None:
-            f.set_exception(err)
-        else:
-            res = proposal.result()
-            f.set_result(res.spans[span] if res.spans else res)
+    if err is not None:
+        for call, i in owners:
+            call.settle(i, err)
+        return
+    res = proposal.result()
+    if res.spans:
+        for (call, i), span in zip(owners, res.spans, strict=True):
+            call.settle(i, span)
+    else:
+        for call, i in owners:
+            call.settle(i, res)
 
 
 def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
@@ -104,7 +145,8 @@ class WorkHandler:
         self.node = node
         self.cpu = ThreadPoolExecutor(2, thread_name_prefix="work")
         self._regions: dict[tuple[str, int], Region] = {}
-        self._publishes: list[tuple[bytes, asyncio.Future[OpResult]]] = []
+        self._publishes: list[_Call] = []
+        self._waiting = 0  # publishes in self._publishes
         self._publish_wakeup = asyncio.Event()
         self._merger: asyncio.Task[None] | None = None
         self.groups = GroupCoordinator(node)
@@ -148,7 +190,7 @@ class WorkHandler:
                 f"{CLIENT_MESSAGE_BYTES}: ask for less (a smaller max_bytes or page_size)"
             )
             res.response = b""
-        metrics.WORK_DONE.labels("write" if item.kind == work_pb2.WORK_KIND_WRITE else "read").inc()
+        _WORK_DONE[item.kind == work_pb2.WORK_KIND_WRITE].inc()
         return res
 
     # ---------------------------------------------------------------- writes
@@ -170,41 +212,38 @@ class WorkHandler:
             raise MalformedRequest(
                 f"a PublishBatch holds at most {MAX_BATCH_REQUESTS} requests, not {len(requests)}"
             )
-        futs = [self._enqueue_publish(r) for r in requests]
-        await asyncio.wait(futs)
-        errors = [
-            asyncio.CancelledError("the node stopped before answering")
-            if f.cancelled()
-            else f.exception()
-            for f in futs
-        ]
-        if all(isinstance(e, NotLeader) for e in errors):
-            raise errors[0]  # type: ignore[misc]
+        outcomes = await self._enqueue(_Call(requests))
+        if all(isinstance(o, NotLeader) for o in outcomes):
+            raise outcomes[0]  # type: ignore[misc]
         out = client_pb2.PublishBatchResponseView()
-        for fut, err in zip(futs, errors, strict=True):
-            if err is None:
-                r = fut.result()
-                out.results.add(code=r.code, message=r.message, response=r.response)
+        add = out.results.add
+        for o in outcomes:
+            if isinstance(o, OpResult):
+                add(code=o.code, message=o.message, response=o.response)
             else:
-                code, message = failure_status(err, "PublishBatch")
-                out.results.add(code=code, message=message)
+                code, message = failure_status(o, "PublishBatch")
+                add(code=code, message=message)
         return OpResult(response=out.SerializeToString())
 
     async def _publish(self, request: bytes) -> OpResult:
-        if not self.node.cfg.merge_publishes:
-            fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
-            await self._propose_publishes([(request, fut)])
-            return await fut
-        return await self._enqueue_publish(request)
+        call = _Call([request])
+        if self.node.cfg.merge_publishes:
+            (outcome,) = await self._enqueue(call)
+        else:
+            await self._propose_publishes([call])
+            (outcome,) = await call.future
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
-    def _enqueue_publish(self, request: bytes) -> asyncio.Future[OpResult]:
-        """Queue one publish for the next merge (see ``_merge_loop``)."""
-        fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
-        self._publishes.append((request, fut))
+    def _enqueue(self, call: _Call) -> asyncio.Future[list[Outcome]]:
+        """Queue a call's publishes for the next merge (see ``_merge_loop``)."""
+        self._publishes.append(call)
+        self._waiting += len(call.requests)
         if self._merger is None or self._merger.done():
             self._merger = asyncio.get_running_loop().create_task(self._merge_loop())
         self._publish_wakeup.set()
-        return fut
+        return call.future
 
     async def _merge_loop(self) -> None:
         """Server-side group commit: a few publishes wait while the node is
@@ -215,42 +254,48 @@ class WorkHandler:
         while True:
             await self._publish_wakeup.wait()
             self._publish_wakeup.clear()
-            if len(self._publishes) < EAGER_PUBLISHES:
+            if self._waiting < EAGER_PUBLISHES:
                 await self.node.proposals_taken()
-            batch, self._publishes = self._publishes, []
-            if batch:
+            calls, self._publishes, self._waiting = self._publishes, [], 0
+            if calls:
                 try:
-                    await self._propose_publishes(batch)
+                    await self._propose_publishes(calls)
                 except Exception as e:  # never leave a publish hanging
                     log.exception("merging publishes failed")
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(e)
+                    for call in calls:
+                        call.settle_rest(e)
 
-    async def _propose_publishes(self, batch: list[tuple[bytes, asyncio.Future[OpResult]]]) -> None:
+    async def _propose_publishes(self, calls: list[_Call]) -> None:
         loop = asyncio.get_running_loop()
         if not self.node.is_leader:
             err = NotLeader(self.node.core.lead)
-            for _, fut in batch:
-                fut.set_exception(err)
+            for call in calls:
+                call.settle_rest(err)
             return
         t0 = time.perf_counter()
-        requests = [r for r, _ in batch]
+        if len(calls) == 1:
+            requests = calls[0].requests
+            owners = [(calls[0], i) for i in range(len(requests))]
+        else:
+            requests = [r for c in calls for r in c.requests]
+            owners = [(c, i) for c in calls for i in range(len(c.requests))]
         now_ms = int(time.time() * 1000)
-        if sum(len(r) for r in requests) <= INLINE_VALIDATE_BYTES:
+        if sum(map(len, requests)) <= INLINE_VALIDATE_BYTES:
             prepared, errors = prepare_appends(requests, self._topic_lookup, now_ms)
         else:
             prepared, errors = await loop.run_in_executor(
                 self.cpu, prepare_appends, requests, self._topic_lookup, now_ms
             )
-        metrics.STAGE_SECONDS.labels("validate").observe(time.perf_counter() - t0)
-        metrics.MERGED_PUBLISHES.observe(len(batch))
+        _VALIDATE_SECONDS.observe(time.perf_counter() - t0)
+        metrics.MERGED_PUBLISHES.observe(len(requests))
         for i, e in errors.items():
-            batch[i][1].set_exception(e)
+            call, pos = owners[i]
+            call.settle(pos, e)
         for p in prepared:
             proposal = loop.create_task(self.node.propose_op(p.op))
-            futs = [batch[i][1] for i in p.members]
-            proposal.add_done_callback(functools.partial(_settle_spans, futs))
+            proposal.add_done_callback(
+                functools.partial(_settle_spans, [owners[i] for i in p.members])
+            )
 
     def _topic_lookup(self, name: str) -> tuple[int, Region]:
         topic = self.node.sm.topic(name)

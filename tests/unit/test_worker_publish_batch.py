@@ -152,3 +152,53 @@ def test_an_answer_too_big_for_the_client_hop_is_refused_not_sent() -> None:
     res = asyncio.run(go())
     assert res.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert res.response == b"" and "over the limit" in res.message
+
+
+class SpanNamingNode(StubNode):
+    """Answers each span of an append op with its own name, and counts the
+    ops proposed: a mixed-up answer or an unmerged call shows."""
+
+    def __init__(self) -> None:
+        super().__init__("ok")
+        self.proposed = 0
+        self.ops = 0
+
+    async def propose_op(self, op: Any) -> OpResult:
+        self.ops += 1
+        first = self.proposed
+        self.proposed += len(op.append.spans)
+        return OpResult(
+            spans=tuple(
+                OpResult(response=b"span%d" % (first + k)) for k in range(len(op.append.spans))
+            )
+        )
+
+
+def test_calls_merged_into_one_proposal_each_get_their_own_publishes_answers() -> None:
+    """Two PublishBatch calls waiting together are validated and proposed
+    together (one future per call, not per publish); each call's answer has
+    its own publishes' results in its own order, a refused one in its place."""
+    good = publish()
+
+    async def go() -> tuple[SpanNamingNode, list[work_pb2.WorkResult]]:
+        node = SpanNamingNode()
+        ex = WorkHandler(node)  # type: ignore[arg-type]
+        items = [
+            client_pb2.PublishBatchRequestView(requests=reqs).SerializeToString()
+            for reqs in ([good, b"\xff", good], [good])
+        ]
+        results = await asyncio.gather(
+            *(
+                ex.run(work_pb2.WorkItem(id=i, method="PublishBatch", request=body))
+                for i, body in enumerate(items)
+            )
+        )
+        return node, list(results)
+
+    node, (first, second) = asyncio.run(go())
+    a = client_pb2.PublishBatchResponseView.FromString(first.response)
+    b = client_pb2.PublishBatchResponseView.FromString(second.response)
+    assert (node.ops, node.proposed) == (1, 3)  # the three good publishes, in one op
+    assert [r.response for r in a.results] == [b"span0", b"", b"span1"]
+    assert a.results[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [r.response for r in b.results] == [b"span2"]
