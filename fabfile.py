@@ -6,7 +6,8 @@ inventory: --inventory FILE, else $ROADLOG_INVENTORY, else inventory/hosts.
     fab logs [--unit roadlog-node] [--lines 50] [--host lab1]
     fab restart                         rolling, leader last, health-gated
     fab transfer-leader [--to NODE_ID]
-    fab backup [--dest backups]         consistent copy of the state, to here
+    fab backup --key-file KEY [--dest backups]
+                                        consistent copy of the state, HMAC-signed, to here
     fab heatmap-now                     run the cron heat-map job now
     fab drill [--seconds 20] [--json]   SIGKILL the leader's node; how long writes stopped
 
@@ -17,6 +18,7 @@ without SSH; this file only moves commands and their output.
 
 from __future__ import annotations
 
+import io
 import json as jsonlib
 import os
 import shlex
@@ -79,11 +81,26 @@ def _connect(h: SshHost) -> Connection:
     )
 
 
-def _run(conn: Connection, cmd: str, as_user: str | None = None, warn: bool = False) -> Any:
-    """Run as root (sudo when the SSH user is not root), or as `as_user`."""
+def _run(
+    conn: Connection,
+    cmd: str,
+    as_user: str | None = None,
+    warn: bool = False,
+    stdin: str | None = None,
+) -> Any:
+    """Run as root (sudo when the SSH user is not root), or as `as_user`;
+    `stdin` is the command's input (then nothing else is read from here)."""
+    kw: dict[str, Any] = {"hide": True, "warn": warn}
+    if stdin is not None:
+        kw["in_stream"] = io.StringIO(stdin)
     if conn.user == "root":
-        return conn.run(f"sudo -u {as_user} -- {cmd}" if as_user else cmd, hide=True, warn=warn)
-    return conn.sudo(cmd, user=as_user or "root", hide=True, warn=warn)
+        return conn.run(f"sudo -u {as_user} -- {cmd}" if as_user else cmd, **kw)
+    return conn.sudo(cmd, user=as_user or "root", **kw)
+
+
+def _private_file(path: Path) -> Any:
+    """A new local file only this user may read (0600), open for writing."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 
 
 def _view(h: SshHost) -> HostView:
@@ -219,9 +236,28 @@ def transfer_leader(c: Context, to: int = 0, inventory: str | None = None) -> No
     print(out.stdout.strip())
 
 
-@task(help={"dest": "directory on this machine"})
-def backup(c: Context, dest: str = "backups", inventory: str | None = None) -> None:
-    """Back up the cluster's state (consistent, from one ready node) to here."""
+@task(
+    help={
+        "dest": "directory on this machine",
+        "key_file": "the operators' backup key (default: $ROADLOG_BACKUP_KEY_FILE); mode 0600",
+    },
+)
+def backup(
+    c: Context, dest: str = "backups", key_file: str | None = None, inventory: str | None = None
+) -> None:
+    """Back up the cluster's state (consistent, from one ready node) to here.
+
+    The manifest carries an HMAC under the backup key (restore checks it);
+    the key reaches the node on stdin, never its disk. The copy here is 0600."""
+    from node_daemon.backup import BackupError, read_backup_key
+
+    key_path = key_file or os.environ.get("ROADLOG_BACKUP_KEY_FILE")
+    try:
+        key = read_backup_key(Path(key_path) if key_path else None).decode()
+    except BackupError as e:
+        sys.exit(f"fab: {e} (--key-file or ROADLOG_BACKUP_KEY_FILE)")
+    except UnicodeDecodeError:
+        sys.exit(f"fab: the backup key {key_path} must be text (e.g. openssl rand -hex 32)")
     nodes = _inventory(inventory).get("nodes", [])
     views = _views(nodes)
     ready = [v.host for v in views if v.ready]
@@ -231,19 +267,23 @@ def backup(c: Context, dest: str = "backups", inventory: str | None = None) -> N
     name = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     remote = f"/var/lib/roadlog/backups/{name}"
     local = Path(dest) / name
-    local.mkdir(parents=True, exist_ok=False)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.mkdir(mode=0o700)
     with _connect(h) as conn:
         out = _run(
             conn,
-            f"{VENV}/bin/roadlog-node backup --config {CONFIG} --out {remote} --json",
+            f"{VENV}/bin/roadlog-node backup --config {CONFIG} --out {remote} --json "
+            "--backup-key-file -",
             as_user=USER,
+            stdin=key + "\n",
         )
         for f in ("manifest.json", "state.mdb"):
-            if conn.user == "root":
-                conn.get(f"{remote}/{f}", str(local / f))
-            else:  # the files belong to roadlog: stream them through sudo
-                data = conn.sudo(f"cat {remote}/{f}", hide=True, encoding="latin-1").stdout
-                (local / f).write_bytes(data.encode("latin-1"))
+            with _private_file(local / f) as dst:
+                if conn.user == "root":
+                    conn.get(f"{remote}/{f}", dst)
+                else:  # the files belong to roadlog: stream them through sudo
+                    data = conn.sudo(f"cat {remote}/{f}", hide=True, encoding="latin-1").stdout
+                    dst.write(data.encode("latin-1"))
         _run(conn, f"rm -rf {remote}")
     manifest = jsonlib.loads(out.stdout)
     print(

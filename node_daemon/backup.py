@@ -3,8 +3,18 @@
 A backup is a directory with `state.mdb` (a compact LMDB copy of the state
 machine, taken inside one read transaction, so it is exactly the state at
 its applied index) and `manifest.json` (cluster, node, applied index and
-term, size, SHA-256). It can be taken from a running node: LMDB lets
+term, size, SHA-256 of `state.mdb`, and an HMAC-SHA256 of all of that under
+the operators' backup key). It can be taken from a running node: LMDB lets
 another process read while the node writes, and the copy never blocks it.
+
+The backup key (issue 19, finding 14) is not the cluster secret: only
+operators hold it (a text file of at least 16 bytes, readable by its owner
+only, e.g. `openssl rand -hex 32 > backup.key; chmod 600 backup.key`), and
+the playbooks and `fab backup` hand it to `roadlog-node` on its stdin, so it
+never lands on a host. Without the key nobody can make a backup that a
+restore accepts: a changed `state.mdb` fails the SHA-256, a changed manifest
+(or a SHA-256 made to match) fails the HMAC. Every file of a backup is 0600
+in a 0700 directory, whatever the umask.
 
 Restoring works like etcd's snapshot restore: every node of the cluster is
 stopped and restored from the same backup with the same voter list, so all
@@ -18,9 +28,11 @@ its identity (`node_id`) is kept.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,9 +42,19 @@ import lmdb
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import _U64, StateMachine
+from roadlog.runtime.config import (
+    MIN_SECRET_BYTES,
+    PLACEHOLDERS,
+    ConfigError,
+    check_secret,
+    read_secret,
+)
 
 STATE_FILE = "state.mdb"
 MANIFEST = "manifest.json"
+FORMAT = 2  # 1: no HMAC (refused: anyone could have rewritten it)
+MAC_FIELD = "hmac_sha256"
+_MAC_CONTEXT = b"roadlog backup manifest v2\n"
 
 
 class BackupError(Exception):
@@ -48,7 +70,7 @@ class Manifest:
     bytes: int
     sha256: str
     created_ms: int
-    format: int = 1
+    format: int = FORMAT
 
 
 def _sha256(path: Path) -> str:
@@ -59,6 +81,58 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def check_backup_key(key: bytes) -> bytes:
+    """``key`` if it may serve as the backup key (long enough, not a
+    placeholder), else BackupError."""
+    if len(key) < MIN_SECRET_BYTES:
+        raise BackupError(f"backup key: must be at least {MIN_SECRET_BYTES} bytes")
+    if any(p in key.lower() for p in PLACEHOLDERS):
+        raise BackupError("backup key: it is a placeholder; make a random one")
+    return key
+
+
+def read_backup_key(path: Path | None) -> bytes:
+    """The operators' backup key from its file: refused when no file is
+    given, when it is missing, readable or writable by the group or others
+    (chmod 600), shorter than 16 bytes, or a placeholder (the cluster
+    secret's rules, through ``check_secret``, plus the group bits)."""
+    if path is None:
+        raise BackupError("backup key: required (--backup-key-file, a file only operators hold)")
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise BackupError(f"backup key: cannot read {path}: {e}") from None
+    if mode & 0o077:
+        raise BackupError(
+            f"backup key: {path} is open to the group or others (mode {mode & 0o777:o}): chmod 600"
+        )
+    try:
+        check_secret(path)
+        key = read_secret(path)
+    except ConfigError as e:
+        raise BackupError(str(e).replace("secret_file:", "backup key:", 1)) from None
+    return check_backup_key(key)
+
+
+def _manifest_mac(fields: dict[str, object], key: bytes) -> str:
+    """HMAC-SHA256 of the manifest's fields (canonical JSON), hex."""
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, _MAC_CONTEXT + body, hashlib.sha256).hexdigest()
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """A new file that only its owner may read (0600 whatever the umask), synced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -67,19 +141,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int) -> Manifest:
-    """Copy the state machine under `data_dir` into the new directory `out`.
+def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int, key: bytes) -> Manifest:
+    """Copy the state machine under `data_dir` into the new directory `out`,
+    with a manifest authenticated under the backup `key`.
 
     Safe while the node runs. The copy and the applied index it reports come
-    from the same read transaction."""
+    from the same read transaction. `out` and its files are its owner's only
+    (0700, 0600)."""
+    check_backup_key(key)
     state = data_dir / "state"
     if not (state / "data.mdb").exists():
         raise BackupError(f"{state}: no state machine here (is data_dir right?)")
     if out.exists() and any(out.iterdir()):
         raise BackupError(f"{out}: exists and is not empty")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A private directory with a name nobody can guess (0700), next to `out`.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        manifest = _copy_into(state, tmp, cluster_name, node_id, key)
+        _fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(out.parent)
+    return manifest
+
+
+def _copy_into(state: Path, tmp: Path, cluster_name: str, node_id: int, key: bytes) -> Manifest:
     env = lmdb.open(str(state), readonly=True, max_dbs=16, lock=True, readahead=False)
     try:
         meta = env.open_db(b"meta", create=False)
@@ -95,6 +186,7 @@ def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int) -> M
         env.close()
     data = tmp / "data.mdb"
     with open(data, "rb+") as f:
+        os.fchmod(f.fileno(), 0o600)  # LMDB creates it 0666 less the umask
         os.fsync(f.fileno())
     os.replace(data, tmp / STATE_FILE)
     manifest = Manifest(
@@ -106,26 +198,43 @@ def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int) -> M
         sha256=_sha256(tmp / STATE_FILE),
         created_ms=int(time.time() * 1000),
     )
-    (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
-    _fsync_dir(tmp)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-    _fsync_dir(out.parent)
+    fields = asdict(manifest)
+    doc = {**fields, MAC_FIELD: _manifest_mac(fields, key)}
+    _write_private(tmp / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
     return manifest
 
 
-def verify_backup(backup: Path, cluster_name: str) -> Manifest:
-    """The manifest, after checking the file against it and the cluster."""
+def verify_backup(backup: Path, cluster_name: str, key: bytes) -> Manifest:
+    """The manifest, after checking its HMAC under the backup `key`, the
+    file against it, and the cluster."""
+    path = backup / MANIFEST
     try:
-        raw = json.loads((backup / MANIFEST).read_text())
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BackupError(f"{path}: not a roadlog backup manifest ({e})") from None
+    if not isinstance(raw, dict):
+        raise BackupError(f"{path}: not a roadlog backup manifest (not an object)")
+    mac = raw.pop(MAC_FIELD, None)
+    if not isinstance(mac, str):
+        raise BackupError(
+            f"{path}: not authenticated (no {MAC_FIELD}; format {raw.get('format', 1)} "
+            "backups were not signed and cannot be trusted)"
+        )
+    if not hmac.compare_digest(mac.encode(), _manifest_mac(raw, key).encode()):
+        raise BackupError(
+            f"{path}: the HMAC does not match (the backup was changed, or made with another "
+            "backup key)"
+        )
+    try:
         manifest = Manifest(**raw)
-    except (OSError, ValueError, TypeError) as e:
-        raise BackupError(f"{backup / MANIFEST}: not a roadlog backup manifest ({e})") from None
+    except TypeError as e:
+        raise BackupError(f"{path}: not a roadlog backup manifest ({e})") from None
+    if manifest.format != FORMAT:
+        raise BackupError(f"{path}: format {manifest.format}, this roadlog reads {FORMAT}")
     state = backup / STATE_FILE
     if not state.exists() or state.stat().st_size != manifest.bytes:
         raise BackupError(f"{state}: missing or not {manifest.bytes} bytes")
-    if _sha256(state) != manifest.sha256:
+    if not hmac.compare_digest(_sha256(state), manifest.sha256):
         raise BackupError(f"{state}: SHA-256 does not match the manifest (corrupt copy)")
     if manifest.cluster_name != cluster_name:
         raise BackupError(
@@ -136,13 +245,15 @@ def verify_backup(backup: Path, cluster_name: str) -> Manifest:
     return manifest
 
 
-def restore_backup(data_dir: Path, backup: Path, cluster_name: str, voters: dict[int, str]) -> Path:
+def restore_backup(
+    data_dir: Path, backup: Path, cluster_name: str, voters: dict[int, str], key: bytes
+) -> Path:
     """Make `data_dir` start from `backup` with `voters` as the configuration.
 
     The node must be stopped. Returns where the previous data was moved.
     Every node restored from the same backup with the same voters gets the
     same state machine (the address book is rewritten to `voters`)."""
-    manifest = verify_backup(backup, cluster_name)
+    manifest = verify_backup(backup, cluster_name, key)
     if not voters:
         raise BackupError("restore needs the voters (ID=HOST:PORT,...)")
     aside = data_dir / f"pre-restore-{int(time.time())}"

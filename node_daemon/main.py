@@ -16,7 +16,14 @@ import click
 import grpc
 import lmdb
 
-from node_daemon.backup import BackupError, restore_backup, take_backup
+from node_daemon.backup import (
+    BackupError,
+    check_backup_key,
+    read_backup_key,
+    restore_backup,
+    take_backup,
+    verify_backup,
+)
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
 from node_daemon.serve import NodeFailed, serve
 from roadlog.leadership import HostView, leader_host, transfer_target
@@ -109,26 +116,52 @@ def _offline_config(config_path: Path | None, flags: dict[str, Any]) -> NodeConf
         raise click.BadParameter(str(e)) from None
 
 
+KEY_STDIN = Path("-")
+MAX_KEY_LINE = 4096
+
+backup_key_option = click.option(
+    "--backup-key-file",
+    type=click.Path(path_type=Path),
+    envvar="ROADLOG_BACKUP_KEY_FILE",
+    help="the operators' backup key (HMAC of the manifest): a file of at least 16 bytes, "
+    "mode 0600; '-' reads it as one line from stdin (how the playbooks and fab pass it)",
+)
+
+
+def _backup_key(path: Path | None) -> bytes:
+    """The backup key from --backup-key-file (a private file, or '-': stdin)."""
+    try:
+        if path == KEY_STDIN:
+            return check_backup_key(sys.stdin.buffer.readline(MAX_KEY_LINE).strip())
+        return read_backup_key(path)
+    except BackupError as e:
+        raise click.BadParameter(str(e), param_hint="--backup-key-file") from None
+
+
 @cli.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
 @click.option("--data-dir", type=click.Path(path_type=Path))
 @click.option("--cluster-name")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="a new directory")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
+@backup_key_option
 def backup(
     config_path: Path | None,
     data_dir: Path | None,
     cluster_name: str | None,
     out: Path,
     as_json: bool,
+    backup_key_file: Path | None,
 ) -> None:
     """Copy this node's state (consistent, at its applied index) into OUT,
-    with a manifest. Safe while the node runs."""
+    with a manifest authenticated by the backup key. Safe while the node runs.
+    OUT and its files are readable by this user only."""
+    key = _backup_key(backup_key_file)
     cfg = _offline_config(config_path, {"data_dir": data_dir, "cluster_name": cluster_name})
     data = Path(cfg.data_dir)
     node_id = int((data / "node_id").read_text()) if (data / "node_id").exists() else cfg.node_id
     try:
-        manifest = take_backup(data, out, cfg.cluster_name, node_id)
+        manifest = take_backup(data, out, cfg.cluster_name, node_id, key)
     except (BackupError, lmdb.Error, OSError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
@@ -140,6 +173,29 @@ def backup(
         )
 
 
+@cli.command("verify-backup")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
+@click.option("--cluster-name")
+@click.option("--from", "source", type=click.Path(path_type=Path), required=True, help="a backup")
+@backup_key_option
+def verify_backup_cmd(
+    config_path: Path | None,
+    cluster_name: str | None,
+    source: Path,
+    backup_key_file: Path | None,
+) -> None:
+    """Check a backup as a restore would (the manifest's HMAC under the
+    backup key, the state's SHA-256, the cluster) without touching any node;
+    prints the manifest as JSON."""
+    key = _backup_key(backup_key_file)
+    cfg = _offline_config(config_path, {"cluster_name": cluster_name})
+    try:
+        manifest = verify_backup(source, cfg.cluster_name, key)
+    except (BackupError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(asdict(manifest)))
+
+
 @cli.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
 @click.option("--data-dir", type=click.Path(path_type=Path))
@@ -149,6 +205,7 @@ def backup(
 @click.option(
     "--voters", required=True, help="every node of the restored cluster: ID=HOST:PORT,..."
 )
+@backup_key_option
 def restore(
     config_path: Path | None,
     data_dir: Path | None,
@@ -156,9 +213,12 @@ def restore(
     listen: str | None,
     source: Path,
     voters: str,
+    backup_key_file: Path | None,
 ) -> None:
     """Make this (stopped) node start from a backup. Restore every node from
-    the same backup with the same --voters; the old data is moved aside."""
+    the same backup with the same --voters; the old data is moved aside. The
+    backup's manifest must carry a valid HMAC under the backup key."""
+    key = _backup_key(backup_key_file)
     cfg = _offline_config(
         config_path, {"data_dir": data_dir, "cluster_name": cluster_name, "listen": listen}
     )
@@ -166,7 +226,9 @@ def restore(
     if _listening(host, int(port)):
         raise click.ClickException(f"a node is serving on {cfg.listen}: stop it before a restore")
     try:
-        aside = restore_backup(Path(cfg.data_dir), source, cfg.cluster_name, parse_peers(voters))
+        aside = restore_backup(
+            Path(cfg.data_dir), source, cfg.cluster_name, parse_peers(voters), key
+        )
     except (BackupError, ConfigError, lmdb.Error, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"restored from {source}; the previous data is in {aside}")

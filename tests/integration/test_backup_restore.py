@@ -31,6 +31,14 @@ def node_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def backup_key(tmp_path: Path) -> list[str]:
+    """--backup-key-file with a private key (issue 19, finding 14)."""
+    key = tmp_path / "backup.key"
+    key.write_text("0123456789abcdef0123456789abcdef\n")
+    key.chmod(0o600)
+    return ["--backup-key-file", str(key)]
+
+
 def stored(conn: Connection) -> set[tuple[str, int]]:
     return {row for rows in read_topic(conn, "munich").values() for row in rows}
 
@@ -51,9 +59,10 @@ def test_a_cluster_restored_from_a_live_backup_holds_exactly_the_backed_up_state
         wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "equal replicas")
         # Taken while the node runs.
         backup = tmp_path / "backup"
+        key = backup_key(tmp_path)
         r = node_cli(
             "backup", "--data-dir", lc.nodes[0].data_dir, "--cluster-name", "roadlog",
-            "--out", str(backup), "--json",
+            "--out", str(backup), "--json", *key,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
         manifest = json.loads(r.stdout)
@@ -69,14 +78,14 @@ def test_a_cluster_restored_from_a_live_backup_holds_exactly_the_backed_up_state
         voters = ",".join(f"{n.id}={n.address}" for n in lc.nodes)
         r = node_cli(
             "restore", "--data-dir", lc.nodes[1].data_dir, "--cluster-name", "roadlog",
-            "--listen", lc.nodes[1].address, "--from", str(backup), "--voters", voters,
+            "--listen", lc.nodes[1].address, "--from", str(backup), "--voters", voters, *key,
         )  # fmt: skip
         assert r.returncode != 0 and "stop it" in r.stderr
     lc.down()
     for n in lc.nodes:
         r = node_cli(
             "restore", "--data-dir", n.data_dir, "--cluster-name", "roadlog",
-            "--listen", n.address, "--from", str(backup), "--voters", voters,
+            "--listen", n.address, "--from", str(backup), "--voters", voters, *key,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
         aside = list(Path(n.data_dir).glob("pre-restore-*"))
@@ -101,12 +110,15 @@ def test_a_corrupt_or_foreign_backup_is_refused_and_the_node_keeps_its_data(
         Producer(conn, "munich").send_batch(make_pings("p", 0, 300))
     node = lc.nodes[0]
     backup = tmp_path / "b"
-    assert node_cli("backup", "--data-dir", node.data_dir, "--out", str(backup)).returncode == 0
-    r = node_cli("backup", "--data-dir", node.data_dir, "--out", str(backup))
+    key = backup_key(tmp_path)
+    assert (
+        node_cli("backup", "--data-dir", node.data_dir, "--out", str(backup), *key).returncode == 0
+    )
+    r = node_cli("backup", "--data-dir", node.data_dir, "--out", str(backup), *key)
     assert r.returncode != 0 and "not empty" in r.stderr
     lc.down()
     voters = f"{node.id}={node.address}"
-    args = ["--data-dir", node.data_dir, "--listen", node.address, "--voters", voters]
+    args = ["--data-dir", node.data_dir, "--listen", node.address, "--voters", voters, *key]
     r = node_cli("restore", *args, "--cluster-name", "berlin", "--from", str(backup))
     assert r.returncode != 0 and "cluster 'roadlog'" in r.stderr
     state = backup / "state.mdb"

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -157,6 +158,7 @@ class Lab:
     def __init__(self, count: int = 3) -> None:
         self.hosts = [LabHost(i) for i in range(1, count + 1)]
         self.key = LAB_ROOT / "id_ed25519"
+        self.backup_key = LAB_ROOT / "backup.key"  # inventory/lab.ini names it
         self.inventory = LAB_ROOT / "inventory.ini"
 
     # -- bring up -----------------------------------------------------------
@@ -165,6 +167,7 @@ class Lab:
         clear_leftovers()
         LAB_ROOT.mkdir(parents=True, exist_ok=True)
         self._make_key()
+        self._make_backup_key()
         self._make_bridge()
         for host in self.hosts:
             self._prepare(host)
@@ -190,6 +193,13 @@ class Lab:
                 "-f",
                 str(self.key),
             )
+
+    def _make_backup_key(self) -> None:
+        """The operators' backup key (issue 19, finding 14): 0600, made once."""
+        if not self.backup_key.exists():
+            fd = os.open(self.backup_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
 
     def _make_bridge(self) -> None:
         _run("ip", "link", "add", BRIDGE, "type", "bridge")

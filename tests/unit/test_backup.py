@@ -1,0 +1,186 @@
+"""Backups are authenticated and private (issue 19, finding 14): the manifest
+carries an HMAC-SHA256 under a backup key only operators hold, so a backup
+changed without the key (state and SHA-256 rewritten together, or the
+manifest edited) is refused; every file is 0600 in a 0700 directory whatever
+the umask; the key file is refused when missing, short, a placeholder or
+open to the group or others."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from node_daemon.backup import (
+    MANIFEST,
+    STATE_FILE,
+    BackupError,
+    read_backup_key,
+    restore_backup,
+    take_backup,
+    verify_backup,
+)
+from node_daemon.main import cli
+from node_daemon.raft import Entry, EntryType
+from node_daemon.state.machine import StateMachine
+
+pytestmark = pytest.mark.unit
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def loose_umask() -> Iterator[None]:
+    """A umask that would leave new files 0644 (the daemons set 077 themselves)."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    sm = StateMachine(data / "state", map_size=1 << 24)
+    try:
+        sm.apply([Entry(1, 1, EntryType.NORMAL, b""), Entry(1, 2, EntryType.NORMAL, b"")])
+    finally:
+        sm.close()
+    return data
+
+
+def key_file(path: Path, content: bytes = KEY, mode: int = 0o600) -> Path:
+    path.write_bytes(content + b"\n")
+    path.chmod(mode)
+    return path
+
+
+def rewrite_manifest(backup: Path, **changes: object) -> None:
+    doc = json.loads((backup / MANIFEST).read_text())
+    doc.update(changes)
+    (backup / MANIFEST).write_text(json.dumps(doc))
+
+
+def test_a_backup_is_private_and_verifies_under_its_key(
+    data_dir: Path, tmp_path: Path, loose_umask: None
+) -> None:
+    out = tmp_path / "backups" / "b1"
+    manifest = take_backup(data_dir, out, "lab", 1, KEY)
+    assert manifest.applied_index == 2 and manifest.format == 2
+    assert out.stat().st_mode & 0o777 == 0o700
+    files = sorted(p.name for p in out.iterdir())
+    assert files == [MANIFEST, STATE_FILE]
+    for p in out.iterdir():
+        assert p.stat().st_mode & 0o777 == 0o600, f"{p} is {p.stat().st_mode & 0o777:o}"
+    assert "hmac_sha256" in json.loads((out / MANIFEST).read_text())
+    assert verify_backup(out, "lab", KEY) == manifest
+    # No partial directory is left next to it.
+    assert [p.name for p in out.parent.iterdir()] == ["b1"]
+
+
+def test_a_tampered_backup_is_refused(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    take_backup(data_dir, out, "lab", 1, KEY)
+    # The attack of finding 14: change the state and put its new SHA-256 in
+    # the manifest; a plain checksum cannot tell.
+    state = out / STATE_FILE
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    with pytest.raises(BackupError, match="SHA-256 does not match"):
+        verify_backup(out, "lab", KEY)
+    rewrite_manifest(out, sha256=hashlib.sha256(bytes(raw)).hexdigest())
+    with pytest.raises(BackupError, match="HMAC does not match"):
+        verify_backup(out, "lab", KEY)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"applied_index": 1}, {"cluster_name": "other"}, {"node_id": 9}, {"format": 1}],
+)
+def test_an_edited_manifest_is_refused(
+    data_dir: Path, tmp_path: Path, changes: dict[str, object]
+) -> None:
+    out = tmp_path / "b"
+    take_backup(data_dir, out, "lab", 1, KEY)
+    rewrite_manifest(out, **changes)
+    with pytest.raises(BackupError, match="HMAC does not match"):
+        verify_backup(out, "other" if "cluster_name" in changes else "lab", KEY)
+
+
+def test_another_key_or_an_unsigned_manifest_is_refused(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    take_backup(data_dir, out, "lab", 1, KEY)
+    with pytest.raises(BackupError, match="another backup key"):
+        verify_backup(out, "lab", b"another-key-of-32-bytes-000000000")
+    doc = json.loads((out / MANIFEST).read_text())
+    del doc["hmac_sha256"]
+    doc["format"] = 1
+    (out / MANIFEST).write_text(json.dumps(doc))  # what a backup of before looked like
+    with pytest.raises(BackupError, match="not authenticated"):
+        verify_backup(out, "lab", KEY)
+
+
+def test_a_restore_under_the_wrong_key_moves_nothing(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    take_backup(data_dir, out, "lab", 1, KEY)
+    before = sorted(p.name for p in data_dir.iterdir())
+    with pytest.raises(BackupError, match="HMAC"):
+        restore_backup(data_dir, out, "lab", {1: "127.0.0.1:7400"}, b"x" * 32)
+    assert sorted(p.name for p in data_dir.iterdir()) == before
+
+
+def test_the_backup_key_file_must_be_private_long_and_real(tmp_path: Path) -> None:
+    assert read_backup_key(key_file(tmp_path / "ok")) == KEY
+    with pytest.raises(BackupError, match="required"):
+        read_backup_key(None)
+    with pytest.raises(BackupError, match="cannot read"):
+        read_backup_key(tmp_path / "absent")
+    for mode in (0o640, 0o604, 0o620):
+        with pytest.raises(BackupError, match="group or others"):
+            read_backup_key(key_file(tmp_path / f"m{mode:o}", mode=mode))
+    with pytest.raises(BackupError, match="at least 16 bytes"):
+        read_backup_key(key_file(tmp_path / "short", b"0123456789"))
+    with pytest.raises(BackupError, match="placeholder"):
+        read_backup_key(key_file(tmp_path / "ph", b"CHANGE-ME-CHANGE-ME-CHANGE-ME"))
+    with pytest.raises(BackupError, match="at least 16 bytes"):
+        take_backup(tmp_path, tmp_path / "b", "lab", 1, b"short")
+
+
+def test_the_cli_needs_the_key_and_takes_it_from_a_file_or_stdin(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loose_umask: None
+) -> None:
+    # (loose_umask also puts back the umask the CLI's private_files() sets.)
+    monkeypatch.delenv("ROADLOG_BACKUP_KEY_FILE", raising=False)
+    runner = CliRunner()
+    base = ["--data-dir", str(data_dir), "--cluster-name", "lab", "--json"]
+    r = runner.invoke(cli, ["backup", *base, "--out", str(tmp_path / "b0")])
+    assert r.exit_code == 2 and "--backup-key-file" in r.output, r.output
+    assert not (tmp_path / "b0").exists()
+    shared = key_file(tmp_path / "shared.key", mode=0o640)
+    key_flag = ["--backup-key-file", str(shared)]
+    r = runner.invoke(cli, ["backup", *base, "--out", str(tmp_path / "b0"), *key_flag])
+    assert r.exit_code == 2 and "group or others" in r.output, r.output
+    # From stdin, as the playbooks and fab pass it.
+    out = tmp_path / "b1"
+    r = runner.invoke(
+        cli,
+        ["backup", *base, "--out", str(out), "--backup-key-file", "-"],
+        input=KEY.decode() + "\n",
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["applied_index"] == 2
+    good = key_file(tmp_path / "good.key")
+    check = ["verify-backup", "--cluster-name", "lab", "--from", str(out)]
+    r = runner.invoke(cli, [*check, "--backup-key-file", str(good)])
+    assert r.exit_code == 0 and json.loads(r.output)["applied_index"] == 2, r.output
+    other = key_file(tmp_path / "other.key", b"fedcba9876543210fedcba9876543210")
+    monkeypatch.setenv("ROADLOG_BACKUP_KEY_FILE", str(other))
+    r = runner.invoke(cli, check)
+    assert r.exit_code == 1 and "HMAC does not match" in r.output, r.output
