@@ -3,9 +3,11 @@
 A ``Publisher`` keeps at most ``max_in_flight`` PublishBatch calls out to
 the queue servers (a batch that is already full, ``max_batch_bytes``, goes
 out anyway, up to ``max_full_in_flight``). Publishes made while they are
-out wait, and all of them travel together in the next call: the same thing a NATS or Kafka client
-does with its write buffer, so that a process publishing thousands of small
-batches a second pays for a few gRPC calls, not thousands. Nothing else
+out wait, and travel together in the next call, which goes out once as many
+wait as the smallest call out carries (or at once when none is out): the
+same thing a NATS or Kafka client does with its write buffer, so that a
+process publishing thousands of small batches a second pays for a few gRPC
+calls, not thousands. Nothing else
 changes: each publish is validated, stored, deduplicated (producer id and
 sequence) and answered on its own, as if it had been sent alone.
 
@@ -61,7 +63,7 @@ class Publisher:
         *,
         max_in_flight: int = 2,
         max_batch_requests: int = 1024,
-        max_batch_bytes: int = 256 << 10,
+        max_batch_bytes: int = 1 << 20,
         max_full_in_flight: int = 8,
         timeout: float = 30.0,
         client: str | None = None,
@@ -84,7 +86,8 @@ class Publisher:
         self._calls: list[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = []
         self._current = 0
         self._queue: deque[_Pending] = deque()
-        self._in_flight = 0
+        self._in_flight = 0  # calls out, and retries waiting out their backoff
+        self._flight_sizes: list[int] = []  # publishes in each call out
         self._tasks: set[asyncio.Task[None]] = set()
         self._backoff = 0.0
         self._idle = asyncio.Event()  # nothing queued, nothing out
@@ -130,21 +133,35 @@ class Publisher:
 
     # ------------------------------------------------------------ sending
 
+    def _may_send(self) -> bool:
+        """Whether the publishes waiting go out now (balanced corking):
+        - at once when no call is out (a lone publish never waits);
+        - a full batch (max_batch_bytes) at once, up to max_full_in_flight
+          calls: big publishes pipeline;
+        - otherwise, below max_in_flight, once as many publishes wait as the
+          smallest call out carries. Calls then carry about the same number
+          of publishes, as many as the publishers keep going allow, instead
+          of a call taking the few that came in while another returned: the
+          fixed cost of a call (a replication round on every node) is
+          shared by more publishes, with the same calls in flight."""
+        if not self._queue:
+            return False
+        if self._in_flight == 0:
+            return True
+        if self._queued_bytes >= self.max_batch_bytes:
+            return self._in_flight < self.max_full_in_flight
+        if self._in_flight >= self.max_in_flight:
+            return False
+        return len(self._queue) >= min(self._flight_sizes, default=1)
+
     def _pump(self) -> None:
-        """Send what waits while fewer than max_in_flight calls are out; a
-        full batch (max_batch_bytes) goes out at once, up to
-        max_full_in_flight calls: big publishes pipeline, small ones cork."""
-        while self._queue and (
-            self._in_flight < self.max_in_flight
-            or (
-                self._queued_bytes >= self.max_batch_bytes
-                and self._in_flight < self.max_full_in_flight
-            )
-        ):
+        """Send what waits, as ``_may_send`` allows."""
+        while self._may_send():
             batch = self._take()
             if not batch:
                 break
             self._in_flight += 1
+            self._flight_sizes.append(len(batch))
             task = asyncio.get_running_loop().create_task(self._send(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -183,6 +200,7 @@ class Publisher:
                 self._fail(p, RoadlogError(Code.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             self._in_flight -= 1
+            self._flight_sizes.remove(len(batch))
             self._pump()
 
     async def _call(self, batch: list[_Pending]) -> None:

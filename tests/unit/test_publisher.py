@@ -183,3 +183,60 @@ def test_a_refused_call_fails_its_publishes_at_once() -> None:
             await server.stop(None)
 
     asyncio.run(run())
+
+
+class Gated(Scripted):
+    """Stores every publish, but holds each call until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda r, n: 0)
+        self.gates: list[asyncio.Event] = []
+
+    async def handle(self, body: bytes, context: Any) -> bytes:
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+        return await super().handle(body, context)
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_a_second_call_waits_until_as_many_publish_as_the_call_out_carries() -> None:
+    """Balanced corking: a lone publish goes at once; with a call of 8 out,
+    3 waiting publishes stay corked, and the 8th one waiting sends them all
+    in the second call."""
+
+    async def run() -> list[int]:
+        h = Gated()
+        server, addr = await serve(h)
+        try:
+            async with Publisher([addr], max_in_flight=2) as pub:
+                first = [asyncio.ensure_future(pub.publish(req(0)))]
+                await _until(lambda: len(h.gates) == 1, "the lone publish to go out at once")
+                more = [asyncio.ensure_future(pub.publish(req(i))) for i in range(1, 9)]
+                await _until(lambda: len(h.gates) == 2, "the second call, of one publish")
+                h.gates[0].set()  # 7 wait now, more than the 1 of the call out
+                await _until(lambda: len(h.gates) == 3, "a call of the 7 waiting")
+                h.gates[1].set()
+                await asyncio.gather(*first, *more[:1])
+                # One call of 7 is out: 3 new publishes are fewer, and wait.
+                late = [asyncio.ensure_future(pub.publish(req(i))) for i in range(9, 12)]
+                for _ in range(20):
+                    await asyncio.sleep(0)
+                assert len(h.gates) == 3 and pub.stats.calls == 3
+                late += [asyncio.ensure_future(pub.publish(req(i))) for i in range(12, 16)]
+                await _until(lambda: len(h.gates) == 4, "a call once 7 wait")
+                for g in h.gates:
+                    g.set()
+                await asyncio.gather(*more, *late)
+                return [len(c) for c in h.calls]
+        finally:
+            await server.stop(None)
+
+    sizes = asyncio.run(run())
+    assert sizes == [1, 1, 7, 7]
