@@ -14,6 +14,14 @@ inventory: --inventory FILE, else $ROADLOG_INVENTORY, else inventory/hosts.
 The cluster logic (leader, order, health, pause) is roadlog.leadership and
 roadlog.tools.ops, tested
 without SSH; this file only moves commands and their output.
+
+SSH host keys are checked as OpenSSH does (issue 19, finding 17): a host
+must be in $ROADLOG_KNOWN_HOSTS, else in ~/.ssh/known_hosts or
+/etc/ssh/ssh_known_hosts, or fab refuses to talk to it; a changed key is
+always refused. For a first contact, ROADLOG_SSH_ACCEPT_NEW_HOST_KEYS=1
+trusts unknown hosts without checking their keys (OpenSSH's
+StrictHostKeyChecking=accept-new): it says so for every key it adds, and
+appends them to the known-hosts file for the next runs.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any
 
 from fabric import Connection, task
 from invoke.context import Context
+from paramiko import MissingHostKeyPolicy, PKey, SSHClient, SSHException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -74,11 +83,76 @@ def _inventory(path: str | None) -> dict[str, list[SshHost]]:
     return hosts_from_inventory(jsonlib.loads(out.stdout))
 
 
+KNOWN_HOSTS_ENV = "ROADLOG_KNOWN_HOSTS"
+ACCEPT_NEW_ENV = "ROADLOG_SSH_ACCEPT_NEW_HOST_KEYS"
+SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
+
+
+def _known_hosts() -> tuple[Path, list[Path]]:
+    """The known-hosts file new keys go to, and every file to read."""
+    own = os.environ.get(KNOWN_HOSTS_ENV)
+    if own:
+        return Path(own), [Path(own)]
+    user = Path("~/.ssh/known_hosts").expanduser()
+    return user, [user, SYSTEM_KNOWN_HOSTS]
+
+
+def _fingerprint(key: PKey) -> str:
+    return f"{key.get_name()} {key.fingerprint}"
+
+
+class UnknownHostKey(SSHException):
+    """The host's key is in no known-hosts file: fab does not talk to it."""
+
+
+class _RejectUnknown(MissingHostKeyPolicy):
+    def missing_host_key(self, client: SSHClient, hostname: str, key: PKey) -> None:
+        raise UnknownHostKey(
+            f"{hostname}: unknown SSH host key ({_fingerprint(key)}); add the host to "
+            f"{_known_hosts()[0]} after checking the fingerprint on the host itself "
+            f"(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub), or set {ACCEPT_NEW_ENV}=1 "
+            "for a first contact"
+        )
+
+
+class _AcceptNew(MissingHostKeyPolicy):
+    """Trust on first use, only when asked for: say so, and remember the key."""
+
+    def __init__(self, known_hosts: Path) -> None:
+        self.known_hosts = known_hosts
+
+    def missing_host_key(self, client: SSHClient, hostname: str, key: PKey) -> None:
+        print(
+            f"[fab] WARNING: {ACCEPT_NEW_ENV} is set: trusting the unknown SSH host key of "
+            f"{hostname} ({_fingerprint(key)}) WITHOUT CHECKING IT (whoever answers on that "
+            f"address gets our commands and secrets); added to {self.known_hosts}",
+            file=sys.stderr,
+            flush=True,
+        )
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        # Appended, never rewritten: the file's other lines stay as they are.
+        self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(self.known_hosts, "a") as f:
+            f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+def _check_host_keys(client: SSHClient) -> None:
+    """Load the known hosts and refuse unknown keys (Fabric would accept any)."""
+    target, files = _known_hosts()
+    for f in files:
+        if f.exists():
+            client.load_system_host_keys(str(f))  # read only: never rewritten
+    accept_new = os.environ.get(ACCEPT_NEW_ENV, "") not in ("", "0")
+    client.set_missing_host_key_policy(_AcceptNew(target) if accept_new else _RejectUnknown())
+
+
 def _connect(h: SshHost) -> Connection:
     kwargs: dict[str, Any] = {"key_filename": h.key_file} if h.key_file else {}
-    return Connection(
+    conn = Connection(
         h.address, user=h.user, port=h.port, connect_kwargs=kwargs, connect_timeout=10
     )
+    _check_host_keys(conn.client)
+    return conn
 
 
 def _run(
@@ -109,6 +183,9 @@ def _view(h: SshHost) -> HostView:
             service = _run(conn, "systemctl is-active roadlog-node", warn=True).stdout.strip()
             script = READYZ.format(port=METRICS_PORT)
             raw = conn.run(f"python3 -c {shlex.quote(script)}", hide=True, warn=True).stdout
+    except UnknownHostKey as e:  # a row, and what to do about it
+        print(f"[fab] {e}", file=sys.stderr, flush=True)
+        return HostView(host=h.name, service="ssh: unknown host key")
     except Exception as e:  # an unreachable host is a row, not a crash
         return HostView(host=h.name, service=f"ssh: {type(e).__name__}")
     try:

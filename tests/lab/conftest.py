@@ -76,9 +76,13 @@ class Deployed:
         return r.stdout
 
     def fab(self, *args: str) -> str:
+        # fab refuses unknown host keys: the lab's known_hosts holds them.
+        env = {**os.environ, "ROADLOG_INVENTORY": str(self.inventory),
+               "ROADLOG_KNOWN_HOSTS": str(self.lab.known_hosts)}  # fmt: skip
+        env.pop("ROADLOG_SSH_ACCEPT_NEW_HOST_KEYS", None)
         r = subprocess.run(
             [str(BIN / "fab"), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-            env={**os.environ, "ROADLOG_INVENTORY": str(self.inventory)},
+            env=env,
         )  # fmt: skip
         assert r.returncode == 0, f"fab {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
         return r.stdout

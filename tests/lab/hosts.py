@@ -159,6 +159,7 @@ class Lab:
         self.hosts = [LabHost(i) for i in range(1, count + 1)]
         self.key = LAB_ROOT / "id_ed25519"
         self.backup_key = LAB_ROOT / "backup.key"  # inventory/lab.ini names it
+        self.known_hosts = LAB_ROOT / "known_hosts"  # for fab (ROADLOG_KNOWN_HOSTS)
         self.inventory = LAB_ROOT / "inventory.ini"
 
     # -- bring up -----------------------------------------------------------
@@ -174,6 +175,7 @@ class Lab:
             self._boot(host)
         for host in self.hosts:
             wait_for(partial(self._ssh_ready, host), boot_timeout, f"sshd on {host.name}")
+        self._write_known_hosts()
         self._write_inventory()
         (LAB_ROOT / "lab.json").write_text(
             json.dumps({"hosts": [h.name for h in self.hosts]}, indent=2)
@@ -288,6 +290,22 @@ class Lab:
             0,
             1,
         )
+
+    def _write_known_hosts(self) -> None:
+        """The hosts' SSH keys, read from their own disks (not from the
+        network), so fab checks them (issue 19, finding 17)."""
+        lines = []
+        for host in self.hosts:
+            pubs = sorted(
+                (host.root / "etc" / "ssh").glob("ssh_host_*_key.pub"),
+                key=lambda p: (0 if "ed25519" in p.name else 1, p.name),  # ed25519 first
+            )
+            if not pubs:
+                raise RuntimeError(f"lab: {host.name} has no SSH host keys in /etc/ssh")
+            for pub in pubs:
+                kind, blob = pub.read_text().split()[:2]
+                lines.append(f"{host.ip},{host.name} {kind} {blob}\n")
+        self.known_hosts.write_text("".join(lines))
 
     def _write_inventory(self) -> None:
         self.inventory.write_text(lab_inventory([h.name for h in self.hosts]))
