@@ -39,6 +39,7 @@ from typing import Any
 from fabric import Connection, task
 from invoke.context import Context
 from paramiko import MissingHostKeyPolicy, PKey, SSHClient, SSHException
+from paramiko.hostkeys import InvalidHostKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -140,8 +141,15 @@ def _check_host_keys(client: SSHClient) -> None:
     """Load the known hosts and refuse unknown keys (Fabric would accept any)."""
     target, files = _known_hosts()
     for f in files:
-        if f.exists():
+        if not f.exists():
+            continue
+        try:
             client.load_system_host_keys(str(f))  # read only: never rewritten
+        except InvalidHostKey as e:  # e.g. @cert-authority or @revoked: fail closed
+            sys.exit(
+                f"fab: {f}: paramiko cannot read the line {e.line!r}; point "
+                f"{KNOWN_HOSTS_ENV} at a file of plain host key lines"
+            )
     accept_new = os.environ.get(ACCEPT_NEW_ENV, "") not in ("", "0")
     client.set_missing_host_key_policy(_AcceptNew(target) if accept_new else _RejectUnknown())
 

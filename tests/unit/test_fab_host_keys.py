@@ -147,3 +147,14 @@ def test_accepting_new_keys_says_so_loudly_and_remembers_them(
     assert conn.is_connected
     conn.close()
     assert "WITHOUT CHECKING" not in capsys.readouterr().err
+
+
+def test_a_known_hosts_line_paramiko_cannot_read_stops_fab(
+    server: SshServer, known_hosts: Path, host_key: paramiko.PKey
+) -> None:
+    """paramiko knows no @revoked or @cert-authority: fab fails closed."""
+    known_hosts.write_text(
+        entry(server, host_key) + f"@revoked * {host_key.get_name()} {host_key.get_base64()}\n"
+    )
+    with pytest.raises(SystemExit, match="cannot read the line"):
+        connect(server)
