@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from discovery.limits import Admission
 from discovery.protocol import Hello, Member, Rejected, ReplayGuard, decode
 
 DEFAULT_INTERVAL_MS = 1000
@@ -91,6 +92,7 @@ class DiscoveryCore:
     leader_address: str = ""
     term: int = 0
     members: tuple[Member, ...] = ()
+    admission: Admission = field(default_factory=Admission)
     _replay: ReplayGuard = field(default_factory=ReplayGuard)
     _seen_changed_ms: int = 0
     _last_seen: tuple[int, ...] = ()
@@ -99,8 +101,17 @@ class DiscoveryCore:
 
     # ------------------------------------------------------------ inputs
 
-    def receive(self, data: bytes, key: bytes, now_ms: int) -> Hello | None:
-        """A datagram arrived: accepted (and remembered) or counted."""
+    def receive(
+        self, data: bytes, key: bytes, now_ms: int, source: str | None = None
+    ) -> Hello | None:
+        """A datagram arrived: accepted (and remembered) or counted. With
+        its ``source`` address it must first get a token of the admission
+        budgets (all sources, then its own), before any MAC or JSON work."""
+        if source is not None:
+            dropped = self.admission.admit(source, now_ms)
+            if dropped is not None:
+                self.counters[dropped] += 1
+                return None
         try:
             h = decode(data, key, self.cluster, now_ms, self._replay)
         except Rejected as e:
