@@ -4,6 +4,10 @@ keeps them in memory and expires a silent member through the log.
 
 After a change of leader nobody's heartbeat is known, so every member gets
 a full session timeout of grace from the moment the new leader first looks.
+The same holds for a member's revoking partitions: one that has not
+released them a session timeout after the leader first saw them revoking
+has them taken away (through the log), so a member that stopped reading
+but still heartbeats cannot hold partitions forever.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from node_daemon.node import NotLeader, RaftNode
 from node_daemon.state.groups import check_group_name, session_timeout
 from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
-from roadlog.v1 import client_pb2, command_pb2
+from roadlog.v1 import client_pb2, command_pb2, groups_pb2
 
 log = logging.getLogger("roadlog.groups")
 
@@ -28,6 +32,8 @@ class GroupCoordinator:
     def __init__(self, node: RaftNode) -> None:
         self.node = node
         self.last_seen: dict[tuple[str, str], float] = {}
+        # (group, member) -> (its revoking partitions, when first seen so)
+        self.revoking_since: dict[tuple[str, str], tuple[tuple[int, ...], float]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -72,6 +78,7 @@ class GroupCoordinator:
             generation=g.generation,
             partitions=me.partitions,
             applied_index=self.node.sm.applied_index,
+            revoking=me.revoking,
         )
         return OpResult(response=resp.SerializeToString())
 
@@ -105,6 +112,7 @@ class GroupCoordinator:
                 await self.expire_silent()
             except NotLeader:
                 self.last_seen.clear()
+                self.revoking_since.clear()
             except Exception:
                 log.exception("expiring group members failed")
 
@@ -113,11 +121,17 @@ class GroupCoordinator:
         group's session timeout (leader only)."""
         if not self.node.is_leader:
             self.last_seen.clear()
+            self.revoking_since.clear()
             return
         now = time.monotonic()
-        for d in self.node.sm.list_groups():
+        groups = self.node.sm.list_groups()
+        live = {(d.group.name, m.member_id) for d in groups for m in d.group.members}
+        for key in self.revoking_since.keys() - live:
+            del self.revoking_since[key]
+        for d in groups:
             g = d.group
             timeout = g.session_timeout_ms / 1000
+            await self._take_held_partitions(g, now, timeout)
             expired = []
             for m in g.members:
                 key = (g.name, m.member_id)
@@ -131,3 +145,28 @@ class GroupCoordinator:
             await self.node.propose_op(command_pb2.Op(leave_group=op))
             for member_id in expired:
                 self.last_seen.pop((g.name, member_id), None)
+
+    async def _take_held_partitions(self, g: groups_pb2.Group, now: float, timeout: float) -> None:
+        """Release, without a commit, the revoking partitions of members that
+        have held them for longer than the session timeout."""
+        for m in g.members:
+            key = (g.name, m.member_id)
+            parts = tuple(m.revoking)
+            if not parts:
+                self.revoking_since.pop(key, None)
+                continue
+            seen, since = self.revoking_since.get(key, ((), now))
+            if seen != parts:
+                since = now  # a new set to give up: a new grace
+            self.revoking_since[key] = (parts, since)
+            if now - since <= timeout:
+                continue
+            log.info(
+                "taking back partitions not released in time",
+                extra={"group": g.name, "member": m.member_id, "partitions": list(parts)},
+            )
+            op = command_pb2.ReleasePartitionsOp(
+                group=g.name, member_id=m.member_id, partitions=parts
+            )
+            await self.node.propose_op(command_pb2.Op(release_partitions=op))
+            self.revoking_since.pop(key, None)

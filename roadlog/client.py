@@ -474,11 +474,15 @@ class GroupConsumer:
     to it, from the group's committed offsets on (at least once).
 
     A background thread heartbeats; when the group's generation moves on
-    (members came or went) the next ``poll`` drops partitions this member
-    lost and starts the ones it gained at their committed offsets. ``commit``
-    stores the positions reached by the pings ``poll`` returned; commits of a
-    stale generation are refused by the cluster, so a member that was
-    expired can never overwrite the offsets of the partition's new owner.
+    (members came or went) the next ``poll`` starts the partitions this
+    member gained at their committed offsets. Rebalancing is cooperative: a
+    partition that moves away is first marked revoking; ``poll`` stops
+    reading it, and the next ``commit`` (or ``poll``) stores its position
+    and releases it in one step, so its new owner starts exactly there and
+    nothing is read twice. ``commit`` stores the positions reached by the
+    pings ``poll`` returned; commits of a stale generation are refused by
+    the cluster, so a member that was expired can never overwrite the
+    offsets of the partition's new owner.
     """
 
     def __init__(
@@ -497,7 +501,8 @@ class GroupConsumer:
         self.session_timeout_ms = session_timeout_ms
         self.member_id = ""
         self.generation = 0
-        self.assigned: list[int] = []
+        self.assigned: list[int] = []  # owned and read (the revoking ones left out)
+        self.revoking: list[int] = []  # owned, moving away: commit and release them
         self.positions: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -518,7 +523,7 @@ class GroupConsumer:
         with self._lock:
             self.member_id = resp.member_id
             self._fence = max(self._fence, resp.applied_index)
-            self._assign(resp.generation, list(resp.partitions))
+            self._assign(resp.generation, list(resp.partitions), list(resp.revoking))
         if self._heartbeats is None:
             interval = max(resp.heartbeat_interval_ms / 1000, 0.1)
             self._heartbeats = threading.Thread(
@@ -526,13 +531,15 @@ class GroupConsumer:
             )
             self._heartbeats.start()
 
-    def _assign(self, generation: int, partitions: list[int]) -> None:
-        """Take the assignment of ``generation`` (with the lock held)."""
-        if generation == self.generation and partitions == self.assigned:
-            return
+    def _assign(self, generation: int, partitions: list[int], revoking: list[int]) -> None:
+        """Take the assignment of ``generation`` (with the lock held): read
+        the owned partitions that are not revoking; keep the positions of
+        every owned one (the revoking ones' are committed on release)."""
+        owned = set(partitions)
         self.generation = generation
-        self.assigned = sorted(partitions)
-        self.positions = {p: o for p, o in self.positions.items() if p in self.assigned}
+        self.revoking = sorted(owned & set(revoking))
+        self.assigned = sorted(owned - set(revoking))
+        self.positions = {p: o for p, o in self.positions.items() if p in owned}
 
     def _beat(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -545,7 +552,10 @@ class GroupConsumer:
                     timeout=max(interval, 1.0),
                 )
                 with self._lock:
-                    self._assign(resp.generation, list(resp.partitions))
+                    # The offsets a gained partition starts from were stored
+                    # at or before this index: read them there, not earlier.
+                    self._fence = max(self._fence, resp.applied_index)
+                    self._assign(resp.generation, list(resp.partitions), list(resp.revoking))
             except FailedPrecondition:  # expired: come back as the same member
                 try:
                     self.join()
@@ -567,6 +577,8 @@ class GroupConsumer:
         when every assigned partition is read to its end."""
         if not self.member_id:
             self.join()
+        if self.revoking:  # what earlier polls returned from them is done with
+            self.commit()
         with self._lock:
             assigned = list(self.assigned)
             missing = [p for p in assigned if p not in self.positions]
@@ -596,23 +608,35 @@ class GroupConsumer:
         return []
 
     def commit(self) -> bool:
-        """Store the positions reached; False if the generation moved on
-        (the positions of partitions still owned are committed next time)."""
+        """Store the positions reached, and release the revoking partitions
+        in the same step; False if the generation moved on (the positions of
+        partitions still owned are committed next time)."""
         with self._lock:
             gen = self.generation
             offsets = [
                 groups_pb2.CommittedOffset(partition=p, offset=o) for p, o in self.positions.items()
             ]
-        if not offsets or not self.member_id:
+            release = list(self.revoking)
+        if (not offsets and not release) or not self.member_id:
             return True
         req = client_pb2.CommitOffsetsRequest(
-            group=self.group, member_id=self.member_id, generation=gen, offsets=offsets
+            group=self.group,
+            member_id=self.member_id,
+            generation=gen,
+            offsets=offsets,
+            release=release,
         )
         try:
             resp = self.conn.call("CommitOffsets", req)
         except FailedPrecondition:
             return False
         self._fence = max(self._fence, resp.applied_index)
+        if release:
+            with self._lock:
+                if self.generation == gen:  # else a newer assignment says what is ours
+                    self.revoking = [p for p in self.revoking if p not in release]
+                    for p in release:
+                        self.positions.pop(p, None)
         return True
 
     def close(self, commit: bool = True) -> None:

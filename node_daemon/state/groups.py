@@ -1,11 +1,19 @@
 """Consumer groups in the state machine (applied from the log, so every
 replica holds the same groups, assignments and committed offsets).
 
-Invariants: each partition of a group's topic is assigned to exactly one
-member while the group has members (round robin over members sorted by
-id, so every replica computes the same assignment); every change of
-membership bumps the generation; an offset commit is accepted only from a
-current member, in the current generation, for partitions it owns.
+Rebalancing is cooperative. The target assignment is round robin over the
+members sorted by id (every replica computes the same). A partition whose
+owner stays goes on being read by it; one whose owner left goes to its
+target at once; one that must move stays with its owner, marked revoking,
+until the owner commits and releases it (or holds it past its session
+timeout and has it taken away), and only then goes to its target. So a
+member joining or leaving in good order makes nobody re-read anything.
+
+Invariants: each partition is owned by at most one member, and by exactly
+one while the group has members and no move is under way; ``revoking`` is a
+subset of ``partitions``; every change of membership bumps the generation;
+an offset commit is accepted only from a current member, in the current
+generation, for partitions it owns.
 """
 
 from __future__ import annotations
@@ -117,6 +125,7 @@ class GroupTables:
             partitions=me.partitions,
             heartbeat_interval_ms=g.session_timeout_ms // 3,
             applied_index=index,
+            revoking=me.revoking,
         )
 
     def leave(self, txn: Any, group: str, member_ids: list[str], partitions: int) -> int:
@@ -139,8 +148,10 @@ class GroupTables:
         req: client_pb2.CommitOffsetsRequest,
         ends: dict[int, int],
         leader_ms: int,
+        partitions: int,
     ) -> None:
-        """Store offsets; ``ends`` maps each partition to its next offset."""
+        """Store offsets (``ends`` maps each partition to its next offset),
+        then release the revoking partitions the request gives up."""
         g = self.get(txn, req.group)
         if g is None:
             raise RoadlogError(Code.NOT_FOUND, f"no group {req.group!r}")
@@ -173,6 +184,24 @@ class GroupTables:
                 _OFFSET_VAL.pack(o.offset, leader_ms),
                 db=self.offsets,
             )
+        if req.release:
+            self._release(g, me, req.release, partitions)
+            txn.put(req.group.encode(), g.SerializeToString(), db=self.groups)
+
+    def release(
+        self, txn: Any, group: str, member_id: str, parts: list[int], partitions: int
+    ) -> None:
+        """Take revoking partitions away from a member without a commit (it
+        held them too long); a member or partition gone meanwhile is no
+        error: the op may have been proposed before it left."""
+        g = self.get(txn, group)
+        if g is None:
+            return
+        me = next((m for m in g.members if m.member_id == member_id), None)
+        if me is None:
+            return
+        self._release(g, me, parts, partitions)
+        txn.put(group.encode(), g.SerializeToString(), db=self.groups)
 
     def drop_topic(self, txn: Any, topic: str) -> None:
         """Forget the groups of a deleted topic, with their offsets."""
@@ -203,13 +232,50 @@ class GroupTables:
                     break
 
     @staticmethod
-    def _rebalance(g: groups_pb2.Group, partitions: int) -> None:
+    def _targets(g: groups_pb2.Group, partitions: int) -> dict[int, str]:
+        """Partition -> member id: round robin over the members sorted by id
+        (the members are kept sorted)."""
+        ids = [m.member_id for m in g.members]
+        return {p: ids[p % len(ids)] for p in range(partitions)} if ids else {}
+
+    @classmethod
+    def _rebalance(cls, g: groups_pb2.Group, partitions: int) -> None:
+        """After a change of membership: sort the members, keep what each
+        owns, mark what must move as revoking, hand free partitions to their
+        targets at once; bump the generation."""
         members = sorted(g.members, key=lambda m: m.member_id)
-        for m in members:
-            del m.partitions[:]
-        for p in range(partitions):
-            if members:
-                members[p % len(members)].partitions.append(p)
         del g.members[:]
         g.members.extend(members)
+        targets = cls._targets(g, partitions)
+        owned = {p for m in g.members for p in m.partitions if p < partitions}
+        for m in g.members:
+            keep = [p for p in m.partitions if p < partitions]
+            free = [p for p, t in targets.items() if t == m.member_id and p not in owned]
+            _set(m.partitions, sorted({*keep, *free}))
+            _set(m.revoking, sorted(p for p in keep if targets[p] != m.member_id))
         g.generation += 1
+
+    @classmethod
+    def _release(
+        cls, g: groups_pb2.Group, me: groups_pb2.GroupMember, parts: Any, partitions: int
+    ) -> None:
+        """Move ``me``'s revoking partitions among ``parts`` to their targets;
+        others in ``parts`` (no longer revoking) stay with ``me``."""
+        revoking = set(me.revoking)
+        moving = {p for p in parts if p in revoking}
+        if not moving:
+            return
+        targets = cls._targets(g, partitions)
+        _set(me.partitions, [p for p in me.partitions if p not in moving])
+        _set(me.revoking, [p for p in me.revoking if p not in moving])
+        by_id = {m.member_id: m for m in g.members}
+        for p in sorted(moving):
+            t = by_id.get(targets.get(p, ""))
+            if t is not None and t.member_id != me.member_id:
+                _set(t.partitions, sorted({*t.partitions, p}))
+
+
+def _set(field: Any, values: list[int]) -> None:
+    """Replace a repeated scalar field's values."""
+    del field[:]
+    field.extend(values)

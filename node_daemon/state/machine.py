@@ -233,8 +233,15 @@ class StateMachine:
                 for o in commit.offsets
                 if o.partition < topic.spec.partitions
             }
-            self.groups.commit(txn, commit, ends, leader_ms)
+            self.groups.commit(txn, commit, ends, leader_ms, topic.spec.partitions)
             return client_pb2.CommitOffsetsResponse(applied_index=index).SerializeToString()
+        if kind == "release_partitions":
+            rel = op.release_partitions
+            g = self.groups.get(txn, rel.group)
+            if g is not None:
+                nparts = self._topic(txn, g.topic).spec.partitions
+                self.groups.release(txn, rel.group, rel.member_id, list(rel.partitions), nparts)
+            return b""
         if kind == "delete_group":
             self.groups.delete(txn, op.delete_group.group)
             return client_pb2.DeleteGroupResponse(

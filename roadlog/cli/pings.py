@@ -282,7 +282,12 @@ def _group_json(d: Any) -> dict[str, Any]:
         "generation": g.generation,
         "session_timeout_ms": g.session_timeout_ms,
         "members": [
-            {"member_id": m.member_id, "client_id": m.client_id, "partitions": list(m.partitions)}
+            {
+                "member_id": m.member_id,
+                "client_id": m.client_id,
+                "partitions": list(m.partitions),
+                "revoking": list(m.revoking),
+            }
             for m in g.members
         ],
         "offsets": {str(o.partition): o.offset for o in d.offsets},

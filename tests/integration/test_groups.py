@@ -1,6 +1,7 @@
 """Consumer groups end to end: `roadlog consume --group` processes share a
-topic's partitions, take over from a member that was SIGKILLed, and resume
-from the committed offsets after a restart."""
+topic's partitions, hand them over to a newcomer without re-reading any,
+take over from a member that was SIGKILLed, and resume from the committed
+offsets after a restart."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from roadlog.client import Admin, Connection, NotFound, Producer
+from roadlog.client import Admin, Connection, GroupConsumer, NotFound, Producer
 from roadlog.runtime.processes import alive, wait_dead
 from roadlog.tools.localcluster import LocalCluster
 from tests.integration.conftest import create_topic, make_pings, wait_for
@@ -91,6 +92,7 @@ def describe(conn: Connection) -> dict[str, Any]:
     return {
         "generation": d.group.generation,
         "members": {m.member_id: list(m.partitions) for m in d.group.members},
+        "revoking": sorted(p for m in d.group.members for p in m.revoking),
         "offsets": {o.partition: o.offset for o in d.offsets},
     }
 
@@ -101,7 +103,8 @@ def group_has(conn: Connection, n: int) -> bool:
     except Exception:
         return False
     parts = sorted(p for ps in g["members"].values() for p in ps)
-    return len(g["members"]) == n and parts == list(range(PARTS))
+    settled = not g["revoking"] and all(g["members"].values())  # no move under way
+    return len(g["members"]) == n and parts == list(range(PARTS)) and settled
 
 
 def ends(conn: Connection) -> dict[int, int]:
@@ -141,14 +144,22 @@ def test_members_share_partitions_take_over_and_resume(
         assert shown["generation"] == g["generation"]
 
         c = members(lc, "c")
-        wait_for(lambda: group_has(conn, 3), 60, "a third member getting partitions")
-        assert all(len(ps) == 2 for ps in describe(conn)["members"].values())
+        wait_for(
+            lambda: (
+                group_has(conn, 3)
+                and all(len(ps) == 2 for ps in describe(conn)["members"].values())
+            ),
+            60,
+            "a third member getting its partitions, once their owners released them",
+        )
         publish(conn, "p1", 600, 600)
         wait_for(lambda: everything_read(conn, [a, b, c]), 60, "three members reading everything")
-        # Old owners may read the moved partitions' new pings before they hear
-        # of the new generation (at least once); their commits are fenced, so
-        # the new owner starts from the last commit and reads them too.
         wait_for(lambda: bool(c.rows()), 60, "the third member reading its partitions")
+        # Joins in good order move partitions cooperatively (the old owner
+        # commits and releases, then the new one starts there): no ping was
+        # read twice, by one member or by two.
+        rows = a.rows() + b.rows() + c.rows()
+        assert len(rows) == len(set(rows)), "pings read twice while members joined"
 
         b.stop(signal.SIGKILL)  # no leave: the leader expires it after 4 s
         gen = describe(conn)["generation"]
@@ -190,3 +201,51 @@ def test_members_share_partitions_take_over_and_resume(
         with pytest.raises(NotFound):  # read at the delete's index: gone
             Admin(conn).describe_group(GROUP, min_applied_index=deleted["applied_index"])
         wait_for(lambda: Admin(conn).list_groups() == [], 10, "the group gone from the list")
+
+
+def _read(member: GroupConsumer, rows: list[tuple[int, int]]) -> None:
+    """One poll; every ping it returns recorded as (partition, offset)."""
+    for f in member.poll(max_pings=50):
+        rows += [(f.partition, f.base_offset + i) for i in range(len(f.pings))]
+
+
+def test_a_newcomer_starts_where_the_old_owner_stopped_nothing_is_read_twice(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """The re-read of issue 21: a member that has read (but not yet
+    committed) pings of a partition that moves to a newcomer. The partition
+    stays with it until it commits and releases; the newcomer starts there."""
+    lc = make_cluster(3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn, partitions=PARTS)
+        publish(conn, "p1", 0, 1200)
+        a = GroupConsumer(conn, "munich", "coop", client="a", session_timeout_ms=3000)
+        b = GroupConsumer(conn, "munich", "coop", client="b", session_timeout_ms=3000)
+        read_a: list[tuple[int, int]] = []
+        read_b: list[tuple[int, int]] = []
+        try:
+            a.join()
+            for _ in range(PARTS):  # a reads part of every partition, commits nothing
+                _read(a, read_a)
+            assert {p for p, _ in read_a} == set(range(PARTS))
+            b.join()
+            assert b.assigned == []  # nothing moves before a gives it up
+            wait_for(lambda: bool(a.revoking), 30, "a hearing that partitions move")
+            moving = list(a.revoking)
+            _read(a, read_a)  # releases them, with their positions, before reading on
+            assert a.revoking == [] and not set(a.assigned) & set(moving)
+            wait_for(lambda: b.assigned == moving, 30, "b owning them")
+            total = sum(ends(conn).values())
+            for _ in range(200):
+                _read(a, read_a)
+                _read(b, read_b)
+                a.commit()
+                b.commit()
+                if len(set(read_a) | set(read_b)) >= total:
+                    break
+            assert len(set(read_a) | set(read_b)) == total  # everything read
+            assert not set(read_a) & set(read_b), "pings read by both members"
+            assert len(read_a) == len(set(read_a)) and len(read_b) == len(set(read_b))
+        finally:
+            b.close()
+            a.close()

@@ -53,14 +53,30 @@ class Cluster:
         op = command_pb2.LeaveGroupOp(group="dash", member_ids=members, reason="expired")
         self.ok(command_pb2.Op(leave_group=op))
 
-    def commit(self, member: str, gen: int, offsets: dict[int, int]) -> OpResult:
+    def commit(
+        self, member: str, gen: int, offsets: dict[int, int], release: list[int] | None = None
+    ) -> OpResult:
         req = client_pb2.CommitOffsetsRequest(
             group="dash",
             member_id=member,
             generation=gen,
             offsets=[groups_pb2.CommittedOffset(partition=p, offset=o) for p, o in offsets.items()],
+            release=release or [],
         )
         return self.apply(command_pb2.Op(commit_offsets=command_pb2.CommitOffsetsOp(request=req)))
+
+    def revoking(self) -> dict[str, list[int]]:
+        g = self.sm.describe_group("dash").group
+        return {m.member_id: list(m.revoking) for m in g.members if m.revoking}
+
+    def settle(self) -> dict[str, list[int]]:
+        """Every member commits nothing new and releases what it must give up."""
+        gen = self.sm.describe_group("dash").group.generation
+        for member, parts in self.revoking().items():
+            res = self.commit(member, gen, {}, release=parts)
+            assert res.code == Code.OK, res.message
+        assert self.revoking() == {}
+        return self.assignment()
 
     def publish(self, client: str, at_ms: int, n: int = 3) -> None:
         cols = PingColumns.from_columns(
@@ -91,11 +107,11 @@ def test_members_share_the_partitions_and_every_change_bumps_the_generation(c: C
     b = c.join("b")
     assert b.generation == 2
     assert_partitioned(c.assignment())
-    assert len(c.assignment()["a"]) == len(c.assignment()["b"]) == 3
+    assert len(c.settle()["a"]) == len(c.assignment()["b"]) == 3
     assert c.join("b").generation == 2  # a rejoin of a member changes nothing
     c.join("c")
     assert_partitioned(c.assignment())
-    assert all(len(ps) == 2 for ps in c.assignment().values())
+    assert all(len(ps) == 2 for ps in c.settle().values())
     c.leave("b")
     assert set(c.assignment()) == {"a", "c"}
     assert_partitioned(c.assignment())
@@ -107,7 +123,7 @@ def test_commits_are_fenced_by_generation_and_ownership(c: Cluster) -> None:
     a = c.join("a")
     assert c.commit("a", a.generation, {0: 1}).code == Code.OK
     b = c.join("b")
-    mine_b = c.assignment()["b"]
+    mine_b = c.settle()["b"]
     stale = c.commit("a", a.generation, {mine_b[0]: 1})
     assert stale.code == Code.FAILED_PRECONDITION and "stale generation" in stale.message
     not_owned = c.commit("a", b.generation, {mine_b[0]: 1})
@@ -121,6 +137,58 @@ def test_commits_are_fenced_by_generation_and_ownership(c: Cluster) -> None:
     assert c.commit("b", b.generation, {mine_b[0]: end}).code == Code.OK
     offsets = {o.partition: o.offset for o in c.sm.describe_group("dash").offsets}
     assert offsets == {0: 1, mine_b[0]: end}
+
+
+def test_a_join_moves_a_partition_only_once_its_owner_commits_and_releases_it(
+    c: Cluster,
+) -> None:
+    """Cooperative rebalance: the newcomer gets a partition only when its
+    owner has stored its position and given it up, in one entry, so the
+    newcomer starts exactly there and nothing is read twice."""
+    c.publish("x", T0, n=40)
+    a = c.join("a")
+    b = c.join("b")
+    assert c.assignment() == {"a": list(range(PARTS)), "b": []}  # nothing moved yet
+    moving = c.revoking()["a"]
+    assert len(moving) == PARTS // 2 and list(b.partitions) == []
+    ends = {p.partition: p.next_offset for p in c.sm.describe("munich").partitions}
+    # Still a's: it may commit them (in the new generation), and keeps the rest.
+    done = {moving[0]: ends[moving[0]]}
+    assert c.commit("a", b.generation, done, release=[moving[0]]).code == Code.OK
+    after = c.assignment()
+    assert moving[0] in after["b"] and moving[0] not in after["a"]
+    assert c.revoking()["a"] == moving[1:]
+    offsets = {o.partition: o.offset for o in c.sm.describe_group("dash").offsets}
+    assert offsets[moving[0]] == ends[moving[0]]  # where b starts
+    # Releasing a partition that is not revoking keeps it.
+    kept = [p for p in after["a"] if p not in moving]
+    assert c.commit("a", b.generation, {}, release=kept[:1]).code == Code.OK
+    assert kept[0] in c.assignment()["a"]
+    assert a.generation < b.generation
+    assert_partitioned(c.settle())
+
+
+def test_a_partition_held_too_long_is_taken_back_and_a_leaver_frees_its_own_at_once(
+    c: Cluster,
+) -> None:
+    c.join("a")
+    c.join("b")
+    held = c.revoking()["a"]
+    op = command_pb2.ReleasePartitionsOp(group="dash", member_id="a", partitions=held)
+    c.ok(command_pb2.Op(release_partitions=op))
+    assert c.revoking() == {} and c.assignment()["b"] == held
+    c.ok(command_pb2.Op(release_partitions=op))  # again: a no longer has them, no change
+    assert c.assignment()["b"] == held
+    c.join("c")
+    gone = c.assignment()["a"]
+    assert c.revoking()["a"]  # part of them were about to move
+    c.leave("a")  # a's partitions, revoking or not, go to their targets at once
+    assert_partitioned(c.assignment())
+    assert "a" not in c.assignment()
+    settled = {
+        p for m, ps in c.assignment().items() for p in ps if p not in c.revoking().get(m, [])
+    }
+    assert set(gone) <= settled
 
 
 def test_bad_group_requests_change_nothing(c: Cluster) -> None:
