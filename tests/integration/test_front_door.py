@@ -175,7 +175,10 @@ def test_http_api_operations_and_errors(make_cluster: Callable[..., LocalCluster
     assert sorted(p["ts_ms"] for p in read) == [now + i for i in range(30)]
     assert {p["speed_mps"] for p in read} == {4.0} and read[0]["heading_deg"] is None
 
-    before = http("GET", f"{base}/v1/topics/munich")[2]["partition_states"]
+    # Read at the publish's index: an unfenced read may come from a node
+    # that has not applied it yet (and would not equal the read after).
+    described = f"{base}/v1/topics/munich?min_applied_index={pub['applied_index']}"
+    before = http("GET", described)[2]["partition_states"]
     bad_cases: list[tuple[str, str, Any, bytes | None, int, str]] = [
         ("POST", "/v1/topics/munich/pings", None, b"{not json", 400, "not JSON"),
         ("POST", "/v1/topics/munich/pings", [1, 2], None, 400, "JSON object"),
@@ -222,8 +225,20 @@ def test_http_api_operations_and_errors(make_cluster: Callable[..., LocalCluster
         assert code == want, (path, body, got)
         assert words in got["error"]["reason"], (path, got)
         assert set(got["error"]) == {"code", "reason"}
-    after = http("GET", f"{base}/v1/topics/munich")[2]["partition_states"]
-    assert after == before  # nothing stored by any of them
+    # One good ping after them all, read at its index: had any bad request
+    # stored something, it would be in the counts by then.
+    code, _, mark = http(
+        "POST", f"{base}/v1/topics/munich/pings", {"client_id": "c", "pings": pings[:1]}
+    )
+    assert code == 200 and mark["count"] == 1
+    [marked] = mark["offsets"]
+    fenced = f"{base}/v1/topics/munich?min_applied_index={mark['applied_index']}"
+    after = http("GET", fenced)[2]["partition_states"]
+    grown = {
+        a["partition"]: a["next_offset"] - b["next_offset"]
+        for a, b in zip(after, before, strict=True)
+    }
+    assert grown == {p: int(p == marked["partition"]) for p in grown}  # only the good ping
     assert all(alive(p.pid) for p in [*lc.nodes, *lc.queue_servers])
 
     # No node at all: 503 with Retry-After once the request's deadline passes.
