@@ -5,6 +5,19 @@ gRPC API takes and goes through the same queues.
 Errors are JSON ``{"error": {"code": "...", "reason": "..."}}``: 4xx when the
 client is at fault, 503 with Retry-After when there is no leader or the
 queues are full, 504 when no answer came before the deadline.
+
+Connections are bounded (issue 19, finding 12) with aiohttp's server knobs
+(``runner``): a connection with no complete request line and headers within
+``IDLE_TIMEOUT_S`` of its start or of the previous answer is closed
+(aiohttp's ``keepalive_timeout``, which in the aiohttp we lock, 3.14, also
+runs from the start of a connection and is not reset by the bytes of a
+request still incomplete: aiohttp has no separate header-read timeout), and request
+lines, header fields and the number of headers are limited
+(``max_line_size``, ``max_field_size``, ``max_headers``). aiohttp has no
+body-read timeout either: a body that stops arriving (no byte of it for
+``BODY_IDLE_S``, as nginx's ``client_body_timeout``) is answered 408 here,
+and the connection is closed after at most ``LINGER_S`` (``lingering_time``:
+how long aiohttp reads and drops the rest of a body it did not use).
 """
 
 from __future__ import annotations
@@ -38,6 +51,12 @@ MAX_FETCH_PINGS = 100_000
 MAX_CLIENT_ID = 128
 RETRY_AFTER_S = "1"
 TIMEOUT_HEADER = "X-Timeout-Ms"
+IDLE_TIMEOUT_S = 10.0  # no complete request (line + headers) for this long: closed
+BODY_IDLE_S = 10.0  # no byte of a request body for this long: 408
+LINGER_S = 2.0  # the unread rest of a body (after 408, 413, 404 ...) is drained this long at most
+MAX_LINE_BYTES = 8190  # the request line (aiohttp's default, stated)
+MAX_FIELD_BYTES = 8190  # one header field
+MAX_HEADERS = 64
 
 # roadlog's codes as HTTP statuses (the HTTP edge of roadlog.errors); 500 else.
 HTTP_STATUS = {
@@ -78,19 +97,45 @@ async def errors_as_json(
     except web.HTTPException as e:  # 404 for unknown paths, 405, 413 ...
         if e.status < 400:
             raise
-        code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "PAYLOAD_TOO_LARGE"}.get(
-            e.status, "INVALID_ARGUMENT"
-        )
-        return error_response(e.status, code, e.reason or e.text or "")
+        code = {
+            404: "NOT_FOUND",
+            405: "METHOD_NOT_ALLOWED",
+            408: "REQUEST_TIMEOUT",
+            413: "PAYLOAD_TOO_LARGE",
+        }.get(e.status, "INVALID_ARGUMENT")
+        resp = error_response(e.status, code, e.reason or e.text or "")
+        if e.status == 408:
+            resp.force_close()  # the rest of a slow body is not waited for
+        return resp
     except Exception as e:  # a bug: say so in JSON, keep serving
         log.exception("HTTP request failed", extra={"path": request.path})
         return error_response(500, "INTERNAL", f"{type(e).__name__}: {e}")
 
 
 class HttpApi:
-    def __init__(self, call: Call, status: Callable[[], client_pb2.ClusterStatus]) -> None:
+    def __init__(
+        self,
+        call: Call,
+        status: Callable[[], client_pb2.ClusterStatus],
+        body_idle_s: float = BODY_IDLE_S,
+    ) -> None:
         self._call = call
         self._status = status
+        self.body_idle_s = body_idle_s
+
+    def runner(
+        self, idle_timeout_s: float = IDLE_TIMEOUT_S, linger_s: float = LINGER_S
+    ) -> web.AppRunner:
+        """The app with its connection bounds (see the module's doc)."""
+        return web.AppRunner(
+            self.app(),
+            access_log=None,
+            keepalive_timeout=idle_timeout_s,
+            lingering_time=linger_s,
+            max_line_size=MAX_LINE_BYTES,
+            max_field_size=MAX_FIELD_BYTES,
+            max_headers=MAX_HEADERS,
+        )
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=HTTP_BODY_BYTES, middlewares=[errors_as_json])
@@ -148,7 +193,7 @@ class HttpApi:
         )
 
     async def create_topic(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await _json_object(request, self.body_idle_s)
         name = _str(body, "name", required=True, max_len=63)
         region = body.get("region")
         bbox = body.get("bbox")
@@ -208,7 +253,7 @@ class HttpApi:
         return web.json_response(topic_json(d))
 
     async def publish(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await _json_object(request, self.body_idle_s)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
         pings = body.get("pings")
         if isinstance(pings, list) and len(pings) > 1000:  # seconds of work: off the loop
@@ -278,8 +323,27 @@ class HttpApi:
 INLINE_JSON_BYTES = 64 << 10
 
 
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+async def _read_body(request: web.Request, idle_s: float) -> bytes:
+    """The whole body (``request.read``, with its size limit), or 408 once
+    no byte of it arrived for ``idle_s``."""
+    read = asyncio.ensure_future(request.read())
+    received = request.content.total_bytes
+    try:
+        while True:
+            done, _ = await asyncio.wait([read], timeout=idle_s)
+            if done:
+                return read.result()
+            if request.content.total_bytes == received:
+                raise web.HTTPRequestTimeout(
+                    reason=f"no byte of the request body arrived for {idle_s:g} s"
+                )
+            received = request.content.total_bytes
+    finally:
+        read.cancel()
+
+
+async def _json_object(request: web.Request, body_idle_s: float) -> dict[str, Any]:
+    raw = await _read_body(request, body_idle_s)
     try:
         if len(raw) <= INLINE_JSON_BYTES:
             body = json.loads(raw)

@@ -399,7 +399,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     http_runner = None
     if cfg.http_listen:
         host, _, port = cfg.http_listen.rpartition(":")
-        http_runner = web.AppRunner(HttpApi(qs.call, qs.status).app(), access_log=None)
+        http_runner = HttpApi(qs.call, qs.status).runner()  # with its connection bounds
         await http_runner.setup()
         await web.TCPSite(http_runner, host or "0.0.0.0", int(port)).start()
     agent = None

@@ -1,0 +1,162 @@
+"""The queue server's HTTP API bounds its connections (issue 19, finding 12):
+a half-sent request is cut after the idle timeout (a byte now and then does
+not keep it), so is an idle keep-alive connection; a body that does not
+arrive in time gets 408 and the connection closes; an over-long request line
+is refused. A real aiohttp server on loopback, raw sockets as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from queue_server.http_api import MAX_LINE_BYTES, HttpApi
+from roadlog.v1 import client_pb2
+
+pytestmark = pytest.mark.unit
+
+IDLE_S = 0.5
+BODY_S = 0.5
+LINGER_S = 0.2
+DEADLINE_S = 10.0  # far more than either timeout: a hang fails, not blocks
+
+
+async def never_called(method: str, body: bytes, timeout: float | None, client: str) -> bytes:
+    raise AssertionError(f"{method} reached the queues")
+
+
+def status() -> client_pb2.ClusterStatus:
+    return client_pb2.ClusterStatus(leader=1)
+
+
+Scenario = Callable[[int], Awaitable[None]]
+
+
+def serve(scenario: Scenario) -> None:
+    async def main() -> None:
+        api = HttpApi(never_called, status, body_idle_s=BODY_S)
+        runner = api.runner(idle_timeout_s=IDLE_S, linger_s=LINGER_S)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = runner.addresses[0][1]
+            await scenario(port)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+async def closed_within(reader: asyncio.StreamReader, deadline_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and how long that took."""
+    t0 = time.monotonic()
+    data = await asyncio.wait_for(reader.read(), deadline_s)  # read() ends at EOF
+    return data, time.monotonic() - t0
+
+
+def test_a_half_sent_request_line_is_cut_after_the_idle_timeout() -> None:
+    async def scenario(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        writer.write(b"GET /v1/topi")
+        await writer.drain()
+        data, _ = await closed_within(reader, DEADLINE_S)
+        took = time.monotonic() - t0
+        assert data == b"", data  # closed, nothing answered
+        assert IDLE_S * 0.8 <= took < IDLE_S + 2, took
+        writer.close()
+
+    serve(scenario)
+
+
+def test_a_byte_now_and_then_does_not_keep_a_half_sent_request_alive() -> None:
+    async def scenario(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        drip = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+        eof = asyncio.ensure_future(reader.read())
+        for b in drip:
+            if eof.done() or time.monotonic() - t0 > DEADLINE_S:
+                break
+            writer.write(bytes([b]))
+            await asyncio.wait([eof], timeout=0.05)  # one byte every 50 ms
+        data = await asyncio.wait_for(eof, DEADLINE_S)
+        took = time.monotonic() - t0
+        assert data == b"" and took < IDLE_S + 2, (data, took)
+        writer.close()
+
+    serve(scenario)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() -> None:
+    async def scenario(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        data, took = await closed_within(reader, DEADLINE_S)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["ok"] is True
+        assert took < IDLE_S + 2, took
+        writer.close()
+
+    serve(scenario)
+
+
+def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes() -> None:
+    async def scenario(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/topics HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"name": '
+        )
+        await writer.drain()
+        data, took = await closed_within(reader, DEADLINE_S)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), data
+        error: dict[str, Any] = json.loads(body)["error"]
+        assert error["code"] == "REQUEST_TIMEOUT" and "no byte" in error["reason"], error
+        assert BODY_S * 0.8 <= took < BODY_S + LINGER_S + 2, took
+        writer.close()
+
+    serve(scenario)
+
+
+def test_an_over_long_request_line_is_refused() -> None:
+    async def scenario(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        path = b"/v1/topics/" + b"a" * (MAX_LINE_BYTES + 10)
+        writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        data, _ = await closed_within(reader, DEADLINE_S)
+        assert data.split(b" ", 2)[1] in (b"400", b"414"), data[:200]
+        writer.close()
+
+    serve(scenario)
+
+
+def test_a_body_that_keeps_coming_is_read_even_past_the_idle_timeout() -> None:
+    async def scenario(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"name": "munich", "partitions": 4}'
+        writer.write(
+            b"POST /v1/topics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        t0 = time.monotonic()
+        for i in range(0, len(body), 9):  # a slow link: a piece every 0.3 s
+            writer.write(body[i : i + 9])
+            await writer.drain()
+            await asyncio.sleep(BODY_S * 0.6)
+        assert time.monotonic() - t0 > BODY_S * 2
+        data, _ = await closed_within(reader, DEADLINE_S)
+        # Read whole and judged on its content (no region: 400), not cut with 408.
+        assert data.startswith(b"HTTP/1.1 400"), data[:300]
+        writer.close()
+
+    serve(scenario)
