@@ -80,6 +80,10 @@ class NodeConfig:
     voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
     dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
     trim_interval_s: int = key(60, "how often the leader applies retention through the log")
+    # Room kept free on the data directory's filesystem: below it the node
+    # (as leader) refuses appends, topic creates and heat maps, but serves
+    # reads and takes deletes; a snapshot needs about the state's size.
+    min_free_bytes: int = key(512 << 20, "below this many free bytes, refuse growing writes")
     log_level: str = key("info", "debug, info, warning or error")
 
     def validate(self) -> None:

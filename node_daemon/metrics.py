@@ -44,3 +44,15 @@ PEER_MESSAGES_SENT = Counter(
     "roadlog_peer_messages_sent_total", "Raft messages sent to peers, by type", ["type"]
 )
 SNAPSHOT_INDEX = Gauge("roadlog_snapshot_index", "index of the snapshot the log is compacted to")
+DISK_FREE_BYTES = Gauge(
+    "roadlog_disk_free_bytes", "free bytes on the data directory's filesystem (last look)"
+)
+DISK_LOW = Gauge(
+    "roadlog_disk_low",
+    "1 while the disk is below min_free_bytes or a write waits for room (growing writes refused)",
+)
+STORAGE_FULL_RETRIES = Counter(
+    "roadlog_storage_full_retries_total",
+    "log writes, applies and snapshot installs tried again for want of space",
+    ["what"],
+)

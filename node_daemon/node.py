@@ -37,6 +37,7 @@ from typing import Any
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
+from node_daemon.disk import DiskGuard
 from node_daemon.raft import (
     ApplyJob,
     ConfChange,
@@ -50,6 +51,7 @@ from node_daemon.raft import (
     ReadyDriver,
     Role,
     Snapshot,
+    StorageFullError,
     bootstrap,
 )
 from node_daemon.raft_log import LmdbLogStorage
@@ -155,6 +157,10 @@ class RaftNode:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: BaseException | None = None  # of a write or an apply: fatal
+        # Out of space is not fatal: the write or apply is retried until it
+        # goes through, and growing proposals are refused meanwhile.
+        self.disk = DiskGuard(str(data), cfg.min_free_bytes, time.monotonic)
+        self._full_logged = float("-inf")
         self._notified_applied = self.sm.applied_index
         self._loop: asyncio.AbstractEventLoop
         # The one Ready loop (persist, send, apply, advance); this class gives
@@ -196,6 +202,7 @@ class RaftNode:
         NotLeader when this node cannot take it (the client retries)."""
         if self.core.role != Role.LEADER:
             raise NotLeader(self.core.lead)
+        self.disk.refuse(op.WhichOneof("op"), self.id)
         fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
         self._ops.append((op, fut))
         self._ops_taken.clear()
@@ -405,25 +412,40 @@ class RaftNode:
     def _write_log(self, w: LogWrite) -> bool:
         if not self.log_store.writes(w.entries, w.snapshot, w.sync):
             # Only the commit index moved: nothing touches the disk, no thread hop.
-            self.log_store.save(w.hard_state, w.entries, w.snapshot, w.sync)
-            return True
+            try:
+                self.log_store.save(w.hard_state, w.entries, w.snapshot, w.sync)
+                return True
+            except StorageFullError as e:
+                self._out_of_space(e, "log write", lambda: self._save(w))
+                return False
+        self._save(w)
+        return False
+
+    def _save(self, w: LogWrite) -> None:
+        """Persist ``w`` on the log's thread; report it, or try it again
+        after a backoff while there is no room for it."""
+        if self._stopping:
+            return
         fut = self._loop.run_in_executor(
             self._log_io, self.log_store.save, w.hard_state, w.entries, w.snapshot, w.sync
         )
-        fut.add_done_callback(lambda f: self._completed(f, lambda _: self.driver.write_done(w)))
-        return False
+        fut.add_done_callback(
+            lambda f: self._completed(
+                f, lambda _: self._written(w), retry=("log write", lambda: self._save(w))
+            )
+        )
+
+    def _written(self, w: LogWrite) -> None:
+        self.disk.write_succeeded()
+        self.driver.write_done(w)
 
     def _apply_job(self, job: ApplyJob) -> bool:
         """Install a snapshot (on the apply thread, once a snapshot being
         taken is done), or apply committed entries: small ones right here
         (LMDB without fsync takes less than a thread hop), big ones on the
         apply thread. The driver hands out one job at a time."""
-        loop = self._loop
         if job.snapshot is not None:
-            task = loop.create_task(self._install_snapshot(job.snapshot))
-            task.add_done_callback(
-                lambda t: self._completed(t, lambda _: self.driver.apply_done(job))
-            )
+            self._install(job)
             return False
         entries = job.entries
         # Results are built only while a proposal of this node waits (every
@@ -431,29 +453,83 @@ class RaftNode:
         # can be applied): a follower's applies answer nobody.
         wanted = len(self._pending) > 0
         if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
-            self._resolve(entries, self.sm.apply(entries, wanted))
-            return True
+            try:
+                self._resolve(entries, self.sm.apply(entries, wanted))
+                return True
+            except StorageFullError as e:  # nothing of it applied: again, on the thread
+                self._out_of_space(e, "apply", lambda: self._apply_on_thread(job))
+                return False
+        self._apply_on_thread(job)
+        return False
+
+    def _apply_on_thread(self, job: ApplyJob) -> None:
+        if self._stopping:
+            return
+        entries = job.entries
 
         def applied(results: list[list[OpResult]]) -> None:
+            self.disk.write_succeeded()
             self._resolve(entries, results)
             self.driver.apply_done(job)
 
-        fut = loop.run_in_executor(self._apply_io, self.sm.apply, entries, wanted)
-        fut.add_done_callback(lambda f: self._completed(f, applied))
-        return False
+        fut = self._loop.run_in_executor(
+            self._apply_io, self.sm.apply, entries, len(self._pending) > 0
+        )
+        fut.add_done_callback(
+            lambda f: self._completed(
+                f, applied, retry=("apply", lambda: self._apply_on_thread(job))
+            )
+        )
 
-    def _completed(self, fut: asyncio.Future[Any], report: Callable[[Any], None]) -> None:
+    def _install(self, job: ApplyJob) -> None:
+        if self._stopping or job.snapshot is None:
+            return
+        task = self._loop.create_task(self._install_snapshot(job.snapshot))
+        task.add_done_callback(
+            lambda t: self._completed(
+                t,
+                lambda _: self.driver.apply_done(job),
+                retry=("snapshot install", lambda: self._install(job)),
+            )
+        )
+
+    def _completed(
+        self,
+        fut: asyncio.Future[Any],
+        report: Callable[[Any], None],
+        retry: tuple[str, Callable[[], None]] | None = None,
+    ) -> None:
         """A write or an apply finished: report it to the driver (or keep
-        its error for the driver task to raise), and wake the driver task."""
+        its error for the driver task to raise; or, when it failed for want
+        of space and can be retried, try it again later), and wake the
+        driver task."""
         if self._stopping:
             return
         if fut.cancelled():
             self._failure = asyncio.CancelledError()
         elif (exc := fut.exception()) is not None:
+            if isinstance(exc, StorageFullError) and retry is not None:
+                self._out_of_space(exc, *retry)
+                return
             self._failure = exc
         else:
             report(fut.result())
         self._wakeup.set()
+
+    def _out_of_space(self, err: StorageFullError, what: str, retry: Callable[[], None]) -> None:
+        """No room for a write or an apply: nothing of it was stored. Try it
+        again after a backoff (Raft cannot skip it); refuse growing writes
+        meanwhile (DiskGuard). Logged at most every 10 s."""
+        wait = self.disk.write_failed()
+        metrics.STORAGE_FULL_RETRIES.labels(what.split()[0]).inc()
+        now = time.monotonic()
+        if now - self._full_logged > 10:
+            self._full_logged = now
+            log.error(
+                "out of space; retrying, and refusing growing writes",
+                extra={"what": what, "error": str(err), "retry_s": wait},
+            )
+        self._loop.call_later(wait, retry)
 
     async def _install_snapshot(self, snap: Snapshot) -> None:
         await self.snapshots.taken()  # its thread reads the state being replaced
@@ -516,6 +592,8 @@ class RaftNode:
 
     def _observe(self) -> None:
         core = self.core
+        metrics.DISK_FREE_BYTES.set(self.disk.free_now)
+        metrics.DISK_LOW.set(int(self.disk.low))
         metrics.ROLE.set(int(core.role))
         metrics.TERM.set(core.term)
         metrics.COMMIT_INDEX.set(core.log.committed)

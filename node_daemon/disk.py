@@ -1,0 +1,89 @@
+"""Free space on the data directory's filesystem, and what a node does when
+it runs low: it keeps serving reads and keeps its log and state consistent,
+but, as leader, refuses operations that grow the data until there is room.
+
+Two signals say the disk is low: a periodic look at the filesystem (free
+bytes below ``min_free_bytes``), and a write that failed for want of space
+(``StorageFullError``: the disk, or the LMDB map at its maximum size). A
+failed log write or apply is retried, with backoff, until it goes through
+(see ``RaftNode``); it is never given up, since Raft cannot skip a write.
+
+Invariant: ``low`` is True from a failed write until a retry of it goes
+through, and whenever the last look found less than ``min_free_bytes``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from roadlog.errors import Code, RoadlogError
+
+LOOK_EVERY_S = 0.25  # statvfs is cheap, but not free for every proposal
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 2.0
+
+# The operations that grow what a node stores; refused while the disk is low.
+# Everything else is small, and some of it frees space (delete_topic, trim).
+GROWING_OPS = frozenset({"append", "create_topic", "put_heatmap"})
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of path."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass
+class DiskGuard:
+    """Whether a node's disk is too full to take growing writes."""
+
+    path: str
+    min_free_bytes: int
+    clock: Callable[[], float]
+    free: Callable[[str], int] = free_bytes
+    free_now: int = -1  # at the last look
+    _looked: float = float("-inf")
+    _failed: bool = False  # a write failed for want of space, and no retry went through yet
+    _retry_s: float = field(default=RETRY_FIRST_S)
+
+    def look(self, force: bool = False) -> None:
+        """Read the free space (at most every LOOK_EVERY_S unless forced)."""
+        now = self.clock()
+        if not force and now - self._looked < LOOK_EVERY_S:
+            return
+        self._looked = now
+        try:
+            self.free_now = self.free(self.path)
+        except OSError:
+            return  # keep the last figure: an unreadable path says nothing
+
+    @property
+    def low(self) -> bool:
+        self.look()
+        return self._failed or 0 <= self.free_now < self.min_free_bytes
+
+    def write_failed(self) -> float:
+        """A write failed for want of space: low from now on; the seconds to
+        wait before trying it again (doubling, up to RETRY_MAX_S)."""
+        self._failed = True
+        wait = self._retry_s
+        self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+        return wait
+
+    def write_succeeded(self) -> None:
+        """A retried write went through."""
+        self._failed = False
+        self._retry_s = RETRY_FIRST_S
+
+    def refuse(self, op_kind: str | None, node_id: int) -> None:
+        """Raise RESOURCE_EXHAUSTED for a growing op while the disk is low."""
+        if op_kind in GROWING_OPS and self.low:
+            free = f"{self.free_now / 2**20:.0f} MiB free" if self.free_now >= 0 else "full"
+            raise RoadlogError(
+                Code.RESOURCE_EXHAUSTED,
+                f"node {node_id}'s disk is nearly full ({free}, min_free_bytes "
+                f"{self.min_free_bytes / 2**20:.0f} MiB): writes are refused until space "
+                "is freed (delete topics, shorten retention, or add disk); reads go on",
+            )
