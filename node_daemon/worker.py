@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -322,10 +323,13 @@ class WorkHandler:
         )
 
     async def init_producer(self, item: work_pb2.WorkItem) -> OpResult:
+        """Issue a producer id chosen at random (63 bits): a publish can name
+        only an id it was given, not guess the next one. A clash with an id
+        issued meanwhile is refused by the state machine (ABORTED: ask again)."""
         req = client_pb2.InitProducerRequest.FromString(item.request)
-        return await self.node.propose_op(
-            command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id=req.client_id))
-        )
+        pid = secrets.randbits(63) or 1
+        op = command_pb2.InitProducerOp(client_id=req.client_id, producer_id=pid)
+        return await self.node.propose_op(command_pb2.Op(init_producer=op))
 
     async def join_group(self, item: work_pb2.WorkItem) -> OpResult:
         return await self.groups.join(item.request)

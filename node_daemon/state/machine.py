@@ -59,10 +59,17 @@ _PART_VAL = struct.Struct(">QQq")
 _BATCH_HDR = struct.Struct(">Iq")  # count, append ms
 _SEQ = struct.Struct(">QQI")
 _U64 = struct.Struct(">Q")
+
+
 _Seq = tuple[int, int, int]  # a producer's sequence, its base offset and count in a partition
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 # Operations that write topic records or partition states other than by appending.
 _FORGETTING = frozenset({"create_topic", "delete_topic", "trim"})
+
+
+def _issued_key(pid: int) -> bytes:
+    """The meta key of a producer id issued at random: its client id."""
+    return b"producer/" + _U64.pack(pid)
 
 
 @dataclass(slots=True)
@@ -119,6 +126,7 @@ class StateMachine:
         # failed transaction, a snapshot installed) forgets them all.
         self._topics: dict[str, topics_pb2.Topic] = {}
         self._states: dict[tuple[int, int], PartitionState] = {}
+        self._issued: set[int] = set()  # producer ids known to be issued
 
     def _meta_int(self, txn: Any, key: bytes) -> int:
         raw = txn.get(key, db=self.meta)
@@ -198,8 +206,15 @@ class StateMachine:
                 deleted=True, applied_index=index
             ).SerializeToString()
         if kind == "init_producer":
-            pid = self._meta_int(txn, b"next_producer_id") + 1
-            txn.put(b"next_producer_id", _U64.pack(pid), db=self.meta)
+            pid = op.init_producer.producer_id
+            if not pid:  # an entry from before random ids: the counter, as then
+                pid = self._meta_int(txn, b"next_producer_id") + 1
+                txn.put(b"next_producer_id", _U64.pack(pid), db=self.meta)
+                return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
+            if self.producer_issued(txn, pid):
+                raise RoadlogError(Code.ABORTED, f"producer id {pid} is taken: ask again")
+            txn.put(_issued_key(pid), op.init_producer.client_id.encode(), db=self.meta)
+            self._issued.add(pid)
             return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
         if kind == "trim":
             self._trim(txn, leader_ms)
@@ -346,6 +361,15 @@ class StateMachine:
         for span, row in zip(op.spans, counts, strict=True):
             pid, seq = span.producer_id, span.sequence
             if pid:
+                if not self.producer_issued(txn, pid):
+                    kept.append(False)
+                    out.append(
+                        OpResult(
+                            Code.FAILED_PRECONDITION,
+                            f"unknown producer id {pid}: get one with InitProducer",
+                        )
+                    )
+                    continue
                 seen = [
                     self._sequences(txn, pid, tid, p) if count else []
                     for p, count in zip(partitions, row, strict=True)
@@ -412,6 +436,18 @@ class StateMachine:
             )
             self._states[tid, p] = PartitionState(st.first_offset, base + count, append_ms)
         return out if results else []
+
+    def producer_issued(self, txn: Any, pid: int) -> bool:
+        """Whether producer id ``pid`` was issued by InitProducer: one of the
+        counter's (entries from before random ids) or a registered one."""
+        if pid in self._issued:
+            return True
+        if pid <= self._meta_int(txn, b"next_producer_id") or txn.get(
+            _issued_key(pid), db=self.meta
+        ):
+            self._issued.add(pid)
+            return True
+        return False
 
     def _state(self, txn: Any, tid: int, p: int) -> PartitionState:
         """``_part_state`` for appends: remembered between them."""

@@ -59,6 +59,15 @@ class Replica:
         self.index = 0
         spec = topics_pb2.TopicSpec(name="munich", region_geojson=REGION.geojson, partitions=PARTS)
         self.apply([command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))])
+        # The producer ids these tests publish with, issued as InitProducer does.
+        self.apply(
+            [
+                command_pb2.Op(
+                    init_producer=command_pb2.InitProducerOp(client_id="t", producer_id=pid)
+                )
+                for pid in (3, 8, 9)
+            ]
+        )
 
     def apply(self, ops: list[command_pb2.Op]) -> list[OpResult]:
         self.index += 1

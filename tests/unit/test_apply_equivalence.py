@@ -117,7 +117,10 @@ def test_apply_matches_the_old_append(seed: int, tmp_path: Path) -> None:
     machines = (ref, new, quiet)
     index, now = 0, T0
     state: dict[str, Any] = {}
-    first = [create("munich", 5_000), create("tiny"), create("wide")]
+    # Producer ids 1-3, issued the way entries from before random ids did
+    # (a counter), which both machines apply alike.
+    issue = command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id="c"))
+    first = [create("munich", 5_000), create("tiny"), create("wide"), issue, issue, issue]
     pending: list[list[command_pb2.Op]] = [first]
     saved: tuple[int, dict[str, Any]] | None = None
     for step in range(60):

@@ -57,6 +57,17 @@ class Log:
         assert code == Code.OK, msg
         return topics_pb2.TopicDescription.FromString(raw)
 
+    def issue(self, pid: int, client: str = "c") -> tuple[Code, str]:
+        op = command_pb2.Op(
+            init_producer=command_pb2.InitProducerOp(client_id=client, producer_id=pid)
+        )
+        [(code, _, msg)] = self.run(command_pb2.Command(leader_ms=T0, ops=[op]))
+        return code, msg
+
+    def issued(self, pid: int) -> bool:
+        with self.sm.env.begin() as txn:
+            return self.sm.producer_issued(txn, pid)
+
     def append(
         self,
         cols: PingColumns,
@@ -64,7 +75,12 @@ class Log:
         producer: int = 0,
         seq: int = 0,
         topic: str = "munich",
+        issue: bool = True,
     ) -> tuple[Code, client_pb2.PublishResponse, str]:
+        """Append; a producer id is issued first (as InitProducer does) unless
+        ``issue`` is False."""
+        if producer and issue and not self.issued(producer):
+            self.issue(producer)
         op = append_op(topic, split_by_partition(cols, 4), producer, seq)
         cmd = command_pb2.Command(leader_ms=at_ms, ops=[op])
         [(code, raw, msg)] = self.run(cmd)
@@ -169,6 +185,35 @@ def test_fetch_from_the_middle_of_a_batch_and_with_a_limit(sm: StateMachine) -> 
     got = sum(len(columnar.decode(b.batch)) for b in resp.batches)
     assert resp.batches[0].base_offset == 30 and got == 70  # whole batches, up to the limit
     assert resp.next_offset == 100 and resp.end_offset == 401
+
+
+def test_a_producer_id_never_issued_is_refused_and_cannot_hijack_one(sm: StateMachine) -> None:
+    """Finding 3 of issue 19: producer ids were handed out in order and
+    taken unchecked, so a stranger could pre-write a victim's sequences (the
+    victim then got duplicate=True for pings never stored) or block future
+    ids. Now an id must have been issued, at random, to be used."""
+    log = Log(sm)
+    log.create()
+    before = sum(len(read_all(sm, p)) for p in range(4))
+    code, _, msg = log.append(pings(5), producer=424242, seq=1, issue=False)
+    assert code == Code.FAILED_PRECONDITION and "unknown producer id 424242" in msg
+    code, _, msg = log.append(pings(5), producer=2**63 - 1, seq=2**63, issue=False)
+    assert code == Code.FAILED_PRECONDITION
+    assert sum(len(read_all(sm, p)) for p in range(4)) == before  # nothing stored
+    # Issued, it works; its sequences are its own.
+    assert log.issue(424242) == (Code.OK, "")
+    code, first, _ = log.append(pings(5), producer=424242, seq=1)
+    assert code == Code.OK and not first.duplicate
+    # The same id again (a clash the leader's draw would have to hit): refused.
+    code, msg = log.issue(424242)
+    assert code == Code.ABORTED and "taken" in msg
+    # Ids of the old counter stay valid: entries from before random ids.
+    legacy = command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id="old"))
+    [(code, raw, _)] = log.run(command_pb2.Command(leader_ms=T0, ops=[legacy]))
+    old_id = client_pb2.InitProducerResponse.FromString(raw).producer_id
+    assert code == Code.OK and old_id == 1
+    assert log.append(pings(5, start=5), producer=old_id, seq=1, issue=False)[0] == Code.OK
+    assert log.append(pings(5, start=9), producer=old_id + 1, seq=1, issue=False)[0] != Code.OK
 
 
 def test_a_retried_batch_is_stored_once_with_its_original_offsets(sm: StateMachine) -> None:
