@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -44,6 +46,25 @@ def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condi
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def settled(read: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = 30.0) -> T:
+    """``read()`` again until ``ok`` holds of its answer; that answer. For
+    reads that cannot be fenced at the write they must see (the ``roadlog``
+    CLI has no fence option; a write made by another process leaves no index
+    at hand): any node answers them, one that has not applied the write yet
+    included."""
+    seen: list[T] = []
+
+    def holds() -> bool:
+        seen[:] = [read()]
+        return ok(seen[0])
+
+    try:
+        wait_for(holds, timeout, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the last answer: {seen[0] if seen else None!r}") from None
+    return seen[0]
 
 
 def make_pings(producer: str, start: int, n: int, devices: int = 4) -> PingColumns:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.integration.conftest import settled
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +44,14 @@ def cluster_dir(tmp_path: Path) -> Iterator[Path]:
         yield d
     finally:
         roadlog("cluster", "down", "--dir", str(d), check=False)
+
+
+def read_json(*args: str) -> Any:
+    return json.loads(roadlog(*args).stdout)
+
+
+def names_listed(d: str) -> list[str]:
+    return [t["name"] for t in read_json("topic", "list", "--dir", d, "--json")]
 
 
 def roadlog_status(d: str) -> dict[str, Any]:
@@ -106,7 +116,14 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
         "--cluster",
         d,
     )
-    listed = json.loads(roadlog("topic", "list", "--cluster", d, "--json").stdout)
+    # The CLI has no fence option (min_applied_index): each read below may
+    # reach a node that has not applied the write before it yet, so it is
+    # read again until it shows the write (settled: at most 30 s).
+    listed = settled(
+        lambda: read_json("topic", "list", "--cluster", d, "--json"),
+        lambda got: [t["name"] for t in got] == ["munich"],
+        "the created topic listed",
+    )
     assert [t["name"] for t in listed] == ["munich"]
     bad = roadlog("topic", "create", "x", "--bbox", "1,2,3", "--cluster", d, check=False)
     assert bad.returncode != 0 and "bbox" in bad.stderr
@@ -117,15 +134,20 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
         out = roadlog("produce", "munich", "--file", str(path), "--cluster", d, "--json").stdout
         assert json.loads(out.strip().splitlines()[-1]) == {"acknowledged": count}
 
-    desc = json.loads(roadlog("topic", "describe", "munich", "--cluster", d, "--json").stdout)
+    desc = settled(
+        lambda: read_json("topic", "describe", "munich", "--cluster", d, "--json"),
+        lambda got: got["pings"] == 42,
+        "the produced pings described",
+    )
     assert desc["pings"] == 42 and desc["partitions"] == 4
 
-    rows = (
-        roadlog("consume", "munich", "--from-beginning", "--format", "jsonl", "--servers", servers)
-        .stdout.strip()
-        .splitlines()
-    )
-    pings = [json.loads(r) for r in rows]
+    def consumed() -> list[Any]:
+        out = roadlog(
+            "consume", "munich", "--from-beginning", "--format", "jsonl", "--servers", servers
+        )
+        return [json.loads(r) for r in out.stdout.strip().splitlines()]
+
+    pings = settled(consumed, lambda got: len(got) == 42, "the produced pings consumed")
     assert len(pings) == 42
     assert {p["device_id"] for p in pings} == {"car-0", "car-1", "car-2", "bike-7", "bus-1"}
     csv_out = (
@@ -165,11 +187,13 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
     roadlog("topic", "create", "scratch", "--bbox", "11.4,48.05,11.75,48.25", "--cluster", d)
     asked = roadlog("topic", "delete", "scratch", "--cluster", d, check=False)
     assert asked.returncode != 0  # no --yes and nobody to say yes: nothing deleted
-    names = [t["name"] for t in json.loads(roadlog("topic", "list", "--dir", d, "--json").stdout)]
-    assert sorted(names) == ["munich", "scratch"]
+    names = settled(
+        lambda: names_listed(d), lambda got: sorted(got) == ["munich", "scratch"], "scratch listed"
+    )
+    assert sorted(names) == ["munich", "scratch"]  # and the delete below finds it
     gone = json.loads(roadlog("topic", "delete", "scratch", "--yes", "--dir", d, "--json").stdout)
     assert gone["deleted"] == "scratch" and gone["applied_index"] > 0
-    names = [t["name"] for t in json.loads(roadlog("topic", "list", "--dir", d, "--json").stdout)]
+    names = settled(lambda: names_listed(d), lambda got: got == ["munich"], "scratch unlisted")
     assert names == ["munich"]
     again = roadlog("topic", "delete", "scratch", "--yes", "--dir", d, check=False)
     assert again.returncode != 0 and "no topic 'scratch'" in again.stderr

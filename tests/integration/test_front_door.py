@@ -297,6 +297,7 @@ def test_malformed_grpc_requests_get_clear_errors(
         create_topic(conn)
         Producer(conn, "munich", client="w").send_batch(make_pings("w", 0, 50))
         digest_before = Admin(conn).describe("munich").partitions
+        written = conn.fence  # the publish's index: the read after the pokes waits for it
     channel = grpc.insecure_channel(lc.servers[0])
     codes: set[grpc.StatusCode] = set()
 
@@ -326,6 +327,9 @@ def test_malformed_grpc_requests_get_clear_errors(
     assert grpc.StatusCode.INVALID_ARGUMENT in codes
     assert all(alive(p.pid) for p in [*lc.nodes, *lc.queue_servers])
     with Connection(lc.servers) as conn:
+        # A new connection knows no fence: unfenced, a node that has not
+        # applied the publish yet could answer and differ from digest_before.
+        conn.fence = written
         assert Admin(conn).describe("munich").partitions == digest_before
 
 
@@ -337,8 +341,12 @@ def test_a_flood_of_reads_does_not_stall_producers(
         create_topic(conn)
         ack = Producer(conn, "munich", client="w").send_batch(make_pings("w", 0, 4000))
         stop = time.monotonic() + 8
+        # Fenced at the publish: unfenced, a node that has not applied the
+        # topic's creation yet could answer NOT_FOUND and fail the reader.
         slow = [
-            client_pb2.FetchRequest(topic="munich", partition=p, max_pings=100_000)
+            client_pb2.FetchRequest(
+                topic="munich", partition=p, max_pings=100_000, min_applied_index=ack.applied_index
+            )
             for p, _, _ in ack.offsets
         ]
 

@@ -19,7 +19,7 @@ import pytest
 from roadlog.client import Admin, Connection, GroupConsumer, NotFound, Producer
 from roadlog.runtime.processes import alive, wait_dead
 from roadlog.tools.localcluster import LocalCluster
-from tests.integration.conftest import create_topic, make_pings, wait_for
+from tests.integration.conftest import create_topic, make_pings, settled, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -97,14 +97,31 @@ def describe(conn: Connection) -> dict[str, Any]:
     }
 
 
-def group_has(conn: Connection, n: int) -> bool:
-    try:
-        g = describe(conn)
-    except Exception:
+def has(g: dict[str, Any] | None, n: int) -> bool:
+    """``n`` members own every partition, and no move is under way."""
+    if g is None:
         return False
     parts = sorted(p for ps in g["members"].values() for p in ps)
-    settled = not g["revoking"] and all(g["members"].values())  # no move under way
-    return len(g["members"]) == n and parts == list(range(PARTS)) and settled
+    still = not g["revoking"] and all(g["members"].values())
+    return len(g["members"]) == n and parts == list(range(PARTS)) and still
+
+
+def described(conn: Connection) -> dict[str, Any] | None:
+    """The group as some node describes it (None: not known there).
+
+    The members are other processes: their joins, commits and leaves leave
+    the test no index to fence this read at, and any node answers it, one
+    that has not applied the latest of them yet included. A read that must
+    show them is read again until it does (settled), and what is checked is
+    that answer, not one read right after it (perhaps from a node behind)."""
+    try:
+        return describe(conn)
+    except Exception:
+        return None
+
+
+def group_has(conn: Connection, n: int) -> bool:
+    return has(described(conn), n)
 
 
 def ends(conn: Connection) -> dict[int, int]:
@@ -132,26 +149,37 @@ def test_members_share_partitions_take_over_and_resume(
         a, b = members(lc, "a"), members(lc, "b")
         wait_for(lambda: group_has(conn, 2), 60, "two members sharing every partition")
         wait_for(lambda: everything_read(conn, [a, b]), 60, "two members reading everything")
-        g = describe(conn)
+        g = settled(lambda: described(conn), lambda v: has(v, 2), "the two members described")
+        assert g is not None
         owned = list(g["members"].values())
         assert not set(owned[0]) & set(owned[1])  # no partition assigned twice
         cli = [sys.executable, "-m", "roadlog.cli", "group"]
         where = ["--servers", ",".join(lc.servers), "--json"]
-        listed = json.loads(subprocess.check_output([*cli, "list", *where], timeout=60))
+
+        def cli_json(*args: str) -> Any:
+            return json.loads(subprocess.check_output([*cli, *args, *where], timeout=60))
+
+        # The CLI has no fence option either.
+        listed = settled(lambda: cli_json("list"), bool, "the group listed by the CLI")
         assert [x["group"] for x in listed] == [GROUP] and listed[0]["topic"] == "munich"
-        shown = json.loads(subprocess.check_output([*cli, "describe", GROUP, *where], timeout=60))
+        shown = settled(
+            lambda: cli_json("describe", GROUP),
+            lambda v: v["generation"] >= g["generation"],
+            "the CLI describing the group at the generation the SDK saw",
+        )
         assert {m["member_id"]: m["partitions"] for m in shown["members"]} == g["members"]
         assert shown["generation"] == g["generation"]
 
         c = members(lc, "c")
-        wait_for(
-            lambda: (
-                group_has(conn, 3)
-                and all(len(ps) == 2 for ps in describe(conn)["members"].values())
+        three = settled(
+            lambda: described(conn),
+            lambda v: (
+                v is not None and has(v, 3) and all(len(m) == 2 for m in v["members"].values())
             ),
-            60,
             "a third member getting its partitions, once their owners released them",
+            60,
         )
+        assert three is not None
         publish(conn, "p1", 600, 600)
         wait_for(lambda: everything_read(conn, [a, b, c]), 60, "three members reading everything")
         wait_for(lambda: bool(c.rows()), 60, "the third member reading its partitions")
@@ -162,7 +190,7 @@ def test_members_share_partitions_take_over_and_resume(
         assert len(rows) == len(set(rows)), "pings read twice while members joined"
 
         b.stop(signal.SIGKILL)  # no leave: the leader expires it after 4 s
-        gen = describe(conn)["generation"]
+        gen = three["generation"]  # b's last generation (a read now may lag behind it)
         wait_for(
             lambda: group_has(conn, 2) and describe(conn)["generation"] > gen,
             60,
@@ -178,7 +206,13 @@ def test_members_share_partitions_take_over_and_resume(
         )
         a.stop()
         c.stop()
-        committed = describe(conn)["offsets"]
+        after_stop = settled(
+            lambda: described(conn),
+            lambda v: v is not None and v["offsets"] == ends(conn),
+            "the offsets still at the ends after the stops",
+        )
+        assert after_stop is not None
+        committed = after_stop["offsets"]
         assert committed == ends(conn)
         publish(conn, "p1", 1800, 600)
         d = members(lc, "d")

@@ -25,7 +25,8 @@ from roadlog.tools.traffic import TrafficSpec, simulate
 from spark.jobs.heatmap import AlreadyRunning, lock, main, run
 from spark.roadlog_source import plan, read_range
 from spark.standalone import local_standalone
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import settled, wait_for
+from tests.integration.test_replicated_log import digest
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +62,15 @@ def traffic(
             old = TrafficSpec(vehicles=20, duration_s=30, end_ms=end - 3_600_000, seed=6)
             for cols in simulate(region, old):
                 p.send_batch(cols)
+            written = conn.fence
+        # The Spark source plans its read on one node at that node's applied
+        # index, and takes no fence: wait until every node has applied all
+        # that was published, or a node behind would plan too few pings.
+        wait_for(
+            lambda: all(int(digest(n.address)[0]) >= written for n in lc.nodes),
+            30,
+            "every node to apply the published traffic",
+        )
         start = end - 180_000 - 1000
         yield lc, start, end + 1, in_window
     finally:
@@ -127,6 +137,7 @@ def test_the_jam_shows_up_where_it_is_and_only_contributors_see_it(
     summary = build(lc, start, end, tmp_path)
     assert summary["pings"] == n  # the old burst is outside the window
     with Connection(lc.servers) as conn:
+        conn.fence = int(str(summary["applied_index"]))  # read at the map's store, not before
         admin = Admin(conn)
         got = admin.heatmap("munich", client="alice")
         with pytest.raises(PermissionDenied):
@@ -152,6 +163,7 @@ def test_the_jam_shows_up_where_it_is_and_only_contributors_see_it(
     again = build(lc, start, end, tmp_path)
     assert again["pings"] == n
     with Connection(lc.servers) as conn:
+        conn.fence = int(str(again["applied_index"]))  # read at the new map's store
         resp = Admin(conn).heatmap("munich", client="alice")
     assert list(resp.windows) == [start] and sum(resp.heatmap.cells.pings) == n
 
@@ -237,11 +249,18 @@ def test_the_cli_builds_and_gets(
          "--out", str(tmp_path / "maps"), *where],
         check=True, env=env, timeout=300,
     )  # fmt: skip
-    out = subprocess.run(
-        [*roadlog, "heatmap", "get", "munich", "--png", str(tmp_path / "m.png"),
-         "--html", str(tmp_path / "m.html"), "--geojson", str(tmp_path / "m.geojson"), *where],
-        check=True, env=env, timeout=120, capture_output=True, text=True,
-    )  # fmt: skip
+
+    # `heatmap get` has no fence option: until the node that answers has
+    # applied the map the build stored, it has none to give (NOT_FOUND).
+    def get() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*roadlog, "heatmap", "get", "munich", "--png", str(tmp_path / "m.png"),
+             "--html", str(tmp_path / "m.html"), "--geojson", str(tmp_path / "m.geojson"),
+             *where],
+            env=env, timeout=120, capture_output=True, text=True,
+        )  # fmt: skip
+
+    out = settled(get, lambda r: r.returncode == 0, "the built heat map served to the CLI")
     assert (tmp_path / "m.png").stat().st_size > 1000 and "cells" in out.stderr
     denied = subprocess.run(
         [*roadlog, "heatmap", "get", "munich", "--json", *where],
