@@ -109,8 +109,10 @@ class Connection:
         self._current = 0
         self.metadata = (("roadlog-client", client or client_id()),)
         # Session consistency: the highest applied index any answer carried;
-        # reads that take a fence wait for it (read your writes).
+        # reads that take a fence wait for it (read your writes). Threads may
+        # share a connection: the fence only ever grows, under a lock.
         self.fence = 0
+        self._fence_lock = threading.Lock()
 
     def close(self) -> None:
         for c in self.channels:
@@ -143,8 +145,14 @@ class Connection:
         raw = self._call(method, request.SerializeToString(), timeout)
         resp: Any = (response or BY_NAME[method].response).FromString(raw)
         if "applied_index" in resp.DESCRIPTOR.fields_by_name:
-            self.fence = max(self.fence, resp.applied_index)
+            self.raise_fence(resp.applied_index)
         return resp
+
+    def raise_fence(self, index: int) -> None:
+        """Reads on this connection reflect everything up to ``index`` from now on."""
+        with self._fence_lock:
+            if index > self.fence:
+                self.fence = index
 
     def _method(self, method: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
         calls = self._calls[self._current]
@@ -630,7 +638,8 @@ class GroupConsumer:
             resp = self.conn.call("CommitOffsets", req)
         except FailedPrecondition:
             return False
-        self._fence = max(self._fence, resp.applied_index)
+        with self._lock:
+            self._fence = max(self._fence, resp.applied_index)
         if release:
             with self._lock:
                 if self.generation == gen:  # else a newer assignment says what is ours
