@@ -157,17 +157,28 @@ class Front:
     def command(self, c: Client) -> bytes:
         if not self.sim.opts.real_sm:
             return b"w%d.%d" % (c.producer, c.seq)
-        if c.seq == 0:  # the first client's first write creates the topic
+        if c.seq == 0:
+            # The first client's first write creates the topic and issues
+            # every client's producer id, as InitProducer does (a resend
+            # finds them taken: only the first op's result is the answer).
             from tests.simulation.harness import REGION
 
             spec = topics_pb2.TopicSpec(name=TOPIC, region_geojson=REGION, partitions=1)
-            op = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
+            ops = [command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))]
+            ops += [
+                command_pb2.Op(
+                    init_producer=command_pb2.InitProducerOp(
+                        client_id=f"c{k.producer}", producer_id=k.producer
+                    )
+                )
+                for k in self.clients
+            ]
         else:
             cols = PingColumns.from_columns(
                 [f"d{c.producer}"], [c.producer * TS_BASE + c.seq], [48.1], [11.5]
             )
-            op = append_op(TOPIC, [(0, cols)], c.producer, c.seq, f"c{c.producer}")
-        return command_pb2.Command(leader_ms=self.sim.now, ops=[op]).SerializeToString()
+            ops = [append_op(TOPIC, [(0, cols)], c.producer, c.seq, f"c{c.producer}")]
+        return command_pb2.Command(leader_ms=self.sim.now, ops=ops).SerializeToString()
 
     # -- what a read is -----------------------------------------------------
 

@@ -758,11 +758,12 @@ class Simulation:
                 self._check_ack(node.sm.last_results, e)
 
     def _result_of(self, node: SimNode) -> OpResult:
-        """What the worker answers for the entry the node just applied (a
-        one-op command; an append's answer is its span's)."""
+        """What the worker answers for the entry the node just applied: its
+        first op's result (a client's command is one op, or a topic create
+        followed by the producer ids it issues); an append's is its span's."""
         if not isinstance(node.sm, RealStateMachine):
             return node.sm.last_result
-        [r] = node.sm.last_results
+        r = node.sm.last_results[0]
         return r.spans[0] if r.spans else r
 
     def _check_ack(self, results: list[OpResult], e: Entry) -> None:
