@@ -42,13 +42,7 @@ import lmdb
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import _U64, StateMachine
-from roadlog.runtime.config import (
-    MIN_SECRET_BYTES,
-    PLACEHOLDERS,
-    ConfigError,
-    check_secret,
-    read_secret,
-)
+from roadlog.runtime.config import ConfigError, check_secret, check_secret_value
 
 STATE_FILE = "state.mdb"
 MANIFEST = "manifest.json"
@@ -82,36 +76,24 @@ def _sha256(path: Path) -> str:
 
 
 def check_backup_key(key: bytes) -> bytes:
-    """``key`` if it may serve as the backup key (long enough, not a
-    placeholder), else BackupError."""
-    if len(key) < MIN_SECRET_BYTES:
-        raise BackupError(f"backup key: must be at least {MIN_SECRET_BYTES} bytes")
-    if any(p in key.lower() for p in PLACEHOLDERS):
-        raise BackupError("backup key: it is a placeholder; make a random one")
-    return key
+    """``key`` if it may serve as the backup key (the cluster secret's
+    rules: long enough, not a placeholder), else BackupError."""
+    try:
+        return check_secret_value(key, "backup key")
+    except ConfigError as e:
+        raise BackupError(str(e)) from None
 
 
 def read_backup_key(path: Path | None) -> bytes:
     """The operators' backup key from its file: refused when no file is
-    given, when it is missing, readable or writable by the group or others
-    (chmod 600), shorter than 16 bytes, or a placeholder (the cluster
-    secret's rules, through ``check_secret``, plus the group bits)."""
+    given, when it is missing, open to the group or others (chmod 600),
+    shorter than 16 bytes, or a placeholder (``check_secret``'s rules)."""
     if path is None:
         raise BackupError("backup key: required (--backup-key-file, a file only operators hold)")
     try:
-        mode = path.stat().st_mode
-    except OSError as e:
-        raise BackupError(f"backup key: cannot read {path}: {e}") from None
-    if mode & 0o077:
-        raise BackupError(
-            f"backup key: {path} is open to the group or others (mode {mode & 0o777:o}): chmod 600"
-        )
-    try:
-        check_secret(path)
-        key = read_secret(path)
+        return check_secret(path, "backup key", private=0o077)
     except ConfigError as e:
-        raise BackupError(str(e).replace("secret_file:", "backup key:", 1)) from None
-    return check_backup_key(key)
+        raise BackupError(str(e)) from None
 
 
 def _manifest_mac(fields: dict[str, object], key: bytes) -> str:

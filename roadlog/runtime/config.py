@@ -75,26 +75,34 @@ MIN_SECRET_BYTES = 16
 PLACEHOLDERS = (b"change-me", b"changeme", b"placeholder")
 
 
-def check_secret(path: Path | None) -> None:
+def check_secret(path: Path | None, what: str = "secret_file", private: int = 0o007) -> bytes:
     """A daemon starts only with a real cluster secret: a file that exists,
-    is not readable by others, and holds at least MIN_SECRET_BYTES that are
-    not a placeholder (a guessable secret would let anyone compute the
-    cluster token). ConfigError says which rule failed."""
+    is not open to others (``private``: the mode bits that must be clear;
+    0o077 also closes it to the group), and holds a value ``check_secret_value``
+    takes (a guessable secret would let anyone compute the cluster token).
+    Returns the secret; ConfigError says which rule failed, named ``what``."""
     if path is None:
-        raise ConfigError("secret_file: required (the shared cluster secret)")
+        raise ConfigError(f"{what}: required (the shared cluster secret)")
     try:
         mode = path.stat().st_mode
     except OSError as e:
-        raise ConfigError(f"secret_file: cannot read {path}: {e}") from None
-    if mode & 0o007:
-        raise ConfigError(
-            f"secret_file: {path} is readable by others (mode {mode & 0o777:o}): chmod o-rwx"
+        raise ConfigError(f"{what}: cannot read {path}: {e}") from None
+    if mode & private:
+        who, fix = (
+            ("others", "chmod o-rwx") if private == 0o007 else ("the group or others", "chmod 600")
         )
-    secret = read_secret(path)
+        raise ConfigError(f"{what}: {path} is readable by {who} (mode {mode & 0o777:o}): {fix}")
+    return check_secret_value(read_secret(path), what)
+
+
+def check_secret_value(secret: bytes, what: str = "secret_file") -> bytes:
+    """``secret`` if it is at least MIN_SECRET_BYTES long and not a
+    placeholder, else ConfigError."""
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"secret_file: the secret must be at least {MIN_SECRET_BYTES} bytes")
+        raise ConfigError(f"{what}: the secret must be at least {MIN_SECRET_BYTES} bytes")
     if any(p in secret.lower() for p in PLACEHOLDERS):
-        raise ConfigError("secret_file: the secret is a placeholder; make a random one")
+        raise ConfigError(f"{what}: the secret is a placeholder; make a random one")
+    return secret
 
 
 def read_secret(path: Path | None) -> bytes:
