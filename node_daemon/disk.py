@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from roadlog.errors import Code, RoadlogError
 
@@ -46,7 +46,7 @@ class DiskGuard:
     free_now: int = -1  # at the last look
     _looked: float = float("-inf")
     _failed: bool = False  # a write failed for want of space, and no retry went through yet
-    _retry_s: float = field(default=RETRY_FIRST_S)
+    _retry_s: float = RETRY_FIRST_S
 
     def look(self, force: bool = False) -> None:
         """Read the free space (at most every LOOK_EVERY_S unless forced)."""

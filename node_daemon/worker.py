@@ -274,12 +274,8 @@ class WorkHandler:
                 call.settle_rest(err)
             return
         t0 = time.perf_counter()
-        if len(calls) == 1:
-            requests = calls[0].requests
-            owners = [(calls[0], i) for i in range(len(requests))]
-        else:
-            requests = [r for c in calls for r in c.requests]
-            owners = [(c, i) for c in calls for i in range(len(c.requests))]
+        requests = [r for c in calls for r in c.requests]
+        owners = [(c, i) for c in calls for i in range(len(c.requests))]
         now_ms = int(time.time() * 1000)
         if sum(map(len, requests)) <= INLINE_VALIDATE_BYTES:
             prepared, errors = prepare_appends(requests, self._topic_lookup, now_ms)
