@@ -741,20 +741,23 @@ class StateMachine:
         return h.digest()
 
     def write_snapshot(self, dest: str | os.PathLike[str]) -> tuple[int, int]:
-        """A compact copy of the state as one read transaction sees it, as
-        one file ``dest`` (fsynced). Returns the (applied index, applied term)
-        of that copy. Safe while another thread applies: the copy is
-        consistent at whatever index that transaction began."""
+        """A copy of the state as one read transaction sees it, as one file
+        ``dest`` (fsynced). Returns the (applied index, applied term) of that
+        copy, read from the copy itself. Safe while another thread applies:
+        the copy is consistent at whatever index its transaction began.
+
+        A page copy, not a compacting one: LMDB writes the used pages as they
+        lie (free pages included) with about a hundredth of the CPU of
+        rewriting the tree (measured: 0.015 against 1.7 CPU-seconds for
+        519 MB), and snapshots are taken every few hundred MiB of log."""
         tmp = Path(f"{dest}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        with self.env.begin() as txn:
-            index = self._meta_int(txn, b"applied_index")
-            term = self._meta_int(txn, b"applied_term")
-            self.env.copy(str(tmp), compact=True, txn=txn)
+        self.env.copy(str(tmp))
         data = tmp / "data.mdb"
         with open(data, "rb+") as f:
             os.fsync(f.fileno())
+        index, term = applied_of(tmp)
         os.replace(data, dest)
         shutil.rmtree(tmp, ignore_errors=True)
         return index, term
@@ -775,6 +778,20 @@ class StateMachine:
         os.replace(staging, self.path)
         shutil.rmtree(old, ignore_errors=True)
         self._open()
+
+
+def applied_of(directory: str | os.PathLike[str]) -> tuple[int, int]:
+    """The (applied index, applied term) recorded in a state environment's
+    copy, opened read-only and without a lock file."""
+    env = lmdb.open(str(directory), readonly=True, lock=False, max_dbs=16)
+    try:
+        meta = env.open_db(b"meta", create=False)
+        with env.begin() as txn:
+            values = [txn.get(k, db=meta) for k in (b"applied_index", b"applied_term")]
+    finally:
+        env.close()
+    index, term = (int(_U64.unpack(v)[0]) if v else 0 for v in values)
+    return index, term
 
 
 def normalized_spec(spec: topics_pb2.TopicSpec) -> topics_pb2.TopicSpec:
