@@ -29,6 +29,9 @@ command -v ssh >/dev/null 2>&1 || need_debs+=(openssh-client)
 [ -x /usr/sbin/cron ] || need_debs+=(cron)
 command -v sudo >/dev/null 2>&1 || need_debs+=(sudo)
 command -v flock >/dev/null 2>&1 || need_debs+=(util-linux)
+# Monitoring: promtool checks and tests the alert rules (a unit test); the
+# lab's monitoring host runs this Prometheus (roles/roadlog_monitoring).
+command -v promtool >/dev/null 2>&1 || need_debs+=(prometheus)
 PY=$(command -v python3.11 || echo /usr/bin/python3.11)
 if [ -x "$PY" ] && ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
   need_debs+=(python3.11-venv)
