@@ -48,6 +48,12 @@ class NodeConfig:
     )
     secret_file: Path | None = key(None, "the file holding the shared cluster secret")
     metrics_port: int = key(9400, "port of Prometheus /metrics, /healthz and /readyz")
+    # Raft traffic between nodes on a lean framed link (see peer_frames.py);
+    # peers learn the port over gRPC, so any port works. Taken by another
+    # process, the node warns and peers stream over gRPC on `listen`.
+    peer_frames_port: int = key(
+        7401, "TCP port of the framed Raft peer link on listen's host (0: any; -1: off)"
+    )
     queue_servers: list[str] = key(
         help="HOST:PORT,... of the queue servers to pull work from", factory=list
     )
@@ -104,6 +110,8 @@ class NodeConfig:
             check_address(q, "queue_servers")
         if self.peers and self.node_id not in self.peers:
             raise ConfigError(f"peers: must include this node ({self.node_id})")
+        if not -1 <= self.peer_frames_port <= 65535:
+            raise ConfigError("peer_frames_port: must be in -1..65535 (-1: off, 0: any)")
         if not 10 <= self.tick_ms <= 10_000:
             raise ConfigError("tick_ms: must be in 10..10000")
         if self.snapshot_entries < 1 or self.snapshot_bytes < 1:

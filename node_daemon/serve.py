@@ -135,6 +135,9 @@ async def serve(cfg: NodeConfig) -> None:
     if port == 0:
         raise ConfigError(f"listen: cannot bind {cfg.listen}")
     await server.start()
+    if cfg.peer_frames_port >= 0:
+        host = cfg.listen.rpartition(":")[0].strip("[]")
+        await node.transport.start_frames(host, cfg.peer_frames_port)
     if cfg.metrics_port:
 
         def readiness_detail() -> tuple[bool, dict[str, Any]]:

@@ -1,5 +1,11 @@
-"""The gRPC peer transport: one long-lived stream to each peer, and snapshot
+"""The peer transport: one long-lived link to each peer, and snapshot
 transfer in checksummed chunks that resumes where it broke.
+
+A link is the framed peer link (``peer_frames``: length-prefixed batches on
+plain TCP, run by the event loop) where the peer offers one, which it says
+through gRPC's ``FramesEndpoint``; otherwise (frames off, or a peer of an
+older version) the gRPC stream ``RaftPeer.Stream``. Both carry the same
+``RaftBatch`` messages; snapshots always travel over gRPC.
 
 Sending never blocks the node: messages go into a bounded queue per peer and
 a task streams them; when a peer is unreachable its messages are dropped
@@ -21,6 +27,7 @@ import logging
 import os
 import time
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,7 @@ from typing import Any
 import grpc
 
 from node_daemon import metrics
+from node_daemon.peer_frames import FramesLink, FramesServer
 from node_daemon.raft import Message, MessageType
 from node_daemon.wire import message_from_pb, message_to_pb
 from roadlog.runtime.auth import cluster_token, token_metadata
@@ -71,70 +79,129 @@ def file_sha256(path: Path) -> bytes:
 
 
 class _Peer:
+    """The sending side of the link to one peer: a bounded queue of messages
+    and a task that keeps a link up and drains the queue into it."""
+
     def __init__(self, transport: PeerTransport, node_id: int, address: str) -> None:
         self.t = transport
         self.id = node_id
         self.address = address
-        self.queue: asyncio.Queue[Message] = asyncio.Queue(QUEUE_LIMIT)
+        self.pending: deque[Message] = deque()
+        self.ready = asyncio.Event()  # set when pending has messages (or a link broke)
         self.up = False
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def put(self, m: Message) -> None:
-        try:
-            self.queue.put_nowait(m)
-        except asyncio.QueueFull:
+        if len(self.pending) >= QUEUE_LIMIT:
             self.t.dropped += 1
+            return
+        self.pending.append(m)
+        self.ready.set()
+
+    def _mark_up(self, how: str) -> None:
+        if not self.up:
+            self.up = True
+            log.info("peer stream up", extra={"peer": self.id, "link": how})
+
+    def _next_batch(self) -> raft_pb2.RaftBatch:
+        """What is pending, as one batch bounded in count and bytes: a
+        catching-up follower is sent up to 64 MiB of APPENDs at once, and a
+        message past the receiver's limit would break the link."""
+        pending = self.pending
+        first = pending.popleft()
+        batch = raft_pb2.RaftBatch(cluster=self.t.cluster, messages=[message_to_pb(first)])
+        setattr(batch, "from", self.t.node_id)
+        size = _payload(first)
+        _SENT_BY_TYPE[first.type].inc()
+        while pending and len(batch.messages) < 512 and size < BATCH_BYTES:
+            m = pending.popleft()
+            size += _payload(m)
+            batch.messages.append(message_to_pb(m))
+            _SENT_BY_TYPE[m.type].inc()
+        metrics.PEER_STREAM_WRITES.inc()
+        return batch
+
+    async def _wait_pending(self, link: FramesLink | None = None) -> None:
+        """Until a message is pending (or ``link`` is down)."""
+        while not self.pending and not (link is not None and link.closed):
+            self.ready.clear()
+            await self.ready.wait()
 
     async def _batches(self) -> AsyncIterator[raft_pb2.RaftBatch]:
         while True:
-            first = await self.queue.get()
-            if not self.up:
-                self.up = True
-                log.info("peer stream up", extra={"peer": self.id})
-            batch = raft_pb2.RaftBatch(cluster=self.t.cluster, messages=[message_to_pb(first)])
-            setattr(batch, "from", self.t.node_id)
-            size = _payload(first)
-            # Bounded in count and bytes: a catching-up follower is sent up to
-            # 64 MiB of APPENDs at once, and a stream message past the
-            # receiver's limit would break the stream and start over.
-            _SENT_BY_TYPE[first.type].inc()
-            while not self.queue.empty() and len(batch.messages) < 512 and size < BATCH_BYTES:
-                m = self.queue.get_nowait()
-                size += _payload(m)
-                batch.messages.append(message_to_pb(m))
-                _SENT_BY_TYPE[m.type].inc()
-            metrics.PEER_STREAM_WRITES.inc()
-            yield batch
+            await self._wait_pending()
+            self._mark_up("grpc")
+            yield self._next_batch()
 
     async def _run(self) -> None:
         # One channel for the peer's lifetime, reconnecting fast: a channel
         # made while the peer was down would otherwise back off for seconds
         # after it came back, and elections would wait for it.
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as ch:
-            await self._stream_forever(ch)
+            await self._link_forever(ch)
 
-    async def _stream_forever(self, ch: grpc.aio.Channel) -> None:
+    async def _frames_port(self, stub: raft_pb2_grpc.RaftPeerAsyncStub) -> int:
+        """The peer's framed link port (0: it offers none)."""
+        if not self.t.use_frames:
+            return 0
+        try:
+            reply = await stub.FramesEndpoint(
+                raft_pb2.FramesEndpointRequest(cluster=self.t.cluster),
+                metadata=token_metadata(self.t.token),
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return 0  # a peer of an older version: its gRPC stream
+            raise
+        return int(reply.port)
+
+    async def _frames(self, port: int) -> None:
+        """Drain the queue into a framed link until the link breaks."""
+        host = self.address.rpartition(":")[0].strip("[]")
+        link = await FramesLink.connect(host, port, self.t.cluster, self.t.secret, self.t.node_id)
+        broke = asyncio.get_running_loop().create_task(link.wait_closed())
+        broke.add_done_callback(lambda _: self.ready.set())
+        try:
+            while True:
+                await self._wait_pending(link)
+                if link.closed:
+                    raise ConnectionError("frames link is down")
+                self._mark_up("frames")
+                await link.send(self._next_batch().SerializeToString())
+        finally:
+            broke.cancel()
+            link.close()
+
+    async def _link_forever(self, ch: grpc.aio.Channel) -> None:
         stub = raft_pb2_grpc.RaftPeerStub(ch)
         backoff = 0.02
         while True:
             started = time.monotonic()
             try:
-                await stub.Stream(
-                    self._batches(), metadata=token_metadata(self.t.token), wait_for_ready=True
-                )
+                port = await self._frames_port(stub)
+                if port:
+                    await self._frames(port)
+                else:
+                    await stub.Stream(
+                        self._batches(), metadata=token_metadata(self.t.token), wait_for_ready=True
+                    )
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:
                 if self.up:
                     log.info("peer stream down", extra={"peer": self.id, "code": e.code().name})
+            except OSError as e:  # ConnectionError and TimeoutError too
+                if self.up:
+                    log.info("peer stream down", extra={"peer": self.id, "error": repr(e)})
             except Exception:
                 log.exception("peer stream failed", extra={"peer": self.id})
             self.up = False
             if time.monotonic() - started > 1.0:
                 backoff = 0.02  # it was working: retry soon
             # Whatever was queued is stale now: drop it, tell Raft, retry.
-            while not self.queue.empty():
-                if self.queue.get_nowait().type == MessageType.SNAPSHOT:
+            while self.pending:
+                if self.pending.popleft().type == MessageType.SNAPSHOT:
                     self.t._snapshot_lost(self.id)
                 self.t.dropped += 1
             self.t.on_unreachable(self.id)
@@ -157,6 +224,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self.node_id = node_id
         self.cluster = cluster
         self.token = cluster_token(secret, cluster)
+        self.secret = secret
+        self.use_frames = True  # dial peers' framed links where they offer one
+        self.frames: FramesServer | None = None
         self.snapshot_dir = snapshot_dir
         self.on_message = on_message
         self.on_unreachable = on_unreachable
@@ -207,7 +277,26 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             SNAPSHOT_START_TIMEOUT_S, self._snapshot_lost, to
         )
 
+    async def start_frames(self, host: str, port: int) -> int:
+        """Offer the framed peer link on (host, port) (0: any free port);
+        returns the port, or 0 when it could not bind: peers then use the
+        gRPC stream, and the node runs as before."""
+        server = FramesServer(self.cluster, self.secret, self._receive, self._reject)
+        try:
+            bound = await server.start(host, port)
+        except OSError as e:
+            log.warning(
+                "peer frames off: cannot bind its port; peers stream over gRPC",
+                extra={"port": port, "error": str(e)},
+            )
+            return 0
+        self.frames = server
+        log.info("peer frames listening", extra={"port": bound})
+        return bound
+
     async def close(self) -> None:
+        if self.frames is not None:
+            await self.frames.close()
         for p in self.peers.values():
             p.task.cancel()
         for p in self.peers.values():
@@ -227,15 +316,32 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             if batch.cluster != self.cluster:
                 self.rejected += 1
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
-            for pb in batch.messages:
-                try:
-                    if pb.has_snapshot:
-                        self._start_fetch(pb)
-                    else:
-                        self.on_message(message_from_pb(pb))
-                except ValueError:
-                    self.rejected += 1
+            self._receive(batch)
         return raft_pb2.StreamClosed()
+
+    def _reject(self) -> None:
+        self.rejected += 1
+
+    def _receive(self, batch: raft_pb2.RaftBatch) -> None:
+        """Hand a batch's messages to Raft (a SNAPSHOT once its file is here)."""
+        for pb in batch.messages:
+            try:
+                if pb.has_snapshot:
+                    self._start_fetch(pb)
+                else:
+                    self.on_message(message_from_pb(pb))
+            except ValueError:
+                self.rejected += 1
+
+    async def FramesEndpoint(
+        self,
+        request: raft_pb2.FramesEndpointRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> raft_pb2.FramesEndpointReply:
+        if request.cluster != self.cluster:  # the cluster token is checked by ClusterAuth
+            self.rejected += 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
+        return raft_pb2.FramesEndpointReply(port=self.frames.port if self.frames else 0)
 
     async def FetchSnapshot(
         self, request: raft_pb2.SnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]

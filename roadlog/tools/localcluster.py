@@ -163,6 +163,8 @@ class LocalCluster:
                         peers,
                         "--metrics-port",
                         str(mport),
+                        "--peer-frames-port",
+                        str(free_port()),
                         "--queue-servers",
                         qlist,
                         "--discovery-port",

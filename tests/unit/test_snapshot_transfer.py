@@ -34,6 +34,11 @@ class FlakySender(raft_pb2_grpc.RaftPeerServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this test")
         return raft_pb2.StreamClosed()
 
+    async def FramesEndpoint(
+        self, request: raft_pb2.FramesEndpointRequest, context: Any
+    ) -> raft_pb2.FramesEndpointReply:
+        return raft_pb2.FramesEndpointReply(port=0)
+
     async def FetchSnapshot(
         self, request: raft_pb2.SnapshotRequest, context: Any
     ) -> AsyncIterator[raft_pb2.SnapshotChunk]:

@@ -1,0 +1,248 @@
+"""The framed peer link: frames split right however the bytes arrive, only an
+authenticated peer of this cluster gets its messages through, bad input
+closes the link without harm, and peers without frames are reached over the
+gRPC stream as before."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from node_daemon.peer_frames import (
+    _HELLO,
+    MAGIC,
+    NONCE_BYTES,
+    FrameReader,
+    FramesLink,
+    frames_key,
+    hello_mac,
+)
+from node_daemon.raft import Entry, Message, MessageType
+from node_daemon.transport import PeerTransport
+from roadlog.runtime import eventloop
+from roadlog.v1 import raft_pb2, raft_pb2_grpc
+
+pytestmark = pytest.mark.unit
+
+SECRET = b"s" * 32
+CLUSTER = "frames-test"
+
+
+def test_frame_reader_splits_frames_however_the_bytes_arrive() -> None:
+    payloads = [os.urandom(n) for n in (0, 1, 5, 300, 70_000)]
+    stream = b"".join(struct.pack("<I", len(p)) + p for p in payloads)
+    for step in (1, 3, 4, 7, 1000, len(stream)):
+        reader = FrameReader()
+        got: list[bytes] = []
+        for i in range(0, len(stream), step):
+            got += reader.feed(stream[i : i + step])
+        assert got == payloads, step
+        assert reader.buffered == 0
+
+
+def test_frame_reader_refuses_a_frame_over_the_limit() -> None:
+    reader = FrameReader(max_frame=100)
+    assert reader.feed(struct.pack("<I", 100) + b"x" * 100) == [b"x" * 100]
+    with pytest.raises(ValueError, match="over the limit"):
+        reader.feed(struct.pack("<I", 101))
+
+
+def _append(frm: int, to: int, index: int) -> Message:
+    return Message(
+        MessageType.APPEND,
+        to,
+        frm,
+        term=3,
+        index=index - 1,
+        log_term=3,
+        entries=(Entry(3, index, data=os.urandom(64)),),
+        commit=index - 1,
+    )
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def _transport(node_id: int, tmp: Path, got: list[Message]) -> PeerTransport:
+    return PeerTransport(
+        node_id,
+        CLUSTER,
+        SECRET,
+        tmp / f"snap{node_id}",
+        on_message=got.append,
+        on_unreachable=lambda to: None,
+        on_snapshot_status=lambda to, ok: None,
+        snapshot_file=lambda index, term: None,
+    )
+
+
+async def _serving(t: PeerTransport, frames: bool) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    raft_pb2_grpc.add_RaftPeerServicer_to_server(t, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    if frames:
+        assert await t.start_frames("127.0.0.1", 0) > 0
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(autouse=True, params=["uvloop", "asyncio"])
+def event_loop_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on both loops the daemons may run on (their transports differ)."""
+    monkeypatch.setenv("ROADLOG_EVENT_LOOP", request.param)
+    assert eventloop.loop_name() == request.param
+    return str(request.param)
+
+
+def _run(body: Callable[[], Awaitable[None]]) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(body(), 60)
+
+    eventloop.run(bounded())
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc-fallback"])
+def test_messages_flow_in_order_over_frames_or_the_grpc_stream(
+    tmp_path: Path, frames: bool
+) -> None:
+    async def body() -> None:
+        got_a: list[Message] = []
+        got_b: list[Message] = []
+        b = _transport(2, tmp_path, got_b)
+        server, addr = await _serving(b, frames)
+        a = _transport(1, tmp_path, got_a)
+        a.set_addresses({2: addr})
+        try:
+            sent = [_append(1, 2, i) for i in range(1, 301)]
+            for k in range(0, 300, 30):
+                a.send(sent[k : k + 30])
+                await asyncio.sleep(0)
+            await _until(lambda: len(got_b) == 300, "300 messages")
+            assert got_b == sent  # every field, in order
+            assert bool(b.frames and b.frames.connections) == frames
+            assert b.rejected == 0
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(None)
+
+    _run(body)
+
+
+async def _raw_connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    greeting = await reader.readexactly(len(MAGIC) + NONCE_BYTES)
+    assert greeting.startswith(MAGIC)
+    return reader, writer, greeting[len(MAGIC) :]
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), 5) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _batch(frm: int, cluster: str = CLUSTER, msg_from: int | None = None) -> bytes:
+    m = raft_pb2.RaftMessage(type=int(MessageType.HEARTBEAT), to=2, term=1)
+    setattr(m, "from", frm if msg_from is None else msg_from)
+    b = raft_pb2.RaftBatch(cluster=cluster, messages=[m])
+    setattr(b, "from", frm)
+    data = b.SerializeToString()
+    return struct.pack("<I", len(data)) + data
+
+
+@pytest.mark.parametrize(
+    "attack",
+    ["wrong secret", "other cluster", "message from another node", "garbage frame", "huge frame"],
+)
+def test_a_bad_peer_is_cut_off_and_nothing_it_sent_reaches_raft(
+    tmp_path: Path, attack: str
+) -> None:
+    async def body() -> None:
+        got: list[Message] = []
+        b = _transport(2, tmp_path, got)
+        server, _ = await _serving(b, True)
+        assert b.frames is not None
+        try:
+            reader, writer, nonce = await _raw_connect(b.frames.port)
+            secret = b"x" * 32 if attack == "wrong secret" else SECRET
+            writer.write(_HELLO.pack(1, hello_mac(frames_key(secret, CLUSTER), CLUSTER, nonce, 1)))
+            if attack == "other cluster":
+                writer.write(_batch(1, cluster="elsewhere"))
+            elif attack == "message from another node":
+                writer.write(_batch(1, msg_from=3))
+            elif attack == "garbage frame":
+                writer.write(struct.pack("<I", 5) + b"\xff\xff\xff\xff\xff")
+            elif attack == "huge frame":
+                writer.write(struct.pack("<I", 1 << 31))
+            else:
+                writer.write(_batch(1))
+            await writer.drain()
+            assert await _closed_by_server(reader)
+            assert got == [] and b.rejected == 1
+            writer.close()
+            # The port still serves an honest peer afterwards.
+            link = await FramesLink.connect("127.0.0.1", b.frames.port, CLUSTER, SECRET, 1)
+            payload = _batch(1)[4:]
+            await link.send(payload)
+            await _until(lambda: len(got) == 1, "the honest peer's message")
+            assert got[0].frm == 1 and got[0].type == MessageType.HEARTBEAT
+            link.close()
+        finally:
+            await b.close()
+            await server.stop(None)
+
+    _run(body)
+
+
+def test_a_link_to_a_dead_peer_breaks_and_the_sender_reconnects(tmp_path: Path) -> None:
+    """A peer that restarts on the same port is reached again: the sender
+    notices the broken link, drops what was queued, and dials anew."""
+
+    async def body() -> None:
+        got_b: list[Message] = []
+        unreachable: list[int] = []
+        b = _transport(2, tmp_path, got_b)
+        server, addr = await _serving(b, True)
+        assert b.frames is not None
+        fport = b.frames.port
+        a = _transport(1, tmp_path, [])
+        a.on_unreachable = unreachable.append
+        a.set_addresses({2: addr})
+        try:
+            a.send([_append(1, 2, 1)])
+            await _until(lambda: len(got_b) == 1, "the first message")
+            await b.close()  # the peer goes away (its gRPC server stays: the port is asked again)
+            await _until(lambda: 2 in unreachable, "the break noticed")
+            got_b.clear()
+            b2 = _transport(2, tmp_path, got_b)
+            assert await b2.start_frames("127.0.0.1", fport) == fport
+            b.frames = b2.frames  # what b's gRPC FramesEndpoint tells
+
+            async def resend() -> bool:
+                a.send([_append(1, 2, 2)])
+                await asyncio.sleep(0.05)
+                return bool(got_b)
+
+            deadline = asyncio.get_running_loop().time() + 10
+            while not await resend():
+                assert asyncio.get_running_loop().time() < deadline, "never reconnected"
+            assert got_b[0].entries[0].index == 2
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(None)
+
+    _run(body)
