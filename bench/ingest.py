@@ -205,42 +205,60 @@ def show(system: str, b: int, r: dict[str, Any], what: str = "") -> None:
     )
 
 
+# The systems a run may compare, with the extra node flags of roadlog's cases.
+SYSTEMS: dict[str, list[str]] = {
+    "roadlog": [],
+    "roadlog-unary": [],
+    "roadlog-grpc-peers": ["--peer-frames-port", "-1"],
+    "jetstream": [],
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=6.0, help="per case and round")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--batches", default="1,100,1000")
     ap.add_argument("--rounds", type=int, default=3, help="figures are the median round")
+    ap.add_argument(
+        "--systems",
+        default="roadlog,roadlog-unary,jetstream",
+        help=f"comma-separated, of: {', '.join(SYSTEMS)} (roadlog-grpc-peers: Raft over the "
+        "gRPC stream instead of the framed peer link)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     sizes = [int(b) for b in args.batches.split(",")]
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"--systems: unknown {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     cases: list[dict[str, Any]] = []
-    with roadlog_cluster() as lc:
-        cases += run_rounds(
-            "roadlog",
-            sizes,
-            args.rounds,
-            lambda b: eventloop.run(
-                roadlog_case(lc.servers[0], b, args.concurrency, args.seconds, roadlog_meter(lc))
-            ),
-        )
-    with roadlog_cluster() as lc:  # a fresh cluster: the same starting point
-        cases += run_rounds(
-            "roadlog-unary",
-            sizes,
-            args.rounds,
-            lambda b: eventloop.run(
-                roadlog_case(
-                    lc.servers[0],
-                    b,
-                    args.concurrency,
-                    args.seconds,
-                    roadlog_meter(lc),
-                    corked=False,
-                )
-            ),
-        )
+    for system in systems:
+        if system == "jetstream":
+            continue
+        # A fresh cluster per system: the same starting point.
+        with roadlog_cluster(extra=SYSTEMS[system]) as lc:
+            corked = system != "roadlog-unary"
+            cases += run_rounds(
+                system,
+                sizes,
+                args.rounds,
+                lambda b, lc=lc, corked=corked: eventloop.run(  # type: ignore[misc]
+                    roadlog_case(
+                        lc.servers[0],
+                        b,
+                        args.concurrency,
+                        args.seconds,
+                        roadlog_meter(lc),
+                        corked=corked,
+                    )
+                ),
+            )
+    if "jetstream" not in systems or "roadlog" not in systems:
+        print(write_result("ingest", {"cases": cases, "systems": systems}))
+        return 0
     with nats_cluster() as nc:
         cases += run_rounds(
             "jetstream",

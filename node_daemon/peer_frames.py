@@ -270,10 +270,9 @@ class FramesLink:
         cls, host: str, port: int, cluster: str, secret: bytes, node_id: int
     ) -> FramesLink:
         loop = asyncio.get_running_loop()
-        raw, proto = await asyncio.wait_for(
+        transport, proto = await asyncio.wait_for(
             loop.create_connection(_ClientSide, host, port), HANDSHAKE_TIMEOUT_S
         )
-        transport = cast(asyncio.Transport, raw)  # uvloop's is not a subclass
         try:
             nonce = await asyncio.wait_for(proto.nonce, HANDSHAKE_TIMEOUT_S)
             mac = hello_mac(frames_key(secret, cluster), cluster, nonce, node_id)
