@@ -27,6 +27,7 @@ from node_daemon.node import RaftNode
 from node_daemon.node_read import NodeReadService
 from node_daemon.raft import Role
 from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.state_metrics import STATE
 from node_daemon.status import node_readiness
 from node_daemon.worker import QueueServerLink, WorkHandler
 from roadlog.limits import PEER_MESSAGE_BYTES
@@ -106,6 +107,7 @@ async def serve(cfg: NodeConfig) -> None:
     if cfg.discovery and not _has_raft_state(cfg):
         cfg = await _discover(cfg, agent)
     node = RaftNode(cfg)
+    STATE.watch(node.sm)  # topics, group lag, heat-map age on /metrics
     membership = Membership(node, token, sync_addresses=discovered_peers)
     stop = asyncio.Event()
     server = grpc.aio.server(

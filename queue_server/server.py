@@ -59,6 +59,13 @@ REQUESTS = Counter(
     "roadlog_queue_requests_total", "client requests by method and outcome", ["method", "code"]
 )
 WORKERS = Gauge("roadlog_queue_connected_nodes", "nodes pulling work from this queue server")
+ANSWERED = Histogram(
+    "roadlog_queue_answer_seconds",
+    "time from a client request's arrival (gRPC or HTTP) to its answer, by method and outcome "
+    "(ok, error); for publishes: the ack latency",
+    ["method", "outcome"],
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30),
+)
 
 
 class QueueServer(work_pb2_grpc.WorkServicer):
@@ -82,6 +89,16 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     ) -> bytes:
         """Queue one client request and wait for its answer. ``client`` is
         who asks (the unit of fairness between clients)."""
+        t0 = time.monotonic()
+        outcome = "error"
+        try:
+            answer = await self._call(method, request, timeout, client)
+            outcome = "ok"
+            return answer
+        finally:
+            ANSWERED.labels(method, outcome).observe(time.monotonic() - t0)
+
+    async def _call(self, method: str, request: bytes, timeout: float | None, client: str) -> bytes:
         rpc = QUEUED[method]
         kind = rpc.kind
         assert kind is not None  # QUEUED holds the rpcs that have a queue

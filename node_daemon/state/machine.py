@@ -91,6 +91,26 @@ class PartitionState:
     last_append_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class TopicFigures:
+    """A topic as monitoring sees it (``StateMachine.monitoring_figures``)."""
+
+    name: str
+    appended: int  # pings ever appended: the sum of its partitions' next offsets
+    kept: int  # pings still stored (retention trimmed the others)
+    heatmap_computed_ms: int  # when its latest heat map was computed; 0: none yet
+    heatmap_window_end_ms: int  # the end of that heat map's window; 0: none yet
+
+
+@dataclass(frozen=True, slots=True)
+class GroupFigures:
+    """A consumer group as monitoring sees it."""
+
+    name: str
+    topic: str
+    lag: int  # pings of its topic past its committed offsets (not yet read and committed)
+
+
 class StateMachine:
     def __init__(self, path: str | os.PathLike[str], map_size: int = 4 * GiB) -> None:
         self.path = Path(path)
@@ -566,6 +586,41 @@ class StateMachine:
     def list_groups(self) -> list[groups_pb2.GroupDescription]:
         with self.env.begin() as txn:
             return [self.groups.describe(txn, n) for n in self.groups.names(txn)]
+
+    def monitoring_figures(self) -> tuple[list[TopicFigures], list[GroupFigures]]:
+        """Per topic and per consumer group, what a node exports for
+        monitoring, from one read transaction (safe beside the applier)."""
+        topics: dict[str, tuple[topics_pb2.Topic, list[PartitionState]]] = {}
+        out_topics: list[TopicFigures] = []
+        out_groups: list[GroupFigures] = []
+        with self.env.begin() as txn:
+            for _, raw in txn.cursor(db=self.topics):
+                topic = topics_pb2.Topic.FromString(raw)
+                states = [self._part_state(txn, topic.id, p) for p in range(topic.spec.partitions)]
+                topics[topic.spec.name] = (topic, states)
+                windows = self.heat.windows(txn, topic.id)
+                hm = self.heat.get(txn, topic.id, windows[-1]) if windows else None
+                out_topics.append(
+                    TopicFigures(
+                        name=topic.spec.name,
+                        appended=sum(st.next_offset for st in states),
+                        kept=sum(st.next_offset - st.first_offset for st in states),
+                        heatmap_computed_ms=hm.computed_ms if hm else 0,
+                        heatmap_window_end_ms=hm.window_end_ms if hm else 0,
+                    )
+                )
+            for name in self.groups.names(txn):
+                d = self.groups.describe(txn, name)
+                if d.group.topic not in topics:
+                    continue
+                committed = {o.partition: o.offset for o in d.offsets}
+                states = topics[d.group.topic][1]
+                lag = sum(
+                    max(0, st.next_offset - max(committed.get(p, 0), st.first_offset))
+                    for p, st in enumerate(states)
+                )
+                out_groups.append(GroupFigures(name=name, topic=d.group.topic, lag=lag))
+        return out_topics, out_groups
 
     def heatmap(
         self, req: client_pb2.GetHeatmapRequest, now_ms: int

@@ -1,6 +1,7 @@
 """The ops HTTP endpoint every daemon serves on its metrics port.
 
-- `/metrics`: Prometheus exposition (prometheus-client's default registry).
+- `/metrics`: Prometheus exposition (prometheus-client's default registry),
+  with `roadlog_ready` (1 while `/readyz` would answer 200) set at each scrape.
 - `/healthz`: liveness; 200 while the process serves requests.
 - `/readyz`: readiness; 200 when `ready()` says so, else 503. The body is
   the JSON detail `ready()` returns (role, term, leader, indexes, ...), so
@@ -28,11 +29,13 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import make_wsgi_app
+from prometheus_client import Gauge, make_wsgi_app
 
 Readiness = Callable[[], tuple[bool, dict[str, Any]]]
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
+
+READY = Gauge("roadlog_ready", "1 while the process is ready (/readyz answers 200), else 0")
 
 MAX_CONNECTIONS = 32
 IDLE_TIMEOUT_S = 5.0
@@ -89,13 +92,18 @@ class _QuietHandler(WSGIRequestHandler):
 def health_app(ready: Readiness) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
     metrics = make_wsgi_app()
 
+    def readiness() -> tuple[bool, dict[str, Any]]:
+        try:
+            ok, detail = ready()
+        except Exception as e:  # a health check must answer, not crash
+            ok, detail = False, {"error": str(e)}
+        READY.set(int(ok))
+        return ok, detail
+
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if path in ("/healthz", "/readyz"):
-            try:
-                ok, detail = ready()
-            except Exception as e:  # a health check must answer, not crash
-                ok, detail = False, {"error": str(e)}
+            ok, detail = readiness()
             if path == "/healthz":
                 status, body = "200 OK", {"live": True, "ready": ok, **detail}
             else:
@@ -106,6 +114,7 @@ def health_app(ready: Readiness) -> Callable[[dict[str, Any], StartResponse], It
                 status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
             )
             return [data]
+        readiness()  # roadlog_ready as of this scrape
         result: Iterable[bytes] = metrics(environ, start_response)
         return result
 
