@@ -60,6 +60,16 @@ MASKED_UNITS = (
     "systemd-timesyncd.service",
     "getty@tty1.service",
     "console-getty.service",
+    # Debian's prometheus (setup installs it for promtool and the lab) and
+    # what it recommends: the monitoring role unmasks Prometheus on its host.
+    "prometheus.service",
+    "prometheus-node-exporter.service",
+    "prometheus-node-exporter-apt.timer",
+    "prometheus-node-exporter-ipmitool-sensor.timer",
+    "prometheus-node-exporter-mellanox-hca-temp.timer",
+    "prometheus-node-exporter-nvme.timer",
+    "prometheus-node-exporter-smartmon.timer",
+    "smartmontools.service",
 )
 
 NET_UNIT = """[Unit]
