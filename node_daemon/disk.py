@@ -14,6 +14,7 @@ through, and whenever the last look found less than ``min_free_bytes``.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ LOOK_EVERY_S = 0.25  # statvfs is cheap, but not free for every proposal
 RETRY_FIRST_S = 0.05
 RETRY_MAX_S = 2.0
 
+# LMDB reports a write that stored fewer bytes than asked as EIO, not ENOSPC:
+# that is what a filling disk does to a commit bigger than the room left. An
+# I/O error while less than this is free is taken for a full disk.
+SHORT_WRITE_ROOM = 1 << 20
+
 # The operations that grow what a node stores; refused while the disk is low.
 # Everything else is small, and some of it frees space (delete_topic, trim).
 GROWING_OPS = frozenset({"append", "create_topic", "put_heatmap"})
@@ -33,6 +39,22 @@ def free_bytes(path: str) -> int:
     """Bytes an unprivileged writer may still use on the filesystem of path."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def full_disk_error(err: BaseException, path: str | os.PathLike[str]) -> bool:
+    """Whether a failed write to the filesystem of ``path`` was for want of
+    space: ENOSPC (LMDB's "No space left"), or an I/O error while less than
+    SHORT_WRITE_ROOM is free (a write cut short by the disk filling). An
+    I/O error with room left is a failing disk: not this."""
+    text = str(err)
+    if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in text:
+        return True
+    if getattr(err, "errno", None) == errno.EIO or "Input/output error" in text:
+        try:
+            return free_bytes(str(path)) < SHORT_WRITE_ROOM
+        except OSError:
+            return False
+    return False
 
 
 @dataclass

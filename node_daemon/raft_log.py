@@ -30,6 +30,7 @@ from typing import Any
 
 import lmdb
 
+from node_daemon.disk import full_disk_error
 from node_daemon.raft.errors import (
     CompactedError,
     StorageError,
@@ -66,12 +67,10 @@ def decode_snapshot_meta(raw: bytes) -> SnapshotMeta:
     return SnapshotMeta(index, term, ConfState.decode(raw[_SNAP.size :]))
 
 
-def _is_disk_full(err: lmdb.Error) -> bool:
-    return (
-        isinstance(err, lmdb.DiskError)
-        or "No space left" in str(err)
-        or (getattr(err, "errno", None) == errno.ENOSPC)
-    )
+def _is_disk_full(err: lmdb.Error, path: Path) -> bool:
+    """ENOSPC, LMDB's disk error, or a write cut short by the disk filling
+    (which LMDB reports as EIO): see ``full_disk_error``."""
+    return isinstance(err, lmdb.DiskError) or full_disk_error(err, path)
 
 
 class LmdbLogStorage:
@@ -291,7 +290,7 @@ class LmdbLogStorage:
                 self.env.set_mapsize(size * 2)
                 continue
             except lmdb.Error as e:
-                if _is_disk_full(e):
+                if _is_disk_full(e, self.path):
                     raise StorageFullError(f"disk full writing {self.path}: {e}") from e
                 raise StorageError(f"LMDB write failed in {self.path}: {e}") from e
             except OSError as e:

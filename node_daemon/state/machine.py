@@ -35,6 +35,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from node_daemon.disk import full_disk_error
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.state.groups import GroupTables
 from node_daemon.state.heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS, HeatmapTables
@@ -189,7 +190,7 @@ class StateMachine:
             raise StorageFullError(
                 f"state machine map full at {self.map_size} bytes in {self.path}"
             ) from None
-        if "No space left" in str(e):
+        if full_disk_error(e, self.path):  # ENOSPC, or a commit cut short (EIO)
             raise StorageFullError(f"disk full in {self.path}: {e}") from e
 
     def _apply_entry(self, txn: Any, e: Entry, results: bool = True) -> list[OpResult]:
