@@ -6,8 +6,10 @@ PYTEST := $(PY) -m pytest
 SEEDS  ?= 200
 START  ?= 0
 JOBS   ?= $(shell nproc)
+SECONDS ?= 60
+SEED    ?= 1
 
-.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration test-netns test-lab sim bench demo lock clean
+.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration test-netns test-lab sim nemesis bench demo lock clean
 
 setup:
 	./scripts/setup.sh
@@ -46,6 +48,13 @@ test: lint typecheck test-unit test-simulation test-integration test-netns test-
 
 sim: setup
 	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS) $(SIMFLAGS)
+
+# Fault injection against a cluster in network namespaces (root): SECONDS of
+# faults drawn from SEED, a history in out/nemesis/, one line of verdicts at
+# the end; exits non-zero if a property fails. NEMESISFLAGS: --kinds K,...,
+# --replay DIR/schedule.json, --subnet A.B.C, --dir DIR.
+nemesis: setup
+	$(PY) -m tests.nemesis.run --seconds $(SECONDS) --seed $(SEED) $(NEMESISFLAGS)
 
 bench: setup
 	$(PY) -m bench.storage_ceiling

@@ -95,7 +95,7 @@ class Host:
                 "--listen", self.node_address,
                 "--secret-file", str(secret or self.net.secret),
                 "--metrics-port", "9400",
-                "--discovery-broadcast", f"{SUBNET}.255",
+                "--discovery-broadcast", f"{self.net.subnet}.255",
                 "--bootstrap-expect", str(expect),
                 *(extra or []),
             ],
@@ -116,6 +116,7 @@ class Net:
     tag: str
     hosts: dict[int, Host] = field(default_factory=dict)
     secret: Path = Path()
+    subnet: str = SUBNET  # the first three octets of the /24 (the bridge is .1)
 
     @property
     def bridge(self) -> str:
@@ -123,18 +124,18 @@ class Net:
 
     def create(self) -> None:
         sh("ip", "link", "add", self.bridge, "type", "bridge")
-        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", self.bridge)
+        sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
         self.secret = self.dir / "secret"
         self.secret.write_text("netns-test-secret-0123456789\n")
         self.secret.chmod(0o600)
 
     def host(self, index: int) -> Host:
-        """Host ``index`` (10.77.0.<10 + index>), made on first use."""
+        """Host ``index`` (<subnet>.<10 + index>), made on first use."""
         if index in self.hosts:
             return self.hosts[index]
         ns, veth = f"rl{self.tag}h{index}", f"rl{self.tag}v{index}"
-        ip = f"{SUBNET}.{10 + index}"
+        ip = f"{self.subnet}.{10 + index}"
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         sh("ip", "link", "set", veth, "master", self.bridge, "up")

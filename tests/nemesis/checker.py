@@ -1,0 +1,520 @@
+"""The checker: judges a recorded history (see ``history``) property by
+property, and names the first event that breaks each.
+
+A ping is named by (producer, n): producer ``P`` sends its pings with
+n = 0, 1, 2, ... in publishes of consecutive ranges [n0, n1), one publish
+at a time. The final state is what the run read back after healing
+everything (``final_topics`` and one ``final_read`` per partition, rows
+in offset order from the partition's first offset).
+
+Properties (each a function below, over the same ``Facts``):
+
+- ``acked_exactly_once``: every ping of an acknowledged publish is stored
+  exactly once, at the offsets its acknowledgement gave.
+- ``indeterminate_at_most_once``: a publish that failed with an unknown
+  outcome stored its pings at most once; one that certainly failed, not at
+  all; nothing was stored that nobody sent.
+- ``producer_order``: in every partition, each producer's pings appear in
+  the order it sent them.
+- ``no_lost_reads``: every ping a read returned is in the final log at the
+  offset it was read at (no read saw a ping that was later lost, or a log
+  that was later rewritten).
+- ``fenced_reads``: a read fenced at index F saw every acknowledged
+  publish whose answer carried an index <= F.
+- ``group_offsets``: in log order (the commits' applied indexes), a
+  group's committed offset of a partition never goes backwards, and no
+  committed or observed offset points past the partition's end.
+- ``topics``: an acknowledged create exists at the end unless a delete of
+  it was tried; an acknowledged delete stays deleted.
+- ``replicas_identical``: at the end every node reports the same state
+  digest at the same applied index.
+- ``processes_alive``: every process that should run ran to the end.
+
+Pings of topics that saw a delete (acknowledged or not) are left out of
+the ping properties: their fate is the delete's.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.nemesis.history import Event
+
+PROPERTIES = (
+    "acked_exactly_once",
+    "indeterminate_at_most_once",
+    "producer_order",
+    "no_lost_reads",
+    "fenced_reads",
+    "group_offsets",
+    "topics",
+    "replicas_identical",
+    "processes_alive",
+)
+
+
+@dataclass
+class Failure:
+    prop: str
+    i: int  # the event of the history that shows it
+    t: float
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.prop}: {self.message} (history event {self.i}, t={self.t:.3f} s)"
+
+
+@dataclass
+class Verdict:
+    prop: str
+    checked: int = 0  # how many things were checked
+    failed: int = 0  # how many of them failed
+    failures: list[Failure] = field(default_factory=list)  # the first few, in full
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def fail(self, ev: Event, message: str) -> None:
+        self.failed += 1
+        if len(self.failures) < 20:  # the first few tell the story
+            self.failures.append(Failure(self.prop, ev.get("i", -1), ev.get("t", 0.0), message))
+
+
+@dataclass
+class Op:
+    """An invocation and its completion (``type`` "ok", "fail", "info", or
+    "open" when the history ends before it completes)."""
+
+    invoke: Event
+    done: Event | None
+
+    @property
+    def type(self) -> str:
+        return self.done["type"] if self.done is not None else "open"
+
+    @property
+    def f(self) -> str:
+        return str(self.invoke["f"])
+
+
+@dataclass
+class Facts:
+    """What the checks share, derived once from the history."""
+
+    ops: list[Op]
+    events: list[Event]
+    final_topics: dict[str, int] | None
+    final: dict[tuple[str, int], tuple[int, list[tuple[str, int]]]]  # (topic, p) -> first, rows
+    final_events: dict[tuple[str, int], Event]
+    deleted: set[str]  # topics a delete was tried on (ok or unknown)
+    sent: dict[str, list[tuple[int, int, int]]]  # producer -> sorted (n0, n1, op index)
+    counts: dict[tuple[str, int], int]  # (producer, n) -> times stored at the end
+    where: dict[tuple[str, int], tuple[str, int, int]]  # (producer, n) -> topic, p, offset
+
+
+def pair(events: Iterable[Event]) -> tuple[list[Op], list[Event]]:
+    """Operations (invoke + completion, by ``op``) and the rest, in order."""
+    ops: list[Op] = []
+    open_: dict[int, Op] = {}
+    rest: list[Event] = []
+    for ev in events:
+        if ev["type"] == "invoke":
+            op = Op(ev, None)
+            open_[ev["op"]] = op
+            ops.append(op)
+        elif "op" in ev and ev["op"] in open_:
+            open_.pop(ev["op"]).done = ev
+        else:
+            rest.append(ev)
+    return ops, rest
+
+
+def facts(events: list[Event]) -> Facts:
+    ops, rest = pair(events)
+    final_topics: dict[str, int] | None = None
+    final: dict[tuple[str, int], tuple[int, list[tuple[str, int]]]] = {}
+    final_events: dict[tuple[str, int], Event] = {}
+    for ev in rest:
+        if ev["f"] == "final_topics":
+            final_topics = {str(k): int(v) for k, v in ev["topics"].items()}
+        elif ev["f"] == "final_read":
+            key = (ev["topic"], int(ev["partition"]))
+            final[key] = (int(ev["first_offset"]), [(str(a), int(b)) for a, b in ev["rows"]])
+            final_events[key] = ev
+    deleted = {
+        op.invoke["topic"] for op in ops if op.f == "delete_topic" and op.type in ("ok", "info")
+    }
+    sent: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for k, op in enumerate(ops):
+        if op.f == "publish":
+            sent[op.invoke["producer"]].append((op.invoke["n0"], op.invoke["n1"], k))
+    for ranges in sent.values():
+        ranges.sort()
+    counts: dict[tuple[str, int], int] = Counter()
+    where: dict[tuple[str, int], tuple[str, int, int]] = {}
+    for (topic, p), (first, rows) in final.items():
+        for k, row in enumerate(rows):
+            counts[row] += 1
+            where.setdefault(row, (topic, p, first + k))
+    return Facts(ops, events, final_topics, final, final_events, deleted, dict(sent), counts, where)
+
+
+def sender(fx: Facts, producer: str, n: int) -> Op | None:
+    """The publish that sent ping (producer, n), if any."""
+    ranges = fx.sent.get(producer, [])
+    k = bisect.bisect_right(ranges, (n, float("inf"), 0)) - 1
+    if k >= 0 and ranges[k][0] <= n < ranges[k][1]:
+        return fx.ops[ranges[k][2]]
+    return None
+
+
+def _pings(op: Op) -> Iterable[tuple[str, int]]:
+    prod = op.invoke["producer"]
+    return ((prod, n) for n in range(op.invoke["n0"], op.invoke["n1"]))
+
+
+# ------------------------------------------------------------- properties
+
+
+def acked_exactly_once(fx: Facts) -> Verdict:
+    v = Verdict("acked_exactly_once")
+    if fx.final_topics is None:
+        v.fail(fx.events[-1] if fx.events else {}, "the run has no final read to check against")
+        return v
+    for op in fx.ops:
+        if op.f != "publish" or op.type != "ok" or op.invoke["topic"] in fx.deleted:
+            continue
+        assert op.done is not None
+        topic = op.invoke["topic"]
+        v.checked += 1
+        bad = [(ping, fx.counts.get(ping, 0)) for ping in _pings(op) if fx.counts.get(ping) != 1]
+        if bad:
+            (prod, n), c = bad[0]
+            v.fail(
+                op.done,
+                f"publish op {op.invoke['op']} by {prod} to {topic} was acknowledged, but "
+                f"{len(bad)} of its pings are stored other than once: ping n={n} {c} times",
+            )
+            continue
+        # The acknowledgement told the truth: its offsets hold its pings.
+        mine = set(_pings(op))
+        for p, base, count in op.done.get("offsets", []):
+            first, rows = fx.final.get((topic, p), (0, []))
+            got = rows[base - first : base - first + count] if base >= first else []
+            if len(got) != count or not set(got) <= mine:
+                v.fail(
+                    op.done,
+                    f"publish op {op.invoke['op']} was acknowledged at partition {p} offsets "
+                    f"{base}..{base + count - 1}, but the log holds other pings there",
+                )
+                break
+    return v
+
+
+def indeterminate_at_most_once(fx: Facts) -> Verdict:
+    v = Verdict("indeterminate_at_most_once")
+    if fx.final_topics is None:
+        return v
+    for op in fx.ops:
+        if op.f != "publish" or op.type == "ok" or op.invoke["topic"] in fx.deleted:
+            continue
+        ev = op.done or op.invoke
+        v.checked += 1
+        limit = 0 if op.type == "fail" else 1
+        over = [(ping, fx.counts[ping]) for ping in _pings(op) if fx.counts.get(ping, 0) > limit]
+        if over:
+            (prod, n), c = over[0]
+            what = "certainly failed" if op.type == "fail" else "ended unknown"
+            v.fail(
+                ev,
+                f"publish op {op.invoke['op']} by {prod} {what} "
+                f"({ev.get('code', '?')}: {ev.get('reason', '')[:80]}), "
+                f"yet ping n={n} is stored {c} times",
+            )
+    for (topic, p), (first, rows) in fx.final.items():
+        if topic in fx.deleted:
+            continue
+        for k, (prod, n) in enumerate(rows):
+            v.checked += 1
+            if sender(fx, prod, n) is None:
+                v.fail(
+                    fx.final_events[(topic, p)],
+                    f"{topic}/{p} offset {first + k} holds ping ({prod}, {n}) that nobody sent",
+                )
+                break
+    return v
+
+
+def producer_order(fx: Facts) -> Verdict:
+    v = Verdict("producer_order")
+    for (topic, p), (first, rows) in sorted(fx.final.items()):
+        if topic in fx.deleted:
+            continue
+        last: dict[str, tuple[int, int]] = {}
+        for k, (prod, n) in enumerate(rows):
+            v.checked += 1
+            prev = last.get(prod)
+            if prev is not None and n <= prev[0]:
+                op = sender(fx, prod, n)
+                ev = (op.done or op.invoke) if op is not None else fx.final_events[(topic, p)]
+                v.fail(
+                    ev,
+                    f"{topic}/{p}: producer {prod}'s ping n={n} at offset {first + k} comes "
+                    f"after its ping n={prev[0]} at offset {prev[1]}",
+                )
+            last[prod] = (n, first + k)
+    return v
+
+
+def _read_rows(op: Op) -> Iterable[tuple[int, tuple[str, int]]]:
+    assert op.done is not None
+    for base, rows in op.done.get("batches", []):
+        for k, (prod, n) in enumerate(rows):
+            yield base + k, (str(prod), int(n))
+
+
+def no_lost_reads(fx: Facts) -> Verdict:
+    v = Verdict("no_lost_reads")
+    if fx.final_topics is None:
+        return v
+    for op in fx.ops:
+        if op.f != "read" or op.type != "ok":
+            continue
+        assert op.done is not None
+        topic, p = op.invoke["topic"], int(op.invoke["partition"])
+        if topic in fx.deleted:
+            continue
+        first, rows = fx.final.get((topic, p), (0, []))
+        for offset, row in _read_rows(op):
+            v.checked += 1
+            if sender(fx, *row) is None:
+                v.fail(op.done, f"a read of {topic}/{p} returned ping {row}, which nobody sent")
+                break
+            if offset < first:
+                continue  # trimmed since
+            if offset >= first + len(rows):
+                v.fail(
+                    op.done,
+                    f"a read of {topic}/{p} returned ping {row} at offset {offset}, past the "
+                    f"final end {first + len(rows)}: it was read, then lost",
+                )
+                break
+            if rows[offset - first] != row:
+                v.fail(
+                    op.done,
+                    f"a read of {topic}/{p} returned ping {row} at offset {offset}; the final "
+                    f"log holds {rows[offset - first]} there: the log was rewritten",
+                )
+                break
+    return v
+
+
+def fenced_reads(fx: Facts) -> Verdict:
+    v = Verdict("fenced_reads")
+    # (topic, p) -> sorted (applied_index, end offset promised by that ack)
+    promises: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+    for op in fx.ops:
+        if op.f == "publish" and op.type == "ok":
+            assert op.done is not None
+            idx = int(op.done.get("applied_index", 0))
+            for p, base, count in op.done.get("offsets", []):
+                promises[(op.invoke["topic"], p)].append((idx, base + count))
+    best: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    for key, items in promises.items():
+        items.sort()
+        running, ends = 0, []
+        for _, end in items:
+            running = max(running, end)
+            ends.append(running)
+        best[key] = ([i for i, _ in items], ends)
+    for op in fx.ops:
+        if op.f != "read" or op.type != "ok" or not op.invoke.get("fence"):
+            continue
+        assert op.done is not None
+        key = (op.invoke["topic"], int(op.invoke["partition"]))
+        if key[0] in fx.deleted:
+            continue
+        idxs, ends = best.get(key, ([], []))
+        k = bisect.bisect_right(idxs, int(op.invoke["fence"])) - 1
+        if k < 0:
+            continue
+        v.checked += 1
+        seen_end = int(op.done.get("end_offset", 0))
+        if seen_end < ends[k]:
+            v.fail(
+                op.done,
+                f"a read of {key[0]}/{key[1]} fenced at index {op.invoke['fence']} saw the "
+                f"partition end at {seen_end}, but a publish acknowledged at or below that "
+                f"index ended at {ends[k]}",
+            )
+    return v
+
+
+def group_offsets(fx: Facts) -> Verdict:
+    v = Verdict("group_offsets")
+    ends = {key: first + len(rows) for key, (first, rows) in fx.final.items()}
+    commits = sorted(
+        (int(op.done.get("applied_index", 0)), k, op)
+        for k, op in enumerate(fx.ops)
+        if op.f == "commit" and op.type == "ok" and op.done is not None
+    )
+    last: dict[tuple[str, int], tuple[int, Op]] = {}
+    for idx, _, op in commits:
+        assert op.done is not None
+        group, topic = op.invoke["group"], op.invoke["topic"]
+        for p_raw, off in op.invoke.get("offsets", {}).items():
+            p = int(p_raw)
+            v.checked += 1
+            prev = last.get((group, p))
+            if prev is not None and off < prev[0]:
+                v.fail(
+                    op.done,
+                    f"group {group} partition {p}: commit at index {idx} by "
+                    f"{op.invoke['member']} moved the offset back from {prev[0]} (committed by "
+                    f"{prev[1].invoke['member']}) to {off}",
+                )
+            last[(group, p)] = (off, op)
+            end = ends.get((topic, p))
+            if topic not in fx.deleted and end is not None and off > end:
+                v.fail(op.done, f"group {group} committed offset {off} past the end {end} of p{p}")
+    for op in fx.ops:
+        if op.f != "describe_group" or op.type != "ok":
+            continue
+        assert op.done is not None
+        topic = op.invoke["topic"]
+        for p_raw, off in op.done.get("offsets", {}).items():
+            v.checked += 1
+            end = ends.get((topic, int(p_raw)))
+            if topic not in fx.deleted and end is not None and off > end:
+                v.fail(
+                    op.done,
+                    f"group {op.invoke['group']} shows offset {off} past the end {end} "
+                    f"of partition {p_raw}",
+                )
+    return v
+
+
+def topics(fx: Facts) -> Verdict:
+    v = Verdict("topics")
+    if fx.final_topics is None:
+        return v
+    tried_delete = {op.invoke["topic"] for op in fx.ops if op.f == "delete_topic"}
+    for op in fx.ops:
+        if op.type != "ok" or op.f not in ("create_topic", "delete_topic"):
+            continue
+        assert op.done is not None
+        name = op.invoke["topic"]
+        v.checked += 1
+        if op.f == "create_topic" and name not in tried_delete and name not in fx.final_topics:
+            v.fail(op.done, f"topic {name} was created (acknowledged) but is gone at the end")
+        if op.f == "delete_topic" and op.done.get("deleted") and name in fx.final_topics:
+            v.fail(op.done, f"topic {name} was deleted (acknowledged) but exists at the end")
+    return v
+
+
+def replicas_identical(fx: Facts) -> Verdict:
+    v = Verdict("replicas_identical")
+    evs = [ev for ev in fx.events if ev.get("f") == "digests" and ev["type"] != "invoke"]
+    if not evs:
+        v.fail(fx.events[-1] if fx.events else {}, "no digests were taken at the end")
+    for ev in evs:
+        v.checked += 1
+        nodes: dict[str, Any] = ev.get("nodes", {})
+        answered = {k: tuple(d) for k, d in nodes.items() if d}
+        if len(answered) != len(nodes):
+            silent = sorted(k for k, d in nodes.items() if not d)
+            v.fail(ev, f"node(s) {', '.join(silent)} gave no digest")
+        elif len(set(answered.values())) != 1:
+            desc = ", ".join(f"n{k}: index {d[0]} {str(d[1])[:12]}" for k, d in answered.items())
+            v.fail(ev, f"replicas differ at the end: {desc}")
+    return v
+
+
+def processes_alive(fx: Facts) -> Verdict:
+    v = Verdict("processes_alive")
+    for ev in fx.events:
+        if ev.get("f") in ("alive", "crashed") and ev["type"] != "invoke":
+            v.checked += 1
+            dead = ev.get("dead", {})
+            if dead:
+                names = ", ".join(sorted(dead))
+                tail = next(iter(dead.values()))
+                v.fail(ev, f"{names} not running though it should: {str(tail)[-300:]}")
+    return v
+
+
+CHECKS = {
+    "acked_exactly_once": acked_exactly_once,
+    "indeterminate_at_most_once": indeterminate_at_most_once,
+    "producer_order": producer_order,
+    "no_lost_reads": no_lost_reads,
+    "fenced_reads": fenced_reads,
+    "group_offsets": group_offsets,
+    "topics": topics,
+    "replicas_identical": replicas_identical,
+    "processes_alive": processes_alive,
+}
+
+
+@dataclass
+class Report:
+    verdicts: dict[str, Verdict]
+    faults: Counter[str]
+    ops: Counter[str]
+
+    @property
+    def ok(self) -> bool:
+        return all(v.ok for v in self.verdicts.values())
+
+    def failures(self) -> list[Failure]:
+        return [f for v in self.verdicts.values() for f in v.failures[:3]]
+
+    def line(self) -> str:
+        """The one line a run ends with."""
+        faults = " ".join(f"{k}={c}" for k, c in sorted(self.faults.items()))
+        ops = " ".join(f"{k}={c}" for k, c in sorted(self.ops.items()))
+        verdicts = " ".join(
+            f"{name}={'ok' if v.ok else 'FAIL'}({v.checked if v.ok else v.failed})"
+            for name, v in self.verdicts.items()
+        )
+        return (
+            f"faults {sum(self.faults.values())} [{faults}] | "
+            f"ops {sum(self.ops.values())} [{ops}] | {verdicts} | "
+            f"{'PASS' if self.ok else 'FAIL'}"
+        )
+
+
+def check(events: list[Event]) -> Report:
+    """Every property over the history."""
+    fx = facts(events)
+    verdicts = {name: fn(fx) for name, fn in CHECKS.items()}
+    faults: Counter[str] = Counter(
+        ev["kind"] for ev in fx.events if ev.get("f") == "nemesis" and ev.get("phase") == "start"
+    )
+    ops: Counter[str] = Counter(op.f for op in fx.ops)
+    return Report(verdicts, faults, ops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.nemesis.checker RUN_DIR/history.jsonl``: check a
+    stored history again."""
+    import sys
+    from pathlib import Path
+
+    from tests.nemesis.history import load
+
+    args = sys.argv[1:] if argv is None else argv
+    report = check(load(Path(args[0])))
+    for f in report.failures():
+        print(f)
+    print(report.line())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,385 @@
+"""A roadlog cluster whose every process is a host of its own: network
+namespaces on a bridge the run makes and removes (``tests.netns``'s
+``Net``), nodes with static peers, each with its data directory on a small
+tmpfs of its own and its wall clock read through ``clockshim``, and queue
+servers with gRPC and HTTP.
+
+Only processes started here are ever signalled, and only while this
+process has not reaped them (``Popen.poll() is None``), so a PID can never
+have been reused by someone else's process.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from roadlog.status import ask_node
+from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, client_pb2_grpc
+from tests.netns.conftest import REPO, Host, Net
+
+log = logging.getLogger("nemesis.cluster")
+
+NODE_PORT, QUEUE_PORT, HTTP_PORT = 7400, 7500, 7580
+MIB = 1 << 20
+NODE_HOST0, QUEUE_HOST0 = 0, 10  # host index i is <subnet>.<10 + i>
+BALLAST = "nemesis-ballast"
+
+
+@dataclass
+class Service:
+    """A node daemon or queue server on its own host."""
+
+    name: str  # n1.., q1..
+    kind: str  # "node" or "queue"
+    ident: int  # node id, or queue server number
+    host: Host
+    argv: list[str]
+    log: Path
+    data_dir: Path | None = None
+    clock_file: Path | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host.ip}:{NODE_PORT if self.kind == 'node' else QUEUE_PORT}"
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.host.ip}:{HTTP_PORT}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else 0
+
+    def running(self) -> bool:
+        """Started here and not exited (a stopped process still runs)."""
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` if the process runs (never to a reaped PID)."""
+        if not self.running():
+            return False
+        assert self.popen is not None
+        os.kill(self.popen.pid, sig)
+        return True
+
+    def tail(self, lines: int = 12) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+
+@dataclass
+class NemesisCluster:
+    dir: Path
+    subnet: str
+    tag: str
+    nodes: int = 3
+    queues: int = 2
+    disk_bytes: int = 256 * MIB
+    min_free_bytes: int = 32 * MIB
+    snapshot_entries: int = 2000
+    net: Net | None = None
+    services: dict[str, Service] = field(default_factory=dict)
+    mounted: list[Path] = field(default_factory=list)
+
+    # ------------------------------------------------------------ building
+
+    def create(self) -> None:
+        """The bridge, one host per process, tmpfs data dirs, clock files."""
+        for line in subprocess.run(
+            ["ip", "-br", "addr"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines():
+            if f" {self.subnet}.1/" in f" {line}":
+                raise RuntimeError(
+                    f"{self.subnet}.1 is already on {line.split()[0]} (another run, or a "
+                    "test tier, uses this subnet): give another one (--subnet)"
+                )
+        (self.dir / "net").mkdir(parents=True, exist_ok=True)
+        self.net = Net(self.dir / "net", self.tag, subnet=self.subnet)
+        self.net.create()
+        secret = str(self.net.secret)
+        queues = [self.net.host(QUEUE_HOST0 + k) for k in range(1, self.queues + 1)]
+        qlist = ",".join(f"{h.ip}:{QUEUE_PORT}" for h in queues)
+        hosts = [self.net.host(NODE_HOST0 + k) for k in range(1, self.nodes + 1)]
+        peers = ",".join(f"{k}={h.ip}:{NODE_PORT}" for k, h in enumerate(hosts, 1))
+        py = sys.executable
+        for k, h in enumerate(queues, 1):
+            self._add(
+                Service(f"q{k}", "queue", k, h, [
+                    py, "-m", "queue_server.main", "run",
+                    "--listen", f"{h.ip}:{QUEUE_PORT}",
+                    "--http-listen", f"{h.ip}:{HTTP_PORT}",
+                    "--metrics-port", "9500",
+                    "--discovery-port", "0",
+                    "--secret-file", secret,
+                ], self.dir / "logs" / f"q{k}.log")
+            )  # fmt: skip
+        for k, h in enumerate(hosts, 1):
+            data = self.dir / "data" / f"n{k}"
+            data.mkdir(parents=True, exist_ok=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={self.disk_bytes},mode=0700", "tmpfs",
+                 str(data)],
+                check=True, timeout=30,
+            )  # fmt: skip
+            self.mounted.append(data)
+            clock = self.dir / "clock" / f"n{k}"
+            clock.parent.mkdir(parents=True, exist_ok=True)
+            clock.write_text("0\n")
+            self._add(
+                Service(f"n{k}", "node", k, h, [
+                    py, "-m", "tests.nemesis.clockshim", str(clock),
+                    "node_daemon.main", "run",
+                    "--node-id", str(k),
+                    "--data-dir", str(data),
+                    "--listen", f"{h.ip}:{NODE_PORT}",
+                    "--peers", peers,
+                    "--metrics-port", "9400",
+                    "--queue-servers", qlist,
+                    "--discovery-port", "0",
+                    "--secret-file", secret,
+                    "--min-free-bytes", str(self.min_free_bytes),
+                    "--snapshot-entries", str(self.snapshot_entries),
+                ], self.dir / "logs" / f"n{k}.log", data, clock)
+            )  # fmt: skip
+
+    def _add(self, svc: Service) -> None:
+        svc.log.parent.mkdir(parents=True, exist_ok=True)
+        self.services[svc.name] = svc
+
+    def destroy(self) -> None:
+        """Everything made here: processes (by PID), mounts, namespaces, bridge."""
+        for svc in self.services.values():
+            if svc.signal(signal.SIGKILL):
+                assert svc.popen is not None
+                try:
+                    svc.popen.wait(20)
+                except subprocess.TimeoutExpired:
+                    log.error("did not die", extra={"service": svc.name, "pid": svc.pid})
+        for d in self.mounted:
+            subprocess.run(["umount", str(d)], capture_output=True, timeout=30)
+        self.mounted.clear()
+        if self.net is not None:
+            self.net.destroy()  # its hosts hold no processes of their own
+
+    # ----------------------------------------------------------- processes
+
+    @property
+    def node_services(self) -> list[Service]:
+        return [s for s in self.services.values() if s.kind == "node"]
+
+    @property
+    def queue_services(self) -> list[Service]:
+        return [s for s in self.services.values() if s.kind == "queue"]
+
+    def node(self, ident: int) -> Service:
+        return self.services[f"n{ident}"]
+
+    def start(self, svc: Service) -> None:
+        """Start ``svc`` in its host's namespace (``ip netns exec`` execs
+        the program, so the PID is the daemon's)."""
+        if svc.running():
+            return
+        with open(svc.log, "ab") as out:
+            svc.popen = subprocess.Popen(
+                ["ip", "netns", "exec", svc.host.ns, *svc.argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        svc.starts += 1
+        log.info("started", extra={"service": svc.name, "pid": svc.pid, "starts": svc.starts})
+
+    def kill(self, svc: Service) -> None:
+        """SIGKILL and reap (a stopped process dies too)."""
+        if svc.signal(signal.SIGKILL):
+            assert svc.popen is not None
+            svc.popen.wait(20)
+
+    def wipe(self, svc: Service) -> None:
+        """Remove everything in a (killed) node's data directory."""
+        assert svc.data_dir is not None and not svc.running()
+        for child in svc.data_dir.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+    def start_all(self) -> None:
+        for svc in self.services.values():
+            self.start(svc)
+
+    # -------------------------------------------------------------- status
+
+    def views(self, timeout: float = 0.8) -> dict[int, dict[str, Any]]:
+        """Each answering node's own view (``ask_node``), asked at once."""
+        nodes = self.node_services
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            answers = list(pool.map(lambda s: ask_node(s.address, timeout), nodes))
+        return {s.ident: v for s, v in zip(nodes, answers, strict=True) if v is not None}
+
+    def leader(self, views: dict[int, dict[str, Any]] | None = None) -> int:
+        """The id of the leader of the highest term among the answers (0: none)."""
+        v = self.views() if views is None else views
+        leaders = [x for x in v.values() if x["role"] == "leader"]
+        return max(leaders, key=lambda x: x["term"])["id"] if leaders else 0
+
+    def queue_up(self, svc: Service, timeout: float = 1.0) -> bool:
+        try:
+            with grpc.insecure_channel(svc.address) as ch:
+                st = client_pb2_grpc.RoadlogStub(ch).Status(
+                    client_pb2.StatusRequest(), timeout=timeout
+                )
+        except grpc.RpcError:
+            return False
+        return bool(st.leader)
+
+    def healthy(self) -> bool:
+        """Every node answers, ready, under one leader; every queue server
+        answers and knows that leader."""
+        v = self.views()
+        if len(v) != len(self.node_services) or not all(x["ready"] for x in v.values()):
+            return False
+        if len({x["leader"] for x in v.values()}) != 1 or not self.leader(v):
+            return False
+        return all(self.queue_up(q) for q in self.queue_services)
+
+    def digests(self) -> dict[int, tuple[int, str] | None]:
+        """node id -> (applied index, state sha256 hex), None if silent."""
+
+        def one(svc: Service) -> tuple[int, str] | None:
+            try:
+                with grpc.insecure_channel(svc.address) as ch:
+                    r = admin_pb2_grpc.AdminStub(ch).StateDigest(
+                        admin_pb2.StateDigestRequest(), timeout=10
+                    )
+            except grpc.RpcError:
+                return None
+            return int(r.applied_index), r.sha256.hex()
+
+        nodes = self.node_services
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            return dict(zip((s.ident for s in nodes), pool.map(one, nodes), strict=True))
+
+    # ------------------------------------------------------------- network
+
+    def nft(self, host: Host, script: str) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", host.ns, "nft", "-f", "-"],
+            input=script.encode(),
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+
+    def nft_drop_table(self, host: Host, table: str) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", host.ns, "nft", "delete", "table", "inet", table],
+            capture_output=True,
+            timeout=30,
+        )
+
+    def block(self, host: Host, deaf_to: set[str], mute_to: set[str]) -> None:
+        """On ``host``, drop what arrives from ``deaf_to`` and what leaves
+        for ``mute_to`` (addresses). Replaces the host's partition rules."""
+        self.nft_drop_table(host, "nemesis_part")
+        lines = ["table inet nemesis_part {"]
+        if deaf_to:
+            lines += [
+                "  chain in { type filter hook input priority 0;",
+                f"    ip saddr {{ {', '.join(sorted(deaf_to))} }} drop",
+                "  }",
+            ]
+        if mute_to:
+            lines += [
+                "  chain out { type filter hook output priority 0;",
+                f"    ip daddr {{ {', '.join(sorted(mute_to))} }} drop",
+                "  }",
+            ]
+        lines.append("}")
+        self.nft(host, "\n".join(lines) + "\n")
+
+    def heal_partitions(self) -> None:
+        for svc in self.services.values():
+            self.nft_drop_table(svc.host, "nemesis_part")
+
+    def lossy(self, host: Host, percent: int) -> None:
+        """Drop ``percent`` % of the TCP segments arriving at ``host``."""
+        self.nft_drop_table(host, "nemesis_loss")
+        self.nft(
+            host,
+            "table inet nemesis_loss {\n"
+            "  chain in { type filter hook input priority 0;\n"
+            f"    meta l4proto tcp numgen random mod 100 < {percent} drop\n"
+            "  }\n}\n",
+        )
+
+    def heal_loss(self, host: Host) -> None:
+        self.nft_drop_table(host, "nemesis_loss")
+
+    # ------------------------------------------------------- disk and clock
+
+    def fill_disk(self, svc: Service, leave: int) -> int:
+        """Write ballast into the node's filesystem until at most ``leave``
+        bytes are free (0: until ENOSPC); returns the bytes written."""
+        assert svc.data_dir is not None
+        path = svc.data_dir / BALLAST
+        chunk = b"\0" * MIB
+        written = 0
+        with open(path, "ab") as f:
+            for _ in range(self.disk_bytes // MIB + 2):  # bounded: the disk's size
+                st = os.statvfs(svc.data_dir)
+                room = st.f_bavail * st.f_frsize - leave
+                if leave and room <= 0:
+                    break
+                try:
+                    n = f.write(chunk if not leave else chunk[: min(MIB, room)])
+                    f.flush()
+                    written += n
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+        return written
+
+    def free_disk(self, svc: Service) -> None:
+        assert svc.data_dir is not None
+        (svc.data_dir / BALLAST).unlink(missing_ok=True)
+
+    def set_clock(self, svc: Service, offset_s: float) -> None:
+        """Step the node's wall clock to true time + ``offset_s``."""
+        assert svc.clock_file is not None
+        tmp = svc.clock_file.with_suffix(".tmp")
+        tmp.write_text(f"{offset_s}\n")
+        os.replace(tmp, svc.clock_file)
+
+
+@contextmanager
+def running_cluster(cluster: NemesisCluster) -> Iterator[NemesisCluster]:
+    """Create and start; always destroy."""
+    try:
+        cluster.create()
+        cluster.start_all()
+        yield cluster
+    finally:
+        cluster.destroy()

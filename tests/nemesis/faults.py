@@ -1,0 +1,306 @@
+"""The fault injectors: each fault of a schedule is started at its time,
+against targets resolved then (who leads now), and healed ``duration``
+later; every start, heal and skip is recorded in the history.
+
+Invariants: a process is under at most one process fault at a time (kill,
+wipe or pause); a heal only undoes what its own start did (a pause is
+continued only if the same process is still there; a restart only starts
+what this fault killed); ``heal_all`` leaves every process running, every
+network rule, ballast file and clock offset removed; the loop ends by the
+deadline whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import random
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.nemesis.cluster import NemesisCluster, Service
+from tests.nemesis.history import Recorder
+from tests.nemesis.schedule import CLOCK, DISK, KILL, LOSS, PARTITION, PAUSE, WIPE, Fault
+
+log = logging.getLogger("nemesis.faults")
+
+Heal = Callable[[], None]
+
+
+class Skip(Exception):
+    """No target fits now (say, every follower is down already)."""
+
+
+@dataclass
+class Nemesis:
+    cluster: NemesisCluster
+    rec: Recorder
+    faults: list[Fault]
+    seed: int
+    offset: float = 0.0  # the schedule's 0, on the recorder's clock
+    down: dict[str, str] = field(default_factory=dict)  # service -> the fault that killed it
+    paused: dict[str, tuple[str, int]] = field(default_factory=dict)  # -> (fault, pid)
+    crashed: set[str] = field(default_factory=set)
+    _heals: dict[str, Heal] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(f"{self.seed}:targets")
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Start and heal the faults at their times until the schedule ends
+        or ``stop`` is set."""
+        queue: list[tuple[float, int, str, Fault]] = []
+        for k, f in enumerate(self.faults):
+            heapq.heappush(queue, (self.offset + f.at, k, "start", f))
+        seq = len(self.faults)
+        while queue and not stop.is_set():
+            at, _, what, f = queue[0]
+            if stop.wait(max(0.0, at - self.rec.now())):
+                break
+            heapq.heappop(queue)
+            if what == "start":
+                if self.start(f):
+                    seq += 1
+                    heapq.heappush(queue, (self.offset + f.end, seq, "heal", f))
+            else:
+                self.heal(f)
+            self.check_alive()
+
+    def start(self, f: Fault) -> bool:
+        """Start one fault; False when it was skipped."""
+        starter = {
+            KILL: self._kill,
+            PAUSE: self._pause,
+            PARTITION: self._partition,
+            LOSS: self._loss,
+            DISK: self._disk,
+            CLOCK: self._clock,
+            WIPE: self._wipe,
+        }[f.kind]
+        views = self.cluster.views()
+        leader = self.cluster.leader(views)
+        try:
+            heal, detail = starter(f, leader)
+        except Skip as e:
+            self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id, kind=f.kind,
+                           target=f.target, reason=str(e))  # fmt: skip
+            return False
+        with self._lock:
+            self._heals[f.id] = heal
+        self.rec.event("nemesis", "info", "nemesis", phase="start", fault=f.id, kind=f.kind,
+                       target=f.target, leader=leader, **detail)  # fmt: skip
+        log.info("fault", extra={"fault": f.id, "target": f.target, "leader": leader, **detail})
+        return True
+
+    def heal(self, f: Fault) -> None:
+        with self._lock:
+            heal = self._heals.pop(f.id, None)
+        if heal is None:
+            return
+        heal()
+        self.rec.event("nemesis", "info", "nemesis", phase="heal", fault=f.id, kind=f.kind)
+
+    def heal_all(self) -> None:
+        """Undo every fault under way, then make sure of it: no network
+        rules, no ballast, true clocks, every process continued and running."""
+        with self._lock:
+            pending = list(self._heals)
+        for fid in pending:
+            f = next(x for x in self.faults if x.id == fid)
+            self.heal(f)
+        c = self.cluster
+        c.heal_partitions()
+        for svc in c.services.values():
+            c.heal_loss(svc.host)
+            svc.signal(signal.SIGCONT)
+            if svc.kind == "node":
+                c.free_disk(svc)
+                c.set_clock(svc, 0)
+        self.paused.clear()
+        self.check_alive()
+        for svc in c.services.values():
+            if not svc.running() and svc.name not in self.crashed:
+                c.start(svc)
+        self.down.clear()
+        self.rec.event("nemesis", "info", "nemesis", phase="heal-all")
+
+    def check_alive(self) -> None:
+        """Record any process that should run and does not (once each)."""
+        dead = {
+            s.name: s.tail()
+            for s in self.cluster.services.values()
+            if s.name not in self.down and s.name not in self.crashed and not s.running()
+        }
+        if dead:
+            self.crashed |= set(dead)
+            self.rec.event("run", "info", "crashed", dead=dead)
+            log.error("crashed", extra={"dead": sorted(dead)})
+
+    # ------------------------------------------------------------- targets
+
+    def _up(self, svc: Service) -> bool:
+        return svc.running() and svc.name not in self.down and svc.name not in self.crashed
+
+    def _nodes(self, target: str, leader: int, *, allow_paused: bool = True) -> list[Service]:
+        """The nodes a target names, among those up (and not paused unless
+        allowed); raises Skip when none fits."""
+        nodes = [
+            s
+            for s in self.cluster.node_services
+            if self._up(s) and (allow_paused or s.name not in self.paused)
+        ]
+        if target == "leader":
+            pick = [s for s in nodes if s.ident == leader] or nodes[:0]
+            if not pick and nodes:  # no leader known: any node
+                pick = [self.rng.choice(nodes)]
+        elif target == "follower":
+            others = [s for s in nodes if s.ident != leader]
+            pick = [self.rng.choice(others)] if others else []
+        elif target == "minority":
+            k = (len(self.cluster.node_services) - 1) // 2
+            pick = self.rng.sample(nodes, min(k, len(nodes)))
+        elif target == "all":
+            pick = nodes
+        elif target == "node":
+            pick = [self.rng.choice(nodes)] if nodes else []
+        else:
+            raise ValueError(target)
+        if not pick:
+            raise Skip(f"no node up for {target}")
+        return pick
+
+    def _queues(self, target: str, *, allow_paused: bool = True) -> list[Service]:
+        qs = [
+            s
+            for s in self.cluster.queue_services
+            if self._up(s) and (allow_paused or s.name not in self.paused)
+        ]
+        if not qs:
+            raise Skip("no queue server up")
+        return qs if target in ("queues", "all") else [self.rng.choice(qs)]
+
+    # ------------------------------------------------------------- faults
+
+    def _kill(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        if f.target in ("queue", "queues"):
+            victims = self._queues(f.target)
+        elif f.target == "all":
+            victims = self._nodes("all", leader)
+            with contextlib.suppress(Skip):
+                victims += self._queues("queues")
+        else:
+            victims = self._nodes(f.target, leader)
+        for svc in victims:
+            self.cluster.kill(svc)
+            self.down[svc.name] = f.id
+            self.paused.pop(svc.name, None)
+
+        def heal() -> None:
+            for svc in victims:
+                if self.down.get(svc.name) == f.id:
+                    del self.down[svc.name]
+                    self.cluster.start(svc)
+
+        return heal, {"services": [s.name for s in victims]}
+
+    def _wipe(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        (svc,) = self._nodes(f.target, leader)
+        self.cluster.kill(svc)
+        self.down[svc.name] = f.id
+        self.paused.pop(svc.name, None)
+        self.cluster.wipe(svc)
+
+        def heal() -> None:
+            if self.down.get(svc.name) == f.id:
+                del self.down[svc.name]
+                self.cluster.start(svc)
+
+        return heal, {"services": [svc.name]}
+
+    def _pause(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        if f.target == "queue":
+            (svc,) = self._queues("queue", allow_paused=False)
+        else:
+            (svc,) = self._nodes(f.target, leader, allow_paused=False)
+        pid = svc.pid
+        svc.signal(signal.SIGSTOP)
+        self.paused[svc.name] = (f.id, pid)
+
+        def heal() -> None:
+            if self.paused.get(svc.name) == (f.id, pid) and svc.pid == pid:
+                svc.signal(signal.SIGCONT)
+                del self.paused[svc.name]
+
+        return heal, {"services": [svc.name]}
+
+    def _partition(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        c = self.cluster
+        nodes = c.node_services
+        ip = {s.name: s.host.ip for s in c.services.values()}
+        lead = next((s for s in nodes if s.ident == leader), None) or self.rng.choice(nodes)
+        others = [s for s in nodes if s is not lead]
+        if f.target == "leader-isolated":
+            sides = [[lead], others]  # queue servers reach both sides
+        elif f.target == "majority-minority":
+            minority = self.rng.sample(nodes, (len(nodes) - 1) // 2)
+            qs = list(c.queue_services)
+            self.rng.shuffle(qs)
+            # A queue server on each side: clients reach both.
+            sides = [[*minority, *qs[:1]], [s for s in nodes if s not in minority] + qs[1:]]
+        elif f.target == "bridge":
+            a, b = self.rng.sample(nodes, 2)  # a and b cut, the rest reach both
+            sides = [[a], [b]]
+        elif f.target == "one-way":
+            follower = self.rng.choice(others)
+            deaf, source = (follower, lead) if f.params.get("from_leader") else (lead, follower)
+            c.block(deaf.host, {source.host.ip}, set())
+            return c.heal_partitions, {"deaf": deaf.name, "to": source.name}
+        else:
+            raise ValueError(f.target)
+        names = [[s.name for s in side] for side in sides]
+        for k, side in enumerate(sides):
+            away = {ip[s.name] for j, other in enumerate(sides) if j != k for s in other}
+            for s in side:
+                c.block(s.host, away, away)
+        return c.heal_partitions, {"sides": names}
+
+    def _loss(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        c = self.cluster
+        if f.target == "all":
+            victims = list(c.services.values())
+        else:
+            victims = [self.rng.choice(c.node_services)]
+        pct = int(f.params["percent"])
+        for s in victims:
+            c.lossy(s.host, pct)
+
+        def heal() -> None:
+            for s in victims:
+                c.heal_loss(s.host)
+
+        return heal, {"services": [s.name for s in victims], "percent": pct}
+
+    def _disk(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        c = self.cluster
+        (svc,) = self._nodes(f.target, leader)
+        leave = 0 if f.params["fill"] == "full" else c.min_free_bytes // 2
+        written = c.fill_disk(svc, leave)
+        return (lambda: c.free_disk(svc)), {
+            "services": [svc.name],
+            "fill": f.params["fill"],
+            "ballast_bytes": written,
+        }
+
+    def _clock(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        c = self.cluster
+        (svc,) = self._nodes(f.target, leader)
+        offset = float(f.params["offset_s"])
+        c.set_clock(svc, offset)
+        return (lambda: c.set_clock(svc, 0)), {"services": [svc.name], "offset_s": offset}

@@ -1,0 +1,235 @@
+"""``python -m tests.nemesis.run --seconds N --seed S``: one nemesis run.
+
+Builds a cluster of 3 nodes and 2 queue servers as hosts in network
+namespaces, starts the workload, injects the seed's schedule of faults
+for N seconds, heals everything, lets the workload see the healed
+cluster, stops it, reads everything back, takes the replicas' digests and
+checks the history. The run directory keeps ``schedule.json``,
+``history.jsonl`` (the store), ``nemesis.log`` and every daemon's log.
+
+Prints progress on stderr and ONE line on stdout at the end: the faults
+per kind, the operations, and each property's verdict. Exits 1 if any
+property fails, 2 if the run could not be made (no cluster), 0 otherwise.
+
+Bounded: every phase has a deadline; the whole run ends by about
+N + 6 minutes even if nothing answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from roadlog.client import Admin, Connection, Consumer, RoadlogError
+from roadlog.runtime.logs import JsonFormatter
+from tests.nemesis import schedule, workload
+from tests.nemesis.checker import check
+from tests.nemesis.cluster import NemesisCluster
+from tests.nemesis.faults import Nemesis
+from tests.nemesis.history import Recorder, load
+from tests.netns.conftest import SUBNET
+
+log = logging.getLogger("nemesis.run")
+
+SETUP_S, HEAL_S, AFTER_HEAL_S, FINAL_S, DIGEST_S = 90.0, 120.0, 15.0, 120.0, 90.0
+
+
+def wait_for(cond: Any, timeout: float, stop: threading.Event | None = None) -> bool:
+    """``cond()`` until true or ``timeout``; whether it became true."""
+    deadline = time.monotonic() + timeout
+    ev = stop or threading.Event()
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return True
+        except Exception:
+            pass
+        if ev.wait(0.3):
+            return False
+    return False
+
+
+def _logging(run_dir: Path) -> None:
+    fmt = JsonFormatter("nemesis")
+    file = logging.FileHandler(run_dir / "nemesis.log")
+    file.setFormatter(fmt)
+    progress = logging.StreamHandler(sys.stderr)
+    progress.setFormatter(fmt)
+    progress.addFilter(lambda r: r.name in ("nemesis.run", "nemesis.progress"))
+    root = logging.getLogger()
+    root.handlers[:] = [file, progress]
+    root.setLevel(logging.INFO)
+
+
+def _progress(rec: Recorder, ctx: workload.Ctx, nem: Nemesis, stop: threading.Event) -> None:
+    plog = logging.getLogger("nemesis.progress")
+    while not stop.wait(10.0):
+        plog.info(
+            "progress",
+            extra={
+                "t": round(rec.now(), 1),
+                "ops": dict(rec.invokes),
+                "fence": ctx.fence,
+                "down": sorted(nem.down),
+                "paused": sorted(nem.paused),
+            },
+        )
+
+
+def final_reads(rec: Recorder, ctx: workload.Ctx) -> bool:
+    """Every topic, every partition, read whole at the highest index any
+    client was told; recorded as ``final_topics`` and ``final_read``."""
+    fence = ctx.fence
+    with Connection(ctx.servers, timeout=30, client="final") as conn:
+        try:
+            conn.raise_fence(fence)
+            topics = Admin(conn).list_topics()
+            out: list[tuple[str, int, int, list[list[Any]]]] = []
+            for t in topics:
+                name, parts = t.topic.spec.name, t.topic.spec.partitions
+                d = Admin(conn).describe(name)
+                c = Consumer(conn, name)
+                c.min_applied_index = fence
+                for p in range(parts):
+                    first = d.partitions[p].first_offset
+                    c.seek(p, first)
+                    rows: list[list[Any]] = []
+                    for b in c.read_to_end(p):
+                        if b.base_offset != first + len(rows):
+                            raise RuntimeError(f"{name}/{p}: offsets not dense at {b.base_offset}")
+                        rows += ctx.rows(b.pings)
+                    out.append((name, p, first, rows))
+        except (RoadlogError, RuntimeError) as e:
+            rec.event("run", "info", "final_failed", reason=str(e)[:300])
+            log.error("final read failed", extra={"why": str(e)})
+            return False
+    rec.event("run", "ok", "final_topics", fence=fence,
+              topics={t.topic.spec.name: t.topic.spec.partitions for t in topics})  # fmt: skip
+    for name, p, first, rows in out:
+        rec.event("run", "ok", "final_read", topic=name, partition=p, first_offset=first,
+                  end_offset=first + len(rows), rows=rows)  # fmt: skip
+    return True
+
+
+def converged_digests(rec: Recorder, cluster: NemesisCluster) -> None:
+    """Wait until every node reports the same applied index, then record
+    the digests (the last ones seen, if that never happens)."""
+    last: dict[int, tuple[int, str] | None] = {}
+
+    def same_index() -> bool:
+        nonlocal last
+        last = cluster.digests()
+        got = list(last.values())
+        return all(got) and len({d[0] for d in got if d}) == 1
+
+    converged = wait_for(same_index, DIGEST_S)
+    rec.event("run", "ok" if converged else "info", "digests", converged=converged,
+              nodes={str(k): list(v) if v else None for k, v in last.items()})  # fmt: skip
+
+
+def run(
+    seconds: float,
+    seed: int,
+    run_dir: Path,
+    subnet: str,
+    replay: Path | None = None,
+    kinds: tuple[str, ...] = schedule.KINDS,
+) -> int:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _logging(run_dir)
+    if replay is not None:
+        seed, seconds, faults = schedule.load(replay)
+    else:
+        faults = schedule.generate(seed, seconds, kinds)
+    schedule.save(faults, run_dir / "schedule.json", seed, seconds)
+    rec = Recorder(run_dir / "history.jsonl")
+    rec.event("run", "info", "run", seed=seed, seconds=seconds, faults=len(faults),
+              kinds=list(kinds), subnet=subnet, pid=os.getpid())  # fmt: skip
+    log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
+                                "dir": str(run_dir)})  # fmt: skip
+    cluster = NemesisCluster(run_dir, subnet, f"n{os.getpid() % 100000}")
+    stop = threading.Event()
+    made = False
+    try:
+        cluster.create()
+        cluster.start_all()
+        if not wait_for(cluster.healthy, SETUP_S):
+            log.error("the cluster did not come up")
+            return 2
+        ctx = workload.Ctx(
+            rec,
+            [q.address for q in cluster.queue_services],
+            [q.http for q in cluster.queue_services],
+            seed,
+            deadline=time.monotonic() + seconds + SETUP_S + HEAL_S + AFTER_HEAL_S,
+        )
+        if not workload.create_main_topic(ctx):
+            log.error("could not create the main topic")
+            return 2
+        made = True
+        workers = workload.start_all(ctx)
+        wait_for(lambda: len(ctx.acks) >= 4, 30)  # the load is flowing
+        nem = Nemesis(cluster, rec, faults, seed, offset=rec.now())
+        threading.Thread(
+            target=_progress, args=(rec, ctx, nem, stop), daemon=True, name="progress"
+        ).start()
+        log.info("faults begin", extra={"t": round(rec.now(), 1)})
+        nem.run(stop)
+        nem.heal_all()
+        healed = wait_for(cluster.healthy, HEAL_S)
+        rec.event("run", "ok" if healed else "info", "healed", healthy=healed)
+        log.info("healed", extra={"t": round(rec.now(), 1), "healthy": healed})
+        # The workload goes on a while on the healed cluster: writes after
+        # the faults must be taken again.
+        fence0 = ctx.fence
+        wait_for(lambda: ctx.fence > fence0 + 20, AFTER_HEAL_S)
+        stuck = workload.stop_all(ctx, workers)
+        if stuck:
+            log.error("workers did not stop", extra={"workers": stuck})
+        wait_for(lambda: final_reads(rec, ctx), FINAL_S)
+        converged_digests(rec, cluster)
+        nem.check_alive()
+        rec.event("run", "ok", "alive", dead={s: "crashed during the run" for s in nem.crashed})
+    finally:
+        stop.set()
+        cluster.destroy()
+        rec.close()
+    report = check(load(run_dir / "history.jsonl"))
+    for f in report.failures():
+        print(f, file=sys.stderr)
+    print(f"nemesis seed={seed} seconds={seconds:g}: {report.line()} | {run_dir}", flush=True)
+    return 0 if (report.ok and made) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long faults go on")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dir", type=Path, default=None, help="run directory (default out/nemesis/)")
+    ap.add_argument("--subnet", default=os.environ.get("ROADLOG_NEMESIS_SUBNET", SUBNET),
+                    help="first three octets of the bridge's /24")  # fmt: skip
+    ap.add_argument("--replay", type=Path, default=None, help="a schedule.json to run again")
+    ap.add_argument("--kinds", default=",".join(schedule.KINDS),
+                    help="the kinds of fault to draw, comma-separated")  # fmt: skip
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("the nemesis needs root (network namespaces, nftables, tmpfs)", file=sys.stderr)
+        return 2
+    run_dir = a.dir or Path("out/nemesis") / time.strftime(
+        f"seed{a.seed}-%Y%m%dT%H%M%S", time.gmtime()
+    )
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    unknown = set(kinds) - set(schedule.KINDS)
+    if unknown:
+        ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
+    return run(a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

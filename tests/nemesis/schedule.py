@@ -1,0 +1,129 @@
+"""A seeded, replayable fault schedule.
+
+Each kind of fault has its own lane, drawn from its own ``random.Random``
+seeded by (seed, kind): the same seed and length give the same schedule,
+and adding a kind never changes the others'. Lanes overlap in time (a
+partition may meet a pause and a clock jump), each lane's faults never
+overlap each other. Targets are roles ("leader", "follower", ...) that
+the injector resolves when the fault starts.
+
+Invariants: every fault starts in [0, seconds) and lasts a positive,
+bounded time; a lane's next fault starts after the previous one healed;
+the count is bounded by seconds / (shortest duration + shortest gap).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+KILL, PAUSE, PARTITION, LOSS, DISK, CLOCK, WIPE = (
+    "kill",
+    "pause",
+    "partition",
+    "loss",
+    "disk",
+    "clock",
+    "wipe",
+)
+KINDS = (KILL, PAUSE, PARTITION, LOSS, DISK, CLOCK, WIPE)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """How a kind's faults are drawn: duration and gap ranges in seconds,
+    and targets with weights."""
+
+    duration: tuple[float, float]
+    gap: tuple[float, float]
+    targets: tuple[tuple[str, int], ...]
+
+
+# The election timeout is 0.5-1 s (25-50 ticks of 20 ms): pauses last longer.
+LANES: dict[str, Lane] = {
+    KILL: Lane(
+        (0.5, 5.0),
+        (2.0, 7.0),
+        (("leader", 3), ("follower", 3), ("minority", 1), ("all", 1), ("queue", 2), ("queues", 1)),
+    ),
+    PAUSE: Lane((1.2, 4.0), (2.0, 7.0), (("leader", 3), ("follower", 2), ("queue", 1))),
+    PARTITION: Lane(
+        (2.0, 8.0),
+        (1.0, 6.0),
+        (("leader-isolated", 3), ("majority-minority", 2), ("bridge", 1), ("one-way", 2)),
+    ),
+    LOSS: Lane((2.0, 8.0), (2.0, 8.0), (("node", 2), ("all", 1))),
+    DISK: Lane((2.0, 8.0), (3.0, 9.0), (("leader", 2), ("follower", 2))),
+    CLOCK: Lane((3.0, 10.0), (2.0, 8.0), (("leader", 2), ("follower", 2))),
+    WIPE: Lane((1.0, 4.0), (6.0, 14.0), (("follower", 1),)),
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: start ``at`` seconds into the run, heal ``duration`` later."""
+
+    id: str
+    at: float
+    kind: str
+    target: str
+    duration: float
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def end(self) -> float:
+        return self.at + self.duration
+
+
+def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
+    if kind == LOSS:
+        return {"percent": rng.choice((5, 10, 20, 30, 40))}
+    if kind == DISK:
+        return {"fill": rng.choice(("full", "low"))}  # ENOSPC, or under min_free_bytes
+    if kind == CLOCK:
+        # Forward or back by half a minute to three hours, back to true at heal:
+        # inside the 24 h future slack of validation and the 7-day retention.
+        sign = rng.choice((1, -1))
+        return {"offset_s": sign * rng.choice((30, 300, 1800, 3600, 10_800))}
+    if kind == PARTITION and target == "one-way":
+        return {"from_leader": rng.random() < 0.5}  # who stops hearing whom
+    return {}
+
+
+def generate(seed: int, seconds: float, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
+    """The schedule for ``seconds`` of faults, sorted by start time."""
+    out: list[Fault] = []
+    for kind in kinds:
+        lane = LANES[kind]
+        rng = random.Random(f"{seed}:{kind}")
+        names = [t for t, _ in lane.targets]
+        weights = [w for _, w in lane.targets]
+        # The first fault of every lane starts in the first third (a short
+        # run sees every kind), the rest follow its gaps.
+        t = rng.uniform(0.5, max(1.0, seconds / 3))
+        k = 0
+        while t < seconds - 0.5:
+            target = rng.choices(names, weights)[0]
+            dur = min(rng.uniform(*lane.duration), max(0.5, seconds - t))
+            out.append(
+                Fault(f"{kind}-{k}", round(t, 3), kind, target, round(dur, 3),
+                      _params(kind, target, rng))
+            )  # fmt: skip
+            k += 1
+            t += dur + rng.uniform(*lane.gap)
+    out.sort(key=lambda f: (f.at, f.id))
+    return out
+
+
+def save(faults: list[Fault], path: Path, seed: int, seconds: float) -> None:
+    doc = {"seed": seed, "seconds": seconds, "faults": [asdict(f) for f in faults]}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def load(path: Path) -> tuple[int, float, list[Fault]]:
+    """(seed, seconds, faults) of a saved schedule, to replay it."""
+    doc = json.loads(path.read_text())
+    return doc["seed"], doc["seconds"], [Fault(**f) for f in doc["faults"]]

@@ -1,0 +1,559 @@
+"""Workloads: idempotent producers over gRPC, producers over HTTP (through
+both queue servers), consumers in a group committing offsets, an observer
+of the group's offsets, fenced and unfenced readers, and topic churn.
+Every operation is recorded (``history``) as the client saw it.
+
+A ping is named by (producer, n): its device is ``<producer>~<n % D>``
+and its timestamp ``T0 + n`` (ms), so any read maps back to who sent it.
+
+Invariants: every loop ends when the run's stop event is set or its
+deadline passes, and each blocking call has a deadline of its own; a
+publish whose outcome is unknown is never sent again (so its pings may be
+stored at most once); a producer sends one publish at a time, so its
+pings' order is its publishes' order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from roadlog import columnar
+from roadlog.client import Admin, Connection, GroupConsumer, Producer, RoadlogError
+from roadlog.columnar import PingColumns
+from roadlog.errors import Code
+from roadlog.geo import bbox_region
+from roadlog.v1 import client_pb2
+from tests.nemesis.history import Recorder
+
+log = logging.getLogger("nemesis.workload")
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+MAIN_TOPIC, GROUP = "main", "g1"
+PARTITIONS = 4
+DEVICES = 8
+# Outcomes a client may take as certain: the request was refused before
+# anything was stored (bad input). Everything else may have happened.
+DEFINITE = {Code.INVALID_ARGUMENT, Code.PERMISSION_DENIED}
+READ_DEFINITE = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION}
+
+
+@dataclass
+class Ctx:
+    """What every worker shares."""
+
+    rec: Recorder
+    servers: list[str]  # queue servers' gRPC addresses
+    https: list[str]  # their HTTP base URLs
+    seed: int
+    deadline: float  # monotonic
+    t0_ms: int = field(default_factory=lambda: int(time.time() * 1000) - 3_600_000)
+    stop: threading.Event = field(default_factory=threading.Event)
+    acks: deque[tuple[str, int, int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
+    fence: int = 0  # the highest applied index any answer carried
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def going(self) -> bool:
+        return not self.stop.is_set() and time.monotonic() < self.deadline
+
+    def rng(self, name: str) -> random.Random:
+        return random.Random(f"{self.seed}:{name}")
+
+    def saw(self, index: int) -> None:
+        with self._lock:
+            self.fence = max(self.fence, index)
+
+    def pings(self, producer: str, n0: int, n1: int) -> PingColumns:
+        n = np.arange(n0, n1)
+        return PingColumns.from_columns(
+            [f"{producer}~{k % DEVICES}" for k in range(n0, n1)],
+            self.t0_ms + n,
+            (48.1 + (n % 100) * 1e-4).astype(np.float64),
+            (11.5 + (n % 100) * 1e-4).astype(np.float64),
+            speed_mps=np.full(len(n), 10.0, dtype=np.float32),
+        )
+
+    def rows(self, cols: PingColumns) -> list[list[Any]]:
+        """[producer, n] per ping (a device of no producer of ours: [device, ts])."""
+        out: list[list[Any]] = []
+        for dev, ts in zip(cols.device_of().tolist(), cols.ts_ms.tolist(), strict=True):
+            prod, sep, _ = str(dev).partition("~")
+            out.append([prod, int(ts) - self.t0_ms] if sep else [str(dev), int(ts)])
+        return out
+
+
+def _code(e: BaseException) -> Code:
+    return e.code if isinstance(e, RoadlogError) else Code.UNKNOWN
+
+
+def _why(e: BaseException) -> str:
+    return (e.message if isinstance(e, RoadlogError) else f"{type(e).__name__}: {e}")[:200]
+
+
+class RecordingConnection(Connection):
+    """A Connection that records the reads, commits, group descriptions and
+    topic changes made through it, as the client saw them."""
+
+    FS = {
+        "Fetch": "read",
+        "CommitOffsets": "commit",
+        "DescribeGroup": "describe_group",
+        "CreateTopic": "create_topic",
+        "DeleteTopic": "delete_topic",
+    }
+
+    def __init__(self, ctx: Ctx, proc: str, servers: list[str], timeout: float = 10.0) -> None:
+        super().__init__(servers, timeout=timeout, client=proc)
+        self.ctx = ctx
+        self.proc = proc
+
+    def call(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        response: Any = None,
+    ) -> Any:
+        f = self.FS.get(method)
+        if f is None:
+            return super().call(method, request, timeout, response)
+        fields = self._invoke_fields(method, request)
+        op = self.ctx.rec.invoke(self.proc, f, **fields)
+        try:
+            resp = super().call(method, request, timeout, response)
+        except Exception as e:
+            code = _code(e)
+            definite = code in (READ_DEFINITE if f != "create_topic" else DEFINITE)
+            if f == "commit" and code == Code.FAILED_PRECONDITION:
+                definite = True  # refused by the state machine: stale member or generation
+            self.ctx.rec.complete(
+                self.proc, op, "fail" if definite else "info", f, code=code.name, reason=_why(e)
+            )
+            raise
+        self.ctx.rec.complete(self.proc, op, "ok", f, **self._done_fields(method, resp))
+        index = getattr(resp, "applied_index", 0) if method != "Fetch" else 0
+        if index:
+            self.ctx.saw(index)
+        return resp
+
+    def _invoke_fields(self, method: str, req: Any) -> dict[str, Any]:
+        if method == "Fetch":
+            fence = req.min_applied_index or self.fence
+            return {
+                "api": "grpc",
+                "topic": req.topic,
+                "partition": req.partition,
+                "offset": req.offset,
+                "fence": fence,
+            }
+        if method == "CommitOffsets":
+            return {
+                "group": req.group,
+                "topic": MAIN_TOPIC,
+                "member": req.member_id,
+                "generation": req.generation,
+                "offsets": {str(o.partition): o.offset for o in req.offsets},
+                "release": list(req.release),
+            }
+        if method == "DescribeGroup":
+            return {"group": req.group, "topic": MAIN_TOPIC, "fence": req.min_applied_index}
+        if method == "CreateTopic":
+            return {"api": "grpc", "topic": req.spec.name, "partitions": req.spec.partitions}
+        return {"api": "grpc", "topic": req.name}
+
+    def _done_fields(self, method: str, resp: Any) -> dict[str, Any]:
+        if method == "Fetch":
+            return {
+                "first_offset": resp.first_offset,
+                "end_offset": resp.end_offset,
+                "served_by": resp.served_by,
+                "batches": [
+                    [b.base_offset, self.ctx.rows(columnar.decode(b.batch))] for b in resp.batches
+                ],
+            }
+        if method == "DescribeGroup":
+            return {
+                "generation": resp.group.generation,
+                "offsets": {str(o.partition): o.offset for o in resp.offsets},
+            }
+        if method == "DeleteTopic":
+            return {"deleted": bool(resp.deleted), "applied_index": resp.applied_index}
+        return {"applied_index": getattr(resp, "applied_index", 0)}
+
+
+# ------------------------------------------------------------------ workers
+
+
+class Worker:
+    """A thread that runs ``body`` until the run stops; errors are logged,
+    never lost, and never end the run."""
+
+    def __init__(self, ctx: Ctx, name: str) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.rng = ctx.rng(name)
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.errors = 0
+
+    def start(self) -> Worker:
+        self.thread.start()
+        return self
+
+    def _main(self) -> None:
+        try:
+            self.body()
+        except Exception:
+            self.errors += 1
+            log.exception("worker failed", extra={"worker": self.name})
+
+    def body(self) -> None:
+        raise NotImplementedError
+
+    def pause(self, lo: float, hi: float) -> None:
+        """Pace the load (ends early when the run stops)."""
+        self.ctx.stop.wait(self.rng.uniform(lo, hi))
+
+
+def _retry(ctx: Ctx, fn: Callable[[], Any], tries: int = 20) -> Any:
+    """``fn()`` until it returns (None once the run stops or tries run out)."""
+    for _ in range(tries):
+        if not ctx.going():
+            return None
+        try:
+            return fn()
+        except RoadlogError as e:
+            log.info("retrying", extra={"why": _why(e)})
+            ctx.stop.wait(0.5)
+    return None
+
+
+class GrpcProducer(Worker):
+    """An idempotent Producer; batches of 1..200 pings, one at a time."""
+
+    def __init__(self, ctx: Ctx, name: str, topic: str, servers: list[str]) -> None:
+        super().__init__(ctx, name)
+        self.topic = topic
+        self.servers = servers
+        self.n = 0
+        self.limit: int | None = None  # publishes, for one-shot producers
+
+    def body(self) -> None:
+        conn = RecordingConnection(self.ctx, self.name, self.servers)
+        producer = _retry(
+            self.ctx,
+            lambda: Producer(conn, self.topic, client=self.name, deadline_s=8.0, linger_s=0),
+        )
+        if producer is None:
+            return
+        sent = 0
+        while self.ctx.going() and (self.limit is None or sent < self.limit):
+            self.publish(producer, self.rng.randint(1, 200))
+            sent += 1
+            self.pause(0.0, 0.05)
+
+    def publish(self, producer: Producer, size: int) -> None:
+        rec, n0, n1 = self.ctx.rec, self.n, self.n + size
+        self.n = n1  # never sent again, whatever happens
+        cols = self.ctx.pings(self.name, n0, n1)
+        op = rec.invoke(self.name, "publish", topic=self.topic, producer=self.name, api="grpc",
+                        n0=n0, n1=n1)  # fmt: skip
+        try:
+            ack = producer.send_batch(cols)
+        except Exception as e:
+            code = _code(e)
+            rec.complete(self.name, op, "fail" if code in DEFINITE else "info", "publish",
+                         code=code.name, reason=_why(e))  # fmt: skip
+            return
+        rec.complete(self.name, op, "ok", "publish", offsets=ack.offsets,
+                     applied_index=ack.applied_index, duplicate=ack.duplicate)  # fmt: skip
+        self.ctx.saw(ack.applied_index)
+        for p, base, count in ack.offsets:
+            self.ctx.acks.append((self.topic, p, base, count, ack.applied_index))
+
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, Any]:
+    """(status, JSON answer); status 0 when no answer came (raises nothing)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url, data, {"Content-Type": "application/json", "X-Timeout-Ms": str(int(timeout * 800))},
+        method=method,
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read())
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError) as e:
+        refused = isinstance(getattr(e, "reason", e), ConnectionRefusedError)
+        return (-1 if refused else 0), {"error": {"reason": f"{type(e).__name__}: {e}"}}
+
+
+def _http_outcome(status: int) -> str:
+    """ok, fail (certainly not done: refused connection or a client error
+    before anything was stored) or info (a 5xx or no answer)."""
+    if 200 <= status < 300:
+        return "ok"
+    if status == -1 or status in (400, 403, 404, 409, 413, 422):
+        return "fail"
+    return "info"
+
+
+class HttpProducer(Worker):
+    """Publishes over HTTP (not idempotent: never retried), alternating
+    between the queue servers."""
+
+    def __init__(self, ctx: Ctx, name: str, topic: str) -> None:
+        super().__init__(ctx, name)
+        self.topic = topic
+        self.n = 0
+
+    def body(self) -> None:
+        rec = self.ctx.rec
+        while self.ctx.going():
+            size = self.rng.randint(1, 100)
+            n0, n1 = self.n, self.n + size
+            self.n = n1
+            base = self.rng.choice(self.ctx.https)
+            cols = self.ctx.pings(self.name, n0, n1)
+            pings = [
+                {"device_id": d, "ts_ms": t, "lat": la, "lon": lo, "speed_mps": 10.0}
+                for d, t, la, lo in zip(
+                    cols.device_of().tolist(), cols.ts_ms.tolist(), cols.lat.tolist(),
+                    cols.lon.tolist(), strict=True,
+                )
+            ]  # fmt: skip
+            op = rec.invoke(self.name, "publish", topic=self.topic, producer=self.name,
+                            api="http", via=base, n0=n0, n1=n1)  # fmt: skip
+            status, body = _http(
+                "POST", f"{base}/v1/topics/{self.topic}/pings",
+                {"client_id": self.name, "pings": pings},
+            )  # fmt: skip
+            outcome = _http_outcome(status)
+            if outcome == "ok":
+                offsets = [[o["partition"], o["base_offset"], o["count"]] for o in body["offsets"]]
+                rec.complete(self.name, op, "ok", "publish", offsets=offsets,
+                             applied_index=body["applied_index"])  # fmt: skip
+                self.ctx.saw(int(body["applied_index"]))
+                for p, b, c in offsets:
+                    self.ctx.acks.append((self.topic, p, b, c, int(body["applied_index"])))
+            else:
+                err = body.get("error", {}) if isinstance(body, dict) else {}
+                rec.complete(self.name, op, outcome, "publish", code=f"HTTP {status}",
+                             reason=str(err.get("reason", ""))[:200])  # fmt: skip
+            self.pause(0.0, 0.1)
+
+
+class Reader(Worker):
+    """Reads recently acknowledged batches back: fenced at their index (gRPC
+    or HTTP ``min_applied_index``), or unfenced (any node, maybe behind)."""
+
+    def body(self) -> None:
+        conns = [
+            RecordingConnection(self.ctx, self.name, s)
+            for s in (self.ctx.servers, self.ctx.servers[::-1])
+        ]
+        while self.ctx.going():
+            self.pause(0.05, 0.3)
+            if not self.ctx.acks:
+                continue
+            topic, p, base, count, index = self.ctx.acks[-1]
+            fence = index if self.rng.random() < 0.8 else 0
+            if self.rng.random() < 0.5:
+                conn = self.rng.choice(conns)
+                req = client_pb2.FetchRequest(
+                    topic=topic, partition=p, offset=base, max_pings=max(count, 1),
+                    min_applied_index=fence,
+                )  # fmt: skip
+                # Recorded; Fetch answers carry no index, so the fence stays the read's own.
+                with contextlib.suppress(RoadlogError):
+                    conn.call("Fetch", req, response=client_pb2.FetchResponseView)
+            else:
+                self.http_read(topic, p, base, count, fence)
+
+    def http_read(self, topic: str, p: int, offset: int, count: int, fence: int) -> None:
+        rec = self.ctx.rec
+        base = self.rng.choice(self.ctx.https)
+        op = rec.invoke(self.name, "read", api="http", via=base, topic=topic, partition=p,
+                        offset=offset, fence=fence)  # fmt: skip
+        url = (
+            f"{base}/v1/topics/{topic}/partitions/{p}/pings?offset={offset}"
+            f"&limit={max(count, 1)}&min_applied_index={fence}"
+        )
+        status, body = _http("GET", url)
+        outcome = _http_outcome(status)
+        if outcome != "ok":
+            err = body.get("error", {}) if isinstance(body, dict) else {}
+            rec.complete(self.name, op, outcome, "read", code=f"HTTP {status}",
+                         reason=str(err.get("reason", ""))[:200])  # fmt: skip
+            return
+        batches: list[list[Any]] = []
+        for ping in body["pings"]:
+            prod, sep, _ = str(ping["device_id"]).partition("~")
+            row = [prod, int(ping["ts_ms"]) - self.ctx.t0_ms] if sep else [ping["device_id"], 0]
+            if batches and batches[-1][0] + len(batches[-1][1]) == ping["offset"]:
+                batches[-1][1].append(row)
+            else:
+                batches.append([ping["offset"], [row]])
+        rec.complete(self.name, op, "ok", "read", first_offset=body["first_offset"],
+                     end_offset=body["end_offset"], served_by=body.get("served_by", ""),
+                     batches=batches)  # fmt: skip
+
+
+class GroupMembers(Worker):
+    """Members of one group come and go (each lives a few seconds, then
+    commits and leaves in good order); each polls and commits."""
+
+    def __init__(self, ctx: Ctx, name: str, members: int = 2) -> None:
+        super().__init__(ctx, name)
+        self.members = members
+        self.count = 0
+
+    def body(self) -> None:
+        threads: list[threading.Thread] = []
+        while self.ctx.going():
+            threads = [t for t in threads if t.is_alive()]
+            while len(threads) < self.members and self.ctx.going():
+                self.count += 1
+                t = threading.Thread(
+                    target=self.member, args=(f"{self.name}-m{self.count}",), daemon=True
+                )
+                t.start()
+                threads.append(t)
+            self.pause(0.2, 0.5)
+        for t in threads:
+            t.join(timeout=30)
+
+    def member(self, name: str) -> None:
+        servers = self.ctx.servers if self.rng.random() < 0.5 else self.ctx.servers[::-1]
+        conn = RecordingConnection(self.ctx, name, servers)
+        gc = GroupConsumer(conn, MAIN_TOPIC, GROUP, client=name, session_timeout_ms=3000)
+        life = time.monotonic() + self.rng.uniform(4, 15)
+        try:
+            while self.ctx.going() and time.monotonic() < life:
+                try:
+                    gc.poll(max_pings=500)
+                    gc.commit()
+                except RoadlogError:
+                    self.ctx.stop.wait(0.2)  # recorded; try again
+                self.ctx.stop.wait(self.rng.uniform(0.0, 0.2))
+        finally:
+            try:
+                gc.close(commit=True)
+            except RoadlogError as e:
+                log.info("member left badly", extra={"member": name, "why": _why(e)})
+                gc._stop.set()  # no more heartbeats: it expires
+            conn.close()
+
+
+class GroupObserver(Worker):
+    """Reads the group's committed offsets, fenced at the highest index seen."""
+
+    def body(self) -> None:
+        conn = RecordingConnection(self.ctx, self.name, self.ctx.servers)
+        admin = Admin(conn)
+        while self.ctx.going():
+            self.pause(0.3, 0.8)
+            with contextlib.suppress(RoadlogError):  # recorded
+                admin.describe_group(GROUP, min_applied_index=self.ctx.fence)
+
+
+class TopicChurn(Worker):
+    """Creates topics (gRPC or HTTP), publishes a batch to each, reads it
+    back, and deletes most of them again."""
+
+    def body(self) -> None:
+        conn = RecordingConnection(self.ctx, self.name, self.ctx.servers)
+        admin = Admin(conn)
+        k = 0
+        while self.ctx.going():
+            self.pause(1.0, 4.0)
+            k += 1
+            topic = f"churn-{k}"
+            if not self.create(admin, topic):
+                continue
+            prod = GrpcProducer(self.ctx, f"{self.name}-{k}", topic, self.ctx.servers)
+            prod.limit = 1
+            prod.body()
+            if self.rng.random() < 0.7 and self.ctx.going():
+                with contextlib.suppress(RoadlogError):  # recorded
+                    admin.delete_topic(topic)
+
+    def create(self, admin: Admin, topic: str) -> bool:
+        parts = self.rng.choice((1, 2, 4))
+        if self.rng.random() < 0.5:
+            try:
+                admin.create_topic(topic, REGION, parts)
+                return True
+            except RoadlogError:
+                return False  # recorded
+        rec = self.ctx.rec
+        base = self.rng.choice(self.ctx.https)
+        op = rec.invoke(self.name, "create_topic", api="http", via=base, topic=topic,
+                        partitions=parts)  # fmt: skip
+        status, body = _http(
+            "POST", f"{base}/v1/topics",
+            {"name": topic, "bbox": [11.4, 48.05, 11.75, 48.25], "partitions": parts},
+        )  # fmt: skip
+        outcome = _http_outcome(status)
+        if outcome == "ok":
+            rec.complete(self.name, op, "ok", "create_topic", applied_index=body["applied_index"])
+            self.ctx.saw(int(body["applied_index"]))
+            return True
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        rec.complete(self.name, op, outcome, "create_topic", code=f"HTTP {status}",
+                     reason=str(err.get("reason", ""))[:200])  # fmt: skip
+        return False
+
+
+def create_main_topic(ctx: Ctx) -> bool:
+    """The topic the long-lived workers use (recorded like any create)."""
+    conn = RecordingConnection(ctx, "setup", ctx.servers, timeout=30)
+    try:
+        made = _retry(ctx, lambda: Admin(conn).create_topic(MAIN_TOPIC, REGION, PARTITIONS))
+        return made is not None
+    finally:
+        conn.close()
+
+
+def start_all(ctx: Ctx, grpc_producers: int = 3, http_producers: int = 1) -> list[Worker]:
+    """The whole workload, started; each worker stops with the run."""
+    servers = ctx.servers
+    workers: list[Worker] = []
+    for k in range(grpc_producers):
+        order = servers if k % 2 == 0 else servers[::-1]  # both queue servers, first
+        workers.append(GrpcProducer(ctx, f"g{k}", MAIN_TOPIC, order))
+    for k in range(http_producers):
+        workers.append(HttpProducer(ctx, f"h{k}", MAIN_TOPIC))
+    workers += [
+        Reader(ctx, "reader"),
+        GroupMembers(ctx, "c"),
+        GroupObserver(ctx, "observer"),
+        TopicChurn(ctx, "churn"),
+    ]
+    for w in workers:
+        w.start()
+    return workers
+
+
+def stop_all(ctx: Ctx, workers: list[Worker], timeout: float = 60.0) -> list[str]:
+    """Stop every worker; the names of those that did not end in time."""
+    ctx.stop.set()
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        w.thread.join(max(0.0, deadline - time.monotonic()))
+    return [w.name for w in workers if w.thread.is_alive()]
