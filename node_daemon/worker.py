@@ -386,7 +386,11 @@ class WorkHandler:
     async def get_heatmap(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.GetHeatmapRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
-        resp = self.node.sm.heatmap(req, int(time.time() * 1000))
+        # Give-to-get on the log's clock, the one contributions are stamped
+        # with (a stepped wall clock here or at a leader must not refuse a
+        # fresh contributor); the wall clock only before anything was applied.
+        sm = self.node.sm
+        resp = sm.heatmap(req, sm.log_ms or int(time.time() * 1000))
         return OpResult(response=resp.SerializeToString())
 
     async def put_heatmap(self, item: work_pb2.WorkItem) -> OpResult:

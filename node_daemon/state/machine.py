@@ -14,11 +14,15 @@ Named databases (keys big-endian, so LMDB orders them numerically):
 - ``batches``: topic id, partition, base offset -> header + PingBatch bytes
 - ``timeidx``: topic id, partition, append ms, base offset -> b""
 - ``producers``: producer id, topic id, partition -> recent (seq, base, count)
-- ``meta``: applied index/term, id counters
+- ``meta``: applied index/term, id counters, the log's clock (``log_ms``)
 
 Everything stored derives from the log alone (times come from the entry's
 ``leader_ms``), so replicas that applied the same entries are byte-identical
-(``digest()``).
+(``digest()``). The log's clock is the highest ``leader_ms`` applied so far:
+appends (their batches' times and their clients' contributions) are stamped
+with it, and give-to-get measures against it, so a leader whose wall clock
+was stepped back neither stamps contributions in the past nor, once set
+right, makes fresh ones look old; a node's own wall clock plays no part.
 """
 
 from __future__ import annotations
@@ -136,6 +140,8 @@ class StateMachine:
         with self.env.begin() as txn:
             self.applied_index = self._meta_int(txn, b"applied_index")
             self.applied_term = self._meta_int(txn, b"applied_term")
+            self.log_ms = self._meta_int(txn, b"log_ms")  # 0: nothing applied yet
+        self._log_ms = self.log_ms  # while an apply's transaction is open
         self._forget()
 
     def _forget(self) -> None:
@@ -168,6 +174,7 @@ class StateMachine:
         todo = [e for e in entries if e.index > self.applied_index]
         if not todo:
             return [[] for _ in entries]
+        self._log_ms = self.log_ms
         try:
             with self.env.begin(write=True) as txn:
                 for e in todo:
@@ -176,12 +183,16 @@ class StateMachine:
                 last = todo[-1]
                 txn.put(b"applied_index", _U64.pack(last.index), db=self.meta)
                 txn.put(b"applied_term", _U64.pack(last.term), db=self.meta)
+                if self._log_ms != self.log_ms:
+                    txn.put(b"log_ms", _U64.pack(self._log_ms), db=self.meta)
         except BaseException as e:
             self._forget()  # the transaction is gone, and what it wrote
+            self._log_ms = self.log_ms
             if isinstance(e, lmdb.Error):
                 self._storage_error(e)
             raise
         self.applied_index, self.applied_term = todo[-1].index, todo[-1].term
+        self.log_ms = self._log_ms
         skipped: list[list[OpResult]] = [[] for _ in range(len(entries) - len(todo))]
         return skipped + out
 
@@ -200,12 +211,13 @@ class StateMachine:
             cmd = command_pb2.Command.FromString(e.data)
         except Exception:
             return [OpResult(Code.INTERNAL, "undecodable command")]
+        self._log_ms = max(self._log_ms, cmd.leader_ms)  # the log's clock never goes back
         out = []
         for op in cmd.ops:
             try:
                 kind = op.WhichOneof("op")
                 if kind == "append":
-                    spans = self._append(txn, op.append, cmd.leader_ms, e.index, results)
+                    spans = self._append(txn, op.append, self._log_ms, e.index, results)
                     out.append(OpResult(spans=tuple(spans)))
                 else:
                     if kind in _FORGETTING:

@@ -1,0 +1,90 @@
+"""Give-to-get across a stepped wall clock (issue 21, found by the nemesis:
+seed 3, 60 s). A contribution is stamped with the leader's clock when it
+is applied; the rule compared it with the reading node's wall clock. So
+a leader whose clock ran three hours behind stamped contributions three
+hours old, and once its clock was set right (or any node with a true
+clock answered) a client that had published a second before was refused
+its heat map. Both sides must be on the log's own clock.
+
+One node, so that the leader stamps and answers: its wall clock is
+stepped through ``tests.nemesis.clockshim``, as the nemesis does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from roadlog.client import Admin, Connection, PermissionDenied, Producer
+from roadlog.tools.localcluster import LocalCluster
+from roadlog.v1 import heatmaps_pb2
+from tests.integration.conftest import REGION, make_pings, wait_for
+
+pytestmark = pytest.mark.integration
+
+HOURS_3 = 3 * 3600
+
+
+@pytest.fixture
+def one_node_with_a_clock(tmp_path: Path) -> Iterator[tuple[LocalCluster, Path]]:
+    lc = LocalCluster.create(tmp_path / "c", nodes=1, queue_servers=1)
+    clock = tmp_path / "clock"
+    clock.write_text("0\n")
+    (node,) = lc.nodes
+    assert node.argv[1:3] == ["-m", "node_daemon.main"]
+    node.argv = [node.argv[0], "-m", "tests.nemesis.clockshim", str(clock), *node.argv[2:]]
+    lc.start_all()
+    try:
+        lc.wait_ready(60)
+        yield lc, clock
+    finally:
+        lc.down(grace=3)
+
+
+def test_a_contributor_is_not_refused_because_the_leader_s_clock_was_stepped(
+    one_node_with_a_clock: tuple[LocalCluster, Path],
+) -> None:
+    lc, clock = one_node_with_a_clock
+    with Connection(lc.servers, timeout=30) as conn:
+        admin = Admin(conn)
+        admin.create_topic("munich", REGION, 2)
+        hm = heatmaps_pb2.HeatMap(topic="munich", window_start_ms=1, window_end_ms=2)
+        admin.put_heatmap(hm)
+        producer = Producer(conn, "munich", client="c")
+        producer.send_batch(make_pings("c", 0, 10))
+        true_stamp = admin.heatmap("munich", client="c").contributed_ms
+
+        # The leader's clock three hours behind: what it stamps now.
+        clock.write_text(f"{-HOURS_3}\n")
+        sent = [10]
+
+        def stamped_behind() -> bool:
+            producer.send_batch(make_pings("c", sent[0], 10))
+            sent[0] += 10
+            return admin.heatmap("munich", client="c").contributed_ms < true_stamp - 3_600_000
+
+        # (On the log's clock nothing is stamped behind: then this times out.)
+        with contextlib.suppress(AssertionError):
+            wait_for(stamped_behind, 3, "a contribution stamped on the stepped clock")
+        # The clock set right again; c published a moment ago and asks.
+        clock.write_text("0\n")
+        wait_for(lambda: _clock_true(admin, producer, sent), 10, "the clock read true again")
+        try:
+            admin.heatmap("munich", client="c")
+        except PermissionDenied as e:
+            pytest.fail(f"a client that published a moment ago was refused: {e.message}")
+
+
+def _clock_true(admin: Admin, producer: Producer, sent: list[int]) -> bool:
+    """The node's clock is true again: a stranger's publish is stamped
+    within an hour of now (a different client, so c's stamp stays)."""
+    import time
+
+    cols = make_pings("probe", sent[0], 1)
+    sent[0] += 1
+    Producer(admin.conn, "munich", client="probe").send_batch(cols)
+    stamp = admin.heatmap("munich", client="probe").contributed_ms
+    return abs(stamp - time.time() * 1000) < 3_600_000
