@@ -26,6 +26,10 @@ Properties (each a function below, over the same ``Facts``):
   committed or observed offset points past the partition's end.
 - ``topics``: an acknowledged create exists at the end unless a delete of
   it was tried; an acknowledged delete stays deleted.
+- ``give_to_get``: a heat-map read (fenced past the client's publish) is
+  refused to no client whose publish to the topic was acknowledged less
+  than half the contribution window before (on the run's clock), and
+  allowed to no client that never published to it.
 - ``replicas_identical``: at the end every node reports the same state
   digest at the same applied index.
 - ``processes_alive``: every process that should run ran to the end.
@@ -52,6 +56,7 @@ PROPERTIES = (
     "fenced_reads",
     "group_offsets",
     "topics",
+    "give_to_get",
     "replicas_identical",
     "processes_alive",
 )
@@ -417,6 +422,37 @@ def topics(fx: Facts) -> Verdict:
     return v
 
 
+def give_to_get(fx: Facts) -> Verdict:
+    v = Verdict("give_to_get")
+    acked: dict[tuple[str, str], list[tuple[float, int]]] = defaultdict(list)
+    tried: set[tuple[str, str]] = set()
+    for op in fx.ops:
+        if op.f == "publish":
+            key = (op.invoke["producer"], op.invoke["topic"])
+            tried.add(key)
+            if op.type == "ok" and op.done is not None:
+                acked[key].append((float(op.done["t"]), int(op.done.get("applied_index", 0))))
+    for op in fx.ops:
+        if op.f != "heatmap" or op.type != "ok" or op.done is None:
+            continue
+        key = (op.invoke["client"], op.invoke["topic"])
+        t, fence = float(op.invoke["t"]), int(op.invoke.get("fence", 0))
+        half = op.invoke.get("window_ms", 900_000) / 2000
+        v.checked += 1
+        if op.done.get("allowed"):
+            if key not in tried:
+                v.fail(op.done, f"{key[0]} never published to {key[1]}, yet read its heat map")
+            continue
+        recent = [at for at, index in acked[key] if at <= t and index <= fence and t - at < half]
+        if recent:
+            v.fail(
+                op.done,
+                f"{key[0]} was refused the heat map of {key[1]} {t - max(recent):.1f} s after a "
+                f"publish of its was acknowledged: {op.done.get('reason', '')[:160]}",
+            )
+    return v
+
+
 def replicas_identical(fx: Facts) -> Verdict:
     v = Verdict("replicas_identical")
     evs = [ev for ev in fx.events if ev.get("f") == "digests" and ev["type"] != "invoke"]
@@ -456,6 +492,7 @@ CHECKS = {
     "fenced_reads": fenced_reads,
     "group_offsets": group_offsets,
     "topics": topics,
+    "give_to_get": give_to_get,
     "replicas_identical": replicas_identical,
     "processes_alive": processes_alive,
 }

@@ -337,6 +337,22 @@ class NemesisCluster:
     def heal_loss(self, host: Host) -> None:
         self.nft_drop_table(host, "nemesis_loss")
 
+    def slow(self, host: Host, kbit: int, queue_ms: int) -> None:
+        """Let ``host`` send only ``kbit`` kbit/s, queueing up to ``queue_ms``
+        of it (a token bucket: what delays this kernel offers without netem)."""
+        subprocess.run(
+            ["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", "eth0", "root",
+             "tbf", "rate", f"{kbit}kbit", "burst", "16kbit", "latency", f"{queue_ms}ms"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+
+    def heal_slow(self, host: Host) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", host.ns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+            capture_output=True,
+            timeout=30,
+        )
+
     # ------------------------------------------------------- disk and clock
 
     def fill_disk(self, svc: Service, leave: int) -> int:

@@ -24,7 +24,17 @@ from typing import Any
 
 from tests.nemesis.cluster import NemesisCluster, Service
 from tests.nemesis.history import Recorder
-from tests.nemesis.schedule import CLOCK, DISK, KILL, LOSS, PARTITION, PAUSE, WIPE, Fault
+from tests.nemesis.schedule import (
+    CLOCK,
+    DISK,
+    KILL,
+    LOSS,
+    PARTITION,
+    PAUSE,
+    SLOW,
+    WIPE,
+    Fault,
+)
 
 log = logging.getLogger("nemesis.faults")
 
@@ -80,6 +90,7 @@ class Nemesis:
             PAUSE: self._pause,
             PARTITION: self._partition,
             LOSS: self._loss,
+            SLOW: self._slow,
             DISK: self._disk,
             CLOCK: self._clock,
             WIPE: self._wipe,
@@ -119,6 +130,7 @@ class Nemesis:
         c.heal_partitions()
         for svc in c.services.values():
             c.heal_loss(svc.host)
+            c.heal_slow(svc.host)
             svc.signal(signal.SIGCONT)
             if svc.kind == "node":
                 c.free_disk(svc)
@@ -286,6 +298,20 @@ class Nemesis:
                 c.heal_loss(s.host)
 
         return heal, {"services": [s.name for s in victims], "percent": pct}
+
+    def _slow(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        c = self.cluster
+        if f.target == "queue":
+            (svc,) = self._queues("queue")
+        else:
+            (svc,) = self._nodes(f.target, leader)
+        kbit, queue_ms = int(f.params["kbit"]), int(f.params["queue_ms"])
+        c.slow(svc.host, kbit, queue_ms)
+        return (lambda: c.heal_slow(svc.host)), {
+            "services": [svc.name],
+            "kbit": kbit,
+            "queue_ms": queue_ms,
+        }
 
     def _disk(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
         c = self.cluster

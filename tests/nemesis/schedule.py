@@ -20,16 +20,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-KILL, PAUSE, PARTITION, LOSS, DISK, CLOCK, WIPE = (
+KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE = (
     "kill",
     "pause",
     "partition",
     "loss",
+    "slow",
     "disk",
     "clock",
     "wipe",
 )
-KINDS = (KILL, PAUSE, PARTITION, LOSS, DISK, CLOCK, WIPE)
+KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ LANES: dict[str, Lane] = {
         (("leader-isolated", 3), ("majority-minority", 2), ("bridge", 1), ("one-way", 2)),
     ),
     LOSS: Lane((2.0, 8.0), (2.0, 8.0), (("node", 2), ("all", 1))),
+    # This kernel has no netem (no fixed delay): a slow link instead, a token
+    # bucket on the host's way out whose queue holds up to seconds of data.
+    SLOW: Lane((2.0, 8.0), (2.0, 8.0), (("leader", 2), ("follower", 1), ("queue", 1))),
     DISK: Lane((2.0, 8.0), (3.0, 9.0), (("leader", 2), ("follower", 2))),
     CLOCK: Lane((3.0, 10.0), (2.0, 8.0), (("leader", 2), ("follower", 2))),
     WIPE: Lane((1.0, 4.0), (6.0, 14.0), (("follower", 1),)),
@@ -81,6 +85,8 @@ class Fault:
 def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
     if kind == LOSS:
         return {"percent": rng.choice((5, 10, 20, 30, 40))}
+    if kind == SLOW:
+        return {"kbit": rng.choice((64, 256, 1024)), "queue_ms": rng.choice((500, 1500, 3000))}
     if kind == DISK:
         return {"fill": rng.choice(("full", "low"))}  # ENOSPC, or under min_free_bytes
     if kind == CLOCK:

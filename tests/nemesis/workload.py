@@ -35,7 +35,7 @@ from roadlog.client import Admin, Connection, GroupConsumer, Producer, RoadlogEr
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code
 from roadlog.geo import bbox_region
-from roadlog.v1 import client_pb2
+from roadlog.v1 import client_pb2, heatmaps_pb2
 from tests.nemesis.history import Recorder
 
 log = logging.getLogger("nemesis.workload")
@@ -112,6 +112,7 @@ class RecordingConnection(Connection):
         "DescribeGroup": "describe_group",
         "CreateTopic": "create_topic",
         "DeleteTopic": "delete_topic",
+        "PutHeatmap": "put_heatmap",
     }
 
     def __init__(self, ctx: Ctx, proc: str, servers: list[str], timeout: float = 10.0) -> None:
@@ -171,6 +172,8 @@ class RecordingConnection(Connection):
             return {"group": req.group, "topic": MAIN_TOPIC, "fence": req.min_applied_index}
         if method == "CreateTopic":
             return {"api": "grpc", "topic": req.spec.name, "partitions": req.spec.partitions}
+        if method == "PutHeatmap":
+            return {"api": "grpc", "topic": req.heatmap.topic}
         return {"api": "grpc", "topic": req.name}
 
     def _done_fields(self, method: str, resp: Any) -> dict[str, Any]:
@@ -472,6 +475,72 @@ class GroupObserver(Worker):
                 admin.describe_group(GROUP, min_applied_index=self.ctx.fence)
 
 
+class HeatmapReader(Worker):
+    """Stores a heat map of the main topic, then asks for it, fenced at the
+    highest index seen, as a producer that keeps publishing (give-to-get
+    must let it in) or as a stranger that never published (kept out), over
+    gRPC and HTTP. A refusal is an answer: recorded ok, ``allowed`` False."""
+
+    WINDOW_MS = 15 * 60 * 1000  # the default contribution window
+
+    def __init__(self, ctx: Ctx, name: str, contributors: list[str]) -> None:
+        super().__init__(ctx, name)
+        self.contributors = contributors
+
+    def body(self) -> None:
+        conn = RecordingConnection(self.ctx, self.name, self.ctx.servers)
+        admin = Admin(conn)
+        hm = heatmaps_pb2.HeatMap(
+            topic=MAIN_TOPIC, window_start_ms=self.ctx.t0_ms,
+            window_end_ms=self.ctx.t0_ms + self.WINDOW_MS, h3_resolution=8,
+            computed_ms=self.ctx.t0_ms,
+        )  # fmt: skip
+        if _retry(self.ctx, lambda: admin.put_heatmap(hm)) is None:
+            return
+        while self.ctx.going():
+            self.pause(0.2, 0.6)
+            client = self.rng.choice([*self.contributors, "stranger"])
+            if self.rng.random() < 0.5:
+                self.ask_grpc(conn, client)
+            else:
+                self.ask_http(client)
+
+    def ask_grpc(self, conn: RecordingConnection, client: str) -> None:
+        rec, fence = self.ctx.rec, self.ctx.fence
+        op = rec.invoke(self.name, "heatmap", api="grpc", topic=MAIN_TOPIC, client=client,
+                        fence=fence, window_ms=self.WINDOW_MS)  # fmt: skip
+        req = client_pb2.GetHeatmapRequest(
+            topic=MAIN_TOPIC, client_id=client, min_applied_index=fence
+        )
+        try:
+            conn.call("GetHeatmap", req, timeout=10)
+        except RoadlogError as e:
+            if e.code in (Code.PERMISSION_DENIED, Code.NOT_FOUND):
+                rec.complete(self.name, op, "ok", "heatmap",
+                             allowed=e.code == Code.NOT_FOUND, reason=_why(e))  # fmt: skip
+            else:
+                rec.complete(self.name, op, "info", "heatmap", code=e.code.name, reason=_why(e))
+            return
+        rec.complete(self.name, op, "ok", "heatmap", allowed=True)
+
+    def ask_http(self, client: str) -> None:
+        rec, fence = self.ctx.rec, self.ctx.fence
+        base = self.rng.choice(self.ctx.https)
+        op = rec.invoke(self.name, "heatmap", api="http", via=base, topic=MAIN_TOPIC,
+                        client=client, fence=fence, window_ms=self.WINDOW_MS)  # fmt: skip
+        status, body = _http(
+            "GET",
+            f"{base}/v1/topics/{MAIN_TOPIC}/heatmap?client_id={client}&min_applied_index={fence}",
+        )
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        if status in (200, 403, 404):
+            rec.complete(self.name, op, "ok", "heatmap", allowed=status != 403,
+                         reason=str(err.get("reason", ""))[:200])  # fmt: skip
+        else:
+            rec.complete(self.name, op, "info", "heatmap", code=f"HTTP {status}",
+                         reason=str(err.get("reason", ""))[:200])  # fmt: skip
+
+
 class TopicChurn(Worker):
     """Creates topics (gRPC or HTTP), publishes a batch to each, reads it
     back, and deletes most of them again."""
@@ -539,8 +608,10 @@ def start_all(ctx: Ctx, grpc_producers: int = 3, http_producers: int = 1) -> lis
         workers.append(GrpcProducer(ctx, f"g{k}", MAIN_TOPIC, order))
     for k in range(http_producers):
         workers.append(HttpProducer(ctx, f"h{k}", MAIN_TOPIC))
+    contributors = [w.name for w in workers]
     workers += [
         Reader(ctx, "reader"),
+        HeatmapReader(ctx, "heat", contributors),
         GroupMembers(ctx, "c"),
         GroupObserver(ctx, "observer"),
         TopicChurn(ctx, "churn"),

@@ -95,6 +95,10 @@ def good() -> H:
     h.commit({"0": 4}, index=9, member="m2")
     h.op("observer", "describe_group", "ok", {"group": "g", "topic": "main", "fence": 9},
          {"offsets": {"0": 4}, "generation": 2})  # fmt: skip
+    h.op("heat", "heatmap", "ok", {"topic": "main", "client": "P", "fence": 7,
+         "window_ms": 900_000}, {"allowed": True})  # fmt: skip
+    h.op("heat", "heatmap", "ok", {"topic": "main", "client": "stranger", "fence": 7,
+         "window_ms": 900_000}, {"allowed": False})  # fmt: skip
     h.ev("nemesis", "info", "nemesis", phase="heal", fault="kill-0", kind="kill")
     h.final({0: [["P", 0], ["P", 1], ["P", 4], ["P", 5]]})
     h.end()
@@ -215,6 +219,20 @@ def deleted_topic_back() -> tuple[H, str, str]:
     return h, "topics", "main was deleted"
 
 
+def contributor_refused() -> tuple[H, str, str]:
+    h = good()
+    h.op("heat", "heatmap", "ok", {"topic": "main", "client": "P", "fence": 7,
+         "window_ms": 900_000}, {"allowed": False, "reason": "not published"})  # fmt: skip
+    return h, "give_to_get", "P was refused"
+
+
+def stranger_let_in() -> tuple[H, str, str]:
+    h = good()
+    h.op("heat", "heatmap", "ok", {"topic": "main", "client": "nobody", "fence": 7,
+         "window_ms": 900_000}, {"allowed": True})  # fmt: skip
+    return h, "give_to_get", "never published"
+
+
 def replicas_differ() -> tuple[H, str, str]:
     h = good()
     h.events[-2]["nodes"]["2"] = [9, "bb"]
@@ -239,7 +257,8 @@ def process_died() -> tuple[H, str, str]:
         acked_lost, acked_twice, ack_lied_about_offsets, unknown_stored_twice,
         failed_yet_stored, stored_but_never_sent, out_of_order, read_then_lost,
         log_rewritten, fence_not_honoured, offsets_backwards, offset_past_the_end,
-        created_topic_gone, deleted_topic_back, replicas_differ, replica_silent, process_died,
+        created_topic_gone, deleted_topic_back, contributor_refused, stranger_let_in,
+        replicas_differ, replica_silent, process_died,
     ],
 )  # fmt: skip
 def test_each_kind_of_bad_history_fails_its_property_and_names_the_event(bad: Bad) -> None:
