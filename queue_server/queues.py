@@ -9,7 +9,10 @@ work a worker took and did not finish goes back to the front of its queue
 when that worker leaves, unless its deadline passed or the streams of
 MAX_STREAM_BREAKS workers that held it broke (then it is dropped and
 reported: a request whose answer breaks every node's stream must not circle
-forever; a worker answering "not the leader" is no break); items whose
+forever; a worker answering "not the leader" is no break), or it is a write
+whose repetition is not harmless (``replayable``): the node may have done
+it before it left, so it is dropped and reported as of unknown outcome,
+never done a second time behind its client's back; items whose
 deadline passed are never handed out, and are dropped and reported; a read
 that waits for its fence waits in its client's place, within its client's
 bounds;
@@ -23,9 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from google.protobuf.message import DecodeError
+
 from queue_server.fair import FairQueue, Full
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.rpc import Kind as Kind  # which queue: declared with the rpcs
+from roadlog.v1 import client_pb2
 
 
 class QueueFull(Exception):
@@ -77,6 +83,35 @@ class Expired:
     item: Item
     reason: str
     gave_up: bool = False  # dropped for breaking streams, not for its deadline
+
+
+# Writes that store nothing new when done again: heartbeats, leaving, the
+# same offsets committed again, the same heat map put again.
+_HARMLESS_AGAIN = frozenset({"Heartbeat", "LeaveGroup", "CommitOffsets", "PutHeatmap"})
+UNKNOWN_OUTCOME = (
+    "the node that took it left before answering, so whether it was done is unknown; "
+    "it is not done again behind your back (an idempotent producer's retry is stored once)"
+)
+
+
+def replayable(it: Item) -> bool:
+    """Whether ``it`` may be handed to another node after one that took it
+    left: reads, the harmless writes, and publishes whose every request
+    carries a producer id (the state machine stores a retried (producer,
+    sequence) once). Anything else (a publish without a producer id, a topic
+    created or deleted, a member joining) might be done twice."""
+    if it.kind == Kind.READ or it.method in _HARMLESS_AGAIN:
+        return True
+    try:
+        if it.method == "Publish":
+            return bool(client_pb2.PublishRequestView.FromString(it.request).producer_id)
+        if it.method == "PublishBatch":
+            raws = client_pb2.PublishBatchRequestView.FromString(it.request).requests
+            views = [client_pb2.PublishRequestView.FromString(r) for r in raws]
+            return bool(views) and all(v.producer_id for v in views)
+    except DecodeError:
+        return True  # refused as malformed wherever it goes: nothing is done
+    return False
 
 
 def per_client_share(total: int) -> int:
@@ -200,9 +235,10 @@ class WorkQueues:
 
     def disconnect(self, worker_id: int, now: float) -> list[Item]:
         """The worker is gone: what it held goes back to the front, in order,
-        and is returned; what is past its deadline or was held by
-        MAX_STREAM_BREAKS workers that left is dropped instead (``expire``
-        reports it)."""
+        and is returned; what is past its deadline, was held by
+        MAX_STREAM_BREAKS workers that left, or is a write it may have done
+        that must not be done twice (not ``replayable``) is dropped instead
+        (``expire`` reports it)."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
@@ -211,6 +247,8 @@ class WorkQueues:
             it.broken += 1
             if it.deadline <= now:
                 self._dropped.append(Expired(it, "not done before the deadline: its node left"))
+            elif not replayable(it):
+                self._dropped.append(Expired(it, UNKNOWN_OUTCOME))
             elif it.broken >= MAX_STREAM_BREAKS:
                 self._dropped.append(
                     Expired(

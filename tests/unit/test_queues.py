@@ -8,13 +8,17 @@ import itertools
 import pytest
 
 from queue_server.queues import MAX_STREAM_BREAKS, Item, Kind, QueueFull, WorkQueues
+from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit
 _ids = itertools.count(1)
+# A write that may be handed to another node when its node leaves (see
+# queues.replayable): what these tests move around; "m" stands for any read.
+W = "Heartbeat"
 
 
 def item(kind: Kind, fence: int = 0, deadline: float = 100.0) -> Item:
-    return Item(next(_ids), kind, "m", b"", deadline, 0.0, fence)
+    return Item(next(_ids), kind, W if kind == Kind.WRITE else "m", b"", deadline, 0.0, fence)
 
 
 def test_writes_go_only_to_the_leader() -> None:
@@ -148,12 +152,12 @@ def test_the_newest_leader_wins_when_two_claim() -> None:
 
 def test_one_client_flooding_neither_fills_the_queue_nor_delays_others() -> None:
     q = WorkQueues(max_writes=100, max_per_client=10)
-    flood = [Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="flood") for _ in range(10)]
+    flood = [Item(next(_ids), Kind.WRITE, W, b"", 100.0, 0.0, client="flood") for _ in range(10)]
     for it in flood:
         q.submit(it)
     with pytest.raises(QueueFull, match="'flood' has 10 requests waiting"):
-        q.submit(Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="flood"))
-    phone = Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="phone")
+        q.submit(Item(next(_ids), Kind.WRITE, W, b"", 100.0, 0.0, client="flood"))
+    phone = Item(next(_ids), Kind.WRITE, W, b"", 100.0, 0.0, client="phone")
     q.submit(phone)  # another client still gets in
     q.connect(1, 1)
     q.update(1, True, 1, 0)
@@ -170,11 +174,11 @@ def test_work_handed_back_is_served_first_in_its_order() -> None:
     q.connect(1, 1)
     q.update(1, True, 1, 0)
     q.grant(1, writes=3, reads=0)
-    items = [Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client=c) for c in "abc"]
+    items = [Item(next(_ids), Kind.WRITE, W, b"", 100.0, 0.0, client=c) for c in "abc"]
     for it in items:
         q.submit(it)
     assert len(q.dispatch(0)) == 3
-    q.submit(Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="d"))
+    q.submit(Item(next(_ids), Kind.WRITE, W, b"", 100.0, 0.0, client="d"))
     back = q.disconnect(1, now=0)
     assert [it.id for it in back] == [it.id for it in items]
     q.connect(2, 2)
@@ -255,7 +259,7 @@ def test_queues_are_bounded_in_bytes_in_all_and_per_client() -> None:
     q = WorkQueues(max_bytes=64 * mib)  # a client may hold a quarter: 16 MiB
 
     def big(client: str, size: int = 6 * mib) -> Item:
-        return Item(next(_ids), Kind.WRITE, "m", b"x" * size, 100.0, 0.0, client=client)
+        return Item(next(_ids), Kind.WRITE, W, b"x" * size, 100.0, 0.0, client=client)
 
     q.submit(big("a"))
     q.submit(big("a"))
@@ -276,7 +280,7 @@ def test_queues_are_bounded_in_bytes_in_all_and_per_client() -> None:
     assert taken and q.queues[Kind.WRITE].bytes == 0  # handed out: no longer held
     q.disconnect(1, now=0)  # handed back: held again, though over no bound
     assert q.queues[Kind.WRITE].bytes == sum(it.size for _, it in taken)
-    q.submit(Item(next(_ids), Kind.WRITE, "m", b"", 100.0, 0.0, client="z"))  # small still fits
+    q.submit(Item(next(_ids), Kind.WRITE, W, b"", 100.0, 0.0, client="z"))  # small still fits
     q.expire(1000.0)
     assert q.queues[Kind.WRITE].bytes == 0 and q.depth(Kind.WRITE) == 0
 
@@ -320,3 +324,49 @@ def test_reads_waiting_for_their_fence_keep_their_place_and_their_clients_bounds
     assert [it.id for _, it in q.dispatch(0)] == [fine.id]
     q.update(1, is_leader=False, term=1, applied=50)
     assert [it.id for _, it in q.dispatch(0)] == [it.id for it in held]  # a's order kept
+
+
+def _publish(producer_id: int) -> Item:
+    req = client_pb2.PublishRequest(topic="t", client_id="c", producer_id=producer_id, sequence=1)
+    return Item(next(_ids), Kind.WRITE, "Publish", req.SerializeToString(), 100.0, 0.0)
+
+
+def test_a_write_its_node_may_have_done_is_not_handed_to_another() -> None:
+    """Found by the nemesis (issue 21, seed 4): a leader took an HTTP publish
+    (no producer id), proposed it and was killed; the queue server handed it
+    to the next leader, and the pings one request carried were stored
+    twice. A write whose repetition is not harmless, held by a node that
+    left, is answered as unknown instead; an idempotent publish (stored
+    once however often it comes), and reads, still go to the next node."""
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.update(1, True, 1, 0)
+    q.grant(1, writes=10, reads=10)
+    plain, create = _publish(0), item(Kind.WRITE)
+    create.method = "CreateTopic"
+    idempotent = _publish(7)
+    batch = Item(
+        next(_ids),
+        Kind.WRITE,
+        "PublishBatch",
+        client_pb2.PublishBatchRequest(
+            requests=[
+                client_pb2.PublishRequest(producer_id=7, sequence=2),
+                client_pb2.PublishRequest(producer_id=0),
+            ]
+        ).SerializeToString(),
+        100.0,
+        0.0,
+    )
+    for it in (plain, create, idempotent, batch):
+        q.submit(it)
+    assert len(q.dispatch(0)) == 4
+    back = q.disconnect(1, now=0)
+    assert [it.id for it in back] == [idempotent.id]  # stored once however often it comes
+    dropped = q.expire(0)
+    assert sorted(e.item.id for e in dropped) == sorted([plain.id, create.id, batch.id])
+    assert all("unknown" in e.reason and not e.gave_up for e in dropped)
+    q.connect(2, 2)
+    q.update(2, True, 2, 0)
+    q.grant(2, writes=10, reads=0)
+    assert [it.id for _, it in q.dispatch(0)] == [idempotent.id]  # nothing else twice
