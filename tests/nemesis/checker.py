@@ -503,6 +503,7 @@ class Report:
     verdicts: dict[str, Verdict]
     faults: Counter[str]
     ops: Counter[str]
+    skipped: int = 0  # faults of the schedule left out (no target, or a known finding)
 
     @property
     def ok(self) -> bool:
@@ -520,7 +521,7 @@ class Report:
             for name, v in self.verdicts.items()
         )
         return (
-            f"faults {sum(self.faults.values())} [{faults}] | "
+            f"faults {sum(self.faults.values())} (+{self.skipped} skipped) [{faults}] | "
             f"ops {sum(self.ops.values())} [{ops}] | {verdicts} | "
             f"{'PASS' if self.ok else 'FAIL'}"
         )
@@ -534,7 +535,8 @@ def check(events: list[Event]) -> Report:
         ev["kind"] for ev in fx.events if ev.get("f") == "nemesis" and ev.get("phase") == "start"
     )
     ops: Counter[str] = Counter(op.f for op in fx.ops)
-    return Report(verdicts, faults, ops)
+    skipped = sum(1 for ev in fx.events if ev.get("f") == "nemesis" and ev.get("phase") == "skip")
+    return Report(verdicts, faults, ops, skipped)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,20 @@ log = logging.getLogger("nemesis.faults")
 
 Heal = Callable[[], None]
 
+# Faults that trigger findings not fixed yet (their fixes are in files being
+# edited by others); ``skip_known`` leaves them out, recorded as skips, so a
+# run can check everything else (RELIABILITY.md, findings 2 and 4).
+KNOWN_FORWARD_STEP_S = 900  # a leader's clock stepped this far ahead ages contributions
+
+
+def known_finding(f: Fault) -> str:
+    """Why a fault is left out under ``skip_known`` ('' if it is not)."""
+    if f.kind == WIPE:
+        return "finding 2: a wiped voter with static peers forgets its log and vote"
+    if f.kind == CLOCK and float(f.params.get("offset_s", 0)) >= KNOWN_FORWARD_STEP_S:
+        return "finding 4: a clock stepped ahead ages earlier contributions"
+    return ""
+
 
 class Skip(Exception):
     """No target fits now (say, every follower is down already)."""
@@ -52,6 +66,7 @@ class Nemesis:
     faults: list[Fault]
     seed: int
     offset: float = 0.0  # the schedule's 0, on the recorder's clock
+    skip_known: bool = False  # leave out faults that trigger known, unfixed findings
     down: dict[str, str] = field(default_factory=dict)  # service -> the fault that killed it
     paused: dict[str, tuple[str, int]] = field(default_factory=dict)  # -> (fault, pid)
     crashed: set[str] = field(default_factory=set)
@@ -98,6 +113,8 @@ class Nemesis:
         views = self.cluster.views()
         leader = self.cluster.leader(views)
         try:
+            if self.skip_known and known_finding(f):
+                raise Skip(known_finding(f))
             heal, detail = starter(f, leader)
         except Skip as e:
             self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id, kind=f.kind,

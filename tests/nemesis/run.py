@@ -140,6 +140,7 @@ def run(
     subnet: str,
     replay: Path | None = None,
     kinds: tuple[str, ...] = schedule.KINDS,
+    skip_known: bool = False,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
@@ -150,7 +151,8 @@ def run(
     schedule.save(faults, run_dir / "schedule.json", seed, seconds)
     rec = Recorder(run_dir / "history.jsonl")
     rec.event("run", "info", "run", seed=seed, seconds=seconds, faults=len(faults),
-              kinds=list(kinds), subnet=subnet, pid=os.getpid())  # fmt: skip
+              kinds=list(kinds), skip_known=skip_known, subnet=subnet,
+              pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
     cluster = NemesisCluster(run_dir, subnet, f"n{os.getpid() % 100000}")
@@ -175,7 +177,7 @@ def run(
         made = True
         workers = workload.start_all(ctx)
         wait_for(lambda: len(ctx.acks) >= 4, 30)  # the load is flowing
-        nem = Nemesis(cluster, rec, faults, seed, offset=rec.now())
+        nem = Nemesis(cluster, rec, faults, seed, offset=rec.now(), skip_known=skip_known)
         threading.Thread(
             target=_progress, args=(rec, ctx, nem, stop), daemon=True, name="progress"
         ).start()
@@ -215,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subnet", default=os.environ.get("ROADLOG_NEMESIS_SUBNET", SUBNET),
                     help="first three octets of the bridge's /24")  # fmt: skip
     ap.add_argument("--replay", type=Path, default=None, help="a schedule.json to run again")
+    ap.add_argument("--skip-known", action="store_true",
+                    help="leave out faults that trigger known, unfixed findings (wipes, "
+                    "clocks stepped ahead past the contribution window)")  # fmt: skip
     ap.add_argument("--kinds", default=",".join(schedule.KINDS),
                     help="the kinds of fault to draw, comma-separated")  # fmt: skip
     a = ap.parse_args(argv)
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kinds) - set(schedule.KINDS)
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
-    return run(a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds)
+    return run(a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known)
 
 
 if __name__ == "__main__":
