@@ -119,7 +119,6 @@ class Facts:
     deleted: set[str]  # topics a delete was tried on (ok or unknown)
     sent: dict[str, list[tuple[int, int, int]]]  # producer -> sorted (n0, n1, op index)
     counts: dict[tuple[str, int], int]  # (producer, n) -> times stored at the end
-    where: dict[tuple[str, int], tuple[str, int, int]]  # (producer, n) -> topic, p, offset
 
 
 def pair(events: Iterable[Event]) -> tuple[list[Op], list[Event]]:
@@ -160,13 +159,10 @@ def facts(events: list[Event]) -> Facts:
             sent[op.invoke["producer"]].append((op.invoke["n0"], op.invoke["n1"], k))
     for ranges in sent.values():
         ranges.sort()
-    counts: dict[tuple[str, int], int] = Counter()
-    where: dict[tuple[str, int], tuple[str, int, int]] = {}
-    for (topic, p), (first, rows) in final.items():
-        for k, row in enumerate(rows):
-            counts[row] += 1
-            where.setdefault(row, (topic, p, first + k))
-    return Facts(ops, events, final_topics, final, final_events, deleted, dict(sent), counts, where)
+    counts: Counter[tuple[str, int]] = Counter()
+    for _, rows in final.values():
+        counts.update(rows)
+    return Facts(ops, events, final_topics, final, final_events, deleted, dict(sent), counts)
 
 
 def sender(fx: Facts, producer: str, n: int) -> Op | None:

@@ -141,6 +141,7 @@ def run(
     replay: Path | None = None,
     kinds: tuple[str, ...] = schedule.KINDS,
     skip_known: bool = False,
+    disk_mib: int = 256,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
@@ -155,7 +156,7 @@ def run(
               pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
-    cluster = NemesisCluster(run_dir, subnet, f"n{os.getpid() % 100000}")
+    cluster = NemesisCluster(run_dir, subnet, f"n{os.getpid() % 100000}", disk_bytes=disk_mib << 20)
     stop = threading.Event()
     made = False
     try:
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-known", action="store_true",
                     help="leave out faults that trigger known, unfixed findings (wipes, "
                     "clocks stepped ahead past the contribution window)")  # fmt: skip
+    ap.add_argument("--disk-mib", type=int, default=256,
+                    help="each node's tmpfs, in MiB (long runs store more)")  # fmt: skip
     ap.add_argument("--kinds", default=",".join(schedule.KINDS),
                     help="the kinds of fault to draw, comma-separated")  # fmt: skip
     a = ap.parse_args(argv)
@@ -233,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kinds) - set(schedule.KINDS)
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
-    return run(a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known)
+    return run(
+        a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known, a.disk_mib
+    )
 
 
 if __name__ == "__main__":
