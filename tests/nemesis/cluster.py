@@ -107,7 +107,8 @@ class NemesisCluster:
         for line in subprocess.run(
             ["ip", "-br", "addr"], capture_output=True, text=True, timeout=30
         ).stdout.splitlines():
-            if f" {self.subnet}.1/" in f" {line}":
+            # An interface that is down routes nothing (a lab bridge left behind).
+            if f" {self.subnet}.1/" in f" {line}" and line.split()[1:2] != ["DOWN"]:
                 raise RuntimeError(
                     f"{self.subnet}.1 is already on {line.split()[0]} (another run, or a "
                     "test tier, uses this subnet): give another one (--subnet)"
