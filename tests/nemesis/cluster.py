@@ -104,15 +104,17 @@ class NemesisCluster:
 
     def create(self) -> None:
         """The bridge, one host per process, tmpfs data dirs, clock files."""
-        for line in subprocess.run(
-            ["ip", "-br", "addr"], capture_output=True, text=True, timeout=30
-        ).stdout.splitlines():
-            # An interface that is down routes nothing (a lab bridge left behind).
-            if f" {self.subnet}.1/" in f" {line}" and line.split()[1:2] != ["DOWN"]:
-                raise RuntimeError(
-                    f"{self.subnet}.1 is already on {line.split()[0]} (another run, or a "
-                    "test tier, uses this subnet): give another one (--subnet)"
-                )
+        # Another route to the subnet (another run, a test tier, a lab bridge
+        # left up) would take our traffic; an interface that is down has none.
+        routes = subprocess.run(
+            ["ip", "route", "show", f"{self.subnet}.0/24"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+        if routes:
+            raise RuntimeError(
+                f"{self.subnet}.0/24 is routed already ({routes}): another run or a test "
+                "tier uses it; give another subnet (--subnet)"
+            )
         (self.dir / "net").mkdir(parents=True, exist_ok=True)
         self.net = Net(self.dir / "net", self.tag, subnet=self.subnet)
         self.net.create()
