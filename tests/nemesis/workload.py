@@ -136,9 +136,11 @@ class RecordingConnection(Connection):
             resp = super().call(method, request, timeout, response)
         except Exception as e:
             code = _code(e)
-            definite = code in (READ_DEFINITE if f != "create_topic" else DEFINITE)
-            if f == "commit" and code == Code.FAILED_PRECONDITION:
-                definite = True  # refused by the state machine: stale member or generation
+            # A write the connection sent again (after an unknown outcome) may
+            # be refused for what its own first attempt did (ALREADY_EXISTS,
+            # NOT_FOUND, a stale generation): only bad input is certain.
+            writes = ("create_topic", "delete_topic", "commit", "put_heatmap")
+            definite = code in (DEFINITE if f in writes else READ_DEFINITE)
             self.ctx.rec.complete(
                 self.proc, op, "fail" if definite else "info", f, code=code.name, reason=_why(e)
             )
