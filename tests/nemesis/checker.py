@@ -30,6 +30,9 @@ Properties (each a function below, over the same ``Facts``):
   refused to no client whose publish to the topic was acknowledged less
   than half the contribution window before (on the run's clock), and
   allowed to no client that never published to it.
+- ``membership``: a node whose last membership change was an
+  acknowledged add (or none) is in the configuration found at the end,
+  and one whose last change was an acknowledged removal is not.
 - ``replicas_identical``: at the end every node reports the same state
   digest at the same applied index.
 - ``processes_alive``: every process that should run ran to the end.
@@ -57,6 +60,7 @@ PROPERTIES = (
     "group_offsets",
     "topics",
     "give_to_get",
+    "membership",
     "replicas_identical",
     "processes_alive",
 )
@@ -449,6 +453,30 @@ def give_to_get(fx: Facts) -> Verdict:
     return v
 
 
+def membership(fx: Facts) -> Verdict:
+    v = Verdict("membership")
+    config = next((ev for ev in fx.events if ev.get("f") == "config"), None)
+    if config is None:
+        return v
+    members = set(config.get("voters", [])) | set(config.get("learners", []))
+    last: dict[int, Op] = {}
+    for op in fx.ops:
+        if op.f in ("add_node", "remove_node") and op.invoke["i"] < config["i"]:
+            last[int(op.invoke["node"])] = op
+    for node, op in sorted(last.items()):
+        if op.type != "ok":
+            continue  # unknown: either way is right
+        v.checked += 1
+        assert op.done is not None
+        if op.f == "add_node" and node not in members:
+            v.fail(op.done, f"adding node {node} was acknowledged, yet the configuration "
+                            f"found at the end lacks it: {sorted(members)}")  # fmt: skip
+        if op.f == "remove_node" and node in members:
+            v.fail(op.done, f"removing node {node} was acknowledged, yet the configuration "
+                            f"found at the end has it: {sorted(members)}")  # fmt: skip
+    return v
+
+
 def replicas_identical(fx: Facts) -> Verdict:
     v = Verdict("replicas_identical")
     evs = [ev for ev in fx.events if ev.get("f") == "digests" and ev["type"] != "invoke"]
@@ -489,6 +517,7 @@ CHECKS = {
     "group_offsets": group_offsets,
     "topics": topics,
     "give_to_get": give_to_get,
+    "membership": membership,
     "replicas_identical": replicas_identical,
     "processes_alive": processes_alive,
 }

@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.status import ask_node
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, client_pb2_grpc
 from tests.netns.conftest import REPO, Host, Net
@@ -283,6 +284,44 @@ class NemesisCluster:
         nodes = self.node_services
         with ThreadPoolExecutor(len(nodes)) as pool:
             return dict(zip((s.ident for s in nodes), pool.map(one, nodes), strict=True))
+
+    # ---------------------------------------------------------- membership
+
+    def voters(self, leader: int) -> tuple[set[int], set[int]] | None:
+        """(voters, learners) of the leader's configuration (None: no answer)."""
+        try:
+            with grpc.insecure_channel(self.node(leader).address) as ch:
+                st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=2)
+        except (grpc.RpcError, KeyError):
+            return None
+        return set(st.nodes[0].voters), set(st.nodes[0].learners)
+
+    def admin(self, method: str, request: Any, timeout: float = 3.0) -> bool:
+        """A changing admin call, to the leader (tried on each node in turn:
+        a follower refuses and names the leader); whether one took it."""
+        assert self.net is not None
+        token = cluster_token(self.net.secret.read_bytes().strip(), "roadlog")
+        for svc in self.node_services:
+            if not svc.running():
+                continue
+            try:
+                with grpc.insecure_channel(svc.address) as ch:
+                    call = getattr(admin_pb2_grpc.AdminStub(ch), method)
+                    call(request, metadata=token_metadata(token), timeout=timeout)
+                return True
+            except grpc.RpcError as e:
+                why = {"method": method, "node": svc.name, "why": e.details()}
+                log.info("admin call refused", extra=why)
+        return False
+
+    def remove_node(self, ident: int) -> bool:
+        return self.admin("RemoveNode", admin_pb2.RemoveNodeRequest(node_id=ident))
+
+    def add_node(self, ident: int, as_voter: bool = False) -> bool:
+        req = admin_pb2.AddNodeRequest(
+            node_id=ident, address=self.node(ident).address, as_voter=as_voter
+        )
+        return self.admin("AddNode", req)
 
     # ------------------------------------------------------------- network
 

@@ -18,6 +18,7 @@ import logging
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from tests.nemesis.schedule import (
     DISK,
     KILL,
     LOSS,
+    MEMBER,
     PARTITION,
     PAUSE,
     SLOW,
@@ -70,6 +72,7 @@ class Nemesis:
     down: dict[str, str] = field(default_factory=dict)  # service -> the fault that killed it
     paused: dict[str, tuple[str, int]] = field(default_factory=dict)  # -> (fault, pid)
     crashed: set[str] = field(default_factory=set)
+    removed: set[int] = field(default_factory=set)  # node ids taken out of the configuration
     _heals: dict[str, Heal] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -109,6 +112,7 @@ class Nemesis:
             DISK: self._disk,
             CLOCK: self._clock,
             WIPE: self._wipe,
+            MEMBER: self._member,
         }[f.kind]
         views = self.cluster.views()
         leader = self.cluster.leader(views)
@@ -158,6 +162,7 @@ class Nemesis:
             if not svc.running() and svc.name not in self.crashed:
                 c.start(svc)
         self.down.clear()
+        self._add_back(tries=30)
         self.rec.event("nemesis", "info", "nemesis", phase="heal-all")
 
     def check_alive(self) -> None:
@@ -329,6 +334,65 @@ class Nemesis:
             "kbit": kbit,
             "queue_ms": queue_ms,
         }
+
+    def _member(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        """Remove a voter (it keeps running, outside the configuration); at
+        heal, add it back as a learner for the leader to promote."""
+        c = self.cluster
+        self._add_back(tries=1)  # one left out by a heal that found no leader
+        conf = c.voters(leader) if leader else None
+        everyone = {s.ident for s in c.node_services}
+        if self.removed or conf is None or conf != (everyone, set()):
+            raise Skip("a member is out or not promoted yet, or no leader answers")
+        (svc,) = self._nodes(f.target, leader)
+        # Whatever the answer (a timeout may come after the change), the node
+        # may be out now: it is added back at heal (adding a member is a no-op).
+        self.removed.add(svc.ident)
+        acked = self._admin_op("remove_node", svc.ident, c.remove_node)
+        return (lambda: self._add_back(tries=2)), {"services": [svc.name], "acked": acked}
+
+    def _admin_op(self, f: str, ident: int, call: Callable[[int], bool]) -> bool:
+        """A membership change, recorded as an operation (ok when the
+        cluster acknowledged it, else unknown)."""
+        op = self.rec.invoke("nemesis", f, node=ident)
+        ok = call(ident)
+        self.rec.complete("nemesis", op, "ok" if ok else "info", f, node=ident)
+        return ok
+
+    def _add_back(self, tries: int) -> None:
+        """Add the removed nodes back as learners, each tried up to ``tries``
+        times a second apart (an election may be under way); what is still
+        out is tried again by the next start and by ``heal_all``."""
+        for ident in sorted(self.removed):
+            for k in range(tries):
+                if self._admin_op("add_node", ident, self.cluster.add_node):
+                    self.removed.discard(ident)
+                    break
+                if k + 1 < tries:
+                    threading.Event().wait(1.0)
+
+    def settle_membership(self, timeout: float = 60.0) -> None:
+        """At the end: record the leader's configuration as found (the
+        ``membership`` property judges it), then add back every node it
+        lacks until it has them all (bounded by ``timeout``)."""
+        c = self.cluster
+        everyone = {s.ident for s in c.node_services}
+        deadline = time.monotonic() + timeout
+        first = True
+        while time.monotonic() < deadline:
+            leader = c.leader()
+            conf = c.voters(leader) if leader else None
+            if conf is not None:
+                if first:
+                    self.rec.event("run", "ok", "config", leader=leader,
+                                   voters=sorted(conf[0]), learners=sorted(conf[1]))  # fmt: skip
+                    first = False
+                missing = everyone - conf[0] - conf[1]
+                if not missing:
+                    return
+                self.removed |= missing
+                self._add_back(tries=1)
+            threading.Event().wait(1.0)
 
     def _disk(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
         c = self.cluster

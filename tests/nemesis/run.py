@@ -131,6 +131,25 @@ def converged_digests(rec: Recorder, cluster: NemesisCluster) -> None:
     converged = wait_for(same_index, DIGEST_S)
     rec.event("run", "ok" if converged else "info", "digests", converged=converged,
               nodes={str(k): list(v) if v else None for k, v in last.items()})  # fmt: skip
+    if len({d[1] for d in last.values() if d}) > 1:
+        keep_states(cluster)
+
+
+def keep_states(cluster: NemesisCluster) -> None:
+    """Replicas differ: copy each node's state (consistent LMDB copies, the
+    nodes keep running) out of its tmpfs into the run directory, to compare."""
+    import lmdb
+
+    for svc in cluster.node_services:
+        assert svc.data_dir is not None
+        dest = cluster.dir / "states" / svc.name
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            env = lmdb.open(str(svc.data_dir / "state"), readonly=True, lock=False, max_dbs=16)
+            env.copy(str(dest))
+            env.close()
+        except lmdb.Error as e:
+            log.error("state not copied", extra={"node": svc.name, "why": str(e)})
 
 
 def run(
@@ -185,6 +204,7 @@ def run(
         log.info("faults begin", extra={"t": round(rec.now(), 1)})
         nem.run(stop)
         nem.heal_all()
+        nem.settle_membership()
         healed = wait_for(cluster.healthy, HEAL_S)
         rec.event("run", "ok" if healed else "info", "healed", healthy=healed)
         log.info("healed", extra={"t": round(rec.now(), 1), "healthy": healed})

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE = (
+KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER = (
     "kill",
     "pause",
     "partition",
@@ -29,8 +29,9 @@ KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE = (
     "disk",
     "clock",
     "wipe",
+    "member",
 )
-KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE)
+KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ LANES: dict[str, Lane] = {
     DISK: Lane((2.0, 6.0), (1.0, 4.0), (("leader", 2), ("follower", 2))),
     CLOCK: Lane((2.0, 6.0), (0.5, 3.0), (("leader", 2), ("follower", 2))),
     WIPE: Lane((1.0, 4.0), (6.0, 14.0), (("follower", 1),)),
+    # A voter removed from the configuration (it keeps running) and added
+    # back as a learner, which the leader promotes once it has caught up.
+    MEMBER: Lane((2.0, 6.0), (1.0, 4.0), (("follower", 3), ("leader", 1))),
 }
 
 

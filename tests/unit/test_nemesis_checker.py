@@ -99,7 +99,10 @@ def good() -> H:
          "window_ms": 900_000}, {"allowed": True})  # fmt: skip
     h.op("heat", "heatmap", "ok", {"topic": "main", "client": "stranger", "fence": 7,
          "window_ms": 900_000}, {"allowed": False})  # fmt: skip
+    h.op("nemesis", "remove_node", "ok", {"node": 3}, {"node": 3})
+    h.op("nemesis", "add_node", "ok", {"node": 3}, {"node": 3})
     h.ev("nemesis", "info", "nemesis", phase="heal", fault="kill-0", kind="kill")
+    h.ev("run", "ok", "config", leader=1, voters=[1, 2], learners=[3])
     h.final({0: [["P", 0], ["P", 1], ["P", 4], ["P", 5]]})
     h.end()
     return h
@@ -233,6 +236,24 @@ def stranger_let_in() -> tuple[H, str, str]:
     return h, "give_to_get", "never published"
 
 
+def added_node_missing() -> tuple[H, str, str]:
+    h = good()
+    next(e for e in h.events if e["f"] == "config")["learners"] = []
+    return h, "membership", "adding node 3 was acknowledged"
+
+
+def removed_node_present() -> tuple[H, str, str]:
+    h = good()
+    k = next(i for i, e in enumerate(h.events) if e["f"] == "config")
+    extra = H()
+    extra.ops = 100
+    extra.op("nemesis", "remove_node", "ok", {"node": 2}, {"node": 2})
+    h.events[k:k] = extra.events
+    for i, e in enumerate(h.events):
+        e["i"] = i
+    return h, "membership", "removing node 2 was acknowledged"
+
+
 def replicas_differ() -> tuple[H, str, str]:
     h = good()
     h.events[-2]["nodes"]["2"] = [9, "bb"]
@@ -258,6 +279,7 @@ def process_died() -> tuple[H, str, str]:
         failed_yet_stored, stored_but_never_sent, out_of_order, read_then_lost,
         log_rewritten, fence_not_honoured, offsets_backwards, offset_past_the_end,
         created_topic_gone, deleted_topic_back, contributor_refused, stranger_let_in,
+        added_node_missing, removed_node_present,
         replicas_differ, replica_silent, process_died,
     ],
 )  # fmt: skip
