@@ -163,7 +163,12 @@ def test_the_agent_stops_reading_a_flood_and_counts_what_is_dropped(loop: str) -
             await _wait(lambda: len(reads) >= rate + 3, 10, "reading to resume")
             elapsed = time.monotonic() - t0
             assert len(reads) <= rate + rate * elapsed + 1, (len(reads), elapsed)
-            assert core.counters["rejected_bad_mac"] == len(reads)
+            # Each datagram read was refused: by its MAC, or, when the
+            # agent's clock and the budget's disagree by a tick under load,
+            # by the budget itself. None got past both.
+            refused = core.counters["rejected_bad_mac"] + core.counters[OVER_TOTAL_RATE]
+            assert refused == len(reads), dict(core.counters)
+            assert core.counters["rejected_bad_mac"] >= rate
             await _wait(lambda: _metric(UNREAD) - unread_before >= 1000, 10, "drops exported")
         finally:
             await agent.stop()
