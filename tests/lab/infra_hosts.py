@@ -114,6 +114,23 @@ def test_units_are_hardened(host: Any) -> None:
             assert want in props, f"{unit}: {want} not in {props}"
 
 
+def test_prometheus_runs_on_the_monitoring_host_only(host: Any) -> None:
+    """roles/roadlog_monitoring, when on: on the Spark master (its default host
+    without a [monitoring] group); masked or stopped everywhere else."""
+    enabled = str(host.ansible.get_variables().get("roadlog_monitoring_enabled", "false"))
+    service = host.service("prometheus")
+    if enabled.lower() == "true" and "spark_master" in groups(host):
+        assert service.is_enabled and service.is_running
+        assert host.socket("tcp://0.0.0.0:9090").is_listening
+        config = host.file("/etc/prometheus/prometheus.yml").content_string
+        assert "job_name: roadlog-node" in config and "roadlog-rules.yml" in config
+        out = host.check_output("systemd-analyze security prometheus --no-pager")
+        m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", out)
+        assert m and float(m.group(1)) <= MAX_EXPOSURE, out[-500:]
+    else:
+        assert not service.is_running
+
+
 def test_the_node_is_a_ready_member(host: Any) -> None:
     if "nodes" not in groups(host):
         pytest.skip("no node on this host")

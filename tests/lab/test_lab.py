@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
+from typing import Any
 
 import pytest
 
@@ -25,6 +27,26 @@ pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
 CITY = "lab-city"
 BBOX = "11.4,48.05,11.75,48.25"
 HOTSPOT = "11.575,48.137"
+PROMETHEUS_PORT = 9090  # on lab1, the Spark master (inventory/lab.ini turns monitoring on)
+
+
+def prometheus(deployed: Deployed, path: str) -> Any:
+    """The data of an answer of Prometheus's HTTP API, asked from here."""
+    url = f"http://{deployed.hosts[0].ip}:{PROMETHEUS_PORT}{path}"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def firing(deployed: Deployed, alert: str, instance: str) -> bool:
+    """Is ``alert`` firing for ``instance`` (HOST:PORT) now?"""
+    return any(
+        a["labels"]["alertname"] == alert
+        and a["labels"].get("instance") == instance
+        and a["state"] == "firing"
+        for a in prometheus(deployed, "/api/v1/alerts")["alerts"]
+    )
 
 
 def test_site_deploys_every_host_and_a_second_run_changes_nothing(deployed: Deployed) -> None:
@@ -66,6 +88,31 @@ def test_the_nodes_formed_one_cluster_by_broadcast_discovery(deployed: Deployed)
     assert received, "no discovery HELLOs received"
 
 
+def test_prometheus_scrapes_every_node_and_queue_server_with_the_rules(deployed: Deployed) -> None:
+    expected = {f"{h.ip}:9400" for h in deployed.hosts}
+    expected |= {s.replace(":7500", ":9500") for s in deployed.servers}
+    health: dict[str, str] = {}
+
+    def every_target_up() -> bool:
+        active = prometheus(deployed, "/api/v1/targets?state=active")["activeTargets"]
+        health.clear()
+        health.update(
+            {t["labels"]["instance"]: t["health"] for t in active
+             if t["labels"]["job"] in ("roadlog-node", "roadlog-queue")}
+        )  # fmt: skip
+        return set(health) == expected and set(health.values()) == {"up"}
+
+    try:
+        wait_for(every_target_up, 60, "every scrape target up", every=1)
+    except TimeoutError:
+        pytest.fail(f"scrape targets {health}, expected {sorted(expected)} all up")
+    groups = prometheus(deployed, "/api/v1/rules?type=alert")["groups"]
+    durations = {r["name"]: r["duration"] for g in groups for r in g["rules"]}
+    assert durations["RoadlogNodeNotReady"] == 5, durations  # the lab's shorter `for:`
+    roles = prometheus(deployed, "/api/v1/query?query=roadlog_raft_role")["result"]
+    assert "3" in {r["value"][1] for r in roles}, roles  # Prometheus sees a leader
+
+
 def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_map(
     deployed: Deployed,
 ) -> None:
@@ -76,8 +123,17 @@ def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_m
         wait_for(lambda: len(run.acked) > 2000, 60, "writes before the fault", every=0.2)
         leader = next(n for n in deployed.cluster()["nodes"] if n["role"] == "leader")
         host = next(h for h in deployed.hosts if leader["address"].startswith(h.ip + ":"))
+        instance = f"{host.ip}:9400"
+        assert not firing(deployed, "RoadlogNodeNotReady", instance)
         deployed.ssh(host, "systemctl stop roadlog-node")
         stopped_at = len(run.acked)
+        # Prometheus (monitoring role) alerts for the stopped node while writes go on.
+        wait_for(
+            lambda: firing(deployed, "RoadlogNodeNotReady", instance),
+            60,
+            "the alert for the stopped node",
+            every=1,
+        )
         wait_for(
             lambda: len(run.acked) > stopped_at + 2000, 90, "writes without the leader", every=0.2
         )
