@@ -37,8 +37,9 @@ Properties (each a function below, over the same ``Facts``):
   digest at the same applied index.
 - ``processes_alive``: every process that should run ran to the end.
 
-Pings of topics that saw a delete (acknowledged or not) are left out of
-the ping properties: their fate is the delete's.
+Pings of topics that saw a delete (acknowledged, of unknown outcome, or
+answered "not found") are left out of the ping properties: their fate is
+the delete's.
 """
 
 from __future__ import annotations
@@ -154,8 +155,13 @@ def facts(events: list[Event]) -> Facts:
             key = (ev["topic"], int(ev["partition"]))
             final[key] = (int(ev["first_offset"]), [(str(a), int(b)) for a, b in ev["rows"]])
             final_events[key] = ev
+    # A delete answered NOT_FOUND found the topic gone: perhaps by its own
+    # first attempt, whose answer was lost before the connection retried it.
     deleted = {
-        op.invoke["topic"] for op in ops if op.f == "delete_topic" and op.type in ("ok", "info")
+        op.invoke["topic"]
+        for op in ops
+        if op.f == "delete_topic"
+        and (op.type in ("ok", "info") or (op.done or {}).get("code") == "NOT_FOUND")
     }
     sent: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     for k, op in enumerate(ops):

@@ -46,6 +46,8 @@ Heal = Callable[[], None]
 # edited by others); ``skip_known`` leaves them out, recorded as skips, so a
 # run can check everything else (RELIABILITY.md, findings 2 and 4).
 KNOWN_FORWARD_STEP_S = 900  # a leader's clock stepped this far ahead ages contributions
+LEADER_TTL_S = 1.0  # who leads is asked again after this long
+LATE_S = 30.0  # a fault this far behind its time is skipped: the loop never drags on
 
 
 def known_finding(f: Fault) -> str:
@@ -74,6 +76,8 @@ class Nemesis:
     crashed: set[str] = field(default_factory=set)
     removed: set[int] = field(default_factory=set)  # node ids taken out of the configuration
     _heals: dict[str, Heal] = field(default_factory=dict)
+    _leader_id: int = 0
+    _leader_at: float = float("-inf")
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -93,7 +97,10 @@ class Nemesis:
             if stop.wait(max(0.0, at - self.rec.now())):
                 break
             heapq.heappop(queue)
-            if what == "start":
+            if what == "start" and self.rec.now() - at > LATE_S:
+                self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
+                               kind=f.kind, target=f.target, reason="late")  # fmt: skip
+            elif what == "start":
                 if self.start(f):
                     seq += 1
                     heapq.heappush(queue, (self.offset + f.end, seq, "heal", f))
@@ -114,8 +121,7 @@ class Nemesis:
             WIPE: self._wipe,
             MEMBER: self._member,
         }[f.kind]
-        views = self.cluster.views()
-        leader = self.cluster.leader(views)
+        leader = self._leader()
         try:
             if self.skip_known and known_finding(f):
                 raise Skip(known_finding(f))
@@ -130,6 +136,15 @@ class Nemesis:
                        target=f.target, leader=leader, **detail)  # fmt: skip
         log.info("fault", extra={"fault": f.id, "target": f.target, "leader": leader, **detail})
         return True
+
+    def _leader(self) -> int:
+        """Who leads, asked at most every LEADER_TTL_S: asking takes up to a
+        timeout when nodes are paused, and faults start several a second."""
+        now = time.monotonic()
+        if now - self._leader_at >= LEADER_TTL_S:
+            self._leader_id = self.cluster.leader()
+            self._leader_at = time.monotonic()
+        return self._leader_id
 
     def heal(self, f: Fault) -> None:
         with self._lock:

@@ -312,6 +312,16 @@ def test_a_deleted_topic_s_pings_are_not_held_against_anyone() -> None:
     assert report.ok, [str(f) for f in report.failures()]
 
 
+def test_a_delete_answered_not_found_found_its_topic_gone() -> None:
+    """Its first attempt may have deleted it, the answer lost and the
+    connection's retry told there is no such topic."""
+    h = good()
+    h.publish(0, 3, offsets=[[0, 0, 3]], index=12, producer="C", topic="churn-1")
+    h.op("churn", "delete_topic", "fail", {"topic": "churn-1", "api": "grpc"},
+         {"code": "NOT_FOUND"})  # fmt: skip
+    assert check(h.events).ok
+
+
 def test_without_a_final_read_nothing_can_be_promised() -> None:
     h = good()
     h.events = [e for e in h.events if e["f"] not in ("final_read", "final_topics")]
