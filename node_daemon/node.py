@@ -250,17 +250,27 @@ class RaftNode:
             )
 
     async def conf_change(self, cc: ConfChange) -> int:
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        """Propose a configuration change; returns its index once that very
+        entry is applied. Waiting for the applied index alone is not enough:
+        if leadership changes first, another entry may take that index, and
+        the change never happened. Like an op's, the entry waits in
+        ``PendingProposals`` by (index, term); a lost one raises NotLeader."""
+        loop = asyncio.get_running_loop()
+        proposed: asyncio.Future[int] = loop.create_future()
+        done: asyncio.Future[OpResult] = loop.create_future()
 
         def do(core: RaftCore) -> None:
             try:
-                fut.set_result(core.propose_conf_change(cc))
+                index = core.propose_conf_change(cc)
             except ProposalDropped as e:
-                fut.set_exception(NotLeader(e.leader, e.reason))
+                proposed.set_exception(NotLeader(e.leader, e.reason))
+                return
+            self._pending.add(index, core.term, [done])
+            proposed.set_result(index)
 
         self.submit(do)
-        index = await fut
-        await self.wait_applied(index, timeout=30)
+        index = await proposed
+        await asyncio.wait_for(asyncio.shield(done), 30)
         return index
 
     async def transfer_leader(self, target: int) -> None:
@@ -562,9 +572,10 @@ class RaftNode:
         first = entries[0].index
         mine, lost = self._pending.applied(entries)
         for e, futures in mine:
-            for fut, r in zip(futures, results[e.index - first], strict=False):
+            rs = results[e.index - first]  # none for a configuration change
+            for i, fut in enumerate(futures):
                 if not fut.done():
-                    fut.set_result(r)
+                    fut.set_result(rs[i] if i < len(rs) else OpResult())
         self._fail_lost(lost)
 
     def _fail_lost(self, lost: list[_Futures]) -> None:

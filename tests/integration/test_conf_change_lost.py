@@ -9,10 +9,9 @@ leader loses its leadership before the change commits, the next leader's
 entries take that index, and the admin call (AddNode, RemoveNode, Leave)
 answers ok for a change that never happened. Proposals of operations do
 not have this problem (``PendingProposals`` tells a lost entry from an
-applied one). The fix belongs in node_daemon/node.py: wait for the entry
-itself (its term at its index, as the pending proposals do) and answer
-"not the leader" when another took its place. Until then this test is
-expected to fail.
+applied one). Fixed in node_daemon/node.py: the change waits for the entry
+itself (its term at its index, in the pending proposals) and answers
+"not the leader" when another took its place.
 """
 
 from __future__ import annotations
@@ -52,11 +51,6 @@ def _view(lc: LocalCluster, node: int) -> client_pb2.NodeStatus | None:
     return st.nodes[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21 finding: conf_change waits for the applied index, not for its entry; "
-    "the fix is in node_daemon/node.py (see the module docstring)",
-)
 def test_an_acknowledged_removal_has_removed_the_node(make_cluster: Any) -> None:
     lc: LocalCluster = make_cluster(nodes=3)
     lead = int(lc.status()["leader"])
