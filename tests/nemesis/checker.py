@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +124,12 @@ class Facts:
     deleted: set[str]  # topics a delete was tried on (ok or unknown)
     sent: dict[str, list[tuple[int, int, int]]]  # producer -> sorted (n0, n1, op index)
     counts: dict[tuple[str, int], int]  # (producer, n) -> times stored at the end
+
+    def ok(self, *names: str) -> Iterator[tuple[Op, Event]]:
+        """The operations of these names that completed ok, with their completion."""
+        for op in self.ops:
+            if op.f in names and op.type == "ok" and op.done is not None:
+                yield op, op.done
 
 
 def pair(events: Iterable[Event]) -> tuple[list[Op], list[Event]]:
@@ -293,10 +299,7 @@ def no_lost_reads(fx: Facts) -> Verdict:
     v = Verdict("no_lost_reads")
     if fx.final_topics is None:
         return v
-    for op in fx.ops:
-        if op.f != "read" or op.type != "ok":
-            continue
-        assert op.done is not None
+    for op, _ in fx.ok("read"):
         topic, p = op.invoke["topic"], int(op.invoke["partition"])
         if topic in fx.deleted:
             continue
@@ -393,17 +396,14 @@ def group_offsets(fx: Facts) -> Verdict:
             end = ends.get((topic, p))
             if topic not in fx.deleted and end is not None and off > end:
                 v.fail(op.done, f"group {group} committed offset {off} past the end {end} of p{p}")
-    for op in fx.ops:
-        if op.f != "describe_group" or op.type != "ok":
-            continue
-        assert op.done is not None
+    for op, done in fx.ok("describe_group"):
         topic = op.invoke["topic"]
-        for p_raw, off in op.done.get("offsets", {}).items():
+        for p_raw, off in done.get("offsets", {}).items():
             v.checked += 1
             end = ends.get((topic, int(p_raw)))
             if topic not in fx.deleted and end is not None and off > end:
                 v.fail(
-                    op.done,
+                    done,
                     f"group {op.invoke['group']} shows offset {off} past the end {end} "
                     f"of partition {p_raw}",
                 )
@@ -415,16 +415,13 @@ def topics(fx: Facts) -> Verdict:
     if fx.final_topics is None:
         return v
     tried_delete = {op.invoke["topic"] for op in fx.ops if op.f == "delete_topic"}
-    for op in fx.ops:
-        if op.type != "ok" or op.f not in ("create_topic", "delete_topic"):
-            continue
-        assert op.done is not None
+    for op, done in fx.ok("create_topic", "delete_topic"):
         name = op.invoke["topic"]
         v.checked += 1
         if op.f == "create_topic" and name not in tried_delete and name not in fx.final_topics:
-            v.fail(op.done, f"topic {name} was created (acknowledged) but is gone at the end")
-        if op.f == "delete_topic" and op.done.get("deleted") and name in fx.final_topics:
-            v.fail(op.done, f"topic {name} was deleted (acknowledged) but exists at the end")
+            v.fail(done, f"topic {name} was created (acknowledged) but is gone at the end")
+        if op.f == "delete_topic" and done.get("deleted") and name in fx.final_topics:
+            v.fail(done, f"topic {name} was deleted (acknowledged) but exists at the end")
     return v
 
 
@@ -438,23 +435,21 @@ def give_to_get(fx: Facts) -> Verdict:
             tried.add(key)
             if op.type == "ok" and op.done is not None:
                 acked[key].append((float(op.done["t"]), int(op.done.get("applied_index", 0))))
-    for op in fx.ops:
-        if op.f != "heatmap" or op.type != "ok" or op.done is None:
-            continue
+    for op, done in fx.ok("heatmap"):
         key = (op.invoke["client"], op.invoke["topic"])
         t, fence = float(op.invoke["t"]), int(op.invoke.get("fence", 0))
         half = op.invoke.get("window_ms", 900_000) / 2000
         v.checked += 1
-        if op.done.get("allowed"):
+        if done.get("allowed"):
             if key not in tried:
-                v.fail(op.done, f"{key[0]} never published to {key[1]}, yet read its heat map")
+                v.fail(done, f"{key[0]} never published to {key[1]}, yet read its heat map")
             continue
         recent = [at for at, index in acked[key] if at <= t and index <= fence and t - at < half]
         if recent:
             v.fail(
-                op.done,
+                done,
                 f"{key[0]} was refused the heat map of {key[1]} {t - max(recent):.1f} s after a "
-                f"publish of its was acknowledged: {op.done.get('reason', '')[:160]}",
+                f"publish of its was acknowledged: {done.get('reason', '')[:160]}",
             )
     return v
 
