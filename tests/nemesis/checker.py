@@ -299,7 +299,7 @@ def no_lost_reads(fx: Facts) -> Verdict:
     v = Verdict("no_lost_reads")
     if fx.final_topics is None:
         return v
-    for op, _ in fx.ok("read"):
+    for op, done in fx.ok("read"):
         topic, p = op.invoke["topic"], int(op.invoke["partition"])
         if topic in fx.deleted:
             continue
@@ -307,20 +307,20 @@ def no_lost_reads(fx: Facts) -> Verdict:
         for offset, row in _read_rows(op):
             v.checked += 1
             if sender(fx, *row) is None:
-                v.fail(op.done, f"a read of {topic}/{p} returned ping {row}, which nobody sent")
+                v.fail(done, f"a read of {topic}/{p} returned ping {row}, which nobody sent")
                 break
             if offset < first:
                 continue  # trimmed since
             if offset >= first + len(rows):
                 v.fail(
-                    op.done,
+                    done,
                     f"a read of {topic}/{p} returned ping {row} at offset {offset}, past the "
                     f"final end {first + len(rows)}: it was read, then lost",
                 )
                 break
             if rows[offset - first] != row:
                 v.fail(
-                    op.done,
+                    done,
                     f"a read of {topic}/{p} returned ping {row} at offset {offset}; the final "
                     f"log holds {rows[offset - first]} there: the log was rewritten",
                 )
