@@ -5,9 +5,29 @@ they explore new examples each run."""
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@contextmanager
+def small_tmpfs(where: Path, size: str, why: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's syntax, "2m") mounted at ``where`` for the
+    block: a real full disk, not a simulated one. Needs root (``why`` says
+    what for when it is missing); unmounted lazily whatever happens."""
+    if os.geteuid() != 0:
+        pytest.fail(f"{why} mounts a tmpfs and needs root (the suite runs as root)")
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -29,6 +29,7 @@ from node_daemon.raft import (
     bootstrap,
 )
 from node_daemon.raft_log import LmdbLogStorage
+from tests.conftest import small_tmpfs
 
 pytestmark = pytest.mark.unit
 
@@ -204,15 +205,8 @@ def test_lmdb_full_map_grows_when_allowed(tmp_path: Path) -> None:
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs: a real full disk, not a simulated one."""
-    if os.geteuid() != 0:
-        pytest.fail("the full-disk test mounts a tmpfs and needs root (the suite runs as root)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "tiny", "2m", "the full-disk test") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_lmdb_full_disk_is_a_clear_error_and_keeps_what_was_stored(tiny_disk: Path) -> None:

@@ -9,7 +9,6 @@ nothing of the failed transaction stored. Real tmpfs, no simulation."""
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,21 +18,15 @@ from node_daemon.raft import Entry, HardState, StorageFullError
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
 from roadlog.v1 import command_pb2
+from tests.conftest import small_tmpfs
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a tmpfs and needs root (the suite runs as root)")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "4m", "this test") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def leave_free(mnt: Path, pages: int) -> Path:
