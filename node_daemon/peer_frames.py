@@ -92,14 +92,15 @@ class FrameReader:
         frames: list[bytes] = []
         pos = 0
         end = len(buf)
-        while end - pos >= 4:
-            (n,) = _LEN.unpack_from(buf, pos)
-            if n > self._max:
-                raise ValueError(f"frame of {n} bytes is over the limit of {self._max}")
-            if end - pos - 4 < n:
-                break
-            frames.append(bytes(buf[pos + 4 : pos + 4 + n]))
-            pos += 4 + n
+        with memoryview(buf) as view:  # one copy per frame, out of the buffer
+            while end - pos >= 4:
+                (n,) = _LEN.unpack_from(buf, pos)
+                if n > self._max:
+                    raise ValueError(f"frame of {n} bytes is over the limit of {self._max}")
+                if end - pos - 4 < n:
+                    break
+                frames.append(bytes(view[pos + 4 : pos + 4 + n]))
+                pos += 4 + n
         if pos:
             del buf[:pos]
         return frames
