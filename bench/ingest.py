@@ -205,12 +205,15 @@ def show(system: str, b: int, r: dict[str, Any], what: str = "") -> None:
     )
 
 
-# The systems a run may compare, with the extra node flags of roadlog's cases.
-SYSTEMS: dict[str, list[str]] = {
-    "roadlog": [],
-    "roadlog-unary": [],
-    "roadlog-grpc-peers": ["--peer-frames-port", "-1"],
-    "jetstream": [],
+# The systems a run may compare, with the extra node and queue server flags
+# of roadlog's cases.
+SYSTEMS: dict[str, tuple[list[str], list[str]]] = {
+    "roadlog": ([], []),
+    "roadlog-unary": ([], []),
+    "roadlog-grpc-peers": (["--peer-frames-port", "-1"], []),
+    "roadlog-grpc-work": ([], ["--work-frames-port", "-1"]),
+    "roadlog-grpc": (["--peer-frames-port", "-1"], ["--work-frames-port", "-1"]),
+    "jetstream": ([], []),
 }
 
 
@@ -224,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         "--systems",
         default="roadlog,roadlog-unary,jetstream",
         help=f"comma-separated, of: {', '.join(SYSTEMS)} (roadlog-grpc-peers: Raft over the "
-        "gRPC stream instead of the framed peer link)",
+        "gRPC stream instead of the framed peer link; roadlog-grpc-work: the queue server's "
+        "Work stream over gRPC instead of the framed Work link; roadlog-grpc: both over gRPC)",
     )
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -239,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if system == "jetstream":
             continue
         # A fresh cluster per system: the same starting point.
-        with roadlog_cluster(extra=SYSTEMS[system]) as lc:
+        node_args, queue_args = SYSTEMS[system]
+        with roadlog_cluster(extra=node_args, queue_extra=queue_args) as lc:
             corked = system != "roadlog-unary"
             cases += run_rounds(
                 system,

@@ -24,9 +24,11 @@ REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 
 
 @contextmanager
-def roadlog_cluster(nodes: int = 3, extra: list[str] | None = None) -> Iterator[LocalCluster]:
+def roadlog_cluster(
+    nodes: int = 3, extra: list[str] | None = None, queue_extra: list[str] | None = None
+) -> Iterator[LocalCluster]:
     d = Path(tempfile.mkdtemp(prefix="roadlog-bench-", dir="/var/tmp"))
-    lc = LocalCluster.create(d, nodes, 1, extra)
+    lc = LocalCluster.create(d, nodes, 1, extra, queue_extra)
     lc.start_all()
     try:
         lc.wait_ready(60)

@@ -161,7 +161,7 @@ async def serve(cfg: NodeConfig) -> None:
     def link_queue_servers(addresses: list[str]) -> None:
         for q in addresses:
             if q not in links:
-                links[q] = QueueServerLink(q, node, executor, token)
+                links[q] = QueueServerLink(q, node, executor, token, cfg.secret())
                 links[q].start()
                 log.info("pulling work from a queue server", extra={"queue": q})
 

@@ -37,8 +37,9 @@ from roadlog.limits import (
     grpc_options,
 )
 from roadlog.rpc import QUEUED
+from roadlog.runtime import frames
 from roadlog.runtime.auth import token_metadata
-from roadlog.v1 import client_pb2, command_pb2, work_pb2, work_pb2_grpc
+from roadlog.v1 import client_pb2, command_pb2, raft_pb2, work_pb2, work_pb2_grpc
 from roadlog.validation import BatchRejected
 
 log = logging.getLogger("roadlog.worker")
@@ -413,11 +414,20 @@ class QueueServerLink:
     it). A queue server that never sends ``FenceWait`` (an older one) is
     told every index move promptly."""
 
-    def __init__(self, address: str, node: RaftNode, executor: WorkHandler, token: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        node: RaftNode,
+        executor: WorkHandler,
+        token: str,
+        secret: bytes | None = None,
+    ) -> None:
         self.address = address
         self.node = node
         self.executor = executor
         self.token = token
+        self.secret = secret  # dial the framed Work link where offered (None: gRPC only)
+        self.link_kind = ""  # "frames" or "grpc" while connected
         self.outbox: asyncio.Queue[work_pb2.WorkerMessage] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.connected = False
@@ -586,26 +596,26 @@ class QueueServerLink:
                     self.outbox = asyncio.Queue()
                     self._fences_told, self._fence_wait = False, 0  # until this server says
                     self.fence_wait_ended()
-                    call = stub.Pull(self._messages(), metadata=token_metadata(self.token))
-                    self.connected = True
-                    backoff = 0.05
-                    async for batch in call:
-                        if batch.HasField("fence_wait"):
-                            fw = batch.fence_wait
-                            self.fence_wait(fw.index, fw.reads)
-                        loop = asyncio.get_running_loop()
-                        for it in batch.items:
-                            t = loop.create_task(self._do(it))
-                            inflight.add(t)
-                            t.add_done_callback(inflight.discard)
+                    port = await self._frames_port(stub)
+                    if port:
+                        await self._pull_frames(port, inflight)
+                    else:
+                        call = stub.Pull(self._messages(), metadata=token_metadata(self.token))
+                        self._up("grpc")
+                        async for batch in call:
+                            self._take(batch, inflight)
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:
                 log.debug("work stream broke", extra={"queue": self.address, "code": e.code().name})
+            except OSError as e:  # ConnectionError and TimeoutError too
+                log.debug("work link broke", extra={"queue": self.address, "error": repr(e)})
             except Exception:
                 log.exception("work stream failed", extra={"queue": self.address})
             finally:
-                self.connected = False
+                if self.connected:
+                    backoff = 0.05  # it was working: retry soon
+                self.connected, self.link_kind = False, ""
                 self.fence_wait_ended()
                 if self._index_timer is not None:
                     self._index_timer.cancel()
@@ -614,6 +624,74 @@ class QueueServerLink:
                     t.cancel()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    def _up(self, kind: str) -> None:
+        self.connected, self.link_kind = True, kind
+        log.info("work link up", extra={"queue": self.address, "link": kind})
+
+    async def _frames_port(self, stub: work_pb2_grpc.WorkAsyncStub) -> int:
+        """The queue server's framed Work link port (0: it offers none)."""
+        if self.secret is None:
+            return 0
+        try:
+            reply = await stub.FramesEndpoint(
+                raft_pb2.FramesEndpointRequest(cluster=self.node.cfg.cluster_name),
+                metadata=token_metadata(self.token),
+                wait_for_ready=True,
+                timeout=10.0,
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return 0  # a queue server of an older version: gRPC Pull
+            raise
+        return int(reply.port)
+
+    async def _pull_frames(self, port: int, inflight: set[asyncio.Task[None]]) -> None:
+        """Work over the framed link until it breaks (then raises)."""
+        assert self.secret is not None
+        host = self.address.rpartition(":")[0].strip("[]")
+
+        def receive(data: bytes) -> None:
+            self._take(work_pb2.WorkItems.FromString(data), inflight)
+
+        conn = await frames.connect(
+            frames.WORK,
+            host,
+            port,
+            self.node.cfg.cluster_name,
+            self.secret,
+            self.node.id,
+            receive,
+        )
+        self._up("frames")
+        writer = asyncio.get_running_loop().create_task(self._send_frames(conn))
+        lost = asyncio.ensure_future(conn.wait_closed())
+        try:
+            await asyncio.wait({writer, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if writer.done():
+                writer.result()  # its error, if any
+            raise ConnectionError("work frames link is down")
+        finally:
+            writer.cancel()
+            lost.cancel()
+            conn.abort()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+
+    async def _send_frames(self, conn: frames.ClientConn) -> None:
+        async for msg in self._messages():
+            await conn.send(msg.SerializeToString())
+
+    def _take(self, batch: work_pb2.WorkItems, inflight: set[asyncio.Task[None]]) -> None:
+        """Work from the queue server: each item runs as its own task."""
+        if batch.HasField("fence_wait"):
+            fw = batch.fence_wait
+            self.fence_wait(fw.index, fw.reads)
+        loop = asyncio.get_running_loop()
+        for it in batch.items:
+            t = loop.create_task(self._do(it))
+            inflight.add(t)
+            t.add_done_callback(inflight.discard)
 
     async def _do(self, item: work_pb2.WorkItem) -> None:
         res = await self.executor.run(item)

@@ -20,6 +20,11 @@ class QueueConfig:
     listen: str = key("0.0.0.0:7500", "HOST:PORT of the gRPC API (clients and nodes)")
     advertise_address: str = key("", "HOST:PORT clients and nodes reach it at (default: listen)")
     http_listen: str = key("", "HOST:PORT of the HTTP/JSON API (empty: none)")
+    # Nodes pull work over a lean framed link on this port of the listen
+    # host (roadlog/runtime/frames.py) where they can; else over gRPC Pull.
+    work_frames_port: int = key(
+        7501, "TCP port of the framed Work link for nodes (0: any free port, -1: off)"
+    )
     secret_file: Path | None = key(None, "the file holding the shared cluster secret")
     metrics_port: int = key(9500, "port of Prometheus /metrics, /healthz and /readyz")
     max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
@@ -48,6 +53,8 @@ class QueueConfig:
             check_address(self.http_listen, "http_listen")
         for seed in self.discovery_seeds:
             check_address(seed, "discovery_seeds")
+        if not -1 <= self.work_frames_port <= 65535:
+            raise ConfigError("work_frames_port: must be in -1..65535 (-1: off, 0: any)")
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:
             raise ConfigError("max_writes, max_reads and default_timeout_ms must be positive")
         if self.max_queued_bytes < CLIENT_MESSAGE_BYTES:

@@ -35,9 +35,10 @@ from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
 from roadlog.rpc import BY_NAME, QUEUED, SERVICE, Kind
+from roadlog.runtime import frames
 from roadlog.runtime.auth import ClusterAuth, cluster_token, protects
 from roadlog.runtime.health import serve_metrics_and_health
-from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
+from roadlog.v1 import client_pb2, raft_pb2, work_pb2, work_pb2_grpc
 
 log = logging.getLogger("roadlog.queue")
 
@@ -59,6 +60,10 @@ REQUESTS = Counter(
     "roadlog_queue_requests_total", "client requests by method and outcome", ["method", "code"]
 )
 WORKERS = Gauge("roadlog_queue_connected_nodes", "nodes pulling work from this queue server")
+FRAMES_REJECTED = Counter(
+    "roadlog_queue_frames_rejected_total",
+    "framed Work links refused (bad hello) or cut (bad input)",
+)
 ANSWERED = Histogram(
     "roadlog_queue_answer_seconds",
     "time from a client request's arrival (gRPC or HTTP) to its answer, by method and outcome "
@@ -81,6 +86,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self._fence_told: dict[int, tuple[int, bool]] = {}
         self.states: dict[int, work_pb2.WorkerState] = {}
         self.statuses: dict[int, client_pb2.NodeStatus] = {}  # the last full status per worker
+        self._session_node: dict[int, int] = {}  # per worker: the node its link authenticated
+        self._pumps: set[asyncio.Task[None]] = set()  # the framed links' senders
+        self.frames: frames.FramedServer | None = None  # the framed Work link, when offered
+        self.frames_rejected = 0  # framed links refused or cut for bad input
 
     # ------------------------------------------------------------- clients
 
@@ -225,82 +234,148 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     async def Pull(
         self, request_iterator: AsyncIterator[work_pb2.WorkerMessage], context: Any
     ) -> AsyncIterator[work_pb2.WorkItems]:
-        wid = next(self._ids)  # the cluster token is checked by ClusterAuth
-        out: asyncio.Queue[work_pb2.WorkItem | work_pb2.FenceWait | None] = asyncio.Queue()
-        self._sessions[wid] = out
-        self._fence_told[wid] = (0, False)
-        out.put_nowait(work_pb2.FenceWait())  # the first word: this server tells fences
-        connected = False
+        wid = self._open_session()  # the cluster token is checked by ClusterAuth
 
         async def read() -> None:
-            nonlocal connected
             try:
                 async for msg in request_iterator:
-                    if msg.HasField("state"):
-                        s = msg.state
-                        if not connected:
-                            self.q.connect(wid, s.node_id)
-                            connected = True
-                            WORKERS.set(len(self.q.workers))
-                            log.info("node connected", extra={"node": s.node_id, "worker": wid})
-                        self.states[wid] = s
-                        if s.HasField("status"):
-                            self.statuses[wid] = s.status
-                        self.q.update(wid, s.is_leader, s.term, s.applied_index)
-                    if not connected:
-                        continue
-                    if msg.HasField("credit"):
-                        self.q.grant(wid, msg.credit.writes, msg.credit.reads)
-                    for r in msg.results:
-                        self._result(wid, r)
-                    self._kick()
+                    self._worker_message(wid, msg)
             finally:
-                out.put_nowait(None)
+                self._end_session(wid)
 
         reader = asyncio.get_running_loop().create_task(read())
-        carried: work_pb2.WorkItem | None = None  # did not fit the last message
         try:
-            while True:
-                nxt = carried if carried is not None else await out.get()
-                carried = None
-                if nxt is None:
-                    return
-                batch = work_pb2.WorkItems()
-                size = 0
-                # One stream message for what is ready, up to WORK_BATCH_BYTES
-                # (an item bigger than that goes alone): the node's stream
-                # takes WORK_MESSAGE_BYTES, never a merge of big requests.
-                # The newest FenceWait rides along.
-                while True:
-                    if isinstance(nxt, work_pb2.FenceWait):
-                        batch.fence_wait.CopyFrom(nxt)
-                        batch.fence_wait.SetInParent()  # an empty one says "none"
-                    elif batch.items and size + len(nxt.request) > WORK_BATCH_BYTES:
-                        carried = nxt
-                        break
-                    else:
-                        batch.items.append(nxt)
-                        size += len(nxt.request)
-                    if out.empty():
-                        break
-                    nxt = out.get_nowait()
-                    if nxt is None:
-                        yield batch
-                        return
+            async for batch in self._batches(wid):
                 yield batch
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
-            self._sessions.pop(wid, None)
-            self._fence_told.pop(wid, None)
-            self.states.pop(wid, None)
-            self.statuses.pop(wid, None)
-            back = self.q.disconnect(wid, time.monotonic())
-            WORKERS.set(len(self.q.workers))
-            log.info("node disconnected", extra={"worker": wid, "requeued": len(back)})
-            self._expire(time.monotonic())
-            self._kick()
+            self._close_session(wid)
+
+    async def FramesEndpoint(
+        self, request: raft_pb2.FramesEndpointRequest, context: Any
+    ) -> raft_pb2.FramesEndpointReply:
+        if request.cluster != self.cfg.cluster_name:  # the token is checked by ClusterAuth
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
+        return raft_pb2.FramesEndpointReply(port=self.frames.port if self.frames else 0)
+
+    def open_frames(self, conn: frames.ServerConn) -> frames.OnFrame:
+        """A framed Work link authenticated as node ``conn.peer_id``: the same
+        session as ``Pull``; its frames are WorkerMessages one way and
+        WorkItems the other. A message that does not parse, or a state of
+        another node, cuts the link."""
+        wid = self._open_session(conn.peer_id)
+        conn.lost.add_done_callback(lambda _: self._end_session(wid))
+
+        async def pump() -> None:
+            try:
+                async for batch in self._batches(wid):
+                    await conn.send(batch.SerializeToString())
+            except ConnectionError:
+                pass
+            finally:
+                conn.abort()
+                self._close_session(wid)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
+
+        def receive(data: bytes) -> None:
+            self._worker_message(wid, work_pb2.WorkerMessage.FromString(data))
+
+        return receive
+
+    def _open_session(self, node_id: int = 0) -> int:
+        """A node's Work session (a Pull stream or a framed link); ``node_id``
+        is the node that authenticated (0: any may speak for itself)."""
+        wid = next(self._ids)
+        self._sessions[wid] = asyncio.Queue()
+        self._fence_told[wid] = (0, False)
+        self._session_node[wid] = node_id
+        self._sessions[wid].put_nowait(work_pb2.FenceWait())  # first word: this server tells fences
+        return wid
+
+    def _end_session(self, wid: int) -> None:
+        """No more messages from the node: its batches end."""
+        out = self._sessions.get(wid)
+        if out is not None:
+            out.put_nowait(None)
+
+    def _worker_message(self, wid: int, msg: work_pb2.WorkerMessage) -> None:
+        if wid not in self._sessions:
+            return  # closed
+        connected = wid in self.q.workers
+        if msg.HasField("state"):
+            s = msg.state
+            if not connected:
+                bound = self._session_node.get(wid, 0)
+                if bound and s.node_id != bound:
+                    raise ValueError(f"node {bound} spoke for node {s.node_id}")
+                self.q.connect(wid, s.node_id)
+                connected = True
+                WORKERS.set(len(self.q.workers))
+                log.info("node connected", extra={"node": s.node_id, "worker": wid})
+            elif s.node_id != self.states[wid].node_id:
+                raise ValueError("a Work session changed its node id")
+            self.states[wid] = s
+            if s.HasField("status"):
+                self.statuses[wid] = s.status
+            self.q.update(wid, s.is_leader, s.term, s.applied_index)
+        if not connected:
+            return
+        if msg.HasField("credit"):
+            self.q.grant(wid, msg.credit.writes, msg.credit.reads)
+        for r in msg.results:
+            self._result(wid, r)
+        self._kick()
+
+    async def _batches(self, wid: int) -> AsyncIterator[work_pb2.WorkItems]:
+        """What goes out to the node, until its session ends: one message for
+        what is ready, up to WORK_BATCH_BYTES (an item bigger than that goes
+        alone), so the node's stream takes WORK_MESSAGE_BYTES, never a merge
+        of big requests. The newest FenceWait rides along."""
+        out = self._sessions[wid]
+        carried: work_pb2.WorkItem | None = None  # did not fit the last message
+        while True:
+            nxt = carried if carried is not None else await out.get()
+            carried = None
+            if nxt is None:
+                return
+            batch = work_pb2.WorkItems()
+            size = 0
+            while True:
+                if isinstance(nxt, work_pb2.FenceWait):
+                    batch.fence_wait.CopyFrom(nxt)
+                    batch.fence_wait.SetInParent()  # an empty one says "none"
+                elif batch.items and size + len(nxt.request) > WORK_BATCH_BYTES:
+                    carried = nxt
+                    break
+                else:
+                    batch.items.append(nxt)
+                    size += len(nxt.request)
+                if out.empty():
+                    break
+                nxt = out.get_nowait()
+                if nxt is None:
+                    yield batch
+                    return
+            yield batch
+
+    def _close_session(self, wid: int) -> None:
+        """The node is gone: what it held goes back to the queues (idempotent)."""
+        if self._sessions.pop(wid, None) is None:
+            return
+        self._fence_told.pop(wid, None)
+        self._session_node.pop(wid, None)
+        self.states.pop(wid, None)
+        self.statuses.pop(wid, None)
+        back = self.q.disconnect(wid, time.monotonic())
+        WORKERS.set(len(self.q.workers))
+        log.info("node disconnected", extra={"worker": wid, "requeued": len(back)})
+        self._expire(time.monotonic())
+        self._kick()
 
     def _result(self, wid: int, r: work_pb2.WorkResult) -> None:
         fut = self._futures.get(r.id)
@@ -316,6 +391,29 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             self.q.complete(wid, r.id)
         if fut is not None and not fut.done():
             fut.set_result(r)
+
+    async def start_frames(self, host: str, port: int) -> int:
+        """Offer the framed Work link on (host, port) (0: any free port);
+        returns the port, or 0 when it could not bind: nodes then pull over
+        gRPC, and the queue server runs as before."""
+        server = frames.FramedServer(
+            frames.WORK, self.cfg.cluster_name, self.cfg.secret(), self.open_frames, self._reject
+        )
+        try:
+            bound = await server.start(host.strip("[]"), port)
+        except OSError as e:
+            log.warning(
+                "work frames off: cannot bind its port; nodes pull over gRPC",
+                extra={"port": port, "error": str(e)},
+            )
+            return 0
+        self.frames = server
+        log.info("work frames listening", extra={"port": bound})
+        return bound
+
+    def _reject(self) -> None:
+        self.frames_rejected += 1
+        FRAMES_REJECTED.inc()
 
     # -------------------------------------------------------------- status
 
@@ -404,6 +502,8 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     )
     if server.add_insecure_port(cfg.listen) == 0:
         raise RuntimeError(f"cannot bind {cfg.listen}")
+    if cfg.work_frames_port >= 0:
+        await qs.start_frames(cfg.listen.rpartition(":")[0], cfg.work_frames_port)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if cfg.metrics_port:
@@ -451,4 +551,6 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     if http_runner is not None:
         await http_runner.cleanup()
     await server.stop(grace=1.0)
+    if qs.frames is not None:
+        await qs.frames.close()
     log.info("stopped")

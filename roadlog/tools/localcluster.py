@@ -101,6 +101,7 @@ class LocalCluster:
         nodes: int = 3,
         queue_servers: int = 1,
         extra_node_args: list[str] | None = None,
+        extra_queue_args: list[str] | None = None,
     ) -> LocalCluster:
         directory = directory.resolve()
         if (directory / "cluster.json").exists():
@@ -130,8 +131,11 @@ class LocalCluster:
                         f"127.0.0.1:{hport}",
                         "--discovery-port",
                         "0",
+                        "--work-frames-port",
+                        str(free_port()),
                         "--secret-file",
                         str(secret),
+                        *(extra_queue_args or []),
                     ],
                     log=str(directory / "logs" / f"q{i}.log"),
                     grpc=f"127.0.0.1:{port}",

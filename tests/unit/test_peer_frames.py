@@ -38,7 +38,7 @@ def test_frame_reader_splits_frames_however_the_bytes_arrive() -> None:
     payloads = [os.urandom(n) for n in (0, 1, 5, 300, 70_000)]
     stream = b"".join(struct.pack("<I", len(p)) + p for p in payloads)
     for step in (1, 3, 4, 7, 1000, len(stream)):
-        reader = FrameReader()
+        reader = FrameReader(1 << 20)
         got: list[bytes] = []
         for i in range(0, len(stream), step):
             got += reader.feed(stream[i : i + step])
