@@ -13,6 +13,16 @@ Options:
   [start - lead, end + lateness), capped at the planning moment;
 - ``max_pings_per_task`` (default 2,000,000): larger offset ranges are split.
 
+Streaming (``spark.readStream.format("roadlog")``, the same options but the
+window; see ``RoadlogStreamReader``):
+
+- ``starting``: where a new query starts: ``latest`` (default: only what is
+  appended from now on), ``earliest`` (everything retained), or an append
+  time in epoch ms (the batches appended at or after it);
+- ``tick_ms`` (default 0: off): offsets carry the time floored to this, so a
+  query triggered every ``tick_ms`` runs a micro-batch at each trigger even
+  when no ping came (a heat map's window slides on).
+
 Planning (on the driver) asks one node for the offset ranges of every
 partition in that append-time window, pinned at its applied index: one
 input partition per (topic partition, offset range). Each task reads its
@@ -34,7 +44,17 @@ from typing import Any
 import grpc
 import numpy as np
 import pyarrow as pa
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    SupportsTriggerAvailableNow,
+)
 
 from roadlog import columnar
 from roadlog.limits import PEER_MESSAGE_BYTES
@@ -91,6 +111,9 @@ class RoadlogDataSource(DataSource):
     def reader(self, schema: Any) -> DataSourceReader:
         return RoadlogReader(dict(self.options))
 
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return RoadlogStreamReader(dict(self.options))
+
 
 def _opt_int(options: dict[str, str], key: str) -> int | None:
     v = options.get(key)
@@ -104,12 +127,54 @@ def credentials(options: dict[str, str]) -> str:
     return cluster_token(read_secret(Path(secret_file)), options.get("cluster_name", "roadlog"))
 
 
-def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
-    """The input partitions for these options (asks one node)."""
+def _nodes_and_topic(options: dict[str, str]) -> tuple[tuple[str, ...], str]:
     nodes = tuple(n for n in options.get("nodes", "").split(",") if n)
     topic = options.get("topic", "")
     if not nodes or not topic:
         raise ValueError("the roadlog source needs options nodes and topic")
+    return nodes, topic
+
+
+def ask_plan(
+    nodes: tuple[str, ...], token: str, req: noderead_pb2.PlanRequest
+) -> noderead_pb2.PlanResponse:
+    """Ask the nodes in turn (the one on this host first) for a plan."""
+    errors = []
+    for n in sorted(nodes, key=lambda n: not is_local(n)):
+        try:
+            with grpc.insecure_channel(n, options=GRPC_OPTIONS) as ch:
+                resp: noderead_pb2.PlanResponse = noderead_pb2_grpc.NodeReadStub(ch).Plan(
+                    req, metadata=token_metadata(token), timeout=30
+                )
+            return resp
+        except grpc.RpcError as e:
+            errors.append(f"{n}: {e.code().name} {e.details()}")
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED):
+                break
+    raise RuntimeError("no node could plan the read: " + "; ".join(errors))
+
+
+def split(
+    topic: str,
+    partition: int,
+    start: int,
+    end: int,
+    fence: int,
+    nodes: tuple[str, ...],
+    token: str,
+    window: tuple[int | None, int | None],
+    step: int,
+) -> list[RangeTask]:
+    """Offsets [start, end) of one partition as tasks of at most ``step`` pings."""
+    return [
+        RangeTask(topic, partition, lo, min(lo + step, end), fence, nodes, token, window)
+        for lo in range(start, end, step)
+    ]
+
+
+def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
+    """The input partitions for these options (asks one node)."""
+    nodes, topic = _nodes_and_topic(options)
     token = credentials(options)
     start, end = _opt_int(options, "window_start_ms"), _opt_int(options, "window_end_ms")
     now = now_ms if now_ms is not None else int(time.time() * 1000)
@@ -120,38 +185,22 @@ def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
         append_start_ms=max(0, start - lead) if start is not None else 0,
         append_end_ms=min(end + late, now) if end is not None else now,
     )
-    resp = None
-    errors = []
-    for n in nodes:
-        try:
-            with grpc.insecure_channel(n, options=GRPC_OPTIONS) as ch:
-                resp = noderead_pb2_grpc.NodeReadStub(ch).Plan(
-                    req, metadata=token_metadata(token), timeout=30
-                )
-            break
-        except grpc.RpcError as e:
-            errors.append(f"{n}: {e.code().name} {e.details()}")
-            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED):
-                break
-    if resp is None:
-        raise RuntimeError("no node could plan the read: " + "; ".join(errors))
+    resp = ask_plan(nodes, token, req)
     every = tuple(dict.fromkeys([*resp.node_addresses, *nodes]))
     step = _opt_int(options, "max_pings_per_task") or DEFAULT_TASK_PINGS
     tasks = []
     for r in resp.ranges:
-        for lo in range(r.start_offset, r.end_offset, step):
-            tasks.append(
-                RangeTask(
-                    topic,
-                    r.partition,
-                    lo,
-                    min(lo + step, r.end_offset),
-                    resp.applied_index,
-                    every,
-                    token,
-                    (start, end),
-                )
-            )
+        tasks += split(
+            topic,
+            r.partition,
+            r.start_offset,
+            r.end_offset,
+            resp.applied_index,
+            every,
+            token,
+            (start, end),
+            step,
+        )
     return tasks
 
 
@@ -165,6 +214,118 @@ class RoadlogReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         task: RangeTask = partition.value
         yield from read_range(task)
+
+
+# ------------------------------------------------------------- streaming
+
+# An append time past any real one: a plan up to it ends at each partition's
+# next offset.
+END_OF_TIME_MS = 2**62
+
+
+class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches of committed pings, offset by offset.
+
+    An offset is ``{"applied_index": N, "partitions": {"P": next offset},
+    "tick_ms": T}``: what one node had applied when asked (only committed
+    pings, pinned there, so a micro-batch read again after a restart from
+    the checkpoint gives the same pings), each partition's end. A
+    micro-batch reads, per partition, offsets [start, end) from the node on
+    the task's own host first. Offsets are dense and never reused, so
+    consecutive micro-batches neither miss nor repeat a ping; offsets that
+    retention trimmed meanwhile are skipped.
+    """
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
+        self.nodes, self.topic = _nodes_and_topic(options)
+        self.token = credentials(options)
+        self.tick_ms = _opt_int(options, "tick_ms") or 0
+        self.step = _opt_int(options, "max_pings_per_task") or DEFAULT_TASK_PINGS
+        self.known = self.nodes
+        self.target: dict[str, Any] | None = None  # Trigger.AvailableNow's end
+
+    def _plan(self, append_start_ms: int) -> noderead_pb2.PlanResponse:
+        resp = ask_plan(
+            self.known,
+            self.token,
+            noderead_pb2.PlanRequest(
+                topic=self.topic, append_start_ms=append_start_ms, append_end_ms=END_OF_TIME_MS
+            ),
+        )
+        self.known = tuple(dict.fromkeys([*self.nodes, *resp.node_addresses]))
+        return resp
+
+    def _offset(
+        self, resp: noderead_pb2.PlanResponse, at: str, now_ms: int | None = None
+    ) -> dict[str, Any]:
+        """Each partition's start (``at="start"``) or end offset in a plan;
+        a partition with nothing in the plan's range is at its end, which
+        the plan up to the end of time gives (``at="end"``)."""
+        parts = {str(p): 0 for p in range(resp.topic.spec.partitions)}
+        for r in resp.ranges:
+            parts[str(r.partition)] = r.start_offset if at == "start" else r.end_offset
+        now = now_ms if now_ms is not None else int(time.time() * 1000)
+        tick = now // self.tick_ms * self.tick_ms if self.tick_ms else 0
+        return {"applied_index": resp.applied_index, "partitions": parts, "tick_ms": tick}
+
+    def _latest(self) -> dict[str, Any]:
+        return self._offset(self._plan(0), "end")
+
+    def initialOffset(self) -> dict[str, Any]:
+        starting = self.options.get("starting", "latest")
+        if starting == "latest":
+            return self._latest()
+        if starting == "earliest":
+            return self._offset(self._plan(0), "start")
+        try:
+            since = int(starting)
+        except ValueError:
+            raise ValueError(
+                f"starting={starting!r}: latest, earliest or an append time in ms"
+            ) from None
+        ends = self._latest()
+        resp = self._plan(since)  # the partitions appended to since: from there
+        parts = dict(ends["partitions"])
+        for r in resp.ranges:
+            parts[str(r.partition)] = r.start_offset
+        fence = max(ends["applied_index"], resp.applied_index)
+        return {"applied_index": fence, "partitions": parts, "tick_ms": 0}
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        if not isinstance(limit, ReadAllAvailable):
+            raise ValueError(f"the roadlog stream reads everything available, not {limit}")
+        if self.target is not None:
+            return self.target
+        latest = self._latest()
+        if latest["applied_index"] < start.get("applied_index", 0):
+            # a node behind the last batch's: never move an offset back
+            latest["applied_index"] = start["applied_index"]
+        for p, off in start.get("partitions", {}).items():
+            latest["partitions"][p] = max(latest["partitions"].get(p, 0), off)
+        return latest
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.target = self._latest()
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
+        tasks: list[InputPartition] = []
+        fence = int(end.get("applied_index", 0))
+        for p, hi in sorted(end["partitions"].items(), key=lambda kv: int(kv[0])):
+            lo = int(start.get("partitions", {}).get(p, 0))
+            for t in split(
+                self.topic, int(p), lo, int(hi), fence, self.known, self.token, (None, None),
+                self.step,
+            ):  # fmt: skip
+                tasks.append(InputPartition(t))
+        return tasks
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        task: RangeTask = partition.value
+        yield from read_range(task)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        pass  # the cluster keeps every ping until its retention: nothing to release
 
 
 def is_local(address: str) -> bool:

@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -55,6 +56,27 @@ def _window(window: str | None, since: str | None) -> tuple[int, int]:
     return end - _duration_ms(since or "15m"), end
 
 
+def _job_inputs(cluster: Path | None, servers: str | None) -> tuple[list[str], Path, list[str]]:
+    """A Spark job's queue servers, the cluster secret (the job reads from
+    the nodes) and the nodes that answer."""
+    qs = resolve_servers(cluster, servers)
+    if cluster is not None:
+        secret = Path(LocalCluster.load(cluster).secret_file)
+    else:
+        ctx = click.get_current_context()
+        given = ctx.meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
+        if not given:
+            raise click.UsageError(
+                "the job reads from the nodes: --secret-file or ROADLOG_SECRET_FILE"
+            )
+        secret = Path(given)
+    st = gather_status(qs, [])
+    nodes = [n["address"] for n in st["nodes"] if n.get("role") != "down"]
+    if not nodes:
+        raise click.ClickException("no node answers")
+    return qs, secret, nodes
+
+
 @heatmap.command("build")
 @click.argument("name")
 @click.option("--since", help="the window is the last this long (15m, 2h; default 15m)")
@@ -83,21 +105,7 @@ def heatmap_build(
         ) from None
 
     start, end = _window(window, since)
-    qs = resolve_servers(cluster, servers)
-    if cluster is not None:
-        secret = Path(LocalCluster.load(cluster).secret_file)
-    else:
-        ctx = click.get_current_context()
-        given = ctx.meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
-        if not given:
-            raise click.UsageError(
-                "the job reads from the nodes: --secret-file or ROADLOG_SECRET_FILE"
-            )
-        secret = Path(given)
-    st = gather_status(qs, [])
-    nodes = [n["address"] for n in st["nodes"] if n.get("role") != "down"]
-    if not nodes:
-        raise click.ClickException("no node answers")
+    qs, secret, nodes = _job_inputs(cluster, servers)
     try:
         held = lock(Path(f"/tmp/roadlog-heatmap-{name}.lock"))
     except AlreadyRunning as e:
@@ -129,6 +137,139 @@ def heatmap_build(
             f"in {summary['seconds']} s; committed at index {summary['applied_index']}; "
             f"files in {summary['dir']}"
         )
+
+
+@heatmap.command("stream")
+@click.argument("name")
+@click.option(
+    "--every",
+    default="60s",
+    show_default=True,
+    help="a trigger this often, at multiples of it on the clock (30s, 1m)",
+)
+@click.option(
+    "--window",
+    default="15m",
+    show_default=True,
+    help="each trigger commits the heat map of the window this long ending at it",
+)
+@click.option(
+    "--lateness",
+    default="10m",
+    show_default=True,
+    help="a window takes pings that arrive up to this long after its end",
+)
+@click.option(
+    "--history",
+    default="24h",
+    show_default=True,
+    help="free-flow speeds from this much history (as heatmap build)",
+)
+@click.option("--master", default="local[2]", show_default=True, help="or spark://HOST:7077")
+@click.option(
+    "--checkpoint",
+    type=click.Path(path_type=Path),
+    help="where the stream restarts from (default out/streams/NAME)",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="also write each window's Parquet, GeoJSON, PNG and HTML here",
+)
+@click.option("--metrics-port", type=int, help="serve the stream's Prometheus metrics here")
+@click.option("--once", is_flag=True, help="read what is there now, commit, and stop")
+@click.option("--json", "as_json", is_flag=True, help="one JSON line per trigger")
+@where
+def heatmap_stream(
+    name: str,
+    every: str,
+    window: str,
+    lateness: str,
+    history: str,
+    master: str,
+    checkpoint: Path | None,
+    out: Path | None,
+    metrics_port: int | None,
+    once: bool,
+    as_json: bool,
+    cluster: Path | None,
+    servers: str | None,
+) -> None:
+    """Keep the topic's heat map current with Spark Structured Streaming:
+    each trigger reads the pings committed since the last one and commits
+    the heat map of the last --window into the cluster (the same cells and
+    figures as heatmap build of that window). Runs until stopped (Ctrl-C);
+    a restart goes on from --checkpoint without losing or counting a ping
+    twice."""
+    try:
+        from spark.jobs.heatmap import AlreadyRunning, lock, session
+        from spark.jobs.heatmap_stream import Metrics, Windows, start
+    except ImportError as e:
+        raise click.ClickException(
+            f"heatmap stream runs Spark: install roadlog[spark] ({e})"
+        ) from None
+
+    try:
+        windows = Windows(_duration_ms(every), _duration_ms(window), _duration_ms(lateness))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    history_ms = _duration_ms(history)
+    if history_ms < windows.window_ms:
+        raise click.BadParameter("--history must be at least as long as --window")
+    qs, secret, nodes = _job_inputs(cluster, servers)
+    checkpoint = checkpoint or Path("out/streams") / name
+    try:
+        held = lock(checkpoint / "stream.lock")
+    except AlreadyRunning as e:
+        raise click.ClickException(f"another stream uses {checkpoint}: {e}") from None
+
+    def report(s: dict[str, Any]) -> None:
+        if as_json:
+            click.echo(json.dumps(s))
+            return
+        ending = time.strftime("%H:%M:%S", time.gmtime(s["end"] / 1000))
+        err.print(
+            f"{name}: window ending {ending} UTC, {s['cells']} cells from {s['pings']:,} pings "
+            f"({s['new_pings']:,} new, {s['late']} late, {s['too_late']} too late); "
+            f"{len(s['windows'])} window(s) committed in {s['seconds']} s"
+        )
+
+    metrics = Metrics()
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+    spark = session(master, app="roadlog-heatmap-stream")
+    try:
+        query = start(
+            spark,
+            topic=name,
+            nodes=nodes,
+            servers=qs,
+            secret_file=secret,
+            cluster_name=click.get_current_context().meta.get("cluster_name") or "roadlog",
+            checkpoint=checkpoint,
+            windows=windows,
+            history_ms=history_ms,
+            out_dir=out,
+            once=once,
+            metrics=metrics,
+            report=report,
+        )
+        err.print(
+            f"streaming the heat map of {name!r} every {every} (window {window}, lateness "
+            f"{lateness}) with Spark ({master}); checkpoint {checkpoint}"
+            + ("" if once else "; Ctrl-C stops")
+        )
+        try:
+            query.awaitTermination()
+        except KeyboardInterrupt:
+            query.stop()
+    except RoadlogError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        spark.stop()
+        held.close()
 
 
 @heatmap.command("get")

@@ -31,6 +31,7 @@ from pyspark.sql.types import LongType, StructField, StructType
 
 from roadlog.client import RoadlogError
 from roadlog.geo import parse_region
+from roadlog.v1 import heatmaps_pb2
 from spark.h3cells import cells_for
 
 log = logging.getLogger("roadlog.heatmap")
@@ -180,8 +181,6 @@ def run(
 ) -> dict[str, Any]:
     """Build, commit and write one window's heat map; what was done."""
     from roadlog.client import Admin, Connection
-    from roadlog.heatmap_render import write_geojson, write_html, write_png
-    from roadlog.v1 import heatmaps_pb2
 
     t0 = time.monotonic()
     with Connection(servers) as conn:
@@ -208,39 +207,11 @@ def run(
         table = pa.Table.from_pandas(result.toPandas(), preserve_index=False)
     finally:
         spark.stop()
-    cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
-    order = np.argsort(cols["h3"]) if len(cols["h3"]) else np.array([], dtype=int)
-    hm = heatmaps_pb2.HeatMap(
-        topic=topic,
-        window_start_ms=window_start_ms,
-        window_end_ms=window_end_ms,
-        h3_resolution=spec.h3_resolution,
-        computed_ms=int(time.time() * 1000),
-        source_pings=int(cols["pings"].sum()) if len(order) else 0,
-        bbox=list(desc.topic.bbox),
-    )
-    c = hm.cells
-    c.h3.extend(int(x) for x in cols["h3"][order].astype(np.uint64))
-    c.pings.extend(int(x) for x in cols["pings"][order])
-    c.devices.extend(int(x) for x in cols["devices"][order])
-    for name, field in (
-        ("mean_speed_mps", c.mean_speed_mps),
-        ("free_flow_mps", c.free_flow_mps),
-        ("congestion", c.congestion),
-    ):
-        field.extend(cols[name][order].astype(float).tolist())
+    hm, cells = to_heatmap(table, topic, spec.h3_resolution, list(desc.topic.bbox),
+                           window_start_ms, window_end_ms)  # fmt: skip
     with Connection(servers) as conn:
         index = Admin(conn).put_heatmap(hm)
-    where = out_dir / topic / str(window_start_ms)
-    where.mkdir(parents=True, exist_ok=True)
-    import pyarrow.parquet as pq
-
-    tmp = where / "cells.parquet.tmp"
-    pq.write_table(table.take(pa.array(order)), tmp)
-    os.replace(tmp, where / "cells.parquet")
-    write_geojson(hm, where / "heatmap.geojson")
-    write_png(hm, where / "heatmap.png")
-    write_html(hm, where / "heatmap.html")
+    where = write_files(hm, cells, out_dir)
     summary = {
         "topic": topic,
         "window_start_ms": window_start_ms,
@@ -253,6 +224,58 @@ def run(
     }
     (where / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def to_heatmap(
+    table: pa.Table,
+    topic: str,
+    resolution: int,
+    bbox: list[float],
+    window_start_ms: int,
+    window_end_ms: int,
+) -> tuple[heatmaps_pb2.HeatMap, pa.Table]:
+    """``transform``'s result (as Arrow) as the HeatMap the cluster stores,
+    cells in H3 order; and the table in that order."""
+    cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+    order = np.argsort(cols["h3"], kind="stable") if len(cols["h3"]) else np.array([], dtype=int)
+    hm = heatmaps_pb2.HeatMap(
+        topic=topic,
+        window_start_ms=window_start_ms,
+        window_end_ms=window_end_ms,
+        h3_resolution=resolution,
+        computed_ms=int(time.time() * 1000),
+        source_pings=int(cols["pings"].sum()) if len(order) else 0,
+        bbox=bbox,
+    )
+    c = hm.cells
+    c.h3.extend(int(x) for x in cols["h3"][order].astype(np.uint64))
+    c.pings.extend(int(x) for x in cols["pings"][order])
+    c.devices.extend(int(x) for x in cols["devices"][order])
+    for name, field in (
+        ("mean_speed_mps", c.mean_speed_mps),
+        ("free_flow_mps", c.free_flow_mps),
+        ("congestion", c.congestion),
+    ):
+        field.extend(cols[name][order].astype(float).tolist())
+    return hm, table.take(pa.array(order, type=pa.int64()))
+
+
+def write_files(hm: heatmaps_pb2.HeatMap, cells: pa.Table, out_dir: Path) -> Path:
+    """The window's Parquet, GeoJSON, PNG and HTML under
+    ``out_dir/TOPIC/WINDOW_START/``, each replaced atomically; that folder."""
+    import pyarrow.parquet as pq
+
+    from roadlog.heatmap_render import write_geojson, write_html, write_png
+
+    where = out_dir / hm.topic / str(hm.window_start_ms)
+    where.mkdir(parents=True, exist_ok=True)
+    tmp = where / "cells.parquet.tmp"
+    pq.write_table(cells, tmp)
+    os.replace(tmp, where / "cells.parquet")
+    write_geojson(hm, where / "heatmap.geojson")
+    write_png(hm, where / "heatmap.png")
+    write_html(hm, where / "heatmap.html")
+    return where
 
 
 def main(argv: list[str] | None = None) -> int:
