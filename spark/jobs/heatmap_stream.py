@@ -394,9 +394,7 @@ def start(
     return writer.queryName(f"roadlog-heatmap-{topic}").start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from spark.jobs.heatmap import AlreadyRunning, lock
-
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--topic", required=True)
@@ -413,7 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="also write each window's files here")
     ap.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     ap.add_argument("--once", action="store_true", help="what is there now, then stop")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spark.jobs.heatmap import AlreadyRunning, lock
+
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         held = lock(args.checkpoint / "stream.lock")
