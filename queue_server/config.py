@@ -11,6 +11,9 @@ from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.runtime import config as configfile
 from roadlog.runtime.config import ConfigError, check_address, key
 
+# OpenStreetMap's tiles (deployments that reach the internet; see its tile usage policy).
+DEFAULT_TILE_URL = "https://tile.openstreetmap.org/{z}/{x}/{y}.png"
+
 
 @dataclass
 class QueueConfig:
@@ -19,7 +22,11 @@ class QueueConfig:
     cluster_name: str = key("roadlog", "the cluster's name")
     listen: str = key("0.0.0.0:7500", "HOST:PORT of the gRPC API (clients and nodes)")
     advertise_address: str = key("", "HOST:PORT clients and nodes reach it at (default: listen)")
-    http_listen: str = key("", "HOST:PORT of the HTTP/JSON API (empty: none)")
+    http_listen: str = key("", "HOST:PORT of the HTTP/JSON API and the dashboard (empty: none)")
+    dashboard_tile_url: str = key(
+        DEFAULT_TILE_URL,
+        "the dashboard's street map tiles, a {z}/{x}/{y} URL (empty: a plain background)",
+    )
     # Nodes pull work over a lean framed link on this port of the listen
     # host (roadlog/runtime/frames.py) where they can; else over gRPC Pull.
     work_frames_port: int = key(
@@ -51,6 +58,13 @@ class QueueConfig:
         check_address(self.listen, "listen")
         if self.http_listen:
             check_address(self.http_listen, "http_listen")
+        if self.dashboard_tile_url and not (
+            self.dashboard_tile_url.startswith(("http://", "https://", "/"))
+            and all(f"{{{v}}}" in self.dashboard_tile_url for v in "xyz")
+        ):
+            raise ConfigError(
+                "dashboard_tile_url: an http(s) URL (or a path) with {z}, {x} and {y}, or empty"
+            )
         for seed in self.discovery_seeds:
             check_address(seed, "discovery_seeds")
         if not -1 <= self.work_frames_port <= 65535:

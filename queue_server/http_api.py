@@ -34,6 +34,7 @@ import numpy as np
 from aiohttp import web
 from google.protobuf.message import Message
 
+from queue_server.dashboard import Dashboard, DashboardSettings
 from queue_server.openapi import OPENAPI
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -118,10 +119,12 @@ class HttpApi:
         call: Call,
         status: Callable[[], client_pb2.ClusterStatus],
         body_idle_s: float = BODY_IDLE_S,
+        dashboard: DashboardSettings | None = None,
     ) -> None:
         self._call = call
         self._status = status
         self.body_idle_s = body_idle_s
+        self.dashboard = Dashboard(self, dashboard)
 
     def runner(
         self, idle_timeout_s: float = IDLE_TIMEOUT_S, linger_s: float = LINGER_S
@@ -142,6 +145,7 @@ class HttpApi:
         r = app.router
         r.add_get("/openapi.json", self.openapi)
         r.add_get("/healthz", self.healthz)
+        self.dashboard.add_routes(app)  # the web page: /, /ui/
         # The rpcs with an HTTP route (roadlog.rpc), each by its handler here.
         for rpc in RPCS:
             if rpc.http is not None:
@@ -486,6 +490,8 @@ def heatmap_json(resp: client_pb2.GetHeatmapResponse) -> dict[str, Any]:
                 "pings": c.pings[i],
                 "devices": c.devices[i],
                 "mean_speed_mps": columnar.optional(c.mean_speed_mps[i]),
+                "free_flow_mps": columnar.optional(c.free_flow_mps[i]) if c.free_flow_mps else None,
+                "congestion": columnar.optional(c.congestion[i]) if c.congestion else None,
             }
             for i in range(len(c.h3))
         ],

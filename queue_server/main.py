@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from queue_server import dashboard
 from queue_server.config import QueueConfig, load_queue_config
 from queue_server.server import serve
 from roadlog.runtime import eventloop
@@ -32,6 +33,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     setup_logging("queue", cfg.log_level)
+    dashboard.configure(cfg.dashboard_tile_url)
     try:
         eventloop.run(serve(cfg))
     except RuntimeError as e:
