@@ -2,8 +2,10 @@
 # The roadlog demo: a three-node cluster on 127.0.0.1, a city topic,
 # simulated traffic with a jam around a hot spot, a leader killed and
 # replaced while writes go on, a traffic heat map built by Spark from the
-# replicated log (out/heatmap.png and out/heatmap.html show the jam).
-# Everything it starts is stopped at the end (--keep leaves the cluster).
+# replicated log (out/heatmap.png and out/heatmap.html show the jam), the
+# streaming heat map's first trigger, and the dashboard's address.
+# Everything it starts is stopped at the end (--keep leaves the cluster up,
+# to look at the dashboard).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 keep=0
@@ -14,7 +16,7 @@ DIR=out/cluster
 step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 
 if [ -f "$DIR/cluster.json" ]; then "$R" cluster down --dir "$DIR" || true; fi
-rm -rf "$DIR"
+rm -rf "$DIR" out/streams/munich   # a stream's checkpoint belongs to the cluster it read
 if [ "$keep" = 0 ]; then trap '"$R" cluster down --dir "$DIR" >/dev/null 2>&1 || true' EXIT; fi
 
 step "starting 3 node daemons and a queue server on 127.0.0.1"
@@ -44,7 +46,19 @@ step "building the traffic heat map of the last 15 minutes with Spark (local[2])
 step "reading it back (allowed: this client sent pings to Munich) as PNG and HTML"
 "$R" heatmap get munich --png out/heatmap.png --html out/heatmap.html --geojson out/heatmap.geojson --cluster "$DIR"
 
+step "the streaming heat map: one trigger (roadlog heatmap stream munich --every 60s runs on)"
+"$R" heatmap stream munich --every 60s --window 15m --once --checkpoint out/streams/munich --cluster "$DIR"
+
 step "done"
 echo "Open out/heatmap.png or out/heatmap.html (works offline). Logs are in $DIR/logs." >&2
-[ "$keep" = 1 ] && echo "The cluster keeps running: .venv/bin/roadlog cluster down --dir $DIR" >&2
+http=$("$R" cluster status --cluster "$DIR" --json | .venv/bin/python -c 'import json,sys; print(next(q["http"] for q in json.load(sys.stdin)["queue_servers"] if q["http"]))')
+client=$(.venv/bin/python -c 'from roadlog.client import client_id; print(client_id())')
+if [ "$keep" = 1 ]; then
+  echo "The cluster keeps running: .venv/bin/roadlog cluster down --dir $DIR" >&2
+  echo "Live: .venv/bin/roadlog heatmap stream munich --every 60s --cluster $DIR (and more traffic: .venv/bin/roadlog simulate munich --vehicles 300 --duration 600 --hotspot 11.575,48.137 --cluster $DIR)" >&2
+else
+  echo "The cluster stops now; run ./scripts/demo.sh --keep to look at the dashboard." >&2
+fi
+echo "Dashboard (heat maps for this client, $client, while it contributes):"
+echo "$http/ui/?topic=munich&client_id=$client"
 exit 0

@@ -34,6 +34,7 @@ Only committed data is read, and a plan read twice gives the same rows.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -226,8 +227,8 @@ END_OF_TIME_MS = 2**62
 class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches of committed pings, offset by offset.
 
-    An offset is ``{"applied_index": N, "partitions": {"P": next offset},
-    "tick_ms": T}``: what one node had applied when asked (only committed
+    An offset is ``{"topic_id": I, "applied_index": N, "partitions": {"P":
+    next offset}, "tick_ms": T}``: what one node had applied when asked (only committed
     pings, pinned there, so a micro-batch read again after a restart from
     the checkpoint gives the same pings), each partition's end. A
     micro-batch reads, per partition, offsets [start, end) from the node on
@@ -267,7 +268,12 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             parts[str(r.partition)] = r.start_offset if at == "start" else r.end_offset
         now = now_ms if now_ms is not None else int(time.time() * 1000)
         tick = now // self.tick_ms * self.tick_ms if self.tick_ms else 0
-        return {"applied_index": resp.applied_index, "partitions": parts, "tick_ms": tick}
+        return {
+            "topic_id": resp.topic.id,
+            "applied_index": resp.applied_index,
+            "partitions": parts,
+            "tick_ms": tick,
+        }
 
     def _latest(self) -> dict[str, Any]:
         return self._offset(self._plan(0), "end")
@@ -290,14 +296,17 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for r in resp.ranges:
             parts[str(r.partition)] = r.start_offset
         fence = max(ends["applied_index"], resp.applied_index)
-        return {"applied_index": fence, "partitions": parts, "tick_ms": 0}
+        return {**ends, "applied_index": fence, "partitions": parts, "tick_ms": 0}
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         if not isinstance(limit, ReadAllAvailable):
             raise ValueError(f"the roadlog stream reads everything available, not {limit}")
-        if self.target is not None:
-            return self.target
-        latest = self._latest()
+        latest = json.loads(json.dumps(self.target)) if self.target else self._latest()
+        if start.get("topic_id", latest["topic_id"]) != latest["topic_id"]:
+            raise RuntimeError(
+                f"topic {self.topic!r} was deleted and created again since this query's "
+                "checkpoint: its offsets mean nothing now; start with a new checkpoint"
+            )
         if latest["applied_index"] < start.get("applied_index", 0):
             # a node behind the last batch's: never move an offset back
             latest["applied_index"] = start["applied_index"]

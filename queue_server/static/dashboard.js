@@ -23,6 +23,7 @@
 
   // ------------------------------------------------------------ the map
   const map = L.map("map", { zoomControl: true, preferCanvas: false }).setView([48.137, 11.575], 12);
+  state.map = map;
   let regionLayer = null;
   let cellLayer = null;
   let tiles = null;

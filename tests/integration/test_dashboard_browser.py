@@ -1,0 +1,274 @@
+"""The dashboard in a real browser (headless Chromium with selenium) against
+a real cluster: the page loads with no console errors, draws a known jam's
+cells where they are (the element under the jam's point on the screen is
+the jam's cell, coloured as congested), follows a new heat map without a
+reload, shows the cluster, and shows a stranger the 403's reason; and the
+streaming heat map reaches the page (the delay from a ping's
+acknowledgement to its cell on the page is measured and recorded).
+
+Screenshots and the measured delay are saved under ``out/test-artifacts/``
+(``ROADLOG_TEST_ARTIFACTS`` elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import h3
+import numpy as np
+import pytest
+
+from roadlog.client import Admin, Connection, Producer
+from roadlog.columnar import PingColumns
+from roadlog.geo import bbox_region
+from roadlog.tools.localcluster import LocalCluster
+from roadlog.v1 import heatmaps_pb2
+from tests.integration.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("ROADLOG_TEST_ARTIFACTS", ROOT / "out" / "test-artifacts"))
+REGION = bbox_region(11.45, 48.08, 11.70, 48.20)
+HOT = (48.137, 11.575)  # lat, lon
+CALM = (48.175, 11.48)
+# A tile URL served by the queue server itself: tiles load with no internet.
+TILES = "/ui/static/vendor/leaflet/images/layers.png?z={z}&x={x}&y={y}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    lc = LocalCluster.create(
+        Path(tmp_path_factory.mktemp("dash")) / "c", 3, 1,
+        extra_queue_args=["--dashboard-tile-url", TILES],
+    )  # fmt: skip
+    lc.start_all()
+    try:
+        lc.wait_ready(60)
+        with Connection(lc.servers) as conn:
+            Admin(conn).create_topic("munich", REGION.geojson, 4)
+            now = int(time.time() * 1000)
+            Producer(conn, "munich", client="alice").send_batch(
+                PingColumns.from_columns(
+                    ["a1"], np.array([now]), np.array([HOT[0]]), np.array([HOT[1]])
+                )
+            )
+        yield lc
+    finally:
+        lc.down(grace=3)
+
+
+def cell(lat: float, lon: float) -> int:
+    return int(h3.str_to_int(h3.latlng_to_cell(lat, lon, 9)))
+
+
+def heat_map(start: int, jam: tuple[float, float]) -> heatmaps_pb2.HeatMap:
+    """A jam around ``jam`` (congested in its middle) and flowing traffic at CALM."""
+    hm = heatmaps_pb2.HeatMap(topic="munich", window_start_ms=start, window_end_ms=start + 900_000,
+                              h3_resolution=9, computed_ms=int(time.time() * 1000),
+                              bbox=list(REGION.bbox))  # fmt: skip
+    centre = h3.latlng_to_cell(*jam, 9)
+    figures: dict[int, tuple[float, float]] = {}
+    for k in range(4):
+        for c in h3.grid_ring(centre, k):
+            figures[h3.str_to_int(c)] = (1.0 + 3 * k, 0.9 - 0.25 * k)  # speed, congestion
+    for c in h3.grid_disk(h3.latlng_to_cell(*CALM, 9), 2):
+        figures[h3.str_to_int(c)] = (13.0, 0.05)
+    for h in sorted(figures):
+        speed, congestion = figures[h]
+        hm.cells.h3.append(h)
+        hm.cells.pings.append(30)
+        hm.cells.devices.append(6)
+        hm.cells.mean_speed_mps.append(speed)
+        hm.cells.free_flow_mps.append(14.0)
+        hm.cells.congestion.append(max(congestion, 0.0))
+    hm.source_pings = 30 * len(figures)
+    return hm
+
+
+def put(lc: LocalCluster, hm: heatmaps_pb2.HeatMap) -> None:
+    with Connection(lc.servers) as conn:
+        Admin(conn).put_heatmap(hm)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,900"):
+        opts.add_argument(arg)
+    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(
+        service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts
+    )
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def js(driver: Any, script: str) -> Any:
+    return driver.execute_script(script)
+
+
+def shot(driver: Any, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    driver.save_screenshot(str(path))
+    assert path.stat().st_size > 10_000
+    return path
+
+
+def under(driver: Any, lat: float, lon: float) -> dict[str, str | None]:
+    """The cell drawn at a point of the map, as the browser hit-tests it."""
+    return dict(js(driver, f"""
+        const d = window.roadlogDashboard, m = d.map;
+        const p = m.latLngToContainerPoint([{lat}, {lon}]);
+        const r = m.getContainer().getBoundingClientRect();
+        const el = document.elementFromPoint(r.left + p.x, r.top + p.y);
+        return {{h3: el && el.getAttribute('data-h3'), fill: el && el.getAttribute('fill')}};
+    """))  # fmt: skip
+
+
+def rgb(text: str | None) -> tuple[int, ...]:
+    assert text and text.startswith("rgb("), text
+    return tuple(int(x) for x in text[4:-1].split(","))
+
+
+def test_the_page_shows_the_jam_where_it_is_and_follows_new_heat_maps(
+    cluster: LocalCluster, browser: Any
+) -> None:
+    lc, driver = cluster, browser
+    first = int(time.time() * 1000) // 60_000 * 60_000 - 900_000
+    put(lc, heat_map(first, HOT))
+    driver.get(f"{lc.queue_servers[0].http}/ui/?topic=munich&client_id=alice")
+    wait_for(lambda: js(driver, "return document.body.dataset.window") == str(first), 30,
+             "the page to draw the heat map")  # fmt: skip
+    n = len(heat_map(first, HOT).cells.h3)
+    assert js(driver, "return document.body.dataset.cells") == str(n)
+    at_jam = under(driver, *HOT)
+    assert at_jam["h3"] == h3.latlng_to_cell(*HOT, 9)  # the jam's cell, at the jam
+    r, g, _ = rgb(at_jam["fill"])
+    assert r > 180 and g < 100  # red: congested
+    at_calm = under(driver, *CALM)
+    assert at_calm["h3"] == h3.latlng_to_cell(*CALM, 9)
+    r, g, _ = rgb(at_calm["fill"])
+    assert g > r  # green: flowing
+    # the tiles come from the configured URL, and the cluster panel is filled
+    wait_for(lambda: js(driver, "return document.querySelectorAll('img.leaflet-tile-loaded')"
+                                ".length") > 0, 30, "map tiles")  # fmt: skip
+    src = js(driver, "return document.querySelector('img.leaflet-tile-loaded').src")
+    assert "/ui/static/vendor/leaflet/images/layers.png?z=" in src
+    wait_for(lambda: js(driver, "return document.querySelectorAll('#nodes tbody tr').length") == 3,
+             30, "the cluster panel")  # fmt: skip
+    panel = js(driver, "return document.getElementById('cluster').innerText")
+    assert "leader" in panel and "munich" in panel and "127.0.0.1" in panel
+    tip = js(
+        driver,
+        f"""
+        const c = window.roadlogDashboard.cells.get('{h3.latlng_to_cell(*HOT, 9)}');
+        c.layer.fire('mouseover'); return document.getElementById('cell').innerText;""",
+    )
+    assert "congestion" in tip and "90 %" in tip
+    shot(driver, "dashboard-jam.png")
+
+    # A new heat map (the jam moved): drawn without a reload.
+    js(driver, "window.__sameDocument = true")
+    updates = int(js(driver, "return document.body.dataset.updates"))
+    moved = (48.15, 11.62)
+    put(lc, heat_map(first + 60_000, moved))
+    wait_for(lambda: js(driver, "return document.body.dataset.window") == str(first + 60_000),
+             30, "the page to follow the new heat map")  # fmt: skip
+    assert js(driver, "return window.__sameDocument") is True
+    assert int(js(driver, "return document.body.dataset.updates")) == updates + 1
+    assert under(driver, *moved)["h3"] == h3.latlng_to_cell(*moved, 9)
+    assert js(driver, "return document.getElementById('slider').max") == "1"  # two windows
+    shot(driver, "dashboard-updated.png")
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == []
+
+
+def test_a_stranger_is_shown_the_403_reason(cluster: LocalCluster, browser: Any) -> None:
+    lc, driver = cluster, browser
+    put(lc, heat_map(int(time.time() * 1000) // 60_000 * 60_000 - 900_000, HOT))
+    driver.get(f"{lc.queue_servers[0].http}/ui/?topic=munich&client_id=stranger")
+    wait_for(lambda: js(driver, "return document.body.dataset.state") == "denied", 30,
+             "the page to show the refusal")  # fmt: skip
+    text = js(driver, "return document.getElementById('notice').innerText")
+    assert "Not allowed" in text and "has not published pings to 'munich'" in text
+    assert js(driver, "return window.roadlogDashboard.cells.size") == 0
+    shot(driver, "dashboard-stranger.png")
+
+
+def test_the_streamed_heat_map_reaches_the_page(
+    cluster: LocalCluster, browser: Any, tmp_path: Path
+) -> None:
+    """A ping in a cell nobody else reported, published while the stream
+    runs (a trigger every 10 s), appears on the open page; how long after
+    its acknowledgement is recorded in stream-delay.json."""
+    from spark.jobs.heatmap import session
+    from spark.jobs.heatmap_stream import Windows, start
+
+    lc, driver = cluster, browser
+    every_ms = 10_000
+    reports: list[dict[str, Any]] = []
+    with Connection(lc.servers) as conn:  # a topic of its own: only streamed windows
+        Admin(conn).create_topic("streamed", REGION.geojson, 2)
+        now = int(time.time() * 1000)
+        Producer(conn, "streamed", client="alice").send_batch(
+            PingColumns.from_columns(
+                ["a1"], np.array([now]), np.array([HOT[0]]), np.array([HOT[1]])
+            )
+        )
+    spark = session("local[2]", app="roadlog-heatmap-stream-browser")
+    try:
+        query = start(
+            spark, topic="streamed", nodes=[n.address for n in lc.nodes], servers=lc.servers,
+            secret_file=Path(lc.secret_file), cluster_name="roadlog",
+            checkpoint=tmp_path / "checkpoint", windows=Windows(every_ms, 15 * 60_000, 0),
+            history_ms=3_600_000, report=reports.append,
+        )  # fmt: skip
+        wait_for(lambda: len(reports) >= 1, 120, "the stream's first trigger")
+        driver.get(f"{lc.queue_servers[0].http}/ui/?topic=streamed&client_id=alice")
+        wait_for(lambda: js(driver, "return document.body.dataset.state") == "ok", 30,
+                 "the page to draw the streamed heat map")  # fmt: skip
+        probe = (48.19, 11.69)
+        probe_cell = h3.latlng_to_cell(*probe, 9)
+        assert js(driver, f"return window.roadlogDashboard.cells.has('{probe_cell}')") is False
+        with Connection(lc.servers) as conn:
+            now = int(time.time() * 1000)
+            Producer(conn, "streamed", client="alice").send_batch(
+                PingColumns.from_columns(
+                    ["probe"],
+                    np.array([now]),
+                    np.array([probe[0]]),
+                    np.array([probe[1]]),
+                    speed_mps=np.array([3.0]),
+                )
+            )
+            acked = time.monotonic()
+        wait_for(
+            lambda: js(driver, f"return window.roadlogDashboard.cells.has('{probe_cell}')"),
+            90, "the probe's cell on the page",
+        )  # fmt: skip
+        delay = time.monotonic() - acked
+        assert js(driver, "return document.body.dataset.state") == "ok"
+        shot(driver, "dashboard-streamed.png")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / "stream-delay.json").write_text(json.dumps({
+            "ack_to_page_s": round(delay, 2), "every_s": every_ms / 1000,
+            "poll_ms": 2000, "batch_seconds": [r["seconds"] for r in reports],
+        }, indent=2) + "\n")  # fmt: skip
+        print(f"stream delay, ping acknowledged to shown on the page: {delay:.1f} s "
+              f"(trigger every {every_ms / 1000:g} s)")  # fmt: skip
+        query.stop()
+    finally:
+        spark.stop()
