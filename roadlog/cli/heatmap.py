@@ -202,6 +202,8 @@ def heatmap_stream(
     a restart goes on from --checkpoint without losing or counting a ping
     twice."""
     try:
+        from pyspark.errors import StreamingQueryException
+
         from spark.jobs.heatmap import AlreadyRunning, lock, session
         from spark.jobs.heatmap_stream import Metrics, Windows, start
     except ImportError as e:
@@ -267,6 +269,8 @@ def heatmap_stream(
             query.stop()
     except RoadlogError as e:
         raise click.ClickException(str(e)) from None
+    except StreamingQueryException as e:  # what a micro-batch raised; the checkpoint stays
+        raise click.ClickException(f"the stream stopped: {e.getMessage()}") from None
     finally:
         spark.stop()
         held.close()
