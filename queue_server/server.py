@@ -30,6 +30,8 @@ from discovery.agent import DiscoveryAgent
 from discovery.core import DiscoveryCore
 from queue_server.config import QueueConfig
 from queue_server.http_api import HttpApi
+from queue_server.publish_stream import SERVICE as PUBLISH_STREAM
+from queue_server.publish_stream import publish_stream_handler
 from queue_server.queues import Item, QueueFull, WorkQueues
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
@@ -492,12 +494,25 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         interceptors=[ClusterAuth(qs.token, protects(["roadlog.v1.Work"]))],
         options=grpc_options(WORK_MESSAGE_BYTES),
     )
-    server.add_generic_rpc_handlers((client_handler(qs),))
+    server.add_generic_rpc_handlers(
+        (
+            client_handler(qs),
+            publish_stream_handler(
+                qs.call, client_key, lambda code: REQUESTS.labels("PublishBatch", code).inc()
+            ),
+        )
+    )
     work_pb2_grpc.add_WorkServicer_to_server(qs, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        ("roadlog.v1.Roadlog", "roadlog.v1.Work", health.SERVICE_NAME, reflection.SERVICE_NAME),
+        (
+            "roadlog.v1.Roadlog",
+            PUBLISH_STREAM,
+            "roadlog.v1.Work",
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     if server.add_insecure_port(cfg.listen) == 0:

@@ -7,8 +7,9 @@ out wait, and travel together in the next call, which goes out once as many
 wait as the smallest call out carries (or at once when none is out): the
 same thing a NATS or Kafka client does with its write buffer, so that a
 process publishing thousands of small batches a second pays for a few gRPC
-calls, not thousands. Nothing else
-changes: each publish is validated, stored, deduplicated (producer id and
+messages, not thousands. The batches travel on one long-lived stream per
+queue server (``roadlog.batch_stream``; unary calls to a queue server
+without it). Nothing else changes: each publish is validated, stored, deduplicated (producer id and
 sequence) and answered on its own, as if it had been sent alone.
 
 Invariants: every publish is answered exactly once, with its
@@ -28,9 +29,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from roadlog.batch_stream import BatchFailed, BatchStream
 from roadlog.client import RETRYABLE, client_id
 from roadlog.errors import Code, RoadlogError, error
-from roadlog.grpc_status import from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import client_pb2
 
@@ -83,7 +84,7 @@ class Publisher:
         self.fence = 0  # the highest applied index of any answer (read your writes)
         self.stats = PublisherStats()
         self._channels: list[grpc.aio.Channel] = []
-        self._calls: list[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = []
+        self._calls: list[BatchStream] = []
         self._current = 0
         self._queue: deque[_Pending] = deque()
         self._in_flight = 0  # calls out, and retries waiting out their backoff
@@ -107,11 +108,13 @@ class Publisher:
         for s in self.servers:
             ch = grpc.aio.insecure_channel(s, options=opts)
             self._channels.append(ch)
-            self._calls.append(ch.unary_unary("/roadlog.v1.Roadlog/PublishBatch"))
+            self._calls.append(BatchStream(ch, self.metadata))
 
     async def close(self) -> None:
         """Wait until every publish made is answered, then close the channels."""
         await self._idle.wait()
+        for stream in self._calls:
+            await stream.close()
         for ch in self._channels:
             await ch.close()
         self._channels, self._calls = [], []
@@ -210,12 +213,9 @@ class Publisher:
         self.stats.calls += 1
         self.stats.sent += len(batch)
         try:
-            raw = await self._calls[server](
-                body.SerializeToString(), timeout=max(left, 0.01), metadata=self.metadata
-            )
-        except grpc.aio.AioRpcError as e:
-            code = from_grpc(e.code())
-            why = e.details() or code.name
+            raw = await self._calls[server].exchange(body.SerializeToString(), max(left, 0.01))
+        except BatchFailed as e:
+            code, why = e.code, e.why
             if code not in RETRYABLE:
                 for p in batch:
                     self._fail(p, error(code, why))

@@ -1,5 +1,8 @@
 """The corked publisher against a scripted PublishBatch server (in-process
-gRPC on loopback): per-publish retries, deadlines, fail-over, corking."""
+gRPC on loopback): per-publish retries, deadlines, fail-over, corking. Each
+test twice: batches over the queue server's PublishStream service (its real
+handler in front of the script) and, against a server without it, over
+unary PublishBatch calls."""
 
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ from typing import Any
 import grpc
 import pytest
 
+from queue_server.publish_stream import publish_stream_handler
 from roadlog.client import InvalidArgument, Unavailable
+from roadlog.errors import RoadlogError
+from roadlog.grpc_status import from_grpc
 from roadlog.publisher import Publisher
 from roadlog.runtime.processes import free_port
 from roadlog.v1 import client_pb2
@@ -53,16 +59,43 @@ class Scripted:
         return out.SerializeToString()
 
 
+STREAMED = {"on": True}  # the servers offer PublishStream (see the fixture)
+
+
+@pytest.fixture(autouse=True, params=["stream", "unary"])
+def transport(request: pytest.FixtureRequest) -> str:
+    STREAMED["on"] = request.param == "stream"
+    return str(request.param)
+
+
+class _Aborted:
+    """The context a scripted handler aborts through, as a queue server's
+    ``call`` would fail: a RoadlogError."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RoadlogError(from_grpc(code), details)
+
+
+def _streamed(handler: Scripted) -> grpc.GenericRpcHandler:
+    async def call(method: str, body: bytes, timeout: float | None, client: str) -> bytes:
+        assert method == "PublishBatch" and timeout and client == "c1"
+        return await handler.handle(body, _Aborted())
+
+    answers: list[str] = []
+    return publish_stream_handler(call, lambda ctx: "c1", answers.append)
+
+
 async def serve(handler: Scripted) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "roadlog.v1.Roadlog",
-                {"PublishBatch": grpc.unary_unary_rpc_method_handler(handler.handle)},
-            ),
+    handlers = [
+        grpc.method_handlers_generic_handler(
+            "roadlog.v1.Roadlog",
+            {"PublishBatch": grpc.unary_unary_rpc_method_handler(handler.handle)},
         )
-    )
+    ]
+    if STREAMED["on"]:
+        handlers.append(_streamed(handler))
+    server.add_generic_rpc_handlers(tuple(handlers))
     addr = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(addr)
     await server.start()
@@ -83,6 +116,8 @@ def test_publishes_are_corked_and_each_is_answered() -> None:
                     *(pub.publish(req(i)) for i in range(40)), return_exceptions=True
                 )
                 assert pub.fence == len(h.calls)
+                # Over the stream where the server has it; unary otherwise.
+                assert [s.unary_only for s in pub._calls] == [not STREAMED["on"]]
                 return h, out
         finally:
             await server.stop(None)

@@ -1,0 +1,91 @@
+"""The queue server's ``PublishStream`` service: PublishBatch over one
+long-lived bidi stream per client, each batch matched to its answer by id.
+
+Each batch is queued and answered exactly as a ``PublishBatch`` call with
+the same bytes and deadline would be (``QueueServer.call``); answers go out
+as they come, not in request order. The batches stay bytes: the queue server
+reads only the envelope (id, deadline).
+
+Invariants: every batch read from the stream is answered once while the
+stream lasts; a client that half-closes gets every answer still owed before
+the stream ends; an envelope that does not parse ends the stream with
+INVALID_ARGUMENT (the batches already taken are still answered first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from roadlog.errors import RoadlogError
+from roadlog.v1 import client_pb2
+
+SERVICE = "roadlog.v1.PublishStream"
+METHOD = "PublishBatches"
+
+# (method, request bytes, timeout s or None, client) -> response bytes
+Call = Callable[[str, bytes, float | None, str], Awaitable[bytes]]
+OnAnswer = Callable[[str], None]  # the answer's code name, for the metrics
+
+
+def publish_stream_handler(
+    call: Call, client_key: Callable[[Any], str], on_answer: OnAnswer
+) -> grpc.GenericRpcHandler:
+    """The PublishStream service, its messages kept as bytes."""
+
+    async def batches(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        await context.send_initial_metadata(())  # "taken": the client may write
+        client = client_key(context)
+        out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        answering: set[asyncio.Task[None]] = set()
+        bad: list[str] = []
+
+        async def answer(req: client_pb2.PublishStreamRequest) -> None:
+            resp = client_pb2.PublishStreamResponse(id=req.id)
+            try:
+                timeout = req.timeout_ms / 1000 if req.timeout_ms else None
+                resp.batch = await call("PublishBatch", req.batch, timeout, client)
+                on_answer("OK")
+            except RoadlogError as e:
+                resp.code, resp.message = int(e.code), e.message
+                on_answer(e.code.name)
+            out.put_nowait(resp.SerializeToString())
+
+        async def read() -> None:
+            try:
+                async for raw in requests:
+                    try:
+                        req = client_pb2.PublishStreamRequest.FromString(raw)
+                    except DecodeError:
+                        bad.append("malformed PublishStreamRequest")
+                        break
+                    task = asyncio.get_running_loop().create_task(answer(req))
+                    answering.add(task)
+                    task.add_done_callback(answering.discard)
+                if answering:  # the client is done sending: answer what it sent
+                    await asyncio.gather(*answering, return_exceptions=True)
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (msg := await out.get()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            for task in list(answering):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad[0])
+
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.stream_stream_rpc_method_handler(batches)
+    return grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler})
