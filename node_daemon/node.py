@@ -19,6 +19,25 @@ together are packed into one entry (at most ``max_ops_per_entry`` ops and
 Callers wait for their proposals in ``raft.PendingProposals`` (answered when
 applied, or failed when their entry leaves the log); when to snapshot and
 compact the log is ``snapshots.Snapshots``.
+
+Starting with an empty log (a new node, or one whose disk was wiped or
+replaced: the two look the same) the node bootstraps the static peers'
+configuration as entry 1, as every founding node does, but it neither
+votes nor campaigns (``raft.Config.catching_up``) until either
+
+- every other static peer answers that it was never past its bootstrap
+  either (term <= 1, commit <= 1): the cluster is brand new, nothing was
+  ever acknowledged, there is nothing this node could have forgotten; or
+- a leader has caught it up: its log holds what that leader committed up
+  to an entry of the leader's own term (see ``RaftCore._maybe_caught_up``).
+
+So a wiped voter can never help elect a leader that lacks an entry it had
+acknowledged, nor vote twice in a term. A brand-new cluster with static
+peers therefore forms once every peer has been up at the same time. The
+state survives restarts as the file ``raft/catching-up`` (written before the
+bootstrap, removed once the vote that ended it is on disk). A node that
+joins by discovery starts the same way (and, a learner, counts nowhere
+anyway); one that founds a cluster alone, or a one-node cluster, does not.
 """
 
 from __future__ import annotations
@@ -34,6 +53,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
@@ -60,13 +81,17 @@ from node_daemon.state.machine import OpResult, StateMachine
 from node_daemon.transport import PeerTransport
 from roadlog.columnar import varint
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
-from roadlog.v1 import command_pb2
+from roadlog.v1 import admin_pb2_grpc, client_pb2, command_pb2
 
 log = logging.getLogger("roadlog.node")
 
 
 # Committed entries up to this size are applied on the event loop (see _apply).
 INLINE_APPLY_BYTES = 256 << 10
+# Kept in the Raft log's directory while the node catches up after starting
+# empty (see the module docstring); a wipe or a restore takes it along.
+CATCHING_UP_FILE = "catching-up"
+ASK_PEERS_EVERY_S = 0.5
 
 
 def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
@@ -77,6 +102,25 @@ def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
     for op in ops:
         pieces += (b"\x12", varint(len(op)), op)
     return b"".join(pieces)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _durable_touch(path: Path) -> None:
+    """Create ``path`` (empty) and make it, and its name, durable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(path.parent)
 
 
 class NotLeader(Exception):
@@ -95,13 +139,25 @@ class RaftNode:
         data = Path(cfg.data_dir)
         self.log_store = LmdbLogStorage(data / "raft")
         self.sm = StateMachine(data / "state")
-        if (
-            self.log_store.last_index() == 0
-            and self.log_store.initial_state().term == 0
-            and cfg.peers
-        ):
+        marker = data / "raft" / CATCHING_UP_FILE
+        self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new
+        empty = self.log_store.last_index() == 0 and self.log_store.initial_state().term == 0
+        if empty and (self._others or not cfg.peers):
+            # Maybe a wiped member of a cluster that ran: not a voter until
+            # it knows (first on disk, so that a crash cannot forget it).
+            _durable_touch(marker)
+        if empty and cfg.peers:
             bootstrap(self.log_store, sorted(cfg.peers))
-            log.info("bootstrapped a new cluster", extra={"voters": sorted(cfg.peers)})
+            log.info("bootstrapped the static peers' cluster", extra={"voters": sorted(cfg.peers)})
+        catching_up = marker.exists()
+        # Set while catching up; None once that is over for good.
+        self._catching_up_file: Path | None = marker if catching_up else None
+        if catching_up:
+            log.info(
+                "started empty: neither voting nor campaigning until the cluster is known "
+                "new or a leader has caught this node up",
+                extra={"ask": self._others},
+            )
         snap = self.log_store.snapshot()
         metrics.SNAPSHOT_INDEX.set(snap.meta.index)
         if self.sm.applied_index < snap.meta.index:
@@ -114,6 +170,7 @@ class RaftNode:
                 heartbeat_tick=cfg.heartbeat_ticks,
                 applied=self.sm.applied_index,
                 lazy_commit=True,
+                catching_up=catching_up,
             ),
             self.log_store,
             random.Random(int.from_bytes(os.urandom(8), "big")),
@@ -315,6 +372,8 @@ class RaftNode:
         loop = self._loop = asyncio.get_running_loop()
         drive = loop.create_task(self._drive())
         self._tasks = [loop.create_task(self._ticker()), drive]
+        if self.core.catching_up and self._others:
+            self._tasks.append(loop.create_task(self._ask_if_new()))
 
         def done(t: asyncio.Task[None]) -> None:
             if t.cancelled() or t.exception() is None:
@@ -343,6 +402,46 @@ class RaftNode:
         self.sm.checkpoint()
         self.sm.close()
         self.log_store.close()
+
+    async def _ask_if_new(self) -> None:
+        """Started empty with static peers: ask the others (Admin.Status)
+        until every one answers that it never got past its bootstrap (the
+        cluster is new: this node may vote), or one answers that it did (a
+        cluster that ran: wait for a leader to catch this node up)."""
+        while self.core.catching_up:
+            answers = await asyncio.gather(*(self._peer_is_new(p) for p in self._others))
+            if False in answers:
+                log.info("the cluster ran before this node started empty: catching up first")
+                return
+            if all(answers):
+                log.info("every peer is new: a new cluster", extra={"peers": self._others})
+                self.submit(lambda core: core.known_new_cluster())
+                return
+            await asyncio.sleep(ASK_PEERS_EVERY_S)
+
+    async def _peer_is_new(self, peer: int) -> bool | None:
+        """True: ``peer`` never got past its bootstrap; False: it did;
+        None: no answer."""
+        try:
+            async with grpc.aio.insecure_channel(self.cfg.peers[peer]) as ch:
+                st = await admin_pb2_grpc.AdminStub(ch).Status(
+                    client_pb2.StatusRequest(), timeout=1.0
+                )
+        except grpc.aio.AioRpcError:
+            return None
+        if not st.nodes or st.nodes[0].id != peer:
+            return None  # someone else answers there
+        own = st.nodes[0]
+        return own.term <= 1 and own.commit_index <= 1
+
+    def _caught_up(self) -> None:
+        """Catching up ended and is on disk: forget it for good."""
+        path, self._catching_up_file = self._catching_up_file, None
+        assert path is not None
+        if path.exists():
+            path.unlink()
+            _fsync_dir(path.parent)
+            log.info("no longer catching up: voting again", extra={"term": self.core.term})
 
     async def _ticker(self) -> None:
         period = self.cfg.tick_ms / 1000
@@ -412,6 +511,8 @@ class RaftNode:
                 self._notified_applied = self.sm.applied_index
                 async with self._applied:
                     self._applied.notify_all()
+            if self._catching_up_file is not None and self.core.caught_up_durably():
+                self._caught_up()
             if driver.idle:
                 self._observe()
                 await self.snapshots.between_readys(loop)

@@ -34,6 +34,8 @@ def message_to_pb(m: Message) -> raft_pb2.RaftMessage:
         reject_hint=m.reject_hint,
         context=m.context,
         force=m.force,
+        catching_up=m.catching_up,
+        caught_up=m.caught_up,
     )
     setattr(pb, "from", m.frm)
     if m.entries:
@@ -70,4 +72,6 @@ def message_from_pb(pb: raft_pb2.RaftMessage, snapshot_data: bytes = b"") -> Mes
         snap,
         pb.context,
         pb.force,
+        pb.catching_up,
+        pb.caught_up,
     )

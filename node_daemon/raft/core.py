@@ -11,7 +11,8 @@ followers ignore disruptive votes), the election restriction, pipelined
 replication with a per-follower in-flight window, fast backtracking by term,
 commitment of current-term entries only, snapshots for followers behind the
 compacted log, ReadIndex, leadership transfer, learners and single-server
-membership changes (see ``confchange``).
+membership changes (see ``confchange``), and a node that lost its storage
+catching up before it votes again (``Config.catching_up``).
 
 The leader counts its own log only once the caller has persisted it (in
 ``advance``), so a leader may send appends before its own fsync completes.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from node_daemon.raft import quorum
 from node_daemon.raft.confchange import apply_change
@@ -50,6 +51,7 @@ from node_daemon.raft.types import (
 
 MT = MessageType
 _FROM_LEADER = (MT.APPEND, MT.HEARTBEAT, MT.SNAPSHOT)
+_TO_LEADER = (MT.APPEND_RESP, MT.HEARTBEAT_RESP)  # what a follower answers a leader
 
 
 @dataclass(slots=True)
@@ -80,6 +82,14 @@ class Config:
     # least the log storage's snapshot index: after a crash between saving a
     # snapshot and installing it, install ``storage.snapshot()`` first.
     applied: int = 0
+    # This node may have lost what it persisted (it started with an empty
+    # log, as after its disk was wiped, in a cluster that may have run
+    # before): it may have acknowledged entries and voted in terms it no
+    # longer knows. Until a leader has caught it up it neither votes nor
+    # campaigns, and it tells leaders to count it in no quorum (see
+    # ``RaftCore.catching_up``). The caller keeps this across restarts
+    # until ``caught_up_durably()``.
+    catching_up: bool = False
 
     def validate(self) -> None:
         if self.id <= 0:
@@ -141,6 +151,9 @@ class RaftCore:
         self._prev_soft = SoftState(NONE, Role.FOLLOWER)
         self._prev_hard = hs
         self._durable_hard = hs  # the hard state of the last advanced Ready
+        # Catching up after a lost storage: see Config.catching_up, and
+        # _caught_up and known_new_cluster() for its end.
+        self.catching_up = config.catching_up
         self._become_follower(self.term, NONE)
 
     # ------------------------------------------------------------------ state
@@ -273,7 +286,7 @@ class RaftCore:
         """Check-quorum: did a majority hear from us this election timeout?"""
         active = {self.id}
         for node, pr in self.prs.items():
-            if pr.recent_active:
+            if pr.recent_active and not pr.catching_up:
                 active.add(node)
             if node != self.id:
                 pr.recent_active = False
@@ -283,7 +296,7 @@ class RaftCore:
     # -------------------------------------------------------------- elections
 
     def _hup(self, transfer: bool) -> None:
-        if self.role == Role.LEADER or not self.promotable():
+        if self.role == Role.LEADER or not self.promotable() or self.catching_up:
             return
         if self.cfg.pre_vote and not transfer:
             self._campaign(pre=True, transfer=False)
@@ -383,7 +396,9 @@ class RaftCore:
         return not (m.type == MT.READ_INDEX and not m.context)
 
     def _handle_vote(self, m: Message) -> None:
-        can_vote = (
+        # A node catching up may have voted in this very term, or acknowledged
+        # entries the candidate lacks, before it lost its storage: it abstains.
+        can_vote = not self.catching_up and (
             self.vote == m.frm
             or (self.vote == NONE and self.lead == NONE)
             or (m.type == MT.PRE_VOTE and m.term > self.term)
@@ -418,6 +433,8 @@ class RaftCore:
                 self._handle_heartbeat(m)
             else:
                 self._handle_snapshot(m)
+            if self.catching_up and m.caught_up and self.log.committed >= m.commit:
+                self._caught_up()
         elif m.type == MT.TIMEOUT_NOW:
             self._hup(transfer=True)
         elif m.type == MT.READ_INDEX_RESP:
@@ -430,6 +447,10 @@ class RaftCore:
         pr = self.prs.get(m.frm)
         if pr is None:
             return
+        if m.type in _TO_LEADER:
+            pr.catching_up = m.catching_up  # then it counts in no quorum
+            if not m.catching_up:
+                pr.catch_up_mark = 0
         if m.type == MT.APPEND_RESP:
             self._handle_append_resp(m, pr)
         elif m.type == MT.HEARTBEAT_RESP:
@@ -446,8 +467,10 @@ class RaftCore:
                 pr.inflights.free_first()
             if pr.match < self.log.last_index():
                 self._send_append(m.frm)
-            if m.context:
+            if m.context and not m.catching_up:
                 self._ack_read(m.context, m.frm)
+        if m.catching_up and m.type in _TO_LEADER:
+            self._mark_catch_up(pr)
 
     # --------------------------------------------------------- the follower
 
@@ -519,6 +542,21 @@ class RaftCore:
         self._sync_progress()
         return True
 
+    def _caught_up(self) -> None:
+        """The end of catching up (``Config.catching_up``): the leader says
+        (``caught_up``) that the commit index it sent covers its catch-up
+        mark, an entry it appended after this node told it that it was
+        catching up and committed without counting this node; and this
+        node's log holds everything up to that commit index. So a majority
+        of the other voters took an entry of this term after this node lost
+        its storage: no term it may have voted in before is newer (a
+        majority of them would have refused this one), and every entry
+        committed before the mark is in this leader's log, so now in this
+        node's. In this term it votes for no one else (as if it had voted
+        for this leader: it may have voted in this term before)."""
+        self.catching_up = False
+        self.vote = self.lead
+
     # ------------------------------------------------------------ the leader
 
     def _handle_append_resp(self, m: Message, pr: Progress) -> None:
@@ -560,8 +598,19 @@ class RaftCore:
             if m.frm == self.lead_transferee and pr.match == self.log.last_index():
                 self._send(Message(MT.TIMEOUT_NOW, m.frm, self.id, self.term))
 
+    def _mark_catch_up(self, pr: Progress) -> None:
+        """A follower says it is catching up: append its catch-up mark, an
+        empty entry (as a new leader's) that, once committed by the others,
+        proves this leader current to it (see ``_caught_up``)."""
+        if pr.catch_up_mark or self.role != Role.LEADER:
+            return
+        pr.catch_up_mark = self._append([Entry(self.term, 0, EntryType.NORMAL, b"")])
+        self._bcast_append()
+
     def _maybe_commit(self) -> bool:
-        match = {node: pr.match for node, pr in self.prs.items()}
+        # A follower catching up holds what it acknowledged, but its word
+        # must not prove this leader current to it (see _caught_up).
+        match = {node: 0 if pr.catching_up else pr.match for node, pr in self.prs.items()}
         index = quorum.committed_index(self.conf.voters, match)
         if not self.log.maybe_commit(index, self.term):
             return False
@@ -601,6 +650,7 @@ class RaftCore:
                 prev,
                 tuple(ents),
                 self.log.committed,
+                caught_up=0 < pr.catch_up_mark <= self.log.committed,
             )
         )
         pr.commit_sent = max(pr.commit_sent, self.log.committed)
@@ -649,8 +699,17 @@ class RaftCore:
             if node != self.id:
                 commit = min(pr.match, self.log.committed)
                 pr.commit_sent = max(pr.commit_sent, commit)
+                caught_up = 0 < pr.catch_up_mark <= commit
                 self._send(
-                    Message(MT.HEARTBEAT, node, self.id, self.term, commit=commit, context=context)
+                    Message(
+                        MT.HEARTBEAT,
+                        node,
+                        self.id,
+                        self.term,
+                        commit=commit,
+                        context=context,
+                        caught_up=caught_up,
+                    )
                 )
 
     def _append(self, ents: Sequence[Entry]) -> int:
@@ -801,6 +860,8 @@ class RaftCore:
             return
         if target not in self.conf.voters:
             raise ProposalDropped(f"node {target} is not a voter", self.lead)
+        if self.prs[target].catching_up:
+            raise ProposalDropped(f"node {target} is catching up", self.lead)
         self.election_elapsed = 0
         self.lead_transferee = target
         pr = self.prs[target]
@@ -812,6 +873,18 @@ class RaftCore:
     def campaign(self) -> None:
         """Start an election now (as if the election timer fired)."""
         self._hup(transfer=False)
+
+    def known_new_cluster(self) -> None:
+        """The caller learned that no member of the cluster was ever past
+        its bootstrap (a brand-new cluster): this node, though it started
+        empty, cannot have forgotten anything, so it stops catching up."""
+        self.catching_up = False
+
+    def caught_up_durably(self) -> bool:
+        """Not catching up, and the vote that ended it is on disk: from now
+        on the caller need not start this node catching up again."""
+        hard = self._durable_hard
+        return not self.catching_up and (hard.term, hard.vote) == (self.term, self.vote)
 
     def report_snapshot(self, to: int, ok: bool) -> None:
         """The transport finished (or failed) sending a snapshot to ``to``."""
@@ -832,6 +905,8 @@ class RaftCore:
     # ------------------------------------------------------------- Ready
 
     def _send(self, m: Message) -> None:
+        if self.catching_up and m.type in _TO_LEADER:
+            m = replace(m, catching_up=True)
         self.msgs.append(m)
 
     def has_ready(self) -> bool:

@@ -55,6 +55,8 @@ class Inflights:
 
 class Progress:
     __slots__ = (
+        "catch_up_mark",
+        "catching_up",
         "commit_sent",
         "inflights",
         "is_learner",
@@ -77,6 +79,10 @@ class Progress:
         self.pending_snapshot = 0
         self.recent_active = False
         self.is_learner = is_learner
+        # The follower says it lost its storage and is catching up: it is
+        # replicated to, but counts in no quorum (see RaftCore.catching_up).
+        self.catching_up = False
+        self.catch_up_mark = 0  # the entry whose commit proves the leader current to it
         self.inflights = Inflights(max_inflight, max_inflight_bytes)
 
     def _reset(self, state: ProgressState) -> None:

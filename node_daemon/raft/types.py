@@ -125,7 +125,12 @@ class Message:
     for fast backtracking. VOTE/PRE_VOTE: index/log_term describe the
     candidate's last entry; force bypasses the leader lease (leadership
     transfer). HEARTBEAT(_RESP) and READ_INDEX(_RESP): context carries a
-    read request id.
+    read request id. APPEND_RESP and HEARTBEAT_RESP: catching_up says the
+    sender is catching up after losing its storage (``Config.catching_up``):
+    the leader replicates to it but counts it in no quorum (commit,
+    check-quorum, ReadIndex). APPEND and HEARTBEAT to such a follower:
+    caught_up says that commit covers the entry the leader appended once it
+    heard so (its catch-up mark), which ends the catching up.
     """
 
     type: MessageType
@@ -141,6 +146,8 @@ class Message:
     snapshot: Snapshot | None = None
     context: bytes = b""
     force: bool = False
+    catching_up: bool = False
+    caught_up: bool = False
 
 
 class Role(IntEnum):

@@ -15,13 +15,11 @@ pings later lost and a replica whose state differs for good; here the new
 leader also stops, "index 5 is not in the log", when the old one returns
 with a longer log).
 
-The fix belongs where the node decides to bootstrap (node_daemon/node.py,
-with a config key in node_daemon/config.py): bootstrap only a cluster
-known to be new (etcd's ``initial-cluster-state=new``; a restarted or
-replaced node says ``existing``), and let a node that comes back empty
-into an existing cluster neither vote nor campaign until a leader has
-caught it up (a flag of the Raft core that ``_handle_vote`` and the
-election timer honour). Until then this test is expected to fail.
+The fix (node_daemon/node.py, ``Config.catching_up`` in the Raft core): a
+node that starts with an empty log neither votes nor campaigns until every
+other static peer says it is new too (a brand-new cluster), or a leader has
+caught it up; meanwhile leaders count it in no quorum. Here b learns from
+c that the cluster ran, so c gets no vote from it; a comes back and leads.
 """
 
 from __future__ import annotations
@@ -48,11 +46,6 @@ def _leader(lc: LocalCluster) -> int:
         return 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21 finding: a wiped voter bootstraps and votes with an empty log; "
-    "the fix is in node_daemon/node.py and config.py (see the module docstring)",
-)
 def test_a_wiped_voter_and_a_lagging_one_cannot_elect_a_leader_without_an_acked_write(
     make_cluster: object,
 ) -> None:

@@ -63,6 +63,8 @@ messages = st.builds(
     snapshot=snapshots,
     context=st.binary(max_size=3),
     force=st.booleans(),
+    catching_up=st.booleans(),
+    caught_up=st.booleans(),
 )
 
 
