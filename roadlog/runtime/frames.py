@@ -57,6 +57,9 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 2, 1, 2
 USER_TIMEOUT_MS = 4000
 HANDSHAKE_TIMEOUT_S = 5.0
 
+# A frame's bytes: a big frame is the bytearray it was read into, typed as
+# bytes (protobuf parses either; nobody may keep it and expect it immutable
+# but its receiver, who owns it).
 OnFrame = Callable[[bytes], None]
 
 
@@ -97,35 +100,86 @@ def tune_socket(sock: socket.socket | None) -> None:
 
 
 class FrameReader:
-    """Splits a byte stream into frames (sans-I/O): ``feed`` returns the
-    frames completed by its data. Raises ValueError on a frame too long."""
+    """Splits a byte stream into frames (sans-I/O), reading in place: the
+    caller fills ``get_buffer()`` (a socket's ``recv_into``) and reports how
+    much came with ``updated``, which returns the frames it completed.
+
+    Small frames are read many at a time into a scratch buffer and copied
+    out once each; a frame over ``BIG_FRAME`` gets a buffer of its own,
+    which the socket fills directly and which is handed on as it is (no copy
+    at all). Raises ValueError on a frame longer than ``max_frame``."""
+
+    SCRATCH = 256 << 10
+    BIG_FRAME = 64 << 10
 
     def __init__(self, max_frame: int) -> None:
-        self._buf = bytearray()
         self._max = max_frame
+        self._scratch = bytearray(self.SCRATCH)
+        self._view = memoryview(self._scratch)
+        self._start = 0  # unread data in the scratch: [_start, _end)
+        self._end = 0
+        self._big: bytearray | None = None  # a big frame being filled
+        self._big_have = 0
+
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes go (never past the frame being filled)."""
+        if self._big is not None:
+            return memoryview(self._big)[self._big_have :]
+        return self._view[self._end :]
+
+    def updated(self, n: int) -> list[bytes]:
+        """``n`` bytes were written at ``get_buffer()``: the frames completed."""
+        if self._big is not None:
+            self._big_have += n
+            if self._big_have < len(self._big):
+                return []
+            done, self._big = self._big, None
+            return [cast(bytes, done)]  # see OnFrame
+        self._end += n
+        frames: list[bytes] = []
+        buf, view = self._scratch, self._view
+        while self._end - self._start >= 4:
+            (size,) = LEN.unpack_from(buf, self._start)
+            if size > self._max:
+                raise ValueError(f"frame of {size} bytes is over the limit of {self._max}")
+            have = self._end - self._start - 4
+            if have >= size:
+                first = self._start + 4
+                frames.append(bytes(view[first : first + size]))
+                self._start = first + size
+            elif size > self.BIG_FRAME:  # its own buffer, the socket fills it
+                self._big = bytearray(size)
+                self._big[:have] = view[self._start + 4 : self._end]
+                self._big_have = have
+                self._start = self._end = 0
+                break
+            else:
+                break
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(buf) - self._start < 4 + self.BIG_FRAME:  # make room for a whole small frame
+            rest = self._end - self._start
+            buf[:rest] = view[self._start : self._end]
+            self._start, self._end = 0, rest
+        return frames
 
     def feed(self, data: bytes) -> list[bytes]:
-        buf = self._buf
-        buf += data
+        """The frames completed by ``data`` (copied in as a socket would)."""
         frames: list[bytes] = []
         pos = 0
-        end = len(buf)
-        with memoryview(buf) as view:  # one copy per frame, out of the buffer
-            while end - pos >= 4:
-                (n,) = LEN.unpack_from(buf, pos)
-                if n > self._max:
-                    raise ValueError(f"frame of {n} bytes is over the limit of {self._max}")
-                if end - pos - 4 < n:
-                    break
-                frames.append(bytes(view[pos + 4 : pos + 4 + n]))
-                pos += 4 + n
-        if pos:
-            del buf[:pos]
+        while pos < len(data):
+            room = self.get_buffer()
+            n = min(len(room), len(data) - pos)
+            room[:n] = data[pos : pos + n]
+            pos += n
+            frames += self.updated(n)
         return frames
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        if self._big is not None:
+            return self._big_have
+        return self._end - self._start
 
 
 def frame(payload: bytes) -> tuple[bytes, bytes]:
@@ -133,14 +187,20 @@ def frame(payload: bytes) -> tuple[bytes, bytes]:
     return LEN.pack(len(payload)), payload
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(asyncio.BufferedProtocol):
     """What both ends share: frames in (to ``on_frame``), frames out with
-    backpressure (``send``), and the end of the connection (``lost``)."""
+    backpressure (``send``), and the end of the connection (``lost``).
 
-    def __init__(self, scheme: Scheme) -> None:
+    Reading is in place (a buffered protocol): first the handshake's fixed
+    bytes (``head``, which ``_head_done`` checks), then frames through a
+    ``FrameReader``, whose big frames the socket fills directly."""
+
+    def __init__(self, scheme: Scheme, head_bytes: int) -> None:
         self.scheme = scheme
         self.transport: asyncio.Transport | None = None
         self.reader = FrameReader(scheme.max_frame)
+        self.head = bytearray(head_bytes)  # the handshake's bytes, read before any frame
+        self.head_have = 0
         self.on_frame: OnFrame | None = None  # set once the handshake is done
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.can_write = asyncio.Event()
@@ -150,16 +210,32 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         tune_socket(transport.get_extra_info("socket"))
 
-    def _frames(self, data: bytes) -> None:
-        """Hand the frames in ``data`` on; a refused one ends the connection."""
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.head_have < len(self.head):
+            return memoryview(self.head)[self.head_have :]
+        return self.reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
+        if self.head_have < len(self.head):
+            self.head_have += nbytes
+            if self.head_have == len(self.head):
+                self._head_done()
+            return
         try:
-            for f in self.reader.feed(data):
-                assert self.on_frame is not None
+            for f in self.reader.updated(nbytes):
+                if self.on_frame is None:
+                    raise ValueError("a frame where none is taken")
                 self.on_frame(f)
-                if self.lost.done():
+                if self.closed:
                     return  # closed by the receiver: nothing more of it
         except Exception as e:  # bad input never kills the process: drop the connection
             self.refuse(str(e) or type(e).__name__)
+
+    def _head_done(self) -> None:
+        """The handshake's bytes are in (``head``)."""
+        raise NotImplementedError
 
     def refuse(self, why: str) -> None:
         log.warning("framed link cut", extra={"scheme": self.scheme.label.decode(), "reason": why})
@@ -209,11 +285,10 @@ class ServerConn(_Conn):
     authenticated (0 until then)."""
 
     def __init__(self, server: FramedServer) -> None:
-        super().__init__(server.scheme)
+        super().__init__(server.scheme, HELLO.size)
         self.server = server
         self.nonce = os.urandom(NONCE_BYTES)
         self.peer_id = 0
-        self.hello = bytearray()
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -229,32 +304,19 @@ class ServerConn(_Conn):
             self.server.on_reject()
         super().refuse(why)
 
-    def data_received(self, data: bytes) -> None:
-        if self.closed:
+    def _head_done(self) -> None:
+        node_id, mac = HELLO.unpack_from(self.head)
+        if self.timer is not None:
+            self.timer.cancel()
+        want = self.scheme.hello_mac(self.server.key, self.server.cluster, self.nonce, node_id)
+        if node_id == 0 or not hmac.compare_digest(mac, want):
+            self.refuse("bad hello")
             return
-        if not self.peer_id:
-            self.hello += data
-            if len(self.hello) < HELLO.size:
-                return
-            node_id, mac = HELLO.unpack_from(self.hello)
-            rest = bytes(self.hello[HELLO.size :])
-            self.hello = bytearray()
-            if self.timer is not None:
-                self.timer.cancel()
-            want = self.scheme.hello_mac(self.server.key, self.server.cluster, self.nonce, node_id)
-            if node_id == 0 or not hmac.compare_digest(mac, want):
-                self.refuse("bad hello")
-                return
-            self.peer_id = node_id
-            try:
-                self.on_frame = self.server.on_open(self)
-            except Exception as e:
-                self.refuse(str(e) or type(e).__name__)
-                return
-            data = rest
-            if not data:
-                return
-        self._frames(data)
+        self.peer_id = node_id
+        try:
+            self.on_frame = self.server.on_open(self)
+        except Exception as e:
+            self.refuse(str(e) or type(e).__name__)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
@@ -312,35 +374,19 @@ class ClientConn(_Conn):
     """The dialling end: waits for the greeting, then takes frames."""
 
     def __init__(self, scheme: Scheme, on_frame: OnFrame | None) -> None:
-        super().__init__(scheme)
-        self.greeting = bytearray()
+        super().__init__(scheme, len(scheme.magic) + NONCE_BYTES)
         self.nonce: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         # Nobody may be waiting any more when the link breaks: no warning then.
         self.nonce.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._receiver = on_frame
+        self._receiver = on_frame  # None: the server sends no frames
 
-    def data_received(self, data: bytes) -> None:
-        if self.closed:
+    def _head_done(self) -> None:
+        if not self.head.startswith(self.scheme.magic):
+            self.nonce.set_exception(ConnectionError("not a framed link of this kind"))
+            self.abort()
             return
-        if not self.nonce.done():
-            self.greeting += data
-            head = len(self.scheme.magic) + NONCE_BYTES
-            if len(self.greeting) < head:
-                return
-            if not self.greeting.startswith(self.scheme.magic):
-                self.nonce.set_exception(ConnectionError("not a framed link of this kind"))
-                self.abort()
-                return
-            self.nonce.set_result(bytes(self.greeting[len(self.scheme.magic) : head]))
-            data = bytes(self.greeting[head:])
-            self.greeting = bytearray()
-            if not data:
-                return
-        if self._receiver is None:
-            self.refuse("frames from a server that sends none")
-            return
+        self.nonce.set_result(bytes(self.head[len(self.scheme.magic) :]))
         self.on_frame = self._receiver
-        self._frames(data)
 
     def _ended(self, exc: Exception | None) -> None:
         if not self.nonce.done():

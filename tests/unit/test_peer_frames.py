@@ -18,7 +18,6 @@ from node_daemon.peer_frames import (
     _HELLO,
     MAGIC,
     NONCE_BYTES,
-    FrameReader,
     FramesLink,
     frames_key,
     hello_mac,
@@ -32,25 +31,6 @@ pytestmark = pytest.mark.unit
 
 SECRET = b"s" * 32
 CLUSTER = "frames-test"
-
-
-def test_frame_reader_splits_frames_however_the_bytes_arrive() -> None:
-    payloads = [os.urandom(n) for n in (0, 1, 5, 300, 70_000)]
-    stream = b"".join(struct.pack("<I", len(p)) + p for p in payloads)
-    for step in (1, 3, 4, 7, 1000, len(stream)):
-        reader = FrameReader(1 << 20)
-        got: list[bytes] = []
-        for i in range(0, len(stream), step):
-            got += reader.feed(stream[i : i + step])
-        assert got == payloads, step
-        assert reader.buffered == 0
-
-
-def test_frame_reader_refuses_a_frame_over_the_limit() -> None:
-    reader = FrameReader(max_frame=100)
-    assert reader.feed(struct.pack("<I", 100) + b"x" * 100) == [b"x" * 100]
-    with pytest.raises(ValueError, match="over the limit"):
-        reader.feed(struct.pack("<I", 101))
 
 
 def _append(frm: int, to: int, index: int) -> Message:
