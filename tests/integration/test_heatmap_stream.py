@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pyspark.sql import SparkSession
 
 from roadlog.client import Admin, Connection, Producer
 from roadlog.columnar import PingColumns
@@ -70,31 +71,30 @@ def traffic(end_ms: int, seed: int, vehicles: int = 10, seconds: int = 40) -> li
     return list(simulate(parse_region(REGION.geojson), spec))
 
 
-def stream_once(lc: LocalCluster, checkpoint: Path, now_ms: int) -> list[dict[str, Any]]:
-    """One run of the stream (Trigger.AvailableNow) at a fixed clock; its
+def stream_once(
+    spark: SparkSession, lc: LocalCluster, checkpoint: Path, now_ms: int
+) -> list[dict[str, Any]]:
+    """One run of the stream (Trigger.AvailableNow) at a fixed clock, as a
+    restarted process would (a new query from the checkpoint); its
     micro-batches' reports."""
     reports: list[dict[str, Any]] = []
-    spark = session("local[2]", app="roadlog-heatmap-stream-test")
-    try:
-        query = start(
-            spark,
-            topic="munich",
-            nodes=[n.address for n in lc.nodes],
-            servers=lc.servers,
-            secret_file=Path(lc.secret_file),
-            cluster_name="roadlog",
-            checkpoint=checkpoint,
-            windows=Windows(MIN, 15 * MIN, 0),
-            history_ms=3_600_000,
-            once=True,
-            report=reports.append,
-            clock=lambda: now_ms / 1000,
-        )
-        query.awaitTermination(240)
-        assert query.exception() is None
-        assert not query.isActive
-    finally:
-        spark.stop()
+    query = start(
+        spark,
+        topic="munich",
+        nodes=[n.address for n in lc.nodes],
+        servers=lc.servers,
+        secret_file=Path(lc.secret_file),
+        cluster_name="roadlog",
+        checkpoint=checkpoint,
+        windows=Windows(MIN, 15 * MIN, 0),
+        history_ms=3_600_000,
+        once=True,
+        report=reports.append,
+        clock=lambda: now_ms / 1000,
+    )
+    query.awaitTermination(240)
+    assert query.exception() is None
+    assert not query.isActive
     return reports
 
 
@@ -122,8 +122,18 @@ def same(a: dict[int, tuple[Any, ...]], b: dict[int, tuple[Any, ...]]) -> None:
             assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-6), h
 
 
+@pytest.fixture
+def spark() -> Iterator[SparkSession]:
+    """One session for the stream's runs and the batch job (which stops it)."""
+    s = session("local[2]", app="roadlog-heatmap-stream-test")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 def test_a_streamed_window_is_the_batch_build_across_restarts_and_replays(
-    cluster: LocalCluster, tmp_path: Path
+    cluster: LocalCluster, spark: SparkSession, tmp_path: Path
 ) -> None:
     lc = cluster
     now = int(time.time() * 1000)
@@ -133,7 +143,7 @@ def test_a_streamed_window_is_the_batch_build_across_restarts_and_replays(
 
     first = traffic(end - 30_000, seed=1)
     n1 = publish(lc, first)
-    (r1,) = stream_once(lc, checkpoint, now)
+    (r1,) = stream_once(spark, lc, checkpoint, now)
     assert r1["batch"] == 0 and r1["end"] == end and r1["windows"] == [[start, end]]
     assert r1["new_pings"] == n1 and r1["pings"] == n1 and r1["too_late"] == 0
 
@@ -142,7 +152,7 @@ def test_a_streamed_window_is_the_batch_build_across_restarts_and_replays(
     second = traffic(end - 5_000, seed=2, vehicles=8)
     old = traffic(end - 20 * MIN, seed=3, vehicles=2, seconds=10)
     n2, n_old = publish(lc, second), publish(lc, old)
-    (r2,) = stream_once(lc, checkpoint, now)  # a restart from the checkpoint
+    (r2,) = stream_once(spark, lc, checkpoint, now)  # a restart from the checkpoint
     assert r2["batch"] == 1 and r2["new_pings"] == n2 + n_old
     assert r2["too_late"] == n_old
     assert r2["pings"] == n1 + n2  # nothing lost, nothing counted twice
@@ -152,7 +162,7 @@ def test_a_streamed_window_is_the_batch_build_across_restarts_and_replays(
     # The query stops after batch 1 ran but before Spark recorded it: the
     # restart runs batch 1 again, and the window is the same, not doubled.
     (checkpoint / "spark" / "commits" / "1").unlink()
-    replay = stream_once(lc, checkpoint, now + 10 * MIN)  # its record keeps its end
+    replay = stream_once(spark, lc, checkpoint, now + 10 * MIN)  # its record keeps its end
     assert replay[0]["batch"] == 1 and replay[0]["end"] == end
     assert replay[0]["pings"] == n1 + n2
     # (a batch 2 follows when the clock's minute turned since: no pings, a later window)

@@ -112,6 +112,8 @@ def test_compaction_keeps_what_later_windows_need_and_survives_a_restart(
     restarted.add(10, pings(10, 4, at=END + 10 * MIN))  # already in the compaction
     restarted.add(9, pings(9, 4))
     assert offsets(restarted) == kept
+    restarted.add(12, pings(12, 2, at=END + 12 * MIN))  # read from disk and new, together
+    assert offsets(restarted) == [*kept, 12000, 12001]
 
 
 def test_between_selects_by_event_time(tmp_path: Path) -> None:
