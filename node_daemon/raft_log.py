@@ -8,6 +8,11 @@ One LMDB environment per node, separate from the state machine's. Layout
 - ``meta``: ``hard`` -> term, vote, commit; ``snap`` -> snapshot metadata;
   ``snapdata`` -> the snapshot's opaque data
 
+The entries saved last (up to ``cache_bytes``) are also kept in memory, so
+that applying them and sending them to followers reads no LMDB page and
+copies nothing: an entry is served from there only once its transaction
+committed, and the entries a save truncates leave it first.
+
 Every ``save`` is one write transaction, so it is atomic; with ``sync=True``
 it is fsynced before it returns (group commit: one fsync for everything a
 Ready asks to persist). A save that only moves the commit index is kept in
@@ -52,6 +57,7 @@ _HARD = struct.Struct(">QQQ")
 _SNAP = struct.Struct(">QQ")
 
 GiB = 1 << 30
+MAX_RECENT = 1 << 16  # entries kept in memory, at most (and cache_bytes)
 
 
 def _key(index: int) -> bytes:
@@ -81,6 +87,7 @@ class LmdbLogStorage:
         path: str | os.PathLike[str],
         map_size: int = 1 * GiB,
         max_map_size: int = 256 * GiB,
+        cache_bytes: int = 32 << 20,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -103,7 +110,11 @@ class LmdbLogStorage:
             self._snap_meta = decode_snapshot_meta(raw) if raw else SnapshotMeta()
             cur = txn.cursor(db=self._log)
             self._last = _KEY.unpack(cur.key())[0] if cur.last() else self._snap_meta.index
-        self._tail: dict[int, int] = {}  # index -> term cache of recent entries
+        # The entries saved last, by index, in index order (written by the
+        # saving thread after each commit; read by any: a miss reads LMDB).
+        self._recent: dict[int, Entry] = {}
+        self._recent_bytes = 0
+        self._cache_bytes = cache_bytes
 
     # -- reads ---------------------------------------------------------------
 
@@ -136,9 +147,9 @@ class LmdbLogStorage:
             return snap.term
         if index > self._last:
             raise UnavailableError(f"index {index} is beyond the last {self._last}")
-        t = self._tail.get(index)
-        if t is not None:
-            return t
+        e = self._recent.get(index)
+        if e is not None:
+            return e.term
         with self.env.begin(db=self._log) as txn:
             raw = txn.get(_key(index))
         if raw is None:
@@ -152,6 +163,18 @@ class LmdbLogStorage:
             raise UnavailableError(f"index {hi - 1} is beyond the last {self._last}")
         out: list[Entry] = []
         total = 0
+        recent = self._recent
+        for index in range(lo, hi):
+            e = recent.get(index)
+            if e is None:
+                break
+            total += e.size()
+            if out and max_bytes is not None and total > max_bytes:
+                return out
+            out.append(e)
+        else:
+            return out
+        out, total = [], 0  # not all in memory: read them all from LMDB
         with self.env.begin(db=self._log) as txn:
             cur = txn.cursor()
             if not cur.set_key(_key(lo)):
@@ -228,17 +251,28 @@ class LmdbLogStorage:
         txn.put(b"hard", _HARD.pack(hard.term, hard.vote, hard.commit), db=self._meta)
 
         def commit_view() -> None:
-            if snapshot is not None or (entries and last < self._last):
-                self._tail.clear()
+            if snapshot is not None:
+                self._recent.clear()
+                self._recent_bytes = 0
+            elif entries and entries[0].index <= self._last:
+                first = entries[0].index  # a truncated suffix leaves before its replacement
+                self._forget_recent(lambda i: i >= first)
             for e in entries:
                 if e.index > snap_meta.index:
-                    self._tail[e.index] = e.term
-            if len(self._tail) > 4096:
-                for i in sorted(self._tail)[:-1024]:
-                    del self._tail[i]
+                    self._recent[e.index] = e
+                    self._recent_bytes += e.size()
+            while self._recent and (
+                self._recent_bytes > self._cache_bytes or len(self._recent) > MAX_RECENT
+            ):
+                oldest = next(iter(self._recent))
+                self._recent_bytes -= self._recent.pop(oldest).size()
             self._snap_meta, self._last = snap_meta, last
 
         return commit_view
+
+    def _forget_recent(self, which: Callable[[int], bool]) -> None:
+        for i in [i for i in self._recent if which(i)]:
+            self._recent_bytes -= self._recent.pop(i).size()
 
     @staticmethod
     def _delete_from(txn: Any, db: Any, first: int) -> None:
@@ -266,8 +300,7 @@ class LmdbLogStorage:
 
             def commit_view() -> None:
                 self._snap_meta = snapshot.meta
-                for i in [i for i in self._tail if i <= index]:
-                    del self._tail[i]
+                self._forget_recent(lambda i: i <= index)
 
             return commit_view
 

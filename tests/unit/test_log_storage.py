@@ -38,16 +38,37 @@ def ents(lo: int, hi: int, term: int = 1, size: int = 8) -> list[Entry]:
     return [Entry(term, i, data=(b"%d:" % i).ljust(size, b".")) for i in range(lo, hi)]
 
 
-@pytest.fixture(params=["memory", "lmdb"])
+# LMDB with its in-memory cache of recent entries: big enough for every
+# entry of a test, none at all (every read from LMDB), and a few entries'
+# worth (reads that start in LMDB and end in memory).
+CACHES = {"lmdb": 32 << 20, "lmdb-uncached": 0, "lmdb-small-cache": 4 * 25}
+
+
+@pytest.fixture(params=["memory", *CACHES])
 def store(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[MemoryStorage | LmdbLogStorage]:
     if request.param == "memory":
         yield MemoryStorage()
     else:
-        s = LmdbLogStorage(tmp_path / "log", map_size=4 << 20)
+        s = LmdbLogStorage(tmp_path / "log", map_size=4 << 20, cache_bytes=CACHES[request.param])
         yield s
         s.close()
+
+
+def test_lmdb_serves_recent_entries_from_memory_and_the_rest_from_disk(tmp_path: Path) -> None:
+    s = LmdbLogStorage(tmp_path / "log", map_size=4 << 20, cache_bytes=5 * 25)
+    s.save(HardState(1, 0, 0), ents(1, 21))
+    cached = s.entries(16, 21)
+    assert cached == ents(16, 21)
+    assert all(a is b for a, b in zip(cached, s._recent.values(), strict=True))  # no copy
+    assert s.entries(1, 21) == ents(1, 21)  # mostly from LMDB
+    s.save(None, [Entry(2, 19, data=b"new 19")])  # truncates 19 and 20
+    assert s.entries(15, 20) == [*ents(15, 19), Entry(2, 19, data=b"new 19")]
+    assert s.last_index() == 19 and s.term(19) == 2 and sorted(s._recent) == [16, 17, 18, 19]
+    s.compact(Snapshot(SnapshotMeta(17, 1, ConfState(frozenset({1}))), b""))
+    assert sorted(s._recent) == [18, 19] and s.entries(18, 20)[0] == ents(18, 19)[0]
+    s.close()
 
 
 def test_empty_store(store: MemoryStorage | LmdbLogStorage) -> None:
