@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -73,6 +74,18 @@ ANSWERED = Histogram(
     ["method", "outcome"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30),
 )
+
+# Metric children bound once (labels() per item or per kick costs more than
+# the count itself).
+_KIND_LABEL = {Kind.WRITE: "write", Kind.READ: "read"}
+_DEPTH = {k: DEPTH.labels(label) for k, label in _KIND_LABEL.items()}
+_DEPTH_BYTES = {k: DEPTH_BYTES.labels(label) for k, label in _KIND_LABEL.items()}
+_WAIT = {k: WAIT.labels(label) for k, label in _KIND_LABEL.items()}
+
+
+@functools.cache
+def _taken(node_id: int, kind: Kind) -> Any:
+    return TAKEN.labels(str(node_id), _KIND_LABEL[kind])
 
 
 class QueueServer(work_pb2_grpc.WorkServicer):
@@ -158,9 +171,8 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             w = self.q.workers.get(wid)
             if session is None or w is None:
                 continue
-            kind = "write" if it.kind == Kind.WRITE else "read"
-            WAIT.labels(kind).observe(now - it.enqueued)
-            TAKEN.labels(str(w.node_id), kind).inc()
+            _WAIT[it.kind].observe(now - it.enqueued)
+            _taken(w.node_id, it.kind).inc()
             session.put_nowait(
                 work_pb2.WorkItem(
                     id=it.id,
@@ -173,9 +185,9 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                     deadline_unix_ms=int((time.time() + it.deadline - now) * 1000),
                 )
             )
-        for queue_kind, label in ((Kind.WRITE, "write"), (Kind.READ, "read")):
-            DEPTH.labels(label).set(self.q.depth(queue_kind))
-            DEPTH_BYTES.labels(label).set(self.q.queues[queue_kind].bytes)
+        for queue_kind in (Kind.WRITE, Kind.READ):
+            _DEPTH[queue_kind].set(self.q.depth(queue_kind))
+            _DEPTH_BYTES[queue_kind].set(self.q.queues[queue_kind].bytes)
         self._tell_fences()
 
     def _tell_fences(self) -> None:
