@@ -59,6 +59,7 @@ import grpc
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.disk import DiskGuard
+from node_daemon.log_clock import LogClock
 from node_daemon.raft import (
     ApplyJob,
     ConfChange,
@@ -163,6 +164,9 @@ class RaftNode:
         if self.sm.applied_index < snap.meta.index:
             # Crashed between saving a snapshot and installing it.
             self.sm.install_snapshot(snap.data.decode())
+        # What this node stamps its entries with as a leader: its wall clock,
+        # but never a step of it (see log_clock); it goes on from the log's.
+        self.log_clock = LogClock(self.sm.log_ms)
         self.core = RaftCore(
             Config(
                 self.id,
@@ -479,7 +483,7 @@ class RaftNode:
                 if not fut.done():
                     fut.set_exception(NotLeader(core.lead))
             return
-        now_ms = int(time.time() * 1000)
+        now_ms = self.log_clock.stamp()  # not time.time(): a step of it is not believed
         # Each op serialized once and framed as a Command's ops field by
         # hand: no copy of the ops into a Command message, no sizing pass.
         serialized = [op.SerializeToString() for op, _ in ops]
@@ -509,6 +513,7 @@ class RaftNode:
                 raise self._failure  # a failed write or apply: the node cannot go on safely
             if self.sm.applied_index != self._notified_applied:
                 self._notified_applied = self.sm.applied_index
+                self.log_clock.learn(self.sm.log_ms)
                 async with self._applied:
                     self._applied.notify_all()
             if self._catching_up_file is not None and self.core.caught_up_durably():

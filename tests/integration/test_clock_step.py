@@ -13,6 +13,9 @@ stepped through ``tests.nemesis.clockshim``, as the nemesis does.
 from __future__ import annotations
 
 import contextlib
+import email.utils
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,23 +81,16 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_was_stepped(
             pytest.fail(f"a client that published a moment ago was refused: {e.message}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21 finding: the leader stamps entries with its wall clock; a step "
-    "forward ages every earlier contribution by the step. Fix in node_daemon/node.py "
-    "(_propose_ops' leader_ms), see the test's docstring",
-)
 def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
     one_node_with_a_clock: tuple[LocalCluster, Path],
 ) -> None:
-    """The leader's clock stepped 3 h ahead: the log's clock follows it (an
-    entry's leader_ms is all the log knows of time), so a contribution made
-    a second before the step looks 3 h old and its client is refused until
-    it publishes again. The fix belongs where the leader stamps its entries
-    (``RaftNode._propose_ops``, node_daemon/node.py): never move the stamp
-    further past the last one than the monotonic time elapsed since (and
-    let it catch up with a wall clock that was stepped forward only as fast
-    as time passes), so a step of a wall clock is not a jump of the log's."""
+    """The leader's clock stepped 3 h ahead (issue 21, nemesis finding 4):
+    had the log's clock followed it (an entry's leader_ms is all the log
+    knows of time), a contribution made a second before the step would
+    look 3 h old and its client be refused until it published again. The
+    leader stamps its entries with its wall clock bounded by the monotonic
+    time since its last stamp (node_daemon/log_clock.py), so a step of its
+    wall clock is not a jump of the log's."""
     lc, clock = one_node_with_a_clock
     with Connection(lc.servers, timeout=30) as conn:
         admin = Admin(conn)
@@ -103,26 +99,33 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
         Producer(conn, "munich", client="c").send_batch(make_pings("c", 0, 10))
         before = admin.heatmap("munich", client="c").contributed_ms
         clock.write_text(f"{HOURS_3}\n")
-        other = Producer(conn, "munich", client="d")
-        sent = [0]
-
-        def stepped() -> bool:  # another client's publish, stamped on the stepped clock
-            other.send_batch(make_pings("d", sent[0], 1))
-            sent[0] += 1
-            return admin.heatmap("munich", client="d").contributed_ms > before + 3_600_000
-
-        wait_for(stepped, 10, "the leader's clock stepped ahead")
+        # The node reads its wall clock stepped now (its HTTP Date header
+        # says so): what it stamps from here on is proposed on that clock.
+        (node,) = lc.nodes
+        wait_for(
+            lambda: _node_wall_clock_ms(node.metrics_port) > time.time() * 1000 + 3_600_000,
+            10,
+            "the node's wall clock stepped ahead",
+        )
+        Producer(conn, "munich", client="d").send_batch(make_pings("d", 0, 1))
+        stamped = admin.heatmap("munich", client="d").contributed_ms
+        assert stamped < before + 3_600_000, "the leader stamped its stepped wall clock"
         try:
             admin.heatmap("munich", client="c")  # c published seconds ago
         except PermissionDenied as e:
             pytest.fail(f"a client that published seconds ago was refused: {e.message}")
 
 
+def _node_wall_clock_ms(metrics_port: int) -> float:
+    """The node's wall clock, as the Date header of its /healthz says."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=5) as r:
+        date: str = r.headers["Date"]
+    return email.utils.parsedate_to_datetime(date).timestamp() * 1000
+
+
 def _clock_true(admin: Admin, producer: Producer, sent: list[int]) -> bool:
     """The node's clock is true again: a stranger's publish is stamped
     within an hour of now (a different client, so c's stamp stays)."""
-    import time
-
     cols = make_pings("probe", sent[0], 1)
     sent[0] += 1
     Producer(admin.conn, "munich", client="probe").send_batch(cols)

@@ -1,0 +1,111 @@
+"""A leader's stamps follow its wall clock but never a step of it
+(node_daemon/log_clock.py; issue 21, nemesis finding 4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_daemon.log_clock import CATCH_UP, LogClock
+
+pytestmark = pytest.mark.unit
+
+T0 = 1_700_000_000.0  # a wall clock reading, seconds
+HOUR = 3600.0
+
+
+class Clocks:
+    """A wall clock that can be stepped and a monotonic one that cannot."""
+
+    def __init__(self) -> None:
+        self.mono = 100.0
+        self.offset = 0.0
+
+    def wall(self) -> float:
+        return T0 + self.mono + self.offset
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def true_ms(self) -> int:
+        return int((T0 + self.mono) * 1000)
+
+
+def measured(c: Clocks) -> LogClock:
+    """A clock that has learned a stamp since it started (a follower that
+    applied the last leader's entries), at the true time."""
+    lc = LogClock(0, c.wall, c.monotonic)
+    lc.learn(c.true_ms())
+    return lc
+
+
+def test_stamps_follow_a_true_wall_clock() -> None:
+    c = Clocks()
+    lc = measured(c)
+    for _ in range(5):
+        c.mono += 1.5
+        assert lc.stamp() == c.true_ms()
+
+
+def test_a_step_ahead_is_not_believed_and_caught_up_only_as_fast_as_time_passes() -> None:
+    c = Clocks()
+    lc = measured(c)
+    before = lc.stamp()
+    c.offset = 3 * HOUR
+    c.mono += 2.0
+    stamp = lc.stamp()
+    assert before < stamp <= before + int(2.0 * 1000 * (1 + CATCH_UP))
+    for _ in range(100):  # stamps taken often gain no more than rarely
+        c.mono += 0.01
+        lc.stamp()
+    assert lc.stamp() <= before + int(3.0 * 1000 * (1 + CATCH_UP)) + 1
+    c.offset = 0.0  # set right again: the stamps stand still until time passes them
+    c.mono += 0.5
+    assert lc.stamp() == lc.last_ms and lc.last_ms > c.true_ms()
+    c.mono += 10.0
+    assert lc.stamp() == c.true_ms()
+
+
+def test_a_wall_clock_ahead_for_good_is_caught_up_with() -> None:
+    c = Clocks()
+    lc = measured(c)
+    c.offset = 60.0
+    c.mono += 30.0
+    assert lc.stamp() < c.true_ms() + 60_000
+    c.mono += 60.0 / CATCH_UP
+    assert lc.stamp() == c.true_ms() + 60_000
+
+
+def test_a_step_back_stops_the_stamps_and_never_turns_them_back() -> None:
+    c = Clocks()
+    lc = measured(c)
+    before = lc.stamp()
+    c.offset = -3 * HOUR
+    for _ in range(10):
+        c.mono += 1.0
+        assert lc.stamp() == before
+    c.offset = 0.0
+    assert lc.stamp() == c.true_ms()  # the time it stood still counts: no lag
+
+
+def test_a_later_leader_goes_on_from_the_stamps_it_learned() -> None:
+    c = Clocks()
+    lc = measured(c)
+    c.mono += 5.0
+    lc.learn(c.true_ms() + 10_000)  # the last leader's clock ran 10 s ahead
+    c.offset = 3 * HOUR
+    c.mono += 1.0
+    stamp = lc.stamp()
+    assert c.true_ms() + 10_000 < stamp <= c.true_ms() + 10_000 + int(1000 * (1 + CATCH_UP))
+    lc.learn(0)  # an older stamp teaches nothing
+    assert lc.last_ms == stamp
+
+
+def test_without_a_measure_since_the_start_the_wall_clock_is_taken() -> None:
+    """A node started with the stamps on its disk and nothing learned since
+    (a whole cluster restarted): no monotonic measure of the time that
+    passed, so its wall clock, never below the log's clock."""
+    c = Clocks()
+    on_disk = c.true_ms() - 3_600_000
+    assert LogClock(on_disk, c.wall, c.monotonic).stamp() == c.true_ms()
+    c.offset = -2 * HOUR
+    assert LogClock(on_disk, c.wall, c.monotonic).stamp() == on_disk
