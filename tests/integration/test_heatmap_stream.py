@@ -161,7 +161,8 @@ def test_a_streamed_window_is_the_batch_build_across_restarts_and_replays(
 
     # The query stops after batch 1 ran but before Spark recorded it: the
     # restart runs batch 1 again, and the window is the same, not doubled.
-    (checkpoint / "spark" / "commits" / "1").unlink()
+    for name in ("1", ".1.crc"):  # Spark's commit record of batch 1 and its checksum
+        (checkpoint / "spark" / "commits" / name).unlink()
     replay = stream_once(spark, lc, checkpoint, now + 10 * MIN)  # its record keeps its end
     assert replay[0]["batch"] == 1 and replay[0]["end"] == end
     assert replay[0]["pings"] == n1 + n2
