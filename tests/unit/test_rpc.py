@@ -110,7 +110,10 @@ def test_http_routes_are_the_tables() -> None:
         if route.resource is not None and route.method != "HEAD"
     }
     table = {(r.http.method, r.http.path) for r in RPCS if r.http is not None}
-    assert routes == table | {("GET", "/openapi.json"), ("GET", "/healthz")}
+    dashboard = {("GET", p) for p in ("/", "/ui", "/ui/", "/ui/static")} | {
+        ("GET", f"/ui/api/{name}") for name in ("config", "cluster", "heatmap")
+    }
+    assert routes == table | {("GET", "/openapi.json"), ("GET", "/healthz")} | dashboard
 
 
 def test_the_openapi_document_has_every_http_rpc_and_its_fence() -> None:
