@@ -20,7 +20,8 @@ it is counted (``too_late`` in the trigger's line,
 ``roadlog_heatmap_stream_too_late_pings_total``) and kept for the free-flow
 history of later windows, but it is in no streamed window (a batch build of
 such a window afterwards includes it). The first micro-batch of a new query
-reads the history (``history`` back) and counts nothing as late.
+reads the history (``history`` back), computes the current window only and
+counts nothing as late.
 
 Restarts. The checkpoint directory holds Spark's offset and commit logs
 (``spark/``) and the history the windows are computed from (``history/``):
@@ -100,14 +101,16 @@ class Windows:
     def plan(self, ts_ms: np.ndarray[Any, Any], end: int, first: bool) -> Plan:
         """What a trigger at ``end`` does with new pings of these times: the
         windows to compute (the current one always, an earlier open one
-        when a new ping falls in it), how many pings came late and too late."""
+        when a new ping falls in it), how many pings came late and too late.
+        The first micro-batch of a query is the history: the current window
+        only, nothing late."""
+        if first:
+            return Plan([end], 0, 0)
         opens = self.open_ends(end)
         ends = [end]
         for e in opens[1:]:
             if np.any((ts_ms >= e - self.window_ms) & (ts_ms < e)):
                 ends.append(e)
-        if first:
-            return Plan(sorted(ends), 0, 0)
         late = int(np.count_nonzero(ts_ms < end - self.every_ms))
         too_late = int(np.count_nonzero(ts_ms < opens[-1] - self.window_ms))
         return Plan(sorted(ends), late - too_late, too_late)
