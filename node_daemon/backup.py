@@ -49,6 +49,7 @@ MANIFEST = "manifest.json"
 FORMAT = 2  # 1: no HMAC (refused: anyone could have rewritten it)
 MAC_FIELD = "hmac_sha256"
 _MAC_CONTEXT = b"roadlog backup manifest v2\n"
+MIN_KEY_BYTES = 16  # (the cluster secret's minimum is 32: MIN_SECRET_BYTES)
 
 
 class BackupError(Exception):
@@ -79,7 +80,7 @@ def check_backup_key(key: bytes) -> bytes:
     """``key`` if it may serve as the backup key (the cluster secret's
     rules: long enough, not a placeholder), else BackupError."""
     try:
-        return check_secret_value(key, "backup key")
+        return check_secret_value(key, "backup key", MIN_KEY_BYTES)
     except ConfigError as e:
         raise BackupError(str(e)) from None
 
@@ -91,7 +92,7 @@ def read_backup_key(path: Path | None) -> bytes:
     if path is None:
         raise BackupError("backup key: required (--backup-key-file, a file only operators hold)")
     try:
-        return check_secret(path, "backup key", private=0o077)
+        return check_secret(path, "backup key", private=0o077, minimum=MIN_KEY_BYTES)
     except ConfigError as e:
         raise BackupError(str(e)) from None
 

@@ -30,7 +30,7 @@ from roadlog.leadership import HostView, leader_host, transfer_target
 from roadlog.runtime import config as configfile
 from roadlog.runtime import eventloop
 from roadlog.runtime.auth import cluster_token, token_metadata
-from roadlog.runtime.config import check_secret, config_flags, private_files
+from roadlog.runtime.config import check_secret, config_flags, private_files, refuse_to_start
 from roadlog.runtime.logs import setup_logging
 from roadlog.status import ask_node
 from roadlog.v1 import (
@@ -56,7 +56,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
         cfg = load_config(config_path, flags)
         check_secret(cfg.secret_file)
     except ConfigError as e:
-        raise click.BadParameter(str(e)) from None
+        refuse_to_start("roadlog-node", e)
     setup_logging("node", cfg.log_level)
     try:
         eventloop.run(serve(cfg))

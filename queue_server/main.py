@@ -12,7 +12,13 @@ from queue_server import dashboard
 from queue_server.config import QueueConfig, load_queue_config
 from queue_server.server import serve
 from roadlog.runtime import eventloop
-from roadlog.runtime.config import ConfigError, check_secret, config_flags, private_files
+from roadlog.runtime.config import (
+    ConfigError,
+    check_secret,
+    config_flags,
+    private_files,
+    refuse_to_start,
+)
 from roadlog.runtime.logs import setup_logging
 
 
@@ -31,7 +37,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
         cfg = load_queue_config(config_path, flags)
         check_secret(cfg.secret_file)
     except ConfigError as e:
-        raise click.BadParameter(str(e)) from None
+        refuse_to_start("roadlog-queue", e)
     setup_logging("queue", cfg.log_level)
     dashboard.configure(cfg.dashboard_tile_url)
     try:

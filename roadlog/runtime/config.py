@@ -3,12 +3,15 @@ the cluster secret, and the checks every daemon's config shares."""
 
 from __future__ import annotations
 
+import grp
 import os
+import shlex
+import sys
 import tomllib
 from collections.abc import Callable
 from dataclasses import MISSING, Field, field, fields
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, get_type_hints
+from typing import Any, NoReturn, Protocol, TypeVar, get_type_hints
 
 import click
 
@@ -71,38 +74,117 @@ def check_address(addr: str, key: str) -> None:
         raise ConfigError(f"{key}: {addr!r} is not HOST:PORT")
 
 
-MIN_SECRET_BYTES = 16
+# The cluster secret: at least 32 bytes, as `roadlog cluster up` and the
+# docs make it (`openssl rand -hex 32`: 64 hex characters, 256 bits; 32 hex
+# characters are the least, 128 bits). The token every daemon sends is
+# HMAC(secret, cluster name), so a short secret could be found offline from
+# one captured token.
+MIN_SECRET_BYTES = 32
 PLACEHOLDERS = (b"change-me", b"changeme", b"placeholder")
+MAKE_SECRET = "openssl rand -hex 32"
 
 
-def check_secret(path: Path | None, what: str = "secret_file", private: int = 0o007) -> bytes:
+def check_secret(
+    path: Path | None,
+    what: str = "secret_file",
+    private: int = 0o027,
+    minimum: int = MIN_SECRET_BYTES,
+) -> bytes:
     """A daemon starts only with a real cluster secret: a file that exists,
-    is not open to others (``private``: the mode bits that must be clear;
-    0o077 also closes it to the group), and holds a value ``check_secret_value``
-    takes (a guessable secret would let anyone compute the cluster token).
-    Returns the secret; ConfigError says which rule failed, named ``what``."""
+    belongs to root or to this process's user, is open to nobody else, and
+    holds a value ``check_secret_value`` takes (a guessable secret would let
+    anyone compute the cluster token). ``private`` are the mode bits that
+    must be clear: by default any access by others and group write; the
+    group may read only when the file's group is this process's own group
+    (the role deploys it 0640 root:roadlog, the daemons run as roadlog).
+    0o077 closes it to every group. Returns the secret; ConfigError is one
+    line naming ``what``, the file, the rule it fails and the fix."""
     if path is None:
-        raise ConfigError(f"{what}: required (the shared cluster secret)")
-    try:
-        mode = path.stat().st_mode
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot read {path}: {e}") from None
-    if mode & private:
-        who, fix = (
-            ("others", "chmod o-rwx") if private == 0o007 else ("the group or others", "chmod 600")
+        raise ConfigError(
+            f"{what}: not set; point it at a file holding the cluster secret "
+            f"(make one: {MAKE_SECRET} > FILE; chmod 600 FILE)"
         )
-        raise ConfigError(f"{what}: {path} is readable by {who} (mode {mode & 0o777:o}): {fix}")
-    return check_secret_value(read_secret(path), what)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {path}: cannot read it ({e.strerror}); "
+            f"fix: {MAKE_SECRET} > {_q(path)}; chmod 600 {_q(path)}"
+        ) from None
+    problem = _exposure(st, path, private)
+    if problem:
+        raise ConfigError(f"{what} {path}: {problem}")
+    return check_secret_value(read_secret(path), what, minimum, path)
 
 
-def check_secret_value(secret: bytes, what: str = "secret_file") -> bytes:
-    """``secret`` if it is at least MIN_SECRET_BYTES long and not a
-    placeholder, else ConfigError."""
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{what}: the secret must be at least {MIN_SECRET_BYTES} bytes")
+def _q(path: Path) -> str:
+    return shlex.quote(str(path))
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _exposure(st: os.stat_result, path: Path, private: int) -> str:
+    """What is wrong with who may read or change a secret file, with the fix
+    ("" when nothing is)."""
+    mode = st.st_mode & 0o777
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        return (
+            f"owned by uid {st.st_uid}, neither root nor this process's user (uid {me}), "
+            f"who could change it; fix: chown root {_q(path)}"
+        )
+    bad = mode & private
+    if bad and private & 0o040:  # closed to every group
+        return f"open to the group or others (mode {mode:03o}); fix: chmod 600 {_q(path)}"
+    if bad:
+        what = " and ".join(
+            w for w, bits in (("open to others", 0o007), ("writable by the group", 0o070))
+            if bad & bits
+        )  # fmt: skip
+        return f"{what} (mode {mode:03o}); fix: chmod g-w,o-rwx {_q(path)}"
+    own = os.getegid()
+    if mode & 0o040 and st.st_gid != own:
+        return (
+            f"readable by group {_group_name(st.st_gid)}, not this process's own group "
+            f"{_group_name(own)} (mode {mode:03o}); fix: chmod 600 {_q(path)} "
+            f"(or chgrp {_group_name(own)} {_q(path)})"
+        )
+    return ""
+
+
+def check_secret_value(
+    secret: bytes,
+    what: str = "secret_file",
+    minimum: int = MIN_SECRET_BYTES,
+    path: Path | None = None,
+) -> bytes:
+    """``secret`` if it is at least ``minimum`` bytes long and not a
+    placeholder, else ConfigError (naming ``path`` when it came from one)."""
+    where = f"{what} {path}" if path is not None else what
+    into = _q(path) if path is not None else "FILE"
+    if len(secret) < minimum:
+        raise ConfigError(
+            f"{where}: the secret is {len(secret)} bytes, it must be at least {minimum} bytes; "
+            f"fix: {MAKE_SECRET} > {into}"
+        )
     if any(p in secret.lower() for p in PLACEHOLDERS):
-        raise ConfigError(f"{what}: the secret is a placeholder; make a random one")
+        raise ConfigError(
+            f"{where}: the secret is a placeholder (like CHANGE-ME), not a random value; "
+            f"fix: {MAKE_SECRET} > {into}"
+        )
     return secret
+
+
+def refuse_to_start(program: str, error: ConfigError) -> NoReturn:
+    """A daemon that cannot start says why in one line on stderr (no usage
+    text around it, so it is what journald and the terminal show) and exits 2."""
+    click.echo(f"{program}: {error}", err=True)
+    sys.exit(2)
 
 
 def read_secret(path: Path | None) -> bytes:

@@ -106,10 +106,19 @@ class LocalCluster:
         directory = directory.resolve()
         if (directory / "cluster.json").exists():
             raise FileExistsError(f"{directory} already holds a cluster; `cluster down` first")
-        (directory / "logs").mkdir(parents=True, exist_ok=True)
+        # This user's alone (issue 19, finding 18): a directory made here is
+        # 0700, so are the logs; the daemons make their data 0700/0600 (umask 077).
+        # (A directory that exists is the caller's: its mode stays.)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (directory / "logs").mkdir(mode=0o700, exist_ok=True)
+        (directory / "logs").chmod(0o700)
         secret = directory / "secret"
-        secret.write_text(secrets.token_hex(16) + "\n")
-        secret.chmod(0o600)
+        # 0600 from the start (never briefly open to others), 64 hex characters:
+        # what check_secret (MIN_SECRET_BYTES) and the docs ask for.
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(secrets.token_hex(32) + "\n")
         lc = cls(directory, secret_file=str(secret))
         py = sys.executable
         for _ in range(queue_servers):

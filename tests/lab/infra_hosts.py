@@ -58,6 +58,8 @@ def test_configuration_and_state_have_their_owners_and_modes(host: Any) -> None:
         assert "bootstrap_expect" in node_toml.content_string
         assert "peers" not in node_toml.content_string  # discovery forms the cluster
         assert host.file("/var/lib/roadlog/node/node_id").user == "roadlog"
+        node_data = host.file("/var/lib/roadlog/node")  # issue 19: data directories 0700
+        assert node_data.user == "roadlog" and node_data.mode == 0o700
 
 
 def units(host: Any) -> list[str]:

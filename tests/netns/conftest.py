@@ -127,7 +127,7 @@ class Net:
         sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
         self.secret = self.dir / "secret"
-        self.secret.write_text("netns-test-secret-0123456789\n")
+        self.secret.write_text("netns-test-secret-0123456789abcdef0123456789\n")  # >= 32 bytes
         self.secret.chmod(0o600)
 
     def host(self, index: int) -> Host:

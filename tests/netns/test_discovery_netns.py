@@ -113,7 +113,7 @@ def test_a_stranger_with_the_wrong_secret_is_ignored_and_counted(
     hosts = [net.host(i) for i in range(1, 4)]
     start_shuffled(hosts, 3, seed=3)
     wrong = net.dir / "wrong-secret"
-    wrong.write_text("not-the-cluster-secret-at-all\n")
+    wrong.write_text("not-the-cluster-secret-at-all-0123456789\n")  # valid, only wrong
     wrong.chmod(0o600)  # a daemon refuses a secret others can read
     stranger = net.host(5)
     stranger.node(expect=3, secret=wrong)
