@@ -391,6 +391,34 @@ def heatmap_now(c: Context, inventory: str | None = None) -> None:
         sys.exit(f"fab: the heat-map job failed:\n{out.stderr[-3000:]}")
 
 
+def _drill_in(
+    pconn: Connection, work: str, victim: SshHost, lead: str, servers: str, seconds: int
+) -> tuple[dict[str, Any], float]:
+    """The drill's probe (writing into `work` on the prober) and its kill:
+    the probe's result and when the leader was killed."""
+    out_file = f"{work}/probe.json"
+    probe = (
+        f"ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
+        f"{VENV}/bin/python -m roadlog.tools.probe --servers {servers} "
+        f"--duration {seconds} --out {out_file}"
+    )
+    _run(pconn, f"nohup sh -c {shlex.quote(probe)} > /dev/null 2>&1 &")
+    time.sleep(min(5.0, seconds / 3))
+    with _connect(victim) as vconn:
+        killed = _run(
+            vconn,
+            "date +%s.%N && systemctl kill --kill-whom=main --signal=SIGKILL roadlog-node",
+        )
+    fault_at = float(killed.stdout.split()[0])
+    _say(f"killed roadlog-node on {lead} (SIGKILL)")
+    deadline = time.monotonic() + seconds + 60
+    while _run(pconn, f"test -f {out_file}", warn=True).failed:
+        if time.monotonic() > deadline:
+            sys.exit("fab: the probe did not finish")
+        time.sleep(1)
+    return jsonlib.loads(_run(pconn, f"cat {out_file}").stdout), fault_at
+
+
 @task(help={"seconds": "how long the write probe runs", "json": "print JSON"})
 def drill(c: Context, seconds: int = 20, json: bool = False, inventory: str | None = None) -> None:
     """SIGKILL the leader's node while a probe writes; report the write pause.
@@ -407,30 +435,13 @@ def drill(c: Context, seconds: int = 20, json: bool = False, inventory: str | No
     servers = ",".join(f"{q.address}:{QUEUE_PORT}" for q in queues)
     _say(f"leader is {lead}; probe writes from {prober.name} for {seconds} s")
     with _connect(prober) as pconn:
-        # A private directory made by mktemp (not a guessable /tmp path).
+        # A private directory made by mktemp (not a guessable /tmp path),
+        # removed whatever happens to the drill.
         work = _run(pconn, "mktemp -d /tmp/roadlog-drill.XXXXXXXXXX").stdout.strip()
-        out_file = f"{work}/probe.json"
-        probe = (
-            f"ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
-            f"{VENV}/bin/python -m roadlog.tools.probe --servers {servers} "
-            f"--duration {seconds} --out {out_file}"
-        )
-        _run(pconn, f"nohup sh -c {shlex.quote(probe)} > /dev/null 2>&1 &")
-        time.sleep(min(5.0, seconds / 3))
-        with _connect(victim) as vconn:
-            killed = _run(
-                vconn,
-                "date +%s.%N && systemctl kill --kill-whom=main --signal=SIGKILL roadlog-node",
-            )
-        fault_at = float(killed.stdout.split()[0])
-        _say(f"killed roadlog-node on {lead} (SIGKILL)")
-        deadline = time.monotonic() + seconds + 60
-        while _run(pconn, f"test -f {out_file}", warn=True).failed:
-            if time.monotonic() > deadline:
-                sys.exit("fab: the probe did not finish")
-            time.sleep(1)
-        result = jsonlib.loads(_run(pconn, f"cat {out_file}").stdout)
-        _run(pconn, f"rm -rf {shlex.quote(work)}")
+        try:
+            result, fault_at = _drill_in(pconn, work, victim, lead, servers, seconds)
+        finally:
+            _run(pconn, f"rm -rf {shlex.quote(work)}", warn=True)
     pause = write_pause(result["acks"], fault_at)
     views = _wait_healthy(nodes)
     report = {
