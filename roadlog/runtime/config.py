@@ -102,14 +102,14 @@ def check_secret(
     if path is None:
         raise ConfigError(
             f"{what}: not set; point it at a file holding the cluster secret "
-            f"(make one: {MAKE_SECRET} > FILE; chmod 600 FILE)"
+            f"(make one: (umask 077; {MAKE_SECRET} > FILE))"
         )
     try:
         st = path.stat()
     except OSError as e:
         raise ConfigError(
             f"{what} {path}: cannot read it ({e.strerror}); "
-            f"fix: {MAKE_SECRET} > {_q(path)}; chmod 600 {_q(path)}"
+            f"fix: (umask 077; {MAKE_SECRET} > {_q(path)})"
         ) from None
     problem = _exposure(st, path, private)
     if problem:
