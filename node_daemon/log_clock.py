@@ -23,20 +23,39 @@ step moves) has seen pass since the last stamp this node took or learned:
 
 A node learns the log's clock as it applies entries (``learn``), with the
 monotonic time it learned it at, so the next leader goes on from the last
-stamp. After a start, until it has learned a new stamp, a node has no
-monotonic measure of the time since the stamps on its disk (the whole
-cluster was down, say): its first stamp as a leader is then its wall clock
-(never below the log's clock), as before this bound existed.
+stamp. The monotonic clock runs on across a restart of the process (not of
+the host), so the node keeps its last measure in ``data_dir/log-clock``
+(``ANCHOR_FILE``: the host's boot id, a monotonic time, a stamp; written
+at most every ``SAVE_EVERY_S``, not synced) and takes it up again when it
+starts on the same boot: a leader killed while its clock was stepped does
+not believe the step when it comes back. After a reboot, or with no such
+file, until it has learned a new stamp a node has no monotonic measure of
+the time since the stamps on its disk (the whole cluster was down, say):
+its first stamp as a leader is then its wall clock (never below the log's
+clock), as before this bound existed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 # How much faster than time passes the stamps may catch up with a wall clock
 # ahead of them (1.0: at most one extra millisecond per millisecond).
 CATCH_UP = 1.0
+ANCHOR_FILE = "log-clock"  # in the data directory
+SAVE_EVERY_S = 1.0
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This boot of the host ('' where the system does not say)."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
 
 
 class LogClock:
@@ -45,13 +64,24 @@ class LogClock:
     def __init__(
         self,
         log_ms: int,
+        anchor_file: Path | None = None,
         wall: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        boot: Callable[[], str] = boot_id,
     ) -> None:
         self._wall = wall
         self._monotonic = monotonic
-        self._last = log_ms  # the last stamp taken or learned, in ms
-        self._at: float | None = None  # when, on the monotonic clock; None: not measured
+        self._last = log_ms  # the last stamp taken or learned, in ms: the floor
+        # A stamp and when it was taken or learned, on the monotonic clock:
+        # the measure stamps are bounded by (None: none yet).
+        self._anchor_ms = log_ms
+        self._at: float | None = None
+        self._file = anchor_file
+        self._boot = boot()
+        self._saved: tuple[int, float] | None = None
+        self._saved_at = float("-inf")
+        if anchor_file is not None and self._boot:
+            self._load(anchor_file)
 
     @property
     def last_ms(self) -> int:
@@ -60,7 +90,8 @@ class LogClock:
     def learn(self, log_ms: int) -> None:
         """The log's clock is ``log_ms`` now (entries were applied)."""
         if log_ms > self._last:
-            self._last, self._at = log_ms, self._monotonic()
+            self._last = self._anchor_ms = log_ms
+            self._at = self._monotonic()
 
     def stamp(self) -> int:
         """The stamp for entries proposed now; never below the last one."""
@@ -69,8 +100,30 @@ class LogClock:
         if self._at is None:
             stamp = max(wall_ms, self._last)
         else:
-            ceiling = self._last + int((now - self._at) * 1000 * (1 + CATCH_UP))
-            stamp = min(max(wall_ms, self._last), ceiling)
+            ceiling = self._anchor_ms + int((now - self._at) * 1000 * (1 + CATCH_UP))
+            stamp = max(self._last, min(wall_ms, ceiling))
         if stamp > self._last or self._at is None:
-            self._last, self._at = stamp, now
+            self._last = self._anchor_ms = stamp
+            self._at = now
         return stamp
+
+    def save(self) -> None:
+        """Keep the measure for a restart on this boot (at most every
+        ``SAVE_EVERY_S``; a lost or torn write only loses the measure)."""
+        now = self._monotonic()
+        if self._file is None or not self._boot or self._at is None:
+            return
+        if now - self._saved_at < SAVE_EVERY_S or self._saved == (self._anchor_ms, self._at):
+            return
+        self._saved_at, self._saved = now, (self._anchor_ms, self._at)
+        with contextlib.suppress(OSError):
+            self._file.write_text(f"{self._boot} {self._at!r} {self._anchor_ms}\n")
+
+    def _load(self, path: Path) -> None:
+        try:
+            boot, at, ms = path.read_text().split()
+            anchor_at, anchor_ms = float(at), int(ms)
+        except (OSError, ValueError):
+            return
+        if boot == self._boot and anchor_at <= self._monotonic():
+            self._anchor_ms, self._at = anchor_ms, anchor_at

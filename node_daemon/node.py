@@ -59,7 +59,7 @@ import grpc
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.disk import DiskGuard
-from node_daemon.log_clock import LogClock
+from node_daemon.log_clock import ANCHOR_FILE, LogClock
 from node_daemon.raft import (
     ApplyJob,
     ConfChange,
@@ -166,7 +166,7 @@ class RaftNode:
             self.sm.install_snapshot(snap.data.decode())
         # What this node stamps its entries with as a leader: its wall clock,
         # but never a step of it (see log_clock); it goes on from the log's.
-        self.log_clock = LogClock(self.sm.log_ms)
+        self.log_clock = LogClock(self.sm.log_ms, data / ANCHOR_FILE)
         self.core = RaftCore(
             Config(
                 self.id,
@@ -455,6 +455,7 @@ class RaftNode:
             nxt += period
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
             self.submit(lambda core: core.tick())
+            self.log_clock.save()  # at most every second
             if self.is_leader and time.monotonic() >= next_trim:
                 next_trim = time.monotonic() + self.cfg.trim_interval_s
                 self._trim()

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from node_daemon.log_clock import CATCH_UP, LogClock
+from node_daemon.log_clock import CATCH_UP, SAVE_EVERY_S, LogClock
 
 pytestmark = pytest.mark.unit
 
@@ -29,11 +31,14 @@ class Clocks:
     def true_ms(self) -> int:
         return int((T0 + self.mono) * 1000)
 
+    def log_clock(self, log_ms: int, anchor: Path | None = None, boot: str = "b1") -> LogClock:
+        return LogClock(log_ms, anchor, self.wall, self.monotonic, lambda: boot)
+
 
 def measured(c: Clocks) -> LogClock:
     """A clock that has learned a stamp since it started (a follower that
     applied the last leader's entries), at the true time."""
-    lc = LogClock(0, c.wall, c.monotonic)
+    lc = c.log_clock(0)
     lc.learn(c.true_ms())
     return lc
 
@@ -106,6 +111,45 @@ def test_without_a_measure_since_the_start_the_wall_clock_is_taken() -> None:
     passed, so its wall clock, never below the log's clock."""
     c = Clocks()
     on_disk = c.true_ms() - 3_600_000
-    assert LogClock(on_disk, c.wall, c.monotonic).stamp() == c.true_ms()
+    assert c.log_clock(on_disk).stamp() == c.true_ms()
     c.offset = -2 * HOUR
-    assert LogClock(on_disk, c.wall, c.monotonic).stamp() == on_disk
+    assert c.log_clock(on_disk).stamp() == on_disk
+
+
+def test_a_restart_on_the_same_boot_keeps_the_measure(tmp_path: Path) -> None:
+    """A leader killed while its clock was stepped ahead, started again:
+    the monotonic clock ran on, and the file says where it stood."""
+    c = Clocks()
+    anchor = tmp_path / "log-clock"
+    lc = c.log_clock(0, anchor)
+    lc.learn(c.true_ms())
+    c.mono += SAVE_EVERY_S
+    last = lc.stamp()
+    lc.save()
+    c.offset = 3 * HOUR
+    c.mono += 2.0  # down for two seconds
+    again = c.log_clock(last, anchor)
+    assert last < again.stamp() <= last + int(2.0 * 1000 * (1 + CATCH_UP))
+    other_boot = c.log_clock(last, anchor, boot="b2")  # after a reboot: no measure
+    assert other_boot.stamp() == c.true_ms() + 3 * 3_600_000
+    anchor.write_text("b1 torn")
+    assert c.log_clock(last, anchor).stamp() == c.true_ms() + 3 * 3_600_000
+
+
+def test_the_measure_is_saved_at_most_every_second(tmp_path: Path) -> None:
+    c = Clocks()
+    anchor = tmp_path / "log-clock"
+    lc = c.log_clock(0, anchor)
+    lc.save()
+    assert not anchor.exists()  # nothing measured yet
+    lc.learn(c.true_ms())
+    lc.save()
+    first = anchor.read_text()
+    c.mono += SAVE_EVERY_S / 10
+    lc.stamp()
+    lc.save()
+    assert anchor.read_text() == first
+    c.mono += SAVE_EVERY_S
+    lc.stamp()
+    lc.save()
+    assert anchor.read_text() != first
