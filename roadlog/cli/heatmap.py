@@ -205,7 +205,7 @@ def heatmap_stream(
         from pyspark.errors import StreamingQueryException
 
         from spark.jobs.heatmap import AlreadyRunning, lock, session
-        from spark.jobs.heatmap_stream import Metrics, Windows, start
+        from spark.jobs.heatmap_stream import Metrics, Windows, run_until_stopped, start
     except ImportError as e:
         raise click.ClickException(
             f"heatmap stream runs Spark: install roadlog[spark] ({e})"
@@ -263,10 +263,7 @@ def heatmap_stream(
             f"{lateness}) with Spark ({master}); checkpoint {checkpoint}"
             + ("" if once else "; Ctrl-C stops")
         )
-        try:
-            query.awaitTermination()
-        except KeyboardInterrupt:
-            query.stop()
+        run_until_stopped(query, err.print)  # Ctrl-C or SIGTERM: between triggers
     except RoadlogError as e:
         raise click.ClickException(str(e)) from None
     except StreamingQueryException as e:  # what a micro-batch raised; the checkpoint stays

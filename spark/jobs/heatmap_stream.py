@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -397,6 +398,34 @@ def start(
     return writer.queryName(f"roadlog-heatmap-{topic}").start()
 
 
+def run_until_stopped(query: StreamingQuery, say: Callable[[str], None] = log.info) -> None:
+    """Wait for the query (its failure raised); on SIGINT or SIGTERM stop it
+    between triggers, not in the middle of one (a second signal does not
+    wait). A trigger stopped midway is harmless, only noisy: it runs again
+    on restart. Must run in the main thread (signal handlers)."""
+    signals: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        signals.append(signum)
+
+    before = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while query.isActive and not signals:
+            time.sleep(0.5)
+        if signals and query.isActive:
+            say("stopping after the current trigger (Ctrl-C again: now)")
+            deadline = time.monotonic() + 300
+            while query.isActive and query.status.get("isTriggerActive"):
+                if len(signals) > 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            query.stop()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    query.awaitTermination()  # raises what stopped a failed query
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -449,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics=metrics,
             report=lambda s: print(json.dumps(s), flush=True),
         )
-        query.awaitTermination()
+        run_until_stopped(query)
     finally:
         spark.stop()
         held.close()
