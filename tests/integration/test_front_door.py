@@ -89,6 +89,8 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
             "pings": 12,
             "devices": 4,
             "mean_speed_mps": 3.5,
+            "free_flow_mps": None,  # this heat map carries no free-flow speeds
+            "congestion": None,
         }
         code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=bob&{fenced}")
         assert code == 403 and "bob" in body["error"]["reason"]
