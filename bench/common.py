@@ -23,6 +23,10 @@ def machine() -> dict[str, Any]:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
+        # What else ran: the 1, 5 and 15-minute load averages when the
+        # result was written (figures taken at a load above the cores are
+        # inflated on every side).
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_gib": round(mem_gib, 1),

@@ -19,9 +19,11 @@ def _load(name: str) -> dict[str, Any] | None:
 
 def _machine(doc: dict[str, Any]) -> str:
     m = doc["machine"]
+    load = m.get("load_average")
+    busy = f"; load average {load[0]} / {load[1]} / {load[2]} when written" if load else ""
     return (
         f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}, "
-        f"kernel {m['kernel']}; {doc['when']}"
+        f"kernel {m['kernel']}; {doc['when']}{busy}"
     )
 
 
@@ -172,8 +174,9 @@ def render() -> str:
             "the daemons' too); pings of 36-40 bytes packed the same number per "
             "message; non-idempotent publishes on both sides. roadlog publishes through "
             "`roadlog.publisher` (corked: the publishes made while earlier calls are out "
-            "travel together in one PublishBatch call, as nats-py buffers publishes into one "
-            "socket write; each is still validated, stored and acknowledged on its own); the "
+            "travel together in one PublishBatch, as nats-py buffers publishes into one "
+            "socket write, sent as one message on a long-lived PublishStream; each is still "
+            "validated, stored and acknowledged on its own); the "
             "unary column is one `Publish` call per message.",
             "",
             "| pings/message | roadlog pings/s | p50 / p99 ms | publishes per call "
@@ -214,6 +217,11 @@ def render() -> str:
             "the daemons' counters): at 100 pings per message most of the server CPU is a "
             "fixed cost per corked call (gRPC aio and asyncio hand-overs in the queue server, "
             "the leader and the followers), not a cost per ping. What closed part of the gap: "
+            "length-prefixed frames on plain TCP for the Raft peer link and the queue "
+            "server's Work link instead of gRPC streams (the system roadlog-grpc above is "
+            "roadlog with both over gRPC, in the same run), frames read in place, one "
+            "long-lived PublishStream per client instead of a call per batch, the log's "
+            "latest entries applied from memory, snapshots as page copies, "
             "corking (publishes per call above), the leader validating a corked batch while "
             "its log write runs, merged publishes decoded together (one array per column), a "
             "C-parsed PingBatch view, one pass over a call's appends, apply without building "
