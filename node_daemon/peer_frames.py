@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from roadlog.runtime import frames
-from roadlog.runtime.frames import FrameReader, ServerConn, frame
+from roadlog.runtime.frames import ServerConn
 from roadlog.v1 import raft_pb2
 
 MAX_FRAME_BYTES = 64 << 20  # as the gRPC peer stream's receive limit
@@ -89,6 +89,11 @@ class FramesLink:
         mark. Raises ConnectionError once the link is down."""
         await self._conn.send(payload)
 
+    async def send_parts(self, parts: list[bytes]) -> None:
+        """One frame whose payload is ``parts`` joined (they go to the socket
+        as they are, not joined here)."""
+        await self._conn.send_parts(parts)
+
     async def wait_closed(self) -> None:
         await self._conn.wait_closed()
 
@@ -96,4 +101,4 @@ class FramesLink:
         self._conn.abort()
 
 
-__all__ = ["FrameReader", "FramesLink", "FramesServer", "frame", "frames_key", "hello_mac"]
+__all__ = ["FramesLink", "FramesServer", "frames_key", "hello_mac"]

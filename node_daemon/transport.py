@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from node_daemon import metrics
+from node_daemon.batch_wire import encode_batch
 from node_daemon.peer_frames import FramesLink, FramesServer
 from node_daemon.raft import Message, MessageType
 from node_daemon.wire import message_from_pb, message_to_pb
@@ -103,22 +104,29 @@ class _Peer:
             self.up = True
             log.info("peer stream up", extra={"peer": self.id, "link": how})
 
-    def _next_batch(self) -> raft_pb2.RaftBatch:
+    def _next_messages(self) -> list[Message]:
         """What is pending, as one batch bounded in count and bytes: a
         catching-up follower is sent up to 64 MiB of APPENDs at once, and a
         message past the receiver's limit would break the link."""
         pending = self.pending
         first = pending.popleft()
-        batch = raft_pb2.RaftBatch(cluster=self.t.cluster, messages=[message_to_pb(first)])
-        setattr(batch, "from", self.t.node_id)
+        out = [first]
         size = _payload(first)
         _SENT_BY_TYPE[first.type].inc()
-        while pending and len(batch.messages) < 512 and size < BATCH_BYTES:
+        while pending and len(out) < 512 and size < BATCH_BYTES:
             m = pending.popleft()
             size += _payload(m)
-            batch.messages.append(message_to_pb(m))
+            out.append(m)
             _SENT_BY_TYPE[m.type].inc()
         metrics.PEER_STREAM_WRITES.inc()
+        return out
+
+    def _next_batch(self) -> raft_pb2.RaftBatch:
+        """The pending messages as one RaftBatch (for the gRPC stream)."""
+        batch = raft_pb2.RaftBatch(
+            cluster=self.t.cluster, messages=[message_to_pb(m) for m in self._next_messages()]
+        )
+        setattr(batch, "from", self.t.node_id)
         return batch
 
     async def _wait_pending(self, link: FramesLink | None = None) -> None:
@@ -168,7 +176,9 @@ class _Peer:
                 if link.closed:
                     raise ConnectionError("frames link is down")
                 self._mark_up("frames")
-                await link.send(self._next_batch().SerializeToString())
+                await link.send_parts(
+                    encode_batch(self.t.cluster, self.t.node_id, self._next_messages())
+                )
         finally:
             broke.cancel()
             link.close()

@@ -182,11 +182,6 @@ class FrameReader:
         return self._end - self._start
 
 
-def frame(payload: bytes) -> tuple[bytes, bytes]:
-    """A frame as (header, payload), for ``writelines`` (no concatenation)."""
-    return LEN.pack(len(payload)), payload
-
-
 class _Conn(asyncio.BufferedProtocol):
     """What both ends share: frames in (to ``on_frame``), frames out with
     backpressure (``send``), and the end of the connection (``lost``).
@@ -267,9 +262,16 @@ class _Conn(asyncio.BufferedProtocol):
     async def send(self, payload: bytes) -> None:
         """Queue one frame; waits while the socket's buffer is over its high
         mark. Raises ConnectionError once the link is down."""
+        await self.send_parts([payload])
+
+    async def send_parts(self, parts: list[bytes]) -> None:
+        """One frame whose payload is ``parts`` joined, written as they are
+        (a writev; nothing is joined or copied here). Waits while the
+        socket's buffer is over its high mark; raises ConnectionError once
+        the link is down."""
         if self.lost.done() or self.transport is None:
             raise ConnectionError("framed link is down")
-        self.transport.writelines(frame(payload))
+        self.transport.writelines([LEN.pack(sum(len(p) for p in parts)), *parts])
         if not self.can_write.is_set():
             await self.can_write.wait()
             if self.lost.done():
