@@ -56,14 +56,6 @@ class DashboardSettings:
     poll_ms: int = 2000
 
 
-# ``roadlog-queue run`` sets this from its configuration (``dashboard_tile_url``).
-SETTINGS = DashboardSettings()
-
-
-def configure(tile_url: str) -> None:
-    SETTINGS.tile_url = tile_url
-
-
 class IngestRates:
     """Pings stored per second over the last minute, per topic, from
     samples of each topic's total of end offsets (offsets are dense and
@@ -94,7 +86,7 @@ class IngestRates:
 class Dashboard:
     def __init__(self, api: HttpApi, settings: DashboardSettings | None = None) -> None:
         self.api = api
-        self.settings = settings or SETTINGS
+        self.settings = settings or DashboardSettings()
         self.rates = IngestRates()
         self.last_sample = 0.0
         self.topics: list[dict[str, Any]] = []

@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 
-from queue_server import dashboard
 from queue_server.config import QueueConfig, load_queue_config
 from queue_server.server import serve
 from roadlog.runtime import eventloop
@@ -39,7 +38,6 @@ def run(config_path: Path | None, **flags: Any) -> None:
     except ConfigError as e:
         refuse_to_start("roadlog-queue", e)
     setup_logging("queue", cfg.log_level)
-    dashboard.configure(cfg.dashboard_tile_url)
     try:
         eventloop.run(serve(cfg))
     except RuntimeError as e:

@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from discovery.agent import DiscoveryAgent
 from discovery.core import DiscoveryCore
 from queue_server.config import QueueConfig
+from queue_server.dashboard import DashboardSettings
 from queue_server.http_api import HttpApi
 from queue_server.publish_stream import SERVICE as PUBLISH_STREAM
 from queue_server.publish_stream import publish_stream_handler
@@ -543,7 +544,8 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     http_runner = None
     if cfg.http_listen:
         host, _, port = cfg.http_listen.rpartition(":")
-        http_runner = HttpApi(qs.call, qs.status).runner()  # with its connection bounds
+        settings = DashboardSettings(tile_url=cfg.dashboard_tile_url)
+        http_runner = HttpApi(qs.call, qs.status, dashboard=settings).runner()  # bounded
         await http_runner.setup()
         await web.TCPSite(http_runner, host or "0.0.0.0", int(port)).start()
     agent = None
