@@ -28,8 +28,8 @@ votes nor campaigns (``raft.Config.catching_up``) until either
 - every other static peer answers that it was never past its bootstrap
   either (term <= 1, commit <= 1): the cluster is brand new, nothing was
   ever acknowledged, there is nothing this node could have forgotten; or
-- a leader has caught it up: its log holds what that leader committed up
-  to an entry of the leader's own term (see ``RaftCore._maybe_caught_up``).
+- a leader has caught it up: it holds the leader's catch-up mark, an
+  entry that enough of the other voters hold too (``RaftCore._caught_up``).
 
 So a wiped voter can never help elect a leader that lacks an entry it had
 acknowledged, nor vote twice in a term. A brand-new cluster with static
@@ -408,19 +408,22 @@ class RaftNode:
         self.log_store.close()
 
     async def _ask_if_new(self) -> None:
-        """Started empty with static peers: ask the others (Admin.Status)
-        until every one answers that it never got past its bootstrap (the
-        cluster is new: this node may vote), or one answers that it did (a
-        cluster that ran: wait for a leader to catch this node up)."""
+        """Started empty with static peers: ask the others (Admin.Status),
+        while this node is catching up, whether they ever got past their
+        bootstrap. Once every one answers that it did not, the cluster is
+        new (or every copy of it is gone): nothing was acknowledged that any
+        node still holds, so this node may vote. As long as one did, a
+        leader catches this node up."""
+        ran = False
         while self.core.catching_up:
             answers = await asyncio.gather(*(self._peer_is_new(p) for p in self._others))
-            if False in answers:
-                log.info("the cluster ran before this node started empty: catching up first")
-                return
             if all(answers):
                 log.info("every peer is new: a new cluster", extra={"peers": self._others})
                 self.submit(lambda core: core.known_new_cluster())
                 return
+            if False in answers and not ran:
+                ran = True
+                log.info("the cluster ran before this node started empty: catching up first")
             await asyncio.sleep(ASK_PEERS_EVERY_S)
 
     async def _peer_is_new(self, peer: int) -> bool | None:

@@ -86,8 +86,8 @@ class Config:
     # log, as after its disk was wiped, in a cluster that may have run
     # before): it may have acknowledged entries and voted in terms it no
     # longer knows. Until a leader has caught it up it neither votes nor
-    # campaigns, and it tells leaders to count it in no quorum (see
-    # ``RaftCore.catching_up``). The caller keeps this across restarts
+    # campaigns, and it tells leaders to count it in no commit or read
+    # quorum (see ``RaftCore._caught_up``). The caller keeps this across restarts
     # until ``caught_up_durably()``.
     catching_up: bool = False
 
@@ -286,7 +286,7 @@ class RaftCore:
         """Check-quorum: did a majority hear from us this election timeout?"""
         active = {self.id}
         for node, pr in self.prs.items():
-            if pr.recent_active and not pr.catching_up:
+            if pr.recent_active:  # one catching up too: it hears this leader
                 active.add(node)
             if node != self.id:
                 pr.recent_active = False
@@ -379,7 +379,7 @@ class RaftCore:
     def _well_formed(self, m: Message) -> bool:
         if m.to != self.id or m.frm <= 0 or m.frm == self.id or m.term <= 0:
             return False
-        if m.index < 0 or m.log_term < 0 or m.commit < 0 or m.log_term > m.term:
+        if min(m.index, m.log_term, m.commit, m.caught_up) < 0 or m.log_term > m.term:
             return False
         if m.type == MT.APPEND:
             expect, prev_term = m.index + 1, m.log_term
@@ -397,8 +397,11 @@ class RaftCore:
 
     def _handle_vote(self, m: Message) -> None:
         # A node catching up may have voted in this very term, or acknowledged
-        # entries the candidate lacks, before it lost its storage: it abstains.
-        can_vote = not self.catching_up and (
+        # entries the candidate lacks, before it lost its storage: it abstains,
+        # unless the candidate is the only other voter, which was then in
+        # every majority: it knows every term and holds every committed entry.
+        abstain = self.catching_up and self.conf.voters - {self.id} != {m.frm}
+        can_vote = not abstain and (
             self.vote == m.frm
             or (self.vote == NONE and self.lead == NONE)
             or (m.type == MT.PRE_VOTE and m.term > self.term)
@@ -433,7 +436,7 @@ class RaftCore:
                 self._handle_heartbeat(m)
             else:
                 self._handle_snapshot(m)
-            if self.catching_up and m.caught_up and self.log.committed >= m.commit:
+            if self.catching_up and m.caught_up and self.log.match_term(m.caught_up, self.term):
                 self._caught_up()
         elif m.type == MT.TIMEOUT_NOW:
             self._hup(transfer=True)
@@ -447,8 +450,10 @@ class RaftCore:
         pr = self.prs.get(m.frm)
         if pr is None:
             return
+        released = False
         if m.type in _TO_LEADER:
-            pr.catching_up = m.catching_up  # then it counts in no quorum
+            released = pr.catching_up and not m.catching_up
+            pr.catching_up = m.catching_up  # then it counts in no commit or read quorum
             if not m.catching_up:
                 pr.catch_up_mark = 0
         if m.type == MT.APPEND_RESP:
@@ -471,6 +476,8 @@ class RaftCore:
                 self._ack_read(m.context, m.frm)
         if m.catching_up and m.type in _TO_LEADER:
             self._mark_catch_up(pr)
+        elif released and self.role == Role.LEADER:
+            self._recount()
 
     # --------------------------------------------------------- the follower
 
@@ -543,17 +550,18 @@ class RaftCore:
         return True
 
     def _caught_up(self) -> None:
-        """The end of catching up (``Config.catching_up``): the leader says
-        (``caught_up``) that the commit index it sent covers its catch-up
-        mark, an entry it appended after this node told it that it was
-        catching up and committed without counting this node; and this
-        node's log holds everything up to that commit index. So a majority
-        of the other voters took an entry of this term after this node lost
-        its storage: no term it may have voted in before is newer (a
-        majority of them would have refused this one), and every entry
-        committed before the mark is in this leader's log, so now in this
-        node's. In this term it votes for no one else (as if it had voted
-        for this leader: it may have voted in this term before)."""
+        """The end of catching up (``Config.catching_up``). The leader says
+        (``caught_up``) that its catch-up mark, an entry it appended after
+        this node told it that it was catching up, is held by enough voters
+        that are not catching up: more than the voters a majority may leave
+        out, so at least one of every majority that this node may have
+        voted with before it lost its storage; and this node's log holds
+        the mark. Those voters took an entry of this term after this node
+        lost its storage, so none of the terms it may have voted in is newer
+        than this one (such a voter would have refused it); this leader's
+        log holds every entry committed before the mark, so now this node's
+        does. In this term it votes for no one else (as if it had voted for
+        this leader: it may have voted in this term before)."""
         self.catching_up = False
         self.vote = self.lead
 
@@ -600,12 +608,31 @@ class RaftCore:
 
     def _mark_catch_up(self, pr: Progress) -> None:
         """A follower says it is catching up: append its catch-up mark, an
-        empty entry (as a new leader's) that, once committed by the others,
-        proves this leader current to it (see ``_caught_up``)."""
+        empty entry (as a new leader's) that, once enough of the others
+        hold it, proves this leader current to it (see ``_caught_up``)."""
         if pr.catch_up_mark or self.role != Role.LEADER:
             return
         pr.catch_up_mark = self._append([Entry(self.term, 0, EntryType.NORMAL, b"")])
         self._bcast_append()
+
+    def _recount(self) -> None:
+        """A follower is caught up: what it holds counts now."""
+        if self._maybe_commit() and self.role == Role.LEADER:  # (a commit may remove this leader)
+            self._commit_advanced()
+
+    def _proven_mark(self, pr: Progress) -> int:
+        """``pr``'s catch-up mark once held by more voters that are not
+        catching up than a majority may leave out (so by one of every
+        majority); else 0."""
+        mark = pr.catch_up_mark
+        if not mark:
+            return 0
+        voters = self.conf.voters
+        held = 0
+        for v in voters:
+            p = self.prs.get(v)
+            held += p is not None and not p.catching_up and p.match >= mark
+        return mark if held > len(voters) - quorum.majority(len(voters)) else 0
 
     def _maybe_commit(self) -> bool:
         # A follower catching up holds what it acknowledged, but its word
@@ -650,7 +677,7 @@ class RaftCore:
                 prev,
                 tuple(ents),
                 self.log.committed,
-                caught_up=0 < pr.catch_up_mark <= self.log.committed,
+                caught_up=self._proven_mark(pr),
             )
         )
         pr.commit_sent = max(pr.commit_sent, self.log.committed)
@@ -699,7 +726,7 @@ class RaftCore:
             if node != self.id:
                 commit = min(pr.match, self.log.committed)
                 pr.commit_sent = max(pr.commit_sent, commit)
-                caught_up = 0 < pr.catch_up_mark <= commit
+                caught_up = self._proven_mark(pr)
                 self._send(
                     Message(
                         MT.HEARTBEAT,
@@ -777,8 +804,10 @@ class RaftCore:
 
     def propose_conf_change(self, cc: ConfChange) -> int:
         """Append a configuration change; returns its index. Refused while
-        another change is uncommitted, or before this leader committed an
-        entry of its own term."""
+        another change is uncommitted, before this leader committed an entry
+        of its own term, or when the voters of the new configuration that
+        are not catching up would not be a majority of it (it could commit
+        nothing, and might elect no one, until they are caught up)."""
         self._check_can_propose()
         if self.conf_history[-1][0] > self.log.committed:
             raise ProposalDropped("another configuration change is in progress", self.lead)
@@ -788,6 +817,13 @@ class RaftCore:
             new_conf = apply_change(self.conf, cc)
         except ValueError as e:
             raise ProposalDropped(str(e), self.lead) from e
+        catching_up = {v for v, pr in self.prs.items() if pr.catching_up} & new_conf.voters
+        if len(new_conf.voters - catching_up) < quorum.majority(len(new_conf.voters)):
+            raise ProposalDropped(
+                f"nodes {sorted(catching_up)} are catching up: the new configuration would "
+                "have no majority of voters that are not",
+                self.lead,
+            )
         index = self._append([Entry(0, 0, EntryType.CONFIG, new_conf.encode())])
         self._proposed()
         self._bcast_append()

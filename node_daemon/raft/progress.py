@@ -80,7 +80,7 @@ class Progress:
         self.recent_active = False
         self.is_learner = is_learner
         # The follower says it lost its storage and is catching up: it is
-        # replicated to, but counts in no quorum (see RaftCore.catching_up).
+        # replicated to, but counts in no commit or read quorum (RaftCore._caught_up).
         self.catching_up = False
         self.catch_up_mark = 0  # the entry whose commit proves the leader current to it
         self.inflights = Inflights(max_inflight, max_inflight_bytes)

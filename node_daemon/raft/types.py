@@ -128,9 +128,9 @@ class Message:
     read request id. APPEND_RESP and HEARTBEAT_RESP: catching_up says the
     sender is catching up after losing its storage (``Config.catching_up``):
     the leader replicates to it but counts it in no quorum (commit,
-    check-quorum, ReadIndex). APPEND and HEARTBEAT to such a follower:
-    caught_up says that commit covers the entry the leader appended once it
-    heard so (its catch-up mark), which ends the catching up.
+    ReadIndex). APPEND and HEARTBEAT to such a follower: caught_up is the
+    index of the entry the leader appended once it heard so (its catch-up
+    mark) once enough voters hold it; holding it ends the catching up.
     """
 
     type: MessageType
@@ -147,7 +147,7 @@ class Message:
     context: bytes = b""
     force: bool = False
     catching_up: bool = False
-    caught_up: bool = False
+    caught_up: int = 0
 
 
 class Role(IntEnum):

@@ -18,7 +18,7 @@ with a longer log).
 The fix (node_daemon/node.py, ``Config.catching_up`` in the Raft core): a
 node that starts with an empty log neither votes nor campaigns until every
 other static peer says it is new too (a brand-new cluster), or a leader has
-caught it up; meanwhile leaders count it in no quorum. Here b learns from
+caught it up; meanwhile leaders count it in no commit quorum. Here b learns from
 c that the cluster ran, so c gets no vote from it; a comes back and leads.
 """
 

@@ -64,7 +64,7 @@ messages = st.builds(
     context=st.binary(max_size=3),
     force=st.booleans(),
     catching_up=st.booleans(),
-    caught_up=st.booleans(),
+    caught_up=small,
 )
 
 

@@ -1,7 +1,8 @@
 """A node that lost its storage catches up before it votes again
 (``Config.catching_up``; issue 21, nemesis finding 2): it neither votes nor
-campaigns, leaders count it in no quorum, and it is released once its log
-holds what a leader committed up to an entry of that leader's term."""
+campaigns, leaders count it in no commit or read quorum, and it is released
+once it holds a leader's catch-up mark and enough voters that are not
+catching up hold it too."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import random
 import pytest
 
 from node_daemon.raft import (
+    ConfChange,
+    ConfChangeType,
     Config,
     Message,
     MessageType,
@@ -27,11 +30,17 @@ MT = MessageType
 VOTERS = (1, 2, 3)
 
 
-def wiped(node: int, *, check_quorum: bool = False, pre_vote: bool = False) -> RaftCore:
+def wiped(
+    node: int,
+    *,
+    check_quorum: bool = False,
+    pre_vote: bool = False,
+    voters: tuple[int, ...] = VOTERS,
+) -> RaftCore:
     """``node`` started again on an empty disk: the static peers' bootstrap,
     catching up (what the node daemon does)."""
     st = MemoryStorage()
-    bootstrap(st, VOTERS)
+    bootstrap(st, voters)
     cfg = Config(
         node,
         election_tick=10,
@@ -43,10 +52,10 @@ def wiped(node: int, *, check_quorum: bool = False, pre_vote: bool = False) -> R
     return RaftCore(cfg, st, random.Random(node))
 
 
-def fresh_net(**kw: bool) -> Net:
+def fresh_net(pre_vote: bool = False) -> Net:
     """Three bootstrapped nodes, each started empty: a brand-new cluster
     whose nodes do not know yet that it is one."""
-    return Net([wiped(i, **kw) for i in VOTERS])
+    return Net([wiped(i, pre_vote=pre_vote) for i in VOTERS])
 
 
 def _net(**kw: object) -> Net:
@@ -137,7 +146,9 @@ def test_a_leader_counts_a_node_catching_up_in_no_quorum() -> None:
     net.stabilize()
     assert not leader.read_states  # its heartbeat acks confirm no read either
     net.tick_all(2 * leader.cfg.election_tick)
-    assert leader.role == Role.FOLLOWER  # check-quorum: only 2 answered
+    # Check-quorum counts it (it hears this leader): were the leader to step
+    # down, no one could be elected to catch it up while 3 is away.
+    assert leader.role == Role.LEADER and net.cores[2].catching_up
     net.heal()
     for _ in range(300):
         net.tick_all()
@@ -190,3 +201,59 @@ def test_released_only_once_the_vote_is_on_disk() -> None:
 def test_catching_up_crosses_the_wire() -> None:
     m = Message(MT.APPEND_RESP, 1, 2, 3, index=4, catching_up=True)
     assert message_from_pb(message_to_pb(m)) == m
+
+
+def test_in_two_voters_the_other_one_releases_it_and_gets_its_vote() -> None:
+    """Voters {1, 2}: every majority holds 1, so 1 alone proves itself
+    current to a wiped 2, and 2 may vote for 1 (the only other voter) even
+    while it catches up: otherwise no leader could ever be elected again."""
+    voters = (1, 2)
+    net = Net([new_core(i, voters, seed=i, check_quorum=True) for i in voters])
+    net.elect(1)
+    write(net, 1, 3)
+    net.cores[2] = wiped(2, check_quorum=True, voters=voters)
+    net.applied[2] = []
+    net.tick_all(3)
+    assert not net.cores[2].catching_up and net.cores[2].vote == 1
+    write(net, 1, 1)
+    assert net.cores[2].log.committed == net.cores[1].log.last_index()
+    # And a new election needs the wiped one's vote: it gives it.
+    net.cores[2] = wiped(2, check_quorum=True, voters=voters)
+    net.applied[2] = []
+    net.cores[1] = new_core(1, voters, seed=5, check_quorum=True, storage=net.cores[1].log.storage)  # type: ignore[arg-type]
+    net.elect(1)
+    assert net.cores[1].role == Role.LEADER
+
+
+def test_in_four_voters_two_of_the_others_prove_the_leader_current() -> None:
+    """Voters {1..4}, a majority is 3: one of every majority 4 voted with is
+    among any two others, so 1 and 2 holding the mark release 4 while 3 is
+    away, though they cannot commit (3 of 4 needed, 4 not counted)."""
+    voters = (1, 2, 3, 4)
+    net = Net([new_core(i, voters, seed=i) for i in voters])
+    net.elect(1)
+    write(net, 1, 2)
+    net.cores[4] = wiped(4, voters=voters)
+    net.applied[4] = []
+    net.isolate(3)
+    committed = net.cores[1].log.committed
+    net.cores[1].propose(b"x")
+    net.stabilize()
+    net.tick_all(2)
+    assert not net.cores[4].catching_up
+    net.tick_all(2)
+    assert net.cores[1].log.committed > committed  # 4 counts again: 1, 2, 4
+
+
+def test_no_configuration_change_leaves_a_majority_catching_up() -> None:
+    net = _net(check_quorum=True)
+    net.elect(1)
+    write(net, 1, 1)
+    net.isolate(2)  # so that 3 stays catching up: 1 alone holds the mark
+    net.cores[3] = wiped(3, check_quorum=True)
+    net.applied[3] = []
+    net.tick_all(2)
+    assert net.cores[1].prs[3].catching_up and net.cores[3].catching_up
+    with pytest.raises(ProposalDropped, match="catching up"):
+        net.cores[1].propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 2))
+    net.cores[1].propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))  # voters stay
