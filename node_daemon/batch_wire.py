@@ -9,9 +9,9 @@ the tags and lengths written here. The socket's writev takes the parts as
 they are. Before, the leader copied every entry into each follower's
 protobuf message and then again when serializing it.
 
-Protobuf's wire format allows this: a message is the concatenation of its
-fields in any order, and a repeated message field is one tag, length and
-message per element.
+Protobuf's wire format allows this (``roadlog.protowire``): a message is
+the concatenation of its fields in any order, and a repeated message field
+is one tag, length and message per element.
 """
 
 from __future__ import annotations
@@ -21,26 +21,12 @@ from dataclasses import replace
 
 from node_daemon.raft.types import Message
 from node_daemon.wire import message_to_pb
+from roadlog.protowire import length_delimited
 from roadlog.v1 import raft_pb2
 
 _BATCH_MESSAGES = 3  # RaftBatch.messages
 _MESSAGE_ENTRIES = 7  # RaftMessage.entries
 _ENTRY_DATA = 4  # RaftEntry.data
-
-
-def varint(n: int) -> bytes:
-    """``n`` (>= 0) as a protobuf varint."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def length_delimited(field: int, length: int) -> bytes:
-    """The tag and length that precede a bytes or message field's payload."""
-    return varint(field << 3 | 2) + varint(length)
 
 
 def _message_parts(m: Message) -> list[bytes]:

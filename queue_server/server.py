@@ -19,6 +19,7 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,6 +39,7 @@ from queue_server.queues import Item, QueueFull, WorkQueues
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
+from roadlog.protowire import length_delimited
 from roadlog.rpc import BY_NAME, QUEUED, SERVICE, Kind
 from roadlog.runtime import frames
 from roadlog.runtime.auth import ClusterAuth, cluster_token, protects
@@ -76,6 +78,39 @@ ANSWERED = Histogram(
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30),
 )
 
+_ITEMS_ITEMS = 1  # WorkItems.items
+_ITEMS_FENCE_WAIT = 2  # WorkItems.fence_wait
+_ITEM_REQUEST = 4  # WorkItem.request
+_KIND = {Kind.WRITE: work_pb2.WORK_KIND_WRITE, Kind.READ: work_pb2.WORK_KIND_READ}
+
+
+@dataclass(slots=True, eq=False)
+class Outgoing:
+    """A work item on its way to a node: its WorkItem's wire bytes but the
+    request (``head``: every other field, then the request's tag and
+    length) and the request as the client sent it, never copied."""
+
+    id: int
+    head: bytes
+    request: bytes
+
+    @classmethod
+    def of(cls, it: Item, deadline_unix_ms: int) -> Outgoing:
+        head = work_pb2.WorkItem(
+            id=it.id,
+            kind=_KIND[it.kind],
+            method=it.method,
+            fence=it.fence,
+            deadline_unix_ms=deadline_unix_ms,
+        ).SerializeToString()
+        return cls(it.id, head + length_delimited(_ITEM_REQUEST, len(it.request)), it.request)
+
+    def parts(self) -> list[bytes]:
+        """This item as an element of WorkItems.items."""
+        size = len(self.head) + len(self.request)
+        return [length_delimited(_ITEMS_ITEMS, size), self.head, self.request]
+
+
 # Metric children bound once (labels() per item or per kick costs more than
 # the count itself).
 _KIND_LABEL = {Kind.WRITE: "write", Kind.READ: "read"}
@@ -97,7 +132,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future[work_pb2.WorkResult]] = {}
         # per worker: what goes out on its stream (None: the end)
-        self._sessions: dict[int, asyncio.Queue[work_pb2.WorkItem | work_pb2.FenceWait | None]] = {}
+        self._sessions: dict[int, asyncio.Queue[Outgoing | work_pb2.FenceWait | None]] = {}
         # per worker: the FenceWait (index, reads) it was told last
         self._fence_told: dict[int, tuple[int, bool]] = {}
         self.states: dict[int, work_pb2.WorkerState] = {}
@@ -174,18 +209,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 continue
             _WAIT[it.kind].observe(now - it.enqueued)
             _taken(w.node_id, it.kind).inc()
-            session.put_nowait(
-                work_pb2.WorkItem(
-                    id=it.id,
-                    kind=work_pb2.WORK_KIND_WRITE
-                    if it.kind == Kind.WRITE
-                    else work_pb2.WORK_KIND_READ,
-                    method=it.method,
-                    request=it.request,
-                    fence=it.fence,
-                    deadline_unix_ms=int((time.time() + it.deadline - now) * 1000),
-                )
-            )
+            session.put_nowait(Outgoing.of(it, int((time.time() + it.deadline - now) * 1000)))
         for queue_kind in (Kind.WRITE, Kind.READ):
             _DEPTH[queue_kind].set(self.q.depth(queue_kind))
             _DEPTH_BYTES[queue_kind].set(self.q.queues[queue_kind].bytes)
@@ -260,8 +284,8 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
-            async for batch in self._batches(wid):
-                yield batch
+            async for parts in self._batches(wid):
+                yield work_pb2.WorkItems.FromString(b"".join(parts))
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -285,8 +309,8 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
         async def pump() -> None:
             try:
-                async for batch in self._batches(wid):
-                    await conn.send(batch.SerializeToString())
+                async for parts in self._batches(wid):
+                    await conn.send_parts(parts)
             except ConnectionError:
                 pass
             finally:
@@ -346,37 +370,41 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             self._result(wid, r)
         self._kick()
 
-    async def _batches(self, wid: int) -> AsyncIterator[work_pb2.WorkItems]:
-        """What goes out to the node, until its session ends: one message for
-        what is ready, up to WORK_BATCH_BYTES (an item bigger than that goes
-        alone), so the node's stream takes WORK_MESSAGE_BYTES, never a merge
-        of big requests. The newest FenceWait rides along."""
+    async def _batches(self, wid: int) -> AsyncIterator[list[bytes]]:
+        """What goes out to the node, until its session ends, as the wire
+        bytes of one WorkItems each (in parts: the requests as they are):
+        what is ready, up to WORK_BATCH_BYTES (an item bigger than that
+        goes alone), so the node's link takes WORK_MESSAGE_BYTES, never a
+        merge of big requests. The newest FenceWait rides along."""
         out = self._sessions[wid]
-        carried: work_pb2.WorkItem | None = None  # did not fit the last message
+        carried: Outgoing | None = None  # did not fit the last message
         while True:
             nxt = carried if carried is not None else await out.get()
             carried = None
             if nxt is None:
                 return
-            batch = work_pb2.WorkItems()
+            parts: list[bytes] = []
+            fence: bytes | None = None
             size = 0
             while True:
                 if isinstance(nxt, work_pb2.FenceWait):
-                    batch.fence_wait.CopyFrom(nxt)
-                    batch.fence_wait.SetInParent()  # an empty one says "none"
-                elif batch.items and size + len(nxt.request) > WORK_BATCH_BYTES:
+                    fence = nxt.SerializeToString()  # an empty one says "none"
+                elif parts and size + len(nxt.request) > WORK_BATCH_BYTES:
                     carried = nxt
                     break
                 else:
-                    batch.items.append(nxt)
+                    parts += nxt.parts()
                     size += len(nxt.request)
                 if out.empty():
                     break
                 nxt = out.get_nowait()
                 if nxt is None:
-                    yield batch
-                    return
-            yield batch
+                    break
+            if fence is not None:  # once: a repeated singular field would merge
+                parts += [length_delimited(_ITEMS_FENCE_WAIT, len(fence)), fence]
+            yield parts
+            if nxt is None:
+                return
 
     def _close_session(self, wid: int) -> None:
         """The node is gone: what it held goes back to the queues (idempotent)."""

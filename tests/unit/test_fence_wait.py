@@ -18,7 +18,7 @@ from node_daemon import worker
 from node_daemon.worker import INDEX_IDLE_S, QueueServerLink
 from queue_server.config import QueueConfig
 from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
-from queue_server.server import QueueServer
+from queue_server.server import Outgoing, QueueServer
 from roadlog.v1 import client_pb2, work_pb2
 
 pytestmark = pytest.mark.unit
@@ -122,7 +122,7 @@ def test_while_fenced_reads_come_in_every_node_is_asked_to_hurry(tmp_path: Path)
         qs.q.submit(read)  # served at once: it does not wait, but the next may
         qs._kick()
         out = {wid: _drain(sessions[wid]) for wid in (1, 2)}
-        assert [m.id for m in out[1] if isinstance(m, work_pb2.WorkItem)] == [read.id]
+        assert [m.id for m in out[1] if isinstance(m, Outgoing)] == [read.id]
         for wid in (1, 2):
             [fw] = [m for m in out[wid] if isinstance(m, work_pb2.FenceWait)]
             assert fw.reads and fw.index == 0

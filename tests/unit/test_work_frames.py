@@ -18,7 +18,9 @@ import pytest
 from node_daemon import worker
 from node_daemon.worker import QueueServerLink
 from queue_server.config import QueueConfig
-from queue_server.server import QueueServer
+from queue_server.queues import Item, Kind
+from queue_server.server import Outgoing, QueueServer
+from roadlog.limits import WORK_BATCH_BYTES
 from roadlog.runtime import eventloop, frames
 from roadlog.runtime.auth import ClusterAuth, protects
 from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
@@ -255,3 +257,44 @@ def test_a_node_reconnects_when_the_queue_server_cuts_its_link(tmp_path: Path) -
             await _stop(qs, server, link)
 
     _run(body)
+
+
+def test_work_goes_out_as_workitems_wire_bytes_with_the_newest_fence_wait(
+    tmp_path: Path,
+) -> None:
+    """What a node is sent is WorkItems (parsed from the joined parts): the
+    requests whole, a request over WORK_BATCH_BYTES alone, and only the
+    newest FenceWait of those queued (an empty one, "none", included)."""
+
+    async def body() -> list[work_pb2.WorkItems]:
+        secret = tmp_path / "secret"
+        secret.write_bytes(SECRET)
+        secret.chmod(0o600)
+        qs = QueueServer(QueueConfig(secret_file=secret))
+        wid = qs._open_session(1)
+        out = qs._sessions[wid]
+        out.get_nowait()  # the session's first FenceWait
+        big = b"B" * (WORK_BATCH_BYTES + 1)
+        for i, req in enumerate([b"a", b"", big, b"c"], start=1):
+            it = Item(i, Kind.WRITE, "Publish", req, 1e12, 0.0, 0, client="c")
+            out.put_nowait(Outgoing.of(it, 1234))
+            if i == 1:
+                out.put_nowait(work_pb2.FenceWait(index=9, reads=True))
+                out.put_nowait(work_pb2.FenceWait())  # newer: none waits
+        out.put_nowait(None)
+        return [work_pb2.WorkItems.FromString(b"".join(parts)) async for parts in qs._batches(wid)]
+
+    sent = asyncio.run(body())
+    assert [[(i.id, i.request) for i in b.items] for b in sent] == [
+        [(1, b"a"), (2, b"")],
+        [(3, b"B" * (WORK_BATCH_BYTES + 1))],
+        [(4, b"c")],
+    ]
+    assert sent[0].HasField("fence_wait") and sent[0].fence_wait == work_pb2.FenceWait()
+    assert not sent[1].HasField("fence_wait") and not sent[2].HasField("fence_wait")
+    first = sent[0].items[0]
+    assert (first.kind, first.method, first.deadline_unix_ms) == (
+        work_pb2.WORK_KIND_WRITE,
+        "Publish",
+        1234,
+    )
