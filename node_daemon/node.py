@@ -50,7 +50,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,7 @@ import grpc
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.disk import DiskGuard
+from node_daemon.io_thread import IoThread
 from node_daemon.log_clock import ANCHOR_FILE, LogClock
 from node_daemon.raft import (
     ApplyJob,
@@ -179,7 +179,7 @@ class RaftNode:
             self.log_store,
             random.Random(int.from_bytes(os.urandom(8), "big")),
         )
-        self._log_io = ThreadPoolExecutor(1, thread_name_prefix="raft-log")
+        self._log_io = IoThread("raft-log")  # the log's writes, in order
         self.snapshots = Snapshots(
             data / "snapshots",
             self.log_store,
@@ -214,7 +214,7 @@ class RaftNode:
         self._reads: dict[bytes, asyncio.Future[int]] = {}
         self._read_seq = 0
         self._applied = asyncio.Condition()
-        self._apply_io = ThreadPoolExecutor(1, thread_name_prefix="apply")
+        self._apply_io = IoThread("apply")
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: BaseException | None = None  # of a write or an apply: fatal
@@ -546,8 +546,8 @@ class RaftNode:
         after a backoff while there is no room for it."""
         if self._stopping:
             return
-        fut = self._loop.run_in_executor(
-            self._log_io, self.log_store.save, w.hard_state, w.entries, w.snapshot, w.sync
+        fut = self._log_io.call(
+            self._loop, self.log_store.save, w.hard_state, w.entries, w.snapshot, w.sync
         )
         fut.add_done_callback(
             lambda f: self._completed(
@@ -592,9 +592,7 @@ class RaftNode:
             self._resolve(entries, results)
             self.driver.apply_done(job)
 
-        fut = self._loop.run_in_executor(
-            self._apply_io, self.sm.apply, entries, len(self._pending) > 0
-        )
+        fut = self._apply_io.call(self._loop, self.sm.apply, entries, len(self._pending) > 0)
         fut.add_done_callback(
             lambda f: self._completed(
                 f, applied, retry=("apply", lambda: self._apply_on_thread(job))
