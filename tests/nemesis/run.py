@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="first three octets of the bridge's /24")  # fmt: skip
     ap.add_argument("--replay", type=Path, default=None, help="a schedule.json to run again")
     ap.add_argument("--skip-known", action="store_true",
-                    help="leave out faults that trigger known, unfixed findings (wipes, "
-                    "clocks stepped ahead past the contribution window)")  # fmt: skip
+                    help="leave out faults that trigger known, unfixed findings (a disk "
+                    "filled under a node catching up after a wipe)")  # fmt: skip
     ap.add_argument("--disk-mib", type=int, default=256,
                     help="each node's tmpfs, in MiB (long runs store more)")  # fmt: skip
     ap.add_argument("--kinds", default=",".join(schedule.KINDS),

@@ -46,7 +46,7 @@ class Lane:
 
 # The election timeout is 0.5-1 s (25-50 ticks of 20 ms): pauses last longer.
 # A lane's mean cycle (duration + gap) is 5-8 s: 30 minutes give about 300
-# faults of each kind or more (clock steps: with --skip-known, 70 % of them).
+# faults of each kind or more.
 LANES: dict[str, Lane] = {
     KILL: Lane(
         (0.5, 5.0),
