@@ -275,3 +275,42 @@ def test_a_second_call_waits_until_as_many_publish_as_the_call_out_carries() -> 
 
     sizes = asyncio.run(run())
     assert sizes == [1, 1, 7, 7]
+
+
+class Hanging(Scripted):
+    """Takes calls and never answers them (until its server is stopped)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda r, n: 0)
+        self.took = asyncio.Event()
+
+    async def handle(self, body: bytes, context: Any) -> bytes:
+        self.calls.append(list(client_pb2.PublishBatchRequestView.FromString(body).requests))
+        self.took.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+def test_publishes_out_on_a_queue_server_that_dies_go_to_the_next() -> None:
+    """The queue server holding a call (or a stream with batches on it)
+    goes away: those publishes are sent again, to the next one, and every
+    publish is answered once."""
+
+    async def run() -> tuple[Hanging, Scripted, list[Any]]:
+        dying, up = Hanging(), Scripted(lambda r, n: 0)
+        s1, a1 = await serve(dying)
+        s2, a2 = await serve(up)
+        try:
+            async with Publisher([a1, a2], timeout=20) as pub:
+                pending = [asyncio.ensure_future(pub.publish(req(i))) for i in range(5)]
+                await asyncio.wait_for(dying.took.wait(), 10)
+                await s1.stop(None)  # the held call or stream breaks
+                out = await asyncio.gather(*pending, return_exceptions=True)
+            return dying, up, out
+        finally:
+            await s2.stop(None)
+
+    dying, up, out = asyncio.run(run())
+    assert all(isinstance(o, client_pb2.PublishResponse) for o in out), out
+    assert dying.calls  # it had taken some
+    assert sorted(r for c in up.calls for r in c) == sorted(req(i) for i in range(5))
