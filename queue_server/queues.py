@@ -186,7 +186,8 @@ class WorkQueues:
         out, self._dropped = self._dropped, []
         for kind, q in self.queues.items():
             for it in q.remove_if(lambda it: it.deadline <= now):
-                out.append(Expired(it, self._why_waiting(kind, it)))
+                why = self._why_waiting(kind, it)
+                out.append(Expired(it, f"not done before the deadline: {why}"))
         return out
 
     def drop_unreachable_fences(self, commit_index: int, queued_before: float) -> list[Item]:

@@ -256,11 +256,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             if e.gave_up:
                 self._fail(e.item.id, Code.INTERNAL, e.reason)
             else:
-                self._fail(
-                    e.item.id,
-                    Code.UNAVAILABLE,
-                    f"not done before the deadline: {e.reason}",
-                )
+                self._fail(e.item.id, Code.UNAVAILABLE, e.reason)
         self._tell_fences()  # reads dropped, or none came in lately: nodes need not hurry
 
     def _fail(self, item_id: int, code: Code, message: str) -> None:

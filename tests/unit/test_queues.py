@@ -111,11 +111,32 @@ def test_deadlines_expire_with_a_reason() -> None:
     q.submit(item(Kind.WRITE, deadline=1.0))
     q.submit(item(Kind.WRITE, deadline=5.0))
     [e] = q.expire(2.0)
-    assert "no node" in e.reason
+    assert e.reason == "not done before the deadline: no node is connected to this queue server"
     q.connect(1, 1)
     [e] = q.expire(6.0)
-    assert "no leader" in e.reason
+    assert e.reason.startswith("not done before the deadline: no leader")
     assert q.depth(Kind.WRITE) == 0
+
+
+def test_a_write_held_by_a_node_that_left_is_reported_once_not_as_a_deadline() -> None:
+    """Each reason says what happened, once (the queue server answers it as
+    it is): a deadline that passed while its node held it, or an outcome
+    nobody knows (a write that must not be done again)."""
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.update(1, True, 1, applied=0)
+    q.grant(1, 10, 0)
+    late = item(Kind.WRITE, deadline=1.0)
+    # a publish without a producer id: done twice it would be stored twice
+    once = client_pb2.PublishRequest(topic="t").SerializeToString()
+    unknown = Item(next(_ids), Kind.WRITE, "Publish", once, 50.0, 0.0, 0)
+    q.submit(late)
+    q.submit(unknown)
+    assert [it.id for _, it in q.dispatch(0.5)] == [late.id, unknown.id]
+    assert q.disconnect(1, now=2.0) == []
+    reasons = {e.item.id: e.reason for e in q.expire(2.0)}
+    assert reasons[late.id] == "not done before the deadline: its node left"
+    assert reasons[unknown.id].startswith("the node that took it left before answering")
 
 
 def test_bounded_queues_refuse_when_full() -> None:
