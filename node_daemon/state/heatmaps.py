@@ -2,6 +2,15 @@
 rule: a client reads a topic's heat maps only if it published pings to the
 topic within the topic's contribution window. The rule is checked before
 anything else, so a refusal says nothing about whether a map exists.
+
+Retention: a trim op that carries ``heatmap_keep_newest`` (leaders set
+``HEATMAP_KEEP_NEWEST``) deletes a topic's heat maps whose window ended
+before the log's clock minus the topic's retention (the pings' retention),
+but never its newest ``heatmap_keep_newest`` windows, so a quiet topic still
+shows its last maps. What is kept depends only on the stored windows and the
+trim's clock, so a replica that missed earlier heat-map trims (one of an
+earlier release, which ignores the field) holds the same heat maps as the
+others once it applies one.
 """
 
 from __future__ import annotations
@@ -13,6 +22,10 @@ from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import heatmaps_pb2, topics_pb2
 
 DEFAULT_CONTRIBUTION_WINDOW_MS = 15 * 60 * 1000
+# Heat-map windows of a topic that retention never deletes: the newest 96
+# (a day of 15-minute windows, 8 hours of the cron job's 5-minute runs, 96
+# minutes of the stream's 60 s triggers).
+HEATMAP_KEEP_NEWEST = 96
 MAX_CLIENT_ID_BYTES = 128
 _TID = struct.Struct(">I")
 _WINDOW = struct.Struct(">IQ")
@@ -55,6 +68,38 @@ class HeatmapTables:
                     break
                 out.append(int(_WINDOW.unpack(k)[1]))
         return out
+
+    def trim(self, txn: Any, tid: int, cutoff_ms: int, keep_newest: int) -> int:
+        """Delete the topic's heat maps whose window ended before
+        ``cutoff_ms``, except the newest ``keep_newest`` windows (by window
+        start); how many were deleted. Only windows that start before the
+        cutoff can have ended before it, so only those are read."""
+        if keep_newest <= 0:
+            return 0
+        prefix = _TID.pack(tid)
+        cur = txn.cursor(db=self.heatmaps)
+        # The oldest of the newest ``keep_newest`` windows: nothing from it on goes.
+        # (set_range past the topic's last key, one back; no key past it: the last.)
+        at_end = cur.prev() if cur.set_range(_TID.pack(tid + 1)) else cur.last()
+        kept = 0
+        while at_end and cur.key().startswith(prefix):
+            kept += 1
+            if kept == keep_newest:
+                break
+            at_end = cur.prev()
+        if kept < keep_newest:
+            return 0  # no more windows than are always kept
+        protected = bytes(cur.key())
+        doomed = []
+        if cur.set_range(prefix):
+            for key, raw in cur:
+                if key >= protected or _WINDOW.unpack(key)[1] >= cutoff_ms:
+                    break
+                if heatmaps_pb2.HeatMap.FromString(raw).window_end_ms < cutoff_ms:
+                    doomed.append(bytes(key))
+        for key in doomed:
+            txn.delete(key, db=self.heatmaps)
+        return len(doomed)
 
     def get(self, txn: Any, tid: int, window_start_ms: int) -> heatmaps_pb2.HeatMap | None:
         raw = txn.get(_WINDOW.pack(tid, window_start_ms), db=self.heatmaps)

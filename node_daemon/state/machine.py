@@ -42,7 +42,11 @@ import numpy as np
 from node_daemon.disk import full_disk_error
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.state.groups import GroupTables
-from node_daemon.state.heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS, HeatmapTables
+from node_daemon.state.heatmaps import (
+    DEFAULT_CONTRIBUTION_WINDOW_MS,
+    HEATMAP_KEEP_NEWEST,
+    HeatmapTables,
+)
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
@@ -251,6 +255,8 @@ class StateMachine:
             return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
         if kind == "trim":
             self._trim(txn, leader_ms)
+            if op.trim.heatmap_keep_newest:  # 0: an entry from before heat-map retention
+                self._trim_heatmaps(txn, self._log_ms, op.trim.heatmap_keep_newest)
             return b""
         if kind == "add_peer":
             ap = op.add_peer
@@ -503,6 +509,15 @@ class StateMachine:
             cutoff = leader_ms - topic.spec.retention_ms
             for p in range(topic.spec.partitions):
                 self._trim_partition(txn, topic.id, p, cutoff)
+
+    def _trim_heatmaps(self, txn: Any, log_ms: int, keep_newest: int) -> None:
+        """Heat maps whose window ended before the log's clock minus their
+        topic's retention go, but each topic's newest ``keep_newest`` stay
+        (``HeatmapTables.trim``). On the log's clock, which never goes back,
+        so a later trim drops at least what an earlier one did."""
+        for _, raw in txn.cursor(db=self.topics):
+            topic = topics_pb2.Topic.FromString(raw)
+            self.heat.trim(txn, topic.id, log_ms - topic.spec.retention_ms, keep_newest)
 
     def _trim_partition(self, txn: Any, tid: int, p: int, cutoff_ms: int) -> None:
         st = self._part_state(txn, tid, p)
@@ -954,6 +969,13 @@ def _kept_rows(batch: bytes, counts: list[int], kept: list[bool]) -> bytes:
     cols = columnar.decode(batch)
     mask = np.repeat(np.array(kept, dtype=bool), counts)
     return columnar.encode(cols.take(np.flatnonzero(mask)))
+
+
+def trim_op(heatmap_keep_newest: int = HEATMAP_KEEP_NEWEST) -> command_pb2.Op:
+    """The retention op a leader proposes every ``trim_interval_s``: pings,
+    and heat maps (all but the newest ``heatmap_keep_newest`` windows of a
+    topic) older than the topic's retention."""
+    return command_pb2.Op(trim=command_pb2.TrimOp(heatmap_keep_newest=heatmap_keep_newest))
 
 
 def append_op(
