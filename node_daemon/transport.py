@@ -292,16 +292,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         returns the port, or 0 when it could not bind: peers then use the
         gRPC stream, and the node runs as before."""
         server = FramesServer(self.cluster, self.secret, self._receive, self._reject)
-        try:
-            bound = await server.start(host, port)
-        except OSError as e:
-            log.warning(
-                "peer frames off: cannot bind its port; peers stream over gRPC",
-                extra={"port": port, "error": str(e)},
-            )
-            return 0
-        self.frames = server
-        log.info("peer frames listening", extra={"port": bound})
+        bound = await server.offer(host, port, "peers stream over gRPC")
+        if bound:
+            self.frames = server
         return bound
 
     async def close(self) -> None:

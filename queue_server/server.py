@@ -438,16 +438,9 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         server = frames.FramedServer(
             frames.WORK, self.cfg.cluster_name, self.cfg.secret(), self.open_frames, self._reject
         )
-        try:
-            bound = await server.start(host.strip("[]"), port)
-        except OSError as e:
-            log.warning(
-                "work frames off: cannot bind its port; nodes pull over gRPC",
-                extra={"port": port, "error": str(e)},
-            )
-            return 0
-        self.frames = server
-        log.info("work frames listening", extra={"port": bound})
+        bound = await server.offer(host, port, "nodes pull over gRPC")
+        if bound:
+            self.frames = server
         return bound
 
     def _reject(self) -> None:

@@ -359,9 +359,25 @@ class FramedServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port); port 0 takes any free one. Returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, host or None, port)
+        self._server = await loop.create_server(self._protocol, host.strip("[]") or None, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    async def offer(self, host: str, port: int, without: str) -> int:
+        """``start``, but a port that cannot be bound is a warning, not an
+        error: returns 0, and the process goes on ``without`` the framed
+        link (the gRPC stream serves instead). Logs where it listens."""
+        name = self.scheme.label.decode().removeprefix("roadlog ").removesuffix(" v1")
+        try:
+            bound = await self.start(host, port)
+        except OSError as e:
+            log.warning(
+                f"{name} off: cannot bind its port; {without}",
+                extra={"port": port, "error": str(e)},
+            )
+            return 0
+        log.info(f"{name} listening", extra={"port": bound})
+        return bound
 
     async def close(self) -> None:
         if self._server is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -24,8 +23,8 @@ from node_daemon.peer_frames import (
 )
 from node_daemon.raft import Entry, Message, MessageType
 from node_daemon.transport import PeerTransport
-from roadlog.runtime import eventloop
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
+from tests.unit.loops import LOOPS, run_bounded, until, use_loop
 
 pytestmark = pytest.mark.unit
 
@@ -44,14 +43,6 @@ def _append(frm: int, to: int, index: int) -> Message:
         entries=(Entry(3, index, data=os.urandom(64)),),
         commit=index - 1,
     )
-
-
-async def _until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def _transport(node_id: int, tmp: Path, got: list[Message]) -> PeerTransport:
@@ -77,19 +68,9 @@ async def _serving(t: PeerTransport, frames: bool) -> tuple[grpc.aio.Server, str
     return server, f"127.0.0.1:{port}"
 
 
-@pytest.fixture(autouse=True, params=["uvloop", "asyncio"])
+@pytest.fixture(autouse=True, params=LOOPS)
 def event_loop_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on both loops the daemons may run on (their transports differ)."""
-    monkeypatch.setenv("ROADLOG_EVENT_LOOP", request.param)
-    assert eventloop.loop_name() == request.param
-    return str(request.param)
-
-
-def _run(body: Callable[[], Awaitable[None]]) -> None:
-    async def bounded() -> None:
-        await asyncio.wait_for(body(), 60)
-
-    eventloop.run(bounded())
+    return use_loop(request, monkeypatch)
 
 
 @pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc-fallback"])
@@ -108,7 +89,7 @@ def test_messages_flow_in_order_over_frames_or_the_grpc_stream(
             for k in range(0, 300, 30):
                 a.send(sent[k : k + 30])
                 await asyncio.sleep(0)
-            await _until(lambda: len(got_b) == 300, "300 messages")
+            await until(lambda: len(got_b) == 300, "300 messages")
             assert got_b == sent  # every field, in order
             assert bool(b.frames and b.frames.connections) == frames
             assert b.rejected == 0
@@ -117,7 +98,7 @@ def test_messages_flow_in_order_over_frames_or_the_grpc_stream(
             await b.close()
             await server.stop(None)
 
-    _run(body)
+    run_bounded(body)
 
 
 async def _raw_connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
@@ -177,14 +158,14 @@ def test_a_bad_peer_is_cut_off_and_nothing_it_sent_reaches_raft(
             link = await FramesLink.connect("127.0.0.1", b.frames.port, CLUSTER, SECRET, 1)
             payload = _batch(1)[4:]
             await link.send(payload)
-            await _until(lambda: len(got) == 1, "the honest peer's message")
+            await until(lambda: len(got) == 1, "the honest peer's message")
             assert got[0].frm == 1 and got[0].type == MessageType.HEARTBEAT
             link.close()
         finally:
             await b.close()
             await server.stop(None)
 
-    _run(body)
+    run_bounded(body)
 
 
 def test_a_link_to_a_dead_peer_breaks_and_the_sender_reconnects(tmp_path: Path) -> None:
@@ -203,9 +184,9 @@ def test_a_link_to_a_dead_peer_breaks_and_the_sender_reconnects(tmp_path: Path) 
         a.set_addresses({2: addr})
         try:
             a.send([_append(1, 2, 1)])
-            await _until(lambda: len(got_b) == 1, "the first message")
+            await until(lambda: len(got_b) == 1, "the first message")
             await b.close()  # the peer goes away (its gRPC server stays: the port is asked again)
-            await _until(lambda: 2 in unreachable, "the break noticed")
+            await until(lambda: 2 in unreachable, "the break noticed")
             got_b.clear()
             b2 = _transport(2, tmp_path, got_b)
             assert await b2.start_frames("127.0.0.1", fport) == fport
@@ -225,4 +206,4 @@ def test_a_link_to_a_dead_peer_breaks_and_the_sender_reconnects(tmp_path: Path) 
             await b.close()
             await server.stop(None)
 
-    _run(body)
+    run_bounded(body)

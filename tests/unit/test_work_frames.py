@@ -6,8 +6,8 @@ itself, and bad input cuts its link without losing the work it held."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,9 +21,10 @@ from queue_server.config import QueueConfig
 from queue_server.queues import Item, Kind
 from queue_server.server import Outgoing, QueueServer
 from roadlog.limits import WORK_BATCH_BYTES
-from roadlog.runtime import eventloop, frames
+from roadlog.runtime import frames
 from roadlog.runtime.auth import ClusterAuth, protects
 from roadlog.v1 import client_pb2, work_pb2, work_pb2_grpc
+from tests.unit.loops import LOOPS, run_bounded, until, use_loop
 
 pytestmark = pytest.mark.unit
 
@@ -31,28 +32,10 @@ SECRET = b"w" * 32
 CLUSTER = "roadlog"  # QueueConfig's default cluster name
 
 
-@pytest.fixture(autouse=True, params=["uvloop", "asyncio"])
+@pytest.fixture(autouse=True, params=LOOPS)
 def event_loop_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on both loops the daemons may run on (their transports differ)."""
-    monkeypatch.setenv("ROADLOG_EVENT_LOOP", request.param)
     monkeypatch.setattr(worker, "node_status", lambda n: client_pb2.NodeStatus(id=n.id))
-    assert eventloop.loop_name() == request.param
-    return str(request.param)
-
-
-def _run(body: Callable[[], Awaitable[None]]) -> None:
-    async def bounded() -> None:
-        await asyncio.wait_for(body(), 60)
-
-    eventloop.run(bounded())
-
-
-async def _until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+    return use_loop(request, monkeypatch)
 
 
 class _Node:
@@ -121,7 +104,7 @@ def test_work_and_answers_flow_over_frames_or_grpc_pull(tmp_path: Path, frames_o
         qs, server, addr = await _queue_server(tmp_path, frames_on)
         link, echo = _link(addr, qs)
         try:
-            await _until(lambda: bool(qs.q.workers), "the node connected")
+            await until(lambda: bool(qs.q.workers), "the node connected")
             assert link.link_kind == ("frames" if frames_on else "grpc")
             calls = [qs.call("Publish", b"p%d" % i, 10.0, "c") for i in range(200)]
             calls += [qs.call("Fetch", b"", 10.0, "c") for _ in range(50)]
@@ -135,7 +118,7 @@ def test_work_and_answers_flow_over_frames_or_grpc_pull(tmp_path: Path, frames_o
         finally:
             await _stop(qs, server, link)
 
-    _run(body)
+    run_bounded(body)
 
 
 async def _raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
@@ -194,7 +177,7 @@ def test_intruders_are_cut_off_and_counted_with_nothing_reaching_the_queues(
                 writer.write(_hello(nonce, 1) + struct.pack("<I", frames.WORK.max_frame + 1))
             assert await _closed(reader)
             writer.close()
-            await _until(lambda: qs.frames_rejected == 1, "the refusal counted")
+            await until(lambda: qs.frames_rejected == 1, "the refusal counted")
             assert not qs.q.workers and not qs.states
             # The port still serves an honest node.
             link, _ = _link(addr, qs)
@@ -206,7 +189,7 @@ def test_intruders_are_cut_off_and_counted_with_nothing_reaching_the_queues(
         finally:
             await _stop(qs, server)
 
-    _run(body)
+    run_bounded(body)
 
 
 def test_garbage_cuts_a_link_and_its_work_goes_to_another_node(tmp_path: Path) -> None:
@@ -235,7 +218,7 @@ def test_garbage_cuts_a_link_and_its_work_goes_to_another_node(tmp_path: Path) -
         finally:
             await _stop(qs, server)
 
-    _run(body)
+    run_bounded(body)
 
 
 def test_a_node_reconnects_when_the_queue_server_cuts_its_link(tmp_path: Path) -> None:
@@ -245,10 +228,10 @@ def test_a_node_reconnects_when_the_queue_server_cuts_its_link(tmp_path: Path) -
         assert fs is not None
         link, _ = _link(addr, qs)
         try:
-            await _until(lambda: len(fs.connections) == 1, "a framed link")
+            await until(lambda: len(fs.connections) == 1, "a framed link")
             [conn] = fs.connections
             conn.abort()
-            await _until(
+            await until(
                 lambda: len(fs.connections) == 1 and conn not in fs.connections,
                 "a new framed link",
             )
@@ -256,7 +239,7 @@ def test_a_node_reconnects_when_the_queue_server_cuts_its_link(tmp_path: Path) -
         finally:
             await _stop(qs, server, link)
 
-    _run(body)
+    run_bounded(body)
 
 
 def test_work_goes_out_as_workitems_wire_bytes_with_the_newest_fence_wait(
@@ -298,3 +281,21 @@ def test_work_goes_out_as_workitems_wire_bytes_with_the_newest_fence_wait(
         "Publish",
         1234,
     )
+
+
+def test_a_frames_port_already_taken_means_nodes_pull_over_grpc(tmp_path: Path) -> None:
+    async def body() -> None:
+        qs, server, addr = await _queue_server(tmp_path, False)
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            assert await qs.start_frames("127.0.0.1", taken.getsockname()[1]) == 0
+        assert qs.frames is None
+        link, _ = _link(addr, qs)
+        try:
+            assert await qs.call("Publish", b"p", 10.0, "c") == b"n1:p"
+            assert link.link_kind == "grpc"
+        finally:
+            await _stop(qs, server, link)
+
+    run_bounded(body)
