@@ -78,7 +78,7 @@ from node_daemon.raft import (
 )
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.snapshots import Snapshots
-from node_daemon.state.machine import OpResult, StateMachine
+from node_daemon.state.machine import OpResult, StateMachine, trim_op
 from node_daemon.transport import PeerTransport
 from roadlog.columnar import varint
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
@@ -464,10 +464,9 @@ class RaftNode:
                 self._trim()
 
     def _trim(self) -> None:
-        """Retention goes through the log, so every replica trims the same."""
-        fut = asyncio.get_running_loop().create_task(
-            self.propose_op(command_pb2.Op(trim=command_pb2.TrimOp()))
-        )
+        """Retention goes through the log, so every replica trims the same
+        (pings, and heat maps but each topic's newest windows)."""
+        fut = asyncio.get_running_loop().create_task(self.propose_op(trim_op()))
         fut.add_done_callback(lambda f: f.exception())  # a lost trim is retried next time
 
     def _drain(self) -> None:
