@@ -57,6 +57,24 @@ def full_disk_error(err: BaseException, path: str | os.PathLike[str]) -> bool:
     return False
 
 
+LMDB_LOCK_BYTES = 64 << 10  # room for LMDB's lock file (its reader table)
+
+
+def reserve_lmdb_lock(directory: str | os.PathLike[str]) -> None:
+    """Give an LMDB environment's lock file its room on disk before
+    ``lmdb.open``. LMDB sizes that file with ftruncate (a sparse file) and
+    maps it; on a full filesystem the first touch of one of its pages kills
+    the process with SIGBUS, with nothing in its log. With the room taken
+    first (posix_fallocate), a full disk is an OSError here instead:
+    ENOSPC, which callers report as a full disk (``full_disk_error``)."""
+    path = os.path.join(os.fspath(directory), "lock.mdb")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, LMDB_LOCK_BYTES))
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class DiskGuard:
     """Whether a node's disk is too full to take growing writes."""

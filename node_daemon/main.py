@@ -25,6 +25,7 @@ from node_daemon.backup import (
     verify_backup,
 )
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
+from node_daemon.raft import StorageFullError
 from node_daemon.serve import NodeFailed, serve
 from roadlog.leadership import HostView, leader_host, transfer_target
 from roadlog.runtime import config as configfile
@@ -66,6 +67,9 @@ def run(config_path: Path | None, **flags: Any) -> None:
     except NodeFailed as e:
         log.error("stopped on a failure", extra={"error": str(e)})
         sys.exit(1)  # systemd restarts it (Restart=on-failure)
+    except StorageFullError as e:  # opening the log or the state on a full disk
+        log.error("cannot start: the disk is full", extra={"error": str(e)})
+        sys.exit(1)  # systemd tries again later, when there may be room
 
 
 @cli.command()
