@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +60,9 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from roadlog.v1 import heatmaps_pb2
 from spark.jobs.heatmap import DEFAULT_HISTORY_MS, session, to_heatmap, transform, write_files
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger("roadlog.heatmap.stream")
 
@@ -173,6 +176,11 @@ class History:
         path = self._path("b", batch, "json")
         return dict(json.loads(path.read_text())) if path.exists() else None
 
+    def last_record(self) -> dict[str, Any] | None:
+        """What the latest finished batch did, if one did."""
+        found = [int(p.stem[1:]) for p in self.dir.glob("b*.json") if p.stem[1:].isdigit()]
+        return self.record(max(found)) if found else None
+
     def done(self, batch: int, record: dict[str, Any], keep_from_ms: int) -> None:
         """Batch ``batch`` is done: its record; every ``COMPACT_EVERY``
         batches, the pings before ``keep_from_ms`` are dropped and the rest
@@ -233,27 +241,65 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
 
 
 class Metrics:
-    """The stream's counters (Prometheus, when the process serves them)."""
+    """The stream's counters (Prometheus, when the process serves them;
+    monitoring/grafana/roadlog.json shows them, and the alert
+    RoadlogHeatmapStreamStalled of monitoring/prometheus/roadlog-rules.yml
+    compares the last window's end with the trigger interval)."""
 
-    def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge
 
-        self.pings = Counter("roadlog_heatmap_stream_pings_total",
-                             "Pings the heat-map stream read", ["topic"])  # fmt: skip
+        reg = REGISTRY if registry is None else registry
+        self.pings = Counter(
+            "roadlog_heatmap_stream_pings_total",
+            "Pings the heat-map stream read",
+            ["topic"],
+            registry=reg,
+        )
         self.late = Counter(
             "roadlog_heatmap_stream_late_pings_total",
             "Pings that came after a window holding them was committed (it was committed again)",
             ["topic"],
+            registry=reg,
         )
         self.too_late = Counter(
             "roadlog_heatmap_stream_too_late_pings_total",
             "Pings that came when every window holding them was closed (in no streamed window)",
             ["topic"],
+            registry=reg,
         )
-        self.windows = Counter("roadlog_heatmap_stream_windows_total",
-                               "Heat-map windows the stream committed", ["topic"])  # fmt: skip
-        self.seconds = Gauge("roadlog_heatmap_stream_batch_seconds",
-                             "How long the last micro-batch took", ["topic"])  # fmt: skip
+        self.windows = Counter(
+            "roadlog_heatmap_stream_windows_total",
+            "Heat-map windows the stream committed",
+            ["topic"],
+            registry=reg,
+        )
+        self.seconds = Gauge(
+            "roadlog_heatmap_stream_batch_seconds",
+            "How long the last micro-batch took",
+            ["topic"],
+            registry=reg,
+        )
+        self.interval = Gauge(
+            "roadlog_heatmap_stream_trigger_interval_seconds",
+            "The stream's trigger interval (--every)",
+            ["topic"],
+            registry=reg,
+        )
+        self.window_end = Gauge(
+            "roadlog_heatmap_stream_last_window_end_seconds",
+            "End of the newest window the stream committed (epoch seconds; after a restart, "
+            "the last one its checkpoint recorded)",
+            ["topic"],
+            registry=reg,
+        )
+        self._last_end: dict[str, int] = {}
+
+    def committed(self, topic: str, end_ms: int) -> None:
+        """The window ending at ``end_ms`` was committed (never moves back:
+        a micro-batch run again commits an older one again)."""
+        end = self._last_end[topic] = max(self._last_end.get(topic, end_ms), end_ms)
+        self.window_end.labels(topic).set(end / 1000)
 
 
 # ------------------------------------------------------------------ the job
@@ -287,6 +333,11 @@ class StreamJob:
         self.spec = desc.topic.spec
         self.bbox = list(desc.topic.bbox)
         self.history = History(self.checkpoint / "history")
+        if self.metrics is not None:
+            self.metrics.interval.labels(self.topic).set(self.windows.every_ms / 1000)
+            last = self.history.last_record()
+            if last is not None:
+                self.metrics.committed(self.topic, int(last["end"]))
 
     def process(self, df: DataFrame, batch: int) -> None:
         from roadlog.client import Admin, Connection
@@ -329,6 +380,8 @@ class StreamJob:
             m.too_late.labels(self.topic).inc(plan.too_late)
             m.windows.labels(self.topic).inc(len(plan.ends))
             m.seconds.labels(self.topic).set(time.monotonic() - t0)
+        if self.metrics is not None:
+            self.metrics.committed(self.topic, end)
         self.report(summary)
 
     def compute(self, ends: list[int]) -> dict[int, tuple[heatmaps_pb2.HeatMap, pa.Table]]:

@@ -1,16 +1,22 @@
 """The streaming heat map's bookkeeping, without Spark: which windows a
-trigger computes, what counts as late and too late, and the history that
-survives restarts without losing or doubling a micro-batch."""
+trigger computes, what counts as late and too late, the history that
+survives restarts without losing or doubling a micro-batch, and the
+metrics monitoring reads (the last committed window, the interval)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import TracebackType
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from prometheus_client import CollectorRegistry
 
-from spark.jobs.heatmap_stream import COLUMNS, TYPES, History, Windows
+import roadlog.client
+from roadlog.v1 import topics_pb2
+from spark.jobs.heatmap_stream import COLUMNS, TYPES, History, Metrics, StreamJob, Windows
 
 pytestmark = pytest.mark.unit
 
@@ -125,3 +131,71 @@ def test_between_selects_by_event_time(tmp_path: Path) -> None:
     got = h.between(END - 5000, END)
     assert sorted(got.column("ts_ms").to_pylist()) == [END - k * 1000 for k in range(5, 0, -1)]
     assert History(tmp_path / "empty").between(0, END).num_rows == 0
+
+
+def test_last_record_is_the_latest_finished_batch_s(tmp_path: Path) -> None:
+    h = History(tmp_path)
+    assert h.last_record() is None
+    for b in range(25):  # old records are pruned at compactions; the latest stays
+        h.add(b, pings(b, 1, at=END + b * MIN))
+        h.done(b, {"end": END + b * MIN}, keep_from_ms=0)
+    assert h.last_record() == {"end": END + 24 * MIN}
+    assert History(tmp_path).last_record() == {"end": END + 24 * MIN}
+
+
+class _Conn:
+    def __enter__(self) -> _Conn:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        pass
+
+
+class _Admin:
+    def __init__(self, conn: _Conn) -> None:
+        pass
+
+    def describe(self, topic: str) -> topics_pb2.TopicDescription:
+        spec = topics_pb2.TopicSpec(name=topic, h3_resolution=9)
+        return topics_pb2.TopicDescription(topic=topics_pb2.Topic(spec=spec))
+
+
+def test_the_stream_reports_its_interval_and_last_window_also_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(roadlog.client, "Connection", lambda servers: _Conn())
+    monkeypatch.setattr(roadlog.client, "Admin", _Admin)
+
+    def start() -> CollectorRegistry:
+        registry = CollectorRegistry()
+        job = StreamJob(
+            spark=cast(Any, None),
+            topic="munich",
+            servers=["127.0.0.1:1"],
+            checkpoint=tmp_path,
+            windows=W,
+            metrics=Metrics(registry),
+        )
+        assert job.metrics is not None
+        return registry
+
+    def value(registry: CollectorRegistry, name: str) -> float | None:
+        return registry.get_sample_value(f"roadlog_heatmap_stream_{name}", {"topic": "munich"})
+
+    first = start()
+    assert value(first, "trigger_interval_seconds") == 60
+    assert value(first, "last_window_end_seconds") is None  # nothing committed yet
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.committed("munich", END + MIN)
+    m.committed("munich", END)  # a micro-batch run again commits an older window again
+    assert value(registry, "last_window_end_seconds") == (END + MIN) / 1000
+    # What the checkpoint recorded, after a restart: the last window committed.
+    h = History(tmp_path / "history")
+    for b, end in enumerate((END, END + MIN)):
+        h.done(b, {"end": end}, keep_from_ms=0)
+    again = start()
+    assert value(again, "last_window_end_seconds") == (END + MIN) / 1000
+    assert value(again, "trigger_interval_seconds") == 60

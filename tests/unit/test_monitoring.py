@@ -1,9 +1,10 @@
 """Monitoring (issue 20): the alert rules pass `promtool check rules` and
 their unit tests (`promtool test rules`), every alert is tested firing and
 not firing, the tests catch a broken rule, the Grafana dashboard and the
-rules name only metrics roadlog defines, and the metrics added for them
-(readiness, ack latency, per-topic ingest, group lag, heat-map age) say
-what they should."""
+rules name only metrics roadlog defines, the role scrapes the inventory
+(and the streaming heat maps in stream mode), and the metrics added for
+them (readiness, ack latency, per-topic ingest, group lag, heat-map age,
+the stream's last window and trigger interval) say what they should."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 import jinja2
 import pytest
 import yaml
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from node_daemon.state_metrics import StateCollector
 from queue_server.config import QueueConfig
@@ -29,6 +30,7 @@ from roadlog.errors import RoadlogError
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.runtime.health import serve_metrics_and_health
 from roadlog.v1 import client_pb2, command_pb2, heatmaps_pb2, work_pb2
+from spark.jobs.heatmap_stream import Metrics
 from tests.unit.test_groups_and_heatmaps import T0, Cluster
 
 pytestmark = pytest.mark.unit
@@ -53,6 +55,10 @@ ISSUE_ALERTS = {
     "RoadlogHeatmapStale",
     "RoadlogNodeNotReady",
 }
+# The streaming heat map's (issue 20's follow-up): stalled, no window committed
+# for three triggers.
+STREAM_ALERTS = {"RoadlogHeatmapStreamStalled"}
+STREAM_JOB = "roadlog-heatmap-stream"
 
 
 def promtool() -> str:
@@ -107,7 +113,9 @@ def test_metric_names_finds_selected_metrics_and_nothing_else() -> None:
 
 def defined_metric_names() -> set[str]:
     """Every sample name the code's metrics expose: imports each module that
-    uses prometheus_client, then reads the default registry's families."""
+    uses prometheus_client, then reads the default registry's families, and
+    the streaming heat map's (made when a stream starts) on a registry of
+    their own."""
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             text = path.read_text()
@@ -122,7 +130,9 @@ def defined_metric_names() -> set[str]:
         "info": ["_info"],
     }
     names: set[str] = set()
-    for family in REGISTRY.collect():
+    stream = CollectorRegistry()
+    Metrics(stream)
+    for family in [*REGISTRY.collect(), *stream.collect()]:
         names.update(family.name + s for s in suffixes.get(family.type, [""]))
         names.update(s.name for s in family.samples)
     return names
@@ -177,6 +187,28 @@ def test_the_dashboard_shows_what_the_issue_asks_for() -> None:
     assert not missing, f"the dashboard does not show {sorted(missing)}"
 
 
+def test_the_dashboard_shows_the_streaming_heat_maps() -> None:
+    stream = [
+        p
+        for p in dashboard_panels()
+        if p["type"] != "row" and any(STREAM_JOB in t["expr"] for t in p["targets"])
+    ]
+    used = set().union(*(metric_names(t["expr"]) for p in stream for t in p["targets"]))
+    wanted = {
+        "roadlog_heatmap_stream_batch_seconds": "trigger duration",
+        "roadlog_heatmap_stream_too_late_pings_total": "too-late pings",
+        "roadlog_heatmap_stream_last_window_end_seconds": "last committed window age",
+    }
+    missing = {what for name, what in wanted.items() if name not in used}
+    assert not missing, f"the dashboard does not show {sorted(missing)}"
+    ages = [t["expr"] for p in stream for t in p["targets"] if "last_window_end" in t["expr"]]
+    assert any(e.startswith("time() - ") for e in ages), "the window's age, not its time"
+    # Under their own row, below the others.
+    rows = [p for p in dashboard_panels() if p["type"] == "row"]
+    assert rows[-1]["title"] == "Streaming heat maps"
+    assert all(p["gridPos"]["y"] > rows[-1]["gridPos"]["y"] for p in stream)
+
+
 def test_the_dashboard_is_well_formed() -> None:
     doc = json.loads(DASHBOARD.read_text())
     assert doc["uid"] == "roadlog" and doc["title"] == "roadlog"
@@ -214,7 +246,7 @@ def test_the_rules_pass_their_promtool_unit_tests() -> None:
 
 def test_the_rules_hold_the_issue_s_alerts_and_each_is_tested_firing_and_not_firing() -> None:
     alerts = {r["alert"] for r in rules()}
-    assert alerts >= ISSUE_ALERTS
+    assert alerts >= ISSUE_ALERTS | STREAM_ALERTS
     doc = yaml.safe_load(RULES_TEST.read_text())
     firing: set[str] = set()
     quiet: set[str] = set()
@@ -239,8 +271,26 @@ def test_the_rules_hold_the_issue_s_alerts_and_each_is_tested_firing_and_not_fir
         ),
         # No pending period.
         ("        for: 1m\n", "        for: 0s\n"),
+        # A stall measured in seconds, not triggers: a stream with 5-minute
+        # triggers would be stalled between every two.
+        (
+            '> 4 * roadlog_heatmap_stream_trigger_interval_seconds{job="roadlog-heatmap-stream"}',
+            "> 240",
+        ),
+        # Three intervals: the third trigger since would not have had a whole one.
+        ("> 4 * roadlog_heatmap_stream", "> 3 * roadlog_heatmap_stream"),
+        # A stream whose process is down would go unnoticed (its series vanish).
+        ('\n          or up{job="roadlog-heatmap-stream"} == 0', ""),
     ],
-    ids=["stale-lag", "node-down", "heatmap-age", "for"],
+    ids=[
+        "stale-lag",
+        "node-down",
+        "heatmap-age",
+        "for",
+        "stream-seconds",
+        "stream-3",
+        "stream-down",
+    ],
 )
 def test_the_rule_tests_catch_a_broken_rule(tmp_path: Path, old: str, new: str) -> None:
     text = RULES.read_text()
@@ -254,15 +304,22 @@ def test_the_rule_tests_catch_a_broken_rule(tmp_path: Path, old: str, new: str) 
 # ----------------------------------------------------- the role's config
 
 
-def render_config(tmp_path: Path) -> Path:
+def render_config(
+    tmp_path: Path,
+    play_vars: dict[str, object] | None = None,
+    master_vars: dict[str, object] | None = None,
+) -> Path:
     """The role's prometheus.yml for an inventory of three nodes and two
-    queue servers, one with its own metrics port; the rules beside it."""
+    queue servers, one with its own metrics port, and lab1 the Spark master
+    (with ``master_vars`` as its host variables; ``play_vars`` for every
+    host); the rules beside it."""
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     template = env.from_string((ROLE / "templates" / "prometheus.yml.j2").read_text())
     hostvars: dict[str, dict[str, object]] = {
-        f"lab{i}": {"ansible_host": f"10.77.0.1{i}"} for i in (1, 2, 3)
+        f"lab{i}": {"ansible_host": f"10.77.0.1{i}"} | (play_vars or {}) for i in (1, 2, 3)
     }
     hostvars["lab2"]["roadlog_queue_metrics_port"] = 9501
+    hostvars["lab1"].update(master_vars or {})
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
     out = template.render(
         {k: v for k, v in defaults.items() if "{{" not in str(v)}
@@ -274,9 +331,11 @@ def render_config(tmp_path: Path) -> Path:
             "roadlog_queue_metrics_port": 9500,
             "roadlog_monitoring_node_hosts": ["lab1", "lab2", "lab3"],
             "roadlog_monitoring_queue_hosts": ["lab1", "lab2"],
+            "roadlog_monitoring_stream_hosts": ["lab1"],
             "roadlog_monitoring_alertmanagers": ["10.77.0.20:9093"],
             "roadlog_monitoring_config_dir": str(tmp_path),
         }
+        | (play_vars or {})
     )
     shutil.copy(RULES, tmp_path / RULES.name)
     (tmp_path / "prometheus.yml").write_text(out)
@@ -294,6 +353,7 @@ def test_the_role_s_config_scrapes_the_inventory_under_the_rules_job_names(tmp_p
     }
     assert targets["roadlog-node"] == ["10.77.0.11:9400", "10.77.0.12:9400", "10.77.0.13:9400"]
     assert targets["roadlog-queue"] == ["10.77.0.11:9500", "10.77.0.12:9501"]
+    assert targets[STREAM_JOB] == []  # the cron job by default: no stream to scrape
     jobs_in_rules = set(re.findall(r'job="([^"]+)"', RULES.read_text()))
     jobs_in_dashboard = set(re.findall(r'job=~?"([^"]+)"', DASHBOARD.read_text()))
     jobs_in_dashboard = {j for alt in jobs_in_dashboard for j in alt.split("|")}
@@ -301,6 +361,59 @@ def test_the_role_s_config_scrapes_the_inventory_under_the_rules_job_names(tmp_p
     assert doc["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
         "10.77.0.20:9093"
     ]
+
+
+def stream_targets(config: Path) -> list[tuple[list[str], dict[str, str]]]:
+    r = run_promtool("check", "config", str(config), cwd=config.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = yaml.safe_load(config.read_text())
+    [job] = [j for j in doc["scrape_configs"] if j["job_name"] == STREAM_JOB]
+    assert job["honor_labels"] is True  # the series' own topic label, not exported_topic
+    return [(sc["targets"], sc["labels"]) for sc in job["static_configs"]]
+
+
+def test_in_stream_mode_the_role_scrapes_each_topic_s_stream(tmp_path: Path) -> None:
+    stream = {
+        "roadlog_heatmap_cron_mode": "stream",
+        "roadlog_heatmap_cron_topics": ["munich", "vienna"],
+        "roadlog_heatmap_cron_stream_metrics_port": 9450,
+    }
+    # As the heat-map role's unit gives them: the first topic's port, the next one's next.
+    expected = [
+        (["10.77.0.11:9450"], {"host": "lab1", "topic": "munich"}),
+        (["10.77.0.11:9451"], {"host": "lab1", "topic": "vienna"}),
+    ]
+    assert stream_targets(render_config(tmp_path, play_vars=stream)) == expected
+    # Set for the Spark master alone in the inventory: the same.
+    assert stream_targets(render_config(tmp_path, master_vars=stream)) == expected
+    # Another first port; the role's default (9450) when the inventory sets none.
+    other = stream | {"roadlog_heatmap_cron_stream_metrics_port": 9600}
+    assert [t for t, _ in stream_targets(render_config(tmp_path, play_vars=other))] == [
+        ["10.77.0.11:9600"],
+        ["10.77.0.11:9601"],
+    ]
+    del other["roadlog_heatmap_cron_stream_metrics_port"]
+    assert stream_targets(render_config(tmp_path, play_vars=other)) == expected
+    # No metrics port (0), the cron mode, or no topics: nothing to scrape.
+    for off in (
+        stream | {"roadlog_heatmap_cron_stream_metrics_port": 0},
+        stream | {"roadlog_heatmap_cron_mode": "cron"},
+        stream | {"roadlog_heatmap_cron_topics": []},
+    ):
+        assert stream_targets(render_config(tmp_path, play_vars=off)) == []
+
+
+def test_the_role_s_stream_ports_are_the_heat_map_role_s() -> None:
+    """The monitoring role falls back on the heat-map role's defaults, and
+    its unit serves topic number i at the first port plus i."""
+    heatmap_role = ROOT / "roles" / "roadlog_heatmap_cron"
+    defaults = yaml.safe_load((heatmap_role / "defaults" / "main.yml").read_text())
+    config = (ROLE / "templates" / "prometheus.yml.j2").read_text()
+    assert f"default({defaults['roadlog_heatmap_cron_stream_metrics_port']})" in config
+    assert f"default('{defaults['roadlog_heatmap_cron_mode']}')" in config
+    unit = (heatmap_role / "templates" / "roadlog-heatmap-stream.service.j2").read_text()
+    assert "roadlog_heatmap_cron_stream_metrics_port + index" in unit
+    assert "_port + loop.index0" in config
 
 
 # ------------------------------------------------------- the new metrics
