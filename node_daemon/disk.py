@@ -18,7 +18,12 @@ import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import lmdb
+
+from node_daemon.raft.errors import StorageFullError
 from roadlog.errors import Code, RoadlogError
 
 LOOK_EVERY_S = 0.25  # statvfs is cheap, but not free for every proposal
@@ -73,6 +78,19 @@ def reserve_lmdb_lock(directory: str | os.PathLike[str]) -> None:
         os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, LMDB_LOCK_BYTES))
     finally:
         os.close(fd)
+
+
+def open_lmdb(directory: Path, what: str, **options: Any) -> lmdb.Environment:
+    """``lmdb.open(directory, **options)`` with its lock file's room taken
+    first (``reserve_lmdb_lock``); a full disk is ``StorageFullError``
+    ("disk full opening the <what> in <directory>"), never a SIGBUS."""
+    try:
+        reserve_lmdb_lock(directory)
+        return lmdb.open(str(directory), **options)
+    except (OSError, lmdb.Error) as e:
+        if isinstance(e, lmdb.DiskError) or full_disk_error(e, directory):
+            raise StorageFullError(f"disk full opening the {what} in {directory}: {e}") from e
+        raise
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any
 
 import lmdb
 
-from node_daemon.disk import full_disk_error, reserve_lmdb_lock
+from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft.errors import (
     CompactedError,
     StorageError,
@@ -73,7 +73,7 @@ def decode_snapshot_meta(raw: bytes) -> SnapshotMeta:
     return SnapshotMeta(index, term, ConfState.decode(raw[_SNAP.size :]))
 
 
-def _is_disk_full(err: BaseException, path: Path) -> bool:
+def _is_disk_full(err: lmdb.Error, path: Path) -> bool:
     """ENOSPC, LMDB's disk error, or a write cut short by the disk filling
     (which LMDB reports as EIO): see ``full_disk_error``."""
     return isinstance(err, lmdb.DiskError) or full_disk_error(err, path)
@@ -92,20 +92,15 @@ class LmdbLogStorage:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_map_size = max(map_size, max_map_size)
-        try:
-            reserve_lmdb_lock(self.path)  # a full disk: an error here, not SIGBUS in LMDB
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size,
-                max_dbs=4,
-                sync=True,
-                metasync=True,
-                readahead=False,
-            )
-        except (OSError, lmdb.Error) as e:
-            if _is_disk_full(e, self.path):
-                raise StorageFullError(f"disk full opening the log in {self.path}: {e}") from e
-            raise
+        self.env = open_lmdb(  # a full disk: StorageFullError, not a SIGBUS
+            self.path,
+            "log",
+            map_size=map_size,
+            max_dbs=4,
+            sync=True,
+            metasync=True,
+            readahead=False,
+        )
         self._log = self.env.open_db(b"log")
         self._conf = self.env.open_db(b"conf")
         self._meta = self.env.open_db(b"meta")

@@ -39,7 +39,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from node_daemon.disk import full_disk_error, reserve_lmdb_lock
+from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.state.groups import GroupTables
 from node_daemon.state.heatmaps import (
@@ -128,20 +128,15 @@ class StateMachine:
 
     def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        try:
-            reserve_lmdb_lock(self.path)  # a full disk: an error here, not SIGBUS in LMDB
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=self.map_size,
-                max_dbs=16,
-                sync=False,
-                metasync=False,
-                readahead=False,
-            )
-        except (OSError, lmdb.Error) as e:
-            if full_disk_error(e, self.path):
-                raise StorageFullError(f"disk full opening the state in {self.path}: {e}") from e
-            raise
+        self.env = open_lmdb(  # a full disk: StorageFullError, not a SIGBUS
+            self.path,
+            "state",
+            map_size=self.map_size,
+            max_dbs=16,
+            sync=False,
+            metasync=False,
+            readahead=False,
+        )
         db = self.env.open_db
         self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
