@@ -39,6 +39,7 @@ from pathlib import Path
 
 import lmdb
 
+from node_daemon.disk import fsync_dir
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import _U64, StateMachine
@@ -116,14 +117,6 @@ def _write_private(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int, key: bytes) -> Manifest:
     """Copy the state machine under `data_dir` into the new directory `out`,
     with a manifest authenticated under the backup `key`.
@@ -142,14 +135,14 @@ def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int, key:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         manifest = _copy_into(state, tmp, cluster_name, node_id, key)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     return manifest
 
 
@@ -273,5 +266,5 @@ def restore_backup(
         )
     finally:
         store.close()
-    _fsync_dir(data_dir)
+    fsync_dir(data_dir)
     return aside

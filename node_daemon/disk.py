@@ -65,6 +65,16 @@ def full_disk_error(err: BaseException, path: str | os.PathLike[str]) -> bool:
 LMDB_LOCK_BYTES = 64 << 10  # room for LMDB's lock file (its reader table)
 
 
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the names in directory ``path`` durable (files created, renamed
+    or removed there): fsync the directory itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def reserve_lmdb_lock(directory: str | os.PathLike[str]) -> None:
     """Give an LMDB environment's lock file its room on disk before
     ``lmdb.open``. LMDB sizes that file with ftruncate (a sparse file) and

@@ -57,7 +57,7 @@ import grpc
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
-from node_daemon.disk import DiskGuard
+from node_daemon.disk import DiskGuard, fsync_dir
 from node_daemon.io_thread import IoThread
 from node_daemon.log_clock import ANCHOR_FILE, LogClock
 from node_daemon.raft import (
@@ -105,14 +105,6 @@ def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
     return b"".join(pieces)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _durable_touch(path: Path) -> None:
     """Create ``path`` (empty) and make it, and its name, durable."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +113,7 @@ def _durable_touch(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 class NotLeader(Exception):
@@ -447,7 +439,7 @@ class RaftNode:
         assert path is not None
         if path.exists():
             path.unlink()
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
             log.info("no longer catching up: voting again", extra={"term": self.core.term})
 
     async def _ticker(self) -> None:
