@@ -55,6 +55,11 @@ def test_the_leaders_trim_deletes_old_heat_maps_but_the_newest(
         def kept() -> list[int]:  # reads wait for the puts (the connection's fence)
             return sorted(admin.heatmap("old-maps", client="alice").windows)
 
+        assert set(newest) <= set(kept()) <= set(starts)  # a trim keeps the newest, whenever it ran
         wait_for(lambda: kept() == newest, 60, "the trim to keep only the newest windows")
+        after = admin.heatmap("old-maps", client="alice")
+        assert sorted(after.windows) == newest and len(after.windows) == HEATMAP_KEEP_NEWEST
+        assert after.heatmap.window_start_ms == starts[-1]  # the latest map is still served
         # Every node holds the same: the state digests agree.
         wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "equal replicas")
+        assert len({digest(n.address) for n in lc.nodes}) == 1
