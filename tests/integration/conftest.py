@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -159,3 +161,29 @@ def assert_exactly_once_in_order(
 
 def create_topic(conn: Connection, name: str = "munich", partitions: int = 4) -> None:
     Admin(conn).create_topic(name, REGION, partitions)
+
+
+@contextlib.contextmanager
+def headless_chromium(width: int, height: int) -> Iterator[Any]:
+    """A headless Chromium (selenium) of that window size, keeping the
+    browser's console log; quit whatever happens."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        f"--window-size={width},{height}",
+    ):
+        opts.add_argument(arg)
+    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(
+        service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts
+    )
+    try:
+        yield driver
+    finally:
+        driver.quit()

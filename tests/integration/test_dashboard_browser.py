@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import heatmaps_pb2
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import headless_chromium, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -98,21 +97,8 @@ def put(lc: LocalCluster, hm: heatmaps_pb2.HeatMap) -> None:
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,900"):
-        opts.add_argument(arg)
-    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(
-        service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts
-    )
-    try:
+    with headless_chromium(1400, 900) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def js(driver: Any, script: str) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from roadlog.tools.traffic import TrafficSpec, simulate
 from spark.jobs.heatmap import AlreadyRunning, lock, main, run
 from spark.roadlog_source import plan, read_range
 from spark.standalone import local_standalone
-from tests.integration.conftest import settled, wait_for
+from tests.integration.conftest import headless_chromium, settled, wait_for
 from tests.integration.test_replicated_log import digest
 
 pytestmark = pytest.mark.integration
@@ -201,21 +200,10 @@ def test_the_same_job_runs_on_a_standalone_cluster(
 def test_the_html_page_draws_in_headless_chromium(
     traffic: tuple[LocalCluster, int, int, int], tmp_path: Path
 ) -> None:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     lc, start, end, _ = traffic
     summary = build(lc, start, end, tmp_path)
     page = Path(str(summary["dir"])) / "heatmap.html"
-    opts = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1000"):
-        opts.add_argument(arg)
-    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(
-        service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts
-    )
-    try:
+    with headless_chromium(1200, 1000) as driver:
         driver.get(page.as_uri())
         wait_for(lambda: driver.execute_script("return document.body.dataset.cells") is not None,
                  30, "the page to draw")  # fmt: skip
@@ -230,11 +218,9 @@ def test_the_html_page_draws_in_headless_chromium(
         shot = tmp_path / "heatmap-screenshot.png"
         driver.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000
-        logs = driver.get_log("browser")  # type: ignore[no-untyped-call]
+        logs = driver.get_log("browser")
         errors = [e for e in logs if e["level"] == "SEVERE"]
         assert errors == []
-    finally:
-        driver.quit()
 
 
 def test_the_cli_builds_and_gets(
