@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.certs import ClusterCA, make_test_ca
+
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
@@ -31,3 +33,15 @@ def small_tmpfs(where: Path, size: str, why: str) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture(scope="session")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> ClusterCA:
+    """The session's cluster CA and its certificates (tests/certs.py)."""
+    return make_test_ca(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture(scope="session")
+def foreign_ca(tmp_path_factory: pytest.TempPathFactory) -> ClusterCA:
+    """Another CA with certificates of the same names: refused everywhere."""
+    return make_test_ca(tmp_path_factory.mktemp("foreign-ca"))
