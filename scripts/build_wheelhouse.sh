@@ -2,7 +2,8 @@
 # Build the wheelhouse that Ansible copies to every host (hosts need no
 # internet): roadlog's own wheel plus a wheel of every locked runtime
 # dependency (requirements-host.lock). Output: build/wheelhouse/ with
-# requirements.txt (what the hosts install, pinned) and roadlog-*.whl.
+# requirements.txt (what the hosts install, pinned), roadlog-*.whl, SHA256SUMS
+# and wheelhouse.tar (all of them in one file: what Ansible copies).
 #
 # Reproducible: wheels built from sdists are cached by pip, and roadlog's
 # wheel is built with SOURCE_DATE_EPOCH from the last commit, so an
@@ -59,5 +60,16 @@ if ! cmp -s "$OUT/SHA256SUMS.new" "$OUT/SHA256SUMS"; then
   mv "$OUT/SHA256SUMS.new" "$OUT/SHA256SUMS"
 else
   rm "$OUT/SHA256SUMS.new"
+fi
+# One archive of it all for the hosts: Ansible's copy of a directory pays a
+# module round trip per file (46 files: about two minutes for three hosts),
+# one file costs one transfer. Reproducible (sorted, fixed times and
+# owners), rebuilt only when the list of checksums changed.
+if [ ! -f "$OUT/wheelhouse.tar" ] || ! cmp -s "$OUT/SHA256SUMS" "$OUT/.tar-sums"; then
+  (cd "$OUT" && tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner \
+    -cf wheelhouse.tar.new SHA256SUMS requirements.txt ./*.whl)
+  mv "$OUT/wheelhouse.tar.new" "$OUT/wheelhouse.tar"
+  cp "$OUT/SHA256SUMS" "$OUT/.tar-sums"
+  log "archived: wheelhouse.tar"
 fi
 du -sh "$OUT" | awk '{print "[wheelhouse] " $2 ": " $1}' >&2
