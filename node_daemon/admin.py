@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 import grpc
+from prometheus_client import Counter
 
 from node_daemon.membership import Membership
 from node_daemon.node import NotLeader, RaftNode
@@ -34,6 +35,34 @@ NODE_PROTECTED = protects(
         for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave")
     ],
 )
+
+
+# With TLS the node's port is mutual: every caller holds a certificate of the
+# cluster's CA. Raft traffic only from nodes; the changing admin calls and
+# node reads from nodes and clients (operators' tools, the Spark reader);
+# status, health and reflection from any holder.
+_CHANGING = {
+    f"/roadlog.v1.Admin/{m}"
+    for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave")
+}
+_CERT_REFUSED = Counter(
+    "roadlog_node_cert_refused_total",
+    "calls to a node refused for the caller's certificate (none, or a kind not allowed)",
+    ["method"],
+)
+
+
+def node_callers(method: str) -> tuple[str, ...] | None:
+    """The certificate kinds that may call ``method`` on a node (None: any)."""
+    if method.startswith("/roadlog.v1.RaftPeer/"):
+        return ("node",)
+    if method in _CHANGING or method.startswith("/roadlog.v1.NodeRead/"):
+        return ("node", "client")
+    return None
+
+
+def refused_by_cert(method: str) -> None:
+    _CERT_REFUSED.labels(method).inc()
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

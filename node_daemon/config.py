@@ -47,6 +47,11 @@ class NodeConfig:
         help="ID=HOST:PORT,... (every voter of a new cluster, this node too)", factory=dict
     )
     secret_file: Path | None = key(None, "the file holding the shared cluster secret")
+    # TLS on every port (roadlog/runtime/tls.py): ca.crt, node.crt, node.key
+    # (made by `roadlog ca create-node`; the key 0600). The node's id is the
+    # one its certificate names.
+    certs_dir: Path | None = key(None, "directory of ca.crt, node.crt and node.key (TLS)")
+    insecure: bool = key(False, "no TLS: plaintext, unauthenticated ports (debugging only)")
     metrics_port: int = key(9400, "port of Prometheus /metrics, /healthz and /readyz")
     # Raft traffic between nodes on a lean framed link (see peer_frames.py);
     # peers learn the port over gRPC, so any port works. Taken by another
@@ -149,6 +154,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
             "peers": parse_peers,
             "data_dir": Path,
             "secret_file": Path,
+            "certs_dir": Path,
             "queue_servers": _list,
             "discovery_seeds": _list,
         },

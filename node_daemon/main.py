@@ -8,7 +8,7 @@ import logging
 import socket
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,10 @@ from node_daemon.backup import (
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
 from node_daemon.raft import StorageFullError
 from node_daemon.serve import NodeFailed, serve
+from roadlog.client_tls import ClientTLS
 from roadlog.leadership import HostView, leader_host, transfer_target
 from roadlog.runtime import config as configfile
-from roadlog.runtime import eventloop
+from roadlog.runtime import eventloop, tls
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import check_secret, config_flags, private_files, refuse_to_start
 from roadlog.runtime.logs import setup_logging
@@ -56,9 +57,14 @@ def run(config_path: Path | None, **flags: Any) -> None:
     try:
         cfg = load_config(config_path, flags)
         check_secret(cfg.secret_file)
+        security = tls.load_security(cfg.certs_dir, cfg.insecure, "node")
+        cfg = _node_id_of_certificate(cfg, security)
     except ConfigError as e:
         refuse_to_start("roadlog-node", e)
+    tls.install(security)
     setup_logging("node", cfg.log_level)
+    if security.insecure:
+        tls.warn_insecure("roadlog-node")
     try:
         eventloop.run(serve(cfg))
     except ConfigError as e:
@@ -77,20 +83,32 @@ def run(config_path: Path | None, **flags: Any) -> None:
 @click.option("--address", help="the node's gRPC HOST:PORT (default: from the config)")
 @click.option("--secret-file", type=click.Path(path_type=Path))
 @click.option("--cluster-name")
+@click.option("--certs-dir", type=click.Path(path_type=Path), help="default: the config's")
+@click.option("--insecure", is_flag=True, default=None, help="plaintext, to an --insecure node")
 @click.option("--timeout", default=60.0, show_default=True)
 def leave(
     config_path: Path | None,
     address: str | None,
     secret_file: Path | None,
     cluster_name: str | None,
+    certs_dir: Path | None,
+    insecure: bool | None,
     timeout: float,
 ) -> None:
     """Make a running node leave its cluster gracefully (it hands over
     leadership, has the leader remove it, then stops)."""
-    cfg = _offline_config(config_path, {"secret_file": secret_file, "cluster_name": cluster_name})
+    cfg = _offline_config(
+        config_path,
+        {
+            "secret_file": secret_file,
+            "cluster_name": cluster_name,
+            "certs_dir": certs_dir,
+            "insecure": insecure,
+        },
+    )
     target = _dialable(address or cfg.address)
     token = cluster_token(cfg.secret(), cfg.cluster_name)
-    with grpc.insecure_channel(target) as ch:
+    with _security(cfg).sync_channel(target) as ch:
         try:
             resp = admin_pb2_grpc.AdminStub(ch).Leave(
                 admin_pb2.LeaveRequest(), metadata=token_metadata(token), timeout=timeout
@@ -98,6 +116,20 @@ def leave(
         except grpc.RpcError as e:
             raise click.ClickException(f"{target}: {e.code().name}: {e.details()}") from None
     click.echo(f"node at {target} left the cluster (removed at index {resp.index}); it stops now")
+
+
+def _node_id_of_certificate(cfg: NodeConfig, security: tls.Security) -> NodeConfig:
+    """With TLS a node is the node its certificate names: node_id unset
+    takes it; another id is refused."""
+    if security.creds is None:
+        return cfg
+    cert_id = security.creds.identity.node_id
+    if cfg.node_id and cfg.node_id != cert_id:
+        raise ConfigError(
+            f"node_id: {cfg.node_id}, but the certificate {security.creds.cert_file} names "
+            f"node {cert_id}; make this node's certificate with --node-id {cfg.node_id}"
+        )
+    return replace(cfg, node_id=cert_id)
 
 
 def _dialable(address: str) -> str:
@@ -113,11 +145,20 @@ def _offline_config(config_path: Path | None, flags: dict[str, Any]) -> NodeConf
             NodeConfig,
             config_path,
             {**flags, "discovery_port": 0, "node_id": 0},
-            {"secret_file": Path, "data_dir": Path, "peers": parse_peers},
+            {"secret_file": Path, "data_dir": Path, "peers": parse_peers, "certs_dir": Path},
             validate=False,
         )
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def _security(cfg: NodeConfig) -> tls.Security:
+    """An operator's command on a node's host speaks with the node's own
+    certificate (its port is mutual TLS), or plaintext to an --insecure node."""
+    try:
+        return tls.load_security(cfg.certs_dir, cfg.insecure, "node")
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
 
 
 KEY_STDIN = Path("-")
@@ -243,6 +284,8 @@ def restore(
 @click.option("--address", help="any node's gRPC HOST:PORT (default: this node's, from the config)")
 @click.option("--secret-file", type=click.Path(path_type=Path))
 @click.option("--cluster-name")
+@click.option("--certs-dir", type=click.Path(path_type=Path), help="default: the config's")
+@click.option("--insecure", is_flag=True, default=None, help="plaintext, to an --insecure node")
 @click.option("--to", "to", type=int, default=0, help="node id (default: the most caught-up)")
 @click.option("--timeout", default=30.0, show_default=True)
 def transfer_leader(
@@ -250,14 +293,26 @@ def transfer_leader(
     address: str | None,
     secret_file: Path | None,
     cluster_name: str | None,
+    certs_dir: Path | None,
+    insecure: bool | None,
     to: int,
     timeout: float,
 ) -> None:
     """Hand the leadership to another voter and wait until it leads; prints
     {"from": ID, "to": ID, "seconds": S} as JSON."""
-    cfg = _offline_config(config_path, {"secret_file": secret_file, "cluster_name": cluster_name})
+    cfg = _offline_config(
+        config_path,
+        {
+            "secret_file": secret_file,
+            "cluster_name": cluster_name,
+            "certs_dir": certs_dir,
+            "insecure": insecure,
+        },
+    )
+    security = _security(cfg)
+    client_tls = security.client_tls()
     start = _dialable(address or cfg.address)
-    views, addresses = _member_views(start)
+    views, addresses = _member_views(start, client_tls)
     lead = leader_host(views)
     if lead is None:
         raise click.ClickException("no leader right now: nothing to transfer")
@@ -269,7 +324,7 @@ def transfer_leader(
         )
     token = cluster_token(cfg.secret(), cfg.cluster_name)
     t0 = time.monotonic()
-    with grpc.insecure_channel(addresses[lead_id]) as ch:
+    with security.sync_channel(addresses[lead_id]) as ch:
         try:
             admin_pb2_grpc.AdminStub(ch).TransferLeader(
                 admin_pb2.TransferLeaderRequest(node_id=target),
@@ -279,7 +334,7 @@ def transfer_leader(
         except grpc.RpcError as e:
             raise click.ClickException(f"{e.code().name}: {e.details()}") from None
     while time.monotonic() - t0 < timeout:
-        view = ask_node(addresses[target], 2.0)
+        view = ask_node(addresses[target], 2.0, client_tls)
         if view is not None and view["role"] == "leader":
             out = {"from": lead_id, "to": target, "seconds": round(time.monotonic() - t0, 3)}
             click.echo(json.dumps(out))
@@ -288,15 +343,15 @@ def transfer_leader(
     raise click.ClickException(f"node {target} did not take over within {timeout:.0f} s")
 
 
-def _member_views(start: str) -> tuple[list[HostView], dict[int, str]]:
+def _member_views(start: str, client_tls: ClientTLS) -> tuple[list[HostView], dict[int, str]]:
     """Every member's own view, found from one node; hosts named by address."""
-    first = ask_node(start, 2.0)
+    first = ask_node(start, 2.0, client_tls)
     if first is None:
         raise click.ClickException(f"no node answers at {start}")
     addresses = {int(first["id"]): str(first["address"]), **first["members"]}
     views = []
     for node_id, addr in sorted(addresses.items()):
-        view = first if node_id == first["id"] else ask_node(addr, 2.0)
+        view = first if node_id == first["id"] else ask_node(addr, 2.0, client_tls)
         doc = None
         if view is not None:
             doc = {**view, "node_id": node_id, "member": node_id in addresses}

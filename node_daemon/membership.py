@@ -28,6 +28,7 @@ from discovery.core import Join
 from discovery.protocol import Member
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.raft import ConfChange, ConfChangeType, Role
+from roadlog.runtime import tls
 from roadlog.runtime.auth import token_metadata
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, command_pb2
 
@@ -91,7 +92,7 @@ class Membership:
         n = self.node
         n.update_addresses({j.leader: j.leader_address})
         try:
-            async with grpc.aio.insecure_channel(j.leader_address) as ch:
+            async with tls.current().channel(j.leader_address) as ch:
                 await admin_pb2_grpc.AdminStub(ch).AddNode(
                     admin_pb2.AddNodeRequest(node_id=n.id, address=n.cfg.address),
                     metadata=token_metadata(self.token),
@@ -187,7 +188,7 @@ class Membership:
             addr = n.address_of(lead)
             if lead and addr and lead != n.id:
                 try:
-                    async with grpc.aio.insecure_channel(addr) as ch:
+                    async with tls.current().channel(addr) as ch:
                         resp = await admin_pb2_grpc.AdminStub(ch).RemoveNode(
                             admin_pb2.RemoveNodeRequest(node_id=n.id),
                             metadata=token_metadata(self.token),

@@ -82,6 +82,7 @@ from node_daemon.state.machine import OpResult, StateMachine, trim_op
 from node_daemon.transport import PeerTransport
 from roadlog.columnar import varint
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
+from roadlog.runtime import tls
 from roadlog.v1 import admin_pb2_grpc, client_pb2, command_pb2
 
 log = logging.getLogger("roadlog.node")
@@ -422,7 +423,7 @@ class RaftNode:
         """True: ``peer`` never got past its bootstrap; False: it did;
         None: no answer."""
         try:
-            async with grpc.aio.insecure_channel(self.cfg.peers[peer]) as ch:
+            async with tls.current().channel(self.cfg.peers[peer]) as ch:
                 st = await admin_pb2_grpc.AdminStub(ch).Status(
                     client_pb2.StatusRequest(), timeout=1.0
                 )

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from discovery.agent import DiscoveryAgent, now_ms
 from discovery.core import DiscoveryCore, Found, Join
-from node_daemon.admin import NODE_PROTECTED, AdminService
+from node_daemon.admin import NODE_PROTECTED, AdminService, node_callers, refused_by_cert
 from node_daemon.config import ConfigError, NodeConfig
 from node_daemon.identity import node_id_for
 from node_daemon.membership import Membership
@@ -31,6 +31,7 @@ from node_daemon.state_metrics import STATE
 from node_daemon.status import node_readiness
 from node_daemon.worker import QueueServerLink, WorkHandler
 from roadlog.limits import PEER_MESSAGE_BYTES
+from roadlog.runtime import tls
 from roadlog.runtime.auth import ClusterAuth, cluster_token
 from roadlog.runtime.health import serve_metrics_and_health
 from roadlog.runtime.sdnotify import notify
@@ -110,8 +111,12 @@ async def serve(cfg: NodeConfig) -> None:
     STATE.watch(node.sm)  # topics, group lag, heat-map age on /metrics
     membership = Membership(node, token, sync_addresses=discovered_peers)
     stop = asyncio.Event()
+    security = tls.current()
+    interceptors: list[grpc.aio.ServerInterceptor] = [ClusterAuth(token, NODE_PROTECTED)]
+    if not security.insecure:  # who may call what, by the caller's certificate
+        interceptors.insert(0, tls.CertAuth(node_callers, refused_by_cert))
     server = grpc.aio.server(
-        interceptors=[ClusterAuth(token, NODE_PROTECTED)],
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", PEER_MESSAGE_BYTES),
             ("grpc.max_send_message_length", PEER_MESSAGE_BYTES),
@@ -133,7 +138,7 @@ async def serve(cfg: NodeConfig) -> None:
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(cfg.listen)
+    port = security.add_port(server, cfg.listen, mutual=True)
     if port == 0:
         raise ConfigError(f"listen: cannot bind {cfg.listen}")
     await server.start()

@@ -39,6 +39,7 @@ from node_daemon.batch_wire import encode_batch
 from node_daemon.peer_frames import FramesLink, FramesServer
 from node_daemon.raft import Message, MessageType
 from node_daemon.wire import message_from_pb, message_to_pb
+from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 
@@ -145,7 +146,7 @@ class _Peer:
         # One channel for the peer's lifetime, reconnecting fast: a channel
         # made while the peer was down would otherwise back off for seconds
         # after it came back, and elections would wait for it.
-        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as ch:
+        async with tls.current().channel(self.address, options=CHANNEL_OPTIONS) as ch:
             await self._link_forever(ch)
 
     async def _frames_port(self, stub: raft_pb2_grpc.RaftPeerAsyncStub) -> int:
@@ -217,6 +218,20 @@ class _Peer:
             self.t.on_unreachable(self.id)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
+
+
+def _certified_node(context: Any) -> int:
+    """The node id the caller's certificate names (0: no TLS, so no binding;
+    with TLS, CertAuth lets only node certificates reach RaftPeer)."""
+    ident = tls.grpc_identity(context)
+    return ident.node_id if ident is not None else 0
+
+
+def _all_from(batch: raft_pb2.RaftBatch, sender: int) -> bool:
+    """Every message of ``batch`` (and the batch) says it is from ``sender``."""
+    return getattr(batch, "from") == sender and all(
+        getattr(m, "from") == sender for m in batch.messages
+    )
 
 
 class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
@@ -315,10 +330,17 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         request_iterator: AsyncIterator[raft_pb2.RaftBatch],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> raft_pb2.StreamClosed:
+        sender = _certified_node(context)
         async for batch in request_iterator:  # the cluster token is checked by ClusterAuth
             if batch.cluster != self.cluster:
                 self.rejected += 1
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
+            if sender and not _all_from(batch, sender):
+                self.rejected += 1
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"a message not from node {sender}, whose certificate this is",
+                )
             self._receive(batch)
         return raft_pb2.StreamClosed()
 
@@ -352,6 +374,13 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         if request.cluster != self.cluster:  # the cluster token is checked by ClusterAuth
             self.rejected += 1
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster credentials")
+        sender = _certified_node(context)
+        if sender and request.node_id != sender:
+            self.rejected += 1
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {sender} asked for node {request.node_id}'s snapshot",
+            )
         timer = self._snapshot_timers.pop(request.node_id, None)
         if timer is not None:
             timer.cancel()  # the pull started: its end decides
@@ -430,7 +459,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             sha, total = b"", -1
             try:
                 opts = [("grpc.max_receive_message_length", 8 << 20)]
-                async with grpc.aio.insecure_channel(addr, options=opts) as ch:
+                async with tls.current().channel(addr, options=opts) as ch:
                     stub = raft_pb2_grpc.RaftPeerStub(ch)
                     req = raft_pb2.SnapshotRequest(
                         cluster=self.cluster,

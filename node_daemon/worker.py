@@ -37,7 +37,7 @@ from roadlog.limits import (
     grpc_options,
 )
 from roadlog.rpc import QUEUED
-from roadlog.runtime import frames
+from roadlog.runtime import frames, tls
 from roadlog.runtime.auth import token_metadata
 from roadlog.v1 import client_pb2, command_pb2, raft_pb2, work_pb2, work_pb2_grpc
 from roadlog.validation import BatchRejected
@@ -591,7 +591,7 @@ class QueueServerLink:
             inflight: set[asyncio.Task[None]] = set()
             try:
                 opts = grpc_options(WORK_MESSAGE_BYTES)
-                async with grpc.aio.insecure_channel(self.address, options=opts) as ch:
+                async with tls.current().channel(self.address, options=opts) as ch:
                     stub = work_pb2_grpc.WorkStub(ch)
                     self.outbox = asyncio.Queue()
                     self._fences_told, self._fence_wait = False, 0  # until this server says

@@ -33,6 +33,12 @@ class QueueConfig:
         7501, "TCP port of the framed Work link for nodes (0: any free port, -1: off)"
     )
     secret_file: Path | None = key(None, "the file holding the shared cluster secret")
+    # TLS on every port (roadlog/runtime/tls.py): ca.crt, queue.crt, queue.key
+    # (made by `roadlog ca create-queue`; the key 0600). Clients check the
+    # queue server's certificate; nodes pull work over the framed Work link
+    # in mutual TLS (a client port cannot ask callers for certificates).
+    certs_dir: Path | None = key(None, "directory of ca.crt, queue.crt and queue.key (TLS)")
+    insecure: bool = key(False, "no TLS: plaintext, unauthenticated ports (debugging only)")
     metrics_port: int = key(9500, "port of Prometheus /metrics, /healthz and /readyz")
     max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
     max_reads: int = key(10_000, "queued read requests before RESOURCE_EXHAUSTED")
@@ -69,6 +75,11 @@ class QueueConfig:
             check_address(seed, "discovery_seeds")
         if not -1 <= self.work_frames_port <= 65535:
             raise ConfigError("work_frames_port: must be in -1..65535 (-1: off, 0: any)")
+        if self.work_frames_port == -1 and not self.insecure:
+            raise ConfigError(
+                "work_frames_port: with TLS nodes pull work only over the framed Work link "
+                "(mutual TLS); give it a port (0: any)"
+            )
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:
             raise ConfigError("max_writes, max_reads and default_timeout_ms must be positive")
         if self.max_queued_bytes < CLIENT_MESSAGE_BYTES:
@@ -87,5 +98,5 @@ def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConf
         QueueConfig,
         path,
         overrides,
-        {"secret_file": Path, "discovery_seeds": _list},
+        {"secret_file": Path, "certs_dir": Path, "discovery_seeds": _list},
     )

@@ -10,7 +10,7 @@ import click
 
 from queue_server.config import QueueConfig, load_queue_config
 from queue_server.server import serve
-from roadlog.runtime import eventloop
+from roadlog.runtime import eventloop, tls
 from roadlog.runtime.config import (
     ConfigError,
     check_secret,
@@ -35,9 +35,13 @@ def run(config_path: Path | None, **flags: Any) -> None:
     try:
         cfg = load_queue_config(config_path, flags)
         check_secret(cfg.secret_file)
+        security = tls.load_security(cfg.certs_dir, cfg.insecure, "queue")
     except ConfigError as e:
         refuse_to_start("roadlog-queue", e)
+    tls.install(security)
     setup_logging("queue", cfg.log_level)
+    if security.insecure:
+        tls.warn_insecure("roadlog-queue")
     try:
         eventloop.run(serve(cfg))
     except RuntimeError as e:

@@ -41,7 +41,7 @@ from roadlog.grpc_status import to_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
 from roadlog.protowire import length_delimited
 from roadlog.rpc import BY_NAME, QUEUED, SERVICE, Kind
-from roadlog.runtime import frames
+from roadlog.runtime import frames, tls
 from roadlog.runtime.auth import ClusterAuth, cluster_token, protects
 from roadlog.runtime.health import serve_metrics_and_health
 from roadlog.v1 import client_pb2, raft_pb2, work_pb2, work_pb2_grpc
@@ -269,7 +269,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     async def Pull(
         self, request_iterator: AsyncIterator[work_pb2.WorkerMessage], context: Any
     ) -> AsyncIterator[work_pb2.WorkItems]:
-        wid = self._open_session()  # the cluster token is checked by ClusterAuth
+        # The cluster token is checked by ClusterAuth; with TLS only a node's
+        # certificate gets here (CertAuth), and the stream is bound to it.
+        ident = tls.grpc_identity(context)
+        wid = self._open_session(ident.node_id if ident is not None else 0)
 
         async def read() -> None:
             try:
@@ -434,11 +437,18 @@ class QueueServer(work_pb2_grpc.WorkServicer):
     async def start_frames(self, host: str, port: int) -> int:
         """Offer the framed Work link on (host, port) (0: any free port);
         returns the port, or 0 when it could not bind: nodes then pull over
-        gRPC, and the queue server runs as before."""
+        gRPC, and the queue server runs as before. With TLS it is the only
+        way nodes pull (mutual TLS): a port that cannot be bound is an error."""
         server = frames.FramedServer(
             frames.WORK, self.cfg.cluster_name, self.cfg.secret(), self.open_frames, self._reject
         )
-        bound = await server.offer(host, port, "nodes pull over gRPC")
+        if server.ssl is not None:  # with TLS, the only way nodes can pull: it must be there
+            try:
+                bound = await server.start(host, port)
+            except OSError as e:
+                raise RuntimeError(f"work_frames_port {port}: cannot bind it ({e})") from None
+        else:
+            bound = await server.offer(host, port, "nodes pull over gRPC")
         if bound:
             self.frames = server
         return bound
@@ -516,14 +526,25 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
+def _queue_callers(method: str) -> tuple[str, ...] | None:
+    """Certificate kinds that may call ``method`` (None: anyone)."""
+    return ("node",) if method == "/roadlog.v1.Work/Pull" else None
+
+
 async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     qs = QueueServer(cfg)
     # One port serves clients and the nodes' Work streams: it takes what a
     # node may send, and ``call`` refuses a client request over its own limit.
-    server = grpc.aio.server(
-        interceptors=[ClusterAuth(qs.token, protects(["roadlog.v1.Work"]))],
-        options=grpc_options(WORK_MESSAGE_BYTES),
-    )
+    security = tls.current()
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        ClusterAuth(qs.token, protects(["roadlog.v1.Work"]))
+    ]
+    if not security.insecure:
+        # The port is TLS without client certificates (clients have none), so
+        # no caller here is a node: Pull is refused; nodes pull over the
+        # framed Work link, in mutual TLS.
+        interceptors.insert(0, tls.CertAuth(_queue_callers))
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(WORK_MESSAGE_BYTES))
     server.add_generic_rpc_handlers(
         (
             client_handler(qs),
@@ -545,7 +566,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         ),
         server,
     )
-    if server.add_insecure_port(cfg.listen) == 0:
+    if security.add_port(server, cfg.listen, mutual=False) == 0:
         raise RuntimeError(f"cannot bind {cfg.listen}")
     if cfg.work_frames_port >= 0:
         await qs.start_frames(cfg.listen.rpartition(":")[0], cfg.work_frames_port)

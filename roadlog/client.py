@@ -23,6 +23,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from roadlog import columnar
+from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
 
 # The SDK's error names (re-exported: callers catch roadlog.client.NotFound ...).
@@ -90,7 +91,11 @@ class Connection:
     call carries the client id (queue servers are fair between clients)."""
 
     def __init__(
-        self, servers: Sequence[str], timeout: float = 30.0, client: str | None = None
+        self,
+        servers: Sequence[str],
+        timeout: float = 30.0,
+        client: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         if not servers:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
@@ -100,7 +105,8 @@ class Connection:
             ("grpc.max_receive_message_length", CLIENT_MESSAGE_BYTES),
             ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES),
         ]
-        self.channels = [grpc.insecure_channel(s, options=opts) for s in self.servers]
+        self.tls = tls if tls is not None else ClientTLS.from_env()
+        self.channels = [self.tls.channel(s, options=opts) for s in self.servers]
         # Per channel, per method: a call that sends and receives bytes (the
         # rpc table says what they are; views are sent and read as they are).
         self._calls: list[dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]]] = [

@@ -31,6 +31,7 @@ import grpc
 
 from roadlog.batch_stream import BatchFailed, BatchStream
 from roadlog.client import RETRYABLE, client_id
+from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code, RoadlogError, error
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import client_pb2
@@ -68,12 +69,14 @@ class Publisher:
         max_full_in_flight: int = 8,
         timeout: float = 30.0,
         client: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         if not servers:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
         if not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
             raise ValueError(f"max_batch_requests must be 1..{MAX_BATCH_REQUESTS}")
         self.servers = list(servers)
+        self.tls = tls if tls is not None else ClientTLS.from_env()
         self.max_in_flight = max_in_flight
         self.max_batch_requests = max_batch_requests
         self.max_batch_bytes = max_batch_bytes
@@ -106,7 +109,7 @@ class Publisher:
             ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES),
         ]
         for s in self.servers:
-            ch = grpc.aio.insecure_channel(s, options=opts)
+            ch = self.tls.aio_channel(s, options=opts)
             self._channels.append(ch)
             self._calls.append(BatchStream(ch, self.metadata))
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from roadlog.client_tls import ClientTLS
 from roadlog.v1 import admin_pb2_grpc, client_pb2
 
 ROLES = ("follower", "pre-candidate", "candidate", "leader")
@@ -35,11 +36,13 @@ def node_json(ns: client_pb2.NodeStatus) -> dict[str, Any]:
     }
 
 
-def ask_node(address: str, timeout: float) -> dict[str, Any] | None:
+def ask_node(address: str, timeout: float, tls: ClientTLS | None = None) -> dict[str, Any] | None:
     """A node's own status (``node_json``), and under "members" the
-    addresses of the other members it knows; None if it does not answer."""
+    addresses of the other members it knows; None if it does not answer.
+    A node's port is mutual TLS: ``tls`` (default ``ClientTLS.from_env()``)
+    needs a client certificate of the cluster's CA."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with (tls or ClientTLS.from_env()).channel(address) as ch:
             st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=timeout)
     except grpc.RpcError:
         return None

@@ -4,6 +4,11 @@ Options:
 
 - ``nodes``: node gRPC addresses ``HOST:PORT,...`` (any one that answers plans);
 - ``secret_file`` and ``cluster_name``: the cluster's credentials;
+- TLS from the environment of the driver and of every executor
+  (``ClientTLS.from_env()``: ``ROADLOG_CA_FILE``, and a client certificate of
+  the cluster's CA in ``ROADLOG_CERT_FILE``/``ROADLOG_KEY_FILE``, since a
+  node's port is mutual TLS; set them for executors with
+  ``spark.executorEnv.*``);
 - ``topic``;
 - ``window_start_ms`` / ``window_end_ms``: event time (the pings' ``ts_ms``)
   to keep, [start, end); both optional;
@@ -58,6 +63,7 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from roadlog import columnar
+from roadlog.client_tls import ClientTLS
 from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import read_secret
@@ -143,7 +149,7 @@ def ask_plan(
     errors = []
     for n in sorted(nodes, key=lambda n: not is_local(n)):
         try:
-            with grpc.insecure_channel(n, options=GRPC_OPTIONS) as ch:
+            with ClientTLS.from_env().channel(n, options=GRPC_OPTIONS) as ch:
                 resp: noderead_pb2.PlanResponse = noderead_pb2_grpc.NodeReadStub(ch).Plan(
                     req, metadata=token_metadata(token), timeout=30
                 )
@@ -381,7 +387,7 @@ def _stream(task: RangeTask, node: str, offset: int) -> Iterator[tuple[pa.Record
         min_applied_index=task.fence,
     )
     lo, hi = task.window
-    with grpc.insecure_channel(node, options=GRPC_OPTIONS) as ch:
+    with ClientTLS.from_env().channel(node, options=GRPC_OPTIONS) as ch:
         stream = noderead_pb2_grpc.NodeReadStub(ch).ReadRange(
             req, metadata=token_metadata(task.token), timeout=600
         )

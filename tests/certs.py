@@ -35,6 +35,11 @@ class ClusterCA:
     def ca_file(self) -> Path:
         return self.root / "ca" / "ca.crt"
 
+    @property
+    def signing(self) -> tuple[Path, Path]:
+        """What ``LocalCluster.create(ca=...)`` signs with."""
+        return self.ca_dir, self.ca_key
+
     def node(self, node_id: int) -> Path:
         return self.root / f"node{node_id}"
 

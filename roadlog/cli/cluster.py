@@ -9,6 +9,7 @@ import click
 from rich.table import Table
 
 from roadlog.cli.common import DIR_HELP, cli, err, on_local_cluster, out, resolve_servers, where
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster, gather_status
 
@@ -25,12 +26,26 @@ def cluster() -> None:
     "--dir", "--cluster", "directory", type=click.Path(path_type=Path), required=True, help=DIR_HELP
 )
 @click.option("--timeout", default=60.0, show_default=True, help="seconds to wait for a leader")
-def cluster_up(nodes: int, queue_servers: int, directory: Path, timeout: float) -> None:
-    """Start node daemons and queue servers, wait for a leader, write DIR/cluster.json."""
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="no TLS: plaintext, unauthenticated ports (debugging only)",
+)
+def cluster_up(
+    nodes: int, queue_servers: int, directory: Path, timeout: float, insecure: bool
+) -> None:
+    """Start node daemons and queue servers, wait for a leader, write
+    DIR/cluster.json. TLS on every port: a CA in DIR/ca (its key too),
+    each process's certificate in DIR/certs, the tools' in DIR/certs/client."""
     if nodes < 1 or queue_servers < 1:
         raise click.BadParameter("need at least one node and one queue server")
+    if insecure:
+        err.print(
+            "[bold red]INSECURE: --insecure turns TLS off: every port of this cluster is "
+            "plaintext and unauthenticated. For debugging only.[/]"
+        )
     try:
-        lc = LocalCluster.create(directory, nodes, queue_servers)
+        lc = LocalCluster.create(directory, nodes, queue_servers, insecure=insecure)
     except FileExistsError as e:
         raise click.ClickException(str(e)) from None
     lc.start_all()
@@ -55,7 +70,7 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
     if cluster is not None:
         st = on_local_cluster(cluster, LocalCluster.status)
     else:
-        st = gather_status(resolve_servers(None, servers), [])
+        st = gather_status(resolve_servers(None, servers), [], tls=ClientTLS.from_env())
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from discovery.listen import find_queue_servers
 from roadlog.client import Connection, RoadlogError, servers_from_env
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.config import read_secret
 from roadlog.tools.localcluster import LocalCluster
 
@@ -108,10 +109,18 @@ def where(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def client_tls(cluster: Path | None) -> ClientTLS:
+    """A local cluster's CA and admin certificate (--cluster DIR), else
+    ROADLOG_CA_FILE, ROADLOG_CERT_FILE, ROADLOG_KEY_FILE, ROADLOG_INSECURE."""
+    if cluster is not None:
+        return LocalCluster.load(cluster).tls()
+    return ClientTLS.from_env()
+
+
 @contextmanager
 def connection(cluster: Path | None, servers: str | None) -> Iterator[Connection]:
     try:
-        conn = Connection(resolve_servers(cluster, servers))
+        conn = Connection(resolve_servers(cluster, servers), tls=client_tls(cluster))
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     try:

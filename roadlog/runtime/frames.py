@@ -1,6 +1,8 @@
 """Framed links between roadlog's own processes: length-prefixed messages on
-a plain TCP connection run by the event loop itself, opened with an HMAC
-challenge-response keyed by the cluster secret.
+a TCP connection run by the event loop itself, in mutual TLS (the process's
+credentials, ``roadlog.runtime.tls``; plaintext only when it runs
+``--insecure``), opened with an HMAC challenge-response keyed by the
+cluster secret.
 
 They carry serialized protobuf messages without gRPC's machinery: no
 event-engine or poller threads, so no cross-thread hand-over and wake-up per
@@ -18,6 +20,9 @@ Wire format (all integers little-endian):
   from a connection before its hello checks out; a bad one (or none within
   ``HANDSHAKE_TIMEOUT_S``) closes the connection.
 - Then frames, both ways: a u32 length and that many bytes.
+- With TLS (the default), all of it inside a mutual TLS session: both ends
+  present a certificate of the cluster's CA, and the hello's id must be the
+  node id the client's certificate names (a node cannot speak for another).
 
 Invariants:
 - A frame longer than the scheme's ``max_frame`` (either way), or one the
@@ -39,12 +44,14 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from roadlog.limits import WORK_MESSAGE_BYTES
+from roadlog.runtime import tls
 
 log = logging.getLogger("roadlog.frames")
 
@@ -291,11 +298,15 @@ class ServerConn(_Conn):
         self.server = server
         self.nonce = os.urandom(NONCE_BYTES)
         self.peer_id = 0
+        self.cert_node = 0  # the node id the client's certificate names (with TLS)
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         assert self.transport is not None
+        if self.server.ssl is not None:
+            ident = tls.ssl_identity(transport.get_extra_info("peercert"))
+            self.cert_node = ident.node_id if ident is not None else 0
         self.transport.write(self.scheme.magic + self.nonce)
         self.timer = asyncio.get_running_loop().call_later(
             HANDSHAKE_TIMEOUT_S, self.refuse, "no hello in time"
@@ -313,6 +324,9 @@ class ServerConn(_Conn):
         want = self.scheme.hello_mac(self.server.key, self.server.cluster, self.nonce, node_id)
         if node_id == 0 or not hmac.compare_digest(mac, want):
             self.refuse("bad hello")
+            return
+        if self.server.ssl is not None and node_id != self.cert_node:
+            self.refuse(f"hello as node {node_id} with a certificate of node {self.cert_node}")
             return
         self.peer_id = node_id
         try:
@@ -341,7 +355,13 @@ class FramedServer:
         secret: bytes,
         on_open: Callable[[ServerConn], OnFrame],
         on_reject: Callable[[], None],
+        ssl_context: ssl.SSLContext | tls.Default | None = tls.DEFAULT,
     ) -> None:
+        """``ssl_context``: mutual TLS (default: the process's credentials,
+        ``tls.current()``; None: plaintext)."""
+        self.ssl: ssl.SSLContext | None = (
+            tls.current().server_ssl() if isinstance(ssl_context, tls.Default) else ssl_context
+        )
         self.scheme = scheme
         self.cluster = cluster
         self.key = scheme.key(secret, cluster)
@@ -359,7 +379,13 @@ class FramedServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port); port 0 takes any free one. Returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, host.strip("[]") or None, port)
+        self._server = await loop.create_server(
+            self._protocol,
+            host.strip("[]") or None,
+            port,
+            ssl=self.ssl,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self.ssl is not None else None,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -420,12 +446,19 @@ async def connect(
     secret: bytes,
     node_id: int,
     on_frame: OnFrame | None = None,
+    ssl_context: ssl.SSLContext | tls.Default | None = tls.DEFAULT,
 ) -> ClientConn:
     """Dial a framed link and say hello as ``node_id``; ``on_frame`` gets
-    the frames the server sends (None: it sends none)."""
+    the frames the server sends (None: it sends none). ``ssl_context``:
+    mutual TLS (default: the process's credentials; None: plaintext); the
+    server's certificate must name ``host``."""
     loop = asyncio.get_running_loop()
+    ctx = tls.current().client_ssl() if isinstance(ssl_context, tls.Default) else ssl_context
+    extra: dict[str, Any] = {}
+    if ctx is not None:
+        extra = {"ssl": ctx, "server_hostname": host.strip("[]")}
     transport, conn = await asyncio.wait_for(
-        loop.create_connection(lambda: ClientConn(scheme, on_frame), host, port),
+        loop.create_connection(lambda: ClientConn(scheme, on_frame), host, port, **extra),
         HANDSHAKE_TIMEOUT_S,
     )
     try:

@@ -36,6 +36,7 @@ from typing import Any
 
 import grpc
 
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.config import ConfigError
 
 CA_CERT = "ca.crt"
@@ -231,6 +232,13 @@ def ssl_identity(peercert: dict[str, Any] | None) -> Identity | None:
 # --------------------------------------------------------------- the process
 
 
+class Default:
+    """The type of ``DEFAULT``: "the process's own" where None means plaintext."""
+
+
+DEFAULT = Default()
+
+
 class Security:
     """How a process speaks on the wire: TLS with its ``Credentials``, or
     plaintext (``insecure``, debugging only). One per process, installed at
@@ -238,6 +246,7 @@ class Security:
 
     def __init__(self, creds: Credentials | None) -> None:
         self.creds = creds
+        self._contexts: dict[str, ssl.SSLContext] = {}  # made once: loading reads files
 
     @property
     def insecure(self) -> bool:
@@ -264,11 +273,36 @@ class Security:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, self.creds.server_credentials(mutual))
 
+    def client_tls(self) -> ClientTLS:
+        """The same credentials for the SDK's calls (``roadlog.client_tls``)."""
+        if self.creds is None:
+            return ClientTLS(insecure=True)
+        return ClientTLS(self.creds.ca_file, self.creds.cert_file, self.creds.key_file)
+
     def server_ssl(self, mutual: bool = True) -> ssl.SSLContext | None:
-        return None if self.creds is None else self.creds.server_ssl(mutual)
+        if self.creds is None:
+            return None
+        key = f"server-{mutual}"
+        if key not in self._contexts:
+            self._contexts[key] = self.creds.server_ssl(mutual)
+        return self._contexts[key]
 
     def client_ssl(self) -> ssl.SSLContext | None:
-        return None if self.creds is None else self.creds.client_ssl()
+        if self.creds is None:
+            return None
+        if "client" not in self._contexts:
+            self._contexts["client"] = self.creds.client_ssl()
+        return self._contexts["client"]
+
+
+def warn_insecure(program: str) -> None:
+    """Say it loudly, on stderr and in the log, at every start."""
+    import logging
+    import sys
+
+    line = f"{program}: {INSECURE_WARNING}"
+    print("!" * 79, line, "!" * 79, sep="\n", file=sys.stderr, flush=True)
+    logging.getLogger("roadlog.tls").warning(INSECURE_WARNING)
 
 
 _current = Security(None)

@@ -5,6 +5,11 @@ logging to DIR/logs), waits for a leader and writes cluster.json; ``kill``
 SIGKILLs one node, ``start`` starts it again with the same arguments,
 ``down`` stops everything (SIGTERM, then SIGKILL after a grace period).
 Only processes recorded in cluster.json are ever signalled.
+
+TLS by default: ``create`` makes a CA in DIR/ca (or signs with one it is
+given, as the tests do with one CA per session) and a certs dir per
+process (DIR/certs/n1, .../q1, .../client for the tools: ``tls()``); the
+CA's key stays in DIR/ca. ``insecure`` runs every process with --insecure.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from typing import Any
 
 import grpc
 
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.processes import alive, free_port, wait_dead
+from roadlog.runtime.tls import CA_CERT, Identity
 from roadlog.status import DOWN, ask_node
 from roadlog.v1 import client_pb2, client_pb2_grpc
 
@@ -57,6 +64,7 @@ class LocalCluster:
     nodes: list[NodeInfo] = field(default_factory=list)
     queue_servers: list[QueueInfo] = field(default_factory=list)
     secret_file: str = ""
+    certs_dir: str = ""  # the tools' certs dir (ca.crt, client.admin.*); "" with insecure
 
     # ---------------------------------------------------------------- files
 
@@ -69,6 +77,7 @@ class LocalCluster:
             "nodes": [asdict(n) for n in self.nodes],
             "queue_servers": [asdict(q) for q in self.queue_servers],
             "secret_file": self.secret_file,
+            "certs_dir": self.certs_dir,
         }
         tmp = self.file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
@@ -86,7 +95,19 @@ class LocalCluster:
             [NodeInfo(**n) for n in doc["nodes"]],
             [QueueInfo(**q) for q in doc["queue_servers"]],
             doc.get("secret_file", ""),
+            doc.get("certs_dir", ""),
         )
+
+    def tls(self) -> ClientTLS:
+        """How tools dial this cluster: its CA and the admin client's certificate."""
+        if not self.certs_dir:
+            return ClientTLS(insecure=True)
+        d = Path(self.certs_dir)
+        return ClientTLS(d / CA_CERT, d / "client.admin.crt", d / "client.admin.key")
+
+    @property
+    def http_scheme(self) -> str:
+        return self.tls().scheme
 
     @property
     def servers(self) -> list[str]:
@@ -102,7 +123,11 @@ class LocalCluster:
         queue_servers: int = 1,
         extra_node_args: list[str] | None = None,
         extra_queue_args: list[str] | None = None,
+        insecure: bool = False,
+        ca: tuple[Path, Path] | None = None,
     ) -> LocalCluster:
+        """``ca``: (a dir with ca.crt, the CA's key) to sign with; None: a
+        new CA in DIR/ca. ``insecure``: no TLS (loudly)."""
         directory = directory.resolve()
         if (directory / "cluster.json").exists():
             raise FileExistsError(f"{directory} already holds a cluster; `cluster down` first")
@@ -120,10 +145,14 @@ class LocalCluster:
             os.fchmod(f.fileno(), 0o600)
             f.write(secrets.token_hex(32) + "\n")
         lc = cls(directory, secret_file=str(secret))
+        certs = _Certs(directory, ca) if not insecure else None
+        if certs is not None:
+            lc.certs_dir = str(certs.client())
         py = sys.executable
         for _ in range(queue_servers):
             port, mport, hport = free_port(), free_port(), free_port()
             i = len(lc.queue_servers) + 1
+            qtls = certs.args("queue", f"q{i}") if certs is not None else ["--insecure"]
             lc.queue_servers.append(
                 QueueInfo(
                     name=f"q{i}",
@@ -144,6 +173,7 @@ class LocalCluster:
                         str(free_port()),
                         "--secret-file",
                         str(secret),
+                        *qtls,
                         *(extra_queue_args or []),
                     ],
                     log=str(directory / "logs" / f"q{i}.log"),
@@ -158,6 +188,7 @@ class LocalCluster:
         for i, port in ports.items():
             mport = free_port()
             data = directory / f"node{i}"
+            ntls = certs.args("node", str(i)) if certs is not None else ["--insecure"]
             lc.nodes.append(
                 NodeInfo(
                     name=f"n{i}",
@@ -184,6 +215,7 @@ class LocalCluster:
                         "0",  # no broadcasts from a loopback cluster
                         "--secret-file",
                         str(secret),
+                        *ntls,
                         *(extra_node_args or []),
                     ],
                     log=str(directory / "logs" / f"n{i}.log"),
@@ -264,7 +296,7 @@ class LocalCluster:
 
     def status(self, timeout: float = 2.0) -> dict[str, Any]:
         ids = {n.address: n.id for n in self.nodes}
-        return gather_status(self.servers, list(ids), timeout, ids)
+        return gather_status(self.servers, list(ids), timeout, ids, self.tls())
 
     def wait_ready(
         self, timeout: float = 60.0, progress: Callable[[str], None] | None = None
@@ -292,6 +324,44 @@ class LocalCluster:
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
 
 
+class _Certs:
+    """A local cluster's certificates: a CA (made in DIR/ca, or given), and
+    a certs dir per process under DIR/certs, each with the CA's certificate."""
+
+    HOSTS = ("127.0.0.1", "localhost", "::1")
+
+    def __init__(self, directory: Path, ca: tuple[Path, Path] | None) -> None:
+        from roadlog.tools import ca as calib  # cryptography: only where certificates are made
+
+        self.lib = calib
+        self.root = directory / "certs"
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        if ca is None:
+            ca_dir = directory / "ca"
+            ca_dir.mkdir(mode=0o700, exist_ok=True)
+            calib.create_ca(ca_dir, ca_dir / "ca.key")
+            ca = (ca_dir, ca_dir / "ca.key")
+        self.ca_dir, self.ca_key = ca
+        self._client: Path | None = None
+
+    def _dir(self, name: str) -> Path:
+        d = self.root / name
+        d.mkdir(mode=0o700, exist_ok=True)
+        self.lib.copy_ca(self.ca_dir, d)
+        return d
+
+    def args(self, kind: str, name: str) -> list[str]:
+        d = self._dir(("n" if kind == "node" else "") + name)
+        self.lib.create_cert(d, self.ca_key, Identity(kind, name), list(self.HOSTS))
+        return ["--certs-dir", str(d)]
+
+    def client(self) -> Path:
+        if self._client is None:
+            self._client = self._dir("client")
+            self.lib.create_cert(self._client, self.ca_key, Identity("client", "admin"))
+        return self._client
+
+
 def _tail(path: str, lines: int = 15) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -305,14 +375,17 @@ def gather_status(
     node_addresses: list[str],
     timeout: float = 2.0,
     ids: dict[str, int] | None = None,
+    tls: ClientTLS | None = None,
 ) -> dict[str, Any]:
     """leader, term, nodes (id, address, role, commit_index, applied_index)
-    and queue_servers (grpc, http), from whatever answers."""
+    and queue_servers (grpc, http), from whatever answers. ``tls``: default
+    ``ClientTLS.from_env()`` (asking nodes needs a client certificate)."""
+    tls = tls or ClientTLS.from_env()
     out: dict[str, Any] = {"leader": 0, "term": 0, "nodes": [], "queue_servers": []}
     known: dict[int, dict[str, Any]] = {}
     for s in servers:
         try:
-            with grpc.insecure_channel(s) as ch:
+            with tls.channel(s) as ch:
                 st = client_pb2_grpc.RoadlogStub(ch).Status(
                     client_pb2.StatusRequest(), timeout=timeout
                 )
@@ -337,7 +410,7 @@ def gather_status(
         if addr in asked:
             continue
         asked.add(addr)
-        view = ask_node(addr, timeout)
+        view = ask_node(addr, timeout, tls)
         if view is not None:
             for nid, a in view.pop("members").items():  # found through this node
                 if a not in asked and a not in todo:

@@ -18,19 +18,41 @@ from roadlog.client import Admin, Connection, Consumer, Producer, RoadlogError
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
+from tests.certs import ClusterCA
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 T = TypeVar("T")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cluster_tls(test_ca: ClusterCA) -> Iterator[ClusterCA]:
+    """Every cluster of this tier runs with TLS, its certificates signed by
+    the session's CA; the SDK, the tools, Spark and the processes tests
+    start trust it and present its admin client certificate (the
+    ROADLOG_CA_FILE, _CERT_FILE and _KEY_FILE that ClientTLS.from_env reads)."""
+    client = test_ca.client()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROADLOG_CA_FILE", str(client / "ca.crt"))
+        mp.setenv("ROADLOG_CERT_FILE", str(client / "client.admin.crt"))
+        mp.setenv("ROADLOG_KEY_FILE", str(client / "client.admin.key"))
+        mp.delenv("ROADLOG_INSECURE", raising=False)
+        yield test_ca
+
+
 @pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+def make_cluster(tmp_path: Path, test_ca: ClusterCA) -> Iterator[Callable[..., LocalCluster]]:
     made: list[LocalCluster] = []
 
     def make(
         nodes: int = 3, queue_servers: int = 1, extra: list[str] | None = None
     ) -> LocalCluster:
-        lc = LocalCluster.create(tmp_path / f"c{len(made)}", nodes, queue_servers, extra)
+        lc = LocalCluster.create(
+            tmp_path / f"c{len(made)}",
+            nodes,
+            queue_servers,
+            extra,
+            ca=(test_ca.ca_dir, test_ca.ca_key),
+        )
         made.append(lc)
         lc.start_all()
         lc.wait_ready(60)

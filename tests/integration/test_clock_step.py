@@ -24,6 +24,7 @@ import pytest
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import heatmaps_pb2
+from tests.certs import ClusterCA
 from tests.integration.conftest import REGION, make_pings, wait_for
 
 pytestmark = pytest.mark.integration
@@ -32,8 +33,10 @@ HOURS_3 = 3 * 3600
 
 
 @pytest.fixture
-def one_node_with_a_clock(tmp_path: Path) -> Iterator[tuple[LocalCluster, Path]]:
-    lc = LocalCluster.create(tmp_path / "c", nodes=1, queue_servers=1)
+def one_node_with_a_clock(
+    tmp_path: Path, test_ca: ClusterCA
+) -> Iterator[tuple[LocalCluster, Path]]:
+    lc = LocalCluster.create(tmp_path / "c", nodes=1, queue_servers=1, ca=test_ca.signing)
     clock = tmp_path / "clock"
     clock.write_text("0\n")
     (node,) = lc.nodes

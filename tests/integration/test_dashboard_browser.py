@@ -27,6 +27,7 @@ from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import heatmaps_pb2
+from tests.certs import ClusterCA
 from tests.integration.conftest import headless_chromium, wait_for
 
 pytestmark = pytest.mark.integration
@@ -41,10 +42,10 @@ TILES = "/ui/static/vendor/leaflet/images/layers.png?z={z}&x={x}&y={y}"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Iterator[LocalCluster]:
     lc = LocalCluster.create(
         Path(tmp_path_factory.mktemp("dash")) / "c", 3, 1,
-        extra_queue_args=["--dashboard-tile-url", TILES],
+        extra_queue_args=["--dashboard-tile-url", TILES], ca=test_ca.signing,
     )  # fmt: skip
     lc.start_all()
     try:

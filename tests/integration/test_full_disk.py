@@ -22,6 +22,7 @@ from node_daemon.disk import free_bytes
 from roadlog.client import Connection, Consumer, Producer, RoadlogError
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster, NodeInfo
+from tests.certs import ClusterCA
 from tests.integration.conftest import create_topic, make_pings, wait_for
 from tests.integration.test_replicated_log import digest
 
@@ -33,10 +34,12 @@ MIN_FREE = 32 * MIB
 
 
 @pytest.fixture
-def cluster_on_small_disks(tmp_path: Path) -> Iterator[LocalCluster]:
+def cluster_on_small_disks(tmp_path: Path, test_ca: ClusterCA) -> Iterator[LocalCluster]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    lc = LocalCluster.create(tmp_path / "c", 3, 1, ["--min-free-bytes", str(MIN_FREE)])
+    lc = LocalCluster.create(
+        tmp_path / "c", 3, 1, ["--min-free-bytes", str(MIN_FREE)], ca=test_ca.signing
+    )
     mounted: list[str] = []
     try:
         for n in lc.nodes:

@@ -24,6 +24,7 @@ from roadlog.tools.traffic import TrafficSpec, simulate
 from spark.jobs.heatmap import AlreadyRunning, lock, main, run
 from spark.roadlog_source import plan, read_range
 from spark.standalone import local_standalone
+from tests.certs import ClusterCA
 from tests.integration.conftest import headless_chromium, settled, wait_for
 from tests.integration.test_replicated_log import digest
 
@@ -40,11 +41,11 @@ def metres(a: tuple[float, float], b: tuple[float, float]) -> float:
 
 @pytest.fixture(scope="module")
 def traffic(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA
 ) -> Iterator[tuple[LocalCluster, int, int, int]]:
     """A cluster holding 3 minutes of 150 vehicles with a jam at HOT (the
     window), and an hour-old burst outside it."""
-    lc = LocalCluster.create(Path(tmp_path_factory.mktemp("hm")) / "c", 3, 1)
+    lc = LocalCluster.create(Path(tmp_path_factory.mktemp("hm")) / "c", 3, 1, ca=test_ca.signing)
     lc.start_all()
     try:
         lc.wait_ready(60)

@@ -27,6 +27,7 @@ from roadlog.tools.traffic import TrafficSpec, simulate
 from roadlog.v1 import heatmaps_pb2
 from spark.jobs.heatmap import run, session
 from spark.jobs.heatmap_stream import Windows, start
+from tests.certs import ClusterCA
 from tests.integration.conftest import wait_for
 from tests.integration.test_replicated_log import digest
 
@@ -38,8 +39,8 @@ MIN = 60_000
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    lc = LocalCluster.create(Path(tmp_path_factory.mktemp("hs")) / "c", 3, 1)
+def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Iterator[LocalCluster]:
+    lc = LocalCluster.create(Path(tmp_path_factory.mktemp("hs")) / "c", 3, 1, ca=test_ca.signing)
     lc.start_all()
     try:
         lc.wait_ready(60)

@@ -24,6 +24,7 @@ from queue_server.openapi import OPENAPI
 from roadlog.client import Connection, Producer
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster
+from tests.certs import ClusterCA
 from tests.integration.conftest import create_topic, make_pings
 
 pytestmark = pytest.mark.integration
@@ -38,8 +39,10 @@ _fence: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, str]]:
-    lc = LocalCluster.create(Path(tmp_path_factory.mktemp("fuzz")) / "c", 3, 1)
+def api(
+    tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA
+) -> Iterator[tuple[LocalCluster, str]]:
+    lc = LocalCluster.create(Path(tmp_path_factory.mktemp("fuzz")) / "c", 3, 1, ca=test_ca.signing)
     lc.start_all()
     try:
         lc.wait_ready(60)

@@ -120,6 +120,7 @@ class NemesisCluster:
         self.net = Net(self.dir / "net", self.tag, subnet=self.subnet)
         self.net.create()
         secret = str(self.net.secret)
+        os.environ["ROADLOG_INSECURE"] = "1"  # the workload's SDK: plaintext, as the daemons
         queues = [self.net.host(QUEUE_HOST0 + k) for k in range(1, self.queues + 1)]
         qlist = ",".join(f"{h.ip}:{QUEUE_PORT}" for h in queues)
         hosts = [self.net.host(NODE_HOST0 + k) for k in range(1, self.nodes + 1)]
@@ -134,6 +135,7 @@ class NemesisCluster:
                     "--metrics-port", "9500",
                     "--discovery-port", "0",
                     "--secret-file", secret,
+                    "--insecure",  # TLS here is a follow-up (certificates for the hosts' addresses)
                 ], self.dir / "logs" / f"q{k}.log")
             )  # fmt: skip
         for k, h in enumerate(hosts, 1):
@@ -160,6 +162,7 @@ class NemesisCluster:
                     "--queue-servers", qlist,
                     "--discovery-port", "0",
                     "--secret-file", secret,
+                    "--insecure",
                     "--min-free-bytes", str(self.min_free_bytes),
                     "--snapshot-entries", str(self.snapshot_entries),
                 ], self.dir / "logs" / f"n{k}.log", data, clock)

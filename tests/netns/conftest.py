@@ -94,6 +94,7 @@ class Host:
                 "--data-dir", str(data),
                 "--listen", self.node_address,
                 "--secret-file", str(secret or self.net.secret),
+                "--insecure",  # TLS in the netns tier is a follow-up (hosts' addresses)
                 "--metrics-port", "9400",
                 "--discovery-broadcast", f"{self.net.subnet}.255",
                 "--bootstrap-expect", str(expect),
@@ -129,6 +130,7 @@ class Net:
         self.secret = self.dir / "secret"
         self.secret.write_text("netns-test-secret-0123456789abcdef0123456789\n")  # >= 32 bytes
         self.secret.chmod(0o600)
+        os.environ["ROADLOG_INSECURE"] = "1"  # the SDK and tools: plaintext, as the daemons
 
     def host(self, index: int) -> Host:
         """Host ``index`` (<subnet>.<10 + index>), made on first use."""

@@ -64,6 +64,7 @@ def test_a_late_node_joins_catches_up_and_a_queue_server_is_found(net: Net) -> N
             "--cluster-name", "netns",
             "--listen", f"{qhost.ip}:7500",
             "--secret-file", str(net.secret),
+            "--insecure",
             "--metrics-port", "0",
             "--discovery-broadcast", "10.77.0.255",
         ],
@@ -177,7 +178,7 @@ def test_a_node_leaves_gracefully_even_as_leader(net: Net) -> None:
     leader = next(h for h in hosts if v[h.index].id == lead_id)
     out = subprocess.run(
         [sys.executable, "-m", "node_daemon.main", "leave", "--address", leader.node_address,
-         "--secret-file", str(net.secret), "--cluster-name", "netns"],
+         "--secret-file", str(net.secret), "--cluster-name", "netns", "--insecure"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -23,6 +23,13 @@ from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit
 
+
+@pytest.fixture(autouse=True)
+def plaintext(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripted servers here are plaintext (TLS is tests/unit/test_tls*.py's)."""
+    monkeypatch.setenv("ROADLOG_INSECURE", "1")
+
+
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 

@@ -1,0 +1,87 @@
+"""How a client dials a cluster: TLS that trusts the cluster's CA (and, for
+calls to nodes, presents a client certificate), or plaintext for a cluster
+run with ``--insecure``.
+
+The SDK's default is ``ClientTLS.from_env()``: ``ROADLOG_CA_FILE`` (the
+cluster's CA; unset: the system's roots), ``ROADLOG_CERT_FILE`` and
+``ROADLOG_KEY_FILE`` (a client certificate, needed only where a node is
+called directly), ``ROADLOG_INSECURE=1`` (plaintext). A local cluster's
+directory holds all of these (``roadlog --cluster DIR``).
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    insecure: bool = False
+
+    @classmethod
+    def from_env(cls) -> ClientTLS:
+        if os.environ.get("ROADLOG_INSECURE", "") not in ("", "0"):
+            return cls(insecure=True)
+
+        def path(name: str) -> Path | None:
+            v = os.environ.get(name)
+            return Path(v) if v else None
+
+        return cls(path("ROADLOG_CA_FILE"), path("ROADLOG_CERT_FILE"), path("ROADLOG_KEY_FILE"))
+
+    @property
+    def scheme(self) -> str:
+        """The HTTP scheme of a cluster dialled this way."""
+        return "http" if self.insecure else "https"
+
+    def _read(self, p: Path | None) -> bytes | None:
+        if p is None:
+            return None
+        try:
+            return p.read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read {p}: {e.strerror}") from None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """gRPC channel credentials (None: plaintext)."""
+        if self.insecure:
+            return None
+        cert, key = self._read(self.cert_file), self._read(self.key_file)
+        if (cert is None) != (key is None):
+            raise ValueError("a client certificate needs both its certificate and its key file")
+        return grpc.ssl_channel_credentials(self._read(self.ca_file), key, cert)
+
+    def channel(
+        self, target: str, options: Sequence[tuple[str, Any]] | None = None
+    ) -> grpc.Channel:
+        creds = self.credentials()
+        if creds is None:
+            return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, creds, options=options)
+
+    def aio_channel(
+        self, target: str, options: Sequence[tuple[str, Any]] | None = None
+    ) -> grpc.aio.Channel:
+        creds = self.credentials()
+        if creds is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, creds, options=options)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For HTTPS (None: plaintext): trusts the cluster's CA (else the system's)."""
+        if self.insecure:
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+        if self.cert_file is not None and self.key_file is not None:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx

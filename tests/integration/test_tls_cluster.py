@@ -1,0 +1,114 @@
+"""A local cluster runs with TLS on every gRPC port and framed link: its
+own clients get in, a plaintext client and a client holding a certificate
+of another CA are refused on each of them, and the queue server's client
+port gives no caller the Work stream."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from roadlog.client_tls import ClientTLS
+from roadlog.runtime import tls
+from roadlog.runtime.auth import cluster_token, token_metadata
+from roadlog.runtime.config import read_secret
+from roadlog.tools.localcluster import LocalCluster, NodeInfo, QueueInfo
+from roadlog.v1 import admin_pb2_grpc, client_pb2, client_pb2_grpc, work_pb2, work_pb2_grpc
+from tests.certs import ClusterCA
+
+pytestmark = pytest.mark.integration
+
+
+def _flag(p: NodeInfo | QueueInfo, flag: str) -> int:
+    return int(p.argv[p.argv.index(flag) + 1])
+
+
+def _grpc_status(address: str, creds: ClientTLS, node: bool) -> grpc.StatusCode:
+    with creds.channel(address) as ch:
+        try:
+            if node:
+                admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=10)
+            else:
+                client_pb2_grpc.RoadlogStub(ch).Status(client_pb2.StatusRequest(), timeout=10)
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def _framed_greeting(port: int, ctx: ssl.SSLContext | None) -> bytes:
+    """What a framed link's server says first to this caller (b"": nothing)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        try:
+            sock = ctx.wrap_socket(raw, server_hostname="127.0.0.1") if ctx else raw
+            if ctx is None:
+                sock.sendall(b"\x00" * 64)  # not a TLS hello
+            return sock.recv(8)
+        except (ssl.SSLError, ConnectionError, TimeoutError):
+            return b""
+
+
+def test_every_port_refuses_plaintext_and_a_foreign_ca(
+    make_cluster: Callable[..., LocalCluster], test_ca: ClusterCA, foreign_ca: ClusterCA
+) -> None:
+    lc = make_cluster(3, 1)
+    ours = lc.tls()
+    plain = ClientTLS(insecure=True)
+    client_dir = foreign_ca.client()
+    foreign = ClientTLS(
+        client_dir / "ca.crt", client_dir / "client.admin.crt", client_dir / "client.admin.key"
+    )
+    # A stranger who trusts our CA but holds a certificate of its own CA.
+    stranger = ClientTLS(ours.ca_file, foreign.cert_file, foreign.key_file)
+    for n in lc.nodes:
+        assert _grpc_status(n.address, ours, node=True) == grpc.StatusCode.OK
+        for who in (plain, foreign, stranger):
+            assert _grpc_status(n.address, who, node=True) == grpc.StatusCode.UNAVAILABLE, who
+    q = lc.queue_servers[0]
+    assert _grpc_status(q.grpc, ours, node=False) == grpc.StatusCode.OK
+    for who in (plain, foreign):
+        assert _grpc_status(q.grpc, who, node=False) == grpc.StatusCode.UNAVAILABLE, who
+
+    node1 = test_ca.creds("node", 1)
+    good = node1.client_ssl()
+    bad = foreign_ca.creds("node", 1).client_ssl()
+    bad.load_verify_locations(cafile=str(test_ca.ca_file))  # it trusts our servers
+    for port in [_flag(n, "--peer-frames-port") for n in lc.nodes] + [
+        _flag(q, "--work-frames-port")
+    ]:
+        assert _framed_greeting(port, good).startswith(b"RL"), port
+        assert _framed_greeting(port, None) == b"", port
+        assert _framed_greeting(port, bad) == b"", port
+
+
+def test_the_client_port_gives_nobody_the_work_stream(
+    make_cluster: Callable[..., LocalCluster], test_ca: ClusterCA
+) -> None:
+    """Even a node's certificate: the client port asks for none, so a Pull
+    there never reaches the queues (nodes pull over the mutual framed link)."""
+    lc = make_cluster(1, 1)
+    node = tls.Security(test_ca.creds("node", 1))
+    # With the cluster token too: only the missing client certificate refuses it.
+    token = cluster_token(read_secret(Path(lc.secret_file)), "roadlog")
+
+    async def pull() -> grpc.StatusCode:
+        async with node.channel(lc.queue_servers[0].grpc) as ch:
+
+            async def messages() -> AsyncIterator[work_pb2.WorkerMessage]:
+                yield work_pb2.WorkerMessage()
+
+            try:
+                async for _ in work_pb2_grpc.WorkStub(ch).Pull(
+                    messages(), metadata=token_metadata(token), timeout=10
+                ):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(pull()) == grpc.StatusCode.UNAUTHENTICATED
