@@ -22,6 +22,7 @@ from node_daemon import metrics
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.node import NotLeader, RaftNode
+from node_daemon.responses import publish_batch_response
 from node_daemon.state.machine import OpResult, normalized_spec
 from node_daemon.status import node_status
 from roadlog import columnar
@@ -217,15 +218,13 @@ class WorkHandler:
         outcomes = await self._enqueue(_Call(requests))
         if all(isinstance(o, NotLeader) for o in outcomes):
             raise outcomes[0]  # type: ignore[misc]
-        out = client_pb2.PublishBatchResponseView()
-        add = out.results.add
-        for o in outcomes:
-            if isinstance(o, OpResult):
-                add(code=o.code, message=o.message, response=o.response)
-            else:
-                code, message = failure_status(o, "PublishBatch")
-                add(code=code, message=message)
-        return OpResult(response=out.SerializeToString())
+        answers = [
+            (o.code, o.message, o.response)
+            if isinstance(o, OpResult)
+            else (*failure_status(o, "PublishBatch"), b"")
+            for o in outcomes
+        ]
+        return OpResult(response=publish_batch_response(answers))
 
     async def _publish(self, request: bytes) -> OpResult:
         call = _Call([request])

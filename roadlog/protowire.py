@@ -9,9 +9,13 @@ joined bytes as usual.
 
 from __future__ import annotations
 
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
 
 def varint(n: int) -> bytes:
     """``n`` (>= 0) as a protobuf varint."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)

@@ -41,6 +41,7 @@ import numpy as np
 
 from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
+from node_daemon.responses import publish_responses
 from node_daemon.state.groups import GroupTables
 from node_daemon.state.heatmaps import (
     DEFAULT_CONTRIBUTION_WINDOW_MS,
@@ -398,6 +399,69 @@ class StateMachine:
         nxt = [st.next_offset for st in states]
         kept: list[bool] = []
         out: list[OpResult] = []
+        if not any(span.producer_id for span in op.spans):
+            # No idempotent producer: every span is stored, in order; the
+            # answers are written as bytes at once (node_daemon.responses).
+            if results:
+                out = [
+                    OpResult(response=r) for r in publish_responses(partitions, nxt, counts, index)
+                ]
+            kept = [True] * len(counts)
+            nxt = [base + part.count for base, part in zip(nxt, op.parts, strict=True)]
+        else:
+            nxt = self._producer_spans(
+                txn, op, tid, partitions, counts, nxt, index, results, kept, out
+            )
+        every = all(kept)
+        self.heat.record(
+            txn,
+            tid,
+            {s.client_id for s in op.spans}
+            if every
+            else {s.client_id for s, k in zip(op.spans, kept, strict=True) if k},
+            leader_ms,
+        )
+        for i, part in enumerate(op.parts):
+            st = states[i]
+            count = nxt[i] - st.next_offset
+            if not count:
+                continue
+            batch = part.batch
+            if not every:
+                batch = _kept_rows(batch, [row[i] for row in counts], kept)
+            p, base = part.partition, st.next_offset
+            append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
+            txn.put(
+                _BATCH.pack(tid, p, base),
+                _BATCH_HDR.pack(count, append_ms) + batch,
+                db=self.batches,
+            )
+            txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
+            txn.put(
+                _PART.pack(tid, p),
+                _PART_VAL.pack(st.first_offset, base + count, append_ms),
+                db=self.parts,
+            )
+            self._states[tid, p] = PartitionState(st.first_offset, base + count, append_ms)
+        return out if results else []
+
+    def _producer_spans(
+        self,
+        txn: Any,
+        op: command_pb2.AppendOp,
+        tid: int,
+        partitions: list[int],
+        counts: list[list[int]],
+        nxt: list[int],
+        index: int,
+        results: bool,
+        kept: list[bool],
+        out: list[OpResult],
+    ) -> list[int]:
+        """The spans of an append that names producers, one by one: a
+        retry of a stored (producer, sequence) is answered with its original
+        offsets and left out. Appends to ``kept`` and ``out`` (one each per
+        span); returns each part's next offset after the kept spans."""
         for span, row in zip(op.spans, counts, strict=True):
             pid, seq = span.producer_id, span.sequence
             if pid:
@@ -437,45 +501,10 @@ class StateMachine:
                             db=self.producers,
                         )
             kept.append(True)
-            if results:
-                resp = client_pb2.PublishResponse(applied_index=index)  # a read fence
-                for p, base, count in zip(partitions, nxt, row, strict=True):
-                    if count:
-                        resp.offsets.add(partition=p, base_offset=base, count=count)
-                out.append(OpResult(response=resp.SerializeToString()))
+            if results:  # applied_index: a read fence
+                out.append(OpResult(response=publish_responses(partitions, nxt, [row], index)[0]))
             nxt = [base + count for base, count in zip(nxt, row, strict=True)]
-        every = all(kept)
-        self.heat.record(
-            txn,
-            tid,
-            {s.client_id for s in op.spans}
-            if every
-            else {s.client_id for s, k in zip(op.spans, kept, strict=True) if k},
-            leader_ms,
-        )
-        for i, part in enumerate(op.parts):
-            st = states[i]
-            count = nxt[i] - st.next_offset
-            if not count:
-                continue
-            batch = part.batch
-            if not every:
-                batch = _kept_rows(batch, [row[i] for row in counts], kept)
-            p, base = part.partition, st.next_offset
-            append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
-            txn.put(
-                _BATCH.pack(tid, p, base),
-                _BATCH_HDR.pack(count, append_ms) + batch,
-                db=self.batches,
-            )
-            txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
-            txn.put(
-                _PART.pack(tid, p),
-                _PART_VAL.pack(st.first_offset, base + count, append_ms),
-                db=self.parts,
-            )
-            self._states[tid, p] = PartitionState(st.first_offset, base + count, append_ms)
-        return out if results else []
+        return nxt
 
     def producer_issued(self, txn: Any, pid: int) -> bool:
         """Whether producer id ``pid`` was issued by InitProducer: one of the
