@@ -9,6 +9,8 @@ against protobuf's own serialization.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from roadlog.protowire import varint
 
 
@@ -40,7 +42,7 @@ def publish_responses(
     return out
 
 
-def publish_batch_response(results: list[tuple[int, str, bytes]]) -> bytes:
+def publish_batch_response(results: Sequence[tuple[int, str, bytes]]) -> bytes:
     """``PublishBatchResponseView(results=[PublishResultView(code, message,
     response), ...])`` bytes, byte for byte as protobuf writes them (a zero
     code, an empty message or response left out); codes are >= 0."""
