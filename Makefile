@@ -9,7 +9,7 @@ JOBS   ?= $(shell nproc)
 SECONDS ?= 60
 SEED    ?= 1
 
-.PHONY: proto setup lint typecheck test test-unit test-simulation test-integration test-netns test-lab sim nemesis bench demo lock clean
+.PHONY: proto setup lint typecheck test test-checks-and-fast-tiers test-unit test-simulation test-integration test-netns test-lab sim nemesis bench demo lock clean
 
 setup:
 	./scripts/setup.sh
@@ -44,7 +44,19 @@ test-netns: setup
 test-lab: setup
 	$(PYTEST) -m lab tests/lab
 
-test: lint typecheck test-unit test-simulation test-integration test-netns test-lab
+# The whole suite. The lab tier mostly waits on its hosts (boots, SSH,
+# systemd, Spark), so it runs beside the checks, the unit and the
+# simulation tiers (each at one core), each side's output printed whole
+# when it ends (-O); integration and netns follow alone (they time real
+# processes on loopback, and netns shares the lab's bridge subnet). Any
+# failure fails the target, after both sides of the first step ended.
+test: setup
+	$(MAKE) --no-print-directory -j2 -O test-checks-and-fast-tiers test-lab
+	$(MAKE) --no-print-directory test-integration test-netns
+
+# The first step's other side, in order.
+test-checks-and-fast-tiers: setup
+	$(MAKE) --no-print-directory lint typecheck test-unit test-simulation
 
 sim: setup
 	$(PY) -m tests.simulation.run --seeds $(SEEDS) --start $(START) --jobs $(JOBS) $(SIMFLAGS)
