@@ -24,6 +24,7 @@ import numpy as np
 
 from bench.common import write_result
 from roadlog.client import Admin, Connection, Producer
+from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
 from tests.netns.conftest import Net, one_cluster, views
@@ -74,13 +75,13 @@ def join_with_data(gb: float) -> dict[str, Any]:
                     sys.executable, "-m", "queue_server.main", "run",
                     "--cluster-name", "netns", "--listen", f"{q.ip}:7500",
                     "--secret-file", str(net.secret), "--metrics-port", "0",
-                    "--discovery-broadcast", "10.77.0.255",
+                    "--discovery-broadcast", "10.77.0.255", "--insecure",
                 ],
             )  # fmt: skip
             target = int(gb * 1e9)
             written = 0
             t_load = time.monotonic()
-            with Connection([f"{q.ip}:7500"], timeout=120) as conn:
+            with Connection([f"{q.ip}:7500"], timeout=120, tls=ClientTLS(insecure=True)) as conn:
                 Admin(conn).create_topic("load", REGION, 8)
                 p = Producer(conn, "load", client="bench")
                 k = 0

@@ -117,7 +117,7 @@ async def nats_trials(nc: NatsCluster, trials: int) -> list[float]:
 def catch_up(pings: int) -> dict[str, Any]:
     """Wipe a follower, restart it, time until its state digest matches."""
     with roadlog_cluster(extra=["--snapshot-entries", "50"]) as lc:
-        with Connection(lc.servers) as conn:
+        with Connection(lc.servers, tls=lc.tls()) as conn:
             p = Producer(conn, "bench", idempotent=False)
             now = int(time.time() * 1000)
             import numpy as np

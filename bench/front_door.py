@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     read_cases: list[dict[str, Any]] = []
     for nodes in (1, 3):
         with roadlog_cluster(nodes=nodes) as lc:
-            with Connection(lc.servers) as conn:
+            with Connection(lc.servers, tls=lc.tls()) as conn:
                 ack = Producer(conn, "bench", client="loader").send_batch(loader_pings(8000, 64))
             before = taken_reads(lc)
             r = asyncio.run(reads(lc.servers[0], ack.applied_index, 8, args.readers, args.seconds))

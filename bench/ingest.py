@@ -25,6 +25,7 @@ from bench.common import write_result
 from bench.cpu import CpuMeter
 from bench.peers import NatsCluster, nats_cluster, nats_stream, percentile, roadlog_cluster
 from roadlog import columnar
+from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
 from roadlog.publisher import Publisher
 from roadlog.runtime import eventloop
@@ -95,15 +96,18 @@ async def roadlog_case(
     seconds: float,
     meter: CpuMeter | None = None,
     corked: bool = True,
+    tls: ClientTLS | None = None,
 ) -> dict[str, Any]:
     """Corked (the default): publishes go through roadlog.publisher, which
     sends the publishes made while earlier calls are out together in one
     PublishBatch call (as nats-py buffers publishes into one socket write);
     each publish is still validated, stored and acknowledged on its own.
-    Not corked: one unary Publish call per message."""
+    Not corked: one unary Publish call per message. ``tls``: how to dial
+    the queue server (plaintext when None)."""
+    tls = tls or ClientTLS(insecure=True)
     payload = batch_request(pings)
     if corked:
-        async with Publisher([server]) as pub:
+        async with Publisher([server], tls=tls) as pub:
 
             async def send() -> None:
                 await pub.publish(payload)
@@ -112,7 +116,7 @@ async def roadlog_case(
             out = await drive(send, concurrency, seconds, pings, meter)
             out["publishes_per_call"] = round(pub.stats.sent / max(pub.stats.calls, 1), 1)
             return out
-    async with grpc.aio.insecure_channel(server) as ch:
+    async with tls.aio_channel(server) as ch:
         call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(
             "/roadlog.v1.Roadlog/Publish"
         )
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.seconds,
                         roadlog_meter(lc),
                         corked=corked,
+                        tls=lc.tls(),
                     )
                 ),
             )

@@ -25,14 +25,20 @@ REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 
 @contextmanager
 def roadlog_cluster(
-    nodes: int = 3, extra: list[str] | None = None, queue_extra: list[str] | None = None
+    nodes: int = 3,
+    extra: list[str] | None = None,
+    queue_extra: list[str] | None = None,
+    tls: bool = False,
 ) -> Iterator[LocalCluster]:
+    """A local cluster with the topic "bench". Plaintext unless ``tls`` (the
+    peers it is compared with run plaintext too, unless a bench says
+    otherwise); clients connect with ``lc.tls()``."""
     d = Path(tempfile.mkdtemp(prefix="roadlog-bench-", dir="/var/tmp"))
-    lc = LocalCluster.create(d, nodes, 1, extra, queue_extra)
+    lc = LocalCluster.create(d, nodes, 1, extra, queue_extra, insecure=not tls)
     lc.start_all()
     try:
         lc.wait_ready(60)
-        with Connection(lc.servers) as conn:
+        with Connection(lc.servers, tls=lc.tls()) as conn:
             Admin(conn).create_topic("bench", REGION, 8)
         yield lc
     finally:

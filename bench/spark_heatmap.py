@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         lc.wait_ready(60)
         end = int(time.time() * 1000)
         loaded = 0
-        with Connection(lc.servers, timeout=120) as conn:
+        with Connection(lc.servers, timeout=120, tls=lc.tls()) as conn:
             Admin(conn).create_topic("bench", REGION.geojson, 8)
         for size in sizes:
             # Load with the connection closed again before Spark starts: a JVM
             # launched (fork + exec) while gRPC threads run may die at fork.
-            with Connection(lc.servers, timeout=120) as conn:
+            with Connection(lc.servers, timeout=120, tls=lc.tls()) as conn:
                 p = Producer(conn, "bench", client="bench", batch_pings=50_000)
                 while loaded < size:
                     k = min(50_000, size - loaded)
