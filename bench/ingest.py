@@ -221,34 +221,46 @@ SYSTEMS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seconds", type=float, default=6.0, help="per case and round")
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--batches", default="1,100,1000")
-    ap.add_argument("--rounds", type=int, default=3, help="figures are the median round")
-    ap.add_argument(
-        "--systems",
-        default="roadlog,roadlog-unary,jetstream",
-        help=f"comma-separated, of: {', '.join(SYSTEMS)} (roadlog-grpc-peers: Raft over the "
-        "gRPC stream instead of the framed peer link; roadlog-grpc-work: the queue server's "
-        "Work stream over gRPC instead of the framed Work link; roadlog-grpc: both over gRPC)",
+def find(cases: list[dict[str, Any]], system: str, b: int, tls: bool) -> dict[str, Any]:
+    return next(
+        c
+        for c in cases
+        if c["system"] == system and c["pings_per_message"] == b and c["tls"] == tls
     )
-    args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
-    sizes = [int(b) for b in args.batches.split(",")]
-    systems = args.systems.split(",")
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        ap.error(f"--systems: unknown {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+
+
+def compare(
+    cases: list[dict[str, Any]], sizes: list[int], ours: str, theirs: str, tls: bool
+) -> tuple[dict[str, float], dict[str, float | None]]:
+    """Per message size: pings/s and CPU per ping of ``ours`` over ``theirs``."""
+    ratios, cpu_ratios = {}, {}
+    for b in sizes:
+        a, c = find(cases, ours, b, tls), find(cases, theirs, b, tls)
+        ratios[str(b)] = round(a["pings_per_s"] / max(c["pings_per_s"], 1e-9), 2)
+        cpu_ratios[str(b)] = cpu_ratio(a, c)
+    return ratios, cpu_ratios
+
+
+def run_systems(
+    systems: list[str], sizes: list[int], args: argparse.Namespace, tls: bool
+) -> list[dict[str, Any]]:
+    """Every system's median case per size, each on a fresh cluster, over
+    TLS (client and peer links alike) or not; cases carry ``tls``."""
     cases: list[dict[str, Any]] = []
     for system in systems:
         if system == "jetstream":
+            with nats_cluster(tls=tls) as nc:
+                cases += run_rounds(
+                    "jetstream",
+                    sizes,
+                    args.rounds,
+                    lambda b, nc=nc: eventloop.run(  # type: ignore[misc]
+                        nats_round(nc, b, args.concurrency, args.seconds)
+                    ),
+                )
             continue
-        # A fresh cluster per system: the same starting point.
         node_args, queue_args = SYSTEMS[system]
-        with roadlog_cluster(extra=node_args, queue_extra=queue_args) as lc:
+        with roadlog_cluster(extra=node_args, queue_extra=queue_args, tls=tls) as lc:
             corked = system != "roadlog-unary"
             cases += run_rounds(
                 system,
@@ -266,40 +278,70 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 ),
             )
-    if "jetstream" not in systems or "roadlog" not in systems:
-        print(write_result("ingest", {"cases": cases, "systems": systems}))
-        return 0
-    with nats_cluster() as nc:
-        cases += run_rounds(
-            "jetstream",
-            sizes,
-            args.rounds,
-            lambda b: eventloop.run(nats_round(nc, b, args.concurrency, args.seconds)),
-        )
-    ratios, cpu_ratios = {}, {}
-    for b in sizes:
-        ours = next(c for c in cases if c["system"] == "roadlog" and c["pings_per_message"] == b)
-        theirs = next(
-            c for c in cases if c["system"] == "jetstream" and c["pings_per_message"] == b
-        )
-        ratios[str(b)] = round(ours["pings_per_s"] / max(theirs["pings_per_s"], 1e-9), 2)
-        cpu_ratios[str(b)] = cpu_ratio(ours, theirs)
-    print(f"ratio roadlog/jetstream (medians): {ratios}", file=sys.stderr)
-    print(f"server CPU per ping, roadlog/jetstream: {cpu_ratios}", file=sys.stderr)
-    print(
-        write_result(
-            "ingest",
-            {
-                "concurrency": args.concurrency,
-                "event_loop": eventloop.loop_name(),
-                "seconds": args.seconds,
-                "rounds": args.rounds,
-                "cases": cases,
-                "ratio": ratios,
-                "cpu_ratio": cpu_ratios,
-            },
-        )
+    return [{**c, "tls": tls} for c in cases]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=6.0, help="per case and round")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--batches", default="1,100,1000")
+    ap.add_argument("--rounds", type=int, default=3, help="figures are the median round")
+    ap.add_argument(
+        "--systems",
+        default="roadlog,roadlog-unary,jetstream",
+        help=f"comma-separated, of: {', '.join(SYSTEMS)} (roadlog-grpc-peers: Raft over the "
+        "gRPC stream instead of the framed peer link; roadlog-grpc-work: the queue server's "
+        "Work stream over gRPC instead of the framed Work link; roadlog-grpc: both over gRPC)",
     )
+    ap.add_argument(
+        "--tls",
+        choices=["off", "on", "both"],
+        default="off",
+        help="every system plaintext (off), over TLS with certificates from one CA (on: "
+        "roadlog's client, peer and Work links; JetStream's client port and routes), or each "
+        "both ways with TLS's cost per ping (both); on and both write ingest-tls.json",
+    )
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    sizes = [int(b) for b in args.batches.split(",")]
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"--systems: unknown {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
+    cases: list[dict[str, Any]] = []
+    for tls in modes:
+        cases += run_systems(systems, sizes, args, tls)
+    figures: dict[str, Any] = {
+        "concurrency": args.concurrency,
+        "event_loop": eventloop.loop_name(),
+        "seconds": args.seconds,
+        "rounds": args.rounds,
+        "systems": systems,
+        "tls": args.tls,
+        "cases": cases,
+    }
+    if "roadlog" in systems and "jetstream" in systems:
+        for tls in modes:
+            ratios, cpu_ratios = compare(cases, sizes, "roadlog", "jetstream", tls)
+            key = "_tls" if tls else ""
+            figures[f"ratio{key}"], figures[f"cpu_ratio{key}"] = ratios, cpu_ratios
+            label = " (TLS)" if tls else ""
+            print(f"ratio roadlog/jetstream{label} (medians): {ratios}", file=sys.stderr)
+            print(f"server CPU per ping, roadlog/jetstream{label}: {cpu_ratios}", file=sys.stderr)
+    if args.tls == "both":
+        # What TLS costs each system: its CPU per ping with TLS over without.
+        figures["tls_cpu_cost"] = {
+            system: {
+                str(b): cpu_ratio(find(cases, system, b, True), find(cases, system, b, False))
+                for b in sizes
+            }
+            for system in systems
+        }
+        print(f"server CPU per ping, TLS/plaintext: {figures['tls_cpu_cost']}", file=sys.stderr)
+    print(write_result("ingest" if args.tls == "off" else "ingest-tls", figures))
     return 0
 
 

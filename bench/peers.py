@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -18,6 +19,8 @@ from typing import Any
 from roadlog.client import Admin, Connection
 from roadlog.geo import bbox_region
 from roadlog.runtime.processes import alive, free_port, wait_dead
+from roadlog.runtime.tls import CA_CERT, Identity
+from roadlog.tools.ca import create_ca, create_cert
 from roadlog.tools.localcluster import LocalCluster
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
@@ -86,28 +89,53 @@ class NatsServer:
 class NatsCluster:
     dir: Path
     servers: list[NatsServer] = field(default_factory=list)
+    ca_file: Path | None = None  # TLS: the CA clients check the servers with
 
     @property
     def urls(self) -> list[str]:
-        return [f"nats://127.0.0.1:{s.port}" for s in self.servers]
+        scheme = "tls" if self.ca_file is not None else "nats"
+        return [f"{scheme}://127.0.0.1:{s.port}" for s in self.servers]
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """What clients check the servers with (None: plaintext)."""
+        if self.ca_file is None:
+            return None
+        return ssl.create_default_context(cafile=str(self.ca_file))
 
     def by_name(self, name: str) -> NatsServer:
         return next(s for s in self.servers if s.name == name)
 
 
 @contextmanager
-def nats_cluster(n: int = 3) -> Iterator[NatsCluster]:
+def nats_cluster(n: int = 3, tls: bool = False) -> Iterator[NatsCluster]:
+    """``tls``: clients and routes over TLS, with a certificate from a CA of
+    its own (roadlog's CA tooling) that clients check (``nc.ssl_context()``)."""
     d = Path(tempfile.mkdtemp(prefix="nats-bench-", dir="/var/tmp"))
     ports = [(free_port(), free_port()) for _ in range(n)]
     routes = ", ".join(f"nats-route://127.0.0.1:{r}" for _, r in ports)
     nc = NatsCluster(d)
+    tls_conf = ""  # a tls block's body: the same certificate for clients and routes
+    if tls:
+        certs = d / "certs"
+        create_ca(certs, d / "ca.key")
+        crt, key = create_cert(certs, d / "ca.key", Identity("queue", "nats"), ["127.0.0.1"])
+        nc.ca_file = certs / CA_CERT
+        tls_conf = f"cert_file: {crt}\nkey_file: {key}\nca_file: {nc.ca_file}"
+
+    def tls_block(indent: str) -> str:
+        if not tls_conf:
+            return ""
+        body = "".join(f"{indent}  {line}\n" for line in tls_conf.splitlines())
+        return f"{indent}tls {{\n{body}{indent}}}\n"
+
     for i, (port, route) in enumerate(ports):
         name = f"n{i + 1}"
         conf = d / f"{name}.conf"
         conf.write_text(
-            f"server_name: {name}\nlisten: 127.0.0.1:{port}\n"
+            f"server_name: {name}\nlisten: 127.0.0.1:{port}\n{tls_block('')}"
             f"jetstream {{\n  store_dir: {d / name}\n  sync_interval: always\n}}\n"
-            f"cluster {{\n  name: bench\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n}}\n"
+            f"cluster {{\n  name: bench\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n"
+            f"{tls_block('  ')}}}\n"
         )
         nc.servers.append(NatsServer(name, port, conf, d / f"{name}.log"))
     for s in nc.servers:
@@ -126,7 +154,12 @@ async def nats_stream(nc: NatsCluster, timeout: float = 60.0) -> tuple[Any, Any]
     import nats
     from nats.js.api import StorageType, StreamConfig
 
-    conn = await nats.connect(servers=nc.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.05)
+    conn = await nats.connect(
+        servers=nc.urls,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.05,
+        tls=nc.ssl_context(),
+    )
     js = conn.jetstream(timeout=10)
     deadline = time.monotonic() + timeout
     while True:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bench.cpu import CpuMeter, cpu_seconds
-from bench.ingest import cpu_ratio, median_case
+from bench.ingest import compare, cpu_ratio, median_case
 from bench.report import _spread
 
 pytestmark = pytest.mark.unit
@@ -73,3 +73,23 @@ def test_the_cpu_ratio_is_roadlogs_cpu_per_ping_over_jetstreams() -> None:
     ours = {"server_cpu_s_per_m_pings": 3.0}
     assert cpu_ratio(ours, {"server_cpu_s_per_m_pings": 1.5}) == 2.0
     assert cpu_ratio(ours, {}) is None  # no figure on one side: no ratio
+
+
+def test_systems_are_compared_within_one_tls_mode() -> None:
+    def case(system: str, b: int, tls: bool, pps: float, cpu: float) -> dict[str, object]:
+        return {
+            "system": system,
+            "pings_per_message": b,
+            "tls": tls,
+            "pings_per_s": pps,
+            "server_cpu_s_per_m_pings": cpu,
+        }
+
+    cases = [
+        case("roadlog", 100, False, 100.0, 6.0),
+        case("jetstream", 100, False, 200.0, 3.0),
+        case("roadlog", 100, True, 90.0, 6.6),
+        case("jetstream", 100, True, 100.0, 5.5),
+    ]
+    assert compare(cases, [100], "roadlog", "jetstream", False) == ({"100": 0.5}, {"100": 2.0})
+    assert compare(cases, [100], "roadlog", "jetstream", True) == ({"100": 0.9}, {"100": 1.2})
