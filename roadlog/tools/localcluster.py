@@ -42,6 +42,11 @@ class Proc:
     log: str
     pid: int = 0
 
+    @property
+    def certs_dir(self) -> str:
+        """This process's certs dir ("" when it runs --insecure)."""
+        return self.argv[self.argv.index("--certs-dir") + 1] if "--certs-dir" in self.argv else ""
+
 
 @dataclass
 class NodeInfo(Proc):

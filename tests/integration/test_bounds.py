@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from roadlog.client import Admin, Connection
+from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns, encode
 from roadlog.limits import CLIENT_MESSAGE_BYTES, PAGE_BYTES, WORK_MESSAGE_BYTES, grpc_options
 from roadlog.tools.localcluster import LocalCluster
@@ -87,7 +88,8 @@ def test_32_concurrent_big_publishes_succeed_or_are_refused_never_unavailable(
         create_topic(conn, partitions=4)
         requests = [big_publish("munich", f"p{i:02d}", request_bytes) for i in range(32)]
         # Raw calls, no SDK retries: each code is what the server answered.
-        channel = grpc.insecure_channel(lc.servers[0], options=grpc_options(CLIENT_MESSAGE_BYTES))
+        opts = grpc_options(CLIENT_MESSAGE_BYTES)
+        channel = ClientTLS.from_env().channel(lc.servers[0], options=opts)
         publish: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
             "/roadlog.v1.Roadlog/Publish"
         )
@@ -115,7 +117,7 @@ def test_a_request_over_the_front_doors_limit_is_refused_clearly(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
     lc = make_cluster(1)
-    channel = grpc.insecure_channel(
+    channel = ClientTLS.from_env().channel(
         lc.servers[0],
         options=[("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES * 2)],
     )

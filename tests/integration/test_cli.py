@@ -20,8 +20,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def roadlog(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ROADLOG_CLIENT_ID": "cli-test"}
+def roadlog(
+    *args: str, check: bool = True, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROADLOG_CLIENT_ID": "cli-test", **(env_extra or {})}
     env.pop("ROADLOG_SERVERS", None)
     return subprocess.run(
         [sys.executable, "-m", "roadlog.cli", *args],
@@ -99,7 +101,18 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
         assert {"id", "address", "role", "commit_index", "applied_index"} <= set(n)
     assert st["queue_servers"] and "grpc" in st["queue_servers"][0]
     servers = st["queue_servers"][0]["grpc"]
-    by_servers = json.loads(roadlog("cluster", "status", "--servers", servers, "--json").stdout)
+    # `cluster up` made the cluster's own CA and certificates (keys 0600); with
+    # --servers (no --cluster) the CLI trusts what ROADLOG_CA_FILE says.
+    assert (cluster_dir / "ca" / "ca.key").stat().st_mode & 0o777 == 0o600
+    client = cluster_dir / "certs" / "client"
+    own_ca = {
+        "ROADLOG_CA_FILE": str(client / "ca.crt"),
+        "ROADLOG_CERT_FILE": str(client / "client.admin.crt"),
+        "ROADLOG_KEY_FILE": str(client / "client.admin.key"),
+    }
+    by_servers = json.loads(
+        roadlog("cluster", "status", "--servers", servers, "--json", env_extra=own_ca).stdout
+    )
     assert by_servers["leader"] == st["leader"]
     # The spelling, `cluster status --dir DIR`, names the same cluster.
     by_dir = json.loads(roadlog("cluster", "status", "--dir", d, "--json").stdout)
@@ -143,7 +156,14 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
 
     def consumed() -> list[Any]:
         out = roadlog(
-            "consume", "munich", "--from-beginning", "--format", "jsonl", "--servers", servers
+            "consume",
+            "munich",
+            "--from-beginning",
+            "--format",
+            "jsonl",
+            "--servers",
+            servers,
+            env_extra=own_ca,
         )
         return [json.loads(r) for r in out.stdout.strip().splitlines()]
 

@@ -26,6 +26,7 @@ import grpc
 import pytest
 
 from roadlog.client import Connection, Producer
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.processes import free_port
 from roadlog.tools.localcluster import LocalCluster
@@ -37,14 +38,14 @@ pytestmark = pytest.mark.integration
 
 def _admin(lc: LocalCluster, node: int, method: str, request: Any, timeout: float) -> Any:
     token = cluster_token(Path(lc.secret_file).read_bytes().strip(), "roadlog")
-    with grpc.insecure_channel(lc.node(node).address) as ch:
+    with ClientTLS.from_env().channel(lc.node(node).address) as ch:
         call = getattr(admin_pb2_grpc.AdminStub(ch), method)
         return call(request, metadata=token_metadata(token), timeout=timeout)
 
 
 def _view(lc: LocalCluster, node: int) -> client_pb2.NodeStatus | None:
     try:
-        with grpc.insecure_channel(lc.node(node).address) as ch:
+        with ClientTLS.from_env().channel(lc.node(node).address) as ch:
             st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=2)
     except grpc.RpcError:
         return None

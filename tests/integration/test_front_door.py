@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, heatmaps_pb2
@@ -300,7 +301,7 @@ def test_malformed_grpc_requests_get_clear_errors(
         Producer(conn, "munich", client="w").send_batch(make_pings("w", 0, 50))
         digest_before = Admin(conn).describe("munich").partitions
         written = conn.fence  # the publish's index: the read after the pokes waits for it
-    channel = grpc.insecure_channel(lc.servers[0])
+    channel = ClientTLS.from_env().channel(lc.servers[0])
     codes: set[grpc.StatusCode] = set()
 
     @settings(

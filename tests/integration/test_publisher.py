@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from roadlog.client import Admin, Connection, InvalidArgument, NotFound
+from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns, encode
 from roadlog.publisher import Publisher
 from roadlog.runtime.processes import alive
@@ -161,7 +162,7 @@ def test_malformed_and_oversized_batches_are_refused_whole(make_cluster: MakeClu
         "empty": b"",
         "too many": client_pb2.PublishBatchRequestView(requests=[one] * 4097).SerializeToString(),
     }
-    with grpc.insecure_channel(lc.servers[0]) as ch:
+    with ClientTLS.from_env().channel(lc.servers[0]) as ch:
         call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(
             "/roadlog.v1.Roadlog/PublishBatch"
         )

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from roadlog.client import Admin, Connection, Producer, Unavailable
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import admin_pb2, admin_pb2_grpc
@@ -132,7 +133,7 @@ def test_many_producers_and_topics_survive_a_whole_cluster_sigkill(
 
 
 def digest(address: str) -> tuple[int, bytes]:
-    with grpc.insecure_channel(address) as ch:
+    with ClientTLS.from_env().channel(address) as ch:
         r = admin_pb2_grpc.AdminStub(ch).StateDigest(admin_pb2.StateDigestRequest(), timeout=10)
     return r.applied_index, r.sha256
 
@@ -274,7 +275,7 @@ def test_metrics_and_health_are_served(make_cluster: MakeCluster) -> None:
         create_topic(conn)
         Producer(conn, "munich").send_batch(make_pings("p", 0, 100))
     for n in lc.nodes:
-        with grpc.insecure_channel(n.address) as ch:
+        with ClientTLS.from_env().channel(n.address) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
         text = (

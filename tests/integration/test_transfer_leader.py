@@ -27,6 +27,8 @@ def transfer(lc: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
             lc.nodes[0].address,
             "--secret-file",
             lc.secret_file,
+            "--certs-dir",  # the node's port is mutual TLS: its host's certificate
+            lc.nodes[0].certs_dir,
             *args,
         ],
         capture_output=True,
@@ -53,7 +55,7 @@ def test_leadership_moves_to_the_chosen_or_most_caught_up_voter(
     bad = subprocess.run(
         [sys.executable, "-m", "node_daemon.main", "transfer-leader",
          "--address", lc.nodes[0].address, "--cluster-name", "other",
-         "--secret-file", lc.secret_file],
+         "--secret-file", lc.secret_file, "--certs-dir", lc.nodes[0].certs_dir],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "UNAUTHENTICATED" in bad.stderr
