@@ -88,6 +88,10 @@ class NodeConfig:
         help="HOST:PORT,... to send HELLOs to by unicast", factory=list
     )
     bootstrap_expect: int = key(0, "found a new cluster of this many nodes (0..15)")
+    # Multi-raft (issue 18, being built): the cluster's data groups are fixed
+    # by the first topic ever created, from its leader's value. Only 1 runs
+    # today (every partition in group 0); more wait for the groups to run.
+    data_groups: int = key(1, "Raft groups for pings, fixed by the cluster's first topic (1)")
     voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
     dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
     trim_interval_s: int = key(60, "how often the leader applies retention through the log")
@@ -104,6 +108,11 @@ class NodeConfig:
             raise ConfigError("give peers, or discovery (discovery_port and bootstrap_expect)")
         if not 0 <= self.bootstrap_expect <= 15:
             raise ConfigError("bootstrap_expect: must be in 0..15")
+        if self.data_groups != 1:
+            raise ConfigError(
+                "data_groups: only 1 for now (several data groups come with multi-raft, "
+                "issue 18, not built yet)"
+            )
         if not 0 <= self.voters <= 15 or self.dead_voter_timeout_s < 1:
             raise ConfigError("voters: 0..15; dead_voter_timeout_s: at least 1")
         for seed in self.discovery_seeds:

@@ -307,9 +307,8 @@ class WorkHandler:
         # Refuse bad specs before they enter the log; a region's parsing and
         # checks (up to geo.MAX_REGION_BYTES) run off the event loop.
         spec = await asyncio.get_running_loop().run_in_executor(self.cpu, normalized_spec, req.spec)
-        return await self.node.propose_op(
-            command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
-        )
+        op = command_pb2.CreateTopicOp(spec=spec, data_groups=self.node.cfg.data_groups)
+        return await self.node.propose_op(command_pb2.Op(create_topic=op))
 
     async def delete_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.DeleteTopicRequest.FromString(item.request)

@@ -52,6 +52,7 @@ from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, parse_region
+from roadlog.placement import MAX_DATA_GROUPS, group_of, partition_groups
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2
 from roadlog.validation import MAX_PARTITIONS, check_topic_name
 
@@ -236,7 +237,9 @@ class StateMachine:
     def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int, index: int) -> bytes:
         kind = op.WhichOneof("op")
         if kind == "create_topic":
-            desc = self._create_topic(txn, op.create_topic.spec, leader_ms)
+            desc = self._create_topic(
+                txn, op.create_topic.spec, leader_ms, op.create_topic.data_groups
+            )
             desc.applied_index = index  # read your writes: describe and list see it
             return desc.SerializeToString()
         if kind == "delete_topic":
@@ -312,7 +315,7 @@ class StateMachine:
     # --------------------------------------------------------------- topics
 
     def _create_topic(
-        self, txn: Any, spec: topics_pb2.TopicSpec, leader_ms: int
+        self, txn: Any, spec: topics_pb2.TopicSpec, leader_ms: int, data_groups: int = 0
     ) -> topics_pb2.TopicDescription:
         spec = normalized_spec(spec)
         existing = txn.get(spec.name.encode(), db=self.topics)
@@ -322,13 +325,39 @@ class StateMachine:
                 return self._describe(txn, topic)  # the same request again
             raise RoadlogError(Code.ALREADY_EXISTS, f"topic {spec.name!r} already exists")
         tid = self._meta_int(txn, b"next_topic_id") + 1
+        groups = self._data_groups(txn, data_groups, first_topic=tid == 1)
         txn.put(b"next_topic_id", _U64.pack(tid), db=self.meta)
         region = parse_region(spec.region_geojson)
-        topic = topics_pb2.Topic(spec=spec, id=tid, created_ms=leader_ms, bbox=region.bbox)
+        topic = topics_pb2.Topic(
+            spec=spec,
+            id=tid,
+            created_ms=leader_ms,
+            bbox=region.bbox,
+            partition_groups=partition_groups(tid, spec.partitions, groups),
+        )
         txn.put(spec.name.encode(), topic.SerializeToString(), db=self.topics)
         for p in range(spec.partitions):
             txn.put(_PART.pack(tid, p), _PART_VAL.pack(0, 0, 0), db=self.parts)
         return self._describe(txn, topic)
+
+    def _data_groups(self, txn: Any, proposed: int, first_topic: bool) -> int:
+        """The cluster's number of data groups. The first topic ever made
+        records the value its leader proposed (at least 1) and every later
+        topic is placed by it, whatever later leaders propose; a cluster
+        with topics from before groups has one."""
+        recorded = self._meta_int(txn, b"data_groups")
+        if recorded:
+            return recorded
+        if not first_topic:
+            return 1
+        recorded = min(max(proposed, 1), MAX_DATA_GROUPS)
+        txn.put(b"data_groups", _U64.pack(recorded), db=self.meta)
+        return recorded
+
+    def data_groups(self) -> int:
+        """The recorded number of data groups (1 before the first topic)."""
+        with self.env.begin() as txn:
+            return self._meta_int(txn, b"data_groups") or 1
 
     def _delete_topic(self, txn: Any, name: str) -> None:
         raw = txn.get(name.encode(), db=self.topics)
@@ -370,6 +399,7 @@ class StateMachine:
                 first_offset=st.first_offset,
                 next_offset=st.next_offset,
                 last_append_ms=st.last_append_ms,
+                group=group_of(topic, p),
             )
         return d
 

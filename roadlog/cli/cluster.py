@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.table import Table
 
-from roadlog.cli.common import DIR_HELP, cli, err, on_local_cluster, out, resolve_servers, where
+from roadlog.cli.common import (
+    DIR_HELP,
+    cli,
+    connection,
+    err,
+    on_local_cluster,
+    out,
+    resolve_servers,
+    where,
+)
+from roadlog.client import Admin
 from roadlog.client_tls import ClientTLS
+from roadlog.placement import METADATA_GROUP
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster, gather_status
+from roadlog.v1 import topics_pb2
 
 
 @cli.group()
@@ -71,6 +84,13 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
         st = on_local_cluster(cluster, LocalCluster.status)
     else:
         st = gather_status(resolve_servers(None, servers), [], tls=ClientTLS.from_env())
+    try:
+        with connection(cluster, servers) as conn:
+            topics = Admin(conn).list_topics()
+    except click.ClickException as e:
+        err.print(f"[yellow]partitions unknown: {e.message}[/]")
+        topics = None
+    st["groups"] = raft_groups(st, topics)
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
@@ -90,6 +110,40 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
     out.print(t)
     for q in st["queue_servers"]:
         out.print(f"queue server {q['grpc']}" + (f" {q['http']}" if q.get("http") else ""))
+    for g in st["groups"]:
+        n = len(g["partitions"]) if g["partitions_known"] else "?"
+        out.print(f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, {n} partitions")
+
+
+def raft_groups(
+    status: dict[str, Any], topics: list[topics_pb2.TopicDescription] | None
+) -> list[dict[str, Any]]:
+    """``cluster status``'s ``groups``: each Raft group with its leader, term,
+    commit index and partitions ([topic, partition] pairs; topics None:
+    unknown, ``partitions_known`` false). One group runs today (group 0,
+    see README "Raft groups"), so every partition's group is 0 and the
+    group's figures are the cluster's."""
+    leader = next((n for n in status["nodes"] if n["id"] == status["leader"]), None)
+    commit = (
+        leader["commit_index"]
+        if leader
+        else max((n["commit_index"] for n in status["nodes"]), default=0)
+    )
+    by_group: dict[int, list[list[Any]]] = {METADATA_GROUP: []}
+    for t in topics or []:
+        for p in t.partitions:
+            by_group.setdefault(p.group, []).append([t.topic.spec.name, p.partition])
+    return [
+        {
+            "id": g,
+            "leader": status["leader"],
+            "term": status["term"],
+            "commit_index": commit,
+            "partitions": parts,
+            "partitions_known": topics is not None,
+        }
+        for g, parts in sorted(by_group.items())
+    ]
 
 
 @cluster.command("kill")

@@ -120,7 +120,12 @@ def _topic_doc(d: Any) -> dict[str, Any]:
         "region": json.loads(spec.region_geojson),
         "pings": sum(p.next_offset - p.first_offset for p in d.partitions),
         "offsets": [
-            {"partition": p.partition, "first": p.first_offset, "next": p.next_offset}
+            {
+                "partition": p.partition,
+                "first": p.first_offset,
+                "next": p.next_offset,
+                "group": p.group,
+            }
             for p in d.partitions
         ],
     }
@@ -137,4 +142,6 @@ def _print_topic(d: Any, as_json: bool) -> None:
         f"bbox {doc['bbox']}, {doc['pings']:,} pings"
     )
     for o in doc["offsets"]:
-        out.print(f"  partition {o['partition']}: offsets {o['first']}..{o['next']}")
+        out.print(
+            f"  partition {o['partition']}: offsets {o['first']}..{o['next']}, group {o['group']}"
+        )

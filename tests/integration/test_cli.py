@@ -153,6 +153,13 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
         "the produced pings described",
     )
     assert desc["pings"] == 42 and desc["partitions"] == 4
+    # One Raft group runs (README "Raft groups"): every partition in group 0,
+    # and `cluster status` lists that group with the topic's partitions.
+    assert [o["group"] for o in desc["offsets"]] == [0, 0, 0, 0]
+    groups = json.loads(roadlog("cluster", "status", "--cluster", d, "--json").stdout)["groups"]
+    assert [g["id"] for g in groups] == [0]
+    assert groups[0]["partitions"] == [["munich", p] for p in range(4)]
+    assert groups[0]["leader"] in {1, 2, 3} and groups[0]["commit_index"] >= 1
 
     def consumed() -> list[Any]:
         out = roadlog(

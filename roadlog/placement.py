@@ -1,0 +1,36 @@
+"""Which Raft group holds each partition of a topic (issue 18, multi-raft).
+
+Group 0 is the metadata group; with one data group (``data_groups = 1``,
+today's clusters) it holds everything, pings included. With G > 1 data
+groups, partition ``p`` of topic ``t`` lives in data group
+``1 + (t + p) mod G``: a topic's consecutive partitions on consecutive
+groups, each topic starting one group further, so that topics with fewer
+partitions than groups still spread. The map is computed once, when the
+topic is created, and stored in its record (``Topic.partition_groups``),
+so that a cluster's groups can grow later for new topics without moving
+old ones.
+"""
+
+from __future__ import annotations
+
+from roadlog.v1 import topics_pb2
+
+METADATA_GROUP = 0
+MAX_DATA_GROUPS = 64
+
+
+def partition_groups(topic_id: int, partitions: int, data_groups: int) -> list[int]:
+    """Each partition's group; ``[]`` (every partition in group 0) for one
+    data group."""
+    if not 1 <= data_groups <= MAX_DATA_GROUPS:
+        raise ValueError(f"data_groups must be in 1..{MAX_DATA_GROUPS}, not {data_groups}")
+    if data_groups == 1:
+        return []
+    return [1 + (topic_id + p) % data_groups for p in range(partitions)]
+
+
+def group_of(topic: topics_pb2.Topic, partition: int) -> int:
+    """The group holding ``partition`` of ``topic`` (0 for topics without a
+    map: one group, or made before groups)."""
+    groups = topic.partition_groups
+    return int(groups[partition]) if groups else METADATA_GROUP

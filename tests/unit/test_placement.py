@@ -1,0 +1,119 @@
+"""Which Raft group holds each partition (issue 18's data model): the map
+made when a topic is created, the cluster's number of data groups fixed by
+its first topic, what describe and ``cluster status`` report, and the node
+refusing more than one data group until several run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from node_daemon.config import NodeConfig
+from node_daemon.raft import Entry, EntryType
+from node_daemon.state.machine import StateMachine
+from roadlog.cli.cluster import raft_groups
+from roadlog.errors import Code
+from roadlog.geo import bbox_region
+from roadlog.placement import group_of, partition_groups
+from roadlog.runtime.config import ConfigError
+from roadlog.v1 import command_pb2, topics_pb2
+
+pytestmark = pytest.mark.unit
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+
+
+def test_one_data_group_keeps_every_partition_in_group_0() -> None:
+    assert partition_groups(7, 8, 1) == []
+    assert group_of(topics_pb2.Topic(id=7), 5) == 0
+
+
+def test_partitions_go_round_the_data_groups_each_topic_starting_further() -> None:
+    assert partition_groups(1, 5, 3) == [2, 3, 1, 2, 3]
+    assert partition_groups(2, 5, 3) == [3, 1, 2, 3, 1]
+    # topics with fewer partitions than groups still spread over them
+    firsts = {partition_groups(t, 1, 4)[0] for t in range(1, 9)}
+    assert firsts == {1, 2, 3, 4}
+    topic = topics_pb2.Topic(id=1, partition_groups=partition_groups(1, 5, 3))
+    assert [group_of(topic, p) for p in range(5)] == [2, 3, 1, 2, 3]
+
+
+@pytest.mark.parametrize("groups", [0, -1, 65])
+def test_a_number_of_groups_out_of_range_is_refused(groups: int) -> None:
+    with pytest.raises(ValueError, match="data_groups"):
+        partition_groups(1, 4, groups)
+
+
+@pytest.fixture
+def sm(tmp_path: Path) -> Iterator[StateMachine]:
+    s = StateMachine(tmp_path / "sm", map_size=64 << 20)
+    yield s
+    s.close()
+
+
+def create(sm: StateMachine, name: str, partitions: int, data_groups: int) -> topics_pb2.Topic:
+    spec = topics_pb2.TopicSpec(name=name, region_geojson=REGION, partitions=partitions)
+    op = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec, data_groups=data_groups))
+    cmd = command_pb2.Command(leader_ms=1_700_000_000_000, ops=[op])
+    [[res]] = sm.apply([Entry(1, sm.applied_index + 1, EntryType.NORMAL, cmd.SerializeToString())])
+    assert res.code == Code.OK, res.message
+    d = topics_pb2.TopicDescription.FromString(res.response)
+    assert [p.group for p in d.partitions] == [group_of(d.topic, p) for p in range(partitions)]
+    return d.topic
+
+
+def test_the_first_topic_fixes_the_clusters_data_groups(sm: StateMachine) -> None:
+    first = create(sm, "munich", 4, data_groups=3)
+    assert list(first.partition_groups) == partition_groups(first.id, 4, 3)
+    later = create(sm, "berlin", 4, data_groups=5)  # a leader configured otherwise
+    assert list(later.partition_groups) == partition_groups(later.id, 4, 3)
+    assert sm.data_groups() == 3
+    assert [p.group for p in sm.describe("berlin").partitions] == list(later.partition_groups)
+
+
+def test_one_data_group_places_everything_in_group_0(sm: StateMachine) -> None:
+    topic = create(sm, "munich", 4, data_groups=0)  # 0: a leader from before groups
+    assert not topic.partition_groups
+    assert [p.group for p in sm.describe("munich").partitions] == [0, 0, 0, 0]
+    assert sm.data_groups() == 1
+
+
+def test_a_cluster_with_topics_from_before_groups_keeps_one_group(sm: StateMachine) -> None:
+    with sm.env.begin(write=True) as txn:  # as if a topic had been made before groups
+        txn.put(b"next_topic_id", (1).to_bytes(8, "big"), db=sm.meta)
+    topic = create(sm, "munich", 4, data_groups=3)
+    assert not topic.partition_groups and sm.data_groups() == 1
+
+
+def test_a_node_refuses_more_than_one_data_group_for_now() -> None:
+    cfg = NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}, data_groups=2)
+    with pytest.raises(ConfigError, match="data_groups: only 1"):
+        cfg.validate()
+    NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}).validate()
+
+
+def test_cluster_status_lists_each_group_with_its_partitions() -> None:
+    status = {
+        "leader": 2,
+        "term": 7,
+        "nodes": [
+            {"id": 1, "commit_index": 40},
+            {"id": 2, "commit_index": 42},
+        ],
+    }
+    d = topics_pb2.TopicDescription(topic=topics_pb2.Topic(spec=topics_pb2.TopicSpec(name="a")))
+    d.partitions.add(partition=0)
+    d.partitions.add(partition=1)
+    [g] = raft_groups(status, [d])
+    assert g == {
+        "id": 0,
+        "leader": 2,
+        "term": 7,
+        "commit_index": 42,
+        "partitions": [["a", 0], ["a", 1]],
+        "partitions_known": True,
+    }
+    [unknown] = raft_groups(status, None)
+    assert unknown["partitions"] == [] and unknown["partitions_known"] is False
