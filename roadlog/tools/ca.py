@@ -57,6 +57,24 @@ def _write(path: Path, data: bytes, mode: int, overwrite: bool) -> None:
     os.replace(tmp, path)
 
 
+def _write_pair(
+    crt_path: Path,
+    cert: x509.Certificate,
+    key_path: Path,
+    key: ec.EllipticCurvePrivateKey,
+    overwrite: bool,
+    exists_hint: str,
+) -> None:
+    """A certificate (0644) and its key (0600); unless ``overwrite``, neither
+    may exist yet (CAError naming the one that does, with ``exists_hint``)."""
+    if not overwrite:
+        for p in (crt_path, key_path):
+            if p.exists():
+                raise CAError(f"{p} exists; {exists_hint}")
+    _write(key_path, _pem_key(key), 0o600, overwrite)
+    _write(crt_path, _pem(cert), 0o644, overwrite)
+
+
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -99,12 +117,14 @@ def create_ca(certs_dir: Path, ca_key: Path, days: int = CA_DAYS, overwrite: boo
         .sign(key, hashes.SHA256())
     )
     ca_crt = certs_dir / CA_CERT
-    if not overwrite:
-        for p in (ca_crt, ca_key):
-            if p.exists():
-                raise CAError(f"{p} exists; a cluster has one CA (pass --overwrite to replace it)")
-    _write(ca_key, _pem_key(key), 0o600, overwrite)
-    _write(ca_crt, _pem(cert), 0o644, overwrite)
+    _write_pair(
+        ca_crt,
+        cert,
+        ca_key,
+        key,
+        overwrite,
+        "a cluster has one CA (pass --overwrite to replace it)",
+    )
     return ca_crt
 
 
@@ -182,12 +202,7 @@ def create_cert(
     cert = builder.sign(ca_priv, hashes.SHA256())
     crt_name, key_name = cert_files(identity.kind, identity.name)
     crt_path, key_path = certs_dir / crt_name, certs_dir / key_name
-    if not overwrite:
-        for p in (crt_path, key_path):
-            if p.exists():
-                raise CAError(f"{p} exists; remove it first (or pass --overwrite)")
-    _write(key_path, _pem_key(key), 0o600, overwrite)
-    _write(crt_path, _pem(cert), 0o644, overwrite)
+    _write_pair(crt_path, cert, key_path, key, overwrite, "remove it first (or pass --overwrite)")
     return crt_path, key_path
 
 
