@@ -69,6 +69,10 @@ INDEX_IDLE_S = 0.1
 _WORK_DONE = {True: metrics.WORK_DONE.labels("write"), False: metrics.WORK_DONE.labels("read")}
 _VALIDATE_SECONDS = metrics.STAGE_SECONDS.labels("validate")
 
+# When a queue-server link last told what (a module attribute: tests
+# replace it to drive the telling periods without real time passing).
+_clock = time.monotonic
+
 Outcome = OpResult | BaseException  # a publish's result, or why it has none
 
 
@@ -508,7 +512,7 @@ class QueueServerLink:
             # Now and then, with the full status: indexes no read waits for,
             # and whatever else moved (a member added, ready again).
             due = self._status_at + INDEX_IDLE_S
-        now = time.monotonic()
+        now = _clock()
         if due <= now:
             self._tell_state()
         elif self._index_timer is None or due < self._timer_due:
@@ -528,7 +532,7 @@ class QueueServerLink:
         if self._index_timer is not None:
             self._index_timer.cancel()
             self._index_timer = None
-        with_status = with_status or time.monotonic() - self._status_at >= INDEX_IDLE_S
+        with_status = with_status or _clock() - self._status_at >= INDEX_IDLE_S
         self._tell(work_pb2.WorkerMessage(state=self.state(with_status)))
 
     def _tell(self, msg: work_pb2.WorkerMessage) -> None:
@@ -540,7 +544,7 @@ class QueueServerLink:
         self._told = (s.is_leader, s.leader, s.term, s.leader_address)
         self._told_applied = s.applied_index
         self._told_commit = s.commit_index
-        self._told_at = time.monotonic()
+        self._told_at = _clock()
         if s.HasField("status"):
             self._status_at = self._told_at
 

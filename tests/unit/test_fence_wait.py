@@ -169,7 +169,25 @@ class _Handler:
         self.flowing.append(on)
 
 
+class _Clock:
+    """The links' clock in these tests: it moves only in ``_settle``, so
+    that what a test does between two waits takes no time for the link (on
+    a loaded machine real time could pass INDEX_EVERY_S there). Timers still
+    wait on the event loop, as long as the clock moved."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+_CLOCK = _Clock()
+
+
 def _link(monkeypatch: pytest.MonkeyPatch) -> tuple[QueueServerLink, _Node, list[int]]:
+    monkeypatch.setattr(_CLOCK, "now", 1000.0)
+    monkeypatch.setattr(worker, "_clock", _CLOCK)
     built: list[int] = []
 
     def status(n: Any) -> client_pb2.NodeStatus:
@@ -189,6 +207,8 @@ def _sent(link: QueueServerLink) -> list[work_pb2.WorkerState]:
 
 
 async def _settle(seconds: float) -> None:
+    """Let ``seconds`` pass, for the link's clock and for its timers."""
+    _CLOCK.now += seconds
     await asyncio.sleep(seconds)
 
 
