@@ -23,7 +23,7 @@ from collections.abc import Callable
 from prometheus_client import Counter
 
 from discovery.core import DiscoveryCore
-from discovery.protocol import Hello, encode
+from discovery.protocol import Hello, discovery_key, encode
 
 log = logging.getLogger("roadlog.discovery")
 
@@ -55,7 +55,7 @@ class DiscoveryAgent:
     def __init__(
         self,
         core: DiscoveryCore,
-        key: bytes,
+        secret: bytes,
         port: int,
         broadcast: str = "255.255.255.255",
         seeds: list[str] | None = None,
@@ -64,9 +64,10 @@ class DiscoveryAgent:
     ) -> None:
         """``port``: where HELLOs go (and, with ``listen``, where this agent
         receives them); without ``listen`` it only announces, from an
-        ephemeral port (a queue server next to a node on one host)."""
+        ephemeral port (a queue server next to a node on one host). HELLOs
+        are signed and checked with the key derived from ``secret``."""
         self.core = core
-        self.key = key
+        self.key = discovery_key(secret)
         self.port = port
         self.broadcast = broadcast
         self.seeds = [_hostport(s) for s in seeds or []]

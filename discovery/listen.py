@@ -1,6 +1,7 @@
 """Finding queue servers from their announcements, for clients
 (``roadlog ... --discover``): listen on the discovery port for a moment and
-keep what is signed with the cluster secret."""
+keep what is signed with the discovery key (``protocol.discovery_key``: a
+client needs that key, not the cluster secret)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ DEFAULT_PORT = 7499
 
 
 def find_queue_servers(
-    secret: bytes,
+    key: bytes,
     cluster: str | None = None,
     port: int = DEFAULT_PORT,
     wait_s: float = 3.0,
@@ -35,7 +36,7 @@ def find_queue_servers(
             except TimeoutError:
                 break
             try:
-                h = decode(data, secret, cluster, int(time.time() * 1000), guard)
+                h = decode(data, key, cluster, int(time.time() * 1000), guard)
             except Rejected:
                 continue
             if h.role == "queue":

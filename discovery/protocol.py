@@ -1,7 +1,9 @@
 """The discovery datagram: an authenticated HELLO (sans-I/O).
 
 Wire format: ``b"RLD"``, a version byte, a JSON object (UTF-8), then
-HMAC-SHA256 over everything before it, keyed with the cluster secret. A
+HMAC-SHA256 over everything before it, keyed with the discovery key: one
+derived from the cluster secret (``discovery_key``), so that a client that
+finds queue servers holds no credential of the cluster itself. A
 datagram is accepted only if it is at most ``MAX_DATAGRAM`` bytes, the MAC
 is right (constant-time compare), the JSON has the expected fields and
 types, the cluster name is ours, its timestamp is within ``MAX_SKEW_MS`` of
@@ -68,6 +70,19 @@ class Hello:
     members: tuple[Member, ...] = ()
     ts_ms: int = 0
     nonce: str = field(default_factory=lambda: os.urandom(8).hex())
+
+
+_KEY_SALT = b"roadlog"
+_KEY_INFO = b"roadlog discovery v1"
+
+
+def discovery_key(secret: bytes) -> bytes:
+    """The key HELLOs are signed with: HKDF-SHA256 (RFC 5869) of the cluster
+    secret, one 32-byte block. Whoever holds it can find and announce
+    members, but cannot get the secret back, nor the cluster token derived
+    from the secret (``roadlog-node discovery-key`` prints it for clients)."""
+    prk = hmac.new(_KEY_SALT, secret, hashlib.sha256).digest()
+    return hmac.new(prk, _KEY_INFO + b"\x01", hashlib.sha256).digest()
 
 
 def encode(h: Hello, key: bytes) -> bytes:

@@ -16,6 +16,7 @@ import click
 import grpc
 import lmdb
 
+from discovery.protocol import discovery_key
 from node_daemon.backup import (
     BackupError,
     check_backup_key,
@@ -116,6 +117,21 @@ def leave(
         except grpc.RpcError as e:
             raise click.ClickException(f"{target}: {e.code().name}: {e.details()}") from None
     click.echo(f"node at {target} left the cluster (removed at index {resp.index}); it stops now")
+
+
+@cli.command("discovery-key")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="the node's TOML")
+@click.option("--secret-file", type=click.Path(path_type=Path), help="default: the config's")
+def discovery_key_cmd(config_path: Path | None, secret_file: Path | None) -> None:
+    """Print the key discovery HELLOs are signed with (hex), derived from the
+    cluster secret: what clients need to find queue servers (`roadlog ...
+    --discover --discovery-key-file F`), without holding the secret."""
+    cfg = _offline_config(config_path, {"secret_file": secret_file})
+    try:
+        secret = cfg.secret()
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(discovery_key(secret).hex())
 
 
 def _node_id_of_certificate(cfg: NodeConfig, security: tls.Security) -> NodeConfig:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from discovery.listen import find_queue_servers
+from discovery.protocol import discovery_key
 from roadlog.client import Connection, RoadlogError, servers_from_env
 from roadlog.client_tls import ClientTLS
 from roadlog.runtime.config import read_secret
@@ -50,17 +51,37 @@ def on_local_cluster(directory: Path, action: Callable[[LocalCluster], T]) -> T:
         raise click.ClickException(str(e).strip("'\"")) from None
 
 
-def _discovered(meta: dict[str, Any]) -> list[str]:
+def _discovery_key(meta: dict[str, Any]) -> bytes:
+    """The discovery key: from --discovery-key-file (hex, as ``roadlog-node
+    discovery-key`` prints it), or derived from --secret-file."""
+    key_file = meta.get("discovery_key_file") or os.environ.get("ROADLOG_DISCOVERY_KEY_FILE")
+    if key_file:
+        try:
+            key = bytes.fromhex(Path(key_file).read_text().strip())
+        except (OSError, ValueError) as e:
+            raise click.ClickException(f"discovery key {key_file}: {e}") from None
+        if len(key) != 32:
+            raise click.ClickException(
+                f"discovery key {key_file}: not 64 hex digits (roadlog-node discovery-key)"
+            )
+        return key
     secret_file = meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
     if not secret_file:
         raise click.UsageError(
-            "--discover needs the cluster secret: --secret-file or ROADLOG_SECRET_FILE"
+            "--discover needs the discovery key: --discovery-key-file (or "
+            "ROADLOG_DISCOVERY_KEY_FILE; `roadlog-node discovery-key` prints it), or the "
+            "cluster secret (--secret-file, ROADLOG_SECRET_FILE)"
         )
     try:
-        secret = read_secret(Path(secret_file))
-        found = find_queue_servers(
-            secret, meta.get("cluster_name"), meta.get("discovery_port", 7499)
-        )
+        return discovery_key(read_secret(Path(secret_file)))
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"discovery: {e}") from None
+
+
+def _discovered(meta: dict[str, Any]) -> list[str]:
+    key = _discovery_key(meta)
+    try:
+        found = find_queue_servers(key, meta.get("cluster_name"), meta.get("discovery_port", 7499))
     except (OSError, ValueError) as e:
         raise click.ClickException(f"discovery: {e}") from None
     if not found:
@@ -95,10 +116,17 @@ def where(f: Callable[..., Any]) -> Callable[..., Any]:
         help="find queue servers by their announcements on this network",
     )(f)
     f = click.option(
+        "--discovery-key-file",
+        expose_value=False,
+        callback=_meta("discovery_key_file"),
+        help="with --discover: the discovery key, hex (`roadlog-node discovery-key`; or "
+        "ROADLOG_DISCOVERY_KEY_FILE)",
+    )(f)
+    f = click.option(
         "--secret-file",
         expose_value=False,
         callback=_meta("secret_file"),
-        help="with --discover: the cluster secret (or ROADLOG_SECRET_FILE)",
+        help="with --discover and no discovery key: the cluster secret (or ROADLOG_SECRET_FILE)",
     )(f)
     f = click.option(
         "--cluster-name", expose_value=False, callback=_meta("cluster_name"), help="with --discover"

@@ -98,10 +98,18 @@ def test_a_late_node_joins_catches_up_and_a_queue_server_is_found(net: Net) -> N
     )  # fmt: skip
     assert sorted(n["id"] for n in st["nodes"]) == sorted(n.id for n in v.values())
     assert st["leader"] == lead and all(n["role"] != "down" for n in st["nodes"])
-    # ... and a client on the network finds the queue server by its announcements.
+    # ... and a client on the network finds the queue server by its
+    # announcements, holding the discovery key only (not the secret).
+    key = subprocess.check_output(
+        [sys.executable, "-m", "node_daemon.main", "discovery-key", "--secret-file",
+         str(net.secret)],
+        timeout=60, text=True,
+    ).strip()  # fmt: skip
+    key_file = net.dir / "discovery.key"
+    key_file.write_text(key + "\n")
     out = subprocess.check_output(
         ["ip", "netns", "exec", late.ns, sys.executable, "-m", "roadlog.cli", "topic", "list",
-         "--json", "--discover", "--secret-file", str(net.secret)],
+         "--json", "--discover", "--discovery-key-file", str(key_file)],
         timeout=60,
         cwd=REPO,
     )  # fmt: skip
