@@ -150,7 +150,12 @@ async def serve(cfg: NodeConfig) -> None:
         def readiness_detail() -> tuple[bool, dict[str, Any]]:
             return node_readiness(node, membership.in_config())
 
-        serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
+        serve_metrics_and_health(
+            cfg.listen.rpartition(":")[0],
+            cfg.metrics_port,
+            readiness_detail,
+            ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)
+        )
     node.update_addresses(node.sm.peers())
     failed: list[BaseException] = []
 

@@ -480,7 +480,8 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             ns.commit_index, ns.applied_index = s.commit_index, s.applied_index
         qs = st.queue_servers.add(grpc=self.cfg.address)
         if self.cfg.http_listen:
-            qs.http = f"http://{self.cfg.http_listen}"
+            scheme = "http" if tls.current().insecure else "https"
+            qs.http = f"{scheme}://{self.cfg.http_listen}"
         return st
 
 
@@ -578,14 +579,22 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             st = qs.status()
             return bool(st.leader), {"leader": st.leader, "nodes": len(st.nodes)}
 
-        serve_metrics_and_health(cfg.listen.rpartition(":")[0], cfg.metrics_port, readiness_detail)
+        serve_metrics_and_health(
+            cfg.listen.rpartition(":")[0],
+            cfg.metrics_port,
+            readiness_detail,
+            ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)
+        )
     http_runner = None
     if cfg.http_listen:
         host, _, port = cfg.http_listen.rpartition(":")
         settings = DashboardSettings(tile_url=cfg.dashboard_tile_url)
         http_runner = HttpApi(qs.call, qs.status, dashboard=settings).runner()  # bounded
         await http_runner.setup()
-        await web.TCPSite(http_runner, host or "0.0.0.0", int(port)).start()
+        # HTTPS with the queue server's certificate (clients have none); plaintext when insecure
+        await web.TCPSite(
+            http_runner, host or "0.0.0.0", int(port), ssl_context=security.server_ssl(mutual=False)
+        ).start()
     agent = None
     if cfg.discovery_port:
         core = DiscoveryCore(cfg.cluster_name, secrets.randbelow(1 << 53) + 1, "queue", cfg.address)

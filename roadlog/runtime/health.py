@@ -16,6 +16,13 @@ thread each; a connection over the bound is closed at once), a connection
 that sends nothing for ``idle_timeout_s`` (a half-sent request) is dropped,
 and none lasts more than ``deadline_s`` (a byte now and then does not keep
 it), so no client can pile up threads on a daemon or hold its slots.
+
+HTTPS when the daemon runs with TLS (``ssl_context``: the daemon's
+certificate, no client certificate asked; Prometheus and the health checks
+trust the cluster's CA): the handshake runs in the connection's own thread,
+under the same idle timeout and deadline, so a caller that never finishes
+it holds one slot for at most ``deadline_s``. A plaintext request on an
+HTTPS port fails in the handshake and is answered nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
@@ -49,6 +57,7 @@ class _BoundedWSGIServer(ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
     block_on_close = False
     max_connections = MAX_CONNECTIONS
+    ssl_context: ssl.SSLContext | None = None
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -66,24 +75,48 @@ class _BoundedWSGIServer(ThreadingMixIn, WSGIServer):
         finally:
             self._slots.release()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A failed TLS handshake (a plaintext caller, a client that does
+        not trust the CA) or a peer gone away is not worth a traceback."""
+        import sys
+
+        if isinstance(sys.exc_info()[1], OSError):  # ssl.SSLError is an OSError
+            return
+        super().handle_error(request, client_address)
+
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = IDLE_TIMEOUT_S  # the socket's: a connection idle this long is dropped
     deadline_s = DEADLINE_S  # a connection is cut this long after it was accepted
 
     def setup(self) -> None:
-        super().setup()
         self._deadline = threading.Timer(self.deadline_s, self._cut)
         self._deadline.daemon = True
         self._deadline.start()
+        ctx = getattr(self.server, "ssl_context", None)
+        if ctx is not None:  # the handshake here, in this connection's thread
+            self.request.settimeout(self.timeout)
+            try:
+                self.request = ctx.wrap_socket(self.request, server_side=True)
+            except OSError:
+                self._deadline.cancel()
+                with contextlib.suppress(OSError):
+                    self.request.close()
+                raise
+        super().setup()
 
     def _cut(self) -> None:
         with contextlib.suppress(OSError):
-            self.connection.shutdown(socket.SHUT_RDWR)
+            self.request.shutdown(socket.SHUT_RDWR)
 
     def finish(self) -> None:
         self._deadline.cancel()
-        super().finish()
+        try:
+            super().finish()
+        finally:
+            if isinstance(self.request, ssl.SSLSocket):  # the server closes the plain one
+                with contextlib.suppress(OSError):
+                    self.request.close()
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds are not worth a log line."""
@@ -128,11 +161,16 @@ def serve_metrics_and_health(
     max_connections: int = MAX_CONNECTIONS,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
     deadline_s: float = DEADLINE_S,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> WSGIServer:
     """Start the endpoint in a daemon thread; returns the server (its
-    `server_port` is the bound port, useful with port 0)."""
+    `server_port` is the bound port, useful with port 0). ``ssl_context``:
+    HTTPS with it (a daemon's ``tls.current().server_ssl(mutual=False)``);
+    None: plaintext (a daemon run ``insecure``)."""
     server_class = type(
-        "BoundedWSGIServer", (_BoundedWSGIServer,), {"max_connections": max_connections}
+        "BoundedWSGIServer",
+        (_BoundedWSGIServer,),
+        {"max_connections": max_connections, "ssl_context": ssl_context},
     )
     handler_class = type(
         "Handler", (_QuietHandler,), {"timeout": idle_timeout_s, "deadline_s": deadline_s}

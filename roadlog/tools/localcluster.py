@@ -10,6 +10,7 @@ TLS by default: ``create`` makes a CA in DIR/ca (or signs with one it is
 given, as the tests do with one CA per session) and a certs dir per
 process (DIR/certs/n1, .../q1, .../client for the tools: ``tls()``); the
 CA's key stays in DIR/ca. ``insecure`` runs every process with --insecure.
+With TLS every HTTP port is HTTPS too (``metrics_url``, ``ssl_context``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -114,6 +116,15 @@ class LocalCluster:
     def http_scheme(self) -> str:
         return self.tls().scheme
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For the cluster's HTTPS ports (the HTTP API, the dashboard,
+        /metrics and health): trusts its CA (None: plaintext, insecure)."""
+        return self.tls().ssl_context()
+
+    def metrics_url(self, p: NodeInfo | QueueInfo, path: str = "/metrics") -> str:
+        """``path`` on a process's metrics port (/metrics, /healthz, /readyz)."""
+        return f"{self.http_scheme}://127.0.0.1:{p.metrics_port}{path}"
+
     @property
     def servers(self) -> list[str]:
         return [q.grpc for q in self.queue_servers]
@@ -183,7 +194,7 @@ class LocalCluster:
                     ],
                     log=str(directory / "logs" / f"q{i}.log"),
                     grpc=f"127.0.0.1:{port}",
-                    http=f"http://127.0.0.1:{hport}",
+                    http=f"{'http' if certs is None else 'https'}://127.0.0.1:{hport}",
                     metrics_port=mport,
                 )
             )

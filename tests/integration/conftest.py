@@ -6,6 +6,7 @@ import contextlib
 import shutil
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from roadlog.client import Admin, Connection, Consumer, Producer, RoadlogError
+from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
@@ -29,14 +31,23 @@ def cluster_tls(test_ca: ClusterCA) -> Iterator[ClusterCA]:
     """Every cluster of this tier runs with TLS, its certificates signed by
     the session's CA; the SDK, the tools, Spark and the processes tests
     start trust it and present its admin client certificate (the
-    ROADLOG_CA_FILE, _CERT_FILE and _KEY_FILE that ClientTLS.from_env reads)."""
+    ROADLOG_CA_FILE, _CERT_FILE and _KEY_FILE that ClientTLS.from_env reads).
+    The clusters' HTTP ports are HTTPS: urllib's default opener here trusts
+    the session's CA too (a call with its own ``context=`` builds its own)."""
     client = test_ca.client()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ROADLOG_CA_FILE", str(client / "ca.crt"))
         mp.setenv("ROADLOG_CERT_FILE", str(client / "client.admin.crt"))
         mp.setenv("ROADLOG_KEY_FILE", str(client / "client.admin.key"))
         mp.delenv("ROADLOG_INSECURE", raising=False)
-        yield test_ca
+        ctx = ClientTLS.from_env().ssl_context()
+        urllib.request.install_opener(
+            urllib.request.build_opener(urllib.request.HTTPSHandler(context=ctx))
+        )
+        try:
+            yield test_ca
+        finally:
+            urllib.request.install_opener(None)
 
 
 @pytest.fixture
@@ -186,9 +197,12 @@ def create_topic(conn: Connection, name: str = "munich", partitions: int = 4) ->
 
 
 @contextlib.contextmanager
-def headless_chromium(width: int, height: int) -> Iterator[Any]:
+def headless_chromium(width: int, height: int, trust: Path | None = None) -> Iterator[Any]:
     """A headless Chromium (selenium) of that window size, keeping the
-    browser's console log; quit whatever happens."""
+    browser's console log; quit whatever happens. ``trust``: a server
+    certificate (PEM) the browser accepts though no root it knows signed
+    it (a local cluster's queue server: its CA is not the system's), by
+    the hash of its public key; any other certificate is still refused."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -200,6 +214,8 @@ def headless_chromium(width: int, height: int) -> Iterator[Any]:
         f"--window-size={width},{height}",
     ):
         opts.add_argument(arg)
+    if trust is not None:
+        opts.add_argument(f"--ignore-certificate-errors-spki-list={spki_hash(trust)}")
     opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(
@@ -209,3 +225,17 @@ def headless_chromium(width: int, height: int) -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
+
+
+def spki_hash(cert_file: Path) -> str:
+    """base64(SHA-256(SubjectPublicKeyInfo)) of a PEM certificate, as
+    Chromium's --ignore-certificate-errors-spki-list takes it."""
+    import base64
+    import hashlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    key = x509.load_pem_x509_certificate(cert_file.read_bytes()).public_key()
+    spki = key.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    return base64.b64encode(hashlib.sha256(spki).digest()).decode()

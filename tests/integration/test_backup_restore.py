@@ -133,8 +133,8 @@ def test_a_corrupt_or_foreign_backup_is_refused_and_the_node_keeps_its_data(
     with Connection(lc.servers) as conn:
         assert len(stored(conn)) == 300
     # The node's ops endpoint: live, ready with its role, and metrics.
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/readyz", timeout=5) as r2:
+    with urllib.request.urlopen(lc.metrics_url(node, "/readyz"), timeout=5) as r2:
         ready = json.loads(r2.read())
     assert ready["ready"] is True and ready["role"] == "leader" and ready["member"] is True
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz", timeout=5) as r2:
+    with urllib.request.urlopen(lc.metrics_url(node, "/healthz"), timeout=5) as r2:
         assert json.loads(r2.read())["live"] is True

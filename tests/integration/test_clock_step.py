@@ -106,7 +106,10 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
         # says so): what it stamps from here on is proposed on that clock.
         (node,) = lc.nodes
         wait_for(
-            lambda: _node_wall_clock_ms(node.metrics_port) > time.time() * 1000 + 3_600_000,
+            lambda: (
+                _node_wall_clock_ms(lc.metrics_url(node, "/healthz"))
+                > time.time() * 1000 + 3_600_000
+            ),
             10,
             "the node's wall clock stepped ahead",
         )
@@ -119,9 +122,9 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
             pytest.fail(f"a client that published seconds ago was refused: {e.message}")
 
 
-def _node_wall_clock_ms(metrics_port: int) -> float:
+def _node_wall_clock_ms(healthz: str) -> float:
     """The node's wall clock, as the Date header of its /healthz says."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=5) as r:
+    with urllib.request.urlopen(healthz, timeout=5) as r:
         date: str = r.headers["Date"]
     return email.utils.parsedate_to_datetime(date).timestamp() * 1000
 

@@ -97,8 +97,11 @@ def put(lc: LocalCluster, hm: heatmaps_pb2.HeatMap) -> None:
 
 
 @pytest.fixture
-def browser() -> Iterator[Any]:
-    with headless_chromium(1400, 900) as driver:
+def browser(cluster: LocalCluster) -> Iterator[Any]:
+    """Over HTTPS: the browser accepts the queue server's certificate only."""
+    q = cluster.queue_servers[0]
+    assert q.http.startswith("https://")
+    with headless_chromium(1400, 900, trust=Path(q.certs_dir) / "queue.crt") as driver:
         yield driver
 
 

@@ -270,11 +270,7 @@ def test_reads_are_spread_over_every_node(make_cluster: Callable[..., LocalClust
             )
             assert sum(len(b.batch.ts_ms) for b in r.batches) == ack.offsets[0][2]
     metrics = (
-        urllib.request.urlopen(
-            f"http://127.0.0.1:{lc.queue_servers[0].metrics_port}/metrics", timeout=10
-        )
-        .read()
-        .decode()
+        urllib.request.urlopen(lc.metrics_url(lc.queue_servers[0]), timeout=10).read().decode()
     )
     taken = {
         line.split('node="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])

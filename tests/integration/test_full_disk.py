@@ -159,7 +159,7 @@ def test_a_nearly_full_disk_refuses_writes_clearly_and_a_full_one_is_survived(
         weight = ballast(follower, 0)
         for k in range(10):
             publish(3000 + 200 * k)
-        wait_for(lambda: _retries(follower) > 0, 30, "the full follower retrying its writes")
+        wait_for(lambda: _retries(lc, follower) > 0, 30, "the full follower retrying its writes")
         assert alive(follower.pid)
         weight.unlink()
         wait_for(
@@ -178,9 +178,9 @@ def _publishes(publish: object, start: int) -> bool:
         return False
 
 
-def _retries(node: NodeInfo) -> float:
+def _retries(lc: LocalCluster, node: NodeInfo) -> float:
     """Writes the node has tried again for want of space (its /metrics)."""
-    url = f"http://127.0.0.1:{node.metrics_port}/metrics"
+    url = lc.metrics_url(node)
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     return sum(

@@ -5,6 +5,7 @@ what was stored before is unchanged."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +52,7 @@ def api(
             create_topic(conn, SENTINEL)
             ack = Producer(conn, SENTINEL, client="s").send_batch(make_pings("s", 0, 500))
             _fence["sentinel"] = ack.applied_index
+        assert lc.queue_servers[0].http.startswith("https://")
         yield lc, lc.queue_servers[0].http
     finally:
         lc.down(grace=3)
@@ -82,6 +84,7 @@ def test_fuzz_http_api(case: Any, api: tuple[LocalCluster, str]) -> None:
     case.call_and_validate(
         base_url=base,
         headers={"X-Timeout-Ms": "10000"},
+        verify=os.environ["ROADLOG_CA_FILE"],  # HTTPS: the session's CA (conftest)
         checks=[
             not_a_server_error,
             status_code_conformance,

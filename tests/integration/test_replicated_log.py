@@ -278,11 +278,7 @@ def test_metrics_and_health_are_served(make_cluster: MakeCluster) -> None:
         with ClientTLS.from_env().channel(n.address) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{n.metrics_port}/metrics", timeout=5)
-            .read()
-            .decode()
-        )
+        text = urllib.request.urlopen(lc.metrics_url(n), timeout=5).read().decode()
         for name in (
             "roadlog_raft_role",
             "roadlog_raft_term",
@@ -294,18 +290,10 @@ def test_metrics_and_health_are_served(make_cluster: MakeCluster) -> None:
         ):
             assert name in text, f"node {n.id} lacks metric {name}"
     leader = next(n for n in lc.nodes if n.id == lc.status()["leader"])
-    text = (
-        urllib.request.urlopen(f"http://127.0.0.1:{leader.metrics_port}/metrics", timeout=5)
-        .read()
-        .decode()
-    )
+    text = urllib.request.urlopen(lc.metrics_url(leader), timeout=5).read().decode()
     assert "roadlog_raft_follower_lag_entries" in text
     q = lc.queue_servers[0]
-    text = (
-        urllib.request.urlopen(f"http://127.0.0.1:{q.metrics_port}/metrics", timeout=5)
-        .read()
-        .decode()
-    )
+    text = urllib.request.urlopen(lc.metrics_url(q), timeout=5).read().decode()
     assert "roadlog_queue_depth" in text and "roadlog_queue_work_taken_total" in text
 
 

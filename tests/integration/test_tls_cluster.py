@@ -1,4 +1,5 @@
-"""A local cluster runs with TLS on every gRPC port and framed link: its
+"""A local cluster runs with TLS on every gRPC port, framed link and HTTP
+port (the HTTP API and dashboard, every /metrics and health port): its
 own clients get in, a plaintext client and a client holding a certificate
 of another CA are refused on each of them, and the queue server's client
 port gives no caller the Work stream."""
@@ -6,8 +7,11 @@ port gives no caller the Work stream."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import socket
 import ssl
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -53,6 +57,19 @@ def _framed_greeting(port: int, ctx: ssl.SSLContext | None) -> bytes:
             return b""
 
 
+def _http_status(url: str, ctx: ssl.SSLContext | None) -> int | str:
+    """The HTTP status ``url`` answers this caller, or why none came."""
+    try:
+        with urllib.request.urlopen(url, timeout=10, context=ctx) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+    except urllib.error.URLError as e:
+        return type(e.reason).__name__
+    except (http.client.HTTPException, ConnectionError) as e:
+        return type(e).__name__
+
+
 def test_every_port_refuses_plaintext_and_a_foreign_ca(
     make_cluster: Callable[..., LocalCluster], test_ca: ClusterCA, foreign_ca: ClusterCA
 ) -> None:
@@ -84,6 +101,19 @@ def test_every_port_refuses_plaintext_and_a_foreign_ca(
         assert _framed_greeting(port, good).startswith(b"RL"), port
         assert _framed_greeting(port, None) == b"", port
         assert _framed_greeting(port, bad) == b"", port
+
+    # HTTP: the HTTP API (and dashboard) and every metrics/health port are
+    # HTTPS with the process's certificate; only clients of our CA get an answer.
+    ours_ssl, foreign_ssl = ours.ssl_context(), foreign.ssl_context()
+    assert q.http.startswith("https://")
+    urls = [f"{q.http}/healthz", f"{q.http}/ui/"]
+    procs: list[NodeInfo | QueueInfo] = [*lc.nodes, q]
+    urls += [lc.metrics_url(p, path) for p in procs for path in ("/readyz", "/metrics")]
+    for url in urls:
+        assert _http_status(url, ours_ssl) == 200, url
+        assert _http_status(url, foreign_ssl) == "SSLCertVerificationError", url
+        plaintext = _http_status(url.replace("https://", "http://", 1), None)
+        assert not isinstance(plaintext, int), (url, plaintext)  # no HTTP answer at all
 
 
 def test_the_client_port_gives_nobody_the_work_stream(
