@@ -77,6 +77,53 @@ def _ingest_cpu(ing: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _ingest_tls(doc: dict[str, Any]) -> list[str]:
+    """What TLS costs (``bench/ingest.py --tls both``): each system's figures
+    plaintext and over TLS, measured in one run."""
+    cases = doc["cases"]
+
+    def find(system: str, b: int, tls: bool) -> dict[str, Any] | None:
+        return next(
+            (
+                c
+                for c in cases
+                if c["system"] == system and c["pings_per_message"] == b and c["tls"] == tls
+            ),
+            None,
+        )
+
+    out = [
+        "## Ingest over TLS: what it costs",
+        "",
+        f"Machine: {_machine(doc)}. The same load as above, each system plaintext and then over "
+        "TLS with certificates from one CA (roadlog: the client's PublishStream, the Raft peer "
+        "links and the Work links, mutual between the cluster's processes; JetStream: the "
+        "client port and the routes), in one run, each case the median of "
+        f"{doc.get('rounds', 1)} round(s).",
+        "",
+        "| system | pings/message | pings/s plaintext | pings/s TLS | server CPU-s per M pings "
+        "plaintext | TLS | TLS / plaintext |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    cost = doc.get("tls_cpu_cost", {})
+    for system in doc["systems"]:
+        for b in sorted({c["pings_per_message"] for c in cases}):
+            plain, tls = find(system, b, False), find(system, b, True)
+            if plain is None or tls is None:
+                continue
+            out.append(
+                f"| {system} | {b} | {plain['pings_per_s']:,.0f} | {tls['pings_per_s']:,.0f} "
+                f"| {plain['server_cpu_s_per_m_pings']} | {tls['server_cpu_s_per_m_pings']} "
+                f"| {cost.get(system, {}).get(str(b))} |"
+            )
+    for key, what in (("cpu_ratio", "plaintext"), ("cpu_ratio_tls", "over TLS")):
+        ratios = doc.get(key, {})
+        if ratios:
+            shown = ", ".join(f"{r}x at {b}" for b, r in ratios.items() if r is not None)
+            out += ["", f"roadlog's server CPU per ping over JetStream's, {what}: {shown}."]
+    return [*out, ""]
+
+
 def _case(doc: dict[str, Any], system: str, batch: str) -> dict[str, Any]:
     return next(
         c for c in doc["cases"] if c["system"] == system and str(c["pings_per_message"]) == batch
@@ -237,6 +284,9 @@ def render() -> str:
             "throughput at least JetStream's at both.",
             "",
         ]
+    ing_tls = _load("ingest-tls")
+    if ing_tls and ing_tls.get("tls") == "both":
+        lines += _ingest_tls(ing_tls)
     hop = _load("transport_hop")
     if hop:
         lines += _transport_hop(hop)

@@ -10,7 +10,7 @@ import pytest
 
 from bench.cpu import CpuMeter, cpu_seconds
 from bench.ingest import compare, cpu_ratio, median_case
-from bench.report import _spread
+from bench.report import _ingest_tls, _spread
 
 pytestmark = pytest.mark.unit
 
@@ -93,3 +93,34 @@ def test_systems_are_compared_within_one_tls_mode() -> None:
     ]
     assert compare(cases, [100], "roadlog", "jetstream", False) == ({"100": 0.5}, {"100": 2.0})
     assert compare(cases, [100], "roadlog", "jetstream", True) == ({"100": 0.9}, {"100": 1.2})
+
+
+def test_the_tls_section_shows_each_system_both_ways() -> None:
+    def case(system: str, tls: bool, pps: float, cpu: float) -> dict[str, object]:
+        return {
+            "system": system,
+            "pings_per_message": 100,
+            "tls": tls,
+            "pings_per_s": pps,
+            "server_cpu_s_per_m_pings": cpu,
+        }
+
+    doc = {
+        "machine": {"cpu": "x", "cores": 2, "memory_gib": 1, "python": "3", "kernel": "k"},
+        "when": "2026-11-23T00:00:00Z",
+        "rounds": 3,
+        "tls": "both",
+        "systems": ["roadlog", "jetstream"],
+        "cases": [
+            case("roadlog", False, 150_000, 6.0),
+            case("roadlog", True, 140_000, 6.6),
+            case("jetstream", False, 220_000, 3.0),
+            case("jetstream", True, 120_000, 5.4),
+        ],
+        "tls_cpu_cost": {"roadlog": {"100": 1.1}, "jetstream": {"100": 1.8}},
+        "cpu_ratio_tls": {"100": 1.22},
+    }
+    text = "\n".join(_ingest_tls(doc))
+    assert "| roadlog | 100 | 150,000 | 140,000 | 6.0 | 6.6 | 1.1 |" in text
+    assert "| jetstream | 100 | 220,000 | 120,000 | 3.0 | 5.4 | 1.8 |" in text
+    assert "over TLS: 1.22x at 100" in text
