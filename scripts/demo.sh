@@ -3,7 +3,8 @@
 # simulated traffic with a jam around a hot spot, a leader killed and
 # replaced while writes go on, a traffic heat map built by Spark from the
 # replicated log (out/heatmap.png and out/heatmap.html show the jam), the
-# streaming heat map's first trigger, and the dashboard's address.
+# streaming heat map's first trigger, and the dashboard's address (HTTPS,
+# like every port of the cluster: its own CA in out/cluster/ca).
 # Everything it starts is stopped at the end (--keep leaves the cluster up,
 # to look at the dashboard).
 set -euo pipefail
@@ -61,4 +62,8 @@ else
 fi
 echo "Dashboard (heat maps for this client, $client, while it contributes):"
 echo "$http/ui/?topic=munich&client_id=$client"
+case "$http" in https://*)
+  echo "(HTTPS with the cluster's own CA: import $DIR/ca/ca.crt into the browser, or accept its warning;" \
+    "curl --cacert $DIR/ca/ca.crt $http/v1/cluster)" ;;
+esac
 exit 0

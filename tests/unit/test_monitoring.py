@@ -304,6 +304,13 @@ def test_the_rule_tests_catch_a_broken_rule(tmp_path: Path, old: str, new: str) 
 # ----------------------------------------------------- the role's config
 
 
+def ansible_bool(value: object) -> bool:
+    """Ansible's ``bool`` filter (the role's templates use it)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("yes", "on", "1", "true", "y", "t")
+    return bool(value)
+
+
 def render_config(
     tmp_path: Path,
     play_vars: dict[str, object] | None = None,
@@ -314,6 +321,7 @@ def render_config(
     (with ``master_vars`` as its host variables; ``play_vars`` for every
     host); the rules beside it."""
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["bool"] = ansible_bool
     template = env.from_string((ROLE / "templates" / "prometheus.yml.j2").read_text())
     hostvars: dict[str, dict[str, object]] = {
         f"lab{i}": {"ansible_host": f"10.77.0.1{i}"} | (play_vars or {}) for i in (1, 2, 3)
@@ -361,6 +369,39 @@ def test_the_role_s_config_scrapes_the_inventory_under_the_rules_job_names(tmp_p
     assert doc["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
         "10.77.0.20:9093"
     ]
+
+
+def test_the_role_scrapes_over_https_with_the_ca_where_the_daemons_run_tls(tmp_path: Path) -> None:
+    """Issue 19: a node's and a queue server's metrics port is HTTPS when it
+    runs with TLS; the lab deploys --insecure (the roles' defaults), so
+    plaintext stays the default and each job turns https on its own."""
+
+    def jobs(play_vars: dict[str, object], where: Path) -> dict[str, dict[str, Any]]:
+        where.mkdir()
+        config = render_config(where, play_vars)
+        r = run_promtool("check", "config", str(config), cwd=where)
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = yaml.safe_load(config.read_text())
+        return {j["job_name"]: j for j in doc["scrape_configs"]}
+
+    default = jobs({}, tmp_path / "default")
+    for name in ("roadlog-node", "roadlog-queue"):
+        assert default[name].get("scheme", "http") == "http" and "tls_config" not in default[name]
+    ca = tmp_path / "ca.crt"
+    ca.write_text("")  # promtool checks only that it is there
+    tls_on = {
+        "roadlog_node_insecure": False,
+        "roadlog_queue_insecure": False,
+        "roadlog_monitoring_ca_file": str(ca),
+    }
+    both = jobs(tls_on, tmp_path / "tls")
+    for name in ("roadlog-node", "roadlog-queue"):
+        assert both[name]["scheme"] == "https"
+        assert both[name]["tls_config"] == {"ca_file": str(ca)}
+    assert both[STREAM_JOB].get("scheme", "http") == "http"  # the Spark stream has no certificate
+    nodes_only = jobs(tls_on | {"roadlog_queue_insecure": True}, tmp_path / "nodes")
+    assert nodes_only["roadlog-node"]["scheme"] == "https"
+    assert nodes_only["roadlog-queue"].get("scheme", "http") == "http"
 
 
 def stream_targets(config: Path) -> list[tuple[list[str], dict[str, str]]]:
