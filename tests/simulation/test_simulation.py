@@ -190,8 +190,8 @@ def test_a_nondeterministic_state_machine_is_caught(monkeypatch: pytest.MonkeyPa
     original = StateMachine._create_topic
     clock = itertools.count()
 
-    def local_time(self: StateMachine, txn: Any, spec: Any, leader_ms: int) -> Any:
-        return original(self, txn, spec, leader_ms + next(clock))
+    def local_time(self: StateMachine, txn: Any, spec: Any, leader_ms: int, *rest: Any) -> Any:
+        return original(self, txn, spec, leader_ms + next(clock), *rest)
 
     monkeypatch.setattr(StateMachine, "_create_topic", local_time)
     bad = [r for r in map(run_seed, REAL_SEEDS[:3]) if not r.ok]
