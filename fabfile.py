@@ -55,6 +55,7 @@ from roadlog.tools.ops import (
 
 VENV = "/opt/roadlog/venv"
 CONFIG = "/etc/roadlog/node.toml"
+QUEUE_CONFIG = "/etc/roadlog/queue.toml"
 USER = "roadlog"
 METRICS_PORT = 9400
 QUEUE_PORT = 7500
@@ -397,8 +398,12 @@ def _drill_in(
     """The drill's probe (writing into `work` on the prober) and its kill:
     the probe's result and when the leader was killed."""
     out_file = f"{work}/probe.json"
+    # The probe dials the queue servers as the roles deployed them: in
+    # plaintext where they run insecure (the roles' default until they push
+    # certificates), else with TLS.
+    plaintext = f"$(grep -qsx 'insecure = true' {QUEUE_CONFIG} && echo ROADLOG_INSECURE=1)"
     probe = (
-        f"ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
+        f"env {plaintext} ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
         f"{VENV}/bin/python -m roadlog.tools.probe --servers {servers} "
         f"--duration {seconds} --out {out_file}"
     )

@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 import json
 import secrets
+import shlex
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -113,3 +116,33 @@ def test_a_drill_whose_probe_never_finishes_still_removes_its_directory(hosts: H
         fabfile.drill.body(None, seconds=3, json=True)
     [work] = hosts.made
     assert hosts.commands[-1] == ("lab2", f"rm -rf {work}")
+
+
+@pytest.mark.parametrize(("config", "plaintext"), [
+    ("insecure = true\n", "1"),
+    ("insecure = false\n", ""),
+    (None, ""),
+])  # fmt: skip
+def test_the_probe_dials_in_plaintext_only_where_the_queue_server_runs_insecure(
+    hosts: Hosts,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    config: str | None,
+    plaintext: str,
+) -> None:
+    queue_toml = tmp_path / "queue.toml"
+    if config is not None:
+        queue_toml.write_text(f'listen = "0.0.0.0:7500"\n{config}')
+    monkeypatch.setattr(fabfile, "QUEUE_CONFIG", str(queue_toml))
+    fabfile.drill.body(None, seconds=3, json=True)
+    launch = next(c for name, c in hosts.commands if "roadlog.tools.probe" in c)
+    inner = shlex.split(launch)[3]  # nohup sh -c INNER: the prober's shell runs it
+    # The probe's environment as that shell gives it (the probe itself left out).
+    env_part = inner.split(" timeout ")[0]
+    shown = subprocess.run(
+        ["sh", "-c", f"{env_part} printenv ROADLOG_INSECURE || true"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert shown == plaintext
