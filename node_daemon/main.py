@@ -98,15 +98,7 @@ def leave(
 ) -> None:
     """Make a running node leave its cluster gracefully (it hands over
     leadership, has the leader remove it, then stops)."""
-    cfg = _offline_config(
-        config_path,
-        {
-            "secret_file": secret_file,
-            "cluster_name": cluster_name,
-            "certs_dir": certs_dir,
-            "insecure": insecure,
-        },
-    )
+    cfg = _dialing_config(config_path, secret_file, cluster_name, certs_dir, insecure)
     target = _dialable(address or cfg.address)
     token = cluster_token(cfg.secret(), cfg.cluster_name)
     with _security(cfg).sync_channel(target) as ch:
@@ -166,6 +158,26 @@ def _offline_config(config_path: Path | None, flags: dict[str, Any]) -> NodeConf
         )
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def _dialing_config(
+    config_path: Path | None,
+    secret_file: Path | None,
+    cluster_name: str | None,
+    certs_dir: Path | None,
+    insecure: bool | None,
+) -> NodeConfig:
+    """The node's configuration for an operator's command that dials it
+    (leave, transfer-leader): the file's, with the flags given."""
+    return _offline_config(
+        config_path,
+        {
+            "secret_file": secret_file,
+            "cluster_name": cluster_name,
+            "certs_dir": certs_dir,
+            "insecure": insecure,
+        },
+    )
 
 
 def _security(cfg: NodeConfig) -> tls.Security:
@@ -316,15 +328,7 @@ def transfer_leader(
 ) -> None:
     """Hand the leadership to another voter and wait until it leads; prints
     {"from": ID, "to": ID, "seconds": S} as JSON."""
-    cfg = _offline_config(
-        config_path,
-        {
-            "secret_file": secret_file,
-            "cluster_name": cluster_name,
-            "certs_dir": certs_dir,
-            "insecure": insecure,
-        },
-    )
+    cfg = _dialing_config(config_path, secret_file, cluster_name, certs_dir, insecure)
     security = _security(cfg)
     client_tls = security.client_tls()
     start = _dialable(address or cfg.address)

@@ -25,6 +25,7 @@ from node_daemon.raft import Entry, Message, MessageType
 from node_daemon.transport import PeerTransport
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 from tests.unit.loops import LOOPS, run_bounded, until, use_loop
+from tests.unit.peer_transports import peer_transport
 
 pytestmark = pytest.mark.unit
 
@@ -46,16 +47,7 @@ def _append(frm: int, to: int, index: int) -> Message:
 
 
 def _transport(node_id: int, tmp: Path, got: list[Message]) -> PeerTransport:
-    return PeerTransport(
-        node_id,
-        CLUSTER,
-        SECRET,
-        tmp / f"snap{node_id}",
-        on_message=got.append,
-        on_unreachable=lambda to: None,
-        on_snapshot_status=lambda to, ok: None,
-        snapshot_file=lambda index, term: None,
-    )
+    return peer_transport(node_id, CLUSTER, SECRET, tmp, got)
 
 
 async def _serving(t: PeerTransport, frames: bool) -> tuple[grpc.aio.Server, str]:

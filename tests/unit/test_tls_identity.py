@@ -27,6 +27,7 @@ from roadlog.runtime import frames, tls
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 from tests.certs import ClusterCA
 from tests.unit.loops import LOOPS, run_bounded, until, use_loop
+from tests.unit.peer_transports import peer_transport
 
 pytestmark = pytest.mark.unit
 
@@ -57,16 +58,7 @@ def as_node_1(test_ca: ClusterCA) -> Iterator[tls.Security]:
 
 
 def _transport(node_id: int, tmp: Path, got: list[Message]) -> PeerTransport:
-    return PeerTransport(
-        node_id,
-        CLUSTER,
-        SECRET,
-        tmp / f"snap{node_id}",
-        on_message=got.append,
-        on_unreachable=lambda to: None,
-        on_snapshot_status=lambda to, ok: None,
-        snapshot_file=lambda index, term: None,
-    )
+    return peer_transport(node_id, CLUSTER, SECRET, tmp, got)
 
 
 async def _serving(
