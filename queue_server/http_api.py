@@ -256,9 +256,24 @@ class HttpApi:
         )
         return web.json_response(topic_json(d))
 
+    async def init_producer(self, request: web.Request) -> web.Response:
+        """An idempotent producer id for HTTP publishes (as gRPC's
+        InitProducer): a publish that names it and a sequence is stored
+        once however often it is sent again."""
+        body = await _json_object(request, self.body_idle_s)
+        client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
+        resp = await self.call(
+            request, "InitProducer", client_pb2.InitProducerRequest(client_id=client), client
+        )
+        return web.json_response({"producer_id": resp.producer_id}, status=201)
+
     async def publish(self, request: web.Request) -> web.Response:
         body = await _json_object(request, self.body_idle_s)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
+        producer_id = _int(body, "producer_id", 0, 0, 2**64 - 1)
+        sequence = _int(body, "sequence", 0, 0, 2**63 - 1)
+        if "sequence" in body and not producer_id:
+            raise bad("sequence needs a producer_id (POST /v1/producers)")
         pings = body.get("pings")
         if isinstance(pings, list) and len(pings) > 1000:  # seconds of work: off the loop
             loop = asyncio.get_running_loop()
@@ -266,7 +281,11 @@ class HttpApi:
         else:
             cols = pings_from_json(pings)
         req = client_pb2.PublishRequestView(  # the encoded batch as it is: no re-parse
-            topic=request.match_info["name"], client_id=client, batch=columnar.encode(cols)
+            topic=request.match_info["name"],
+            client_id=client,
+            producer_id=producer_id,
+            sequence=sequence,
+            batch=columnar.encode(cols),
         )
         resp = await self.call(request, "Publish", req, client)
         return web.json_response(
@@ -277,6 +296,7 @@ class HttpApi:
                 ],
                 "applied_index": resp.applied_index,
                 "count": sum(o.count for o in resp.offsets),
+                "duplicate": resp.duplicate,
             }
         )
 

@@ -211,6 +211,13 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                         "properties": {
                             "client_id": {"type": "string", "minLength": 1},
                             "pings": {"type": "array", "items": _PING, "minItems": 1},
+                            "producer_id": {
+                                "type": "integer",
+                                "minimum": 0,
+                                "description": "idempotence: from POST /v1/producers; "
+                                "a (producer_id, sequence) sent again is stored once",
+                            },
+                            "sequence": {"type": "integer", "minimum": 0},
                         },
                     }
                 }
@@ -226,10 +233,43 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                         "offsets": {"type": "array", "items": {"type": "object"}},
                         "applied_index": {"type": "integer"},
                         "count": {"type": "integer"},
+                        "duplicate": {
+                            "type": "boolean",
+                            "description": "a retry of a (producer_id, sequence) stored "
+                            "before: its original offsets",
+                        },
                     },
                 },
             ),
             **_errors("400", "404", "409", "413", "503", "504"),
+        },
+    },
+    "InitProducer": {
+        "summary": "An idempotent producer id for publishes that may be sent again",
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["client_id"],
+                        "properties": {"client_id": {"type": "string", "minLength": 1}},
+                    }
+                }
+            },
+        },
+        "responses": {
+            **_ok(
+                "the producer id: number this producer's publishes 0, 1, 2, ... "
+                "(sequence) and send a failed one again as it was",
+                {
+                    "type": "object",
+                    "required": ["producer_id"],
+                    "properties": {"producer_id": {"type": "integer"}},
+                },
+                "201",
+            ),
+            **_errors("400", "413", "503", "504"),
         },
     },
     "Fetch": {

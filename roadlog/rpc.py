@@ -76,7 +76,13 @@ RPCS: tuple[Rpc, ...] = (
     ),
     Rpc("ListTopics", R, c.ListTopicsRequest, c.ListTopicsResponse, HttpRoute("GET", "/v1/topics")),
     Rpc("DeleteTopic", W, c.DeleteTopicRequest, c.DeleteTopicResponse),
-    Rpc("InitProducer", W, c.InitProducerRequest, c.InitProducerResponse),
+    Rpc(
+        "InitProducer",
+        W,
+        c.InitProducerRequest,
+        c.InitProducerResponse,
+        HttpRoute("POST", "/v1/producers"),
+    ),
     Rpc(
         "Publish",
         W,

@@ -385,3 +385,47 @@ def test_the_queue_servers_status_shows_each_node_as_the_node_builds_it(
         assert sorted(n.role for n in st.nodes) == ["follower", "follower", "leader"]
         assert all(list(n.voters) == [1, 2, 3] for n in st.nodes)
         assert next(n.id for n in st.nodes if n.role == "leader") == st.leader
+
+
+def test_an_http_publish_with_a_producer_id_sent_again_is_stored_once(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = make_cluster(1)
+    base = lc.queue_servers[0].http
+    code, _, topic = http(
+        "POST", f"{base}/v1/topics", {"name": "munich", "region": json.loads(REGION)}
+    )
+    assert code == 201
+    code, _, producer = http("POST", f"{base}/v1/producers", {"client_id": "phone-7"})
+    assert code == 201 and producer["producer_id"] > 0
+    pid = producer["producer_id"]
+    now = int(time.time() * 1000)
+    pings = [
+        {"device_id": f"car-{i % 3}", "ts_ms": now + i, "lat": 48.1, "lon": 11.5} for i in range(12)
+    ]
+    publish = {"client_id": "phone-7", "producer_id": pid, "sequence": 0, "pings": pings}
+    code, _, first = http("POST", f"{base}/v1/topics/munich/pings", publish)
+    assert code == 200 and first["count"] == 12 and first["duplicate"] is False
+    # The client never heard the answer and sends the same publish again.
+    code, _, again = http("POST", f"{base}/v1/topics/munich/pings", publish)
+    assert code == 200 and again["duplicate"] is True
+    assert again["offsets"] == first["offsets"]
+    code, _, nxt = http("POST", f"{base}/v1/topics/munich/pings", {**publish, "sequence": 1})
+    assert code == 200 and nxt["duplicate"] is False
+    fence = nxt["applied_index"]
+    code, _, desc = http("GET", f"{base}/v1/topics/munich?min_applied_index={fence}")
+    assert code == 200
+    stored = sum(p["next_offset"] - p["first_offset"] for p in desc["partition_states"])
+    assert stored == 24  # twice 12, not three times
+    # A sequence without a producer id (400), a producer id nobody issued (409).
+    code, _, err = http(
+        "POST", f"{base}/v1/topics/munich/pings", {"client_id": "c", "sequence": 3, "pings": pings}
+    )
+    assert code == 400 and "producer_id" in err["error"]["reason"]
+    code, _, err = http(
+        "POST",
+        f"{base}/v1/topics/munich/pings",
+        {"client_id": "c", "producer_id": pid + 1, "sequence": 0, "pings": pings},
+    )
+    assert code == 409 and "unknown producer id" in err["error"]["reason"], err
+    assert topic["applied_index"] > 0
