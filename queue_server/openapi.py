@@ -21,6 +21,11 @@ _ERROR = {
 }
 
 
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """A required JSON request body of ``schema``."""
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
 def _errors(*statuses: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for s in statuses:
@@ -139,42 +144,36 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
     },
     "CreateTopic": {
         "summary": "Create a topic (a city region)",
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {
-                    "schema": {
+        "requestBody": _json_body(
+            {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {
+                        "type": "string",
+                        "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
+                    },
+                    "region": {
                         "type": "object",
-                        "required": ["name"],
-                        "properties": {
-                            "name": {
-                                "type": "string",
-                                "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
-                            },
-                            "region": {
-                                "type": "object",
-                                "description": "a GeoJSON Polygon (lon/lat) or a "
-                                "Feature holding one",
-                            },
-                            "bbox": {
-                                "type": "array",
-                                "items": {"type": "number"},
-                                "minItems": 4,
-                                "maxItems": 4,
-                            },
-                            "partitions": {"type": "integer", "minimum": 0, "maximum": 256},
-                            "retention_ms": {"type": "integer", "minimum": 0},
-                            "h3_resolution": {
-                                "type": "integer",
-                                "minimum": 0,
-                                "maximum": 15,
-                            },
-                            "contribution_window_ms": {"type": "integer", "minimum": 0},
-                        },
-                    }
-                }
-            },
-        },
+                        "description": "a GeoJSON Polygon (lon/lat) or a Feature holding one",
+                    },
+                    "bbox": {
+                        "type": "array",
+                        "items": {"type": "number"},
+                        "minItems": 4,
+                        "maxItems": 4,
+                    },
+                    "partitions": {"type": "integer", "minimum": 0, "maximum": 256},
+                    "retention_ms": {"type": "integer", "minimum": 0},
+                    "h3_resolution": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "maximum": 15,
+                    },
+                    "contribution_window_ms": {"type": "integer", "minimum": 0},
+                },
+            }
+        ),
         "responses": {
             **_ok(
                 "the topic created (or the same one again), with applied_index: "
@@ -201,28 +200,23 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
     "Publish": {
         "summary": "Publish pings; a batch with any bad ping is refused whole",
         "parameters": [_NAME],
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "type": "object",
-                        "required": ["client_id", "pings"],
-                        "properties": {
-                            "client_id": {"type": "string", "minLength": 1},
-                            "pings": {"type": "array", "items": _PING, "minItems": 1},
-                            "producer_id": {
-                                "type": "integer",
-                                "minimum": 0,
-                                "description": "idempotence: from POST /v1/producers; "
-                                "a (producer_id, sequence) sent again is stored once",
-                            },
-                            "sequence": {"type": "integer", "minimum": 0},
-                        },
-                    }
-                }
-            },
-        },
+        "requestBody": _json_body(
+            {
+                "type": "object",
+                "required": ["client_id", "pings"],
+                "properties": {
+                    "client_id": {"type": "string", "minLength": 1},
+                    "pings": {"type": "array", "items": _PING, "minItems": 1},
+                    "producer_id": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "idempotence: from POST /v1/producers; "
+                        "a (producer_id, sequence) sent again is stored once",
+                    },
+                    "sequence": {"type": "integer", "minimum": 0},
+                },
+            }
+        ),
         "responses": {
             **_ok(
                 "where the pings went",
@@ -246,18 +240,13 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
     },
     "InitProducer": {
         "summary": "An idempotent producer id for publishes that may be sent again",
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "type": "object",
-                        "required": ["client_id"],
-                        "properties": {"client_id": {"type": "string", "minLength": 1}},
-                    }
-                }
-            },
-        },
+        "requestBody": _json_body(
+            {
+                "type": "object",
+                "required": ["client_id"],
+                "properties": {"client_id": {"type": "string", "minLength": 1}},
+            }
+        ),
         "responses": {
             **_ok(
                 "the producer id: number this producer's publishes 0, 1, 2, ... "
