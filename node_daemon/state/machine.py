@@ -427,7 +427,7 @@ class StateMachine:
         partitions = [part.partition for part in op.parts]
         states = [self._state(txn, tid, p) for p in partitions]
         nxt = [st.next_offset for st in states]
-        kept: list[bool] = []
+        kept: list[bool] = []  # per span, with producers; empty: every span kept
         out: list[OpResult] = []
         if not any(span.producer_id for span in op.spans):
             # No idempotent producer: every span is stored, in order; the
@@ -436,7 +436,6 @@ class StateMachine:
                 out = [
                     OpResult(response=r) for r in publish_responses(partitions, nxt, counts, index)
                 ]
-            kept = [True] * len(counts)
             nxt = [base + part.count for base, part in zip(nxt, op.parts, strict=True)]
         else:
             nxt = self._producer_spans(
