@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
@@ -73,20 +74,73 @@ class ClusterAuth(grpc.aio.ServerInterceptor):
         return _refusing(handler)
 
 
-async def _refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+async def _refuse(context: grpc.aio.ServicerContext[Any, Any]) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
 
 
 def _refusing(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+    return guarded(handler, _refuse)
+
+
+def guarded(
+    handler: grpc.RpcMethodHandler[Any, Any], check: Callable[[Any], Awaitable[None]]
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` (of any of the four kinds) behind ``check(context)``,
+    awaited before it runs; a check that aborts the call refuses it."""
     kw = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_refuse, **kw)
+        inner_ss: Any = handler.stream_stream
+
+        async def ss(it: Any, context: Any) -> Any:
+            await check(context)
+            async for r in inner_ss(it, context):
+                yield r
+
+        # a servicer's stream-stream method may be an async generator or a coroutine
+        if _is_asyncgen(inner_ss):
+            return grpc.stream_stream_rpc_method_handler(ss, **kw)
+
+        async def ss_co(it: Any, context: Any) -> Any:
+            await check(context)
+            return await inner_ss(it, context)
+
+        return grpc.stream_stream_rpc_method_handler(ss_co, **kw)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_refuse, **kw)
+        inner_su: Any = handler.stream_unary
+
+        async def su(it: Any, context: Any) -> Any:
+            await check(context)
+            return await inner_su(it, context)
+
+        return grpc.stream_unary_rpc_method_handler(su, **kw)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_refuse, **kw)
-    return grpc.unary_unary_rpc_method_handler(_refuse, **kw)
+        inner_us: Any = handler.unary_stream
+        if _is_asyncgen(inner_us):
+
+            async def us(req: Any, context: Any) -> Any:
+                await check(context)
+                async for r in inner_us(req, context):
+                    yield r
+
+            return grpc.unary_stream_rpc_method_handler(us, **kw)
+
+        async def us_co(req: Any, context: Any) -> Any:
+            await check(context)
+            return await inner_us(req, context)
+
+        return grpc.unary_stream_rpc_method_handler(us_co, **kw)
+    inner_uu: Any = handler.unary_unary
+
+    async def uu(req: Any, context: Any) -> Any:
+        await check(context)
+        return await inner_uu(req, context)
+
+    return grpc.unary_unary_rpc_method_handler(uu, **kw)
+
+
+def _is_asyncgen(fn: Any) -> bool:
+    return inspect.isasyncgenfunction(fn)

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from roadlog.client_tls import ClientTLS
+from roadlog.runtime.auth import guarded
 from roadlog.runtime.config import ConfigError
 
 CA_CERT = "ca.crt"
@@ -398,61 +399,4 @@ def _checked(
                 grpc.StatusCode.PERMISSION_DENIED, f"{NOT_PERMITTED} {method}: {ident}"
             )
 
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        inner_ss: Any = handler.stream_stream
-
-        async def ss(it: Any, context: Any) -> Any:
-            await check(context)
-            async for r in inner_ss(it, context):
-                yield r
-
-        # a servicer's stream-stream method may be an async generator or a coroutine
-        if _is_asyncgen(inner_ss):
-            return grpc.stream_stream_rpc_method_handler(ss, **kw)
-
-        async def ss_co(it: Any, context: Any) -> Any:
-            await check(context)
-            return await inner_ss(it, context)
-
-        return grpc.stream_stream_rpc_method_handler(ss_co, **kw)
-    if handler.request_streaming:
-        inner_su: Any = handler.stream_unary
-
-        async def su(it: Any, context: Any) -> Any:
-            await check(context)
-            return await inner_su(it, context)
-
-        return grpc.stream_unary_rpc_method_handler(su, **kw)
-    if handler.response_streaming:
-        inner_us: Any = handler.unary_stream
-        if _is_asyncgen(inner_us):
-
-            async def us(req: Any, context: Any) -> Any:
-                await check(context)
-                async for r in inner_us(req, context):
-                    yield r
-
-            return grpc.unary_stream_rpc_method_handler(us, **kw)
-
-        async def us_co(req: Any, context: Any) -> Any:
-            await check(context)
-            return await inner_us(req, context)
-
-        return grpc.unary_stream_rpc_method_handler(us_co, **kw)
-    inner_uu: Any = handler.unary_unary
-
-    async def uu(req: Any, context: Any) -> Any:
-        await check(context)
-        return await inner_uu(req, context)
-
-    return grpc.unary_unary_rpc_method_handler(uu, **kw)
-
-
-def _is_asyncgen(fn: Any) -> bool:
-    import inspect
-
-    return inspect.isasyncgenfunction(fn)
+    return guarded(handler, check)
