@@ -25,6 +25,7 @@ from roadlog.runtime.config import read_secret
 from roadlog.tools.localcluster import LocalCluster, NodeInfo, QueueInfo
 from roadlog.v1 import admin_pb2_grpc, client_pb2, client_pb2_grpc, work_pb2, work_pb2_grpc
 from tests.certs import ClusterCA
+from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +111,8 @@ def test_every_port_refuses_plaintext_and_a_foreign_ca(
     procs: list[NodeInfo | QueueInfo] = [*lc.nodes, q]
     urls += [lc.metrics_url(p, path) for p in procs for path in ("/readyz", "/metrics")]
     for url in urls:
-        assert _http_status(url, ours_ssl) == 200, url
+        # A node a moment behind answers /readyz 503 at first (over TLS too).
+        wait_for(lambda url=url: _http_status(url, ours_ssl) == 200, 30, url)  # type: ignore[misc]
         assert _http_status(url, foreign_ssl) == "SSLCertVerificationError", url
         plaintext = _http_status(url.replace("https://", "http://", 1), None)
         assert not isinstance(plaintext, int), (url, plaintext)  # no HTTP answer at all
