@@ -29,7 +29,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+    """Run a command; a failure names the command and what it printed."""
+    r = subprocess.run(argv, capture_output=True, timeout=30)
+    if r.returncode != 0:
+        err = (r.stderr or r.stdout).decode(errors="replace").strip()
+        raise RuntimeError(f"{' '.join(argv)} exited {r.returncode}: {err}")
+
+
+def link_exists(name: str) -> bool:
+    shown = subprocess.run(["ip", "link", "show", name], capture_output=True, timeout=30)
+    return shown.returncode == 0
+
+
+_nets_made = 0
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -138,30 +150,39 @@ class Net:
             return self.hosts[index]
         ns, veth = f"rl{self.tag}h{index}", f"rl{self.tag}v{index}"
         ip = f"{self.subnet}.{10 + index}"
+        h = Host(self, index, ns, ip)
+        self.hosts[index] = h  # recorded first: destroy() removes a half-made host too
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         sh("ip", "link", "set", veth, "master", self.bridge, "up")
         sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        h = Host(self, index, ns, ip)
-        self.hosts[index] = h
         return h
 
     def destroy(self) -> None:
+        """Kill the processes, then remove every veth, namespace and the
+        bridge, waiting (bounded) until the kernel has let go of the links:
+        a namespace's links otherwise vanish asynchronously, after
+        ``ip netns del`` has returned."""
         for h in self.hosts.values():
             for p in h.procs:
                 p.kill()
+        links = [f"rl{self.tag}v{i}" for i in self.hosts] + [self.bridge]
+        for link in links:  # deleting our end of a veth deletes both ends now
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
         for h in self.hosts.values():
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+        wait_for(lambda: not any(link_exists(link) for link in links), 30, "the test's links to go")
 
 
 @pytest.fixture
 def net(tmp_path: Path) -> Iterator[Net]:
     if os.geteuid() != 0:
         pytest.fail("the netns tier needs root (network namespaces and a bridge)")
-    n = Net(tmp_path, f"{os.getpid() % 100000}")
+    global _nets_made
+    _nets_made += 1  # a fresh tag per test: names never meet a previous test's leftovers
+    n = Net(tmp_path, f"{os.getpid() % 10000}{_nets_made % 100:02d}")
     n.create()
     try:
         yield n
