@@ -29,10 +29,10 @@ _MESSAGE_ENTRIES = 7  # RaftMessage.entries
 _ENTRY_DATA = 4  # RaftEntry.data
 
 
-def _message_parts(m: Message) -> list[bytes]:
+def _message_parts(m: Message, group: int) -> list[bytes]:
     if not m.entries:
-        return [message_to_pb(m).SerializeToString()]
-    parts = [message_to_pb(replace(m, entries=())).SerializeToString()]
+        return [message_to_pb(m, group).SerializeToString()]
+    parts = [message_to_pb(replace(m, entries=()), group).SerializeToString()]
     for e in m.entries:
         head = raft_pb2.RaftEntry(term=e.term, index=e.index, type=int(e.type)).SerializeToString()
         if e.data:
@@ -44,13 +44,16 @@ def _message_parts(m: Message) -> list[bytes]:
     return parts
 
 
-def encode_batch(cluster: str, node_id: int, messages: Sequence[Message]) -> list[bytes]:
-    """The wire bytes of ``RaftBatch(cluster, from=node_id, messages)``, in parts."""
+def encode_batch(
+    cluster: str, node_id: int, messages: Sequence[tuple[int, Message]]
+) -> list[bytes]:
+    """The wire bytes of ``RaftBatch(cluster, from=node_id, messages)``, in
+    parts; each message is given with its Raft group, ``(group, message)``."""
     head = raft_pb2.RaftBatch(cluster=cluster)
     setattr(head, "from", node_id)
     out = [head.SerializeToString()]
-    for m in messages:
-        parts = _message_parts(m)
+    for group, m in messages:
+        parts = _message_parts(m, group)
         out.append(length_delimited(_BATCH_MESSAGES, sum(len(p) for p in parts)))
         out += parts
     return out

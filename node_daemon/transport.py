@@ -11,6 +11,14 @@ Sending never blocks the node: messages go into a bounded queue per peer and
 a task streams them; when a peer is unreachable its messages are dropped
 (Raft retries) and the node is told, so the leader stops streaming to it.
 
+One transport serves every Raft group the process runs (docs/multiraft.md):
+each group registers a ``GroupEndpoint`` and sends with its group's number;
+every message carries it (``RaftMessage.group``, 0 for the metadata group,
+so a one-group node's wire is as before), and the receiver routes each
+message to its group. All groups' messages to one peer share its queue, so
+what the groups send in one turn of the event loop (their heartbeats of one
+tick, above all) leaves in one batch: one frame, one write.
+
 A SNAPSHOT message travels with its metadata only. The receiver then pulls
 the snapshot file from the sender with FetchSnapshot, checks every chunk's
 CRC-32 and the whole file's SHA-256, asks again from the last good offset
@@ -29,6 +37,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +76,22 @@ def _payload(m: Message) -> int:
     return sum(len(e.data) for e in m.entries) if m.entries else 0
 
 
+Outgoing = tuple[int, Message]  # (Raft group, message)
+
+
+@dataclass(frozen=True)
+class GroupEndpoint:
+    """What the transport needs from one Raft group of this node: where its
+    messages go, whom to tell of an unreachable peer or a snapshot's fate,
+    and where its snapshots are (sent from, and received into)."""
+
+    on_message: Callable[[Message], None]
+    on_unreachable: Callable[[int], None]
+    on_snapshot_status: Callable[[int, bool], None]
+    snapshot_file: Callable[[int, int], Path | None]
+    snapshot_dir: Path
+
+
 # A receiver starts pulling a snapshot within moments of its message; if no
 # pull has started by then, the message was lost: tell Raft, which resends.
 SNAPSHOT_START_TIMEOUT_S = 5.0
@@ -88,16 +113,16 @@ class _Peer:
         self.t = transport
         self.id = node_id
         self.address = address
-        self.pending: deque[Message] = deque()
+        self.pending: deque[Outgoing] = deque()
         self.ready = asyncio.Event()  # set when pending has messages (or a link broke)
         self.up = False
         self.task = asyncio.get_running_loop().create_task(self._run())
 
-    def put(self, m: Message) -> None:
+    def put(self, group: int, m: Message) -> None:
         if len(self.pending) >= QUEUE_LIMIT:
             self.t.dropped += 1
             return
-        self.pending.append(m)
+        self.pending.append((group, m))
         self.ready.set()
 
     def _mark_up(self, how: str) -> None:
@@ -105,27 +130,28 @@ class _Peer:
             self.up = True
             log.info("peer stream up", extra={"peer": self.id, "link": how})
 
-    def _next_messages(self) -> list[Message]:
-        """What is pending, as one batch bounded in count and bytes: a
-        catching-up follower is sent up to 64 MiB of APPENDs at once, and a
-        message past the receiver's limit would break the link."""
+    def _next_messages(self) -> list[Outgoing]:
+        """What is pending (of any group), as one batch bounded in count and
+        bytes: a catching-up follower is sent up to 64 MiB of APPENDs at
+        once, and a message past the receiver's limit would break the link."""
         pending = self.pending
         first = pending.popleft()
         out = [first]
-        size = _payload(first)
-        _SENT_BY_TYPE[first.type].inc()
+        size = _payload(first[1])
+        _SENT_BY_TYPE[first[1].type].inc()
         while pending and len(out) < 512 and size < BATCH_BYTES:
-            m = pending.popleft()
-            size += _payload(m)
-            out.append(m)
-            _SENT_BY_TYPE[m.type].inc()
+            gm = pending.popleft()
+            size += _payload(gm[1])
+            out.append(gm)
+            _SENT_BY_TYPE[gm[1].type].inc()
         metrics.PEER_STREAM_WRITES.inc()
         return out
 
     def _next_batch(self) -> raft_pb2.RaftBatch:
         """The pending messages as one RaftBatch (for the gRPC stream)."""
         batch = raft_pb2.RaftBatch(
-            cluster=self.t.cluster, messages=[message_to_pb(m) for m in self._next_messages()]
+            cluster=self.t.cluster,
+            messages=[message_to_pb(m, g) for g, m in self._next_messages()],
         )
         setattr(batch, "from", self.t.node_id)
         return batch
@@ -212,10 +238,11 @@ class _Peer:
                 backoff = 0.02  # it was working: retry soon
             # Whatever was queued is stale now: drop it, tell Raft, retry.
             while self.pending:
-                if self.pending.popleft().type == MessageType.SNAPSHOT:
-                    self.t._snapshot_lost(self.id)
+                group, m = self.pending.popleft()
+                if m.type == MessageType.SNAPSHOT:
+                    self.t._snapshot_lost(group, self.id)
                 self.t.dropped += 1
-            self.t.on_unreachable(self.id)
+            self.t._unreachable(self.id)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
 
@@ -252,18 +279,29 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self.secret = secret
         self.use_frames = True  # dial peers' framed links where they offer one
         self.frames: FramesServer | None = None
-        self.snapshot_dir = snapshot_dir
-        self.on_message = on_message
-        self.on_unreachable = on_unreachable
-        self.on_snapshot_status = on_snapshot_status
-        self.snapshot_file = snapshot_file
+        # Group 0's endpoint comes with the transport; data groups add theirs.
+        self.groups: dict[int, GroupEndpoint] = {
+            0: GroupEndpoint(
+                on_message, on_unreachable, on_snapshot_status, snapshot_file, snapshot_dir
+            )
+        }
         self.peers: dict[int, _Peer] = {}
         self.addresses: dict[int, str] = {}
         self.dropped = 0
         self.rejected = 0
-        self._snapshot_timers: dict[int, asyncio.TimerHandle] = {}
-        self._fetching: set[tuple[int, int]] = set()
+        self._snapshot_timers: dict[tuple[int, int], asyncio.TimerHandle] = {}  # (group, to)
+        self._fetching: set[tuple[int, int, int]] = set()  # (group, index, term)
         self._sha_cache: dict[Path, bytes] = {}
+
+    def add_group(self, group: int, endpoint: GroupEndpoint) -> None:
+        """Route ``group``'s messages to ``endpoint`` (before the group sends)."""
+        if group in self.groups:
+            raise ValueError(f"Raft group {group} already has an endpoint")
+        self.groups[group] = endpoint
+
+    def sender(self, group: int) -> Callable[[list[Message]], None]:
+        """``send`` for one group (the group's Ready driver's ``send``)."""
+        return lambda msgs: self.send(msgs, group)
 
     def set_addresses(self, addresses: dict[int, str]) -> None:
         for nid, addr in addresses.items():
@@ -275,7 +313,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                 del self.peers[nid]
             self.addresses[nid] = addr
 
-    def send(self, msgs: list[Message]) -> None:
+    def send(self, msgs: list[Message], group: int = 0) -> None:
         for m in msgs:
             peer = self.peers.get(m.to)
             if peer is None:
@@ -285,21 +323,26 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                     continue
                 peer = self.peers[m.to] = _Peer(self, m.to, addr)
             if m.type == MessageType.SNAPSHOT:
-                self._arm_snapshot_timer(m.to)
-            peer.put(m)
+                self._arm_snapshot_timer(group, m.to)
+            peer.put(group, m)
 
-    def _snapshot_lost(self, to: int) -> None:
-        self._snapshot_timers.pop(to, None)
-        log.info("snapshot not pulled; Raft will send it again", extra={"peer": to})
-        self.on_snapshot_status(to, False)
+    def _unreachable(self, to: int) -> None:
+        """The link to ``to`` broke: every group hears of it."""
+        for g in self.groups.values():
+            g.on_unreachable(to)
 
-    def _arm_snapshot_timer(self, to: int) -> None:
-        old = self._snapshot_timers.pop(to, None)
+    def _snapshot_lost(self, group: int, to: int) -> None:
+        self._snapshot_timers.pop((group, to), None)
+        log.info("snapshot not pulled; Raft will send it again", extra={"peer": to, "group": group})
+        self.groups[group].on_snapshot_status(to, False)
+
+    def _arm_snapshot_timer(self, group: int, to: int) -> None:
+        old = self._snapshot_timers.pop((group, to), None)
         if old is not None:
             old.cancel()
         loop = asyncio.get_running_loop()
-        self._snapshot_timers[to] = loop.call_later(
-            SNAPSHOT_START_TIMEOUT_S, self._snapshot_lost, to
+        self._snapshot_timers[(group, to)] = loop.call_later(
+            SNAPSHOT_START_TIMEOUT_S, self._snapshot_lost, group, to
         )
 
     async def start_frames(self, host: str, port: int) -> int:
@@ -348,13 +391,20 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self.rejected += 1
 
     def _receive(self, batch: raft_pb2.RaftBatch) -> None:
-        """Hand a batch's messages to Raft (a SNAPSHOT once its file is here)."""
+        """Hand a batch's messages to their groups' Raft (a SNAPSHOT once its
+        file is here). A message of a group this node does not run is
+        dropped and counted (Raft resends; the group may be starting)."""
+        groups = self.groups
         for pb in batch.messages:
+            g = groups.get(pb.group)
+            if g is None:
+                self.rejected += 1
+                continue
             try:
                 if pb.has_snapshot:
                     self._start_fetch(pb)
                 else:
-                    self.on_message(message_from_pb(pb))
+                    g.on_message(message_from_pb(pb))
             except ValueError:
                 self.rejected += 1
 
@@ -381,10 +431,14 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"node {sender} asked for node {request.node_id}'s snapshot",
             )
-        timer = self._snapshot_timers.pop(request.node_id, None)
+        group = self.groups.get(request.group)
+        if group is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no Raft group {request.group} here")
+            return
+        timer = self._snapshot_timers.pop((request.group, request.node_id), None)
         if timer is not None:
             timer.cancel()  # the pull started: its end decides
-        path = self.snapshot_file(request.index, request.term)
+        path = group.snapshot_file(request.index, request.term)
         if path is None or not path.exists():
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such snapshot here any more")
             return
@@ -410,49 +464,52 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                     offset += len(data)
             ok = True
         finally:
-            self.on_snapshot_status(request.node_id, ok)
+            group.on_snapshot_status(request.node_id, ok)
 
     # ----------------------------------------------------- receiving a snapshot
 
     def _start_fetch(self, pb: raft_pb2.RaftMessage) -> None:
-        key = (pb.snapshot.index, pb.snapshot.term)
+        key = (pb.group, pb.snapshot.index, pb.snapshot.term)
         if key in self._fetching:
             return
         self._fetching.add(key)
         asyncio.get_running_loop().create_task(self._fetch(pb, key))
 
-    async def _fetch(self, pb: raft_pb2.RaftMessage, key: tuple[int, int]) -> None:
+    async def _fetch(self, pb: raft_pb2.RaftMessage, key: tuple[int, int, int]) -> None:
         sender = getattr(pb, "from")
+        group, index, term = key
+        where = {"from": sender, "index": index, "group": group}
         t0 = time.monotonic()
-        log.info("pulling snapshot", extra={"from": sender, "index": key[0]})
+        log.info("pulling snapshot", extra=where)
         try:
-            path = await self.fetch_snapshot(sender, *key)
+            path = await self.fetch_snapshot(sender, index, term, group=group)
             if path is not None:
                 log.info(
                     "snapshot received",
                     extra={
-                        "from": sender,
-                        "index": key[0],
+                        **where,
                         "bytes": path.stat().st_size,
                         "seconds": round(time.monotonic() - t0, 3),
                     },
                 )
-                self.on_message(message_from_pb(pb, str(path).encode()))
+                self.groups[group].on_message(message_from_pb(pb, str(path).encode()))
         except Exception:
-            log.exception("snapshot fetch failed", extra={"from": sender, "index": key[0]})
+            log.exception("snapshot fetch failed", extra=where)
         finally:
             self._fetching.discard(key)
 
     async def fetch_snapshot(
-        self, sender: int, index: int, term: int, attempts: int = 5
+        self, sender: int, index: int, term: int, attempts: int = 5, group: int = 0
     ) -> Path | None:
-        """Download a snapshot, verified; resumes after a broken stream or a
-        bad chunk. Returns the local path, or None if it could not be had."""
+        """Download one of ``group``'s snapshots, verified; resumes after a
+        broken stream or a bad chunk. Returns the local path, or None if it
+        could not be had."""
         addr = self.addresses.get(sender)
         if addr is None:
             return None
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        dest = self.snapshot_dir / f"recv-{index}-{term}.mdb"
+        snapshot_dir = self.groups[group].snapshot_dir
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+        dest = snapshot_dir / f"recv-{index}-{term}.mdb"
         part = dest.with_suffix(".part")
         offset = part.stat().st_size if part.exists() else 0
         for attempt in range(attempts):
@@ -467,6 +524,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                         term=term,
                         offset=offset,
                         node_id=self.node_id,
+                        group=group,
                     )
                     md = token_metadata(self.token)
                     with open(part, "ab") as f:

@@ -22,7 +22,8 @@ def conf_from_pb(c: raft_pb2.RaftConfState) -> ConfState:
     return ConfState(frozenset(c.voters), frozenset(c.learners))
 
 
-def message_to_pb(m: Message) -> raft_pb2.RaftMessage:
+def message_to_pb(m: Message, group: int = 0) -> raft_pb2.RaftMessage:
+    """``m`` on the wire, as a message of Raft group ``group``."""
     pb = raft_pb2.RaftMessage(
         type=int(m.type),
         to=m.to,
@@ -36,6 +37,7 @@ def message_to_pb(m: Message) -> raft_pb2.RaftMessage:
         force=m.force,
         catching_up=m.catching_up,
         caught_up=m.caught_up,
+        group=group,
     )
     setattr(pb, "from", m.frm)
     if m.entries:

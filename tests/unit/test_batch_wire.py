@@ -56,11 +56,15 @@ messages = st.builds(
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.text(max_size=20), u64, st.lists(messages, max_size=6))
+@given(
+    st.text(max_size=20),
+    u64,
+    st.lists(st.tuples(st.integers(0, 64), messages), max_size=6),
+)
 def test_the_parts_parse_to_the_batch_protobuf_builds(
-    cluster: str, node_id: int, msgs: list[Message]
+    cluster: str, node_id: int, msgs: list[tuple[int, Message]]
 ) -> None:
-    want = raft_pb2.RaftBatch(cluster=cluster, messages=[message_to_pb(m) for m in msgs])
+    want = raft_pb2.RaftBatch(cluster=cluster, messages=[message_to_pb(m, g) for g, m in msgs])
     setattr(want, "from", node_id)
     got = raft_pb2.RaftBatch.FromString(b"".join(encode_batch(cluster, node_id, msgs)))
     assert got == want
@@ -75,7 +79,7 @@ def test_entry_data_travels_as_the_entries_own_bytes() -> None:
         term=3,
         entries=(Entry(3, 10, data=data[0]), Entry(3, 11, data=data[1]), Entry(3, 12)),
     )
-    parts = encode_batch("c", 1, [m, m])
+    parts = encode_batch("c", 1, [(0, m), (3, m)])
     assert sum(1 for p in parts if p is data[0]) == 2  # once per message, never copied
     assert sum(1 for p in parts if p is data[1]) == 2
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 
+from node_daemon import metrics
 from node_daemon.peer_frames import (
     _HELLO,
     MAGIC,
@@ -22,7 +24,7 @@ from node_daemon.peer_frames import (
     hello_mac,
 )
 from node_daemon.raft import Entry, Message, MessageType
-from node_daemon.transport import PeerTransport
+from node_daemon.transport import GroupEndpoint, PeerTransport
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 from tests.unit.loops import LOOPS, run_bounded, until, use_loop
 from tests.unit.peer_transports import peer_transport
@@ -85,6 +87,49 @@ def test_messages_flow_in_order_over_frames_or_the_grpc_stream(
             assert got_b == sent  # every field, in order
             assert bool(b.frames and b.frames.connections) == frames
             assert b.rejected == 0
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(None)
+
+    run_bounded(body)
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc-fallback"])
+def test_groups_share_one_link_and_each_message_reaches_its_group(
+    tmp_path: Path, frames: bool
+) -> None:
+    """Several Raft groups on one node pair: what the groups send in one
+    turn of the event loop goes out as one batch (one write), and the
+    receiver routes each message to its own group; a message of a group
+    the receiver does not run is dropped and counted, the rest arrive."""
+
+    async def body() -> None:
+        got: dict[int, list[Message]] = {0: [], 3: []}
+        b = _transport(2, tmp_path, got[0])
+        b.add_group(
+            3,
+            GroupEndpoint(
+                got[3].append, lambda to: None, lambda to, ok: None, lambda i, t: None, tmp_path
+            ),
+        )
+        with pytest.raises(ValueError):
+            b.add_group(3, b.groups[3])
+        server, addr = await _serving(b, frames)
+        a = _transport(1, tmp_path, [])
+        a.set_addresses({2: addr})
+        try:
+            a.send([_append(1, 2, 1)], group=0)
+            await until(lambda: len(got[0]) == 1, "the link up")
+            writes = metrics.PEER_STREAM_WRITES._value.get()
+            to_0, to_3, to_9 = _append(1, 2, 2), _append(1, 2, 7), _append(1, 2, 9)
+            a.send([to_0])  # group 0 by default
+            a.sender(3)([to_3])
+            a.send([to_9], group=9)  # b runs no group 9
+            await until(lambda: len(got[0]) == 2 and len(got[3]) == 1, "both groups' messages")
+            assert got[0][1] == to_0 and got[3] == [to_3]
+            assert metrics.PEER_STREAM_WRITES._value.get() == writes + 1  # one batch for all
+            await until(lambda: b.rejected == 1, "group 9's message counted as rejected")
         finally:
             await a.close()
             await b.close()
@@ -172,7 +217,7 @@ def test_a_link_to_a_dead_peer_breaks_and_the_sender_reconnects(tmp_path: Path) 
         assert b.frames is not None
         fport = b.frames.port
         a = _transport(1, tmp_path, [])
-        a.on_unreachable = unreachable.append
+        a.groups[0] = replace(a.groups[0], on_unreachable=unreachable.append)
         a.set_addresses({2: addr})
         try:
             a.send([_append(1, 2, 1)])
