@@ -13,6 +13,7 @@ from roadlog.runtime.config import ConfigError, check_address, key
 
 # OpenStreetMap's tiles (deployments that reach the internet; see its tile usage policy).
 DEFAULT_TILE_URL = "https://tile.openstreetmap.org/{z}/{x}/{y}.png"
+CLIENT_AUTH_MODES = ("token", "none")
 
 
 @dataclass
@@ -39,6 +40,16 @@ class QueueConfig:
     # in mutual TLS (a client port cannot ask callers for certificates).
     certs_dir: Path | None = key(None, "directory of ca.crt, queue.crt and queue.key (TLS)")
     insecure: bool = key(False, "no TLS: plaintext, unauthenticated ports (debugging only)")
+    # Client identities (issue 19): every client call carries a Bearer token
+    # the cluster issued (`roadlog client create`, POST /v1/clients), checked
+    # against its scopes. "none": no check at all (loudly logged).
+    client_auth: str = key("token", "token: clients need a Bearer token; none: no check at all")
+    open_registration: bool = key(
+        True, "POST /v1/clients issues phone identities (produce:*, heatmap:*) to anyone"
+    )
+    registrations_per_minute: int = key(
+        10, "self-registrations allowed per source address and minute (a burst of as many)"
+    )
     metrics_port: int = key(9500, "port of Prometheus /metrics, /healthz and /readyz")
     max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
     max_reads: int = key(10_000, "queued read requests before RESOURCE_EXHAUSTED")
@@ -80,6 +91,12 @@ class QueueConfig:
                 "work_frames_port: with TLS nodes pull work only over the framed Work link "
                 "(mutual TLS); give it a port (0: any)"
             )
+        if self.client_auth not in CLIENT_AUTH_MODES:
+            raise ConfigError(
+                f"client_auth: one of {', '.join(CLIENT_AUTH_MODES)}, not {self.client_auth!r}"
+            )
+        if self.registrations_per_minute <= 0:
+            raise ConfigError("registrations_per_minute must be positive")
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:
             raise ConfigError("max_writes, max_reads and default_timeout_ms must be positive")
         if self.max_queued_bytes < CLIENT_MESSAGE_BYTES:
