@@ -15,12 +15,15 @@ from node_daemon.membership import Membership
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.raft import ConfChange, ConfChangeType
 from node_daemon.status import node_status
-from roadlog.errors import Code
+from node_daemon.worker import propose_client
+from roadlog.errors import Code, RoadlogError
+from roadlog.grpc_status import to_grpc
 from roadlog.runtime.auth import protects
 from roadlog.v1 import (
     admin_pb2,
     admin_pb2_grpc,
     client_pb2,
+    clients_pb2,
     command_pb2,
 )
 
@@ -32,7 +35,7 @@ NODE_PROTECTED = protects(
     ("roadlog.v1.RaftPeer", "roadlog.v1.NodeRead"),
     [
         f"/roadlog.v1.Admin/{m}"
-        for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave")
+        for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave", "CreateClient")
     ],
 )
 
@@ -43,7 +46,7 @@ NODE_PROTECTED = protects(
 # status, health and reflection from any holder.
 _CHANGING = {
     f"/roadlog.v1.Admin/{m}"
-    for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave")
+    for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave", "CreateClient")
 }
 _CERT_REFUSED = Counter(
     "roadlog_node_cert_refused_total",
@@ -142,3 +145,24 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         sm = self.node.sm
         digest = await loop.run_in_executor(self.node._apply_io, sm.digest)
         return admin_pb2.StateDigestResponse(applied_index=sm.applied_index, sha256=digest)
+
+    async def CreateClient(
+        self, request: clients_pb2.CreateClientRequest, context: Any
+    ) -> clients_pb2.CreateClientResponse:
+        """A client identity (the first admin's, say: ``roadlog cluster up``
+        and ``roadlog client bootstrap`` call this with the cluster's
+        credentials). The caller made the token and sends its hash."""
+        try:
+            res = await propose_client(
+                self.node, request.name, list(request.scopes), request.token_hash
+            )
+        except NotLeader as e:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{e}; the leader is node {e.leader} ({self.node.address_of(e.leader)})",
+            )
+        except RoadlogError as e:
+            await context.abort(to_grpc(e.code), e.message)
+        if res.code != Code.OK:
+            await context.abort(to_grpc(res.code), res.message)
+        return clients_pb2.CreateClientResponse.FromString(res.response)

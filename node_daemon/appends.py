@@ -63,15 +63,20 @@ def prepare_appends(
     lookup: TopicLookup,
     now_ms: int,
     max_pings_per_op: int = MAX_PINGS_PER_OP,
+    clients: Sequence[str] = (),
 ) -> tuple[list[PreparedAppend], dict[int, Exception]]:
     """Merge serialized PublishRequests into append ops. Returns the ops and,
     by request position, why each refused request was refused. Every
-    position is in exactly one of the two."""
+    position is in exactly one of the two. ``clients``: by position, the
+    authenticated client id that sent it, which replaces the one the
+    request declares ("" or none given: the declared one)."""
     errors: dict[int, Exception] = {}
     by_topic: dict[str, list[_Request]] = {}
     for i, raw in enumerate(requests):
         try:
             view = client_pb2.PublishRequestView.FromString(raw)
+            if i < len(clients) and clients[i]:
+                view.client_id = clients[i]
             pings = columnar.parse(view.batch)
             check_size(pings.n)
         except (DecodeError, columnar.BatchDecodeError) as e:

@@ -37,10 +37,11 @@ from roadlog.limits import (
     WORK_MESSAGE_BYTES,
     grpc_options,
 )
-from roadlog.rpc import QUEUED
+from roadlog.rpc import ROUTED
 from roadlog.runtime import frames, tls
 from roadlog.runtime.auth import token_metadata
-from roadlog.v1 import client_pb2, command_pb2, raft_pb2, work_pb2, work_pb2_grpc
+from roadlog.scopes import PHONE_SCOPES, ScopeError, check_client_name, check_scopes
+from roadlog.v1 import client_pb2, clients_pb2, command_pb2, raft_pb2, work_pb2, work_pb2_grpc
 from roadlog.validation import BatchRejected
 
 log = logging.getLogger("roadlog.worker")
@@ -83,10 +84,13 @@ class _Call:
     Invariant: ``future`` gets its result exactly when every publish has an
     outcome; each publish's first outcome stands."""
 
-    __slots__ = ("future", "outcomes", "remaining", "requests")
+    __slots__ = ("future", "outcomes", "principal", "remaining", "requests")
 
-    def __init__(self, requests: list[bytes]) -> None:
+    def __init__(self, requests: list[bytes], principal: str = "") -> None:
         self.requests = requests
+        # The authenticated identity's client id: the publishes' client id
+        # ("": the one each request declares, client_auth off).
+        self.principal = principal
         self.outcomes: list[Outcome | None] = [None] * len(requests)
         self.remaining = len(requests)
         self.future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
@@ -177,8 +181,8 @@ class WorkHandler:
         item: work_pb2.WorkItem,
         handler: Callable[[work_pb2.WorkItem], Awaitable[OpResult]] | None = None,
     ) -> work_pb2.WorkResult:
-        if handler is None and item.method in QUEUED:
-            handler = getattr(self, QUEUED[item.method].handler)
+        if handler is None and item.method in ROUTED:
+            handler = getattr(self, ROUTED[item.method].handler)
         res = work_pb2.WorkResult(id=item.id)
         if handler is None:
             res.code, res.message = Code.UNIMPLEMENTED, f"no method {item.method}"
@@ -203,7 +207,7 @@ class WorkHandler:
     # ---------------------------------------------------------------- writes
 
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
-        return await self._publish(item.request)
+        return await self._publish(item.request, item.principal)
 
     async def publish_batch(self, item: work_pb2.WorkItem) -> OpResult:
         """Every request of the batch goes the way of a lone publish, and
@@ -219,7 +223,7 @@ class WorkHandler:
             raise MalformedRequest(
                 f"a PublishBatch holds at most {MAX_BATCH_REQUESTS} requests, not {len(requests)}"
             )
-        outcomes = await self._enqueue(_Call(requests))
+        outcomes = await self._enqueue(_Call(requests, item.principal))
         if all(isinstance(o, NotLeader) for o in outcomes):
             raise outcomes[0]  # type: ignore[misc]
         answers = [
@@ -230,8 +234,8 @@ class WorkHandler:
         ]
         return OpResult(response=publish_batch_response(answers))
 
-    async def _publish(self, request: bytes) -> OpResult:
-        call = _Call([request])
+    async def _publish(self, request: bytes, principal: str = "") -> OpResult:
+        call = _Call([request], principal)
         if self.node.cfg.merge_publishes:
             (outcome,) = await self._enqueue(call)
         else:
@@ -280,12 +284,19 @@ class WorkHandler:
         t0 = time.perf_counter()
         requests = [r for c in calls for r in c.requests]
         owners = [(c, i) for c in calls for i in range(len(c.requests))]
+        # Who sent each: the authenticated identity, where there is one.
+        clients = [c.principal for c in calls for _ in c.requests]
         now_ms = int(time.time() * 1000)
         if sum(map(len, requests)) <= INLINE_VALIDATE_BYTES:
-            prepared, errors = prepare_appends(requests, self._topic_lookup, now_ms)
+            prepared, errors = prepare_appends(
+                requests, self._topic_lookup, now_ms, clients=clients
+            )
         else:
             prepared, errors = await loop.run_in_executor(
-                self.cpu, prepare_appends, requests, self._topic_lookup, now_ms
+                self.cpu,
+                functools.partial(
+                    prepare_appends, requests, self._topic_lookup, now_ms, clients=clients
+                ),
             )
         _VALIDATE_SECONDS.observe(time.perf_counter() - t0)
         metrics.MERGED_PUBLISHES.observe(len(requests))
@@ -311,7 +322,7 @@ class WorkHandler:
         # Refuse bad specs before they enter the log; a region's parsing and
         # checks (up to geo.MAX_REGION_BYTES) run off the event loop.
         spec = await asyncio.get_running_loop().run_in_executor(self.cpu, normalized_spec, req.spec)
-        op = command_pb2.CreateTopicOp(spec=spec, data_groups=self.node.cfg.data_groups)
+        op = command_pb2.CreateTopicOp(spec=spec, data_groups=self.node.cfg.placement_groups)
         return await self.node.propose_op(command_pb2.Op(create_topic=op))
 
     async def delete_topic(self, item: work_pb2.WorkItem) -> OpResult:
@@ -327,20 +338,62 @@ class WorkHandler:
         issued meanwhile is refused by the state machine (ABORTED: ask again)."""
         req = client_pb2.InitProducerRequest.FromString(item.request)
         pid = secrets.randbits(63) or 1
-        op = command_pb2.InitProducerOp(client_id=req.client_id, producer_id=pid)
+        # Issued to an authenticated identity, the id is bound to it: only
+        # its appends may name it (the state machine refuses the others').
+        op = command_pb2.InitProducerOp(
+            client_id=item.principal or req.client_id,
+            producer_id=pid,
+            bound=bool(item.principal),
+        )
         return await self.node.propose_op(command_pb2.Op(init_producer=op))
 
     async def join_group(self, item: work_pb2.WorkItem) -> OpResult:
-        return await self.groups.join(item.request)
+        request = item.request
+        if item.principal:  # the member is the identity's, whatever it declares
+            req = client_pb2.JoinGroupRequest.FromString(request)
+            if req.member_id:
+                self._own_member(req.group, req.member_id, item.principal, missing_ok=True)
+            req.client_id = item.principal
+            request = req.SerializeToString()
+        return await self.groups.join(request)
 
     async def heartbeat(self, item: work_pb2.WorkItem) -> OpResult:
+        if item.principal:
+            req = client_pb2.HeartbeatRequest.FromString(item.request)
+            self._own_member(req.group, req.member_id, item.principal)
         return await self.groups.heartbeat(item.request)
 
     async def commit_offsets(self, item: work_pb2.WorkItem) -> OpResult:
+        if item.principal:
+            req = client_pb2.CommitOffsetsRequest.FromString(item.request)
+            self._own_member(req.group, req.member_id, item.principal)
         return await self.groups.commit(item.request)
 
     async def leave_group(self, item: work_pb2.WorkItem) -> OpResult:
+        if item.principal:
+            req = client_pb2.LeaveGroupRequest.FromString(item.request)
+            self._own_member(req.group, req.member_id, item.principal)
         return await self.groups.leave(item.request)
+
+    def _own_member(
+        self, group: str, member_id: str, principal: str, missing_ok: bool = False
+    ) -> None:
+        """PERMISSION_DENIED unless ``member_id`` of ``group`` joined as
+        ``principal`` (a member is its identity's alone: nobody else may
+        heartbeat, commit or leave for it). A member that is not there is
+        left to the call to refuse."""
+        try:
+            g = self.node.sm.describe_group(group).group
+        except RoadlogError:
+            if missing_ok:
+                return
+            raise
+        me = next((m for m in g.members if m.member_id == member_id), None)
+        if me is not None and me.client_id != principal:
+            raise RoadlogError(
+                Code.PERMISSION_DENIED,
+                f"member {member_id!r} of group {group!r} belongs to another client",
+            )
 
     async def delete_group(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.DeleteGroupRequest.FromString(item.request)
@@ -388,6 +441,8 @@ class WorkHandler:
 
     async def get_heatmap(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.GetHeatmapRequest.FromString(item.request)
+        if item.principal:  # give-to-get by who asks, never by a client id it declares
+            req.client_id = item.principal
         await self._fenced(max(item.fence, req.min_applied_index))
         # Give-to-get on the log's clock, the one contributions are stamped
         # with (a stepped wall clock here or at a leader must not refuse a
@@ -401,6 +456,63 @@ class WorkHandler:
         return await self.node.propose_op(
             command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request=req))
         )
+
+    # ------------------------------------------------------ client identities
+
+    async def create_client(self, item: work_pb2.WorkItem) -> OpResult:
+        """An identity an admin asked for: the queue server made its token
+        and sends only the hash."""
+        req = clients_pb2.CreateClientRequest.FromString(item.request)
+        return await propose_client(self.node, req.name, list(req.scopes), req.token_hash)
+
+    async def register_client(self, item: work_pb2.WorkItem) -> OpResult:
+        """A phone's own identity: named by its client id, with the phone
+        scopes whatever the request says."""
+        req = clients_pb2.RegisterClientRequest.FromString(item.request)
+        return await propose_client(self.node, "", list(PHONE_SCOPES), req.token_hash, True)
+
+    async def revoke_client(self, item: work_pb2.WorkItem) -> OpResult:
+        req = clients_pb2.RevokeClientRequest.FromString(item.request)
+        op = command_pb2.RevokeClientOp(name=req.name)
+        return await self.node.propose_op(command_pb2.Op(revoke_client=op))
+
+    async def list_clients(self, item: work_pb2.WorkItem) -> OpResult:
+        req = clients_pb2.ListClientsRequest.FromString(item.request)
+        await self._fenced(max(item.fence, req.min_applied_index))
+        return OpResult(response=self.node.sm.list_clients().SerializeToString())
+
+    async def authenticate(self, item: work_pb2.WorkItem) -> OpResult:
+        """The queue server's question: whose token has this hash?"""
+        req = clients_pb2.AuthenticateRequest.FromString(item.request)
+        await self._fenced(max(item.fence, req.min_applied_index))
+        ident = self.node.sm.identity(req.token_hash)
+        resp = clients_pb2.AuthenticateResponse(found=ident is not None)
+        if ident is not None:
+            resp.identity.CopyFrom(ident)
+        return OpResult(response=resp.SerializeToString())
+
+
+async def propose_client(
+    node: RaftNode, name: str, scopes: list[str], token_hash: bytes, registered: bool = False
+) -> OpResult:
+    """Propose a new identity (leader only: else NotLeader), its client id
+    drawn here at random (96 bits); ``name`` "": the client id. A
+    self-registered one gets the phone scopes whatever is asked."""
+    if not node.is_leader:
+        raise NotLeader(node.core.lead)
+    client_id = f"cl-{secrets.token_hex(12)}"
+    try:
+        name = check_client_name(name or client_id)
+        scopes = list(PHONE_SCOPES) if registered else check_scopes(scopes)
+    except (ScopeError, ValueError) as e:
+        raise RoadlogError(Code.INVALID_ARGUMENT, str(e)) from None
+    if len(token_hash) != 32:
+        raise RoadlogError(Code.INVALID_ARGUMENT, "a token hash is 32 bytes (SHA-256)")
+    ident = clients_pb2.ClientIdentity(
+        name=name, client_id=client_id, scopes=scopes, registered=registered
+    )
+    op = command_pb2.CreateClientOp(identity=ident, token_hash=token_hash)
+    return await node.propose_op(command_pb2.Op(create_client=op))
 
 
 class QueueServerLink:

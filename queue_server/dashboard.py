@@ -121,46 +121,64 @@ class Dashboard:
             default=max((n.commit_index for n in st.nodes), default=0),
         )
         nodes = [{**node_json(n), "lag": max(0, leader_commit - n.applied_index)} for n in st.nodes]
-        now = time.monotonic()
-        if now - self.last_sample >= SAMPLE_EVERY_S:
-            self.last_sample = now
+        # The topics need an identity (ListTopics, asked for each page's
+        # poll, so a page without a token sees the nodes only).
+        try:
             resp = await self.api.call(
                 request, "ListTopics", client_pb2.ListTopicsRequest(page_size=MAX_PAGE_SIZE)
             )
-            self.topics = [
-                {
-                    "name": d.topic.spec.name,
-                    "partitions": d.topic.spec.partitions,
-                    "pings": sum(p.next_offset - p.first_offset for p in d.partitions),
-                    "appended": sum(p.next_offset for p in d.partitions),
-                }
-                for d in list(resp.topics)[:MAX_TOPICS]
-            ]
-            self.rates.add(now, {t["name"]: t["appended"] for t in self.topics})
-        rates = self.rates.rates()
-        return web.json_response(
+        except RoadlogError as e:
+            if e.code not in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+                raise
+            return web.json_response(self._cluster_json(st, nodes, [], hidden=e.message))
+        topics = [
             {
-                "leader": st.leader,
-                "term": st.term,
-                "nodes": nodes,
-                "queue_servers": [{"grpc": q.grpc, "http": q.http} for q in st.queue_servers],
-                "topics": [
-                    {
-                        "name": t["name"],
-                        "partitions": t["partitions"],
-                        "pings": t["pings"],
-                        "ingest_pings_per_s": round(rates[t["name"]]["pings_per_s"], 2)
-                        if t["name"] in rates
-                        else None,
-                        "ingest_over_s": round(rates[t["name"]]["over_s"], 1)
-                        if t["name"] in rates
-                        else 0,
-                    }
-                    for t in self.topics
-                ],
-                "served_ms": int(time.time() * 1000),
+                "name": d.topic.spec.name,
+                "partitions": d.topic.spec.partitions,
+                "pings": sum(p.next_offset - p.first_offset for p in d.partitions),
+                "appended": sum(p.next_offset for p in d.partitions),
             }
-        )
+            for d in list(resp.topics)[:MAX_TOPICS]
+        ]
+        now = time.monotonic()
+        if now - self.last_sample >= SAMPLE_EVERY_S:
+            self.last_sample = now
+            self.topics = topics
+            self.rates.add(now, {t["name"]: t["appended"] for t in topics})
+        return web.json_response(self._cluster_json(st, nodes, topics))
+
+    def _cluster_json(
+        self,
+        st: client_pb2.ClusterStatus,
+        nodes: list[dict[str, Any]],
+        topics: list[dict[str, Any]],
+        hidden: str = "",
+    ) -> dict[str, Any]:
+        rates = self.rates.rates()
+        doc: dict[str, Any] = {
+            "leader": st.leader,
+            "term": st.term,
+            "nodes": nodes,
+            "queue_servers": [{"grpc": q.grpc, "http": q.http} for q in st.queue_servers],
+            "topics": [
+                {
+                    "name": t["name"],
+                    "partitions": t["partitions"],
+                    "pings": t["pings"],
+                    "ingest_pings_per_s": round(rates[t["name"]]["pings_per_s"], 2)
+                    if t["name"] in rates
+                    else None,
+                    "ingest_over_s": round(rates[t["name"]]["over_s"], 1)
+                    if t["name"] in rates
+                    else 0,
+                }
+                for t in topics
+            ],
+            "served_ms": int(time.time() * 1000),
+        }
+        if hidden:
+            doc["topics_hidden"] = hidden  # why: no token, or one without the right
+        return doc
 
     async def _region(self, request: web.Request, topic: str) -> Any:
         now = time.monotonic()

@@ -34,6 +34,7 @@ import numpy as np
 from aiohttp import web
 from google.protobuf.message import Message
 
+from queue_server.auth import Caller
 from queue_server.dashboard import Dashboard, DashboardSettings
 from queue_server.openapi import OPENAPI
 from roadlog import columnar
@@ -43,7 +44,7 @@ from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
 from roadlog.rpc import BY_NAME, RPCS
 from roadlog.status import node_json
-from roadlog.v1 import client_pb2, topics_pb2
+from roadlog.v1 import client_pb2, clients_pb2, topics_pb2
 from roadlog.validation import MAX_BATCH_PINGS
 
 log = logging.getLogger("roadlog.http")
@@ -71,13 +72,33 @@ HTTP_STATUS = {
     Code.UNAVAILABLE: 503,
     Code.DEADLINE_EXCEEDED: 504,
     Code.UNIMPLEMENTED: 501,
+    Code.UNAUTHENTICATED: 401,
 }
 
-Call = Callable[[str, bytes, float | None, str], Awaitable[bytes]]
+Call = Callable[[str, bytes, float | None, Caller], Awaitable[bytes]]
+
+# What each HTTP route that is not an rpc's (roadlog.rpc) needs: "public",
+# or "rpc:NAME", the rules of the rpc it calls (roadlog.rpc's needs).
+# tests/unit/test_client_auth.py checks that every route has a rule.
+ROUTE_RULES: dict[str, str] = {
+    "/openapi.json": "public",
+    "/healthz": "public",
+    "/": "public",
+    "/ui": "public",
+    "/ui/": "public",
+    "/ui/static/": "public",
+    "/ui/api/config": "public",
+    "/ui/api/cluster": "public",  # its topics: rpc:ListTopics (none listed without a token)
+    "/ui/api/heatmap": "rpc:GetHeatmap",
+}
 
 
 def error_response(status: int, code: str, reason: str) -> web.Response:
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    headers: dict[str, str] | None = None
+    if status == 503:
+        headers = {"Retry-After": RETRY_AFTER_S}
+    elif status == 401:
+        headers = {"WWW-Authenticate": 'Bearer realm="roadlog"'}
     return web.json_response(
         {"error": {"code": code, "reason": reason}}, status=status, headers=headers
     )
@@ -171,9 +192,8 @@ class HttpApi:
         if TIMEOUT_HEADER in request.headers:
             ms = _query_int(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000)
             timeout = ms / 1000
-        raw = await self._call(
-            method, req.SerializeToString(), timeout, client or (request.remote or "")
-        )
+        caller = Caller(request.headers.get("Authorization"), request.remote or "", client)
+        raw = await self._call(method, req.SerializeToString(), timeout, caller)
         return (response or BY_NAME[method].response).FromString(raw)
 
     # -------------------------------------------------------------- handlers
@@ -323,6 +343,29 @@ class HttpApi:
                 "first_offset": resp.first_offset,
                 "served_by": resp.served_by,
             }
+        )
+
+    async def register_client(self, request: web.Request) -> web.Response:
+        """A phone's own identity (open self-registration): its client id and
+        token, with the scopes produce:* and heatmap:*. The body, if any, is
+        an empty JSON object."""
+        raw = await _read_body(request, self.body_idle_s)
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                raise bad("the body is not JSON") from None
+            if body != {}:
+                raise bad("the body must be empty or {}: a phone chooses nothing")
+        resp = await self.call(request, "RegisterClient", clients_pb2.RegisterClientRequest())
+        return web.json_response(
+            {
+                "client_id": resp.client_id,
+                "token": resp.token,
+                "scopes": list(resp.identity.scopes),
+                "applied_index": resp.applied_index,
+            },
+            status=201,
         )
 
     async def get_heatmap(self, request: web.Request) -> web.Response:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from roadlog.limits import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, PAGE_BYTES
-from roadlog.rpc import RPCS
+from roadlog.rpc import PUBLIC, RPCS
 
 _ERROR = {
     "type": "object",
@@ -32,7 +32,10 @@ def _errors(*statuses: str) -> dict[str, Any]:
         out[s] = {
             "description": {
                 "400": "the request is malformed or invalid",
-                "403": "give-to-get: the client has not contributed lately",
+                "401": "no credential, or not a token the cluster issued "
+                "(Authorization: Bearer TOKEN)",
+                "403": "the token's identity lacks the scope (the reason names it), or "
+                "give-to-get: it has not contributed lately",
                 "404": "no such topic, partition or heat map",
                 "409": "conflicts with what is stored",
                 "413": "the body is too large",
@@ -296,6 +299,29 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
             **_errors("400", "404", "503", "504"),
         },
     },
+    "RegisterClient": {
+        "summary": "A phone's own identity: a client id and a token with the scopes "
+        "produce:* and heatmap:* (open self-registration: a queue server setting, "
+        "limited per source address)",
+        "responses": {
+            **_ok(
+                "the identity: send the token as Authorization: Bearer TOKEN (it is "
+                "shown once; the cluster keeps only its hash)",
+                {
+                    "type": "object",
+                    "required": ["client_id", "token"],
+                    "properties": {
+                        "client_id": {"type": "string"},
+                        "token": {"type": "string"},
+                        "scopes": {"type": "array", "items": {"type": "string"}},
+                        "applied_index": {"type": "integer"},
+                    },
+                },
+                "201",
+            ),
+            **_errors("400", "403", "503", "504"),
+        },
+    },
     "GetHeatmap": {
         "summary": "The topic's latest heat map, for clients that contributed lately",
         "parameters": [
@@ -328,6 +354,15 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
 }
 
 
+_NEEDS = {
+    "identity": "any scope",
+    "admin": "the scope admin",
+    "produce": "the scope produce:TOPIC (or produce:*)",
+    "read": "the scope read:TOPIC (or read:*)",
+    "heatmap": "the scope heatmap:TOPIC (or heatmap:*); give-to-get applies to its identity",
+}
+
+
 def _paths() -> dict[str, Any]:
     """The paths of the rpcs with an HTTP route; a fenced one takes
     min_applied_index (after its own parameters)."""
@@ -336,6 +371,11 @@ def _paths() -> dict[str, Any]:
         if rpc.http is None:
             continue
         op: dict[str, Any] = {"operationId": rpc.name, **_OPERATIONS[rpc.name]}
+        if rpc.needs == PUBLIC:
+            op["security"] = []  # no token needed
+        else:  # a token, and (but for identity-only reads) its scope
+            op["responses"] = {**op["responses"], **_errors("401", "403")}
+            op["description"] = f"Needs a Bearer token with {_NEEDS[rpc.needs]}."
         if rpc.fenced:
             op["parameters"] = [*op.get("parameters", []), _FENCE]
         paths.setdefault(rpc.http.path, {})[rpc.http.method.lower()] = op
@@ -351,5 +391,16 @@ OPENAPI: dict[str, Any] = {
         "maps for the clients that contribute pings (give-to-get).",
     },
     "paths": _paths(),
-    "components": {"schemas": {"Error": _ERROR}},
+    "security": [{"bearer": []}],
+    "components": {
+        "schemas": {"Error": _ERROR},
+        "securitySchemes": {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "a token the cluster issued: `roadlog client create`, or "
+                "POST /v1/clients for a phone",
+            }
+        },
+    },
 }

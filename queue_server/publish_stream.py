@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -25,16 +25,21 @@ from google.protobuf.message import DecodeError
 from roadlog.errors import RoadlogError
 from roadlog.v1 import client_pb2
 
+if TYPE_CHECKING:
+    from queue_server.auth import Caller
+
 SERVICE = "roadlog.v1.PublishStream"
 METHOD = "PublishBatches"
 
-# (method, request bytes, timeout s or None, client) -> response bytes
-Call = Callable[[str, bytes, float | None, str], Awaitable[bytes]]
+# (method, request bytes, timeout s or None, caller) -> response bytes; the
+# caller's credential is checked for each batch (a revoked token stops
+# working on a stream that is open).
+Call = Callable[[str, bytes, float | None, "Caller"], Awaitable[bytes]]
 OnAnswer = Callable[[str], None]  # the answer's code name, for the metrics
 
 
 def publish_stream_handler(
-    call: Call, client_key: Callable[[Any], str], on_answer: OnAnswer
+    call: Call, caller_of: Callable[[Any], Caller], on_answer: OnAnswer
 ) -> grpc.GenericRpcHandler:
     """The PublishStream service, its messages kept as bytes."""
 
@@ -42,7 +47,7 @@ def publish_stream_handler(
         requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
         await context.send_initial_metadata(())  # "taken": the client may write
-        client = client_key(context)
+        client = caller_of(context)
         out: asyncio.Queue[bytes | None] = asyncio.Queue()
         answering: set[asyncio.Task[None]] = set()
         bad: list[str] = []

@@ -57,6 +57,7 @@ class Item:
     client: str = ""  # whose request: the unit of fairness
     deliveries: int = 0  # times handed to a worker
     broken: int = 0  # times a worker holding it left (its stream broke)
+    principal: str = ""  # the authenticated identity's client id ("": none), for the node
 
     @property
     def size(self) -> int:

@@ -17,6 +17,7 @@ import itertools
 import logging
 import secrets
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from discovery.agent import DiscoveryAgent
 from discovery.core import DiscoveryCore
+from queue_server.auth import Authenticator, Caller, Gate, Principal, RateLimit
 from queue_server.config import QueueConfig
 from queue_server.dashboard import DashboardSettings
 from queue_server.http_api import HttpApi
@@ -40,11 +42,12 @@ from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
 from roadlog.protowire import length_delimited
-from roadlog.rpc import BY_NAME, QUEUED, SERVICE, Kind
+from roadlog.rpc import BY_NAME, ROUTED, SERVICE, Kind
 from roadlog.runtime import frames, tls
 from roadlog.runtime.auth import ClusterAuth, cluster_token, protects
 from roadlog.runtime.health import serve_metrics_and_health
-from roadlog.v1 import client_pb2, raft_pb2, work_pb2, work_pb2_grpc
+from roadlog.scopes import new_token, token_hash
+from roadlog.v1 import client_pb2, clients_pb2, raft_pb2, work_pb2, work_pb2_grpc
 
 log = logging.getLogger("roadlog.queue")
 
@@ -102,6 +105,7 @@ class Outgoing:
             method=it.method,
             fence=it.fence,
             deadline_unix_ms=deadline_unix_ms,
+            principal=it.principal,
         ).SerializeToString()
         return cls(it.id, head + length_delimited(_ITEM_REQUEST, len(it.request)), it.request)
 
@@ -141,25 +145,101 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self._pumps: set[asyncio.Task[None]] = set()  # the framed links' senders
         self.frames: frames.FramedServer | None = None  # the framed Work link, when offered
         self.frames_rejected = 0  # framed links refused or cut for bad input
+        self.gate = Gate(Authenticator(self._authenticate), enabled=cfg.client_auth != "none")
+        self.registrations = RateLimit(cfg.registrations_per_minute)
 
     # ------------------------------------------------------------- clients
 
-    async def call(
-        self, method: str, request: bytes, timeout: float | None, client: str = ""
+    async def client_call(
+        self, method: str, request: bytes, timeout: float | None, caller: Caller
     ) -> bytes:
-        """Queue one client request and wait for its answer. ``client`` is
-        who asks (the unit of fairness between clients)."""
+        """A client's call (gRPC or HTTP): admitted by the gate (who calls,
+        may they), then queued for a node with the caller's identity."""
         t0 = time.monotonic()
         outcome = "error"
         try:
-            answer = await self._call(method, request, timeout, client)
+            principal = await self.gate.admit(method, request, caller)
+            if method in ("CreateClient", "RegisterClient"):
+                answer = await self._new_client(method, request, timeout, caller)
+            else:
+                # Fair between identities; without one, between declared ids or addresses.
+                lane = principal.client_id or caller.declared or caller.source
+                answer = await self._call(method, request, timeout, lane, principal)
+                if method == "RevokeClient":
+                    name = clients_pb2.RevokeClientRequest.FromString(request).name
+                    self.gate.auth.forget(name)  # here at once; elsewhere within the cache's TTL
             outcome = "ok"
             return answer
         finally:
             ANSWERED.labels(method, outcome).observe(time.monotonic() - t0)
 
-    async def _call(self, method: str, request: bytes, timeout: float | None, client: str) -> bytes:
-        rpc = QUEUED[method]
+    async def _new_client(
+        self, method: str, request: bytes, timeout: float | None, caller: Caller
+    ) -> bytes:
+        """A new identity: its token made here, only its hash sent on; the
+        answer carries the token, which nothing keeps."""
+        if method == "RegisterClient":
+            if not self.cfg.open_registration:
+                raise RoadlogError(
+                    Code.PERMISSION_DENIED,
+                    "self-registration is off on this queue server (open_registration = false): "
+                    "ask an operator for a token",
+                )
+            if not self.registrations.take(caller.source):
+                raise RoadlogError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"too many registrations from {caller.source}: at most "
+                    f"{self.cfg.registrations_per_minute} a minute",
+                )
+        token = new_token()
+        if method == "RegisterClient":
+            request = clients_pb2.RegisterClientRequest(
+                token_hash=token_hash(token)
+            ).SerializeToString()
+        else:
+            try:
+                req = clients_pb2.CreateClientRequest.FromString(request)
+            except Exception:
+                raise RoadlogError(Code.INVALID_ARGUMENT, "malformed CreateClientRequest") from None
+            req.token_hash = token_hash(token)  # a client's own is replaced
+            request = req.SerializeToString()
+        raw = await self._call(method, request, timeout, caller.source, None)
+        resp = clients_pb2.CreateClientResponse.FromString(raw)
+        resp.token = token
+        return resp.SerializeToString()
+
+    async def _authenticate(self, h: bytes, source: str) -> clients_pb2.AuthenticateResponse:
+        """Whose token has hash ``h``: a read any node answers, fenced at the
+        highest commit index a node told (so an identity just made, or
+        revoked, is seen), queued in the asker's lane."""
+        fence = max((s.commit_index for s in self.states.values()), default=0)
+        req = clients_pb2.AuthenticateRequest(token_hash=h, min_applied_index=fence)
+        raw = await self.call("Authenticate", req.SerializeToString(), 5.0, f"auth:{source}")
+        return clients_pb2.AuthenticateResponse.FromString(raw)
+
+    async def call(
+        self, method: str, request: bytes, timeout: float | None, client: str = ""
+    ) -> bytes:
+        """Queue one request of the queue server's own (no identity) and
+        wait for its answer. ``client`` is who asks (the unit of fairness)."""
+        t0 = time.monotonic()
+        outcome = "error"
+        try:
+            answer = await self._call(method, request, timeout, client, None)
+            outcome = "ok"
+            return answer
+        finally:
+            ANSWERED.labels(method, outcome).observe(time.monotonic() - t0)
+
+    async def _call(
+        self,
+        method: str,
+        request: bytes,
+        timeout: float | None,
+        client: str,
+        principal: Principal | None,
+    ) -> bytes:
+        rpc = ROUTED[method]
         kind = rpc.kind
         assert kind is not None  # QUEUED holds the rpcs that have a queue
         if len(request) > CLIENT_MESSAGE_BYTES:
@@ -180,7 +260,17 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         wait = timeout if timeout is not None else self.cfg.default_timeout_ms / 1000
         # Answer a little before the client's deadline, so it hears the reason.
         wait = max(wait - min(0.2, wait / 4), 0.01)
-        item = Item(next(self._ids), kind, method, request, now + wait, now, fence, client=client)
+        item = Item(
+            next(self._ids),
+            kind,
+            method,
+            request,
+            now + wait,
+            now,
+            fence,
+            client=client,
+            principal=principal.client_id if principal is not None else "",
+        )
         try:
             self.q.submit(item)
         except QueueFull as e:
@@ -486,16 +576,21 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
 
 CLIENT_METADATA = "roadlog-client"
+AUTHORIZATION = "authorization"
 
 
-def client_key(context: Any) -> str:
-    """Who a gRPC request is from: the client id it declares in metadata,
-    else its host (one phone behind one address is one client)."""
+def caller_of(context: Any) -> Caller:
+    """Who a gRPC request is from: its credential (``authorization``
+    metadata), its host, and the client id it declares in metadata."""
+    credential: str | None = None
+    declared = ""
     for key, value in context.invocation_metadata() or ():
-        if key == CLIENT_METADATA and value:
-            return str(value)[:128]
+        if key == AUTHORIZATION:
+            credential = str(value)
+        elif key == CLIENT_METADATA and value:
+            declared = str(value)[:128]
     peer = str(context.peer() or "")
-    return peer.rpartition(":")[0] or peer
+    return Caller(credential, peer.rpartition(":")[0] or peer, declared)
 
 
 def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
@@ -505,7 +600,7 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
         async def handle(request: bytes, context: Any) -> bytes:
             remaining = context.time_remaining()
             try:
-                out = await server.call(method, request, remaining, client_key(context))
+                out = await server.client_call(method, request, remaining, caller_of(context))
             except RoadlogError as e:
                 REQUESTS.labels(method, e.code.name).inc()
                 await context.abort(to_grpc(e.code), e.message)
@@ -550,7 +645,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         (
             client_handler(qs),
             publish_stream_handler(
-                qs.call, client_key, lambda code: REQUESTS.labels("PublishBatch", code).inc()
+                qs.client_call, caller_of, lambda code: REQUESTS.labels("PublishBatch", code).inc()
             ),
         )
     )
@@ -589,7 +684,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     if cfg.http_listen:
         host, _, port = cfg.http_listen.rpartition(":")
         settings = DashboardSettings(tile_url=cfg.dashboard_tile_url)
-        http_runner = HttpApi(qs.call, qs.status, dashboard=settings).runner()  # bounded
+        http_runner = HttpApi(qs.client_call, qs.status, dashboard=settings).runner()  # bounded
         await http_runner.setup()
         # HTTPS with the queue server's certificate (clients have none); plaintext when insecure
         await web.TCPSite(
@@ -608,6 +703,15 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             listen=False,
         )
         await agent.start()
+    if cfg.client_auth == "none":
+        log.warning(
+            "client_auth is none: every client may call everything, and client ids are "
+            'whatever clients declare (give-to-get is forgeable); set client_auth = "token"'
+        )
+        print(
+            "roadlog-queue: WARNING: client_auth = none: the client API checks no credential",
+            file=sys.stderr,
+        )
     expiry = asyncio.get_running_loop().create_task(qs.expire_loop())
     log.info(
         "queue server started",

@@ -12,6 +12,13 @@ work dispatch (``WorkHandler.<rpc.handler>``), the HTTP routes
 (``HttpApi.<rpc.handler>``) and the paths of the OpenAPI document.
 ``tests/unit/test_rpc.py`` checks the table against the proto's service
 descriptor, so an rpc added to the proto cannot be forgotten here.
+
+``needs`` says what a caller's identity must hold (issue 19; the queue
+server checks it, ``queue_server/auth.py``): ``public`` (no token),
+``identity`` (any valid token), ``admin``, or a scope kind (``produce``,
+``read``, ``heatmap``) for the topic the request names (an rpc whose request
+names no topic, a group's say: a scope of that kind for some topic). Every
+row must say; a test checks every rpc and every HTTP route has a rule.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ from enum import IntEnum
 
 from google.protobuf.message import Message
 
-from roadlog.v1 import client_pb2, groups_pb2, topics_pb2
+from roadlog.v1 import client_pb2, clients_pb2, groups_pb2, topics_pb2
 
 SERVICE = "roadlog.v1.Roadlog"
 FENCE_FIELD = "min_applied_index"
+# What an rpc's caller needs (see the module's doc).
+PUBLIC, IDENTITY, ADMIN = "public", "identity", "admin"
+NEEDS = (PUBLIC, IDENTITY, ADMIN, "produce", "read", "heatmap")
 
 
 class Kind(IntEnum):
@@ -47,6 +57,7 @@ class Rpc:
     kind: Kind | None  # None: answered by the queue server itself
     request: type[Message]
     response: type[Message]
+    needs: str
     http: HttpRoute | None = None
 
     @property
@@ -61,26 +72,40 @@ class Rpc:
 
 
 W, R = Kind.WRITE, Kind.READ
-c, g, t = client_pb2, groups_pb2, topics_pb2
+c, g, t, k = client_pb2, groups_pb2, topics_pb2, clients_pb2
 
 RPCS: tuple[Rpc, ...] = (
     Rpc(
-        "CreateTopic", W, c.CreateTopicRequest, t.TopicDescription, HttpRoute("POST", "/v1/topics")
+        "CreateTopic",
+        W,
+        c.CreateTopicRequest,
+        t.TopicDescription,
+        ADMIN,
+        HttpRoute("POST", "/v1/topics"),
     ),
     Rpc(
         "DescribeTopic",
         R,
         c.DescribeTopicRequest,
         t.TopicDescription,
+        IDENTITY,
         HttpRoute("GET", "/v1/topics/{name}"),
     ),
-    Rpc("ListTopics", R, c.ListTopicsRequest, c.ListTopicsResponse, HttpRoute("GET", "/v1/topics")),
-    Rpc("DeleteTopic", W, c.DeleteTopicRequest, c.DeleteTopicResponse),
+    Rpc(
+        "ListTopics",
+        R,
+        c.ListTopicsRequest,
+        c.ListTopicsResponse,
+        IDENTITY,
+        HttpRoute("GET", "/v1/topics"),
+    ),
+    Rpc("DeleteTopic", W, c.DeleteTopicRequest, c.DeleteTopicResponse, ADMIN),
     Rpc(
         "InitProducer",
         W,
         c.InitProducerRequest,
         c.InitProducerResponse,
+        "produce",
         HttpRoute("POST", "/v1/producers"),
     ),
     Rpc(
@@ -88,35 +113,59 @@ RPCS: tuple[Rpc, ...] = (
         W,
         c.PublishRequest,
         c.PublishResponse,
+        "produce",
         HttpRoute("POST", "/v1/topics/{name}/pings"),
     ),
-    Rpc("PublishBatch", W, c.PublishBatchRequest, c.PublishBatchResponse),
+    Rpc("PublishBatch", W, c.PublishBatchRequest, c.PublishBatchResponse, "produce"),
     Rpc(
         "Fetch",
         R,
         c.FetchRequest,
         c.FetchResponse,
+        "read",
         HttpRoute("GET", "/v1/topics/{name}/partitions/{partition}/pings"),
     ),
-    Rpc("Status", None, c.StatusRequest, c.ClusterStatus, HttpRoute("GET", "/v1/cluster")),
-    Rpc("JoinGroup", W, c.JoinGroupRequest, c.JoinGroupResponse),
-    Rpc("Heartbeat", W, c.HeartbeatRequest, c.HeartbeatResponse),
-    Rpc("CommitOffsets", W, c.CommitOffsetsRequest, c.CommitOffsetsResponse),
-    Rpc("LeaveGroup", W, c.LeaveGroupRequest, c.LeaveGroupResponse),
-    Rpc("DescribeGroup", R, c.DescribeGroupRequest, g.GroupDescription),
-    Rpc("ListGroups", R, c.ListGroupsRequest, c.ListGroupsResponse),
-    Rpc("DeleteGroup", W, c.DeleteGroupRequest, c.DeleteGroupResponse),
+    Rpc("Status", None, c.StatusRequest, c.ClusterStatus, PUBLIC, HttpRoute("GET", "/v1/cluster")),
+    Rpc("JoinGroup", W, c.JoinGroupRequest, c.JoinGroupResponse, "read"),
+    Rpc("Heartbeat", W, c.HeartbeatRequest, c.HeartbeatResponse, "read"),
+    Rpc("CommitOffsets", W, c.CommitOffsetsRequest, c.CommitOffsetsResponse, "read"),
+    Rpc("LeaveGroup", W, c.LeaveGroupRequest, c.LeaveGroupResponse, "read"),
+    Rpc("DescribeGroup", R, c.DescribeGroupRequest, g.GroupDescription, "read"),
+    Rpc("ListGroups", R, c.ListGroupsRequest, c.ListGroupsResponse, "read"),
+    Rpc("DeleteGroup", W, c.DeleteGroupRequest, c.DeleteGroupResponse, ADMIN),
     Rpc(
         "GetHeatmap",
         R,
         c.GetHeatmapRequest,
         c.GetHeatmapResponse,
+        "heatmap",
         HttpRoute("GET", "/v1/topics/{name}/heatmap"),
     ),
-    Rpc("PutHeatmap", W, c.PutHeatmapRequest, c.PutHeatmapResponse),
+    Rpc("PutHeatmap", W, c.PutHeatmapRequest, c.PutHeatmapResponse, ADMIN),
+    Rpc("CreateClient", W, k.CreateClientRequest, k.CreateClientResponse, ADMIN),
+    Rpc("ListClients", R, k.ListClientsRequest, k.ListClientsResponse, ADMIN),
+    Rpc("RevokeClient", W, k.RevokeClientRequest, k.RevokeClientResponse, ADMIN),
+    # Open self-registration: the queue server's setting and rate limit decide.
+    Rpc(
+        "RegisterClient",
+        W,
+        k.RegisterClientRequest,
+        k.CreateClientResponse,
+        PUBLIC,
+        HttpRoute("POST", "/v1/clients"),
+    ),
 )
-del W, R, c, g, t
+# The queue server's own reads, never offered to clients: a node does them
+# as it does the rpcs above (``WorkHandler.<handler>``).
+INTERNAL: dict[str, Rpc] = {
+    "Authenticate": Rpc(
+        "Authenticate", R, k.AuthenticateRequest, k.AuthenticateResponse, "internal"
+    ),
+}
+del W, R, c, g, t, k
 
 BY_NAME: dict[str, Rpc] = {r.name: r for r in RPCS}
 # The rpcs that go through the work queues to a node (all but Status).
 QUEUED: dict[str, Rpc] = {r.name: r for r in RPCS if r.kind is not None}
+# What a node may be handed: the queued rpcs and the queue server's own reads.
+ROUTED: dict[str, Rpc] = {**QUEUED, **INTERNAL}

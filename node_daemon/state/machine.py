@@ -15,6 +15,7 @@ Named databases (keys big-endian, so LMDB orders them numerically):
 - ``timeidx``: topic id, partition, append ms, base offset -> b""
 - ``producers``: producer id, topic id, partition -> recent (seq, base, count)
 - ``meta``: applied index/term, id counters, the log's clock (``log_ms``)
+- ``clients``: client identities and their tokens' hashes (``clients.py``)
 
 Everything stored derives from the log alone (times come from the entry's
 ``leader_ms``), so replicas that applied the same entries are byte-identical
@@ -42,6 +43,7 @@ import numpy as np
 from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.responses import publish_responses
+from node_daemon.state.clients import ClientTables
 from node_daemon.state.groups import GroupTables
 from node_daemon.state.heatmaps import (
     DEFAULT_CONTRIBUTION_WINDOW_MS,
@@ -53,7 +55,7 @@ from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, parse_region
 from roadlog.placement import MAX_DATA_GROUPS, group_of, partition_groups
-from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2
+from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, topics_pb2
 from roadlog.validation import MAX_PARTITIONS, check_topic_name
 
 GiB = 1 << 30
@@ -81,6 +83,12 @@ _FORGETTING = frozenset({"create_topic", "delete_topic", "trim"})
 def _issued_key(pid: int) -> bytes:
     """The meta key of a producer id issued at random: its client id."""
     return b"producer/" + _U64.pack(pid)
+
+
+def _bound_key(pid: int) -> bytes:
+    """The meta key marking a producer id issued to an authenticated
+    identity (its client id under ``_issued_key``): only it may use it."""
+    return b"pbound/" + _U64.pack(pid)
 
 
 @dataclass(slots=True)
@@ -144,6 +152,7 @@ class StateMachine:
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
         self.groups = GroupTables(db(b"groups"), db(b"offsets"))
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
+        self.clients = ClientTables(db(b"clients"), self.meta)
         with self.env.begin() as txn:
             self.applied_index = self._meta_int(txn, b"applied_index")
             self.applied_term = self._meta_int(txn, b"applied_term")
@@ -161,6 +170,8 @@ class StateMachine:
         self._topics: dict[str, topics_pb2.Topic] = {}
         self._states: dict[tuple[int, int], PartitionState] = {}
         self._issued: set[int] = set()  # producer ids known to be issued
+        # producer id -> the client id it is bound to ("": not bound), as stored
+        self._owners: dict[int, str] = {}
 
     def _meta_int(self, txn: Any, key: bytes) -> int:
         raw = txn.get(key, db=self.meta)
@@ -256,6 +267,8 @@ class StateMachine:
             if self.producer_issued(txn, pid):
                 raise RoadlogError(Code.ABORTED, f"producer id {pid} is taken: ask again")
             txn.put(_issued_key(pid), op.init_producer.client_id.encode(), db=self.meta)
+            if op.init_producer.bound:
+                txn.put(_bound_key(pid), b"", db=self.meta)
             self._issued.add(pid)
             return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
         if kind == "trim":
@@ -310,6 +323,17 @@ class StateMachine:
             hm = op.put_heatmap.request.heatmap
             self.heat.put(txn, self._topic(txn, hm.topic), hm)
             return client_pb2.PutHeatmapResponse(applied_index=index).SerializeToString()
+        if kind == "create_client":
+            cc = op.create_client
+            ident = self.clients.create(txn, cc.identity, cc.token_hash, self._log_ms)
+            return clients_pb2.CreateClientResponse(
+                client_id=ident.client_id, identity=ident, applied_index=index
+            ).SerializeToString()
+        if kind == "revoke_client":
+            self.clients.revoke(txn, op.revoke_client.name)
+            return clients_pb2.RevokeClientResponse(
+                revoked=True, applied_index=index
+            ).SerializeToString()
         raise RoadlogError(Code.INVALID_ARGUMENT, f"unknown operation {kind!r}")
 
     # --------------------------------------------------------------- topics
@@ -503,6 +527,17 @@ class StateMachine:
                         )
                     )
                     continue
+                owner = self._owner(txn, pid)
+                if owner and owner != span.client_id:
+                    kept.append(False)
+                    out.append(
+                        OpResult(
+                            Code.PERMISSION_DENIED,
+                            f"producer id {pid} was issued to another client: "
+                            "get your own with InitProducer",
+                        )
+                    )
+                    continue
                 seen = [
                     self._sequences(txn, pid, tid, p) if count else []
                     for p, count in zip(partitions, row, strict=True)
@@ -546,6 +581,17 @@ class StateMachine:
             self._issued.add(pid)
             return True
         return False
+
+    def _owner(self, txn: Any, pid: int) -> str:
+        """The client id an issued producer id is bound to ("": not bound,
+        any client may use it, as before identities)."""
+        owner = self._owners.get(pid)
+        if owner is None:
+            owner = ""
+            if txn.get(_bound_key(pid), db=self.meta) is not None:
+                owner = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
+            self._owners[pid] = owner
+        return owner
 
     def _state(self, txn: Any, tid: int, p: int) -> PartitionState:
         """``_part_state`` for appends: remembered between them."""
@@ -665,6 +711,15 @@ class StateMachine:
             for node_id, address in sorted(addresses.items()):
                 txn.put(_PEER.pack(b"peer/", node_id), address.encode(), db=self.meta)
         self.env.sync(True)
+
+    def identity(self, token_hash: bytes) -> clients_pb2.ClientIdentity | None:
+        """Whose token has this SHA-256 (None: nobody's, or revoked)."""
+        with self.env.begin() as txn:
+            return self.clients.by_hash(txn, token_hash)
+
+    def list_clients(self) -> clients_pb2.ListClientsResponse:
+        with self.env.begin() as txn:
+            return self.clients.listing(txn)
 
     def describe_group(self, name: str) -> groups_pb2.GroupDescription:
         with self.env.begin() as txn:
@@ -874,6 +929,7 @@ class StateMachine:
                 (b"offsets", self.groups.offsets),
                 (b"contrib", self.heat.contrib),
                 (b"heatmaps", self.heat.heatmaps),
+                (b"clients", self.clients.clients),
             ):
                 h.update(name)
                 for k, v in txn.cursor(db=db):

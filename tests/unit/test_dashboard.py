@@ -18,6 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from queue_server import dashboard
+from queue_server.auth import Caller
 from queue_server.dashboard import STATIC, DashboardSettings, IngestRates
 from queue_server.http_api import HttpApi
 from roadlog.errors import Code, RoadlogError
@@ -54,7 +55,7 @@ class FakeCluster:
         c.congestion.append(congestion)
         self.maps[start] = hm
 
-    async def call(self, method: str, raw: bytes, timeout: float | None, client: str) -> bytes:
+    async def call(self, method: str, raw: bytes, timeout: float | None, client: Caller) -> bytes:
         self.calls.append(method)
         if method == "GetHeatmap":
             req = client_pb2.GetHeatmapRequest.FromString(raw)

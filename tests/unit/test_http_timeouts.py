@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from queue_server.auth import Caller
 from queue_server.http_api import MAX_LINE_BYTES, HttpApi
 from roadlog.v1 import client_pb2
 
@@ -26,7 +27,7 @@ LINGER_S = 0.2
 DEADLINE_S = 10.0  # far more than either timeout: a hang fails, not blocks
 
 
-async def never_called(method: str, body: bytes, timeout: float | None, client: str) -> bytes:
+async def never_called(method: str, body: bytes, timeout: float | None, client: Caller) -> bytes:
     raise AssertionError(f"{method} reached the queues")
 
 

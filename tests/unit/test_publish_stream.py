@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from queue_server.auth import Caller
 from queue_server.publish_stream import METHOD, SERVICE, publish_stream_handler
 from roadlog.errors import Code, RoadlogError
 from roadlog.runtime.processes import free_port
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.unit
 async def _serve(
     delays: dict[bytes, float], answered: list[str]
 ) -> tuple[grpc.aio.Server, grpc.aio.Channel]:
-    async def call(method: str, body: bytes, timeout: float | None, client: str) -> bytes:
+    async def call(method: str, body: bytes, timeout: float | None, caller: Caller) -> bytes:
+        client = caller.declared
         assert method == "PublishBatch"
         await asyncio.sleep(delays.get(body, 0.0))
         if body == b"refuse":
@@ -32,7 +34,7 @@ async def _serve(
 
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(
-        (publish_stream_handler(call, lambda ctx: "client-7", answered.append),)
+        (publish_stream_handler(call, lambda ctx: Caller(None, "", "client-7"), answered.append),)
     )
     addr = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(addr)

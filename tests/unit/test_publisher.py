@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from queue_server.auth import Caller
 from queue_server.publish_stream import publish_stream_handler
 from roadlog.client import InvalidArgument, Unavailable
 from roadlog.errors import RoadlogError
@@ -84,12 +85,12 @@ class _Aborted:
 
 
 def _streamed(handler: Scripted) -> grpc.GenericRpcHandler:
-    async def call(method: str, body: bytes, timeout: float | None, client: str) -> bytes:
-        assert method == "PublishBatch" and timeout and client == "c1"
+    async def call(method: str, body: bytes, timeout: float | None, client: Caller) -> bytes:
+        assert method == "PublishBatch" and timeout and client.declared == "c1"
         return await handler.handle(body, _Aborted())
 
     answers: list[str] = []
-    return publish_stream_handler(call, lambda ctx: "c1", answers.append)
+    return publish_stream_handler(call, lambda ctx: Caller(None, "", "c1"), answers.append)
 
 
 async def serve(handler: Scripted) -> tuple[grpc.aio.Server, str]:

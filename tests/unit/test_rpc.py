@@ -42,6 +42,7 @@ def test_kinds_and_fences() -> None:
         "ListTopics",
         "DescribeGroup",
         "GetHeatmap",
+        "ListClients",
     }
     # Only reads wait for a fence; every write is the leader's.
     assert all(r.kind == Kind.READ for r in RPCS if r.fenced)
@@ -52,14 +53,15 @@ def test_kinds_and_fences() -> None:
         "DescribeGroup",
         "ListGroups",
         "GetHeatmap",
+        "ListClients",
     }
     assert set(QUEUED) == set(BY_NAME) - {"Status"}
 
 
 def test_fenced_is_read_from_the_request() -> None:
-    r = Rpc("X", Kind.READ, client_pb2.FetchRequest, client_pb2.FetchResponse)
+    r = Rpc("X", Kind.READ, client_pb2.FetchRequest, client_pb2.FetchResponse, "read")
     assert r.fenced and FENCE_FIELD in client_pb2.FetchRequest.DESCRIPTOR.fields_by_name
-    w = Rpc("Y", Kind.WRITE, client_pb2.PublishRequest, client_pb2.PublishResponse)
+    w = Rpc("Y", Kind.WRITE, client_pb2.PublishRequest, client_pb2.PublishResponse, "produce")
     assert not w.fenced
 
 

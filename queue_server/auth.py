@@ -1,0 +1,315 @@
+"""Who calls, and may they (issue 19: client identities with scopes).
+
+Every client call, gRPC or HTTP, goes through ``Gate.admit``: the Bearer
+token (gRPC metadata ``authorization``, HTTP ``Authorization``) names an
+identity the cluster issued (``Authenticator``: its SHA-256 looked up by a
+read any node answers, cached for a few seconds), and ``required`` says
+what the call needs, from the rpc table's ``needs`` (``roadlog.rpc``) and
+the topic the request names. One function for both APIs, so no route is
+left unchecked; ``tests/unit/test_client_auth.py`` checks every rpc and
+every HTTP route has a rule.
+
+No credential or an unknown one: UNAUTHENTICATED (HTTP 401). An identity
+without the scope: PERMISSION_DENIED (403), saying which scope is missing.
+
+Invariants: a revoked token stops working within ``POSITIVE_TTL_S`` on every
+queue server (at once on the one that revoked it); the cache holds at most
+``MAX_CACHED`` tokens' answers; concurrent calls with one uncached token
+cause one lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from roadlog.errors import Code, RoadlogError
+from roadlog.rpc import ADMIN, BY_NAME, IDENTITY, PUBLIC
+from roadlog.scopes import AUTHENTICATED, NEEDS_ADMIN, TOKEN_PREFIX, Need, allows, token_hash
+from roadlog.v1 import clients_pb2
+
+log = logging.getLogger("roadlog.auth")
+
+POSITIVE_TTL_S = 5.0  # a token's identity is believed this long (a revoke takes this long)
+NEGATIVE_TTL_S = 1.0  # an unknown token is refused this long without asking again
+MAX_CACHED = 100_000
+MAX_TOKEN_BYTES = 128
+NO_CREDENTIAL = (
+    "no credential: send 'authorization: Bearer TOKEN' (a token from `roadlog client create`, "
+    "or POST /v1/clients for a phone)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """An authenticated identity (``client_id`` "": nobody in particular,
+    client_auth off)."""
+
+    client_id: str
+    name: str
+    scopes: frozenset[str]
+
+
+# With client_auth = "none": everything allowed, client ids as declared.
+UNCHECKED = Principal("", "", frozenset({ADMIN}))
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What a call says about who makes it."""
+
+    credential: str | None  # the authorization header's value, as sent
+    source: str  # the caller's address (its host)
+    declared: str = ""  # the client id it declares (the fairness lane without identities)
+
+
+def bearer(credential: str | None) -> str:
+    """The token of an ``authorization`` value; UNAUTHENTICATED if none or malformed."""
+    if not credential:
+        raise RoadlogError(Code.UNAUTHENTICATED, NO_CREDENTIAL)
+    scheme, _, token = credential.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise RoadlogError(
+            Code.UNAUTHENTICATED, "the authorization is not 'Bearer TOKEN'; " + NO_CREDENTIAL
+        )
+    return token
+
+
+# ------------------------------------------------------------ authorization
+
+# The field that names the topic, by rpc, for the rpcs whose scope is per
+# topic (Publish and PublishBatch: read off the wire, see ``_topics``).
+TOPIC_FIELD: dict[str, str] = {"Fetch": "topic", "GetHeatmap": "topic", "JoinGroup": "topic"}
+
+
+def required(method: str, request: bytes) -> list[Need]:
+    """What a call of ``method`` with ``request`` needs (empty: nothing)."""
+    rpc = BY_NAME[method]
+    if rpc.needs == PUBLIC:
+        return []
+    if rpc.needs == IDENTITY:
+        return [AUTHENTICATED]
+    if rpc.needs == ADMIN:
+        return [NEEDS_ADMIN]
+    topics = topics_of(method, request)
+    if topics is None:  # a request that names no topic (a group's): that kind for some topic
+        return [Need(rpc.needs)]
+    return [Need(rpc.needs, t) for t in sorted(set(topics))]
+
+
+def topics_of(method: str, request: bytes) -> list[str] | None:
+    """The topics a request names (None: it names none)."""
+    try:
+        if method == "Publish":
+            return [_last_string(request, 1)]
+        if method == "PublishBatch":
+            return [_last_string(r, 1) for r in _fields(request, 1)]
+        field = TOPIC_FIELD.get(method)
+        if field is None:
+            return None
+        return [str(getattr(BY_NAME[method].request.FromString(request), field))]
+    except (DecodeError, ValueError, UnicodeDecodeError):
+        raise RoadlogError(Code.INVALID_ARGUMENT, f"malformed {method} request") from None
+
+
+def authorize(principal: Principal, method: str, request: bytes) -> None:
+    """PERMISSION_DENIED, naming the scope missing, unless ``principal`` may
+    make this call. Cheap for the usual callers: an admin or a holder of
+    ``KIND:*`` is not made to read the request."""
+    rpc = BY_NAME[method]
+    if ADMIN in principal.scopes or rpc.needs in (PUBLIC, IDENTITY):
+        return
+    if rpc.needs != ADMIN and f"{rpc.needs}:*" in principal.scopes:
+        return
+    for need in required(method, request):
+        if not allows(principal.scopes, need):
+            raise RoadlogError(
+                Code.PERMISSION_DENIED,
+                f"client {principal.name!r} needs {need} for {method}",
+            )
+
+
+def _varint(buf: memoryview, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(raw: bytes | memoryview, number: int) -> Iterator[memoryview]:
+    """Every length-delimited value of field ``number`` at the top level of a
+    message's wire bytes, in order (not copied)."""
+    buf = memoryview(raw)
+    i, n = 0, len(buf)
+    while i < n:
+        key, i = _varint(buf, i)
+        kind = key & 7
+        if kind == 0:
+            _, i = _varint(buf, i)
+        elif kind == 1:
+            i += 8
+        elif kind == 5:
+            i += 4
+        elif kind == 2:
+            size, i = _varint(buf, i)
+            if i + size > n:
+                raise ValueError("truncated field")
+            if key >> 3 == number:
+                yield buf[i : i + size]
+            i += size
+        else:
+            raise ValueError(f"wire type {kind}")
+        if i > n:
+            raise ValueError("truncated field")
+
+
+def _last_string(raw: bytes | memoryview, number: int) -> str:
+    """A string field as a parser reads it: the last occurrence wins."""
+    last = b""
+    for v in _fields(raw, number):
+        last = bytes(v)
+    return last.decode()
+
+
+# ----------------------------------------------------------- authentication
+
+Lookup = Callable[[bytes, str], Awaitable[clients_pb2.AuthenticateResponse]]
+
+
+class Authenticator:
+    """Token -> Principal, by its SHA-256, through ``lookup`` (a read a node
+    answers), with a bounded cache (see the module's doc)."""
+
+    def __init__(
+        self,
+        lookup: Lookup,
+        clock: Callable[[], float] = time.monotonic,
+        positive_ttl_s: float = POSITIVE_TTL_S,
+        negative_ttl_s: float = NEGATIVE_TTL_S,
+        max_cached: int = MAX_CACHED,
+    ) -> None:
+        self.lookup = lookup
+        self.clock = clock
+        self.positive_ttl_s = positive_ttl_s
+        self.negative_ttl_s = negative_ttl_s
+        self.max_cached = max_cached
+        self.cache: OrderedDict[bytes, tuple[float, Principal | None]] = OrderedDict()
+        self._asking: dict[bytes, asyncio.Future[Principal | None]] = {}
+        self.lookups = 0
+
+    async def principal(self, credential: str | None, source: str = "") -> Principal:
+        token = bearer(credential)
+        if not token.startswith(TOKEN_PREFIX) or len(token) > MAX_TOKEN_BYTES:
+            raise RoadlogError(Code.UNAUTHENTICATED, "not a roadlog token; " + NO_CREDENTIAL)
+        h = token_hash(token)
+        now = self.clock()
+        hit = self.cache.get(h)
+        if hit is not None and hit[0] > now:
+            found = hit[1]
+        else:
+            found = await self._ask(h, source)
+        if found is None:
+            raise RoadlogError(Code.UNAUTHENTICATED, "unknown or revoked token; " + NO_CREDENTIAL)
+        return found
+
+    async def _ask(self, h: bytes, source: str) -> Principal | None:
+        pending = self._asking.get(h)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Principal | None] = asyncio.get_running_loop().create_future()
+        self._asking[h] = fut
+        try:
+            self.lookups += 1
+            resp = await self.lookup(h, source)
+            found = (
+                Principal(
+                    resp.identity.client_id,
+                    resp.identity.name,
+                    frozenset(resp.identity.scopes),
+                )
+                if resp.found
+                else None
+            )
+            ttl = self.positive_ttl_s if found is not None else self.negative_ttl_s
+            self.cache[h] = (self.clock() + ttl, found)
+            self.cache.move_to_end(h)
+            while len(self.cache) > self.max_cached:
+                self.cache.popitem(last=False)
+            fut.set_result(found)
+            return found
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            del self._asking[h]
+
+    def forget(self, name: str) -> None:
+        """Drop what the cache holds of identity ``name`` (revoked here)."""
+        for h in [h for h, (_, p) in self.cache.items() if p is not None and p.name == name]:
+            del self.cache[h]
+
+
+class RateLimit:
+    """A token bucket per source address: ``per_minute`` a minute, a burst
+    of as many; at most ``max_sources`` addresses remembered (the oldest
+    forgotten first)."""
+
+    def __init__(
+        self,
+        per_minute: int,
+        clock: Callable[[], float] = time.monotonic,
+        max_sources: int = 100_000,
+    ) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.clock = clock
+        self.max_sources = max_sources
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def take(self, source: str) -> bool:
+        now = self.clock()
+        level, at = self.buckets.pop(source, (self.capacity, now))
+        level = min(self.capacity, level + (now - at) * self.rate)
+        ok = level >= 1.0
+        self.buckets[source] = (level - 1.0 if ok else level, now)
+        while len(self.buckets) > self.max_sources:
+            self.buckets.popitem(last=False)
+        return ok
+
+
+class Gate:
+    """Authentication and authorization of client calls (``enabled``
+    False: client_auth = "none", every call admitted as ``UNCHECKED``)."""
+
+    def __init__(self, authenticator: Authenticator, enabled: bool = True) -> None:
+        self.auth = authenticator
+        self.enabled = enabled
+
+    async def admit(self, method: str, request: bytes, caller: Caller) -> Principal:
+        if not self.enabled:
+            return UNCHECKED
+        if BY_NAME[method].needs == PUBLIC:
+            if caller.credential:  # a token given anyway must be good
+                return await self.auth.principal(caller.credential, caller.source)
+            return UNCHECKED_PUBLIC
+        principal = await self.auth.principal(caller.credential, caller.source)
+        authorize(principal, method, request)
+        return principal
+
+
+# A public call without a credential: no identity, no scope.
+UNCHECKED_PUBLIC = Principal("", "", frozenset())
