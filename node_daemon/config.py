@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from roadlog.placement import MAX_DATA_GROUPS
 from roadlog.runtime import config as configfile
 from roadlog.runtime.config import ConfigError, check_address, key
 
@@ -88,10 +89,12 @@ class NodeConfig:
         help="HOST:PORT,... to send HELLOs to by unicast", factory=list
     )
     bootstrap_expect: int = key(0, "found a new cluster of this many nodes (0..15)")
-    # Multi-raft (issue 18, being built): the cluster's data groups are fixed
-    # by the first topic ever created, from its leader's value. Only 1 runs
-    # today (every partition in group 0); more wait for the groups to run.
-    data_groups: int = key(1, "Raft groups for pings, fixed by the cluster's first topic (1)")
+    # Multi-raft (issue 18, being built; docs/multiraft.md): with more than
+    # one, the node runs data groups 1..G beside group 0, in this process
+    # and over the same peer links. Until writes are routed to them (step
+    # 3), topics are still placed in group 0 (``placement_groups``), so the
+    # data groups elect and replicate but hold no pings.
+    data_groups: int = key(1, "Raft groups for pings (1: all in group 0; 1..64)")
     voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
     dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
     trim_interval_s: int = key(60, "how often the leader applies retention through the log")
@@ -101,6 +104,13 @@ class NodeConfig:
     min_free_bytes: int = key(512 << 20, "below this many free bytes, refuse growing writes")
     log_level: str = key("info", "debug, info, warning or error")
 
+    @property
+    def placement_groups(self) -> int:
+        """The data groups a new topic's partitions are placed in
+        (``CreateTopicOp.data_groups``): 1, so group 0, until publishes are
+        routed to the data groups (docs/multiraft.md, step 3)."""
+        return 1
+
     def validate(self) -> None:
         if self.node_id < 0 or (self.node_id == 0 and self.peers):
             raise ConfigError("node_id: must be a positive integer (with peers)")
@@ -108,10 +118,12 @@ class NodeConfig:
             raise ConfigError("give peers, or discovery (discovery_port and bootstrap_expect)")
         if not 0 <= self.bootstrap_expect <= 15:
             raise ConfigError("bootstrap_expect: must be in 0..15")
-        if self.data_groups != 1:
+        if not 1 <= self.data_groups <= MAX_DATA_GROUPS:
+            raise ConfigError(f"data_groups: must be in 1..{MAX_DATA_GROUPS}")
+        if self.data_groups > 1 and self.discovery:
             raise ConfigError(
-                "data_groups: only 1 for now (several data groups come with multi-raft, "
-                "issue 18, not built yet)"
+                "data_groups above 1 needs static peers: discovery and membership changes "
+                "over every group are not built yet (docs/multiraft.md, step 6)"
             )
         if not 0 <= self.voters <= 15 or self.dead_voter_timeout_s < 1:
             raise ConfigError("voters: 0..15; dead_voter_timeout_s: at least 1")

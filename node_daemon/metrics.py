@@ -8,6 +8,21 @@ ROLE = Gauge("roadlog_raft_role", "0 follower, 1 pre-candidate, 2 candidate, 3 l
 TERM = Gauge("roadlog_raft_term", "current Raft term")
 COMMIT_INDEX = Gauge("roadlog_raft_commit_index", "highest index known committed")
 APPLIED_INDEX = Gauge("roadlog_raft_applied_index", "highest index applied to the state machine")
+# Each Raft group this node runs (docs/multiraft.md), labelled by group; the
+# unlabelled figures above are group 0's, the metadata group's.
+GROUP_ROLE = Gauge(
+    "roadlog_raft_group_role", "role in each Raft group (as roadlog_raft_role)", ["group"]
+)
+GROUP_TERM = Gauge("roadlog_raft_group_term", "current term of each Raft group", ["group"])
+GROUP_COMMIT_INDEX = Gauge(
+    "roadlog_raft_group_commit_index", "highest index known committed, per Raft group", ["group"]
+)
+GROUP_APPLIED_INDEX = Gauge(
+    "roadlog_raft_group_applied_index", "highest index applied, per Raft group", ["group"]
+)
+GROUP_SNAPSHOT_INDEX = Gauge(
+    "roadlog_raft_group_snapshot_index", "index each Raft group's log is compacted to", ["group"]
+)
 APPENDED_ENTRIES = Counter("roadlog_raft_appended_entries_total", "entries persisted to the log")
 PROPOSED_OPS = Counter("roadlog_proposed_ops_total", "operations proposed by this node as leader")
 FSYNC_SECONDS = Histogram(

@@ -79,7 +79,7 @@ from node_daemon.raft import (
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.snapshots import Snapshots
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
-from node_daemon.transport import PeerTransport
+from node_daemon.transport import GroupEndpoint, PeerTransport
 from roadlog.columnar import varint
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
 from roadlog.runtime import tls
@@ -106,6 +106,13 @@ def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
     return b"".join(pieces)
 
 
+def group_data_dir(data_dir: Path, group: int) -> Path:
+    """Where Raft group ``group`` keeps its log, state and snapshots: group 0
+    (the metadata group) in the data directory itself, as a node with one
+    group always did; data group g in ``groups/<g>`` under it."""
+    return data_dir if group == 0 else data_dir / "groups" / str(group)
+
+
 def _durable_touch(path: Path) -> None:
     """Create ``path`` (empty) and make it, and its name, durable."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,10 +134,20 @@ _Futures = list[asyncio.Future[OpResult]]  # one per op of a proposed entry
 
 
 class RaftNode:
-    def __init__(self, cfg: NodeConfig) -> None:
+    """One Raft group's replica on this node. ``group`` 0 (the default) is
+    the metadata group, which owns the peer transport unless one is given;
+    a data group is given group 0's ``transport`` and shares its links."""
+
+    def __init__(
+        self, cfg: NodeConfig, group: int = 0, transport: PeerTransport | None = None
+    ) -> None:
         self.cfg = cfg
         self.id = cfg.node_id
-        data = Path(cfg.data_dir)
+        self.group = group
+        # Every group this node runs, by number (RaftGroups fills it in; a
+        # node run alone runs its own group only).
+        self.raft_groups: dict[int, RaftNode] = {group: self}
+        data = group_data_dir(Path(cfg.data_dir), group)
         self.log_store = LmdbLogStorage(data / "raft")
         self.sm = StateMachine(data / "state")
         marker = data / "raft" / CATCHING_UP_FILE
@@ -142,7 +159,10 @@ class RaftNode:
             _durable_touch(marker)
         if empty and cfg.peers:
             bootstrap(self.log_store, sorted(cfg.peers))
-            log.info("bootstrapped the static peers' cluster", extra={"voters": sorted(cfg.peers)})
+            log.info(
+                "bootstrapped the static peers' cluster",
+                extra={"voters": sorted(cfg.peers), "group": group},
+            )
         catching_up = marker.exists()
         # Set while catching up; None once that is over for good.
         self._catching_up_file: Path | None = marker if catching_up else None
@@ -150,10 +170,15 @@ class RaftNode:
             log.info(
                 "started empty: neither voting nor campaigning until the cluster is known "
                 "new or a leader has caught this node up",
-                extra={"ask": self._others},
+                extra={"ask": self._others, "group": group},
             )
         snap = self.log_store.snapshot()
-        metrics.SNAPSHOT_INDEX.set(snap.meta.index)
+        self._snapshot_gauge = (
+            metrics.SNAPSHOT_INDEX
+            if group == 0
+            else metrics.GROUP_SNAPSHOT_INDEX.labels(str(group))
+        )
+        self._snapshot_gauge.set(snap.meta.index)
         if self.sm.applied_index < snap.meta.index:
             # Crashed between saving a snapshot and installing it.
             self.sm.install_snapshot(snap.data.decode())
@@ -182,22 +207,37 @@ class RaftNode:
             lambda: self._wakeup.set(),
             cfg.snapshot_entries,
             cfg.snapshot_bytes,
+            index_gauge=self._snapshot_gauge,
         )
         self.addresses: dict[int, str] = dict(cfg.peers)
         self.addresses[self.id] = cfg.address
-        self.transport = PeerTransport(
-            self.id,
-            cfg.cluster_name,
-            cfg.secret(),
-            self.snapshots.directory,
+        endpoint = GroupEndpoint(
             on_message=self._on_message,
             on_unreachable=lambda to: self.submit(lambda core: core.report_unreachable(to)),
             on_snapshot_status=lambda to, ok: self.submit(
                 lambda core: core.report_snapshot(to, ok)
             ),
             snapshot_file=self.snapshots.file,
+            snapshot_dir=self.snapshots.directory,
         )
-        self.transport.set_addresses(self.addresses)
+        self._owns_transport = transport is None
+        if transport is None:
+            if group != 0:
+                raise ValueError("a data group shares group 0's transport")
+            transport = PeerTransport(
+                self.id,
+                cfg.cluster_name,
+                cfg.secret(),
+                endpoint.snapshot_dir,
+                endpoint.on_message,
+                endpoint.on_unreachable,
+                endpoint.on_snapshot_status,
+                endpoint.snapshot_file,
+            )
+            transport.set_addresses(self.addresses)
+        else:
+            transport.add_group(group, endpoint)
+        self.transport = transport
         self._inbox: deque[Callable[[RaftCore], None]] = deque()
         self._wakeup = asyncio.Event()
         self._ops: list[tuple[command_pb2.Op, asyncio.Future[OpResult]]] = []
@@ -224,13 +264,14 @@ class RaftNode:
             self.core,
             write_log=self._write_log,
             apply=self._apply_job,
-            send=self.transport.send,
+            send=self.transport.sender(group),
             clock=time.perf_counter,
             on_ready_done=self._ready_done,
         )
         self.state_listeners: list[Callable[[], None]] = []
         self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
         self._last_soft = (0, Role.FOLLOWER, 0)
+        self._next_trim = 0.0  # set at the first tick
 
     # --------------------------------------------------------------- inputs
 
@@ -240,11 +281,13 @@ class RaftNode:
 
     def update_addresses(self, known: dict[int, str]) -> None:
         """Learn peer addresses (from the replicated address book and from
-        discovery); this node's own address always stays its own."""
+        discovery); this node's own address always stays its own. The
+        transport's are set by the group that owns it."""
         merged = {**self.addresses, **known, self.id: self.cfg.address}
         if merged != self.addresses:
             self.addresses = merged
-            self.transport.set_addresses(merged)
+            if self._owns_transport:
+                self.transport.set_addresses(merged)
 
     def submit(self, fn: Callable[[RaftCore], None]) -> None:
         """Run ``fn(core)`` on the driver (the only place the core is touched)."""
@@ -362,13 +405,22 @@ class RaftNode:
 
     # ----------------------------------------------------------------- driver
 
-    async def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+    async def start(
+        self,
+        on_failure: Callable[[BaseException], None] | None = None,
+        own_ticker: bool = True,
+    ) -> None:
         """Start ticking and driving. If the driver fails (a log write or an
         apply failed: the node cannot go on safely), ``on_failure`` is told,
-        so the process stops instead of living on with a dead Raft loop."""
+        so the process stops instead of living on with a dead Raft loop.
+        ``own_ticker`` False: whoever runs this node's groups calls
+        ``tick()`` for all of them at once (their heartbeats then leave
+        together, RaftGroups)."""
         loop = self._loop = asyncio.get_running_loop()
         drive = loop.create_task(self._drive())
-        self._tasks = [loop.create_task(self._ticker()), drive]
+        self._tasks = [drive]
+        if own_ticker:
+            self._tasks.append(loop.create_task(self._ticker()))
         if self.core.catching_up and self._others:
             self._tasks.append(loop.create_task(self._ask_if_new()))
 
@@ -391,7 +443,10 @@ class RaftNode:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t  # a failed driver was reported when it failed
-        await self.transport.close()
+        if self._owns_transport:
+            await self.transport.close()
+        else:  # the group's snapshot timers and fetches die with the transport's
+            self.transport.groups.pop(self.group, None)
         await self.snapshots.taken()
         self.snapshots.close()
         self._log_io.shutdown(wait=True)
@@ -431,8 +486,12 @@ class RaftNode:
             return None
         if not st.nodes or st.nodes[0].id != peer:
             return None  # someone else answers there
-        own = st.nodes[0]
-        return own.term <= 1 and own.commit_index <= 1
+        own: Any = st.nodes[0]
+        if self.group != 0:  # this group's figures there (none yet: no answer)
+            own = next((g for g in st.nodes[0].groups if g.id == self.group), None)
+            if own is None:
+                return None
+        return bool(own.term <= 1 and own.commit_index <= 1)
 
     def _caught_up(self) -> None:
         """Catching up ended and is on disk: forget it for good."""
@@ -446,15 +505,22 @@ class RaftNode:
     async def _ticker(self) -> None:
         period = self.cfg.tick_ms / 1000
         nxt = time.monotonic()
-        next_trim = nxt + self.cfg.trim_interval_s
         while True:
             nxt += period
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
-            self.submit(lambda core: core.tick())
-            self.log_clock.save()  # at most every second
-            if self.is_leader and time.monotonic() >= next_trim:
-                next_trim = time.monotonic() + self.cfg.trim_interval_s
-                self._trim()
+            self.tick()
+
+    def tick(self) -> None:
+        """One Raft tick (every ``tick_ms``), and the chores that ride on it:
+        the log clock's anchor, and retention as leader."""
+        self.submit(lambda core: core.tick())
+        self.log_clock.save()  # at most every second
+        now = time.monotonic()
+        if self._next_trim == 0.0:
+            self._next_trim = now + self.cfg.trim_interval_s
+        elif self.is_leader and now >= self._next_trim:
+            self._next_trim = now + self.cfg.trim_interval_s
+            self._trim()
 
     def _trim(self) -> None:
         """Retention goes through the log, so every replica trims the same
@@ -646,8 +712,8 @@ class RaftNode:
         await self._loop.run_in_executor(
             self._apply_io, self.sm.install_snapshot, snap.data.decode()
         )
-        metrics.SNAPSHOT_INDEX.set(snap.meta.index)
-        log.info("installed snapshot", extra={"index": snap.meta.index})
+        self._snapshot_gauge.set(snap.meta.index)
+        log.info("installed snapshot", extra={"index": snap.meta.index, "group": self.group})
 
     def _ready_done(self, rd: Ready, w: LogWrite) -> None:
         if w.sync:
@@ -690,7 +756,12 @@ class RaftNode:
         core = self.core
         log.info(
             "raft state",
-            extra={"role": core.role.name.lower(), "term": core.term, "leader": core.lead},
+            extra={
+                "role": core.role.name.lower(),
+                "term": core.term,
+                "leader": core.lead,
+                "group": self.group,
+            },
         )
         if core.role != Role.LEADER:
             # Proposals not yet in the log cannot be taken any more.
@@ -703,6 +774,22 @@ class RaftNode:
 
     def _observe(self) -> None:
         core = self.core
+        g = str(self.group)
+        metrics.GROUP_ROLE.labels(g).set(int(core.role))
+        metrics.GROUP_TERM.labels(g).set(core.term)
+        metrics.GROUP_COMMIT_INDEX.labels(g).set(core.log.committed)
+        metrics.GROUP_APPLIED_INDEX.labels(g).set(self.sm.applied_index)
+        if self.group == 0:
+            self._observe_node()
+        soft = (core.lead, core.role, self.sm.applied_index)
+        if soft != self._last_soft:
+            self._last_soft = soft
+            for fn in self.state_listeners:
+                fn()
+
+    def _observe_node(self) -> None:
+        """The node's own gauges: group 0's figures, and the disk."""
+        core = self.core
         metrics.DISK_FREE_BYTES.set(self.disk.free_now)
         metrics.DISK_LOW.set(int(self.disk.low))
         metrics.ROLE.set(int(core.role))
@@ -713,11 +800,6 @@ class RaftNode:
             for node, pr in core.prs.items():
                 if node != self.id:
                     metrics.FOLLOWER_LAG.labels(str(node)).set(core.log.last_index() - pr.match)
-        soft = (core.lead, core.role, self.sm.applied_index)
-        if soft != self._last_soft:
-            self._last_soft = soft
-            for fn in self.state_listeners:
-                fn()
 
     async def snapshot_now(self) -> int:
         """Snapshot the state machine and compact the log now; the index of

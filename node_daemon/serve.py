@@ -23,9 +23,9 @@ from node_daemon.admin import NODE_PROTECTED, AdminService, node_callers, refuse
 from node_daemon.config import ConfigError, NodeConfig
 from node_daemon.identity import node_id_for
 from node_daemon.membership import Membership
-from node_daemon.node import RaftNode
 from node_daemon.node_read import NodeReadService
 from node_daemon.raft import Role
+from node_daemon.raft_groups import RaftGroups
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state_metrics import STATE
 from node_daemon.status import node_readiness
@@ -107,7 +107,8 @@ async def serve(cfg: NodeConfig) -> None:
     discovered_peers = cfg.discovery
     if cfg.discovery and not _has_raft_state(cfg):
         cfg = await _discover(cfg, agent)
-    node = RaftNode(cfg)
+    groups = RaftGroups(cfg)  # group 0 (``node``) and the data groups, if any
+    node = groups.meta
     STATE.watch(node.sm)  # topics, group lag, heat-map age on /metrics
     membership = Membership(node, token, sync_addresses=discovered_peers)
     stop = asyncio.Event()
@@ -156,14 +157,14 @@ async def serve(cfg: NodeConfig) -> None:
             readiness_detail,
             ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)
         )
-    node.update_addresses(node.sm.peers())
+    groups.update_addresses(node.sm.peers())
     failed: list[BaseException] = []
 
     def driver_failed(e: BaseException) -> None:
         failed.append(e)
         stop.set()
 
-    await node.start(driver_failed)
+    await groups.start(driver_failed)
     executor = WorkHandler(node)
     executor.groups.start()
     links: dict[str, QueueServerLink] = {}
@@ -203,7 +204,7 @@ async def serve(cfg: NodeConfig) -> None:
 
         def on_discovery_step() -> None:
             now = now_ms()
-            node.update_addresses({**node.sm.peers(), **discovered.core.addresses(now)})
+            groups.update_addresses({**node.sm.peers(), **discovered.core.addresses(now)})
             link_queue_servers(discovered.core.queue_servers(now))
             if membership.in_config():
                 core = node.core
@@ -246,7 +247,7 @@ async def serve(cfg: NodeConfig) -> None:
     if agent is not None:
         await agent.stop()
     await server.stop(grace=1.0)
-    await node.stop()
+    await groups.stop()
     if failed:
         raise NodeFailed(f"the Raft driver failed: {failed[0]!r}")
     log.info("stopped")

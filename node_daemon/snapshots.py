@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from node_daemon import metrics
 from node_daemon.raft import Snapshot, SnapshotMeta
@@ -77,8 +78,12 @@ class Snapshots:
         wakeup: Callable[[], None],
         max_entries: int,
         max_bytes: int,
+        index_gauge: Any = None,
     ) -> None:
+        """``index_gauge``: where the index compacted to is shown (default:
+        ``roadlog_snapshot_index``, group 0's)."""
         self.directory = directory
+        self._index_gauge = index_gauge if index_gauge is not None else metrics.SNAPSHOT_INDEX
         directory.mkdir(parents=True, exist_ok=True)
         self._log_store = log_store
         self._sm = sm
@@ -199,7 +204,7 @@ class Snapshots:
                 snap = Snapshot(self._meta_at(index), str(path).encode())
                 await loop.run_in_executor(self._log_io, self._log_store.compact, snap)
                 self._remove_old(path)
-                metrics.SNAPSHOT_INDEX.set(index)
+                self._index_gauge.set(index)
                 log.info("snapshot and compaction", extra={"index": index})
         except Exception as e:
             log.exception("snapshot failed")

@@ -10,7 +10,21 @@ from roadlog.status import role_name
 from roadlog.v1 import client_pb2
 
 
+def group_status(node: RaftNode) -> client_pb2.GroupStatus:
+    """One Raft group's figures on this node."""
+    core = node.core
+    return client_pb2.GroupStatus(
+        id=node.group,
+        role=role_name(core.role.name),
+        term=core.term,
+        commit_index=core.log.committed,
+        applied_index=node.sm.applied_index,
+        leader=core.lead,
+    )
+
+
 def node_status(node: RaftNode) -> client_pb2.NodeStatus:
+    """The node's status: group 0's figures, and each group's in ``groups``."""
     core = node.core
     return client_pb2.NodeStatus(
         id=node.id,
@@ -23,6 +37,7 @@ def node_status(node: RaftNode) -> client_pb2.NodeStatus:
         ready=node.serving,
         voters=sorted(core.conf.voters),
         learners=sorted(core.conf.learners),
+        groups=[group_status(n) for _, n in sorted(node.raft_groups.items())],
     )
 
 

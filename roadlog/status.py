@@ -33,6 +33,18 @@ def node_json(ns: client_pb2.NodeStatus) -> dict[str, Any]:
         "applied_index": ns.applied_index,
         "leader": ns.leader,
         "ready": ns.ready,
+        # each Raft group the node runs, as it sees it (group 0 first)
+        "groups": [
+            {
+                "id": g.id,
+                "role": g.role,
+                "term": g.term,
+                "commit_index": g.commit_index,
+                "applied_index": g.applied_index,
+                "leader": g.leader,
+            }
+            for g in ns.groups
+        ],
     }
 
 

@@ -23,6 +23,7 @@ from roadlog.client import Admin
 from roadlog.client_tls import ClientTLS
 from roadlog.placement import METADATA_GROUP
 from roadlog.runtime.processes import alive
+from roadlog.status import DOWN
 from roadlog.tools.localcluster import LocalCluster, gather_status
 from roadlog.v1 import topics_pb2
 
@@ -70,7 +71,8 @@ def cluster_up(
             raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
     err.print(
         f"cluster up: {nodes} nodes, leader {status['leader']} (term {status['term']}); "
-        f"queue servers {', '.join(lc.servers)}; {lc.file}"
+        f"queue servers {', '.join(lc.servers)}; {lc.file}; the admin identity's token in "
+        f"{lc.token_file} (--cluster {directory} uses it)"
     )
     out.print(",".join(lc.servers))
 
@@ -120,30 +122,41 @@ def raft_groups(
 ) -> list[dict[str, Any]]:
     """``cluster status``'s ``groups``: each Raft group with its leader, term,
     commit index and partitions ([topic, partition] pairs; topics None:
-    unknown, ``partitions_known`` false). One group runs today (group 0,
-    see README "Raft groups"), so every partition's group is 0 and the
-    group's figures are the cluster's."""
-    leader = next((n for n in status["nodes"] if n["id"] == status["leader"]), None)
-    commit = (
-        leader["commit_index"]
-        if leader
-        else max((n["commit_index"] for n in status["nodes"]), default=0)
-    )
-    by_group: dict[int, list[list[Any]]] = {METADATA_GROUP: []}
+    unknown, ``partitions_known`` false). A group's figures are what the
+    nodes say of it (each node's ``groups``): its leader is the one the
+    highest term names, its commit index that leader's (or the highest
+    seen). Nodes that tell no groups (older ones) run group 0 alone."""
+    views: dict[int, list[dict[str, Any]]] = {METADATA_GROUP: []}
+    for n in status["nodes"]:
+        if n.get("groups"):
+            for g in n["groups"]:
+                views.setdefault(g["id"], []).append({**g, "node": n["id"]})
+        elif "role" in n and n["role"] != DOWN:
+            views[METADATA_GROUP].append({**n, "node": n["id"]})
+    by_group: dict[int, list[list[Any]]] = {g: [] for g in views}
     for t in topics or []:
         for p in t.partitions:
             by_group.setdefault(p.group, []).append([t.topic.spec.name, p.partition])
-    return [
-        {
-            "id": g,
-            "leader": status["leader"],
-            "term": status["term"],
-            "commit_index": commit,
-            "partitions": parts,
-            "partitions_known": topics is not None,
-        }
-        for g, parts in sorted(by_group.items())
-    ]
+    out = []
+    for g, parts in sorted(by_group.items()):
+        seen = views.get(g, [])
+        leads = [v for v in seen if v["role"] == "leader"]
+        lead = max(leads, key=lambda v: v["term"]) if leads else None
+        out.append(
+            {
+                "id": g,
+                "leader": lead["node"] if lead else 0,
+                "term": max((v["term"] for v in seen), default=0),
+                "commit_index": (
+                    lead["commit_index"]
+                    if lead
+                    else max((v["commit_index"] for v in seen), default=0)
+                ),
+                "partitions": parts,
+                "partitions_known": topics is not None,
+            }
+        )
+    return out
 
 
 @cluster.command("kill")

@@ -87,11 +87,18 @@ def test_a_cluster_with_topics_from_before_groups_keeps_one_group(sm: StateMachi
     assert not topic.partition_groups and sm.data_groups() == 1
 
 
-def test_a_node_refuses_more_than_one_data_group_for_now() -> None:
-    cfg = NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}, data_groups=2)
-    with pytest.raises(ConfigError, match="data_groups: only 1"):
-        cfg.validate()
-    NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}).validate()
+def test_data_groups_are_checked_and_need_static_peers() -> None:
+    peers = {1: "127.0.0.1:7400"}
+    NodeConfig(node_id=1, peers=peers).validate()
+    NodeConfig(node_id=1, peers=peers, data_groups=3).validate()
+    with pytest.raises(ConfigError, match=r"data_groups: must be in 1\.\.64"):
+        NodeConfig(node_id=1, peers=peers, data_groups=65).validate()
+    with pytest.raises(ConfigError, match=r"data_groups: must be in 1\.\.64"):
+        NodeConfig(node_id=1, peers=peers, data_groups=0).validate()
+    with pytest.raises(ConfigError, match="needs static peers"):
+        NodeConfig(node_id=0, bootstrap_expect=3, data_groups=2).validate()
+    # topics stay in group 0 until publishes are routed to the data groups
+    assert NodeConfig(node_id=1, peers=peers, data_groups=3).placement_groups == 1
 
 
 def test_cluster_status_lists_each_group_with_its_partitions() -> None:
@@ -99,8 +106,8 @@ def test_cluster_status_lists_each_group_with_its_partitions() -> None:
         "leader": 2,
         "term": 7,
         "nodes": [
-            {"id": 1, "commit_index": 40},
-            {"id": 2, "commit_index": 42},
+            {"id": 1, "role": "follower", "term": 7, "commit_index": 40},
+            {"id": 2, "role": "leader", "term": 7, "commit_index": 42},
         ],
     }
     d = topics_pb2.TopicDescription(topic=topics_pb2.Topic(spec=topics_pb2.TopicSpec(name="a")))
@@ -117,3 +124,44 @@ def test_cluster_status_lists_each_group_with_its_partitions() -> None:
     }
     [unknown] = raft_groups(status, None)
     assert unknown["partitions"] == [] and unknown["partitions_known"] is False
+
+
+def test_cluster_status_takes_each_groups_figures_from_the_nodes_views() -> None:
+    """Each node tells every group it runs; a group's leader is the one the
+    highest term names (a deposed leader's stale claim loses), its commit
+    index that leader's; a group nobody leads shows leader 0."""
+
+    def view(g: int, role: str, term: int, commit: int) -> dict[str, object]:
+        return {"id": g, "role": role, "term": term, "commit_index": commit, "applied_index": 0}
+
+    status = {
+        "leader": 1,
+        "term": 3,
+        "nodes": [
+            {
+                "id": 1,
+                "role": "leader",
+                "groups": [view(0, "leader", 3, 9), view(1, "leader", 4, 5)],
+            },
+            {
+                "id": 2,
+                "role": "follower",
+                "groups": [view(0, "follower", 3, 9), view(1, "leader", 6, 8)],
+            },
+            {
+                "id": 3,
+                "role": "follower",
+                "groups": [view(0, "follower", 3, 8), view(2, "candidate", 2, 1)],
+            },
+            {"id": 4, "role": "down"},
+        ],
+    }
+    d = topics_pb2.TopicDescription(topic=topics_pb2.Topic(spec=topics_pb2.TopicSpec(name="a")))
+    d.partitions.add(partition=0, group=1)
+    d.partitions.add(partition=1, group=2)
+    groups = {g["id"]: g for g in raft_groups(status, [d])}
+    assert sorted(groups) == [0, 1, 2]
+    assert (groups[0]["leader"], groups[0]["term"], groups[0]["commit_index"]) == (1, 3, 9)
+    assert (groups[1]["leader"], groups[1]["term"], groups[1]["commit_index"]) == (2, 6, 8)
+    assert (groups[2]["leader"], groups[2]["term"], groups[2]["commit_index"]) == (0, 2, 1)
+    assert groups[1]["partitions"] == [["a", 0]] and groups[2]["partitions"] == [["a", 1]]

@@ -1,0 +1,73 @@
+"""Every Raft group a node runs, in one process (docs/multiraft.md, step 2).
+
+Group 0, the metadata group, is the node as it always was: its log, state
+and snapshots in the data directory, and the peer transport. Data groups
+1..G (``data_groups`` above 1) each run a ``RaftNode`` of their own, with
+their own log, state machine and snapshots under ``groups/<g>``, and share
+group 0's links to the peers (every message says its group).
+
+Invariants:
+- The groups share nothing but the transport, the event loop and the
+  process: each has its own core, driver, disk writes and applies, so one
+  group's election or snapshot never waits on another's.
+- One ticker ticks every group in the same turn of the event loop, so the
+  heartbeats all groups send to a peer in a tick leave in one batch.
+- A node crash takes all its groups down at once (one process); a stop
+  stops the data groups first, then group 0, which owns the transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from node_daemon.config import NodeConfig
+from node_daemon.node import RaftNode
+
+
+class RaftGroups:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.meta = RaftNode(cfg)  # group 0
+        self.nodes: dict[int, RaftNode] = {0: self.meta}
+        if cfg.data_groups > 1:
+            for g in range(1, cfg.data_groups + 1):
+                self.nodes[g] = RaftNode(cfg, g, self.meta.transport)
+        for node in self.nodes.values():
+            node.raft_groups = self.nodes
+        self._ticker: asyncio.Task[None] | None = None
+
+    @property
+    def data(self) -> dict[int, RaftNode]:
+        """The data groups (none when every partition is in group 0)."""
+        return {g: n for g, n in self.nodes.items() if g != 0}
+
+    def update_addresses(self, known: dict[int, str]) -> None:
+        for node in self.nodes.values():
+            node.update_addresses(known)
+
+    async def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        for node in self.nodes.values():
+            await node.start(on_failure, own_ticker=False)
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_all())
+
+    async def _tick_all(self) -> None:
+        period = self.cfg.tick_ms / 1000
+        nxt = time.monotonic()
+        nodes = list(self.nodes.values())
+        while True:
+            nxt += period
+            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+            for node in nodes:
+                node.tick()
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        for node in self.data.values():
+            await node.stop()
+        await self.meta.stop()

@@ -1,0 +1,136 @@
+"""Several Raft groups in one node process (multi-raft step 2,
+docs/multiraft.md): a 3-node cluster with ``data_groups = 3`` runs group 0
+and data groups 1..3 on every node, each electing and replicating on its
+own over the same peer links; a SIGKILLed node takes all its groups down at
+once, the others go on, and on restart it catches up in every group.
+Pings still live in group 0 until publishes are routed (step 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roadlog.client import Connection, Producer
+from roadlog.status import ask_node
+from roadlog.tools.localcluster import LocalCluster
+from tests.integration.conftest import create_topic, make_pings, read_topic, wait_for
+
+pytestmark = pytest.mark.integration
+
+GROUPS = [0, 1, 2, 3]
+
+
+def views(lc: LocalCluster) -> dict[int, dict[int, dict[str, Any]]]:
+    """node id -> group id -> that node's view of the group (nodes that answer)."""
+    out: dict[int, dict[int, dict[str, Any]]] = {}
+    for n in lc.nodes:
+        v = ask_node(n.address, 2.0, lc.tls())
+        if v is not None:
+            out[n.id] = {g["id"]: g for g in v["groups"]}
+    return out
+
+
+def leaders(seen: dict[int, dict[int, dict[str, Any]]]) -> dict[int, int]:
+    """group -> the node that leads it at the highest term any node reports."""
+    out: dict[int, int] = {}
+    for g in GROUPS:
+        claims = [
+            (v[g]["term"], nid) for nid, v in seen.items() if g in v and v[g]["role"] == "leader"
+        ]
+        if claims:
+            out[g] = max(claims)[1]
+    return out
+
+
+def every_group_led_and_agreed(lc: LocalCluster, among: list[int]) -> bool:
+    """Every group has one leader that each of ``among`` follows, and each of
+    them has applied what it knows committed, in every group."""
+    seen = views(lc)
+    if sorted(seen) != sorted(among):
+        return False
+    lead = leaders(seen)
+    return sorted(lead) == GROUPS and all(
+        sorted(v) == GROUPS
+        and all(
+            v[g]["leader"] == lead[g] and v[g]["applied_index"] >= v[g]["commit_index"] > 0
+            for g in GROUPS
+        )
+        for v in seen.values()
+    )
+
+
+def test_data_groups_elect_replicate_and_survive_a_node_crash(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = make_cluster(nodes=3, extra=["--data-groups", "3"])
+    ids = [n.id for n in lc.nodes]
+    wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
+    for n in lc.nodes:  # each data group has its own log and state on every node
+        for g in (1, 2, 3):
+            assert (Path(n.data_dir) / "groups" / str(g) / "raft").is_dir()
+            assert (Path(n.data_dir) / "groups" / str(g) / "state").is_dir()
+
+    # Each group's figures are on /metrics, labelled by group.
+    with urllib.request.urlopen(
+        lc.metrics_url(lc.nodes[0]), context=lc.ssl_context(), timeout=5
+    ) as r:
+        text = r.read().decode()
+    for g in GROUPS:
+        assert f'roadlog_raft_group_term{{group="{g}"}}' in text
+
+    # Writes go on as before (into group 0) and are read back.
+    with Connection(lc.servers) as conn:
+        create_topic(conn, "groups", partitions=4)
+        Producer(conn, "groups").send_batch(make_pings("p", 0, 200))
+        assert sum(len(v) for v in read_topic(conn, "groups").values()) == 200
+
+    # The leader of group 1 goes down, with every group it runs.
+    victim_id = leaders(views(lc))[1]
+    victim = lc.node(victim_id)
+    lc.kill(victim_id)
+    others = [i for i in ids if i != victim_id]
+    wait_for(lambda: every_group_led_and_agreed(lc, others), 60, "every group led by the others")
+    assert victim_id not in leaders(views(lc)).values()
+
+    # Back up, it catches up in every group: the same commit everywhere.
+    lc.start(victim_id)
+    wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "the restarted node in every group")
+
+    def same_commit_everywhere() -> bool:
+        seen = views(lc)
+        return len(seen) == 3 and all(
+            len({v[g]["applied_index"] for v in seen.values()}) == 1 for g in GROUPS
+        )
+
+    wait_for(same_commit_everywhere, 60, "every node applied the same in every group")
+    assert os.path.isdir(victim.data_dir)
+
+    # `cluster status --json` tells every group, with its leader and term.
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "roadlog.cli",
+            "cluster",
+            "status",
+            "--json",
+            "--cluster",
+            str(lc.dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    groups = {g["id"]: g for g in json.loads(r.stdout)["groups"]}
+    assert sorted(groups) == GROUPS
+    assert all(groups[g]["leader"] in ids and groups[g]["term"] >= 1 for g in GROUPS)
+    assert groups[0]["partitions"] and not any(groups[g]["partitions"] for g in (1, 2, 3))
