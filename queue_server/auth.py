@@ -40,10 +40,11 @@ POSITIVE_TTL_S = 5.0  # a token's identity is believed this long (a revoke takes
 NEGATIVE_TTL_S = 1.0  # an unknown token is refused this long without asking again
 MAX_CACHED = 100_000
 MAX_TOKEN_BYTES = 128
-NO_CREDENTIAL = (
-    "no credential: send 'authorization: Bearer TOKEN' (a token from `roadlog client create`, "
-    "or POST /v1/clients for a phone)"
+HOW = (
+    "send 'authorization: Bearer TOKEN' with a token the cluster issued (`roadlog client "
+    "create`, or POST /v1/clients for a phone)"
 )
+NO_CREDENTIAL = "no credential: " + HOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +77,7 @@ def bearer(credential: str | None) -> str:
     scheme, _, token = credential.strip().partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        raise RoadlogError(
-            Code.UNAUTHENTICATED, "the authorization is not 'Bearer TOKEN'; " + NO_CREDENTIAL
-        )
+        raise RoadlogError(Code.UNAUTHENTICATED, "the authorization is not 'Bearer TOKEN': " + HOW)
     return token
 
 
@@ -213,7 +212,7 @@ class Authenticator:
     async def principal(self, credential: str | None, source: str = "") -> Principal:
         token = bearer(credential)
         if not token.startswith(TOKEN_PREFIX) or len(token) > MAX_TOKEN_BYTES:
-            raise RoadlogError(Code.UNAUTHENTICATED, "not a roadlog token; " + NO_CREDENTIAL)
+            raise RoadlogError(Code.UNAUTHENTICATED, "not a roadlog token: " + HOW)
         h = token_hash(token)
         now = self.clock()
         hit = self.cache.get(h)

@@ -40,6 +40,7 @@ from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.rpc import BY_NAME, SERVICE
 from roadlog.v1 import (
     client_pb2,
+    clients_pb2,
     groups_pb2,
     heatmaps_pb2,
     topics_pb2,
@@ -88,7 +89,10 @@ def client_id() -> str:
 
 class Connection:
     """Channels to the queue servers; calls fail over between them. Every
-    call carries the client id (queue servers are fair between clients)."""
+    call carries the identity's token (``token``, else ``tls.token``, else
+    ROADLOG_TOKEN: ``authorization: Bearer TOKEN``) and the client id (queue
+    servers are fair between clients; with tokens the identity's client id
+    counts, not this one)."""
 
     def __init__(
         self,
@@ -96,6 +100,7 @@ class Connection:
         timeout: float = 30.0,
         client: str | None = None,
         tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         if not servers:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
@@ -105,7 +110,7 @@ class Connection:
             ("grpc.max_receive_message_length", CLIENT_MESSAGE_BYTES),
             ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES),
         ]
-        self.tls = tls if tls is not None else ClientTLS.from_env()
+        self.tls = (tls if tls is not None else ClientTLS.from_env()).with_token(token)
         self.channels = [self.tls.channel(s, options=opts) for s in self.servers]
         # Per channel, per method: a call that sends and receives bytes (the
         # rpc table says what they are; views are sent and read as they are).
@@ -113,7 +118,7 @@ class Connection:
             {} for _ in self.channels
         ]
         self._current = 0
-        self.metadata = (("roadlog-client", client or client_id()),)
+        self.metadata = (("roadlog-client", client or client_id()), *self.tls.metadata())
         # Session consistency: the highest applied index any answer carried;
         # reads that take a fence wait for it (read your writes). Threads may
         # share a connection: the fence only ever grows, under a lock.
@@ -262,6 +267,28 @@ class Admin:
         """Store a heat map (the Spark job does this); the applied index."""
         resp = self.conn.call("PutHeatmap", client_pb2.PutHeatmapRequest(heatmap=heatmap))
         return int(resp.applied_index)
+
+    # Client identities (the scope admin; register_client: anyone, where open).
+
+    def create_client(self, name: str, scopes: Sequence[str]) -> clients_pb2.CreateClientResponse:
+        """A new identity: its ``client_id`` and ``token`` (shown once: the
+        cluster keeps only its hash)."""
+        req = clients_pb2.CreateClientRequest(name=name, scopes=list(scopes))
+        return self.conn.call("CreateClient", req)  # type: ignore[no-any-return]
+
+    def list_clients(self) -> clients_pb2.ListClientsResponse:
+        return self.conn.call("ListClients", clients_pb2.ListClientsRequest())  # type: ignore[no-any-return]
+
+    def revoke_client(self, name: str) -> int:
+        """Revoke an identity: its token stops working (within seconds on
+        every queue server). The applied index."""
+        resp = self.conn.call("RevokeClient", clients_pb2.RevokeClientRequest(name=name))
+        return int(resp.applied_index)
+
+    def register_client(self) -> clients_pb2.CreateClientResponse:
+        """A phone's own identity (open self-registration): produce:* and heatmap:*."""
+        req = clients_pb2.RegisterClientRequest()
+        return self.conn.call("RegisterClient", req)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

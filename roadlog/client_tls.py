@@ -5,8 +5,10 @@ run with ``--insecure``.
 The SDK's default is ``ClientTLS.from_env()``: ``ROADLOG_CA_FILE`` (the
 cluster's CA; unset: the system's roots), ``ROADLOG_CERT_FILE`` and
 ``ROADLOG_KEY_FILE`` (a client certificate, needed only where a node is
-called directly), ``ROADLOG_INSECURE=1`` (plaintext). A local cluster's
-directory holds all of these (``roadlog --cluster DIR``).
+called directly), ``ROADLOG_INSECURE=1`` (plaintext), and
+``ROADLOG_TOKEN``: the client identity's token (issue 19), sent with every
+call as ``authorization: Bearer TOKEN``. A local cluster's directory holds
+all of these (``roadlog --cluster DIR``: its admin token too).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +29,36 @@ class ClientTLS:
     cert_file: Path | None = None
     key_file: Path | None = None
     insecure: bool = False
+    token: str | None = None  # the Bearer token of a client identity (None: none)
 
     @classmethod
     def from_env(cls) -> ClientTLS:
+        token = os.environ.get("ROADLOG_TOKEN") or None
         if os.environ.get("ROADLOG_INSECURE", "") not in ("", "0"):
-            return cls(insecure=True)
+            return cls(insecure=True, token=token)
 
         def path(name: str) -> Path | None:
             v = os.environ.get(name)
             return Path(v) if v else None
 
-        return cls(path("ROADLOG_CA_FILE"), path("ROADLOG_CERT_FILE"), path("ROADLOG_KEY_FILE"))
+        return cls(
+            path("ROADLOG_CA_FILE"),
+            path("ROADLOG_CERT_FILE"),
+            path("ROADLOG_KEY_FILE"),
+            token=token,
+        )
+
+    def with_token(self, token: str | None) -> ClientTLS:
+        """The same, with ``token`` (None: this one's) as the identity's token."""
+        return self if token is None else replace(self, token=token)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata that carries the token (none without one)."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers that carry the token."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     @property
     def scheme(self) -> str:

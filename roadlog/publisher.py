@@ -70,20 +70,22 @@ class Publisher:
         timeout: float = 30.0,
         client: str | None = None,
         tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         if not servers:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
         if not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
             raise ValueError(f"max_batch_requests must be 1..{MAX_BATCH_REQUESTS}")
         self.servers = list(servers)
-        self.tls = tls if tls is not None else ClientTLS.from_env()
+        # The identity's token: ``token``, else tls's, else ROADLOG_TOKEN.
+        self.tls = (tls if tls is not None else ClientTLS.from_env()).with_token(token)
         self.max_in_flight = max_in_flight
         self.max_batch_requests = max_batch_requests
         self.max_batch_bytes = max_batch_bytes
         self.max_full_in_flight = max(max_full_in_flight, max_in_flight)
         self._queued_bytes = 0
         self.timeout = timeout
-        self.metadata = (("roadlog-client", client or client_id()),)
+        self.metadata = (("roadlog-client", client or client_id()), *self.tls.metadata())
         self.fence = 0  # the highest applied index of any answer (read your writes)
         self.stats = PublisherStats()
         self._channels: list[grpc.aio.Channel] = []

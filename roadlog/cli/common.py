@@ -101,6 +101,12 @@ def _meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
 def where(f: Callable[..., Any]) -> Callable[..., Any]:
     f = click.option("--servers", help="queue servers HOST:PORT,... (or ROADLOG_SERVERS)")(f)
     f = click.option(
+        "--token",
+        expose_value=False,
+        callback=_meta("token"),
+        help="the client identity's token (else --cluster DIR's admin token, else ROADLOG_TOKEN)",
+    )(f)
+    f = click.option(
         "--cluster",
         "--dir",
         "cluster",
@@ -138,11 +144,17 @@ def where(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def client_tls(cluster: Path | None) -> ClientTLS:
-    """A local cluster's CA and admin certificate (--cluster DIR), else
-    ROADLOG_CA_FILE, ROADLOG_CERT_FILE, ROADLOG_KEY_FILE, ROADLOG_INSECURE."""
+    """A local cluster's CA, admin certificate and admin token (--cluster
+    DIR), else ROADLOG_CA_FILE, ROADLOG_CERT_FILE, ROADLOG_KEY_FILE,
+    ROADLOG_INSECURE and ROADLOG_TOKEN. ``--token`` wins over both."""
+    ctx = click.get_current_context(silent=True)
+    token = ctx.meta.get("token") if ctx is not None else None
     if cluster is not None:
-        return LocalCluster.load(cluster).tls()
-    return ClientTLS.from_env()
+        tls = LocalCluster.load(cluster).tls()
+        if tls.token is None:  # a cluster from before identities: the environment's
+            tls = tls.with_token(ClientTLS.from_env().token)
+        return tls.with_token(token)
+    return ClientTLS.from_env().with_token(token)
 
 
 @contextmanager

@@ -11,6 +11,13 @@ given, as the tests do with one CA per session) and a certs dir per
 process (DIR/certs/n1, .../q1, .../client for the tools: ``tls()``); the
 CA's key stays in DIR/ca. ``insecure`` runs every process with --insecure.
 With TLS every HTTP port is HTTPS too (``metrics_url``, ``ssl_context``).
+
+Client identities (issue 19): the first time the cluster is ready
+(``wait_ready``), an identity named ``admin`` with the scope admin is made
+through a node's Admin service (mutual TLS with the tools' certificate, and
+the cluster token), and its token written to DIR/admin.token (0600);
+``tls()`` carries it, so the tools, the tests and ``--cluster DIR`` call as
+that admin.
 """
 
 from __future__ import annotations
@@ -31,10 +38,15 @@ from typing import Any
 import grpc
 
 from roadlog.client_tls import ClientTLS
+from roadlog.runtime.auth import cluster_token, token_metadata
+from roadlog.runtime.config import read_secret
 from roadlog.runtime.processes import alive, free_port, wait_dead
 from roadlog.runtime.tls import CA_CERT, Identity
+from roadlog.scopes import ADMIN, new_token, token_hash
 from roadlog.status import DOWN, ask_node
-from roadlog.v1 import client_pb2, client_pb2_grpc
+from roadlog.v1 import admin_pb2_grpc, client_pb2, client_pb2_grpc, clients_pb2
+
+ADMIN_TOKEN_FILE = "admin.token"
 
 
 @dataclass
@@ -72,6 +84,7 @@ class LocalCluster:
     queue_servers: list[QueueInfo] = field(default_factory=list)
     secret_file: str = ""
     certs_dir: str = ""  # the tools' certs dir (ca.crt, client.admin.*); "" with insecure
+    token_file: str = ""  # the admin identity's token (DIR/admin.token); "" until made
 
     # ---------------------------------------------------------------- files
 
@@ -85,6 +98,7 @@ class LocalCluster:
             "queue_servers": [asdict(q) for q in self.queue_servers],
             "secret_file": self.secret_file,
             "certs_dir": self.certs_dir,
+            "token_file": self.token_file,
         }
         tmp = self.file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
@@ -103,14 +117,28 @@ class LocalCluster:
             [QueueInfo(**q) for q in doc["queue_servers"]],
             doc.get("secret_file", ""),
             doc.get("certs_dir", ""),
+            doc.get("token_file", ""),
         )
 
+    @property
+    def admin_token(self) -> str | None:
+        """The admin identity's token (None before ``wait_ready`` made it)."""
+        if not self.token_file:
+            return None
+        try:
+            return Path(self.token_file).read_text().strip() or None
+        except OSError:
+            return None
+
     def tls(self) -> ClientTLS:
-        """How tools dial this cluster: its CA and the admin client's certificate."""
+        """How tools dial this cluster: its CA, the admin client's
+        certificate and the admin identity's token."""
         if not self.certs_dir:
-            return ClientTLS(insecure=True)
+            return ClientTLS(insecure=True, token=self.admin_token)
         d = Path(self.certs_dir)
-        return ClientTLS(d / CA_CERT, d / "client.admin.crt", d / "client.admin.key")
+        return ClientTLS(
+            d / CA_CERT, d / "client.admin.crt", d / "client.admin.key", token=self.admin_token
+        )
 
     @property
     def http_scheme(self) -> str:
@@ -333,11 +361,49 @@ class LocalCluster:
             queues_up = {q["grpc"] for q in last["queue_servers"] if q.get("up")}
             queues = {q.grpc for q in self.queue_servers if q.pid and alive(q.pid)}
             if last.get("leader") and len(ready) >= len(running) and queues <= queues_up:
+                if not self.admin_token:
+                    self.bootstrap_admin(max(5.0, deadline - time.monotonic()))
                 return last
             if progress is not None:
                 progress(f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)}")
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
+
+    def bootstrap_admin(self, timeout: float = 30.0) -> str:
+        """Make the first admin identity through a node's Admin service (the
+        leader's: the others say who leads) and keep its token in
+        DIR/admin.token (0600); returns the token."""
+        token = new_token()
+        metadata = token_metadata(cluster_token(read_secret(Path(self.secret_file)), "roadlog"))
+        tls = self.tls()
+        name = "admin"
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            for n in self.nodes:
+                if not (n.pid and alive(n.pid)):
+                    continue
+                req = clients_pb2.CreateClientRequest(
+                    name=name, scopes=[ADMIN], token_hash=token_hash(token)
+                )
+                try:
+                    with tls.channel(n.address) as ch:
+                        admin_pb2_grpc.AdminStub(ch).CreateClient(req, metadata=metadata, timeout=5)
+                except grpc.RpcError as e:
+                    last = f"{n.name}: {e.code().name} {e.details()}"
+                    if e.code() == grpc.StatusCode.ALREADY_EXISTS:  # a data dir from before
+                        name = f"admin-{secrets.token_hex(4)}"
+                    continue
+                path = self.dir / ADMIN_TOKEN_FILE
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    os.fchmod(f.fileno(), 0o600)
+                    f.write(token + "\n")
+                self.token_file = str(path)
+                self.save()
+                return token
+            time.sleep(0.1)
+        raise TimeoutError(f"could not make the admin identity in {timeout:.0f} s: {last}")
 
 
 class _Certs:
