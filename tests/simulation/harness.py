@@ -17,6 +17,15 @@ queue's items are checked after every queue operation, every read must hold
 the writes acknowledged up to its fence, and at the end every acknowledged
 write must be stored once on every replica.
 
+One seed in four or so runs several Raft groups on the same simulated
+nodes (``Options.groups``; docs/multiraft.md): group 0 with the clients and
+the real state machine where the seed says so, and data groups, each a
+replica on every founding node, over the same network (each message names
+its group). A node crash takes every group's replica on it down at once,
+a partition cuts every group's messages between two nodes, and one node
+may lead several groups; each group's invariants are checked on their own,
+and at the end every group must converge with every acknowledged write.
+
 A violation raises ``Violation`` with the seed; ``replay_command(seed)``
 reproduces it exactly.
 """
@@ -30,7 +39,7 @@ import random
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from node_daemon.raft import (
@@ -319,6 +328,9 @@ class Options:
     # The node daemon's StateMachine on LMDB instead of the toy hash chain
     # (decided by the seed alone, like lmdb: no draw from the seed's stream).
     real_sm: bool
+    # Raft groups on the nodes: group 0 and groups-1 data groups (decided by
+    # the seed alone: the other seeds' histories stay as they were).
+    groups: int
 
     @classmethod
     def from_seed(cls, seed: int, rng: random.Random) -> Options:
@@ -346,6 +358,7 @@ class Options:
             lazy_commit=rng.random() < 0.5,
             mid_write=rng.random() < 0.5,
             real_sm=seed % 8 == 0,
+            groups=3 if seed % 4 == 2 or seed % 16 == 8 else 1,
         )
 
 
@@ -495,6 +508,7 @@ class WriteDone:
 
     node: int
     incarnation: int
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,69 +519,78 @@ class SnapshotReport:
     incarnation: int
     to: int
     ok: bool
+    group: int = 0
+
+
+Sent = Message | tuple[int, Message]  # a data group's message travels with its group
 
 
 class Network:
+    """One network for every group: a partition cuts all of them; a data
+    group's messages are queued as ``(group, message)``."""
+
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
-        self.queue: list[tuple[int, int, Message | WriteDone | SnapshotReport]] = []
+        self.queue: list[tuple[int, int, Sent | WriteDone | SnapshotReport]] = []
         self.seq = 0
         self.cut: set[frozenset[int]] = set()
 
-    def send(self, m: Message) -> None:
-        sim, rng = self.sim, self.sim.rng
+    def send(self, m: Message, group: int = 0) -> None:
+        sim, rng = self.sim, self.sim.group_rng(group)
         if rng.random() < sim.fault_rate(sim.opts.drop):
-            self._lost(m)
+            self._lost(m, group)
             return
         copies = 2 if rng.random() < sim.fault_rate(sim.opts.duplicate) else 1
+        item: Sent = m if group == 0 else (group, m)
         for _ in range(copies):
             delay = rng.randint(1, sim.opts.max_delay if sim.chaos else 2)
             self.seq += 1
-            heapq.heappush(self.queue, (sim.now + delay, self.seq, m))
+            heapq.heappush(self.queue, (sim.now + delay, self.seq, item))
 
-    def schedule_write(self, node: SimNode) -> None:
+    def schedule_write(self, node: SimNode, group: int = 0) -> None:
         self.seq += 1
-        due = self.sim.now + self.sim.rng.randint(1, self.sim.opts.write_delay)
-        heapq.heappush(self.queue, (due, self.seq, WriteDone(node.id, node.restarts)))
+        due = self.sim.now + self.sim.group_rng(group).randint(1, self.sim.opts.write_delay)
+        heapq.heappush(self.queue, (due, self.seq, WriteDone(node.id, node.restarts, group)))
 
-    def _lost(self, m: Message) -> None:
+    def _lost(self, m: Message, group: int = 0) -> None:
         if m.type == MessageType.SNAPSHOT:
-            self._report_snapshot(m, ok=False)
+            self._report_snapshot(m, False, group)
 
-    def _report_snapshot(self, m: Message, ok: bool) -> None:
+    def _report_snapshot(self, m: Message, ok: bool, group: int = 0) -> None:
         """The transport tells the sender how its snapshot went, as a later
         event (never from inside the sender's own Ready handling)."""
-        sender = self.sim.nodes.get(m.frm)
+        sender = self.sim.group_nodes(group).get(m.frm)
         if sender is not None:
             self.seq += 1
-            report = SnapshotReport(m.frm, sender.restarts, m.to, ok)
+            report = SnapshotReport(m.frm, sender.restarts, m.to, ok, group)
             heapq.heappush(self.queue, (self.sim.now + 1, self.seq, report))
 
     def deliver_due(self) -> None:
         sim = self.sim
         while self.queue and self.queue[0][0] <= sim.now:
-            _, _, m = heapq.heappop(self.queue)
-            if isinstance(m, WriteDone):
-                node = sim.nodes[m.node]
-                if node.restarts == m.incarnation and node.pending is not None:
+            _, _, item = heapq.heappop(self.queue)
+            if isinstance(item, WriteDone):
+                node = sim.group_nodes(item.group)[item.node]
+                if node.restarts == item.incarnation and node.pending is not None:
                     node.complete_write()
-                    sim.checker.after_event()
+                    sim.after_event()
                 continue
-            if isinstance(m, SnapshotReport):
-                node = sim.nodes[m.node]
-                if node.restarts == m.incarnation and node.core is not None:
-                    node.core.report_snapshot(m.to, m.ok)
+            if isinstance(item, SnapshotReport):
+                node = sim.group_nodes(item.group)[item.node]
+                if node.restarts == item.incarnation and node.core is not None:
+                    node.core.report_snapshot(item.to, item.ok)
                     node.process()
                 continue
-            dst = sim.nodes.get(m.to)
+            group, m = item if isinstance(item, tuple) else (0, item)
+            dst = sim.group_nodes(group).get(m.to)
             if dst is None or dst.core is None or frozenset((m.frm, m.to)) in self.cut:
-                self._lost(m)
+                self._lost(m, group)
                 continue
             dst.core.step(m)
             dst.process()
             if m.type == MessageType.SNAPSHOT:
-                self._report_snapshot(m, ok=True)
-            sim.checker.after_event()
+                self._report_snapshot(m, True, group)
+            sim.after_event()
 
 
 # ---------------------------------------------------------------------- checker
@@ -587,9 +610,10 @@ class Checker:
     leaders_checked: set[tuple[int, int]] = field(default_factory=set)
     reads: dict[bytes, int] = field(default_factory=dict)  # context -> floor index
     reads_served: int = 0
+    label: str = ""  # which group, in a multi-group seed ("" for group 0)
 
     def fail(self, what: str) -> None:
-        raise Violation(f"seed {self.sim.seed} at t={self.sim.now}: {what}")
+        raise Violation(f"seed {self.sim.seed} at t={self.sim.now}: {self.label}{what}")
 
     def on_persist(self, node: SimNode, entries: list[Entry]) -> None:
         """Log matching: one (index, term) names one entry and one history."""
@@ -697,9 +721,138 @@ class Result:
     resent: int = 0  # writes a client sent again after a failure
     fetches: int = 0  # fenced reads through the queue server, answered and checked
     refetched: int = 0  # reads sent again by their client or handed to another node
+    data_groups: int = 0  # Raft groups beside group 0 on the same nodes
+    data_acked: int = 0  # proposals acknowledged in the data groups
+    multi_led: int = 0  # ticks at whose end one node led more than one group
 
 
-class Simulation:
+class GroupOps:
+    """What a Raft group of the simulation does and is checked for, the
+    same for group 0 (``Simulation``) and a data group (``DataGroup``)."""
+
+    nodes: dict[int, SimNode]
+    opts: Options
+    rng: random.Random
+    proposed: dict[bytes, tuple[int, int, int]]  # id -> (node, index, term)
+    acked: set[bytes]
+    next_proposal: int
+    checker: Checker
+    stats: Result
+    label: str = ""
+
+    now: int
+
+    def leader(self) -> SimNode | None:
+        best: SimNode | None = None
+        for n in self.nodes.values():
+            if (
+                n.core is not None
+                and n.core.role == Role.LEADER
+                and (best is None or best.core is None or n.core.term > best.core.term)
+            ):
+                best = n
+        return best
+
+    def _live(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n.core is not None]
+
+    def _propose(self, count: int) -> None:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return
+        ids = []
+        for _ in range(count):
+            self.next_proposal += 1
+            n = self.next_proposal
+            if self.opts.real_sm:
+                ids.append(proposal_command(n, self.now))
+            else:
+                ids.append(b"%sp%d" % (self.label.encode(), n))
+        try:
+            first = lead.core.propose_many(ids)
+        except ProposalDropped:
+            return
+        for i, pid in enumerate(ids):
+            self.proposed[pid] = (lead.id, first + i, lead.core.term)
+        lead.process()
+
+    def _compact(self) -> None:
+        live = self._live()
+        if not live:
+            return
+        node = self.rng.choice(live)
+        core = node.core
+        assert core is not None
+        index = node.sm.applied  # the snapshot holds the state machine as applied now
+        if node.pending is not None or index < node.storage.first_index():
+            return  # nothing new to compact, or a write (maybe a snapshot) in flight
+        snap = Snapshot(core.snapshot_meta_at(index), node.sm.serialize())
+        node.storage.compact(snap)
+        self.stats.snapshots += 1
+
+    def _transfer(self) -> None:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return
+        voters = sorted(lead.core.conf.voters - {lead.id})
+        if voters:
+            try:
+                lead.core.transfer_leader(self.rng.choice(voters))
+            except ProposalDropped:
+                return
+            lead.process()
+
+    def _members(self) -> list[SimNode]:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return []
+        return [self.nodes[i] for i in sorted(lead.core.conf.members) if i in self.nodes]
+
+    def _group_converged(self) -> bool:
+        lead = self.leader()
+        if lead is None or lead.core is None:
+            return False
+        core = lead.core
+        if (
+            core.log.committed != core.log.last_index()
+            or core.log.term(core.log.committed) != core.term
+        ):
+            return False
+        target = core.log.committed
+        return all(n.core is not None and n.sm.applied == target for n in self._members())
+
+    def _group_final_checks(self) -> list[SimNode]:
+        """The group's replicas agree and hold every acknowledged write; its members."""
+        members = self._members()
+        digests = {n.sm.digest for n in members}
+        if len(digests) != 1:
+            self.checker.fail(f"replicas differ at the end: {self._describe_group()}")
+        if len({n.sm.state_digest() for n in members}) != 1:
+            self.checker.fail(f"replicas' state differs at the end: {self._describe_group()}")
+        for n in members:
+            missing = n.sm.lacks(self.acked)
+            if missing:
+                self.checker.fail(
+                    f"node {n.id} lacks {len(missing)} acknowledged proposals, "
+                    f"e.g. {sorted(missing)[:3]}"
+                )
+        return members
+
+    def _describe_group(self) -> str:
+        parts = [self.label] if self.label else []
+        for n in self.nodes.values():
+            c = n.core
+            if c is None:
+                parts.append(f"n{n.id}:down")
+            else:
+                parts.append(
+                    f"n{n.id}:{c.role.name[0]} t{c.term} c{c.log.committed} a{n.sm.applied} "
+                    f"l{c.log.last_index()} conf={sorted(c.conf.voters)}/{sorted(c.conf.learners)}"
+                )
+        return "; ".join(parts)
+
+
+class Simulation(GroupOps):
     MAX_NODES = 7
 
     def __init__(self, seed: int, opts: Options | None = None, clients: bool = True) -> None:
@@ -726,6 +879,25 @@ class Simulation:
             node = self._add_node(i)
             bootstrap(node.storage, voters)
             node.start()
+        # Data groups: a replica on each founding node, over the same network.
+        self.data = [DataGroup(self, g) for g in range(1, self.opts.groups)]
+        self.stats.data_groups = len(self.data)
+
+    def group_nodes(self, group: int) -> dict[int, SimNode]:
+        """Group ``group``'s replicas by node id."""
+        return self.nodes if group == 0 else self.data[group - 1].nodes
+
+    def group_rng(self, group: int) -> random.Random:
+        """The random stream of what happens to group ``group``'s messages
+        and writes (a data group's own: group 0's history is as it would
+        be without data groups, but where a crash of theirs meets it)."""
+        return self.rng if group == 0 else self.data[group - 1].rng
+
+    def after_event(self) -> None:
+        """Every group's invariants, after anything happened."""
+        self.checker.after_event()
+        for dg in self.data:
+            dg.checker.after_event()
 
     def _add_node(self, node_id: int) -> SimNode:
         d = self.tmp / f"n{node_id}" if self.tmp is not None else None
@@ -737,17 +909,6 @@ class Simulation:
         return p if self.chaos else 0.0
 
     # -- what clients see ------------------------------------------------------
-
-    def leader(self) -> SimNode | None:
-        best: SimNode | None = None
-        for n in self.nodes.values():
-            if (
-                n.core is not None
-                and n.core.role == Role.LEADER
-                and (best is None or best.core is None or n.core.term > best.core.term)
-            ):
-                best = n
-        return best
 
     def on_applied(self, node: SimNode, e: Entry) -> None:
         self.front.on_applied(node, e, lambda: self._result_of(node))
@@ -809,6 +970,9 @@ class Simulation:
         does it; a simulation built and not run must be closed)."""
         for n in self.nodes.values():
             n.close()
+        for dg in self.data:
+            for n in dg.nodes.values():
+                n.close()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -835,18 +999,28 @@ class Simulation:
             if self.down_until[nid] <= self.now:
                 del self.down_until[nid]
                 self._restart(nid)
-        for n in self.nodes.values():
-            if n.core is not None:
-                n.core.tick()
-                n.process()
+        for group in (self, *self.data):
+            for n in group.nodes.values():
+                if n.core is not None:
+                    n.core.tick()
+                    n.process()
         self.front.step()
-        self.checker.after_event()
+        self.after_event()
+        if self.data:
+            led = [g.leader() for g in (self, *self.data)]
+            ids = [n.id for n in led if n is not None]
+            if len(ids) != len(set(ids)):
+                self.stats.multi_led += 1
 
     def _restart(self, nid: int) -> None:
-        node = self.nodes[nid]
-        node.start()
-        self.checker.commit_seen.pop(nid, None)
-        node.process()
+        """Node ``nid`` comes back: its replica of every group."""
+        for group in (self, *self.data):
+            node = group.nodes.get(nid)
+            if node is None:
+                continue
+            node.start()
+            group.checker.commit_seen.pop(nid, None)
+            node.process()
 
     def _chaos(self) -> None:
         o, rng = self.opts, self.rng
@@ -866,27 +1040,14 @@ class Simulation:
             self._transfer()
         if rng.random() < o.p_read:
             self._read()
-        self.checker.after_event()
-
-    def _propose(self, count: int) -> None:
-        lead = self.leader()
-        if lead is None or lead.core is None:
-            return
-        ids = []
-        for _ in range(count):
-            self.next_proposal += 1
-            n = self.next_proposal
-            ids.append(proposal_command(n, self.now) if self.opts.real_sm else b"p%d" % n)
-        try:
-            first = lead.core.propose_many(ids)
-        except ProposalDropped:
-            return
-        for i, pid in enumerate(ids):
-            self.proposed[pid] = (lead.id, first + i, lead.core.term)
-        lead.process()
-
-    def _live(self) -> list[SimNode]:
-        return [n for n in self.nodes.values() if n.core is not None]
+        for dg in self.data:  # the data groups' own proposals, compactions, transfers
+            if dg.rng.random() < o.p_propose:
+                dg._propose(dg.rng.randint(1, 4))
+            if dg.rng.random() < o.p_compact:
+                dg._compact()
+            if dg.rng.random() < o.p_transfer:
+                dg._transfer()
+        self.after_event()
 
     def _crash_one(self) -> None:
         live = self._live()
@@ -896,10 +1057,17 @@ class Simulation:
         node = lead if lead is not None and self.rng.random() < 0.4 else self.rng.choice(live)
         self.crash(node)
 
-    def crash(self, node: SimNode) -> None:
+    def crash(self, node: SimNode, rng: random.Random | None = None) -> None:
+        """Node ``node.id`` goes down: its replica of every group at once
+        (for a time drawn from ``rng``: the stream of the group that crashed it)."""
+        node = self.nodes[node.id]
         node.crash()
+        for dg in self.data:
+            replica = dg.nodes.get(node.id)
+            if replica is not None and replica.core is not None:
+                replica.crash()
         self.stats.crashes += 1
-        self.down_until[node.id] = self.now + self.rng.randint(1, 60) * TICK
+        self.down_until[node.id] = self.now + (rng or self.rng).randint(1, 60) * TICK
 
     def _partition(self) -> None:
         ids = sorted(self.nodes)
@@ -936,32 +1104,6 @@ class Simulation:
             node.start()
         lead.process()
 
-    def _compact(self) -> None:
-        live = self._live()
-        if not live:
-            return
-        node = self.rng.choice(live)
-        core = node.core
-        assert core is not None
-        index = node.sm.applied  # the snapshot holds the state machine as applied now
-        if node.pending is not None or index < node.storage.first_index():
-            return  # nothing new to compact, or a write (maybe a snapshot) in flight
-        snap = Snapshot(core.snapshot_meta_at(index), node.sm.serialize())
-        node.storage.compact(snap)
-        self.stats.snapshots += 1
-
-    def _transfer(self) -> None:
-        lead = self.leader()
-        if lead is None or lead.core is None:
-            return
-        voters = sorted(lead.core.conf.voters - {lead.id})
-        if voters:
-            try:
-                lead.core.transfer_leader(self.rng.choice(voters))
-            except ProposalDropped:
-                return
-            lead.process()
-
     def _read(self) -> None:
         live = self._live()
         if not live:
@@ -987,56 +1129,106 @@ class Simulation:
 
     # -- the end ---------------------------------------------------------------
 
-    def _members(self) -> list[SimNode]:
-        lead = self.leader()
-        if lead is None or lead.core is None:
-            return []
-        return [self.nodes[i] for i in sorted(lead.core.conf.members) if i in self.nodes]
-
     def _converged(self) -> bool:
-        lead = self.leader()
-        if lead is None or lead.core is None:
-            return False
-        core = lead.core
-        if (
-            core.log.committed != core.log.last_index()
-            or core.log.term(core.log.committed) != core.term
-        ):
-            return False
-        target = core.log.committed
         if self.front.busy():
             return False
-        return all(n.core is not None and n.sm.applied == target for n in self._members())
+        return self._group_converged() and all(dg._group_converged() for dg in self.data)
 
     def _final_checks(self) -> None:
-        members = self._members()
-        digests = {n.sm.digest for n in members}
-        if len(digests) != 1:
-            self.checker.fail(f"replicas differ at the end: {self._describe()}")
-        if len({n.sm.state_digest() for n in members}) != 1:
-            self.checker.fail(f"replicas' state differs at the end: {self._describe()}")
-        for n in members:
-            missing = n.sm.lacks(self.acked)
-            if missing:
-                self.checker.fail(
-                    f"node {n.id} lacks {len(missing)} acknowledged proposals, "
-                    f"e.g. {sorted(missing)[:3]}"
-                )
+        members = self._group_final_checks()
+        for dg in self.data:
+            dg._group_final_checks()
+            self.stats.data_acked += len(dg.acked)
         self.front.final_checks(members)
         self.stats.applied = members[0].sm.applied if members else 0
 
     def _describe(self) -> str:
-        parts = []
-        for n in self.nodes.values():
-            c = n.core
-            if c is None:
-                parts.append(f"n{n.id}:down")
-            else:
-                parts.append(
-                    f"n{n.id}:{c.role.name[0]} t{c.term} c{c.log.committed} a{n.sm.applied} "
-                    f"l{c.log.last_index()} conf={sorted(c.conf.voters)}/{sorted(c.conf.learners)}"
-                )
-        return "; ".join(parts)
+        return "; ".join([self._describe_group(), *(dg._describe_group() for dg in self.data)])
+
+
+class NoFront:
+    """A data group's replicas have no queue server: clients write to group
+    0 until publishes are routed to data groups (docs/multiraft.md, step 3)."""
+
+    def connect(self, node: SimNode) -> None:
+        pass
+
+    def disconnect(self, node: SimNode) -> None:
+        pass
+
+    def on_log_written(self, node: SimNode, rd: Ready) -> None:
+        pass
+
+
+class GroupNet:
+    """The simulation's one network as a data group's replicas use it."""
+
+    def __init__(self, net: Network, group: int) -> None:
+        self.net = net
+        self.group = group
+
+    def send(self, m: Message) -> None:
+        self.net.send(m, self.group)
+
+    def schedule_write(self, node: SimNode) -> None:
+        self.net.schedule_write(node, self.group)
+
+
+class DataGroup(GroupOps):
+    """One data group of a multi-group seed: a replica on each founding
+    node (toy state machine), its own checker, proposals and random stream;
+    the clock, network, partitions and crashes are the simulation's. To its
+    SimNodes and its Checker it stands where the Simulation stands."""
+
+    def __init__(self, sim: Simulation, group: int) -> None:
+        self.sim = sim
+        self.group = group
+        self.label = f"g{group}:"
+        self.opts = replace(sim.opts, real_sm=False)
+        self.rng = random.Random(sim.seed * 1_000_033 + group)  # its own stream
+        self.net = GroupNet(sim.net, group)
+        self.front = NoFront()
+        self.checker = Checker(self, label=f"group {group}: ")  # type: ignore[arg-type]
+        self.tmp = sim.tmp / f"g{group}" if sim.tmp is not None else None
+        self.proposed = {}
+        self.acked = set()
+        self.next_proposal = 0
+        self.nodes = {}
+        voters = sorted(sim.nodes)
+        for i in voters:
+            node = SimNode(self, i, self.tmp / f"n{i}" if self.tmp is not None else None)  # type: ignore[arg-type]
+            self.nodes[i] = node
+            bootstrap(node.storage, voters)
+            node.start()
+
+    # -- where the Simulation's own stand ------------------------------------
+
+    @property
+    def now(self) -> int:  # type: ignore[override]
+        return self.sim.now
+
+    @property
+    def seed(self) -> int:
+        return self.sim.seed
+
+    @property
+    def chaos(self) -> bool:
+        return self.sim.chaos
+
+    @property
+    def stats(self) -> Result:  # type: ignore[override]
+        return self.sim.stats
+
+    def fault_rate(self, p: float) -> float:
+        return self.sim.fault_rate(p)
+
+    def crash(self, node: SimNode) -> None:
+        self.sim.crash(node, self.rng)  # the node, so every group's replica on it
+
+    def on_applied(self, node: SimNode, e: Entry) -> None:
+        p = self.proposed.get(e.data)
+        if p is not None and p == (node.id, e.index, e.term):
+            self.acked.add(e.data)  # the proposer applied it: acknowledged
 
 
 def run_seed(seed: int) -> Result:
