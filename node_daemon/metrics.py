@@ -23,6 +23,11 @@ GROUP_APPLIED_INDEX = Gauge(
 GROUP_SNAPSHOT_INDEX = Gauge(
     "roadlog_raft_group_snapshot_index", "index each Raft group's log is compacted to", ["group"]
 )
+LEADER_HANDOVERS = Counter(
+    "roadlog_raft_group_leader_handovers_total",
+    "data groups this node handed to their preferred leader (leaders spread)",
+    ["group"],
+)
 APPENDED_ENTRIES = Counter("roadlog_raft_appended_entries_total", "entries persisted to the log")
 PROPOSED_OPS = Counter("roadlog_proposed_ops_total", "operations proposed by this node as leader")
 FSYNC_SECONDS = Histogram(

@@ -14,17 +14,25 @@ Invariants:
   heartbeats all groups send to a peer in a tick leave in one batch.
 - A node crash takes all its groups down at once (one process); a stop
   stops the data groups first, then group 0, which owns the transport.
+- With data groups, each node hands the data groups it leads to their
+  preferred leaders once those are healthy (``leader_balance``), so the
+  groups' leaders, and their write load, spread over the nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
+from node_daemon import metrics
 from node_daemon.config import NodeConfig
-from node_daemon.node import RaftNode
+from node_daemon.leader_balance import ROUND_S, LeaderBalancer, view_of
+from node_daemon.node import NotLeader, RaftNode
+
+log = logging.getLogger("roadlog.node")
 
 
 class RaftGroups:
@@ -37,7 +45,8 @@ class RaftGroups:
                 self.nodes[g] = RaftNode(cfg, g, self.meta.transport)
         for node in self.nodes.values():
             node.raft_groups = self.nodes
-        self._ticker: asyncio.Task[None] | None = None
+        self.balancer = LeaderBalancer(cfg.node_id)
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def data(self) -> dict[int, RaftNode]:
@@ -51,7 +60,25 @@ class RaftGroups:
     async def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
         for node in self.nodes.values():
             await node.start(on_failure, own_ticker=False)
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_all())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._tick_all())]
+        if self.data:
+            self._tasks.append(loop.create_task(self._balance_leaders()))
+
+    async def _balance_leaders(self) -> None:
+        """Every ROUND_S: hand a data group this node leads to its preferred
+        leader, if one is due (at most one per round)."""
+        while True:
+            await asyncio.sleep(ROUND_S)
+            views = [view_of(g, n.core) for g, n in sorted(self.data.items())]
+            for group, target in self.balancer.decide(time.monotonic(), views):
+                log.info(
+                    "handing a data group to its preferred leader",
+                    extra={"group": group, "to": target},
+                )
+                metrics.LEADER_HANDOVERS.labels(str(group)).inc()
+                with contextlib.suppress(NotLeader):  # lost it meanwhile: nothing to hand
+                    await self.nodes[group].transfer_leader(target)
 
     async def _tick_all(self) -> None:
         period = self.cfg.tick_ms / 1000
@@ -64,10 +91,11 @@ class RaftGroups:
                 node.tick()
 
     async def stop(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+                await t
         for node in self.data.values():
             await node.stop()
         await self.meta.stop()

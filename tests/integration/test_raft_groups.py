@@ -2,8 +2,10 @@
 docs/multiraft.md): a 3-node cluster with ``data_groups = 3`` runs group 0
 and data groups 1..3 on every node, each electing and replicating on its
 own over the same peer links; a SIGKILLed node takes all its groups down at
-once, the others go on, and on restart it catches up in every group.
-Pings still live in group 0 until publishes are routed (step 3)."""
+once, the others go on, and on restart it catches up in every group; the
+data groups' leaders spread, one per node (step 4), and a restarted node
+gets its group back. Pings still live in group 0 until publishes are
+routed (step 3)."""
 
 from __future__ import annotations
 
@@ -73,6 +75,11 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
     lc = make_cluster(nodes=3, extra=["--data-groups", "3"])
     ids = [n.id for n in lc.nodes]
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
+
+    def spread() -> bool:  # data group g led by its preferred node: g (ids 1..3)
+        return {g: lead for g, lead in leaders(views(lc)).items() if g} == {1: 1, 2: 2, 3: 3}
+
+    wait_for(spread, 60, "the data groups' leaders spread over the nodes")
     for n in lc.nodes:  # each data group has its own log and state on every node
         for g in (1, 2, 3):
             assert (Path(n.data_dir) / "groups" / str(g) / "raft").is_dir()
@@ -111,6 +118,8 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
         )
 
     wait_for(same_commit_everywhere, 60, "every node applied the same in every group")
+    # ... and gets its own data group back (after the hand-over interval).
+    wait_for(spread, 60, "the restarted node leading its data group again")
     assert os.path.isdir(victim.data_dir)
 
     # `cluster status --json` tells every group, with its leader and term.
