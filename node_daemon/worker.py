@@ -459,6 +459,13 @@ class WorkHandler:
 
     # ------------------------------------------------------ client identities
 
+    async def authenticate_at_leader(self, item: work_pb2.WorkItem) -> OpResult:
+        """``authenticate`` on the leader, which has applied every identity
+        whose creation it answered (a follower may not have yet)."""
+        if not self.node.is_leader:
+            raise NotLeader(self.node.core.lead)
+        return await self.authenticate(item)
+
     async def create_client(self, item: work_pb2.WorkItem) -> OpResult:
         """An identity an admin asked for: the queue server made its token
         and sends only the hash."""

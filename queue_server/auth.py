@@ -31,7 +31,15 @@ from google.protobuf.message import DecodeError
 
 from roadlog.errors import Code, RoadlogError
 from roadlog.rpc import ADMIN, BY_NAME, IDENTITY, PUBLIC
-from roadlog.scopes import AUTHENTICATED, NEEDS_ADMIN, TOKEN_PREFIX, Need, allows, token_hash
+from roadlog.scopes import (
+    AUTHENTICATED,
+    KINDS,
+    NEEDS_ADMIN,
+    TOKEN_PREFIX,
+    Need,
+    allows,
+    token_hash,
+)
 from roadlog.v1 import clients_pb2
 
 log = logging.getLogger("roadlog.auth")
@@ -128,11 +136,24 @@ def authorize(principal: Principal, method: str, request: bytes) -> None:
     if rpc.needs != ADMIN and f"{rpc.needs}:*" in principal.scopes:
         return
     for need in required(method, request):
-        if not allows(principal.scopes, need):
-            raise RoadlogError(
-                Code.PERMISSION_DENIED,
-                f"client {principal.name!r} needs {need} for {method}",
-            )
+        check_need(principal, need, method)
+
+
+def route_need(needs: str, topic: str) -> Need | None:
+    """What an HTTP route whose rpc ``needs`` that, on ``topic`` ("": it names
+    none), needs (None: nothing beyond a token)."""
+    if needs == ADMIN:
+        return NEEDS_ADMIN
+    if needs in (PUBLIC, IDENTITY) or needs not in KINDS:
+        return None
+    return Need(needs, topic)
+
+
+def check_need(principal: Principal, need: Need, what: str) -> None:
+    if not allows(principal.scopes, need):
+        raise RoadlogError(
+            Code.PERMISSION_DENIED, f"client {principal.name!r} needs {need} for {what}"
+        )
 
 
 def _varint(buf: memoryview, i: int) -> tuple[int, int]:
@@ -221,7 +242,7 @@ class Authenticator:
         else:
             found = await self._ask(h, source)
         if found is None:
-            raise RoadlogError(Code.UNAUTHENTICATED, "unknown or revoked token; " + NO_CREDENTIAL)
+            raise RoadlogError(Code.UNAUTHENTICATED, "unknown or revoked token: " + HOW)
         return found
 
     async def _ask(self, h: bytes, source: str) -> Principal | None:

@@ -34,7 +34,7 @@ import numpy as np
 from aiohttp import web
 from google.protobuf.message import Message
 
-from queue_server.auth import Caller
+from queue_server.auth import Caller, Principal, check_need, route_need
 from queue_server.dashboard import Dashboard, DashboardSettings
 from queue_server.openapi import OPENAPI
 from roadlog import columnar
@@ -42,7 +42,7 @@ from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
-from roadlog.rpc import BY_NAME, RPCS
+from roadlog.rpc import BY_NAME, PUBLIC, RPCS
 from roadlog.status import node_json
 from roadlog.v1 import client_pb2, clients_pb2, topics_pb2
 from roadlog.validation import MAX_BATCH_PINGS
@@ -93,6 +93,20 @@ ROUTE_RULES: dict[str, str] = {
 }
 
 
+_RPC_ROUTES = {(r.http.method, r.http.path): r for r in RPCS if r.http is not None}
+
+
+def route_rule(request: web.Request) -> str:
+    """What the request's route needs: an rpc's ``needs``, or its rule in
+    ROUTE_RULES ("public" for a path that matches no route)."""
+    info = request.match_info
+    path = info.route.resource.canonical if info.route.resource is not None else ""
+    rpc = _RPC_ROUTES.get((request.method, path))
+    if rpc is not None:
+        return rpc.needs
+    return ROUTE_RULES.get(path, PUBLIC)
+
+
 def error_response(status: int, code: str, reason: str) -> web.Response:
     headers: dict[str, str] | None = None
     if status == 503:
@@ -141,8 +155,12 @@ class HttpApi:
         status: Callable[[], client_pb2.ClusterStatus],
         body_idle_s: float = BODY_IDLE_S,
         dashboard: DashboardSettings | None = None,
+        authenticate: Callable[[Caller], Awaitable[Principal | None]] | None = None,
     ) -> None:
         self._call = call
+        # Checks a caller's credential before its body is read or parsed
+        # (the call checks it again, from the cache, with its scope).
+        self._authenticate = authenticate
         self._status = status
         self.body_idle_s = body_idle_s
         self.dashboard = Dashboard(self, dashboard)
@@ -162,7 +180,9 @@ class HttpApi:
         )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=HTTP_BODY_BYTES, middlewares=[errors_as_json])
+        app = web.Application(
+            client_max_size=HTTP_BODY_BYTES, middlewares=[errors_as_json, self._credential_first]
+        )
         r = app.router
         r.add_get("/openapi.json", self.openapi)
         r.add_get("/healthz", self.healthz)
@@ -176,6 +196,27 @@ class HttpApi:
                 else:
                     r.add_route(rpc.http.method, rpc.http.path, handler)
         return app
+
+    @web.middleware
+    async def _credential_first(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """A route that needs a token has it checked before anything else,
+        and the scope for the topic its path names (the call checks both
+        again, from the cache, against the request it makes)."""
+        rule = route_rule(request)
+        if self._authenticate is not None and rule != PUBLIC:
+            caller = Caller(request.headers.get("Authorization"), request.remote or "")
+            principal = await self._authenticate(caller)
+            rpc = BY_NAME.get(rule.removeprefix("rpc:"))
+            needs = rpc.needs if rpc is not None else rule
+            topic = request.match_info.get("name") or request.query.get("topic", "")
+            need = route_need(needs, topic)
+            if principal is not None and need is not None:
+                check_need(principal, need, request.path)
+        return await handler(request)
 
     async def call(
         self,

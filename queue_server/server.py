@@ -173,6 +173,13 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         finally:
             ANSWERED.labels(method, outcome).observe(time.monotonic() - t0)
 
+    async def authenticate(self, caller: Caller) -> Principal | None:
+        """The caller's identity (UNAUTHENTICATED without a good token);
+        None when client_auth is none."""
+        if not self.gate.enabled:
+            return None
+        return await self.gate.auth.principal(caller.credential, caller.source)
+
     async def _new_client(
         self, method: str, request: bytes, timeout: float | None, caller: Caller
     ) -> bytes:
@@ -210,12 +217,23 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
     async def _authenticate(self, h: bytes, source: str) -> clients_pb2.AuthenticateResponse:
         """Whose token has hash ``h``: a read any node answers, fenced at the
-        highest commit index a node told (so an identity just made, or
-        revoked, is seen), queued in the asker's lane."""
+        highest commit index a node told, then, if it found none, the
+        leader's (so an identity just made is found); queued in the
+        asker's lane."""
         fence = max((s.commit_index for s in self.states.values()), default=0)
         req = clients_pb2.AuthenticateRequest(token_hash=h, min_applied_index=fence)
         raw = await self.call("Authenticate", req.SerializeToString(), 5.0, f"auth:{source}")
-        return clients_pb2.AuthenticateResponse.FromString(raw)
+        resp = clients_pb2.AuthenticateResponse.FromString(raw)
+        if not resp.found:
+            # The indexes nodes told may lag a creation just answered: the
+            # leader has applied it (a bad token costs one more read, then
+            # its refusal is cached).
+            at_leader = clients_pb2.AuthenticateRequest(token_hash=h)  # writes take no fence
+            raw = await self.call(
+                "AuthenticateAtLeader", at_leader.SerializeToString(), 5.0, f"auth:{source}"
+            )
+            resp = clients_pb2.AuthenticateResponse.FromString(raw)
+        return resp
 
     async def call(
         self, method: str, request: bytes, timeout: float | None, client: str = ""
@@ -248,7 +266,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 f"request of {len(request)} bytes is over the limit of {CLIENT_MESSAGE_BYTES}",
             )
         fence = 0
-        if rpc.fenced:  # read your writes: the fence routes it
+        if rpc.fenced and kind == Kind.READ:  # read your writes: the fence routes it
             cls = rpc.request
             try:
                 fence = cls.FromString(request).min_applied_index  # type: ignore[attr-defined]
@@ -684,7 +702,9 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     if cfg.http_listen:
         host, _, port = cfg.http_listen.rpartition(":")
         settings = DashboardSettings(tile_url=cfg.dashboard_tile_url)
-        http_runner = HttpApi(qs.client_call, qs.status, dashboard=settings).runner()  # bounded
+        http_runner = HttpApi(  # bounded (see HttpApi.runner)
+            qs.client_call, qs.status, dashboard=settings, authenticate=qs.authenticate
+        ).runner()
         await http_runner.setup()
         # HTTPS with the queue server's certificate (clients have none); plaintext when insecure
         await web.TCPSite(

@@ -157,9 +157,15 @@ RPCS: tuple[Rpc, ...] = (
 )
 # The queue server's own reads, never offered to clients: a node does them
 # as it does the rpcs above (``WorkHandler.<handler>``).
+# Authenticate: any node that applied the fence; AuthenticateAtLeader: the
+# leader (which has applied every identity whose creation was answered),
+# asked when a node found no identity for a token.
 INTERNAL: dict[str, Rpc] = {
     "Authenticate": Rpc(
         "Authenticate", R, k.AuthenticateRequest, k.AuthenticateResponse, "internal"
+    ),
+    "AuthenticateAtLeader": Rpc(
+        "AuthenticateAtLeader", W, k.AuthenticateRequest, k.AuthenticateResponse, "internal"
     ),
 }
 del W, R, c, g, t, k

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
 import time
@@ -42,7 +43,7 @@ def cluster_tls(test_ca: ClusterCA) -> Iterator[ClusterCA]:
         mp.delenv("ROADLOG_INSECURE", raising=False)
         ctx = ClientTLS.from_env().ssl_context()
         urllib.request.install_opener(
-            urllib.request.build_opener(urllib.request.HTTPSHandler(context=ctx))
+            urllib.request.build_opener(urllib.request.HTTPSHandler(context=ctx), BearerFromEnv())
         )
         try:
             yield test_ca
@@ -50,8 +51,27 @@ def cluster_tls(test_ca: ClusterCA) -> Iterator[ClusterCA]:
             urllib.request.install_opener(None)
 
 
+class BearerFromEnv(urllib.request.BaseHandler):
+    """urllib's default opener here sends ROADLOG_TOKEN (the admin token of
+    the cluster a test made last, see ``make_cluster``) as the Bearer token
+    of a request that carries no Authorization header of its own."""
+
+    def http_request(self, req: urllib.request.Request) -> urllib.request.Request:
+        token = os.environ.get("ROADLOG_TOKEN")
+        if token and not req.has_header("Authorization"):
+            req.add_unredirected_header("Authorization", f"Bearer {token}")
+        return req
+
+    https_request = http_request
+
+
 @pytest.fixture
-def make_cluster(tmp_path: Path, test_ca: ClusterCA) -> Iterator[Callable[..., LocalCluster]]:
+def make_cluster(
+    tmp_path: Path, test_ca: ClusterCA, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., LocalCluster]]:
+    """Clusters on loopback; each test's SDK calls (ClientTLS.from_env) and
+    urllib requests carry the admin token of the cluster made last
+    (ROADLOG_TOKEN), and its CLI calls with --cluster DIR their cluster's."""
     made: list[LocalCluster] = []
 
     def make(
@@ -67,6 +87,8 @@ def make_cluster(tmp_path: Path, test_ca: ClusterCA) -> Iterator[Callable[..., L
         made.append(lc)
         lc.start_all()
         lc.wait_ready(60)
+        assert lc.admin_token
+        monkeypatch.setenv("ROADLOG_TOKEN", lc.admin_token)
         return lc
 
     yield make
