@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from roadlog.cli.common import cli, connection, err, resolve_servers, where
+from roadlog.cli.common import cli, client_tls, connection, err, resolve_servers, where
 from roadlog.client import Admin, PermissionDenied, RoadlogError
 from roadlog.tools.localcluster import LocalCluster, gather_status
 
@@ -70,6 +70,14 @@ def _job_inputs(cluster: Path | None, servers: str | None) -> tuple[list[str], P
                 "the job reads from the nodes: --secret-file or ROADLOG_SECRET_FILE"
             )
         secret = Path(given)
+    # The job's identity (it commits heat maps: the scope admin): --token,
+    # else a local cluster's Spark identity, else ROADLOG_TOKEN; the job's
+    # connections take it from ROADLOG_TOKEN (Spark runs in this process).
+    explicit = click.get_current_context().meta.get("token")
+    token = LocalCluster.load(cluster).spark_token if cluster is not None else None
+    token = explicit or token or client_tls(cluster).token
+    if token:
+        os.environ["ROADLOG_TOKEN"] = token
     st = gather_status(qs, [])
     nodes = [n["address"] for n in st["nodes"] if n.get("role") != "down"]
     if not nodes:

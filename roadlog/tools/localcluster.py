@@ -17,7 +17,9 @@ Client identities (issue 19): the first time the cluster is ready
 through a node's Admin service (mutual TLS with the tools' certificate, and
 the cluster token), and its token written to DIR/admin.token (0600);
 ``tls()`` carries it, so the tools, the tests and ``--cluster DIR`` call as
-that admin.
+that admin. A second identity, ``spark`` (DIR/spark.token), is the heat-map
+jobs' own: they commit heat maps, which needs the scope admin, and
+revoking it stops them alone.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from roadlog.status import DOWN, ask_node
 from roadlog.v1 import admin_pb2_grpc, client_pb2, client_pb2_grpc, clients_pb2
 
 ADMIN_TOKEN_FILE = "admin.token"
+SPARK_TOKEN_FILE = "spark.token"
 
 
 @dataclass
@@ -127,6 +130,14 @@ class LocalCluster:
             return None
         try:
             return Path(self.token_file).read_text().strip() or None
+        except OSError:
+            return None
+
+    @property
+    def spark_token(self) -> str | None:
+        """The heat-map jobs' identity's token (None: none made)."""
+        try:
+            return (self.dir / SPARK_TOKEN_FILE).read_text().strip() or None
         except OSError:
             return None
 
@@ -372,19 +383,26 @@ class LocalCluster:
     def bootstrap_admin(self, timeout: float = 30.0) -> str:
         """Make the first admin identity through a node's Admin service (the
         leader's: the others say who leads) and keep its token in
-        DIR/admin.token (0600); returns the token."""
+        DIR/admin.token (0600); and the Spark jobs' (DIR/spark.token).
+        Returns the admin's token."""
+        deadline = time.monotonic() + timeout
+        token = self._make_identity("admin", [ADMIN], ADMIN_TOKEN_FILE, deadline)
+        self.token_file = str(self.dir / ADMIN_TOKEN_FILE)
+        self.save()
+        self._make_identity("spark", [ADMIN], SPARK_TOKEN_FILE, deadline)
+        return token
+
+    def _make_identity(self, name: str, scopes: list[str], filename: str, deadline: float) -> str:
         token = new_token()
         metadata = token_metadata(cluster_token(read_secret(Path(self.secret_file)), "roadlog"))
         tls = self.tls()
-        name = "admin"
-        deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
             for n in self.nodes:
                 if not (n.pid and alive(n.pid)):
                     continue
                 req = clients_pb2.CreateClientRequest(
-                    name=name, scopes=[ADMIN], token_hash=token_hash(token)
+                    name=name, scopes=scopes, token_hash=token_hash(token)
                 )
                 try:
                     with tls.channel(n.address) as ch:
@@ -392,18 +410,16 @@ class LocalCluster:
                 except grpc.RpcError as e:
                     last = f"{n.name}: {e.code().name} {e.details()}"
                     if e.code() == grpc.StatusCode.ALREADY_EXISTS:  # a data dir from before
-                        name = f"admin-{secrets.token_hex(4)}"
+                        name = f"{name.split('-')[0]}-{secrets.token_hex(4)}"
                     continue
-                path = self.dir / ADMIN_TOKEN_FILE
+                path = self.dir / filename
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "w") as f:
                     os.fchmod(f.fileno(), 0o600)
                     f.write(token + "\n")
-                self.token_file = str(path)
-                self.save()
                 return token
             time.sleep(0.1)
-        raise TimeoutError(f"could not make the admin identity in {timeout:.0f} s: {last}")
+        raise TimeoutError(f"could not make the identity {name!r} in time: {last}")
 
 
 class _Certs:

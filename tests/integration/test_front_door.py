@@ -27,10 +27,15 @@ pytestmark = pytest.mark.integration
 
 
 def http(
-    method: str, url: str, body: Any = None, raw: bytes | None = None, timeout_ms: int = 0
+    method: str,
+    url: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    timeout_ms: int = 0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     req.add_header("Content-Type", "application/json")
     if timeout_ms:
         req.add_header("X-Timeout-Ms", str(timeout_ms))
@@ -57,34 +62,53 @@ def heatmap(start_ms: int) -> heatmaps_pb2.HeatMap:
 
 
 def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalCluster]) -> None:
+    """Give-to-get by identity: alice and bob are phones that registered
+    (POST /v1/clients); the rule looks at the token's identity, whatever
+    client id a request names."""
     lc = make_cluster(3)
     base = lc.queue_servers[0].http
-    with Connection(lc.servers) as conn:
+    phones = {}
+    for name in ("alice", "bob"):
+        code, _, body = http("POST", f"{base}/v1/clients", {})
+        assert code == 201, body
+        phones[name] = body["token"]
+
+    def as_(name: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {phones[name]}"}
+
+    with Connection(lc.servers) as conn, Connection(lc.servers, token=phones["alice"]) as alice:
         create_topic(conn)
         admin = Admin(conn)
         # The rule comes first: no contribution, no map, whether or not one exists.
         with pytest.raises(PermissionDenied, match="publish pings inside its region"):
-            admin.heatmap("munich", client="alice")
+            Admin(alice).heatmap("munich")
         # Fenced at the topic's creation: an unfenced read may reach a node
         # that has not applied it yet, and that answers 404.
         created = f"min_applied_index={conn.fence}"
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice&{created}")
+        code, _, body = http(
+            "GET", f"{base}/v1/topics/munich/heatmap?{created}", headers=as_("alice")
+        )
         assert code == 403 and body["error"]["code"] == "PERMISSION_DENIED", body
-        ack = Producer(conn, "munich", client="alice").send_batch(make_pings("alice", 0, 10))
+        ack = Producer(alice, "munich").send_batch(make_pings("alice", 0, 10))
         fenced = f"min_applied_index={ack.applied_index}"  # read your writes over HTTP
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice&{fenced}")
+        code, _, body = http(
+            "GET", f"{base}/v1/topics/munich/heatmap?{fenced}", headers=as_("alice")
+        )
         assert code == 404, body  # allowed now, but nothing computed yet
         now = int(time.time() * 1000)
         admin.put_heatmap(heatmap(now - 600_000))
         fence = admin.put_heatmap(heatmap(now - 300_000))
         assert conn.fence == fence  # the connection's later reads wait for it
-        got = admin.heatmap("munich", client="alice")
+        alice.raise_fence(fence)
+        got = Admin(alice).heatmap("munich")
         assert got.heatmap.window_start_ms == now - 300_000 and len(got.windows) == 2
         assert list(got.heatmap.cells.pings) == [12, 3]
-        with pytest.raises(PermissionDenied):
-            admin.heatmap("munich", client="bob")
+        with Connection(lc.servers, token=phones["bob"]) as bob, pytest.raises(PermissionDenied):
+            Admin(bob).heatmap("munich", client="alice")  # naming alice does not help
         fenced = f"min_applied_index={fence}"
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=alice&{fenced}")
+        code, _, body = http(
+            "GET", f"{base}/v1/topics/munich/heatmap?{fenced}", headers=as_("alice")
+        )
         assert code == 200 and body["cells"][0] == {
             "h3": "891f8d7a49bffff",
             "pings": 12,
@@ -93,8 +117,10 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
             "free_flow_mps": None,  # this heat map carries no free-flow speeds
             "congestion": None,
         }
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=bob&{fenced}")
-        assert code == 403 and "bob" in body["error"]["reason"]
+        code, _, body = http(
+            "GET", f"{base}/v1/topics/munich/heatmap?client_id=alice&{fenced}", headers=as_("bob")
+        )
+        assert code == 403 and "has not published" in body["error"]["reason"]
         # bob qualifies by publishing through HTTP.
         code, _, body = http(
             "POST",
@@ -103,10 +129,11 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
                 "client_id": "bob",
                 "pings": [{"device_id": "bike", "ts_ms": now, "lat": 48.13, "lon": 11.57}],
             },
+            headers=as_("bob"),
         )
         assert code == 200 and body["count"] == 1 and body["applied_index"] >= fence
         fenced = f"min_applied_index={body['applied_index']}"
-        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?client_id=bob&{fenced}")
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?{fenced}", headers=as_("bob"))
         assert code == 200 and body["window_start_ms"] == now - 300_000
 
 
