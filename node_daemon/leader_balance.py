@@ -79,6 +79,23 @@ class LeaderBalancer:
         return []
 
 
+def successor(core: object) -> int:
+    """Whom a leader about to stop hands its group to: the voter (not
+    itself) it heard from lately that holds the most of its log, not one
+    catching up after a wipe; 0 if none."""
+    from node_daemon.raft import RaftCore
+
+    assert isinstance(core, RaftCore)
+    best, best_match = 0, -1
+    for node in sorted(core.conf.voters):
+        pr = core.prs.get(node)
+        if node == core.id or pr is None or not pr.recent_active or pr.catching_up:
+            continue
+        if pr.match > best_match:
+            best, best_match = node, pr.match
+    return best
+
+
 def view_of(group: int, core: object) -> GroupView:
     """A group's view from its RaftCore (``node_daemon.raft.RaftCore``)."""
     from node_daemon.raft import RaftCore, Role

@@ -17,6 +17,8 @@ Invariants:
 - With data groups, each node hands the data groups it leads to their
   preferred leaders once those are healthy (``leader_balance``), so the
   groups' leaders, and their write load, spread over the nodes.
+- A graceful stop first hands every group the node leads to another voter
+  (``hand_over``), so no group waits out an election timeout for it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Callable
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
-from node_daemon.leader_balance import ROUND_S, LeaderBalancer, view_of
+from node_daemon.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
 from node_daemon.node import NotLeader, RaftNode
 
 log = logging.getLogger("roadlog.node")
@@ -79,6 +81,37 @@ class RaftGroups:
                 metrics.LEADER_HANDOVERS.labels(str(group)).inc()
                 with contextlib.suppress(NotLeader):  # lost it meanwhile: nothing to hand
                     await self.nodes[group].transfer_leader(target)
+
+    async def hand_over(self, timeout: float = 5.0) -> dict[int, int]:
+        """Before a graceful stop: hand every group this node leads to its
+        best follower (``successor``) and wait, up to ``timeout``, until each
+        has a leader that is not this node. Stops the balancer first, so
+        nothing hands a group back. Returns {group: whom it went to} for
+        the hand-overs that took."""
+        for t in self._tasks[1:]:  # the balancer (the ticker keeps ticking)
+            t.cancel()
+        targets: dict[int, int] = {}
+        for g, node in sorted(self.nodes.items()):
+            if not node.is_leader:
+                continue
+            target = successor(node.core)
+            if target == 0:
+                continue
+            with contextlib.suppress(NotLeader):
+                await node.transfer_leader(target)
+                targets[g] = target
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+            self.nodes[g].is_leader or self.nodes[g].core.lead == 0 for g in targets
+        ):
+            await asyncio.sleep(0.02)
+        done = {g: self.nodes[g].core.lead for g in targets if not self.nodes[g].is_leader}
+        if targets:
+            log.info(
+                "handed leadership over before stopping",
+                extra={"groups": {str(g): t for g, t in done.items()}, "asked": len(targets)},
+            )
+        return done
 
     async def _tick_all(self) -> None:
         period = self.cfg.tick_ms / 1000

@@ -238,6 +238,8 @@ async def serve(cfg: NodeConfig) -> None:
     readiness.cancel()
     notify("STOPPING=1")
     log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
+    if not failed:  # a graceful stop: no group waits out an election for this node
+        await groups.hand_over()
     if joining is not None:
         joining.cancel()
     await health_servicer.enter_graceful_shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -121,6 +122,21 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
     # ... and gets its own data group back (after the hand-over interval).
     wait_for(spread, 60, "the restarted node leading its data group again")
     assert os.path.isdir(victim.data_dir)
+
+    # A graceful stop hands every group the node leads to another voter
+    # first (no group waits out an election timeout for it).
+    log_before = Path(lc.node(2).log).read_text()
+    lc.kill(2, signal.SIGTERM)
+    handed = [
+        json.loads(line)
+        for line in Path(lc.node(2).log).read_text()[len(log_before) :].splitlines()
+        if "handed leadership over before stopping" in line
+    ]
+    assert handed and "2" in handed[-1]["groups"], handed  # its data group, at least
+    assert handed[-1]["groups"]["2"] in (1, 3)
+    wait_for(lambda: every_group_led_and_agreed(lc, [1, 3]), 60, "every group led by 1 and 3")
+    lc.start(2)
+    wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "node 2 back in every group")
 
     # `cluster status --json` tells every group, with its leader and term.
     r = subprocess.run(
