@@ -53,8 +53,10 @@ class ClientTLS:
         return self if token is None else replace(self, token=token)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """gRPC metadata that carries the token (none without one)."""
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        """gRPC metadata that carries the token where the channel does not:
+        a TLS channel's credentials carry it (``credentials``), a plaintext
+        one's cannot (gRPC sends call credentials only inside TLS)."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token and self.insecure else ()
 
     def headers(self) -> dict[str, str]:
         """HTTP headers that carry the token."""
@@ -80,7 +82,12 @@ class ClientTLS:
         cert, key = self._read(self.cert_file), self._read(self.key_file)
         if (cert is None) != (key is None):
             raise ValueError("a client certificate needs both its certificate and its key file")
-        return grpc.ssl_channel_credentials(self._read(self.ca_file), key, cert)
+        creds = grpc.ssl_channel_credentials(self._read(self.ca_file), key, cert)
+        if self.token:  # every call on the channel carries it: authorization: Bearer TOKEN
+            return grpc.composite_channel_credentials(
+                creds, grpc.access_token_call_credentials(self.token)
+            )
+        return creds
 
     def channel(
         self, target: str, options: Sequence[tuple[str, Any]] | None = None

@@ -109,6 +109,8 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
         "ROADLOG_CA_FILE": str(client / "ca.crt"),
         "ROADLOG_CERT_FILE": str(client / "client.admin.crt"),
         "ROADLOG_KEY_FILE": str(client / "client.admin.key"),
+        # The admin identity `cluster up` made (--cluster DIR finds it itself).
+        "ROADLOG_TOKEN": (Path(d) / "admin.token").read_text().strip(),
     }
     by_servers = json.loads(
         roadlog("cluster", "status", "--servers", servers, "--json", env_extra=own_ca).stdout

@@ -47,7 +47,8 @@ def api(
     lc.start_all()
     try:
         lc.wait_ready(60)
-        with Connection(lc.servers) as conn:
+        _state["token"] = lc.admin_token  # the fuzzer calls as the admin: past the 401s
+        with Connection(lc.servers, tls=lc.tls()) as conn:
             create_topic(conn, "munich")
             create_topic(conn, SENTINEL)
             ack = Producer(conn, SENTINEL, client="s").send_batch(make_pings("s", 0, 500))
@@ -59,7 +60,8 @@ def api(
 
 
 def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as r:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {_state['token']}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
 
@@ -83,7 +85,7 @@ def test_fuzz_http_api(case: Any, api: tuple[LocalCluster, str]) -> None:
         _state["before"] = get(_sentinel(base))["partition_states"]
     case.call_and_validate(
         base_url=base,
-        headers={"X-Timeout-Ms": "10000"},
+        headers={"X-Timeout-Ms": "10000", "Authorization": f"Bearer {_state['token']}"},
         verify=os.environ["ROADLOG_CA_FILE"],  # HTTPS: the session's CA (conftest)
         checks=[
             not_a_server_error,
