@@ -120,11 +120,6 @@ class NodeConfig:
             raise ConfigError("bootstrap_expect: must be in 0..15")
         if not 1 <= self.data_groups <= MAX_DATA_GROUPS:
             raise ConfigError(f"data_groups: must be in 1..{MAX_DATA_GROUPS}")
-        if self.data_groups > 1 and self.discovery:
-            raise ConfigError(
-                "data_groups above 1 needs static peers: discovery and membership changes "
-                "over every group are not built yet (docs/multiraft.md, step 6)"
-            )
         if not 0 <= self.voters <= 15 or self.dead_voter_timeout_s < 1:
             raise ConfigError("voters: 0..15; dead_voter_timeout_s: at least 1")
         for seed in self.discovery_seeds:

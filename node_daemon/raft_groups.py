@@ -19,6 +19,9 @@ Invariants:
   groups' leaders, and their write load, spread over the nodes.
 - A graceful stop first hands every group the node leads to another voter
   (``hand_over``), so no group waits out an election timeout for it.
+- Each data group's leader makes its group's membership follow group 0's
+  (``group_membership``): a node that joins or leaves the cluster joins or
+  leaves every group.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
+from node_daemon.group_membership import must_hand_over, next_change
 from node_daemon.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
+from node_daemon.membership import CATCH_UP_LAG, STEP_S
 from node_daemon.node import NotLeader, RaftNode
 
 log = logging.getLogger("roadlog.node")
@@ -66,6 +72,41 @@ class RaftGroups:
         self._tasks = [loop.create_task(self._tick_all())]
         if self.data:
             self._tasks.append(loop.create_task(self._balance_leaders()))
+            self._tasks.append(loop.create_task(self._follow_membership()))
+
+    async def _follow_membership(self) -> None:
+        """Every STEP_S: each data group this node leads takes the next
+        change toward group 0's configuration (one at a time per group)."""
+        while True:
+            await asyncio.sleep(STEP_S)
+            meta = self.meta.core.conf
+            for g, node in sorted(self.data.items()):
+                if not node.is_leader:
+                    continue
+                core = node.core
+                if must_hand_over(meta, self.cfg.node_id):
+                    target = successor(core)
+                    if target and target in meta.voters and not core.lead_transferee:
+                        with contextlib.suppress(NotLeader):
+                            await node.transfer_leader(target)
+                    continue
+                last = core.log.last_index()
+
+                def caught_up(n: int, core: Any = core, last: int = last) -> bool:
+                    pr = core.prs.get(n)
+                    return pr is not None and pr.match + CATCH_UP_LAG >= last
+
+                cc = next_change(meta, core.conf, caught_up, self.cfg.node_id)
+                if cc is None:
+                    continue
+                log.info(
+                    "data group follows group 0's membership",
+                    extra={"group": g, "change": cc.type.name.lower(), "node": cc.node_id},
+                )
+                try:
+                    await asyncio.wait_for(node.conf_change(cc), 10)
+                except (NotLeader, TimeoutError, ValueError) as e:
+                    log.info("membership change not made", extra={"group": g, "error": str(e)})
 
     async def _balance_leaders(self) -> None:
         """Every ROUND_S: hand a data group this node leads to its preferred

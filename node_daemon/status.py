@@ -20,6 +20,8 @@ def group_status(node: RaftNode) -> client_pb2.GroupStatus:
         commit_index=core.log.committed,
         applied_index=node.sm.applied_index,
         leader=core.lead,
+        voters=sorted(core.conf.voters),
+        learners=sorted(core.conf.learners),
     )
 
 

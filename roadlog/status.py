@@ -42,6 +42,8 @@ def node_json(ns: client_pb2.NodeStatus) -> dict[str, Any]:
                 "commit_index": g.commit_index,
                 "applied_index": g.applied_index,
                 "leader": g.leader,
+                "voters": list(g.voters),
+                "learners": list(g.learners),
             }
             for g in ns.groups
         ],

@@ -22,8 +22,11 @@ from typing import Any
 import pytest
 
 from roadlog.client import Connection, Producer
+from roadlog.runtime.auth import cluster_token, token_metadata
+from roadlog.runtime.processes import free_port
 from roadlog.status import ask_node
 from roadlog.tools.localcluster import LocalCluster
+from roadlog.v1 import admin_pb2, admin_pb2_grpc
 from tests.integration.conftest import create_topic, make_pings, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
@@ -137,6 +140,38 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
     wait_for(lambda: every_group_led_and_agreed(lc, [1, 3]), 60, "every group led by 1 and 3")
     lc.start(2)
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "node 2 back in every group")
+
+    # Membership: a node added to group 0 joins every data group (as a
+    # learner, as in group 0), and leaves every one when removed.
+    def members(kind: str) -> dict[int, set[int]]:
+        seen = views(lc)
+        lead = leaders(seen)
+        return {g: set(seen[lead[g]][g][kind]) for g in GROUPS if lead.get(g) in seen}
+
+    def admin(method: str, request: Any) -> None:
+        lead = leaders(views(lc))[0]
+        token = cluster_token(Path(lc.secret_file).read_bytes().strip(), "roadlog")
+        with lc.tls().channel(lc.node(lead).address) as ch:
+            getattr(admin_pb2_grpc.AdminStub(ch), method)(
+                request, metadata=token_metadata(token), timeout=30
+            )
+
+    add = admin_pb2.AddNodeRequest(node_id=4, address=f"127.0.0.1:{free_port()}")
+    admin("AddNode", add)
+    wait_for(
+        lambda: (
+            all(4 in ls for ls in members("learners").values()) and len(members("learners")) == 4
+        ),
+        60,
+        "node 4 a learner of every group",
+    )
+    admin("RemoveNode", admin_pb2.RemoveNodeRequest(node_id=4))
+    wait_for(
+        lambda: len(members("learners")) == 4 and not any(members("learners").values()),
+        60,
+        "node 4 gone from every group",
+    )
+    assert all(v == {1, 2, 3} for v in members("voters").values())
 
     # `cluster status --json` tells every group, with its leader and term.
     r = subprocess.run(

@@ -22,6 +22,7 @@ from tests.netns.conftest import (
     Net,
     digest,
     metric,
+    node_status,
     one_cluster,
     views,
     wait_for,
@@ -65,6 +66,7 @@ def test_a_late_node_joins_catches_up_and_a_queue_server_is_found(net: Net) -> N
             "--listen", f"{qhost.ip}:7500",
             "--secret-file", str(net.secret),
             "--insecure",
+            "--client-auth", "none",  # no identities here: discovery is what is tested
             "--metrics-port", "0",
             "--discovery-broadcast", "10.77.0.255",
         ],
@@ -197,3 +199,39 @@ def test_a_node_leaves_gracefully_even_as_leader(net: Net) -> None:
     # A new leader took over; the standby was promoted to keep three voters.
     wait_for(lambda: one_cluster(rest, 3, 3), 60, "three voters without the one that left")
     assert views(rest)[rest[0].index].leader != lead_id
+
+
+def test_data_groups_follow_a_discovered_cluster_and_a_late_node(net: Net) -> None:
+    """With data groups, nodes that found a cluster by discovery run every
+    group with every voter (a founder bootstraps them alone; the others join
+    each group as group 0 takes them in), and a node that joins later joins
+    every group too (docs/multiraft.md, step 6)."""
+    groups = [0, 1, 2]
+    hosts = [net.host(i) for i in range(1, 4)]
+    for h in hosts:
+        h.node(expect=3, extra=["--data-groups", "2"])
+
+    def every_group_has(voters: int, learners_or_voters: int) -> bool:
+        if not one_cluster(hosts, voters, learners_or_voters):
+            return False
+        for h in hosts:
+            st = node_status(h.node_address)
+            if st is None or not st.nodes:
+                return False
+            seen = {g.id: g for g in st.nodes[0].groups}
+            if sorted(seen) != groups or any(seen[g].leader == 0 for g in groups):
+                return False
+            if any(seen[g].role == "leader" for g in groups):
+                for g in groups:
+                    if seen[g].role == "leader" and (
+                        len(seen[g].voters) != voters
+                        or len(seen[g].voters) + len(seen[g].learners) != learners_or_voters
+                    ):
+                        return False
+        return True
+
+    wait_for(lambda: every_group_has(3, 3), 120, "three voters in every group")
+    late = net.host(4)
+    late.node(expect=3, extra=["--data-groups", "2"])
+    hosts.append(late)
+    wait_for(lambda: every_group_has(3, 4), 120, "the late node in every group")

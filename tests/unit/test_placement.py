@@ -87,7 +87,7 @@ def test_a_cluster_with_topics_from_before_groups_keeps_one_group(sm: StateMachi
     assert not topic.partition_groups and sm.data_groups() == 1
 
 
-def test_data_groups_are_checked_and_need_static_peers() -> None:
+def test_data_groups_are_checked() -> None:
     peers = {1: "127.0.0.1:7400"}
     NodeConfig(node_id=1, peers=peers).validate()
     NodeConfig(node_id=1, peers=peers, data_groups=3).validate()
@@ -95,8 +95,7 @@ def test_data_groups_are_checked_and_need_static_peers() -> None:
         NodeConfig(node_id=1, peers=peers, data_groups=65).validate()
     with pytest.raises(ConfigError, match=r"data_groups: must be in 1\.\.64"):
         NodeConfig(node_id=1, peers=peers, data_groups=0).validate()
-    with pytest.raises(ConfigError, match="needs static peers"):
-        NodeConfig(node_id=0, bootstrap_expect=3, data_groups=2).validate()
+    NodeConfig(node_id=0, bootstrap_expect=3, data_groups=2).validate()  # with discovery too
     # topics stay in group 0 until publishes are routed to the data groups
     assert NodeConfig(node_id=1, peers=peers, data_groups=3).placement_groups == 1
 
