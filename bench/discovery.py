@@ -75,7 +75,7 @@ def join_with_data(gb: float) -> dict[str, Any]:
                     sys.executable, "-m", "queue_server.main", "run",
                     "--cluster-name", "netns", "--listen", f"{q.ip}:7500",
                     "--secret-file", str(net.secret), "--metrics-port", "0",
-                    "--discovery-broadcast", "10.77.0.255", "--insecure",
+                    "--discovery-broadcast", "10.77.0.255", "--insecure", "--client-auth", "none",
                 ],
             )  # fmt: skip
             target = int(gb * 1e9)

@@ -136,6 +136,7 @@ class NemesisCluster:
                     "--discovery-port", "0",
                     "--secret-file", secret,
                     "--insecure",  # TLS here is a follow-up (certificates for the hosts' addresses)
+                    "--client-auth", "none",  # so are tokens (its workload declares client ids)
                 ], self.dir / "logs" / f"q{k}.log")
             )  # fmt: skip
         for k, h in enumerate(hosts, 1):
