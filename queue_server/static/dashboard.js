@@ -8,6 +8,15 @@
   const $ = (id) => document.getElementById(id);
   const body = document.body;
   const params = new URLSearchParams(location.search);
+  // The identity's token (issue 19): from the page's fragment (#token=...,
+  // never sent to the server in the URL), else the one kept from before.
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  if (fragment.get("token")) {
+    localStorage.setItem("roadlog.token", fragment.get("token"));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  const token = localStorage.getItem("roadlog.token") || "";
+  const auth = token ? { Authorization: `Bearer ${token}` } : {};
   const state = {
     config: { tile_url: "", poll_ms: 2000 },
     topic: params.get("topic") || "",
@@ -164,7 +173,7 @@
     try {
       const q = new URLSearchParams({ topic: state.topic, client_id: state.client });
       if (state.selected) q.set("window_start_ms", String(state.selected));
-      const headers = state.etag ? { "If-None-Match": state.etag } : {};
+      const headers = state.etag ? { ...auth, "If-None-Match": state.etag } : { ...auth };
       const r = await fetch(`/ui/api/heatmap?${q}`, { headers, cache: "no-store" });
       if (r.status === 304) return;
       if (r.ok) {
@@ -208,7 +217,7 @@
   async function pollCluster() {
     let st;
     try {
-      const r = await fetch("/ui/api/cluster", { cache: "no-store" });
+      const r = await fetch("/ui/api/cluster", { headers: auth, cache: "no-store" });
       if (!r.ok) return;
       st = await r.json();
     } catch (e) {

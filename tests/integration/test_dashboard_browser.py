@@ -50,7 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Ite
     lc.start_all()
     try:
         lc.wait_ready(60)
-        with Connection(lc.servers) as conn:
+        with Connection(lc.servers, tls=lc.tls()) as conn:
             Admin(conn).create_topic("munich", REGION.geojson, 4)
             now = int(time.time() * 1000)
             Producer(conn, "munich", client="alice").send_batch(
@@ -92,7 +92,7 @@ def heat_map(start: int, jam: tuple[float, float]) -> heatmaps_pb2.HeatMap:
 
 
 def put(lc: LocalCluster, hm: heatmaps_pb2.HeatMap) -> None:
-    with Connection(lc.servers) as conn:
+    with Connection(lc.servers, tls=lc.tls()) as conn:
         Admin(conn).put_heatmap(hm)
 
 
@@ -139,7 +139,7 @@ def test_the_page_shows_the_jam_where_it_is_and_follows_new_heat_maps(
     lc, driver = cluster, browser
     first = int(time.time() * 1000) // 60_000 * 60_000 - 900_000
     put(lc, heat_map(first, HOT))
-    driver.get(f"{lc.queue_servers[0].http}/ui/?topic=munich&client_id=alice")
+    driver.get(f"{lc.queue_servers[0].http}/ui/?topic=munich#token={lc.admin_token}")
     wait_for(lambda: js(driver, "return document.body.dataset.window") == str(first), 30,
              "the page to draw the heat map")  # fmt: skip
     n = len(heat_map(first, HOT).cells.h3)
@@ -189,7 +189,9 @@ def test_the_page_shows_the_jam_where_it_is_and_follows_new_heat_maps(
 def test_a_stranger_is_shown_the_403_reason(cluster: LocalCluster, browser: Any) -> None:
     lc, driver = cluster, browser
     put(lc, heat_map(int(time.time() * 1000) // 60_000 * 60_000 - 900_000, HOT))
-    driver.get(f"{lc.queue_servers[0].http}/ui/?topic=munich&client_id=stranger")
+    with Connection(lc.servers, tls=lc.tls()) as conn:
+        stranger = Admin(conn).register_client().token  # a phone that never published
+    driver.get(f"{lc.queue_servers[0].http}/ui/?topic=munich#token={stranger}")
     wait_for(lambda: js(driver, "return document.body.dataset.state") == "denied", 30,
              "the page to show the refusal")  # fmt: skip
     text = js(driver, "return document.getElementById('notice').innerText")
@@ -210,7 +212,7 @@ def test_the_streamed_heat_map_reaches_the_page(
     lc, driver = cluster, browser
     every_ms = 10_000
     reports: list[dict[str, Any]] = []
-    with Connection(lc.servers) as conn:  # a topic of its own: only streamed windows
+    with Connection(lc.servers, tls=lc.tls()) as conn:  # a topic of its own: only streamed windows
         Admin(conn).create_topic("streamed", REGION.geojson, 2)
         now = int(time.time() * 1000)
         Producer(conn, "streamed", client="alice").send_batch(
@@ -227,13 +229,13 @@ def test_the_streamed_heat_map_reaches_the_page(
             history_ms=3_600_000, report=reports.append,
         )  # fmt: skip
         wait_for(lambda: len(reports) >= 1, 120, "the stream's first trigger")
-        driver.get(f"{lc.queue_servers[0].http}/ui/?topic=streamed&client_id=alice")
+        driver.get(f"{lc.queue_servers[0].http}/ui/?topic=streamed#token={lc.admin_token}")
         wait_for(lambda: js(driver, "return document.body.dataset.state") == "ok", 30,
                  "the page to draw the streamed heat map")  # fmt: skip
         probe = (48.19, 11.69)
         probe_cell = h3.latlng_to_cell(*probe, 9)
         assert js(driver, f"return window.roadlogDashboard.cells.has('{probe_cell}')") is False
-        with Connection(lc.servers) as conn:
+        with Connection(lc.servers, tls=lc.tls()) as conn:
             now = int(time.time() * 1000)
             Producer(conn, "streamed", client="alice").send_batch(
                 PingColumns.from_columns(
