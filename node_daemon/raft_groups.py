@@ -21,7 +21,8 @@ Invariants:
   (``hand_over``), so no group waits out an election timeout for it.
 - Each data group's leader makes its group's membership follow group 0's
   (``group_membership``): a node that joins or leaves the cluster joins or
-  leaves every group.
+  leaves every group; and its topics too (``group_topics``): a topic with
+  partitions in the group is placed there, and dropped when group 0 drops it.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from typing import Any
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.group_membership import must_hand_over, next_change
+from node_daemon.group_topics import next_topic_op
 from node_daemon.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
 from node_daemon.membership import CATCH_UP_LAG, STEP_S
 from node_daemon.node import NotLeader, RaftNode
+from roadlog.errors import Code
 
 log = logging.getLogger("roadlog.node")
 
@@ -72,13 +75,19 @@ class RaftGroups:
         self._tasks = [loop.create_task(self._tick_all())]
         if self.data:
             self._tasks.append(loop.create_task(self._balance_leaders()))
-            self._tasks.append(loop.create_task(self._follow_membership()))
+            self._tasks.append(loop.create_task(self._follow_group_0()))
 
-    async def _follow_membership(self) -> None:
+    async def _follow_group_0(self) -> None:
         """Every STEP_S: each data group this node leads takes the next
-        change toward group 0's configuration (one at a time per group)."""
+        change toward group 0's configuration (one at a time per group),
+        then, with none to make, the next op toward group 0's topics."""
+        topics_at = -1  # group 0's applied index when its topics were read
+        meta_topics: dict[str, Any] = {}
         while True:
             await asyncio.sleep(STEP_S)
+            if self.meta.sm.applied_index != topics_at:
+                topics_at = self.meta.sm.applied_index
+                meta_topics = self.meta.sm.topic_records()
             meta = self.meta.core.conf
             for g, node in sorted(self.data.items()):
                 if not node.is_leader:
@@ -98,6 +107,7 @@ class RaftGroups:
 
                 cc = next_change(meta, core.conf, caught_up, self.cfg.node_id)
                 if cc is None:
+                    await self._follow_topics(g, node, meta_topics)
                     continue
                 log.info(
                     "data group follows group 0's membership",
@@ -153,6 +163,23 @@ class RaftGroups:
                 extra={"groups": {str(g): t for g, t in done.items()}, "asked": len(targets)},
             )
         return done
+
+    async def _follow_topics(self, g: int, node: RaftNode, meta_topics: dict[str, Any]) -> None:
+        op = next_topic_op(meta_topics, node.sm.topic_records(), g)
+        if op is None:
+            return
+        kind = op.WhichOneof("op")
+        name = op.place_topic.topic.spec.name if kind == "place_topic" else op.delete_topic.name
+        log.info(
+            "data group follows group 0's topics", extra={"group": g, "op": kind, "topic": name}
+        )
+        try:
+            res = await asyncio.wait_for(node.propose_op(op), 10)
+        except (NotLeader, TimeoutError) as e:
+            log.info("topic op not made", extra={"group": g, "error": str(e)})
+            return
+        if res.code != Code.OK:
+            log.warning("topic op refused", extra={"group": g, "error": res.message})
 
     async def _tick_all(self) -> None:
         period = self.cfg.tick_ms / 1000

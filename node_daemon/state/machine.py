@@ -77,7 +77,7 @@ _U64 = struct.Struct(">Q")
 _Seq = tuple[int, int, int]  # a producer's sequence, its base offset and count in a partition
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 # Operations that write topic records or partition states other than by appending.
-_FORGETTING = frozenset({"create_topic", "delete_topic", "trim"})
+_FORGETTING = frozenset({"create_topic", "delete_topic", "trim", "place_topic"})
 
 
 def _issued_key(pid: int) -> bytes:
@@ -258,6 +258,9 @@ class StateMachine:
             return client_pb2.DeleteTopicResponse(
                 deleted=True, applied_index=index
             ).SerializeToString()
+        if kind == "place_topic":
+            self._place_topic(txn, op.place_topic.topic)
+            return b""
         if kind == "init_producer":
             pid = op.init_producer.producer_id
             if not pid:  # an entry from before random ids: the counter, as then
@@ -363,6 +366,24 @@ class StateMachine:
         for p in range(spec.partitions):
             txn.put(_PART.pack(tid, p), _PART_VAL.pack(0, 0, 0), db=self.parts)
         return self._describe(txn, topic)
+
+    def _place_topic(self, txn: Any, topic: topics_pb2.Topic) -> None:
+        """In a data group: record group 0's topic as it is (its id kept),
+        with empty partitions; the same record again changes nothing. A
+        topic of the same name but another id (deleted and made again in
+        group 0) is refused: the group drops the old one first."""
+        if not topic.id or not topic.spec.name or topic.spec.partitions <= 0:
+            raise RoadlogError(Code.INVALID_ARGUMENT, "a placed topic needs its id and spec")
+        existing = txn.get(topic.spec.name.encode(), db=self.topics)
+        if existing is not None:
+            if topics_pb2.Topic.FromString(existing).id == topic.id:
+                return
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION, f"topic {topic.spec.name!r} here has another id"
+            )
+        txn.put(topic.spec.name.encode(), topic.SerializeToString(), db=self.topics)
+        for p in range(topic.spec.partitions):
+            txn.put(_PART.pack(topic.id, p), _PART_VAL.pack(0, 0, 0), db=self.parts)
 
     def _data_groups(self, txn: Any, proposed: int, first_topic: bool) -> int:
         """The cluster's number of data groups. The first topic ever made
@@ -659,6 +680,13 @@ class StateMachine:
     def describe(self, name: str) -> topics_pb2.TopicDescription:
         with self.env.begin() as txn:
             return self._describe(txn, self._topic(txn, name))
+
+    def topic_records(self) -> dict[str, topics_pb2.Topic]:
+        """Every topic's record by name (no partition states: cheap)."""
+        with self.env.begin() as txn:
+            return {
+                k.decode(): topics_pb2.Topic.FromString(v) for k, v in txn.cursor(db=self.topics)
+            }
 
     def list_topics(self) -> list[topics_pb2.TopicDescription]:
         with self.env.begin() as txn:
