@@ -7,7 +7,12 @@ the cluster.
 Its JSON, under ``/ui/api/``, goes through the same queues as the API:
 
 - ``config``: the tile URL (``dashboard_tile_url``; empty: a plain
-  background) and how often the page polls;
+  background), how often the page polls, whether clients need a token
+  (``client_auth``) and whether the page may register an identity of its
+  own (``registration``: ``open_registration`` with tokens on);
+- ``identity``: who the page's token is (name, client id, scopes): 401 for
+  no token or one the cluster does not know, so a page can tell a token kept
+  from another cluster and register anew;
 - ``cluster``: the nodes (role, term, commit and applied index, lag behind
   the leader's commit, readiness), the queue servers, and the topics with
   their ingest rate over the last minute (from the topics' end offsets,
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from queue_server.auth import Caller
 from queue_server.config import DEFAULT_TILE_URL
 from roadlog.errors import Code, RoadlogError
 from roadlog.heatmap_render import geojson
@@ -54,6 +60,8 @@ MAX_CLIENT_ID = 128
 class DashboardSettings:
     tile_url: str = DEFAULT_TILE_URL
     poll_ms: int = 2000
+    client_auth: str = "token"  # "none": no identities, client ids as declared
+    registration: bool = True  # POST /v1/clients is open (the page may register itself)
 
 
 class IngestRates:
@@ -99,6 +107,7 @@ class Dashboard:
         r.add_get("/ui", self.to_ui)
         r.add_get("/ui/", self.page)
         r.add_get("/ui/api/config", self.config)
+        r.add_get("/ui/api/identity", self.identity)
         r.add_get("/ui/api/cluster", self.cluster)
         r.add_get("/ui/api/heatmap", self.heatmap)
         r.add_static("/ui/static/", STATIC, append_version=False)
@@ -110,8 +119,34 @@ class Dashboard:
         raise web.HTTPFound("/ui/")
 
     async def config(self, request: web.Request) -> web.Response:
+        s = self.settings
+        tokens = s.client_auth != "none"
         return web.json_response(
-            {"tile_url": self.settings.tile_url, "poll_ms": self.settings.poll_ms}
+            {
+                "tile_url": s.tile_url,
+                "poll_ms": s.poll_ms,
+                "client_auth": s.client_auth,
+                "registration": tokens and s.registration,
+            }
+        )
+
+    async def identity(self, request: web.Request) -> web.Response:
+        """The token's identity (its route needs a token: the middleware
+        answers 401 for none or an unknown one before this runs)."""
+        authenticate = self.api._authenticate
+        if authenticate is None:  # client_auth none: nobody in particular
+            return web.json_response({"client_auth": "none"})
+        caller = Caller(request.headers.get("Authorization"), request.remote or "")
+        p = await authenticate(caller)
+        if p is None:
+            return web.json_response({"client_auth": "none"})
+        return web.json_response(
+            {
+                "client_auth": "token",
+                "name": p.name,
+                "client_id": p.client_id,
+                "scopes": sorted(p.scopes),
+            }
         )
 
     async def cluster(self, request: web.Request) -> web.Response:

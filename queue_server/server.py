@@ -701,7 +701,11 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     http_runner = None
     if cfg.http_listen:
         host, _, port = cfg.http_listen.rpartition(":")
-        settings = DashboardSettings(tile_url=cfg.dashboard_tile_url)
+        settings = DashboardSettings(
+            tile_url=cfg.dashboard_tile_url,
+            client_auth=cfg.client_auth,
+            registration=cfg.open_registration,
+        )
         http_runner = HttpApi(  # bounded (see HttpApi.runner)
             qs.client_call, qs.status, dashboard=settings, authenticate=qs.authenticate
         ).runner()

@@ -8,17 +8,29 @@
   const $ = (id) => document.getElementById(id);
   const body = document.body;
   const params = new URLSearchParams(location.search);
-  // The identity's token (issue 19): from the page's fragment (#token=...,
-  // never sent to the server in the URL), else the one kept from before.
+  // The page's client identity (issue 19): a token given to it in the
+  // fragment (#token=..., never sent to the server in a URL; kept in
+  // localStorage), else the one kept from before, else, where the queue
+  // server lets phones register (POST /v1/clients), one it registers for
+  // itself and keeps. Give-to-get applies to it like to any client.
+  const TOKEN = "roadlog.token";
+  const SOURCE = "roadlog.token_source"; // "given" or "registered"
   const fragment = new URLSearchParams(location.hash.slice(1));
-  if (fragment.get("token")) {
-    localStorage.setItem("roadlog.token", fragment.get("token"));
+  const givenNow = fragment.get("token") || "";
+  if (givenNow) {
+    localStorage.setItem(TOKEN, givenNow);
+    localStorage.setItem(SOURCE, "given");
     history.replaceState(null, "", location.pathname + location.search);
   }
-  const token = localStorage.getItem("roadlog.token") || "";
-  const auth = token ? { Authorization: `Bearer ${token}` } : {};
+  // A token put in the address of the open page: start again with it.
+  window.addEventListener("hashchange", () => {
+    if (new URLSearchParams(location.hash.slice(1)).get("token")) location.reload();
+  });
   const state = {
-    config: { tile_url: "", poll_ms: 2000 },
+    config: { tile_url: "", poll_ms: 2000, client_auth: "token", registration: false },
+    token: localStorage.getItem(TOKEN) || "",
+    tokenSource: localStorage.getItem(SOURCE) || "given",
+    identity: null, // {name, client_id, scopes} once the cluster knows the token
     topic: params.get("topic") || "",
     client: params.get("client_id") || localStorage.getItem("roadlog.client_id") || "",
     etag: null, // of the map shown
@@ -28,6 +40,7 @@
     updates: 0,
     cells: new Map(), // h3 -> {layer, props}
   };
+  const auth = () => (state.token ? { Authorization: `Bearer ${state.token}` } : {});
   window.roadlogDashboard = state; // for tests and the curious
 
   // ------------------------------------------------------------ the map
@@ -171,9 +184,10 @@
     if (inFlight || !state.topic) return;
     inFlight = true;
     try {
-      const q = new URLSearchParams({ topic: state.topic, client_id: state.client });
+      const q = new URLSearchParams({ topic: state.topic });
+      if (state.config.client_auth === "none" && state.client) q.set("client_id", state.client);
       if (state.selected) q.set("window_start_ms", String(state.selected));
-      const headers = state.etag ? { ...auth, "If-None-Match": state.etag } : { ...auth };
+      const headers = state.etag ? { ...auth(), "If-None-Match": state.etag } : auth();
       const r = await fetch(`/ui/api/heatmap?${q}`, { headers, cache: "no-store" });
       if (r.status === 304) return;
       if (r.ok) {
@@ -191,7 +205,13 @@
       } catch (e) { /* not JSON */ }
       if (r.status === 403) {
         body.dataset.state = "denied";
-        notice(`Not allowed: ${reason}`, "denied");
+        const own = state.tokenSource === "registered" ?
+          " This page's own identity has sent no pings there; to see the map, open the page with " +
+          "#token=TOKEN of the identity you publish with." : "";
+        notice(`Not allowed: ${reason}${own}`, "denied");
+      } else if (r.status === 401) {
+        body.dataset.state = "unauthenticated";
+        notice(`The cluster no longer accepts this page's token: ${reason}`, "denied");
       } else if (r.status === 404) {
         body.dataset.state = "none";
         notice(reason);
@@ -217,7 +237,7 @@
   async function pollCluster() {
     let st;
     try {
-      const r = await fetch("/ui/api/cluster", { headers: auth, cache: "no-store" });
+      const r = await fetch("/ui/api/cluster", { headers: auth(), cache: "no-store" });
       if (!r.ok) return;
       st = await r.json();
     } catch (e) {
@@ -293,16 +313,111 @@
     pollMap();
   });
 
+  async function reasonOf(r) {
+    try {
+      return (await r.json()).error.reason;
+    } catch (e) {
+      return `HTTP ${r.status}`;
+    }
+  }
+
+  function showIdentity() {
+    const el = $("identity");
+    const id = state.identity;
+    if (state.config.client_auth === "none") {
+      el.textContent = "no identities on this cluster (client_auth none)";
+      $("client-box").hidden = false;
+      return;
+    }
+    if (!id) {
+      el.textContent = "no identity";
+      return;
+    }
+    const how = state.tokenSource === "registered" ? "registered by this page" : "token given";
+    el.replaceChildren("identity ", Object.assign(document.createElement("b"), {
+      textContent: id.name || id.client_id,
+    }), ` ${id.client_id} · ${how}`);
+    el.title = `scopes: ${(id.scopes || []).join(" ")}`;
+    body.dataset.client = id.client_id;
+    body.dataset.identity = state.tokenSource;
+  }
+
+  function keep(token, source) {
+    state.token = token;
+    state.tokenSource = source;
+    if (token) {
+      localStorage.setItem(TOKEN, token);
+      localStorage.setItem(SOURCE, source);
+    } else {
+      localStorage.removeItem(TOKEN);
+      localStorage.removeItem(SOURCE);
+    }
+  }
+
+  // The identity to ask with; false (and a notice) when the page has none.
+  async function identify() {
+    if (state.config.client_auth === "none") {
+      showIdentity();
+      if (!state.client) notice("Heat maps are for those who contribute: give the client id you publish pings with.");
+      return true;
+    }
+    if (state.token) {
+      const r = await fetch("/ui/api/identity", { headers: auth(), cache: "no-store" });
+      if (r.ok) {
+        state.identity = await r.json();
+        showIdentity();
+        return true;
+      }
+      const reason = await reasonOf(r);
+      if (r.status !== 401 || givenNow) {
+        // a token given now that the cluster does not know: said, not replaced
+        body.dataset.state = "unauthenticated";
+        notice(`This page's token is not accepted: ${reason}`, "denied");
+        return false;
+      }
+      keep("", ""); // kept from before, unknown here (another cluster's, or revoked)
+    }
+    if (!state.config.registration) {
+      body.dataset.state = "unauthenticated";
+      notice("This page has no client identity, and this queue server does not register any " +
+        "(open_registration is off): open it with #token=TOKEN (roadlog client create ...).", "denied");
+      showIdentity();
+      return false;
+    }
+    const r = await fetch("/v1/clients", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: "{}", cache: "no-store",
+    });
+    if (!r.ok) {
+      body.dataset.state = "unauthenticated";
+      notice(`This page could not register a client identity: ${await reasonOf(r)}`, "denied");
+      return false;
+    }
+    const got = await r.json();
+    keep(got.token, "registered");
+    state.identity = { name: "", client_id: got.client_id, scopes: got.scopes };
+    try {
+      const who = await fetch("/ui/api/identity", { headers: auth(), cache: "no-store" });
+      if (who.ok) state.identity = await who.json();
+    } catch (e) { /* the registration's answer will do */ }
+    showIdentity();
+    return true;
+  }
+
   async function start() {
     try {
       const r = await fetch("/ui/api/config", { cache: "no-store" });
       if (r.ok) state.config = await r.json();
     } catch (e) { /* the defaults */ }
     addTiles(state.config.tile_url);
-    if (!state.client) notice("Heat maps are for those who contribute: give the client id you publish pings with.");
+    let known = false;
+    try {
+      known = await identify();
+    } catch (e) {
+      notice(`The queue server does not answer (${e.message}).`);
+    }
     await pollCluster();
-    await pollMap();
-    setInterval(pollMap, state.config.poll_ms);
+    if (known) await pollMap();
+    setInterval(() => { if (known) pollMap(); }, state.config.poll_ms);
     setInterval(pollCluster, Math.max(2000, state.config.poll_ms * 2));
   }
   start();

@@ -129,7 +129,12 @@ def test_the_page_and_everything_it_loads_come_from_the_queue_server(run: Run) -
         r = await client.get("/ui", allow_redirects=False)
         assert r.status == 302 and r.headers["Location"] == "/ui/"
         r = await client.get("/ui/api/config")
-        assert await r.json() == {"tile_url": "", "poll_ms": 2000}
+        assert await r.json() == {
+            "tile_url": "",
+            "poll_ms": 2000,
+            "client_auth": "token",
+            "registration": True,
+        }
         r = await client.get("/ui/static/../config.py")
         assert r.status in (403, 404)
         # no script or style from anywhere else, at run time
@@ -236,3 +241,50 @@ def test_leaflet_is_vendored_as_recorded() -> None:
 def test_the_wheel_carries_the_static_files() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"static/**/*"' in pyproject
+
+
+def test_the_page_learns_its_identity_and_whether_it_may_register_one() -> None:
+    """``config`` tells the page whether it may register an identity of its
+    own (open registration, with tokens on); ``identity`` who its token is,
+    401 for no token or an unknown one (a token kept from another cluster)."""
+    from queue_server.auth import Principal
+
+    phone = Principal("cl-1", "cl-1", frozenset({"produce:*", "heatmap:*"}))
+
+    async def authenticate(caller: Caller) -> Principal | None:
+        if caller.credential == "Bearer rl_phone":
+            return phone
+        raise RoadlogError(Code.UNAUTHENTICATED, "unknown token")
+
+    async def main() -> None:
+        fake = FakeCluster()
+        for settings, registration in (
+            (DashboardSettings(tile_url=""), True),
+            (DashboardSettings(tile_url="", registration=False), False),
+            (DashboardSettings(tile_url="", client_auth="none"), False),
+        ):
+            api = HttpApi(fake.call, fake.status, dashboard=settings, authenticate=authenticate)
+            async with TestClient(TestServer(api.app())) as client:
+                got = await (await client.get("/ui/api/config")).json()
+                assert got["registration"] is registration
+        api = HttpApi(fake.call, fake.status, dashboard=DashboardSettings(tile_url=""),
+                      authenticate=authenticate)  # fmt: skip
+        async with TestClient(TestServer(api.app())) as client:
+            r = await client.get("/ui/api/identity", headers={"Authorization": "Bearer rl_phone"})
+            assert r.status == 200
+            assert await r.json() == {
+                "client_auth": "token",
+                "name": "cl-1",
+                "client_id": "cl-1",
+                "scopes": ["heatmap:*", "produce:*"],
+            }
+            for headers in ({}, {"Authorization": "Bearer rl_other"}):
+                r = await client.get("/ui/api/identity", headers=headers)
+                assert r.status == 401
+                assert (await r.json())["error"]["code"] == "UNAUTHENTICATED"
+        api = HttpApi(fake.call, fake.status, dashboard=DashboardSettings(tile_url=""))
+        async with TestClient(TestServer(api.app())) as client:  # client_auth none
+            r = await client.get("/ui/api/identity")
+            assert await r.json() == {"client_auth": "none"}
+
+    asyncio.run(main())

@@ -113,7 +113,7 @@ def test_http_routes_are_the_tables() -> None:
     }
     table = {(r.http.method, r.http.path) for r in RPCS if r.http is not None}
     dashboard = {("GET", p) for p in ("/", "/ui", "/ui/", "/ui/static")} | {
-        ("GET", f"/ui/api/{name}") for name in ("config", "cluster", "heatmap")
+        ("GET", f"/ui/api/{name}") for name in ("config", "identity", "cluster", "heatmap")
     }
     assert routes == table | {("GET", "/openapi.json"), ("GET", "/healthz")} | dashboard
 
