@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roadlog.leadership import HostView, leader_host
 from roadlog.tools.ops import (
+    OPERATOR_CLIENT,
     SshHost,
+    client_tls_env,
     health_problems,
     hosts_from_inventory,
     restart_order,
@@ -60,16 +62,38 @@ USER = "roadlog"
 METRICS_PORT = 9400
 QUEUE_PORT = 7500
 
-READYZ = (
-    "import json, urllib.request, urllib.error\n"
-    "try:\n"
-    "    body = urllib.request.urlopen('http://127.0.0.1:{port}/readyz', timeout=3).read()\n"
-    "except urllib.error.HTTPError as e:\n"
-    "    body = e.read()\n"
-    "except OSError:\n"
-    "    body = b'null'\n"
-    "print(body.decode())\n"
-)
+# The operators' client certificate on the hosts (roles: roadlog_tls_operator_client).
+CLIENT = os.environ.get("ROADLOG_OPERATOR_CLIENT", OPERATOR_CLIENT)
+
+# A node's /readyz as the host sees it (argv: port, node.toml): HTTPS trusting
+# the cluster's CA from the node's certs_dir, plaintext where it runs insecure.
+READYZ = """
+import ssl, sys, tomllib, urllib.error, urllib.request
+port, config = sys.argv[1], sys.argv[2]
+try:
+    with open(config, "rb") as f:
+        conf = tomllib.load(f)
+except (OSError, ValueError):
+    conf = {}
+ctx = None
+if conf.get("insecure") is True:
+    url = f"http://127.0.0.1:{port}/readyz"
+else:
+    url = f"https://127.0.0.1:{port}/readyz"
+    ca = (conf.get("certs_dir") or "/etc/roadlog/certs") + "/ca.crt"
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except OSError:
+        print("null")
+        sys.exit(0)
+try:
+    body = urllib.request.urlopen(url, timeout=3, context=ctx).read()
+except urllib.error.HTTPError as e:
+    body = e.read()
+except OSError:
+    body = b"null"
+print(body.decode())
+"""
 
 
 # ------------------------------------------------------------------ hosts
@@ -190,8 +214,10 @@ def _view(h: SshHost) -> HostView:
     try:
         with _connect(h) as conn:
             service = _run(conn, "systemctl is-active roadlog-node", warn=True).stdout.strip()
-            script = READYZ.format(port=METRICS_PORT)
-            raw = conn.run(f"python3 -c {shlex.quote(script)}", hide=True, warn=True).stdout
+            # As root (it reads node.toml and the CA, which only roadlog's group may).
+            raw = _run(
+                conn, f"python3 -c {shlex.quote(READYZ)} {METRICS_PORT} {CONFIG}", warn=True
+            ).stdout
     except UnknownHostKey as e:  # a row, and what to do about it
         print(f"[fab] {e}", file=sys.stderr, flush=True)
         return HostView(host=h.name, service="ssh: unknown host key")
@@ -293,8 +319,12 @@ def restart(c: Context, inventory: str | None = None) -> None:
         views = _wait_healthy(nodes)
         h = by_name[name]
         with _connect(h) as conn:
-            if leader_host(views) == name:
-                moved = _run(conn, f"{VENV}/bin/roadlog-node transfer-leader --config {CONFIG}")
+            if leader_host(views) == name:  # as the node's user: its key is that user's
+                moved = _run(
+                    conn,
+                    f"{VENV}/bin/roadlog-node transfer-leader --config {CONFIG}",
+                    as_user=USER,
+                )
                 _say(f"{name}: leadership handed over {moved.stdout.strip()}")
             t0 = time.monotonic()
             _run(conn, "systemctl restart roadlog-node")  # Type=notify: back and caught up
@@ -314,8 +344,11 @@ def transfer_leader(c: Context, to: int = 0, inventory: str | None = None) -> No
         sys.exit("fab: no nodes in the inventory")
     with _connect(h) as conn:
         flag = f" --to {int(to)}" if to else ""
-        out = _run(
-            conn, f"{VENV}/bin/roadlog-node transfer-leader --config {CONFIG}{flag}", warn=True
+        out = _run(  # as the node's user: it dials with the node's key, which is that user's
+            conn,
+            f"{VENV}/bin/roadlog-node transfer-leader --config {CONFIG}{flag}",
+            as_user=USER,
+            warn=True,
         )
     if out.failed:
         sys.exit(f"fab: {out.stderr.strip() or out.stdout.strip()}")
@@ -398,12 +431,17 @@ def _drill_in(
     """The drill's probe (writing into `work` on the prober) and its kill:
     the probe's result and when the leader was killed."""
     out_file = f"{work}/probe.json"
-    # The probe dials the queue servers as the roles deployed them: in
-    # plaintext where they run insecure (the roles' default until they push
-    # certificates), else with TLS.
-    plaintext = f"$(grep -qsx 'insecure = true' {QUEUE_CONFIG} && echo ROADLOG_INSECURE=1)"
+    # The probe dials the queue servers as the roles deployed them: TLS with
+    # the cluster's CA and the operators' client certificate from the queue
+    # server's certs_dir on the prober (plaintext only where it runs insecure).
+    conf = _run(pconn, f"cat {QUEUE_CONFIG}", warn=True)
+    try:
+        tls = client_tls_env(None if conf.failed else conf.stdout, CLIENT)
+    except ValueError as e:
+        sys.exit(f"fab: {QUEUE_CONFIG} on the prober: {e}")
+    tls_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in tls.items())
     probe = (
-        f"env {plaintext} ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
+        f"env {tls_env} ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
         f"{VENV}/bin/python -m roadlog.tools.probe --servers {servers} "
         f"--duration {seconds} --out {out_file}"
     )

@@ -7,6 +7,7 @@ leadership to are decided there, shared with ``roadlog-node transfer-leader``.
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -90,6 +91,31 @@ def status_rows(views: Sequence[HostView]) -> list[dict[str, Any]]:
         }
         for v in views
     ]
+
+
+DEFAULT_CERTS_DIR = "/etc/roadlog/certs"  # roles: roadlog_common_certs_dir
+OPERATOR_CLIENT = "ops"  # roles: roadlog_tls_operator_client
+
+
+def client_tls_env(daemon_config: str | None, client: str = OPERATOR_CLIENT) -> dict[str, str]:
+    """The environment a tool on a roadlog host dials the cluster with
+    (``ClientTLS.from_env``), from the TOML of a daemon there (None: no such
+    file): plaintext only where that daemon runs ``insecure``; else TLS that
+    trusts the ``ca.crt`` of its ``certs_dir`` and presents the client
+    certificate ``client.CLIENT`` beside it (the roles push the operators'
+    there), as calls to nodes need. ValueError for a file that is not TOML."""
+    try:
+        doc = tomllib.loads(daemon_config) if daemon_config else {}
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"not a daemon's TOML: {e}") from None
+    if doc.get("insecure") is True:
+        return {"ROADLOG_INSECURE": "1"}
+    certs = str(doc.get("certs_dir") or DEFAULT_CERTS_DIR).rstrip("/")
+    return {
+        "ROADLOG_CA_FILE": f"{certs}/ca.crt",
+        "ROADLOG_CERT_FILE": f"{certs}/client.{client}.crt",
+        "ROADLOG_KEY_FILE": f"{certs}/client.{client}.key",
+    }
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,25 @@ from typing import Any
 
 import pytest
 
-from tests.lab.hosts import Lab, LabHost, lab_inventory
+from tests.lab.hosts import LAB_ROOT, Lab, LabHost, lab_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+# The lab cluster's CA and certificates on this machine (inventory/lab.ini's
+# roadlog_tls_controller_dir): the tests dial the cluster as the operators do,
+# trusting its CA, with the operators' client certificate (calls to nodes).
+PKI = LAB_ROOT / "pki"
+HOST_CA = "/etc/roadlog/certs/ca.crt"  # the CA on every lab host
+
+
+def tls_env() -> dict[str, str]:
+    """The environment the SDK and the CLI dial the lab cluster with."""
+    client = PKI / "client"
+    return {
+        "ROADLOG_CA_FILE": str(client / "ca.crt"),
+        "ROADLOG_CERT_FILE": str(client / "client.ops.crt"),
+        "ROADLOG_KEY_FILE": str(client / "client.ops.key"),
+    }
 
 
 @dataclass
@@ -57,9 +72,14 @@ class Deployed:
         return self.lab.ssh(h, command, check=check).stdout
 
     def local_http(self, host: LabHost | str, port: int, path: str) -> str:
-        """GET http://127.0.0.1:PORT/PATH on a host (as its own services see it)."""
-        url = f"http://127.0.0.1:{port}{path}"
-        script = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
+        """GET https://127.0.0.1:PORT/PATH on a host (as its own services see
+        it), trusting the cluster's CA there."""
+        url = f"https://127.0.0.1:{port}{path}"
+        script = (
+            "import ssl, urllib.request as u\n"
+            f"ctx = ssl.create_default_context(cafile={HOST_CA!r})\n"
+            f"print(u.urlopen({url!r}, timeout=5, context=ctx).read().decode())\n"
+        )
         return self.ssh(host, f"python3 -c {shlex.quote(script)}")
 
     def playbook(self, name: str, *args: str, inventory: Path | None = None) -> str:
@@ -90,7 +110,7 @@ class Deployed:
     def roadlog(self, *args: str, client: str = "lab-driver") -> dict[str, Any]:
         r = subprocess.run(
             [str(BIN / "roadlog"), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-            env={**os.environ, "ROADLOG_CLIENT_ID": client},
+            env={**os.environ, **tls_env(), "ROADLOG_CLIENT_ID": client},
         )  # fmt: skip
         if r.returncode != 0:
             raise RuntimeError(r.stderr.strip() or r.stdout.strip())

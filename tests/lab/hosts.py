@@ -422,6 +422,8 @@ def clear_leftovers(timeout: float = 60) -> None:
             _run("umount", "-l", point, check=False)
         for host in hosts:
             shutil.rmtree(host.dir, ignore_errors=True)
+        # The lab cluster's CA and certificates (inventory/lab.ini): each lab makes its own.
+        shutil.rmtree(LAB_ROOT / "pki", ignore_errors=True)
     _remove_cgroups()
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         _run("ip", "link", "del", BRIDGE, check=False)

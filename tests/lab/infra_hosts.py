@@ -25,11 +25,17 @@ def groups(host: Any) -> list[str]:
     return list(host.ansible.get_variables()["group_names"])
 
 
+CERTS = "/etc/roadlog/certs"
+
+
 def get_json(host: Any, url: str) -> Any:
+    """GET a URL on the host (as root); HTTPS trusting the cluster's CA there."""
     script = (
-        "import urllib.request, urllib.error\n"
+        "import ssl, urllib.request, urllib.error\n"
+        f"ctx = ssl.create_default_context(cafile={CERTS + '/ca.crt'!r})\n"
+        f"ctx = ctx if {url!r}.startswith('https:') else None\n"
         "try:\n"
-        f"    print(urllib.request.urlopen({url!r}, timeout=5).read().decode())\n"
+        f"    print(urllib.request.urlopen({url!r}, timeout=5, context=ctx).read().decode())\n"
         "except urllib.error.HTTPError as e:\n"
         "    print(e.read().decode())\n"
     )
@@ -50,6 +56,11 @@ def test_configuration_and_state_have_their_owners_and_modes(host: Any) -> None:
     assert conf.is_directory and conf.mode == 0o750 and conf.group == "roadlog"
     data = host.file("/var/lib/roadlog")
     assert data.user == "roadlog" and data.mode == 0o750
+    for conf in ("node.toml", "queue.toml"):  # TLS by default (issue 19)
+        f = host.file(f"/etc/roadlog/{conf}")
+        if f.exists:
+            assert "insecure = false" in f.content_string, conf
+            assert f'certs_dir = "{CERTS}"' in f.content_string, conf
     assert host.file("/opt/roadlog/venv/bin/roadlog-node").is_file
     assert host.file("/opt/roadlog/wheelhouse/SHA256SUMS").is_file
     if "nodes" in groups(host):
@@ -136,7 +147,7 @@ def test_prometheus_runs_on_the_monitoring_host_only(host: Any) -> None:
 def test_the_node_is_a_ready_member(host: Any) -> None:
     if "nodes" not in groups(host):
         pytest.skip("no node on this host")
-    ready = get_json(host, "http://127.0.0.1:9400/readyz")
+    ready = get_json(host, "https://127.0.0.1:9400/readyz")
     assert ready["ready"] and ready["member"] and ready["leader"] != 0
 
 
@@ -151,3 +162,108 @@ def test_every_spark_worker_is_registered_with_the_master(host: Any) -> None:
     crontab = host.check_output("crontab -l -u roadlog")
     assert "/opt/roadlog/bin/roadlog-heatmap" in crontab
     assert host.file("/opt/roadlog/spark-env/roadlog-env.tar.gz").mode == 0o644
+
+
+def test_tls_keys_and_certificates_have_their_owners_and_modes(host: Any) -> None:
+    """Issue 19: the certificates the roles push; each key 0600, owned by the
+    user that reads it (the daemons refuse a key open to its group or
+    others); the CA's key on no host."""
+    g = groups(host)
+    certs = host.file(CERTS)
+    assert certs.is_directory and (certs.user, certs.group, certs.mode) == (
+        "root",
+        "roadlog",
+        0o750,
+    )
+    expected = {"ca.crt": ("root", 0o644)}
+    if "nodes" in g:
+        expected |= {"node.crt": ("root", 0o644), "node.key": ("roadlog", 0o600)}
+    if "queue_servers" in g:
+        expected |= {"queue.crt": ("root", 0o644), "queue.key": ("roadlog", 0o600)}
+    if "spark_master" in g or "spark_workers" in g:  # the Spark reader: driver, executors
+        expected |= {"client.spark.crt": ("root", 0o644), "client.spark.key": ("roadlog", 0o600)}
+    if "nodes" in g or "queue_servers" in g:  # the operators' (fab's drill probe)
+        expected |= {"client.ops.crt": ("root", 0o644), "client.ops.key": ("root", 0o600)}
+    present = set(host.check_output(f"ls -A {CERTS}").split())
+    assert present == set(expected), present ^ set(expected)
+    for name, (user, mode) in expected.items():
+        f = host.file(f"{CERTS}/{name}")
+        assert f.is_file and (f.user, f.mode) == (user, mode), (name, f.user, oct(f.mode))
+    assert host.check_output("find /etc /opt/roadlog /var/lib/roadlog -name ca.key") == ""
+
+
+# Dials the node's and the queue server's ports from the host as clients
+# would: gRPC health in plaintext, with TLS but no client certificate, and
+# with the operators' client certificate; and the HTTP(S) ports.
+PORT_PROBE = r"""
+import json, ssl, sys, urllib.request
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+ip, certs, grpc_ports, http_ports = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+read = lambda name: open(f"{certs}/{name}", "rb").read()
+
+def check(channel):
+    try:
+        with channel as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    except grpc.RpcError as e:
+        return e.code().name
+
+def get(url, ctx):
+    try:
+        return urllib.request.urlopen(url, timeout=5, context=ctx).status
+    except OSError as e:
+        return type(e).__name__
+
+out = {}
+for port in filter(None, grpc_ports.split(",")):
+    t = f"{ip}:{port}"
+    out[port] = {
+        "plaintext": check(grpc.insecure_channel(t)),
+        "tls": check(grpc.secure_channel(t, grpc.ssl_channel_credentials(read("ca.crt")))),
+        "tls+cert": check(grpc.secure_channel(t, grpc.ssl_channel_credentials(
+            read("ca.crt"), read("client.ops.key"), read("client.ops.crt")))),
+    }
+ctx = ssl.create_default_context(cafile=f"{certs}/ca.crt")
+for port in filter(None, http_ports.split(",")):
+    out[port] = {
+        "plaintext": get(f"http://{ip}:{port}/healthz", None),
+        "tls": get(f"https://{ip}:{port}/healthz", ctx),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_a_plaintext_client_is_refused_on_the_node_and_queue_ports(host: Any) -> None:
+    """Issue 19: the node's port is mutual TLS (no certificate, no call), the
+    queue server's client port TLS, their HTTP ports HTTPS; a plaintext
+    client gets nowhere on any of them, a client with the CA does."""
+    g = groups(host)
+    grpc_ports = (["7400"] if "nodes" in g else []) + (["7500"] if "queue_servers" in g else [])
+    http_ports = (["9400"] if "nodes" in g else []) + (
+        ["9500", "8080"] if "queue_servers" in g else []
+    )
+    if not grpc_ports:
+        pytest.skip("neither a node nor a queue server on this host")
+    ip = host.ansible.get_variables()["ansible_host"]
+    got = json.loads(
+        host.check_output(
+            "/opt/roadlog/venv/bin/python -c %s %s %s %s %s",
+            PORT_PROBE,
+            ip,
+            CERTS,
+            ",".join(grpc_ports),
+            ",".join(http_ports),
+        )
+    )
+    for port in grpc_ports:
+        assert got[port]["plaintext"] == "UNAVAILABLE", (port, got[port])
+        assert got[port]["tls+cert"] == "SERVING", (port, got[port])
+    if "nodes" in g:  # mutual: no client certificate, no call
+        assert got["7400"]["tls"] == "UNAVAILABLE", got["7400"]
+    if "queue_servers" in g:  # clients need no certificate there
+        assert got["7500"]["tls"] == "SERVING", got["7500"]
+    for port in http_ports:
+        assert got[port]["tls"] == 200, (port, got[port])
+        assert got[port]["plaintext"] != 200, (port, got[port])

@@ -19,7 +19,7 @@ import pytest
 
 from roadlog.client import Connection
 from tests.integration.conftest import ProducerRun, assert_exactly_once_in_order, read_topic
-from tests.lab.conftest import REPO, Deployed, recap
+from tests.lab.conftest import BIN, PKI, REPO, Deployed, recap, tls_env
 from tests.lab.hosts import BROADCAST, lab_inventory, wait_for
 
 # The first test also boots the lab, builds the wheelhouse and runs site.yml.
@@ -31,11 +31,13 @@ PROMETHEUS_PORT = 9090  # on lab1, the Spark master (inventory/lab.ini turns mon
 
 
 @pytest.fixture(scope="module", autouse=True)
-def plaintext_lab() -> Any:
-    """The roles deploy the cluster --insecure until they deploy its
-    certificates (issue 19): the SDK and the tools here dial it in plaintext."""
+def tls_lab() -> Any:
+    """The roles deploy the cluster with TLS (issue 19): the SDK and the tools
+    here trust its CA and present the operators' client certificate."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ROADLOG_INSECURE", "1")
+        mp.delenv("ROADLOG_INSECURE", raising=False)
+        for k, v in tls_env().items():
+            mp.setenv(k, v)
         yield
 
 
@@ -63,8 +65,37 @@ def test_site_deploys_every_host_and_a_second_run_changes_nothing(deployed: Depl
     assert set(first) == {h.name for h in deployed.hosts}
     assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in first.values())
     assert all(c["changed"] > 0 for c in first.values()), "the first run installed nothing?"
+    ca = (PKI / "ca.crt").read_bytes()
+    certs = {p: p.read_bytes() for p in PKI.glob("*/*/*.crt")}
     again = recap(deployed.playbook("site.yml"))
     assert {h: c["changed"] for h, c in again.items()} == {h.name: 0 for h in deployed.hosts}
+    # The CA is made once, and no certificate again without a reason.
+    assert (PKI / "ca.crt").read_bytes() == ca
+    assert {p: p.read_bytes() for p in PKI.glob("*/*/*.crt")} == certs and certs
+
+
+def test_the_ca_key_stays_on_the_controller_and_the_lab_runs_tls(deployed: Deployed) -> None:
+    """Issue 19: the CA is made on the controller, its key 0600 in a 0700
+    directory there, on no host; the daemons run with their certificates."""
+    assert (PKI / "ca.key").stat().st_mode & 0o777 == 0o600
+    assert PKI.stat().st_mode & 0o777 == 0o700
+    for key in PKI.glob("**/*.key"):
+        assert key.stat().st_mode & 0o777 == 0o600, key
+    for h in deployed.hosts:
+        found = deployed.ssh(h, "find /etc /opt/roadlog /var/lib/roadlog -name ca.key", False)
+        assert found == "", found
+        conf = deployed.ssh(h, "cat /etc/roadlog/node.toml")
+        assert "insecure = false" in conf and 'certs_dir = "/etc/roadlog/certs"' in conf
+    # A plaintext client gets nowhere; the same call with the CA gets the cluster.
+    r = subprocess.run(
+        [str(BIN / "roadlog"), "cluster", "status", "--servers",
+         ",".join(deployed.servers), "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("ROADLOG_")},
+             "ROADLOG_INSECURE": "1"},
+    )  # fmt: skip
+    assert r.returncode != 0, r.stdout
+    assert deployed.cluster()["leader"] != 0
 
 
 def test_hosts_pass_testinfra(deployed: Deployed) -> None:

@@ -64,8 +64,12 @@ class Hosts:
             out = "1000.0\n"
         elif cmd.startswith("test -f "):
             failed = not self.probe_finishes
-        elif cmd.startswith("cat "):
+        elif cmd.startswith("cat ") and cmd.endswith("/probe.json"):
             out = json.dumps({"acks": [999.5, 1000.2, 1001.0], "errors": 1})
+        elif cmd.startswith("cat "):  # a config file on the prober: this machine's stand-in
+            path = Path(cmd.split(maxsplit=1)[1])
+            failed = not path.exists()
+            out = "" if failed else path.read_text()
         return SimpleNamespace(stdout=out, stderr="", failed=failed)
 
 
@@ -118,18 +122,37 @@ def test_a_drill_whose_probe_never_finishes_still_removes_its_directory(hosts: H
     assert hosts.commands[-1] == ("lab2", f"rm -rf {work}")
 
 
-@pytest.mark.parametrize(("config", "plaintext"), [
-    ("insecure = true\n", "1"),
-    ("insecure = false\n", ""),
-    (None, ""),
+CERTS = "/etc/roadlog/certs"
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ("insecure = true\n", {"ROADLOG_INSECURE": "1"}),
+    ("insecure = false\n", {
+        "ROADLOG_CA_FILE": f"{CERTS}/ca.crt",
+        "ROADLOG_CERT_FILE": f"{CERTS}/client.ops.crt",
+        "ROADLOG_KEY_FILE": f"{CERTS}/client.ops.key",
+    }),
+    ('certs_dir = "/srv/rl certs"\ninsecure = false\n', {
+        "ROADLOG_CA_FILE": "/srv/rl certs/ca.crt",
+        "ROADLOG_CERT_FILE": "/srv/rl certs/client.ops.crt",
+        "ROADLOG_KEY_FILE": "/srv/rl certs/client.ops.key",
+    }),
+    (None, {
+        "ROADLOG_CA_FILE": f"{CERTS}/ca.crt",
+        "ROADLOG_CERT_FILE": f"{CERTS}/client.ops.crt",
+        "ROADLOG_KEY_FILE": f"{CERTS}/client.ops.key",
+    }),
 ])  # fmt: skip
-def test_the_probe_dials_in_plaintext_only_where_the_queue_server_runs_insecure(
+def test_the_probe_dials_with_the_ca_and_the_operators_certificate_unless_the_queue_is_insecure(
     hosts: Hosts,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     config: str | None,
-    plaintext: str,
+    expected: dict[str, str],
 ) -> None:
+    """Issue 19: the drill's probe trusts the cluster's CA and presents the
+    operators' client certificate from the prober's queue server certs_dir;
+    plaintext only where that queue server runs insecure."""
     queue_toml = tmp_path / "queue.toml"
     if config is not None:
         queue_toml.write_text(f'listen = "0.0.0.0:7500"\n{config}')
@@ -140,9 +163,22 @@ def test_the_probe_dials_in_plaintext_only_where_the_queue_server_runs_insecure(
     # The probe's environment as that shell gives it (the probe itself left out).
     env_part = inner.split(" timeout ")[0]
     shown = subprocess.run(
-        ["sh", "-c", f"{env_part} printenv ROADLOG_INSECURE || true"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert shown == plaintext
+        ["sh", "-c", f"{env_part} env"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    got = {k: v for k, _, v in (line.partition("=") for line in shown) if k in NAMES}
+    assert got == expected
+
+
+NAMES = ("ROADLOG_INSECURE", "ROADLOG_CA_FILE", "ROADLOG_CERT_FILE", "ROADLOG_KEY_FILE")
+
+
+def test_a_queue_config_that_is_not_toml_stops_the_drill_before_the_probe(
+    hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue_toml = tmp_path / "queue.toml"
+    queue_toml.write_text("insecure = = true\n")
+    monkeypatch.setattr(fabfile, "QUEUE_CONFIG", str(queue_toml))
+    with pytest.raises(SystemExit, match="not a daemon's TOML"):
+        fabfile.drill.body(None, seconds=3, json=True)
+    assert not any("roadlog.tools.probe" in c for _, c in hosts.commands)
+    assert hosts.commands[-1][1].startswith("rm -rf ")  # its directory removed all the same

@@ -5,6 +5,7 @@ a command line the stream job accepts."""
 from __future__ import annotations
 
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,14 @@ def render(name: str, extra: dict[str, Any]) -> str:
         loader=jinja2.FileSystemLoader(ROLE / "templates"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
+        trim_blocks=True,  # as Ansible's template module renders
     )
     env.filters["quote"] = shlex.quote
+    env.filters["bool"] = lambda v: (
+        v if isinstance(v, bool) else str(v).lower() in ("true", "yes", "1")
+    )
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
-    return env.get_template(name).render(
+    context = (
         {k: v for k, v in defaults.items() if "{{" not in str(v)}
         | {
             "ansible_managed": "Ansible managed",
@@ -45,9 +50,15 @@ def render(name: str, extra: dict[str, Any]) -> str:
             "roadlog_heatmap_cron_env_archive": "/opt/roadlog/spark-env/roadlog-env.tar.gz",
             "roadlog_heatmap_cron_spark_home": "/opt/roadlog/venv/lib/pyspark",
             "roadlog_heatmap_cron_java_home": "/usr/lib/jvm/java-17-openjdk-amd64",
+            "roadlog_common_certs_dir": "/etc/roadlog/certs",
         }
         | extra
     )
+    # The role's internal vars (vars/main.yml), each one expression over the rest.
+    for k, v in yaml.safe_load((ROLE / "vars" / "main.yml").read_text()).items():
+        expr = str(v).strip().removeprefix("{{").removesuffix("}}")
+        context[k] = env.compile_expression(expr, undefined_to_none=False)(**context)
+    return env.get_template(name).render(context)
 
 
 def test_every_default_is_documented_and_the_mode_is_cron_or_stream() -> None:
@@ -81,3 +92,25 @@ def test_the_stream_script_passes_what_the_stream_job_accepts() -> None:
     assert args.lateness_ms == 600_000 and args.history_ms == 86_400_000
     assert str(args.checkpoint) == "/var/lib/roadlog/heatmap/stream/munich"
     assert args.nodes == "10.77.0.11:7400,10.77.0.12:7400"
+
+
+@pytest.mark.parametrize("script", ["roadlog-heatmap.sh.j2", "roadlog-heatmap-stream.sh.j2"])
+def test_the_scripts_dial_with_the_ca_and_the_spark_client_certificate_here_and_in_executors(
+    script: str,
+) -> None:
+    """Issue 19: the job and its executors read nodes (mutual TLS) with the
+    Spark reader's client certificate; plaintext only where TLS is off."""
+    text = render(script, {})
+    assert "export ROADLOG_CA_FILE=/etc/roadlog/certs/ca.crt" in text
+    assert "export ROADLOG_CERT_FILE=/etc/roadlog/certs/client.spark.crt" in text
+    assert "export ROADLOG_KEY_FILE=/etc/roadlog/certs/client.spark.key" in text
+    for name in ("ROADLOG_CA_FILE", "ROADLOG_CERT_FILE", "ROADLOG_KEY_FILE"):
+        assert f'--conf spark.executorEnv.{name}="${name}"' in text
+    assert "ROADLOG_INSECURE" not in text
+    off = render(script, {"roadlog_common_insecure": True})
+    assert "export ROADLOG_INSECURE=1" in off and "ROADLOG_CA_FILE" not in off
+    assert '--conf spark.executorEnv.ROADLOG_INSECURE="$ROADLOG_INSECURE"' in off
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    # One spark-submit command line: every line of it continued up to the job.
+    submit = text[text.index('"$SPARK_HOME/bin/spark-submit"') : text.index("/spark/jobs/")]
+    assert all(line.endswith("\\") for line in submit.splitlines()[:-1]), submit

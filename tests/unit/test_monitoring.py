@@ -342,9 +342,11 @@ def render_config(
             "roadlog_monitoring_stream_hosts": ["lab1"],
             "roadlog_monitoring_alertmanagers": ["10.77.0.20:9093"],
             "roadlog_monitoring_config_dir": str(tmp_path),
+            "roadlog_monitoring_ca_file": str(tmp_path / "roadlog-ca.crt"),
         }
         | (play_vars or {})
     )
+    (tmp_path / "roadlog-ca.crt").write_text("")  # promtool checks only that it is there
     shutil.copy(RULES, tmp_path / RULES.name)
     (tmp_path / "prometheus.yml").write_text(out)
     return tmp_path / "prometheus.yml"
@@ -373,8 +375,8 @@ def test_the_role_s_config_scrapes_the_inventory_under_the_rules_job_names(tmp_p
 
 def test_the_role_scrapes_over_https_with_the_ca_where_the_daemons_run_tls(tmp_path: Path) -> None:
     """Issue 19: a node's and a queue server's metrics port is HTTPS when it
-    runs with TLS; the lab deploys --insecure (the roles' defaults), so
-    plaintext stays the default and each job turns https on its own."""
+    runs with TLS, as the roles deploy it by default; a daemon run
+    --insecure (debugging) is scraped in plaintext, each job on its own."""
 
     def jobs(play_vars: dict[str, object], where: Path) -> dict[str, dict[str, Any]]:
         where.mkdir()
@@ -385,21 +387,16 @@ def test_the_role_scrapes_over_https_with_the_ca_where_the_daemons_run_tls(tmp_p
         return {j["job_name"]: j for j in doc["scrape_configs"]}
 
     default = jobs({}, tmp_path / "default")
+    ca = str(tmp_path / "default" / "roadlog-ca.crt")
     for name in ("roadlog-node", "roadlog-queue"):
-        assert default[name].get("scheme", "http") == "http" and "tls_config" not in default[name]
-    ca = tmp_path / "ca.crt"
-    ca.write_text("")  # promtool checks only that it is there
-    tls_on = {
-        "roadlog_node_insecure": False,
-        "roadlog_queue_insecure": False,
-        "roadlog_monitoring_ca_file": str(ca),
-    }
-    both = jobs(tls_on, tmp_path / "tls")
+        assert default[name]["scheme"] == "https"
+        assert default[name]["tls_config"] == {"ca_file": ca}
+    assert default[STREAM_JOB].get("scheme", "http") == "http"  # the stream has no certificate
+    off: dict[str, object] = {"roadlog_node_insecure": True, "roadlog_queue_insecure": True}
+    plain = jobs(off, tmp_path / "insecure")
     for name in ("roadlog-node", "roadlog-queue"):
-        assert both[name]["scheme"] == "https"
-        assert both[name]["tls_config"] == {"ca_file": str(ca)}
-    assert both[STREAM_JOB].get("scheme", "http") == "http"  # the Spark stream has no certificate
-    nodes_only = jobs(tls_on | {"roadlog_queue_insecure": True}, tmp_path / "nodes")
+        assert plain[name].get("scheme", "http") == "http" and "tls_config" not in plain[name]
+    nodes_only = jobs({"roadlog_queue_insecure": True}, tmp_path / "nodes")
     assert nodes_only["roadlog-node"]["scheme"] == "https"
     assert nodes_only["roadlog-queue"].get("scheme", "http") == "http"
 

@@ -125,3 +125,26 @@ def test_inventory_groups_become_ssh_hosts_with_their_connection_settings() -> N
     assert groups["nodes"][1].needs_sudo and groups["nodes"][1].port == 2222
     assert [h.name for h in groups["roadlog"]] == ["lab1", "vm2"]  # children flattened, once
     assert [h.name for h in groups["all"]] == ["lab1", "vm2"]
+
+
+def test_client_tls_env_trusts_the_ca_with_the_operators_certificate_unless_insecure() -> None:
+    """What fab's drill probe dials with, from the prober's queue.toml."""
+    from roadlog.tools.ops import client_tls_env
+
+    certs = "/etc/roadlog/certs"
+    tls = {
+        "ROADLOG_CA_FILE": f"{certs}/ca.crt",
+        "ROADLOG_CERT_FILE": f"{certs}/client.ops.crt",
+        "ROADLOG_KEY_FILE": f"{certs}/client.ops.key",
+    }
+    assert client_tls_env(None) == tls  # no config there: the roles' defaults
+    assert client_tls_env("insecure = false\n") == tls
+    assert client_tls_env('certs_dir = "/srv/c/"\n', "admin") == {
+        "ROADLOG_CA_FILE": "/srv/c/ca.crt",
+        "ROADLOG_CERT_FILE": "/srv/c/client.admin.crt",
+        "ROADLOG_KEY_FILE": "/srv/c/client.admin.key",
+    }
+    assert client_tls_env('insecure = true\ncerts_dir = "/x"\n') == {"ROADLOG_INSECURE": "1"}
+    assert client_tls_env('insecure = "true"\n') == tls  # only a TOML true turns TLS off
+    with pytest.raises(ValueError, match="not a daemon's TOML"):
+        client_tls_env("insecure = = 1")
