@@ -75,10 +75,24 @@ def _job_inputs(cluster: Path | None, servers: str | None) -> tuple[list[str], P
     # connections take it from ROADLOG_TOKEN (Spark runs in this process).
     explicit = click.get_current_context().meta.get("token")
     token = LocalCluster.load(cluster).spark_token if cluster is not None else None
-    token = explicit or token or client_tls(cluster).token
+    tls = client_tls(cluster)
+    token = explicit or token or tls.token
     if token:
         os.environ["ROADLOG_TOKEN"] = token
-    st = gather_status(qs, [])
+    if cluster is not None:
+        # A local cluster's CA and client certificate, for the job's
+        # connections and the data source's readers, which take them from
+        # the environment (ClientTLS.from_env), as they do the token.
+        if tls.insecure:
+            os.environ["ROADLOG_INSECURE"] = "1"
+        for name, path in (
+            ("ROADLOG_CA_FILE", tls.ca_file),
+            ("ROADLOG_CERT_FILE", tls.cert_file),
+            ("ROADLOG_KEY_FILE", tls.key_file),
+        ):
+            if path is not None:
+                os.environ[name] = str(path)
+    st = gather_status(qs, [], tls=tls.with_token(token))
     nodes = [n["address"] for n in st["nodes"] if n.get("role") != "down"]
     if not nodes:
         raise click.ClickException("no node answers")

@@ -13,7 +13,9 @@ Screenshots are saved under ``out/test-artifacts/``
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -286,17 +288,14 @@ def test_a_kept_token_the_cluster_does_not_know_is_replaced_a_given_one_is_not(
 
 
 def test_the_streamed_heat_map_reaches_the_page(
-    cluster: LocalCluster, browser: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cluster: LocalCluster, browser: Any, tmp_path: Path
 ) -> None:
-    """A ping in a cell nobody else reported, published while the stream
-    runs (a trigger every 10 s), appears on the open page (how long it
-    takes: bench/stream_delay.py)."""
-    from spark.jobs.heatmap import session
-    from spark.jobs.heatmap_stream import Windows, start
-
+    """``roadlog heatmap stream --cluster DIR`` run as an operator runs it
+    (its own process, nothing from the environment: the cluster's CA,
+    certificate and Spark identity found in DIR), a trigger every 10 s: a
+    ping in a cell nobody else reported, published while it runs, appears
+    on the open page (how long it takes: bench/stream_delay.py)."""
     lc, driver = cluster, browser
-    every_ms = 10_000
-    reports: list[dict[str, Any]] = []
     with Connection(lc.servers, tls=lc.tls()) as conn:  # a topic of its own: only streamed windows
         Admin(conn).create_topic("streamed", REGION.geojson, 2)
         now = int(time.time() * 1000)
@@ -305,20 +304,23 @@ def test_the_streamed_heat_map_reaches_the_page(
                 ["a1"], np.array([now]), np.array([HOT[0]]), np.array([HOT[1]])
             )
         )
-    assert lc.spark_token
-    monkeypatch.setenv("ROADLOG_TOKEN", lc.spark_token)  # the job's identity, as the CLI gives it
-    spark = session("local[2]", app="roadlog-heatmap-stream-browser")
-    try:
-        query = start(
-            spark, topic="streamed", nodes=[n.address for n in lc.nodes], servers=lc.servers,
-            secret_file=Path(lc.secret_file), cluster_name="roadlog",
-            checkpoint=tmp_path / "checkpoint", windows=Windows(every_ms, 15 * 60_000, 0),
-            history_ms=3_600_000, report=reports.append,
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROADLOG_")}
+    log = tmp_path / "stream.log"
+    with log.open("w") as out:
+        stream = subprocess.Popen(
+            [str(ROOT / ".venv/bin/roadlog"), "heatmap", "stream", "streamed", "--every", "10s",
+             "--json", "--checkpoint", str(tmp_path / "checkpoint"), "--cluster", str(lc.dir)],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )  # fmt: skip
-        wait_for(lambda: len(reports) >= 1, 120, "the stream's first trigger")
+    try:
+
+        def running() -> bool:
+            assert stream.poll() is None, log.read_text()[-3000:]
+            return True
+
         driver.get(f"{lc.queue_servers[0].http}/ui/?topic=streamed#token={lc.admin_token}")
-        wait_for(lambda: js(driver, "return document.body.dataset.state") == "ok", 30,
-                 "the page to draw the streamed heat map")  # fmt: skip
+        wait_for(lambda: running() and js(driver, "return document.body.dataset.state") == "ok",
+                 180, "the page to draw the streamed heat map")  # fmt: skip
         probe = (48.19, 11.69)
         probe_cell = h3.latlng_to_cell(*probe, 9)
         assert js(driver, f"return window.roadlogDashboard.cells.has('{probe_cell}')") is False
@@ -330,15 +332,24 @@ def test_the_streamed_heat_map_reaches_the_page(
                     np.array([now]),
                     np.array([probe[0]]),
                     np.array([probe[1]]),
-                    speed_mps=np.array([3.0]),
+                    speed_mps=np.array([3.0], dtype=np.float32),
                 )
             )
         wait_for(
-            lambda: js(driver, f"return window.roadlogDashboard.cells.has('{probe_cell}')"),
-            90, "the probe's cell on the page",
+            lambda: running()
+            and js(driver, f"return window.roadlogDashboard.cells.has('{probe_cell}')"),
+            120, "the probe's cell on the page",
         )  # fmt: skip
         assert js(driver, "return document.body.dataset.state") == "ok"
         shot(driver, "dashboard-streamed.png")
-        query.stop()
+        # each trigger said what it committed, as the Spark identity
+        triggers = [json.loads(line) for line in log.read_text().splitlines()
+                    if line.startswith("{")]  # fmt: skip
+        assert triggers and all(t["topic"] == "streamed" for t in triggers)
     finally:
-        spark.stop()
+        stream.terminate()  # stops between triggers
+        try:
+            stream.wait(60)
+        except subprocess.TimeoutExpired:
+            stream.kill()
+            stream.wait()
