@@ -265,7 +265,7 @@ def test_security_md_states_the_rules_the_code_and_the_roles_keep() -> None:
     # Honest about what issue 19 has not done yet.
     still = (
         "the Spark heat-map stream's metrics port (it has no certificate)",
-        "the Ansible roles do not deploy certificates yet",
+        "the static token is still sent (now inside TLS) and still checked",
         "**open** for deployed clusters until the roles issue tokens",
     )
     for still_open in still:
