@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -380,6 +381,31 @@ def render() -> str:
             "them over gRPC; Parquet is read by the JVM).",
             "",
         ]
+    sd = _load("stream_delay")
+    if sd:
+        lines += [
+            "## Streaming heat maps: a ping acknowledged to its cell on the page",
+            "",
+            f"Machine: {_machine(sd)}. `bench/stream_delay.py`: 3 nodes and a queue server "
+            "(TLS, tokens), `roadlog heatmap stream munich --every Ns --window 15m` (Spark "
+            f"local[2], its own process), {sd['background_pings_per_s']} background pings/s, the "
+            "dashboard open in headless Chromium (it polls the heat map's ETag every "
+            f"{sd['poll_ms'] / 1000:g} s). Each probe is one ping in a cell no other ping "
+            "touches, sent at a random point of the trigger interval: from its acknowledgement "
+            "to the heat map that holds it being committed, and to its cell on the page.",
+            "",
+            "| trigger every | probes | ack to page s: min | median | max "
+            "| median ack to commit s | trigger's work s: median | max |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for run in sd["runs"]:
+            d, tr = run["ack_to_page_s"], run["trigger_seconds"]
+            commit = statistics.median(p["ack_to_commit_s"] for p in run["probes"])
+            lines.append(
+                f"| {run['every_s']} s | {len(run['probes'])} | {d['min']} | {d['median']} "
+                f"| {d['max']} | {round(commit, 2)} | {tr['median']} | {tr['max']} |"
+            )
+        lines.append("")
     fo = _load("failover")
     if fo:
         r, j, cu = fo["roadlog"], fo["jetstream"], fo["catch_up"]
