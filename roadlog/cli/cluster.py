@@ -86,15 +86,20 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
         st = on_local_cluster(cluster, LocalCluster.status)
     else:
         st = gather_status(resolve_servers(None, servers), [], tls=ClientTLS.from_env())
-    try:
-        with connection(cluster, servers) as conn:
-            topics = Admin(conn).list_topics()
-    except click.ClickException as e:
-        err.print(f"[yellow]partitions unknown: {e.message}[/]")
-        topics = None
+    answered = any(n.get("role", DOWN) != DOWN for n in st["nodes"])
+    topics = None
+    if answered:  # else asking for topics only retries until its deadline
+        try:
+            with connection(cluster, servers) as conn:
+                topics = Admin(conn).list_topics()
+        except click.ClickException as e:
+            err.print(f"[yellow]partitions unknown: {e.message}[/]")
     st["groups"] = raft_groups(st, topics)
     if as_json:
         click.echo(json.dumps(st, indent=2))
+        if not answered:
+            err.print("[red]no node answered[/]")
+            raise SystemExit(1)
         return
     t = Table(title=f"leader {st['leader'] or '-'}, term {st['term']}")
     for col in ("id", "address", "role", "term", "commit", "applied", "ready"):
@@ -115,6 +120,9 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
     for g in st["groups"]:
         n = len(g["partitions"]) if g["partitions_known"] else "?"
         out.print(f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, {n} partitions")
+    if not answered:
+        err.print("[red]no node answered[/]")
+        raise SystemExit(1)
 
 
 def raft_groups(

@@ -241,3 +241,10 @@ def test_cli_errors_are_clear(tmp_path: Path) -> None:
     assert nowhere.returncode != 0 and "--cluster" in nowhere.stderr
     missing = roadlog("cluster", "status", "--cluster", str(tmp_path / "none"), check=False)
     assert missing.returncode != 0 and "no cluster" in missing.stderr
+    # A status that reaches no node says so and fails, after printing what it saw.
+    unreached = roadlog(
+        "cluster", "status", "--servers", "127.0.0.1:9", "--json", check=False,
+        env_extra={"ROADLOG_INSECURE": "1"},
+    )  # fmt: skip
+    assert unreached.returncode == 1 and "no node answered" in unreached.stderr
+    assert json.loads(unreached.stdout)["leader"] == 0
