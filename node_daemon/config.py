@@ -54,6 +54,9 @@ class NodeConfig:
     certs_dir: Path | None = key(None, "directory of ca.crt, node.crt and node.key (TLS)")
     insecure: bool = key(False, "no TLS: plaintext, unauthenticated ports (debugging only)")
     metrics_port: int = key(9400, "port of Prometheus /metrics, /healthz and /readyz")
+    # Metrics tell topics, rates and roles to whoever reaches them (issue 19,
+    # finding 15): bind them to the management network's address.
+    metrics_host: str = key("", "address the metrics port binds (empty: listen's host)")
     # Raft traffic between nodes on a lean framed link (see peer_frames.py);
     # peers learn the port over gRPC, so any port works. Taken by another
     # process, the node warns and peers stream over gRPC on `listen`.

@@ -152,7 +152,7 @@ async def serve(cfg: NodeConfig) -> None:
             return node_readiness(node, membership.in_config())
 
         serve_metrics_and_health(
-            cfg.listen.rpartition(":")[0],
+            cfg.metrics_host or cfg.listen.rpartition(":")[0],
             cfg.metrics_port,
             readiness_detail,
             ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)

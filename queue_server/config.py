@@ -50,7 +50,13 @@ class QueueConfig:
     registrations_per_minute: int = key(
         10, "self-registrations allowed per source address and minute (a burst of as many)"
     )
+    # gRPC server reflection on the client port lists every service to
+    # anyone who reaches it (issue 19, finding 15): off unless debugging.
+    grpc_reflection: bool = key(False, "answer gRPC server reflection on the client port")
     metrics_port: int = key(9500, "port of Prometheus /metrics, /healthz and /readyz")
+    # Metrics tell topics, rates and roles to whoever reaches them (issue 19,
+    # finding 15): bind them to the management network's address.
+    metrics_host: str = key("", "address the metrics port binds (empty: listen's host)")
     max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
     max_reads: int = key(10_000, "queued read requests before RESOURCE_EXHAUSTED")
     max_queued_bytes: int = key(

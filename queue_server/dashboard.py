@@ -156,8 +156,8 @@ class Dashboard:
             default=max((n.commit_index for n in st.nodes), default=0),
         )
         nodes = [{**node_json(n), "lag": max(0, leader_commit - n.applied_index)} for n in st.nodes]
-        # The topics need an identity (ListTopics, asked for each page's
-        # poll, so a page without a token sees the nodes only).
+        # The route needs an identity (as Status); the topics are asked for
+        # with it (ListTopics), so a token revoked meanwhile sees the nodes only.
         try:
             resp = await self.api.call(
                 request, "ListTopics", client_pb2.ListTopicsRequest(page_size=MAX_PAGE_SIZE)

@@ -89,7 +89,7 @@ ROUTE_RULES: dict[str, str] = {
     "/ui/static/": "public",
     "/ui/api/config": "public",
     "/ui/api/identity": "rpc:ListTopics",  # as ListTopics: any identity, no scope; 401 else
-    "/ui/api/cluster": "public",  # its topics: rpc:ListTopics (none listed without a token)
+    "/ui/api/cluster": "rpc:Status",  # as Status: any identity, no scope; 401 else
     "/ui/api/heatmap": "rpc:GetHeatmap",
 }
 

@@ -628,6 +628,12 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
         return handle
 
     async def status(request: bytes, context: Any) -> bytes:
+        try:
+            await server.gate.admit("Status", request, caller_of(context))
+        except RoadlogError as e:
+            REQUESTS.labels("Status", e.code.name).inc()
+            await context.abort(to_grpc(e.code), e.message)
+        REQUESTS.labels("Status", "OK").inc()
         return server.status().SerializeToString()
 
     local: dict[str, Callable[[bytes, Any], Awaitable[bytes]]] = {"Status": status}
@@ -670,16 +676,17 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     work_pb2_grpc.add_WorkServicer_to_server(qs, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            "roadlog.v1.Roadlog",
-            PUBLISH_STREAM,
-            "roadlog.v1.Work",
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    if cfg.grpc_reflection:
+        reflection.enable_server_reflection(
+            (
+                "roadlog.v1.Roadlog",
+                PUBLISH_STREAM,
+                "roadlog.v1.Work",
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
     if security.add_port(server, cfg.listen, mutual=False) == 0:
         raise RuntimeError(f"cannot bind {cfg.listen}")
     if cfg.work_frames_port >= 0:
@@ -693,7 +700,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             return bool(st.leader), {"leader": st.leader, "nodes": len(st.nodes)}
 
         serve_metrics_and_health(
-            cfg.listen.rpartition(":")[0],
+            cfg.metrics_host or cfg.listen.rpartition(":")[0],
             cfg.metrics_port,
             readiness_detail,
             ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)

@@ -125,7 +125,11 @@ RPCS: tuple[Rpc, ...] = (
         "read",
         HttpRoute("GET", "/v1/topics/{name}/partitions/{partition}/pings"),
     ),
-    Rpc("Status", None, c.StatusRequest, c.ClusterStatus, PUBLIC, HttpRoute("GET", "/v1/cluster")),
+    # The cluster's layout (nodes, their addresses and roles): any identity
+    # may see it, a stranger may not (issue 19, finding 15).
+    Rpc(
+        "Status", None, c.StatusRequest, c.ClusterStatus, IDENTITY, HttpRoute("GET", "/v1/cluster")
+    ),
     Rpc("JoinGroup", W, c.JoinGroupRequest, c.JoinGroupResponse, "read"),
     Rpc("Heartbeat", W, c.HeartbeatRequest, c.HeartbeatResponse, "read"),
     Rpc("CommitOffsets", W, c.CommitOffsetsRequest, c.CommitOffsetsResponse, "read"),

@@ -6,25 +6,41 @@ NAME``. They need the scope admin (``--cluster DIR`` uses the local
 cluster's admin token). ``bootstrap`` makes an identity through a node's
 Admin service instead, with the cluster's credentials (a client
 certificate of its CA, and the cluster secret for the cluster token): the
-first admin of a cluster that has none.
+first admin of a cluster that has none. ``ensure`` keeps an identity's
+token in a file, making the identity again only when the cluster no longer
+takes that token (the Ansible roles' deployed identities).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 import grpc
 from rich.table import Table
 
-from roadlog.cli.common import cli, client_tls, connection, err, out, where
-from roadlog.client import Admin
+from roadlog.cli.common import cli, client_tls, connection, err, out, resolve_servers, where
+from roadlog.client import Admin, AlreadyExists, Connection, RoadlogError
+from roadlog.client_tls import ClientTLS
+from roadlog.errors import Code
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import read_secret
-from roadlog.scopes import ScopeError, check_client_name, check_scopes, new_token, token_hash
-from roadlog.v1 import admin_pb2_grpc, clients_pb2
+from roadlog.scopes import (
+    ADMIN,
+    ScopeError,
+    check_client_name,
+    check_scopes,
+    new_token,
+    token_hash,
+)
+from roadlog.v1 import admin_pb2_grpc, client_pb2, clients_pb2
 
 SCOPE_HELP = (
     "admin, produce:TOPIC, read:TOPIC or heatmap:TOPIC (TOPIC or * for every topic); repeat it"
@@ -150,3 +166,284 @@ def client_bootstrap(
         raise click.ClickException(f"{e.code().name}: {e.details()}") from None
     resp.token = token
     _print_new(resp, as_json)
+
+
+# ------------------------------------------------------------------ ensure
+
+REFUSED = (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED)
+
+
+def _read_token(path: Path | None) -> str | None:
+    """The token kept in ``path`` (None: no file, or an empty one)."""
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise click.ClickException(f"{path}: {e.strerror}") from None
+
+
+def _write_token(path: Path, token: str) -> None:
+    """Write ``token`` to ``path`` (0600, whatever the umask), atomically: a
+    reader sees the old token or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _secret(given: str | None) -> bytes:
+    """The cluster secret from --secret-file (``-``: stdin)."""
+    if not given:
+        raise click.UsageError("--bootstrap-node needs the cluster secret: --secret-file FILE or -")
+    try:
+        secret = sys.stdin.read().strip().encode() if given == "-" else read_secret(Path(given))
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"{given}: {e}") from None
+    if not secret:
+        raise click.ClickException(f"{given}: the cluster secret is empty")
+    return secret
+
+
+class _Identities:
+    """What ``ensure`` asks the cluster: through its queue servers with a
+    given token, or through a node's Admin service with the cluster's
+    credentials (a bootstrap)."""
+
+    def __init__(
+        self,
+        servers: list[str],
+        tls: ClientTLS,
+        nodes: list[str],
+        secret: Callable[[], bytes],
+        cluster_name: str,
+        timeout: float,
+    ) -> None:
+        self.servers, self.tls, self.nodes = servers, tls, nodes
+        self.secret, self.cluster_name, self.timeout = secret, cluster_name, timeout
+
+    def _conn(self, token: str) -> Connection:
+        return Connection(self.servers, timeout=self.timeout, tls=self.tls.with_token(token))
+
+    def works(self, token: str) -> bool:
+        """Does the cluster take ``token`` (any identity: ListTopics)?"""
+        with self._conn(token) as conn:
+            try:
+                conn.call("ListTopics", client_pb2.ListTopicsRequest())
+            except RoadlogError as e:
+                if e.code in REFUSED:
+                    return False
+                raise
+        return True
+
+    def listing(self, token: str) -> clients_pb2.ListClientsResponse | None:
+        """The identities, asked with ``token`` (None: refused, no admin)."""
+        with self._conn(token) as conn:
+            try:
+                return Admin(conn).list_clients()
+            except RoadlogError as e:
+                if e.code in REFUSED:
+                    return None
+                raise
+
+    def create(self, admin_token: str, name: str, scopes: list[str]) -> tuple[str, str]:
+        with self._conn(admin_token) as conn:
+            resp = Admin(conn).create_client(name, scopes)
+        return resp.client_id, resp.token
+
+    def revoke(self, admin_token: str, name: str) -> None:
+        with self._conn(admin_token) as conn:
+            Admin(conn).revoke_client(name)
+
+    def bootstrap(self, name: str, scopes: list[str]) -> tuple[str, str]:
+        """Make ``name`` through a node's Admin service (the leader's; the
+        others say they are not it), trying the nodes until the deadline.
+        AlreadyExists when the name is taken."""
+        md = token_metadata(cluster_token(self.secret(), self.cluster_name))
+        token = new_token()
+        req = clients_pb2.CreateClientRequest(
+            name=name, scopes=scopes, token_hash=token_hash(token)
+        )
+        deadline = time.monotonic() + self.timeout
+        last = "no node given (--bootstrap-node)"
+        while True:
+            for node in self.nodes:
+                try:
+                    with self.tls.channel(node) as ch:
+                        resp = admin_pb2_grpc.AdminStub(ch).CreateClient(
+                            req, metadata=md, timeout=5
+                        )
+                    return resp.client_id, token
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                        raise AlreadyExists(Code.ALREADY_EXISTS, e.details() or name) from None
+                    if e.code() not in (
+                        grpc.StatusCode.FAILED_PRECONDITION,  # not the leader
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                    ):
+                        raise click.ClickException(
+                            f"{node}: {e.code().name}: {e.details()}"
+                        ) from None
+                    last = f"{node}: {e.code().name}: {e.details()}"
+            if not self.nodes or time.monotonic() > deadline:
+                raise click.ClickException(f"no node made identity {name!r}: {last}")
+            time.sleep(1.0)
+
+
+@client.command("ensure")
+@click.argument("name")
+@click.option("--scope", "scopes", multiple=True, required=True, help=SCOPE_HELP)
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="where NAME's token is kept (0600): kept while the cluster takes it",
+)
+@click.option(
+    "--admin-token-file",
+    type=click.Path(path_type=Path),
+    help="an admin's token, to check, revoke and make NAME (else NAME's own, if an admin)",
+)
+@click.option(
+    "--bootstrap-node",
+    "bootstrap_nodes",
+    help="nodes' HOST:PORT,...: make NAME through a node's Admin service when no admin "
+    "token works (the cluster's credentials: ROADLOG_CA_FILE, _CERT_FILE, _KEY_FILE "
+    "and --secret-file, '-' for stdin, with --cluster-name)",
+)
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="seconds per step")
+@click.option("--json", "as_json", is_flag=True, help='{"name", "client_id", "changed"}')
+@where
+def client_ensure(
+    name: str,
+    scopes: tuple[str, ...],
+    token_file: Path,
+    admin_token_file: Path | None,
+    bootstrap_nodes: str | None,
+    timeout: float,
+    as_json: bool,
+    cluster: Path | None,
+    servers: str | None,
+) -> None:
+    """Keep identity NAME's token in TOKEN_FILE (idempotent).
+
+    The token there is kept while the cluster takes it and NAME has exactly
+    the SCOPEs; else NAME is made again (a stale NAME revoked first) and its
+    new token written there, 0600. Needs an admin: --admin-token-file, else
+    NAME's own kept token where NAME is an admin, else --bootstrap-node (the
+    first admin: through a node's Admin service, with the cluster secret; a
+    NAME whose token was lost is replaced through a passing admin identity
+    that revokes itself). Prints what it did, never the token."""
+    checked = _checked(name, scopes)
+    ctx = click.get_current_context()
+    given_secret = ctx.meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
+    cache: list[bytes] = []
+
+    def secret() -> bytes:
+        if not cache:
+            cache.append(_secret(given_secret))
+        return cache[0]
+
+    ids = _Identities(
+        resolve_servers(cluster, servers),
+        client_tls(cluster),
+        [n for n in (bootstrap_nodes or "").split(",") if n],
+        secret,
+        str(ctx.meta.get("cluster_name") or "roadlog"),
+        timeout,
+    )
+    if given_secret == "-" and bootstrap_nodes:
+        secret()  # stdin is read now, whether a bootstrap is needed or not
+    try:
+        result = _ensure(ids, name, checked, token_file, admin_token_file, bootstrap_nodes)
+    except RoadlogError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        out.print_json(json.dumps(result))
+    else:
+        what = "made again" if result["changed"] else "kept"
+        err.print(
+            f"client {name!r} ({result['client_id'] or '?'}): its token in {token_file} {what}"
+        )
+
+
+def _ensure(
+    ids: _Identities,
+    name: str,
+    scopes: list[str],
+    token_file: Path,
+    admin_token_file: Path | None,
+    bootstrap: str | None,
+) -> dict[str, Any]:
+    admin: str | None = None
+    if admin_token_file is not None:
+        admin = _read_token(admin_token_file)
+        if admin is None:
+            raise click.ClickException(f"{admin_token_file}: no admin token there")
+    kept = _read_token(token_file)
+    clients = None
+    if admin is not None:
+        clients = ids.listing(admin)
+        if clients is None:
+            raise click.ClickException(f"{admin_token_file}: the cluster refuses this admin token")
+    if kept is not None and ids.works(kept):
+        if clients is None and ADMIN in scopes:  # NAME is itself the admin (else made again)
+            clients = ids.listing(kept)
+            admin = kept if clients is not None else None
+        if clients is None and ADMIN not in scopes:  # nobody to ask about NAME: keep it
+            return {"name": name, "client_id": "", "changed": False}
+        mine = next((c for c in clients.clients if c.name == name), None) if clients else None
+        if mine is not None and sorted(mine.scopes) == sorted(scopes):
+            return {"name": name, "client_id": mine.client_id, "changed": False}
+    # Make NAME (again).
+    exists = clients is not None and any(c.name == name for c in clients.clients)
+    if admin is not None and not (exists and admin == kept):
+        if exists:
+            ids.revoke(admin, name)
+        client_id, token = ids.create(admin, name, scopes)
+    elif admin is not None:  # NAME is the admin we act as: revoking it would stop us
+        client_id, token = _through_passing(
+            ids, name, scopes, lambda n: ids.create(admin, n, [ADMIN])
+        )
+    elif bootstrap:
+        try:
+            client_id, token = ids.bootstrap(name, scopes)
+        except AlreadyExists:  # NAME exists, but no token of it here works
+            client_id, token = _through_passing(
+                ids, name, scopes, lambda n: ids.bootstrap(n, [ADMIN])
+            )
+    else:
+        raise click.ClickException(
+            f"no admin token works to make {name!r}: --admin-token-file or --bootstrap-node"
+        )
+    _write_token(token_file, token)
+    return {"name": name, "client_id": client_id, "changed": True}
+
+
+def _through_passing(
+    ids: _Identities,
+    name: str,
+    scopes: list[str],
+    make_admin: Callable[[str], tuple[str, str]],
+) -> tuple[str, str]:
+    """Replace identity ``name`` through a passing admin identity (made by
+    ``make_admin``), which revokes ``name``, makes it again and then
+    revokes itself: the client id and token of the new ``name``."""
+    passing = f"{name[:40]}-ensure-{secrets.token_hex(4)}"
+    _, temp = make_admin(passing)
+    try:
+        ids.revoke(temp, name)
+        return ids.create(temp, name, scopes)
+    finally:
+        ids.revoke(temp, passing)

@@ -98,8 +98,7 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
     if as_json:
         click.echo(json.dumps(st, indent=2))
         if not answered:
-            err.print("[red]no node answered[/]")
-            raise SystemExit(1)
+            _no_node_answered(st)
         return
     t = Table(title=f"leader {st['leader'] or '-'}, term {st['term']}")
     for col in ("id", "address", "role", "term", "commit", "applied", "ready"):
@@ -121,8 +120,15 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
         n = len(g["partitions"]) if g["partitions_known"] else "?"
         out.print(f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, {n} partitions")
     if not answered:
-        err.print("[red]no node answered[/]")
-        raise SystemExit(1)
+        _no_node_answered(st)
+
+
+def _no_node_answered(st: dict[str, Any]) -> None:
+    """Say why, and exit 1."""
+    refused = [q["error"] for q in st["queue_servers"] if q.get("error")]
+    hint = f" (the queue servers want an identity: --token or ROADLOG_TOKEN; {refused[0]})"
+    err.print("[red]no node answered[/]" + (hint if refused else ""))
+    raise SystemExit(1)
 
 
 def raft_groups(

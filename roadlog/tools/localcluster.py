@@ -490,7 +490,14 @@ def gather_status(
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 node_addresses = [*node_addresses, s]  # it is a node, not a queue server
-            out["queue_servers"].append({"grpc": s, "http": "", "up": False})
+            refused = e.code() in (
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.PERMISSION_DENIED,
+            )  # it runs, and tells its cluster's layout only to an identity
+            q = {"grpc": s, "http": "", "up": refused}
+            if refused:
+                q["error"] = f"{e.code().name}: {e.details()}"
+            out["queue_servers"].append(q)
             continue
         out["queue_servers"].append(
             {"grpc": s, "http": st.queue_servers[0].http if st.queue_servers else "", "up": True}

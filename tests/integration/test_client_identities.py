@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from roadlog.client import Admin, Connection, PermissionDenied, Producer, RoadlogError
 from roadlog.client_tls import ClientTLS
@@ -139,12 +140,32 @@ def test_every_rpc_refuses_no_token_and_the_wrong_scope(cluster: LocalCluster) -
     assert checked >= 15
 
 
+def test_the_client_port_tells_strangers_nothing_of_the_cluster(cluster: LocalCluster) -> None:
+    """Finding 15: the cluster's layout needs an identity (any scope), and
+    the client port offers no gRPC reflection (``grpc_reflection`` off)."""
+    e = raw_call(cluster, "Status", b"", None)
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e.details()
+    phone = make(cluster, "status-phone", "produce:munich")
+    with Connection(cluster.servers, tls=ClientTLS.from_env().with_token(phone)) as conn:
+        st = Admin(conn).status()
+    assert st.leader != 0 and len(st.nodes) == 3
+    tls = ClientTLS.from_env().with_token(phone)
+    with tls.channel(cluster.servers[0]) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.ServerReflectionInfo(iter([ask]), timeout=20))
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_every_http_route_refuses_no_token_and_the_wrong_scope(cluster: LocalCluster) -> None:
     base = cluster.queue_servers[0].http
     reader = make(cluster, "berlin-reader", "read:berlin")
     routes = [
         ("POST", "/v1/topics", {"name": "x", "bbox": [1, 1, 2, 2]}, "scope admin"),
         ("GET", "/v1/topics", None, None),
+        ("GET", "/v1/cluster", None, None),  # the layout: not to strangers (finding 15)
+        ("GET", "/ui/api/cluster", None, None),
         ("GET", "/v1/topics/munich", None, None),
         ("POST", "/v1/producers", {"client_id": "c"}, "a produce:TOPIC scope"),
         ("POST", "/v1/topics/munich/pings", {"client_id": "c", "pings": [{}]}, "produce:munich"),
@@ -162,11 +183,9 @@ def test_every_http_route_refuses_no_token_and_the_wrong_scope(cluster: LocalClu
             continue
         code, _, got = http(method, base + path, body, token=reader)
         assert code == 403 and missing in got["error"]["reason"], (path, got)
-    # Public: the cluster's status, the documents, registration.
-    for path in ("/v1/cluster", "/openapi.json", "/healthz", "/ui/api/config"):
+    # Public: the documents, health and the page's settings.
+    for path in ("/openapi.json", "/healthz", "/ui/api/config"):
         assert http("GET", base + path, token=None)[0] == 200, path
-    code, _, got = http("GET", base + "/ui/api/cluster", token=None)
-    assert code == 200 and got["topics"] == [] and "no credential" in got["topics_hidden"]
     code, _, got = http("GET", base + "/ui/api/cluster", token=reader)
     assert code == 200 and {t["name"] for t in got["topics"]} >= {"munich", "berlin"}
 
