@@ -524,8 +524,14 @@ class RaftNode:
 
     def _trim(self) -> None:
         """Retention goes through the log, so every replica trims the same
-        (pings, and heat maps but each topic's newest windows)."""
-        fut = asyncio.get_running_loop().create_task(self.propose_op(trim_op()))
+        (pings, heat maps but each topic's newest windows, per-client
+        records, and the producer ids this leader found expired)."""
+
+        async def trim() -> None:
+            expired = await asyncio.to_thread(self.sm.expirable_producers)
+            await self.propose_op(trim_op(expired_producers=expired))
+
+        fut = asyncio.get_running_loop().create_task(trim())
         fut.add_done_callback(lambda f: f.exception())  # a lost trim is retried next time
 
     def _drain(self) -> None:

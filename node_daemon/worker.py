@@ -23,7 +23,12 @@ from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.responses import publish_batch_response
-from node_daemon.state.machine import OpResult, normalized_spec
+from node_daemon.state.machine import (
+    MAX_PRODUCER_IDS_PER_CLIENT,
+    PRODUCER_ID_LIFETIME_MS,
+    OpResult,
+    normalized_spec,
+)
 from node_daemon.status import node_status
 from roadlog import columnar
 from roadlog.errors import Code, RoadlogError
@@ -337,6 +342,15 @@ class WorkHandler:
         only an id it was given, not guess the next one. A clash with an id
         issued meanwhile is refused by the state machine (ABORTED: ask again)."""
         req = client_pb2.InitProducerRequest.FromString(item.request)
+        if item.principal:  # a quota per identity (an id unused for long is forgotten)
+            held = self.node.sm.producer_ids_held(item.principal)
+            if held >= MAX_PRODUCER_IDS_PER_CLIENT:
+                raise RoadlogError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"this identity holds {held} producer ids, the most one may: reuse one "
+                    f"(an id with no pings left is forgotten "
+                    f"{PRODUCER_ID_LIFETIME_MS // 86_400_000} days after it was issued)",
+                )
         pid = secrets.randbits(63) or 1
         # Issued to an authenticated identity, the id is bound to it: only
         # its appends may name it (the state machine refuses the others').

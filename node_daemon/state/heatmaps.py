@@ -125,6 +125,22 @@ class HeatmapTables:
             )
         return last
 
+    def expire_contributions(self, txn: Any, tid: int, cutoff_ms: int) -> int:
+        """Forget the topic's contributions made before ``cutoff_ms`` (older
+        than any contribution window gives access for); how many."""
+        prefix = _TID.pack(tid)
+        doomed = []
+        cur = txn.cursor(db=self.contrib)
+        if cur.set_range(prefix):
+            for key, raw in cur:
+                if not key.startswith(prefix):
+                    break
+                if _MS.unpack(raw)[0] < cutoff_ms:
+                    doomed.append(bytes(key))
+        for key in doomed:
+            txn.delete(key, db=self.contrib)
+        return len(doomed)
+
     def drop_topic(self, txn: Any, tid: int) -> None:
         prefix = _TID.pack(tid)
         for db in (self.contrib, self.heatmaps):

@@ -78,11 +78,37 @@ _Seq = tuple[int, int, int]  # a producer's sequence, its base offset and count 
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 # Operations that write topic records or partition states other than by appending.
 _FORGETTING = frozenset({"create_topic", "delete_topic", "trim", "place_topic"})
+_ISSUED_AT, _BY_AGE, _HELD = b"pissued-at/", b"pissued-by-age/", b"pheld/"
+# A producer id with no record left is forgotten this long after it was
+# issued (a producer that stays away longer asks for a new one).
+PRODUCER_ID_LIFETIME_MS = DEFAULT_RETENTION_MS
+# Producer ids bound to one identity at once (issue 19's quotas): more is a
+# leak or a flood; each costs records on every replica.
+MAX_PRODUCER_IDS_PER_CLIENT = 1024
+EXPIRED_PRODUCERS_PER_TRIM = 1000  # keeps a trim entry small
+EXPIRY_SCAN_KEYS = 50_000  # producer ids a leader looks at per trim, oldest first
 
 
 def _issued_key(pid: int) -> bytes:
     """The meta key of a producer id issued at random: its client id."""
     return b"producer/" + _U64.pack(pid)
+
+
+def _issued_at_key(pid: int) -> bytes:
+    """The meta key of when (the log's clock) a producer id was issued."""
+    return _ISSUED_AT + _U64.pack(pid)
+
+
+def _by_age_key(issued_ms: int, pid: int) -> bytes:
+    """The meta key that lists producer ids by the time they were issued."""
+    return _BY_AGE + _U64.pack(max(issued_ms, 0)) + _U64.pack(pid)
+
+
+def _held_key(client_id: str, pid: int) -> bytes:
+    """The meta key listing ``pid`` among the producer ids bound to
+    ``client_id`` (counted against the identity's quota)."""
+    raw = client_id.encode()[:255]
+    return _HELD + bytes([len(raw)]) + raw + _U64.pack(pid)
 
 
 def _bound_key(pid: int) -> bytes:
@@ -270,14 +296,21 @@ class StateMachine:
             if self.producer_issued(txn, pid):
                 raise RoadlogError(Code.ABORTED, f"producer id {pid} is taken: ask again")
             txn.put(_issued_key(pid), op.init_producer.client_id.encode(), db=self.meta)
+            txn.put(_issued_at_key(pid), _U64.pack(max(self._log_ms, 0)), db=self.meta)
+            txn.put(_by_age_key(self._log_ms, pid), b"", db=self.meta)
             if op.init_producer.bound:
                 txn.put(_bound_key(pid), b"", db=self.meta)
+                txn.put(_held_key(op.init_producer.client_id, pid), b"", db=self.meta)
             self._issued.add(pid)
             return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
         if kind == "trim":
             self._trim(txn, leader_ms)
             if op.trim.heatmap_keep_newest:  # 0: an entry from before heat-map retention
                 self._trim_heatmaps(txn, self._log_ms, op.trim.heatmap_keep_newest)
+            if op.trim.expire_records:  # false: an entry from before record expiry
+                self._expire_records(txn, self._log_ms)
+            for pid in op.trim.expired_producers:
+                self._forget_producer(txn, pid)
             return b""
         if kind == "add_peer":
             ap = op.add_peer
@@ -644,6 +677,88 @@ class StateMachine:
         for _, raw in txn.cursor(db=self.topics):
             topic = topics_pb2.Topic.FromString(raw)
             self.heat.trim(txn, topic.id, log_ms - topic.spec.retention_ms, keep_newest)
+
+    def _expire_records(self, txn: Any, log_ms: int) -> None:
+        """Per-client records retention has made useless: contributions
+        older than their topic's retention, and producer records of a
+        partition none of whose batches is stored any more (a retry of
+        those could only be of pings retention deleted)."""
+        firsts: dict[tuple[int, int], int] = {}
+        for _, raw in txn.cursor(db=self.topics):
+            topic = topics_pb2.Topic.FromString(raw)
+            self.heat.expire_contributions(txn, topic.id, log_ms - topic.spec.retention_ms)
+            for p in range(topic.spec.partitions):
+                firsts[topic.id, p] = self._part_state(txn, topic.id, p).first_offset
+        doomed = []
+        for key, raw in txn.cursor(db=self.producers):
+            _, tid, p = _PROD.unpack(key)
+            first = firsts.get((tid, p))
+            ends = [base + count for _, base, count in _SEQ.iter_unpack(raw)]
+            if first is None or max(ends, default=0) <= first:
+                doomed.append(bytes(key))
+        for key in doomed:
+            txn.delete(key, db=self.producers)
+
+    def _has_records(self, txn: Any, pid: int) -> bool:
+        cur = txn.cursor(db=self.producers)
+        return bool(cur.set_range(_U64.pack(pid))) and cur.key()[:8] == _U64.pack(pid)
+
+    def _forget_producer(self, txn: Any, pid: int) -> None:
+        """Forget issued producer id ``pid`` unless a record of it is left."""
+        if self._has_records(txn, pid):
+            return
+        client = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
+        at = txn.get(_issued_at_key(pid), db=self.meta)
+        if at is None:
+            return  # not issued, forgotten already, or issued before expiry: kept
+        txn.delete(_by_age_key(_U64.unpack(at)[0], pid), db=self.meta)
+        for key in (_issued_key(pid), _issued_at_key(pid), _bound_key(pid)):
+            txn.delete(key, db=self.meta)
+        if client:
+            txn.delete(_held_key(client, pid), db=self.meta)
+        self._issued.discard(pid)
+        self._owners.pop(pid, None)
+
+    def expirable_producers(
+        self, lifetime_ms: int = PRODUCER_ID_LIFETIME_MS, limit: int = EXPIRED_PRODUCERS_PER_TRIM
+    ) -> list[int]:
+        """For the leader's trim: producer ids issued more than
+        ``lifetime_ms`` before the log's clock with no record left (at most
+        ``limit``, the oldest first, looking at most at EXPIRY_SCAN_KEYS
+        ids). A read: safe off the applying thread."""
+        out: list[int] = []
+        with self.env.begin() as txn:
+            cutoff = self._meta_int(txn, b"log_ms") - lifetime_ms
+            cur = txn.cursor(db=self.meta)
+            if not cur.set_range(_BY_AGE):
+                return out
+            for seen, key in enumerate(cur.iternext(keys=True, values=False)):
+                if not key.startswith(_BY_AGE) or len(out) >= limit or seen >= EXPIRY_SCAN_KEYS:
+                    break
+                issued_ms, pid = (
+                    _U64.unpack_from(key, len(_BY_AGE))[0],
+                    _U64.unpack_from(key, len(_BY_AGE) + 8)[0],
+                )
+                if issued_ms >= cutoff:
+                    break  # the rest are younger
+                if not self._has_records(txn, pid):
+                    out.append(pid)
+        return out
+
+    def producer_ids_held(self, client_id: str, limit: int = MAX_PRODUCER_IDS_PER_CLIENT) -> int:
+        """How many producer ids are bound to ``client_id`` (counted up to
+        ``limit``: the quota check needs no more)."""
+        raw = client_id.encode()[:255]
+        prefix = _HELD + bytes([len(raw)]) + raw
+        n = 0
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.meta)
+            if cur.set_range(prefix):
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(prefix) or n >= limit:
+                        break
+                    n += 1
+        return n
 
     def _trim_partition(self, txn: Any, tid: int, p: int, cutoff_ms: int) -> None:
         st = self._part_state(txn, tid, p)
@@ -1114,11 +1229,22 @@ def _kept_rows(batch: bytes, counts: list[int], kept: list[bool]) -> bytes:
     return columnar.encode(cols.take(np.flatnonzero(mask)))
 
 
-def trim_op(heatmap_keep_newest: int = HEATMAP_KEEP_NEWEST) -> command_pb2.Op:
+def trim_op(
+    heatmap_keep_newest: int = HEATMAP_KEEP_NEWEST,
+    expired_producers: Sequence[int] = (),
+    expire_records: bool = True,
+) -> command_pb2.Op:
     """The retention op a leader proposes every ``trim_interval_s``: pings,
-    and heat maps (all but the newest ``heatmap_keep_newest`` windows of a
-    topic) older than the topic's retention."""
-    return command_pb2.Op(trim=command_pb2.TrimOp(heatmap_keep_newest=heatmap_keep_newest))
+    heat maps (all but the newest ``heatmap_keep_newest`` windows of a
+    topic) and per-client records older than the topic's retention, and the
+    producer ids ``expirable_producers`` found."""
+    return command_pb2.Op(
+        trim=command_pb2.TrimOp(
+            heatmap_keep_newest=heatmap_keep_newest,
+            expire_records=expire_records,
+            expired_producers=expired_producers,
+        )
+    )
 
 
 def append_op(
