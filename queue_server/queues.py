@@ -1,7 +1,8 @@
-"""The queue server's core, sans-I/O: a write queue only the leader drains,
-and a read queue any node may steal from once it has applied the read's
-fence. Nodes pull: each grants credit, and work is handed out only against
-it, so a busy node takes less and an idle one steals more.
+"""The queue server's core, sans-I/O: a write queue only leaders drain
+(each item by the leader of its Raft group), and a read queue any node may
+steal from once it has applied the read's fence (in the read's group).
+Nodes pull: each grants credit, and work is handed out only against it, so
+a busy node takes less and an idle one steals more.
 
 Time is passed in (``now``, in seconds); nothing here blocks or does I/O.
 Invariants: an item is queued, handed to exactly one worker, or finished;
@@ -24,6 +25,7 @@ nor delays their requests behind it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
@@ -58,6 +60,7 @@ class Item:
     deliveries: int = 0  # times handed to a worker
     broken: int = 0  # times a worker holding it left (its stream broke)
     principal: str = ""  # the authenticated identity's client id ("": none), for the node
+    group: int = 0  # its Raft group: 0, the metadata group, or a data group
 
     @property
     def size(self) -> int:
@@ -77,6 +80,24 @@ class Worker:
     inflight: dict[int, Item] = field(default_factory=dict)
     taken_writes: int = 0
     taken_reads: int = 0
+    # Its data groups (group 0 is the fields above): group -> (leads it,
+    # term, applied index).
+    groups: dict[int, tuple[bool, int, int]] = field(default_factory=dict)
+
+    def applied_in(self, group: int) -> int:
+        """Its applied index in ``group`` (-1: it does not run that group)."""
+        if group == 0:
+            return self.applied
+        g = self.groups.get(group)
+        return g[2] if g is not None else -1
+
+    def leads(self) -> Iterator[tuple[int, int]]:
+        """(group, term) of each group it leads."""
+        if self.is_leader:
+            yield 0, self.term
+        for g, (lead, term, _) in self.groups.items():
+            if lead:
+                yield g, term
 
 
 @dataclass(slots=True)
@@ -155,10 +176,12 @@ class WorkQueues:
         self._rr = 0  # rotates ties between equally idle readers
         self.fenced_read_at = float("-inf")  # when the last fenced read arrived
         self._dropped: list[Expired] = []  # not requeued on disconnect; expire() reports them
+        self._grouped = False  # an item of a data group was ever submitted
 
     # ------------------------------------------------------------ clients
 
     def submit(self, item: Item) -> None:
+        self._grouped = self._grouped or item.group != 0
         try:
             self.queues[item.kind].push(item)
         except Full as e:
@@ -191,12 +214,20 @@ class WorkQueues:
                 out.append(Expired(it, f"not done before the deadline: {why}"))
         return out
 
-    def drop_unreachable_fences(self, commit_index: int, queued_before: float) -> list[Item]:
+    def drop_unreachable_fences(
+        self,
+        commit_index: int,
+        queued_before: float,
+        group_commits: dict[int, int] | None = None,
+    ) -> list[Item]:
         """Reads queued before ``queued_before`` whose fence is beyond the
-        highest index any node has committed: no write was ever answered
+        highest index any node has committed in the read's group
+        (``commit_index`` for group 0, ``group_commits`` for data groups; a
+        group no node told of is left alone): no write was ever answered
         with such an index, so waiting would only run out the deadline."""
+        commits = {**(group_commits or {}), 0: commit_index}
         return self.queues[Kind.READ].remove_if(
-            lambda it: it.fence > commit_index and it.enqueued < queued_before
+            lambda it: it.enqueued < queued_before and it.fence > commits.get(it.group, 1 << 63)
         )
 
     def awaited_fence(self) -> int:
@@ -208,15 +239,18 @@ class WorkQueues:
         if not len(rq):
             return 0
         applied = max((w.applied for w in self.workers.values()), default=0)
-        return max((it.fence for it in rq if it.fence > applied), default=0)
+        return max((it.fence for it in rq if it.group == 0 and it.fence > applied), default=0)
 
     def _why_waiting(self, kind: Kind, it: Item) -> str:
         if not self.workers:
             return "no node is connected to this queue server"
-        if kind == Kind.WRITE and not any(w.is_leader for w in self.workers.values()):
-            return "no leader: no majority of nodes is reachable"
-        if kind == Kind.READ and not any(w.applied >= it.fence for w in self.workers.values()):
-            return f"no node has applied index {it.fence} yet"
+        of = f" of group {it.group}" if it.group else ""
+        if kind == Kind.WRITE and self.leader(it.group) is None:
+            return f"no leader{of}: no majority of nodes is reachable"
+        if kind == Kind.READ and not any(
+            w.applied_in(it.group) >= it.fence for w in self.workers.values()
+        ):
+            return f"no node has applied index {it.fence}{of} yet"
         return "all nodes are busy"
 
     # ------------------------------------------------------------ workers
@@ -224,10 +258,22 @@ class WorkQueues:
     def connect(self, worker_id: int, node_id: int) -> None:
         self.workers[worker_id] = Worker(worker_id, node_id)
 
-    def update(self, worker_id: int, is_leader: bool, term: int, applied: int) -> None:
+    def update(
+        self,
+        worker_id: int,
+        is_leader: bool,
+        term: int,
+        applied: int,
+        groups: Iterable[tuple[int, bool, int, int]] | None = None,
+    ) -> None:
+        """The worker's role, term and applied index in group 0, and in
+        ``groups`` (group, leads it, term, applied) its data groups (None:
+        as told before)."""
         w = self.workers.get(worker_id)
         if w is not None:
             w.is_leader, w.term, w.applied = is_leader, term, max(applied, 0)
+            if groups is not None:
+                w.groups = {g: (lead, t, max(a, 0)) for g, lead, t, a in groups if g}
 
     def grant(self, worker_id: int, writes: int, reads: int) -> None:
         w = self.workers.get(worker_id)
@@ -283,13 +329,62 @@ class WorkQueues:
 
     # ----------------------------------------------------------- dispatch
 
-    def leader(self) -> Worker | None:
-        leaders = [w for w in self.workers.values() if w.is_leader]
-        return max(leaders, key=lambda w: w.term) if leaders else None
+    def leader(self, group: int = 0) -> Worker | None:
+        """The worker that leads ``group`` at the highest term told."""
+        best: Worker | None = None
+        best_term = -1
+        for w in self.workers.values():
+            for g, term in w.leads():
+                if g == group and term > best_term:
+                    best, best_term = w, term
+        return best
+
+    def leaders(self) -> dict[int, Worker]:
+        """Each group's leader (the highest term told wins)."""
+        out: dict[int, tuple[int, Worker]] = {}
+        for w in self.workers.values():
+            for g, term in w.leads():
+                if g not in out or term > out[g][0]:
+                    out[g] = (term, w)
+        return {g: w for g, (_, w) in out.items()}
 
     def dispatch(self, now: float) -> list[tuple[int, Item]]:
         """Hand out what can go now: (worker id, item) pairs."""
         out: list[tuple[int, Item]] = []
+        if self._grouped:
+            self._dispatch_grouped_writes(now, out)
+        else:
+            self._dispatch_writes(now, out)
+        self._dispatch_reads(now, out)
+        return out
+
+    def _hand(self, w: Worker, it: Item, out: list[tuple[int, Item]]) -> None:
+        it.deliveries += 1
+        w.inflight[it.id] = it
+        out.append((w.id, it))
+
+    def _dispatch_grouped_writes(self, now: float, out: list[tuple[int, Item]]) -> None:
+        """Writes of several groups: each to its group's leader, against
+        that leader's credit, fair between clients (a client's next write
+        waits while its group has no leader with credit, keeping its order)."""
+        wq = self.queues[Kind.WRITE]
+        leaders = self.leaders()
+
+        def takeable(it: Item) -> bool:
+            w = leaders.get(it.group)
+            return it.deadline > now and w is not None and w.write_credit > 0
+
+        while any(w.write_credit > 0 for w in leaders.values()):
+            it = wq.take_first(takeable)
+            if it is None:
+                break
+            w = leaders[it.group]
+            w.write_credit -= 1
+            w.taken_writes += 1
+            self._hand(w, it, out)
+
+    def _dispatch_writes(self, now: float, out: list[tuple[int, Item]]) -> None:
+        """Writes of group 0 alone (no data group in use): to its leader."""
         wq = self.queues[Kind.WRITE]
         lead = self.leader()
         expired: list[Item] = []
@@ -302,10 +397,10 @@ class WorkQueues:
                 continue
             lead.write_credit -= 1
             lead.taken_writes += 1
-            it.deliveries += 1
-            lead.inflight[it.id] = it
-            out.append((lead.id, it))
+            self._hand(lead, it, out)
         wq.push_front(expired)
+
+    def _dispatch_reads(self, now: float, out: list[tuple[int, Item]]) -> None:
         # Reads: the next one (fair between clients) that some node can take
         # now; one that waits for its fence, or is past its deadline (expire()
         # reports it), stays where it is.
@@ -318,13 +413,12 @@ class WorkQueues:
             assert w is not None  # _can_read said so
             w.read_credit -= 1
             w.taken_reads += 1
-            it.deliveries += 1
-            w.inflight[it.id] = it
-            out.append((w.id, it))
-        return out
+            self._hand(w, it, out)
 
     def _can_read(self, it: Item) -> bool:
-        return any(w.read_credit > 0 and w.applied >= it.fence for w in self.workers.values())
+        return any(
+            w.read_credit > 0 and w.applied_in(it.group) >= it.fence for w in self.workers.values()
+        )
 
     def _reader_for(self, it: Item) -> Worker | None:
         """The eligible worker with the most read credit left (the idlest)."""
@@ -336,7 +430,7 @@ class WorkQueues:
         for w in ws[self._rr :] + ws[: self._rr]:
             if (
                 w.read_credit > 0
-                and w.applied >= it.fence
+                and w.applied_in(it.group) >= it.fence
                 and (best is None or w.read_credit > best.read_credit)
             ):
                 best = w

@@ -106,6 +106,7 @@ class Outgoing:
             fence=it.fence,
             deadline_unix_ms=deadline_unix_ms,
             principal=it.principal,
+            group=it.group,
         ).SerializeToString()
         return cls(it.id, head + length_delimited(_ITEM_REQUEST, len(it.request)), it.request)
 
@@ -353,12 +354,18 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         fenced beyond every commit, or given up after breaking streams."""
         if self.states:
             commit = max(s.commit_index for s in self.states.values())
-            for it in self.q.drop_unreachable_fences(commit, now - FENCE_GRACE_S):
+            group_commits: dict[int, int] = {}
+            for st in self.states.values():
+                for g in st.groups:
+                    group_commits[g.group] = max(group_commits.get(g.group, 0), g.commit_index)
+            for it in self.q.drop_unreachable_fences(commit, now - FENCE_GRACE_S, group_commits):
+                seen = group_commits.get(it.group, 0) if it.group else commit
+                of = f" of group {it.group}" if it.group else ""
                 self._fail(
                     it.id,
                     Code.OUT_OF_RANGE,
-                    f"min_applied_index {it.fence} is beyond the cluster's commit index "
-                    f"{commit}: no write was answered with it",
+                    f"min_applied_index {it.fence} is beyond the cluster's commit index{of} "
+                    f"{seen}: no write was answered with it",
                 )
         for e in self.q.expire(now):
             if e.gave_up:
@@ -468,7 +475,13 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             self.states[wid] = s
             if s.HasField("status"):
                 self.statuses[wid] = s.status
-            self.q.update(wid, s.is_leader, s.term, s.applied_index)
+            self.q.update(
+                wid,
+                s.is_leader,
+                s.term,
+                s.applied_index,
+                [(g.group, g.is_leader, g.term, g.applied_index) for g in s.groups],
+            )
         if not connected:
             return
         if msg.HasField("credit"):

@@ -391,3 +391,94 @@ def test_a_write_its_node_may_have_done_is_not_handed_to_another() -> None:
     q.update(2, True, 2, 0)
     q.grant(2, writes=10, reads=0)
     assert [it.id for _, it in q.dispatch(0)] == [idempotent.id]  # nothing else twice
+
+
+# --------------------------------------------------------- Raft groups
+
+
+def grouped(kind: Kind, group: int, fence: int = 0, client: str = "c") -> Item:
+    it = item(kind, fence)
+    it.group, it.client = group, client
+    return it
+
+
+def three_leaders() -> WorkQueues:
+    """Workers 1..3 (nodes 1..3); node 1 leads group 0, node 2 group 1,
+    node 3 group 2; each applied 10 in group 0, and in its data groups its
+    own number times 10."""
+    q = WorkQueues()
+    for w in (1, 2, 3):
+        q.connect(w, w)
+        q.grant(w, writes=10, reads=10)
+    for w in (1, 2, 3):
+        groups = [(g, g == w - 1, 4, w * 10) for g in (1, 2)]
+        q.update(w, w == 1, 3, 10, groups)
+    return q
+
+
+def test_each_write_goes_to_the_leader_of_its_group() -> None:
+    q = three_leaders()
+    for g in (0, 1, 2, 2, 1, 0):
+        q.submit(grouped(Kind.WRITE, g))
+    got = [(w, it.group) for w, it in q.dispatch(0)]
+    assert sorted(got) == [(1, 0), (1, 0), (2, 1), (2, 1), (3, 2), (3, 2)]
+    assert q.leader(1) is q.workers[2] and q.leader(2) is q.workers[3]
+
+
+def test_a_group_without_a_leader_holds_its_writes_not_the_others() -> None:
+    q = three_leaders()
+    q.update(3, False, 3, 10, [(1, False, 4, 30), (2, False, 5, 30)])  # lost group 2
+    q.submit(grouped(Kind.WRITE, 2, client="a"))
+    q.submit(grouped(Kind.WRITE, 1, client="b"))
+    assert [(w, it.group) for w, it in q.dispatch(0)] == [(2, 1)]
+    assert q.depth(Kind.WRITE) == 1
+    # Its reason names the group when the deadline passes.
+    [gone] = q.expire(1000.0)
+    assert "no leader of group 2" in gone.reason
+    # A newer term's leader of a group wins over a stale one's claim.
+    q.submit(grouped(Kind.WRITE, 1, client="b"))
+    q.update(1, True, 3, 10, [(1, True, 9, 10), (2, False, 5, 10)])
+    assert [(w, it.group) for w, it in q.dispatch(0)] == [(1, 1)]
+
+
+def test_a_leader_without_credit_holds_only_its_groups_writes() -> None:
+    q = three_leaders()
+    q.workers[2].write_credit = 0
+    for g, c in ((1, "a"), (2, "b"), (0, "c")):
+        q.submit(grouped(Kind.WRITE, g, client=c))
+    assert sorted((w, it.group) for w, it in q.dispatch(0)) == [(1, 0), (3, 2)]
+    q.grant(2, writes=1, reads=0)
+    assert [(w, it.group) for w, it in q.dispatch(0)] == [(2, 1)]
+
+
+def test_a_clients_writes_keep_their_order_across_groups() -> None:
+    q = three_leaders()
+    q.workers[2].write_credit = 0  # group 1's leader is busy
+    first, second = grouped(Kind.WRITE, 1), grouped(Kind.WRITE, 2)
+    q.submit(first)
+    q.submit(second)
+    assert q.dispatch(0) == []  # the second waits behind the first
+    q.grant(2, writes=1, reads=0)
+    assert [it.id for _, it in q.dispatch(0)] == [first.id, second.id]
+
+
+def test_a_reads_fence_is_of_its_group() -> None:
+    q = three_leaders()
+    q.submit(grouped(Kind.READ, 2, fence=25))  # only node 3 applied 30 in group 2
+    [(w, _)] = q.dispatch(0)
+    assert w == 3
+    q.submit(grouped(Kind.READ, 1, fence=35))  # nobody has: it waits
+    assert q.dispatch(0) == []
+    # A group no node runs is never read by anyone.
+    q.submit(grouped(Kind.READ, 7))
+    assert q.dispatch(0) == [] and q.depth(Kind.READ) == 2
+
+
+def test_unreachable_fences_are_judged_by_their_groups_commit() -> None:
+    q = three_leaders()
+    reads = [grouped(Kind.READ, 0, 99), grouped(Kind.READ, 1, 99), grouped(Kind.READ, 2, 20)]
+    for it in reads:
+        q.submit(it)
+    q.submit(grouped(Kind.READ, 5, 10**6))  # a group nobody told of: left alone
+    dropped = q.drop_unreachable_fences(50, queued_before=1.0, group_commits={1: 60, 2: 30})
+    assert [it.id for it in dropped] == [reads[0].id, reads[1].id]
