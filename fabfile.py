@@ -11,6 +11,13 @@ inventory: --inventory FILE, else $ROADLOG_INVENTORY, else inventory/hosts.
     fab heatmap-now                     run the cron heat-map job now
     fab drill [--seconds 20] [--json]   SIGKILL the leader's node; how long writes stopped
 
+The drill's probe calls the client API, which wants a client identity's
+token: $ROADLOG_TOKEN, else the file $ROADLOG_TOKEN_FILE, else the
+operators' admin token the roles keep on this machine (role
+roadlog_identities: roadlog_identities_dir, by default tokens/ beside the
+CA in roadlog_tls_controller_dir). It reaches the prober on stdin, into the
+drill's private directory, never a command line.
+
 The cluster logic (leader, order, health, pause) is roadlog.leadership and
 roadlog.tools.ops, tested
 without SSH; this file only moves commands and their output.
@@ -50,6 +57,7 @@ from roadlog.tools.ops import (
     client_tls_env,
     health_problems,
     hosts_from_inventory,
+    operator_token_file,
     restart_order,
     status_rows,
     write_pause,
@@ -99,6 +107,11 @@ print(body.decode())
 # ------------------------------------------------------------------ hosts
 
 
+REPO = Path(__file__).resolve().parent
+# The inventory's host variables, as the last _inventory read them.
+_HOSTVARS: dict[str, dict[str, Any]] = {}
+
+
 def _inventory(path: str | None) -> dict[str, list[SshHost]]:
     inv = path or os.environ.get("ROADLOG_INVENTORY") or "inventory/hosts"
     here = Path(sys.executable).parent / "ansible-inventory"
@@ -106,7 +119,33 @@ def _inventory(path: str | None) -> dict[str, list[SshHost]]:
     out = subprocess.run([tool, "-i", inv, "--list"], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         sys.exit(f"fab: cannot read the inventory {inv}: {out.stderr.strip()}")
-    return hosts_from_inventory(jsonlib.loads(out.stdout))
+    doc = jsonlib.loads(out.stdout)
+    _HOSTVARS.clear()
+    _HOSTVARS.update(doc.get("_meta", {}).get("hostvars", {}))
+    return hosts_from_inventory(doc)
+
+
+TOKEN_ENV = "ROADLOG_TOKEN"
+TOKEN_FILE_ENV = "ROADLOG_TOKEN_FILE"
+
+
+def _operator_token() -> str | None:
+    """The token the drill's probe calls with (it makes its topic, then
+    writes: the scope admin): $ROADLOG_TOKEN, else the file
+    $ROADLOG_TOKEN_FILE, else the operators' token the roles keep here; None
+    where there is none (a cluster run with client_auth none)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    given = os.environ.get(TOKEN_FILE_ENV)
+    path = Path(given) if given else operator_token_file(_HOSTVARS, REPO)
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        if given:
+            sys.exit(f"fab: {TOKEN_FILE_ENV}={given}: no such file")
+        return None
+    except OSError as e:
+        sys.exit(f"fab: the operators' token {path}: {e.strerror}")
 
 
 KNOWN_HOSTS_ENV = "ROADLOG_KNOWN_HOSTS"
@@ -440,9 +479,19 @@ def _drill_in(
     except ValueError as e:
         sys.exit(f"fab: {QUEUE_CONFIG} on the prober: {e}")
     tls_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in tls.items())
+    # The operators' token: on stdin into the private directory, then into
+    # the probe's environment (never on a command line, where ps shows it).
+    token = _operator_token()
+    with_token = ""
+    if token:
+        _run(pconn, f"umask 077 && cat > {work}/token", stdin=token + "\n")
+        with_token = f'ROADLOG_TOKEN="$(cat {work}/token)"; export ROADLOG_TOKEN; '
+    else:
+        _say("no operators' token (ROADLOG_TOKEN, ROADLOG_TOKEN_FILE, the roles'): the probe "
+             "calls without one")  # fmt: skip
     probe = (
-        f"env {tls_env} ROADLOG_CLIENT_ID=roadlog-drill HOME={work} timeout {seconds + 60} "
-        f"{VENV}/bin/python -m roadlog.tools.probe --servers {servers} "
+        f"{with_token}env {tls_env} ROADLOG_CLIENT_ID=roadlog-drill HOME={work} "
+        f"timeout {seconds + 60} {VENV}/bin/python -m roadlog.tools.probe --servers {servers} "
         f"--duration {seconds} --out {out_file}"
     )
     _run(pconn, f"nohup sh -c {shlex.quote(probe)} > /dev/null 2>&1 &")

@@ -8,9 +8,10 @@ leadership to are decided there, shared with ``roadlog-node transfer-leader``.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 from roadlog.leadership import HostView, leader_host
@@ -116,6 +117,31 @@ def client_tls_env(daemon_config: str | None, client: str = OPERATOR_CLIENT) -> 
         "ROADLOG_CERT_FILE": f"{certs}/client.{client}.crt",
         "ROADLOG_KEY_FILE": f"{certs}/client.{client}.key",
     }
+
+
+def operator_token_file(
+    hostvars: Mapping[str, Mapping[str, Any]], repo: Path, name: str = OPERATOR_CLIENT
+) -> Path:
+    """Where the roles keep the operators' admin token on the controller
+    (role roadlog_identities), from the inventory's variables:
+    ``roadlog_identities_dir``, else ``roadlog_tls_controller_dir``/tokens,
+    else the roles' default ``pki/CLUSTER/tokens`` in the repository ``repo``;
+    the file is ``roadlog_identities_operator`` (else ``name``) ``.token``. A
+    variable whose value is a template is not used (it is the roles' to
+    render)."""
+
+    def var(key: str) -> str | None:
+        for v in hostvars.values():
+            x = v.get(key)
+            if isinstance(x, str) and x and "{{" not in x:
+                return x
+        return None
+
+    tokens = var("roadlog_identities_dir")
+    if tokens is None:
+        cluster = var("roadlog_common_cluster_name") or "roadlog"
+        tokens = f"{var('roadlog_tls_controller_dir') or repo / 'pki' / cluster}/tokens"
+    return Path(tokens) / f"{var('roadlog_identities_operator') or name}.token"
 
 
 @dataclass(frozen=True)

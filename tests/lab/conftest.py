@@ -32,16 +32,28 @@ BIN = Path(sys.executable).parent
 # trusting its CA, with the operators' client certificate (calls to nodes).
 PKI = LAB_ROOT / "pki"
 HOST_CA = "/etc/roadlog/certs/ca.crt"  # the CA on every lab host
+# The client identities' tokens the roles keep beside the CA (role
+# roadlog_identities): the operators' admin and the heat-map job's.
+TOKENS = PKI / "tokens"
+
+
+def token(name: str = "ops") -> str:
+    return (TOKENS / f"{name}.token").read_text().strip()
 
 
 def tls_env() -> dict[str, str]:
-    """The environment the SDK and the CLI dial the lab cluster with."""
+    """The environment the SDK and the CLI dial the lab cluster with: its CA,
+    the operators' client certificate and, once the roles made it, the
+    operators' admin token (the queue servers ask for one: client_auth token)."""
     client = PKI / "client"
-    return {
+    env = {
         "ROADLOG_CA_FILE": str(client / "ca.crt"),
         "ROADLOG_CERT_FILE": str(client / "client.ops.crt"),
         "ROADLOG_KEY_FILE": str(client / "client.ops.key"),
     }
+    if (TOKENS / "ops.token").exists():
+        env["ROADLOG_TOKEN"] = token("ops")
+    return env
 
 
 @dataclass
@@ -100,6 +112,9 @@ class Deployed:
         env = {**os.environ, "ROADLOG_INVENTORY": str(self.inventory),
                "ROADLOG_KNOWN_HOSTS": str(self.lab.known_hosts)}  # fmt: skip
         env.pop("ROADLOG_SSH_ACCEPT_NEW_HOST_KEYS", None)
+        # fab finds the operators' token where the roles keep it (the inventory's
+        # roadlog_tls_controller_dir), as an operator's fab does.
+        env.pop("ROADLOG_TOKEN", None)
         r = subprocess.run(
             [str(BIN / "fab"), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
             env=env,
@@ -107,14 +122,21 @@ class Deployed:
         assert r.returncode == 0, f"fab {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
         return r.stdout
 
-    def roadlog(self, *args: str, client: str = "lab-driver") -> dict[str, Any]:
+    def roadlog(
+        self, *args: str, client: str = "lab-driver", token: str | None = None
+    ) -> dict[str, Any]:
+        """The CLI's JSON answer ({} for none), as the operators' admin (or
+        with ``token``); RuntimeError with its message when it fails."""
+        env = {**os.environ, **tls_env(), "ROADLOG_CLIENT_ID": client}
+        if token is not None:
+            env["ROADLOG_TOKEN"] = token
         r = subprocess.run(
             [str(BIN / "roadlog"), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-            env={**os.environ, **tls_env(), "ROADLOG_CLIENT_ID": client},
+            env=env,
         )  # fmt: skip
         if r.returncode != 0:
             raise RuntimeError(r.stderr.strip() or r.stdout.strip())
-        return dict(json.loads(r.stdout))
+        return dict(json.loads(r.stdout)) if r.stdout.strip() else {}
 
     def cluster(self) -> dict[str, Any]:
         return self.roadlog("cluster", "status", "--servers", ",".join(self.servers), "--json")

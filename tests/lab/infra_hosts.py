@@ -61,6 +61,9 @@ def test_configuration_and_state_have_their_owners_and_modes(host: Any) -> None:
         if f.exists:
             assert "insecure = false" in f.content_string, conf
             assert f'certs_dir = "{CERTS}"' in f.content_string, conf
+    queue = host.file("/etc/roadlog/queue.toml")  # client tokens by default (issue 19)
+    if queue.exists:
+        assert 'client_auth = "token"' in queue.content_string
     assert host.file("/opt/roadlog/venv/bin/roadlog-node").is_file
     assert host.file("/opt/roadlog/wheelhouse/SHA256SUMS").is_file
     if "nodes" in groups(host):
@@ -190,6 +193,21 @@ def test_tls_keys_and_certificates_have_their_owners_and_modes(host: Any) -> Non
         f = host.file(f"{CERTS}/{name}")
         assert f.is_file and (f.user, f.mode) == (user, mode), (name, f.user, oct(f.mode))
     assert host.check_output("find /etc /opt/roadlog /var/lib/roadlog -name ca.key") == ""
+
+
+def test_the_job_token_is_on_the_spark_master_only_and_private(host: Any) -> None:
+    """Issue 19: the heat-map job's token (role roadlog_identities makes it on
+    the controller, roadlog_heatmap_cron pushes it) is on the Spark master,
+    where the job's driver runs: 0600, the job's user's. No other host has a
+    token, and the operators' stays on the controller."""
+    found = host.check_output("find /etc /opt/roadlog -name '*.token'").split()
+    if "spark_master" in groups(host):
+        assert found == ["/etc/roadlog/spark.token"], found
+        f = host.file("/etc/roadlog/spark.token")
+        assert (f.user, f.group, f.mode) == ("roadlog", "roadlog", 0o600), (f.user, oct(f.mode))
+        assert f.size > 40  # rl_ and 43 characters
+    else:
+        assert found == [], found
 
 
 # Dials the node's and the queue server's ports from the host as clients

@@ -1,6 +1,7 @@
 """The appliance on real hosts: Ansible deploys it onto systemd machines,
 testinfra checks them, and the operations (drill, rolling restart, backup
-and restore, adding a node, the cron heat map, Fabric) run against it.
+and restore, adding a node, the cron heat map and the streamed one, Fabric)
+run against it, with TLS and the client identities the roles issue.
 
 The tests share one deployed lab (conftest.py) and run in file order; each
 leaves the cluster healthy for the next.
@@ -8,18 +9,25 @@ leaves the cluster healthy for the next.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
 
-from roadlog.client import Connection
+from roadlog.client import Admin, Connection, RoadlogError
+from roadlog.client_tls import ClientTLS
+from roadlog.errors import Code
+from roadlog.geo import bbox_region
 from tests.integration.conftest import ProducerRun, assert_exactly_once_in_order, read_topic
-from tests.lab.conftest import BIN, PKI, REPO, Deployed, recap, tls_env
+from tests.lab.conftest import BIN, PKI, REPO, TOKENS, Deployed, recap, tls_env, token
 from tests.lab.hosts import BROADCAST, lab_inventory, wait_for
 
 # The first test also boots the lab, builds the wheelhouse and runs site.yml.
@@ -31,9 +39,10 @@ PROMETHEUS_PORT = 9090  # on lab1, the Spark master (inventory/lab.ini turns mon
 
 
 @pytest.fixture(scope="module", autouse=True)
-def tls_lab() -> Any:
-    """The roles deploy the cluster with TLS (issue 19): the SDK and the tools
-    here trust its CA and present the operators' client certificate."""
+def tls_lab(deployed: Deployed) -> Any:
+    """The roles deploy the cluster with TLS and client tokens (issue 19): the
+    SDK and the tools here trust its CA, present the operators' client
+    certificate and call as the operators' admin identity the roles made."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ROADLOG_INSECURE", raising=False)
         for k, v in tls_env().items():
@@ -74,18 +83,73 @@ def test_site_deploys_every_host_and_a_second_run_changes_nothing(deployed: Depl
     assert {p: p.read_bytes() for p in PKI.glob("*/*/*.crt")} == certs and certs
 
 
-def test_the_ca_key_stays_on_the_controller_and_the_lab_runs_tls(deployed: Deployed) -> None:
+def http_status(deployed: Deployed, method: str, path: str, tok: str | None) -> int:
+    """The status of an HTTPS request to the first queue server's HTTP API,
+    trusting the cluster's CA, with the Bearer token ``tok`` (None: none)."""
+    ctx = ssl.create_default_context(cafile=str(PKI / "client" / "ca.crt"))
+    req = urllib.request.Request(
+        f"https://{deployed.hosts[0].ip}:8080{path}", method=method,
+        data=b'{"name": "lab-refused", "bbox": [11.4, 48.0, 11.5, 48.1]}' if method == "POST"
+        else None,
+        headers={"Authorization": f"Bearer {tok}"} if tok else {},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def refused_with_at(server: str, tok: str | None) -> Code | None:
+    """The code ListTopics fails with at one queue server (None: served)."""
+    tls = dataclasses.replace(ClientTLS.from_env(), token=tok)
+    with Connection([server], timeout=10, tls=tls) as conn:
+        try:
+            Admin(conn).list_topics()
+        except RoadlogError as e:
+            return e.code
+    return None
+
+
+def refused_with(deployed: Deployed, tok: str | None, call: str) -> Code | None:
+    """The code a gRPC call through the queue servers fails with (None: it
+    succeeds), with the token ``tok`` (None: none)."""
+    tls = dataclasses.replace(ClientTLS.from_env(), token=tok)
+    with Connection(deployed.servers, timeout=10, tls=tls) as conn:
+        try:
+            if call == "list":
+                Admin(conn).list_topics()
+            else:
+                Admin(conn).create_topic("lab-refused", bbox_region(11.4, 48.0, 11.5, 48.1).geojson)
+        except RoadlogError as e:
+            return e.code
+    return None
+
+
+def test_the_ca_key_and_the_tokens_stay_on_the_controller_and_the_lab_runs_tls_and_tokens(
+    deployed: Deployed,
+) -> None:
     """Issue 19: the CA is made on the controller, its key 0600 in a 0700
-    directory there, on no host; the daemons run with their certificates."""
+    directory there, on no host; the daemons run with their certificates.
+    The roles issued the operators' and the Spark job's identities (tokens
+    0600 in a 0700 directory beside the CA), and the queue servers ask every
+    client call for a token with its scope."""
     assert (PKI / "ca.key").stat().st_mode & 0o777 == 0o600
     assert PKI.stat().st_mode & 0o777 == 0o700
     for key in PKI.glob("**/*.key"):
         assert key.stat().st_mode & 0o777 == 0o600, key
+    assert TOKENS.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in TOKENS.iterdir()) == ["ops.token", "spark.token"]
+    for tok in TOKENS.iterdir():
+        assert tok.stat().st_mode & 0o777 == 0o600, tok
+        assert tok.read_text().startswith("rl_"), tok
     for h in deployed.hosts:
         found = deployed.ssh(h, "find /etc /opt/roadlog /var/lib/roadlog -name ca.key", False)
         assert found == "", found
         conf = deployed.ssh(h, "cat /etc/roadlog/node.toml")
         assert "insecure = false" in conf and 'certs_dir = "/etc/roadlog/certs"' in conf
+    queue_conf = deployed.ssh(deployed.hosts[0], "cat /etc/roadlog/queue.toml")
+    assert 'client_auth = "token"' in queue_conf
     # A plaintext client gets nowhere; the same call with the CA gets the cluster.
     r = subprocess.run(
         [str(BIN / "roadlog"), "cluster", "status", "--servers",
@@ -99,6 +163,21 @@ def test_the_ca_key_stays_on_the_controller_and_the_lab_runs_tls(deployed: Deplo
     assert plain["leader"] == 0 and not any(q["up"] for q in plain["queue_servers"]), plain
     st = deployed.cluster()
     assert st["leader"] != 0 and all(q["up"] for q in st["queue_servers"]), st
+    # No token: UNAUTHENTICATED (401); a token without the scope: PERMISSION_DENIED
+    # (403); the operators' admin token: served.
+    ops = token("ops")
+    stranger = deployed.roadlog(
+        "client", "create", "lab-stranger", "--scope", "read:elsewhere",
+        "--servers", ",".join(deployed.servers), "--json",
+    )["token"]  # fmt: skip
+    assert refused_with(deployed, None, "list") == Code.UNAUTHENTICATED
+    assert refused_with(deployed, "rl_" + "x" * 43, "list") == Code.UNAUTHENTICATED
+    assert refused_with(deployed, stranger, "create") == Code.PERMISSION_DENIED
+    assert refused_with(deployed, ops, "list") is None
+    assert http_status(deployed, "GET", "/v1/topics", None) == 401
+    assert http_status(deployed, "POST", "/v1/topics", stranger) == 403
+    assert http_status(deployed, "GET", "/v1/topics", ops) == 200
+    assert http_status(deployed, "GET", "/healthz", None) == 200  # health stays open
 
 
 def test_hosts_pass_testinfra(deployed: Deployed) -> None:
@@ -210,6 +289,76 @@ def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_m
     assert "environment" in envs, "no executor unpacked the packed virtualenv"
     # Proven: stop the every-minute job so the next tests get the two cores.
     deployed.ssh(deployed.hosts[0], "crontab -r -u roadlog")
+
+
+STREAM = f"roadlog-heatmap-stream-{CITY}"
+
+
+def stream_commits(deployed: Deployed) -> list[dict[str, Any]]:
+    """The stream service's triggers that committed heat maps, from its
+    journal (one JSON line per trigger)."""
+    log = deployed.ssh(deployed.hosts[0], f"journalctl -u {STREAM} --no-pager -o cat", False)
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{") and '"applied_index"' in line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def test_a_revoked_job_identity_is_made_again_and_the_stream_runs_as_a_service(
+    deployed: Deployed,
+) -> None:
+    """Issue 19: the Spark job's identity, revoked, is made again by the next
+    run (and pushed, 0600). Issue 20: roadlog_heatmap_cron_mode=stream runs
+    the streaming heat map as a systemd service on the Spark master (a
+    targeted playbook, not a full deploy), which commits heat maps with that
+    identity; back to cron, the service stops and the cron entry returns."""
+    servers = ",".join(deployed.servers)
+    old = token("spark")
+    deployed.roadlog("client", "revoke", "spark", "--yes", "--servers", servers)
+    # Every queue server refuses it (each caches a token's identity up to 5 s).
+    wait_for(
+        lambda: all(refused_with_at(s, old) == Code.UNAUTHENTICATED for s in deployed.servers),
+        30, "the revoked token refused everywhere", every=0.5,
+    )  # fmt: skip
+    out = deployed.playbook("heatmap.yml", "-e", "roadlog_heatmap_cron_mode=stream",
+                            "-e", "roadlog_heatmap_cron_stream_every_ms=10000")  # fmt: skip
+    assert recap(out)[deployed.hosts[0].name]["changed"] > 0
+    new = token("spark")
+    assert new != old and (TOKENS / "spark.token").stat().st_mode & 0o777 == 0o600
+    pushed = deployed.ssh(deployed.hosts[0], "sha256sum < /etc/roadlog/spark.token").split()[0]
+    assert pushed == hashlib.sha256((new + "\n").encode()).hexdigest()
+    assert deployed.ssh(deployed.hosts[0], "crontab -l -u roadlog", False) == ""
+    commits: list[dict[str, Any]] = []
+
+    def committed() -> bool:
+        active = deployed.ssh(deployed.hosts[0], f"systemctl is-active {STREAM}", False).strip()
+        assert active in ("active", "activating"), f"{STREAM} is {active}"
+        commits[:] = stream_commits(deployed)
+        return bool(commits)
+
+    try:
+        wait_for(committed, 300, "a heat map the stream committed", every=3)
+    except TimeoutError:
+        log = deployed.ssh(deployed.hosts[0], f"journalctl -u {STREAM} --no-pager -n 60", False)
+        pytest.fail(f"the stream committed nothing:\n{log[-5000:]}")
+    last = commits[-1]
+    start = next(w[0] for w in last["windows"] if w[1] == last["end"])
+    got = deployed.roadlog("heatmap", "get", CITY, "--window", str(start), "--servers", servers,
+                           "--json")  # fmt: skip
+    assert got.get("type") == "FeatureCollection" and got.get("features"), str(got)[:500]
+    # Back to cron: the service stops (and stays off at boot), the cron entry returns.
+    deployed.playbook("heatmap.yml", "-e", "roadlog_heatmap_cron_mode=cron")
+    state = deployed.ssh(deployed.hosts[0], f"systemctl is-active {STREAM}; "
+                         f"systemctl is-enabled {STREAM}", False).split()  # fmt: skip
+    assert state[0] in ("inactive", "failed") and state[1] == "disabled", state
+    assert "/opt/roadlog/bin/roadlog-heatmap" in deployed.ssh(
+        deployed.hosts[0], "crontab -l -u roadlog"
+    )
+    deployed.ssh(deployed.hosts[0], "crontab -r -u roadlog")  # the cores for the next tests
 
 
 def test_a_rolling_restart_with_producers_running_loses_nothing(deployed: Deployed) -> None:
