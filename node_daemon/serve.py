@@ -21,6 +21,7 @@ from discovery.agent import DiscoveryAgent, now_ms
 from discovery.core import DiscoveryCore, Found, Join
 from node_daemon.admin import NODE_PROTECTED, AdminService, node_callers, refused_by_cert
 from node_daemon.config import ConfigError, NodeConfig
+from node_daemon.grouped_work import GroupedWork
 from node_daemon.identity import node_id_for
 from node_daemon.membership import Membership
 from node_daemon.node_read import NodeReadService
@@ -165,14 +166,19 @@ async def serve(cfg: NodeConfig) -> None:
         stop.set()
 
     await groups.start(driver_failed)
-    executor = WorkHandler(node)
-    executor.groups.start()
+    # A handler per Raft group the node runs; items go by WorkItem.group.
+    executor = GroupedWork(
+        {0: WorkHandler(node)} | {g: WorkHandler(n) for g, n in groups.data.items()}
+    )
+    executor.meta.groups.start()  # consumer groups live in group 0
     links: dict[str, QueueServerLink] = {}
 
     def link_queue_servers(addresses: list[str]) -> None:
         for q in addresses:
             if q not in links:
-                links[q] = QueueServerLink(q, node, executor, token, cfg.secret())
+                links[q] = QueueServerLink(
+                    q, node, executor, token, cfg.secret(), data_groups=groups.data
+                )
                 links[q].start()
                 log.info("pulling work from a queue server", extra={"queue": q})
 
@@ -197,6 +203,13 @@ async def serve(cfg: NodeConfig) -> None:
             asyncio.get_running_loop().create_task(health_servicer.set("roadlog.node", status))
 
     node.state_listeners.append(on_state)
+
+    def on_data_group_state() -> None:  # their roles and indexes go to the queue servers
+        for link in links.values():
+            link.state_changed()
+
+    for data_node in groups.data.values():
+        data_node.state_listeners.append(on_data_group_state)
     on_state()
     link_queue_servers(cfg.queue_servers)
     if agent is not None:

@@ -12,7 +12,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from node_daemon import metrics
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.group_coordinator import GroupCoordinator
+from node_daemon.grouped_work import Executor, group_states
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.responses import publish_batch_response
 from node_daemon.state.machine import (
@@ -536,6 +537,11 @@ async def propose_client(
     return await node.propose_op(command_pb2.Op(create_client=op))
 
 
+# A node's role as told to a queue server: leads group 0, its leader, term,
+# the leader's address, and (group, leads it, term) of each data group.
+_Role = tuple[bool, int, int, str, tuple[tuple[int, bool, int], ...]]
+
+
 class QueueServerLink:
     """One long-lived Pull stream to one queue server, re-opened when it breaks.
 
@@ -553,20 +559,23 @@ class QueueServerLink:
         self,
         address: str,
         node: RaftNode,
-        executor: WorkHandler,
+        executor: Executor,
         token: str,
         secret: bytes | None = None,
+        data_groups: Mapping[int, RaftNode] | None = None,
     ) -> None:
         self.address = address
         self.node = node
         self.executor = executor
+        self.data_groups = data_groups if data_groups is not None else {}  # told with its state
         self.token = token
         self.secret = secret  # dial the framed Work link where offered (None: gRPC only)
         self.link_kind = ""  # "frames" or "grpc" while connected
         self.outbox: asyncio.Queue[work_pb2.WorkerMessage] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.connected = False
-        self._told: tuple[bool, int, int, str] | None = None  # the role it last told
+        self._told: _Role | None = None  # the role it last told
+        self._told_group_applied: dict[int, int] = {}  # each data group's, last told
         self._told_applied = 0  # the indexes it last told
         self._told_commit = 0
         self._told_at = 0.0  # when it last told a state
@@ -592,14 +601,17 @@ class QueueServerLink:
             commit_index=core.log.committed,
             leader_address=n.address_of(core.lead),
         )
+        if self.data_groups:
+            st.groups.extend(group_states(self.data_groups))
         if with_status:
             st.status.CopyFrom(node_status(n))
         return st
 
-    def _role(self) -> tuple[bool, int, int, str]:
+    def _role(self) -> _Role:
         n = self.node
         lead = n.core.lead
-        return (n.is_leader, lead, n.core.term, n.address_of(lead))
+        groups = tuple((g, d.is_leader, d.core.term) for g, d in sorted(self.data_groups.items()))
+        return (n.is_leader, lead, n.core.term, n.address_of(lead), groups)
 
     def state_changed(self) -> None:
         """The node's role or indexes moved: tell the queue server now, later
@@ -636,6 +648,10 @@ class QueueServerLink:
         n = self.node
         applied = n.sm.applied_index
         moved = applied > self._told_applied or n.core.log.committed > self._told_commit
+        moved = moved or any(
+            d.sm.applied_index > self._told_group_applied.get(g, 0)
+            for g, d in self.data_groups.items()
+        )
         if moved and self._prompt():
             if self._told_applied < self._fence_wait <= applied:
                 self._tell_state()  # reads wait for just this: at once
@@ -674,7 +690,9 @@ class QueueServerLink:
         self.outbox.put_nowait(msg)
 
     def _told_state(self, s: work_pb2.WorkerState) -> None:
-        self._told = (s.is_leader, s.leader, s.term, s.leader_address)
+        groups = tuple((g.group, g.is_leader, g.term) for g in s.groups)
+        self._told = (s.is_leader, s.leader, s.term, s.leader_address, groups)
+        self._told_group_applied = {g.group: g.applied_index for g in s.groups}
         self._told_applied = s.applied_index
         self._told_commit = s.commit_index
         self._told_at = _clock()

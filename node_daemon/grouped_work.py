@@ -1,0 +1,76 @@
+"""A node's work, routed by Raft group (multi-raft, docs/multiraft.md).
+
+Each group the node runs has its own ``WorkHandler`` (against that group's
+``RaftNode``); a work item goes to the handler of its ``WorkItem.group``.
+Group 0, the metadata group, takes topics, consumer groups, clients and heat
+maps; data groups take the appends and reads of their partitions. What the
+queue server must know of the data groups to route (role, term, indexes)
+rides in ``WorkerState.groups`` (``group_states``).
+
+Invariant: an item of a group this node does not run is answered
+UNAVAILABLE ("runs no group g"), never done in another group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from roadlog.errors import Code
+from roadlog.v1 import work_pb2
+
+if TYPE_CHECKING:
+    from node_daemon.node import RaftNode
+    from node_daemon.worker import WorkHandler
+
+
+class Executor(Protocol):
+    """What a queue server link hands its work items to."""
+
+    async def run(self, item: work_pb2.WorkItem) -> work_pb2.WorkResult: ...
+
+    def reads_flowing(self, link: object, on: bool) -> None: ...
+
+
+class GroupedWork:
+    """The work handlers of a node's groups (0 always among them)."""
+
+    def __init__(self, handlers: Mapping[int, WorkHandler]) -> None:
+        if 0 not in handlers:
+            raise ValueError("a node always runs group 0")
+        self.handlers = dict(handlers)
+
+    @property
+    def meta(self) -> WorkHandler:
+        """Group 0's handler (consumer groups, topics, clients, heat maps)."""
+        return self.handlers[0]
+
+    async def run(self, item: work_pb2.WorkItem) -> work_pb2.WorkResult:
+        handler = self.handlers.get(item.group)
+        if handler is None:
+            return work_pb2.WorkResult(
+                id=item.id,
+                code=Code.UNAVAILABLE,
+                message=f"this node runs no group {item.group}",
+            )
+        return await handler.run(item)
+
+    def reads_flowing(self, link: object, on: bool) -> None:
+        """Fenced reads come in at ``link`` lately (or no more): every group's
+        leader tells its followers each commit at once meanwhile."""
+        for handler in self.handlers.values():
+            handler.reads_flowing(link, on)
+
+
+def group_states(data: Mapping[int, RaftNode]) -> list[work_pb2.GroupState]:
+    """What the queue server routes a node's data groups by, in group order."""
+    return [
+        work_pb2.GroupState(
+            group=g,
+            is_leader=n.is_leader,
+            term=n.core.term,
+            applied_index=n.sm.applied_index,
+            commit_index=n.core.log.committed,
+        )
+        for g, n in sorted(data.items())
+    ]
