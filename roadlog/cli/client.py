@@ -369,10 +369,10 @@ def client_ensure(
         result = _ensure(ids, name, checked, token_file, admin_token_file, bootstrap_nodes)
     except RoadlogError as e:
         raise click.ClickException(str(e)) from None
-    if as_json:
-        out.print_json(json.dumps(result))
+    if as_json:  # one line, for the roles to read
+        click.echo(json.dumps(result))
     else:
-        what = "made again" if result["changed"] else "kept"
+        what = "made" if result["changed"] else "kept"
         err.print(
             f"client {name!r} ({result['client_id'] or '?'}): its token in {token_file} {what}"
         )

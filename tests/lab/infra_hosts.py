@@ -200,7 +200,7 @@ def test_the_job_token_is_on_the_spark_master_only_and_private(host: Any) -> Non
     the controller, roadlog_heatmap_cron pushes it) is on the Spark master,
     where the job's driver runs: 0600, the job's user's. No other host has a
     token, and the operators' stays on the controller."""
-    found = host.check_output("find /etc /opt/roadlog -name '*.token'").split()
+    found = host.check_output("find /etc/roadlog /opt/roadlog -name '*.token'").split()
     if "spark_master" in groups(host):
         assert found == ["/etc/roadlog/spark.token"], found
         f = host.file("/etc/roadlog/spark.token")
