@@ -30,7 +30,20 @@ from roadlog.v1 import (
 log = logging.getLogger("roadlog.node")
 
 
-# What only the cluster's own processes may call (ClusterAuth checks the token).
+# With TLS (issue 19, finding 4): the token is no peer credential. Raft
+# traffic and node reads are let in by the caller's certificate alone
+# (``node_callers``); the changing admin calls need a node's certificate,
+# or an operator's client certificate and the cluster token.
+NODE_CHANGES = protects(
+    (),
+    [
+        f"/roadlog.v1.Admin/{m}"
+        for m in ("AddNode", "RemoveNode", "TransferLeader", "Snapshot", "Leave", "CreateClient")
+    ],
+)
+
+# Without TLS (debugging only): what only the cluster's own processes may
+# call (ClusterAuth checks the token).
 NODE_PROTECTED = protects(
     ("roadlog.v1.RaftPeer", "roadlog.v1.NodeRead"),
     [

@@ -19,7 +19,13 @@ from grpc_reflection.v1alpha import reflection
 
 from discovery.agent import DiscoveryAgent, now_ms
 from discovery.core import DiscoveryCore, Found, Join
-from node_daemon.admin import NODE_PROTECTED, AdminService, node_callers, refused_by_cert
+from node_daemon.admin import (
+    NODE_CHANGES,
+    NODE_PROTECTED,
+    AdminService,
+    node_callers,
+    refused_by_cert,
+)
 from node_daemon.config import ConfigError, NodeConfig
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.identity import node_id_for
@@ -83,6 +89,12 @@ class NodeFailed(RuntimeError):
     """The node stopped because its Raft driver failed (systemd restarts it)."""
 
 
+def _is_node(context: Any) -> bool:
+    """The caller holds a node's certificate of the cluster's CA."""
+    ident = tls.grpc_identity(context)
+    return ident is not None and ident.kind == "node"
+
+
 async def serve(cfg: NodeConfig) -> None:
     # LMDB commits and fsyncs release the GIL; hand it back quickly when they
     # return, instead of after the default 5 ms switch interval.
@@ -116,7 +128,10 @@ async def serve(cfg: NodeConfig) -> None:
     security = tls.current()
     interceptors: list[grpc.aio.ServerInterceptor] = [ClusterAuth(token, NODE_PROTECTED)]
     if not security.insecure:  # who may call what, by the caller's certificate
-        interceptors.insert(0, tls.CertAuth(node_callers, refused_by_cert))
+        interceptors = [
+            tls.CertAuth(node_callers, refused_by_cert),
+            ClusterAuth(token, NODE_CHANGES, exempt=_is_node),
+        ]
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[

@@ -3,7 +3,8 @@
 Options:
 
 - ``nodes``: node gRPC addresses ``HOST:PORT,...`` (any one that answers plans);
-- ``secret_file`` and ``cluster_name``: the cluster's credentials;
+- ``secret_file`` and ``cluster_name``: the cluster token (needed only
+  without TLS; with TLS the client certificate below is the credential);
 - TLS from the environment of the driver and of every executor
   (``ClientTLS.from_env()``: ``ROADLOG_CA_FILE``, and a client certificate of
   the cluster's CA in ``ROADLOG_CERT_FILE``/``ROADLOG_KEY_FILE``, since a
@@ -128,9 +129,14 @@ def _opt_int(options: dict[str, str], key: str) -> int | None:
 
 
 def credentials(options: dict[str, str]) -> str:
+    """The cluster token from ``secret_file``; "" without one: with TLS the
+    reader's client certificate alone lets it read from the nodes (so the
+    Spark hosts need not hold the cluster secret)."""
     secret_file = options.get("secret_file")
     if not secret_file:
-        raise ValueError("the roadlog source needs option secret_file")
+        if ClientTLS.from_env().insecure:
+            raise ValueError("the roadlog source needs option secret_file (the cluster has no TLS)")
+        return ""
     return cluster_token(read_secret(Path(secret_file)), options.get("cluster_name", "roadlog"))
 
 

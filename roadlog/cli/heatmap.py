@@ -12,6 +12,7 @@ import click
 
 from roadlog.cli.common import cli, client_tls, connection, err, resolve_servers, where
 from roadlog.client import Admin, PermissionDenied, RoadlogError
+from roadlog.client_tls import ClientTLS
 from roadlog.tools.localcluster import LocalCluster, gather_status
 
 
@@ -56,20 +57,27 @@ def _window(window: str | None, since: str | None) -> tuple[int, int]:
     return end - _duration_ms(since or "15m"), end
 
 
-def _job_inputs(cluster: Path | None, servers: str | None) -> tuple[list[str], Path, list[str]]:
-    """A Spark job's queue servers, the cluster secret (the job reads from
-    the nodes) and the nodes that answer."""
+def _job_inputs(
+    cluster: Path | None, servers: str | None
+) -> tuple[list[str], Path | None, list[str]]:
+    """A Spark job's queue servers, the cluster secret (None with TLS: the
+    job reads from the nodes with its client certificate alone) and the
+    nodes that answer."""
     qs = resolve_servers(cluster, servers)
+    secret: Path | None = None
     if cluster is not None:
-        secret = Path(LocalCluster.load(cluster).secret_file)
+        lc = LocalCluster.load(cluster)
+        secret = None if lc.certs_dir else Path(lc.secret_file)  # with TLS: its certificate
     else:
         ctx = click.get_current_context()
         given = ctx.meta.get("secret_file") or os.environ.get("ROADLOG_SECRET_FILE")
-        if not given:
+        if given:
+            secret = Path(given)
+        elif ClientTLS.from_env().insecure:
             raise click.UsageError(
-                "the job reads from the nodes: --secret-file or ROADLOG_SECRET_FILE"
+                "without TLS the job reads from the nodes with the cluster token: "
+                "--secret-file or ROADLOG_SECRET_FILE"
             )
-        secret = Path(given)
     # The job's identity (it commits heat maps: the scope admin): --token,
     # else a local cluster's Spark identity, else ROADLOG_TOKEN; the job's
     # connections take it from ROADLOG_TOKEN (Spark runs in this process).

@@ -30,9 +30,10 @@ def cluster_token(secret: bytes, cluster: str) -> str:
     return hmac.new(secret, cluster.encode(), hashlib.sha256).hexdigest()
 
 
-def token_metadata(token: str) -> tuple[tuple[str, str]]:
-    """The gRPC metadata that carries ``token``."""
-    return ((AUTH_KEY, token),)
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata that carries ``token`` (none for "": a caller
+    that proves itself by its certificate alone)."""
+    return ((AUTH_KEY, token),) if token else ()
 
 
 def carries_token(metadata: Sequence[tuple[str, Any]] | None, token: str) -> bool:
@@ -51,11 +52,19 @@ def protects(services: Collection[str], methods: Collection[str] = ()) -> Callab
 
 class ClusterAuth(grpc.aio.ServerInterceptor):
     """Refuses protected calls that do not carry the cluster token (each
-    counted in roadlog_auth_refused_total by method)."""
+    counted in roadlog_auth_refused_total by method). ``exempt(context)``:
+    a caller that needs no token (with TLS: a node, by its certificate), so
+    the token is no peer credential, only an operator's for changes."""
 
-    def __init__(self, token: str, protected: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        token: str,
+        protected: Callable[[str], bool],
+        exempt: Callable[[Any], bool] | None = None,
+    ) -> None:
         self.token = token
         self.protected = protected
+        self.exempt = exempt
 
     async def intercept_service(
         self,
@@ -70,6 +79,15 @@ class ClusterAuth(grpc.aio.ServerInterceptor):
             return handler
         if carries_token(details.invocation_metadata, self.token):
             return handler
+        if self.exempt is not None:
+            exempt = self.exempt
+
+            async def check(context: Any) -> None:
+                if not exempt(context):
+                    REFUSED_CALLS.labels(method).inc()
+                    await _refuse(context)
+
+            return guarded(handler, check)
         REFUSED_CALLS.labels(method).inc()
         return _refusing(handler)
 

@@ -171,7 +171,7 @@ def run(
     topic: str,
     nodes: list[str],
     servers: list[str],
-    secret_file: Path,
+    secret_file: Path | None,
     cluster_name: str,
     window_start_ms: int,
     window_end_ms: int,
@@ -191,7 +191,7 @@ def run(
         df = (
             spark.read.format("roadlog")
             .option("nodes", ",".join(nodes))
-            .option("secret_file", str(secret_file))
+            .option("secret_file", str(secret_file or ""))
             .option("cluster_name", cluster_name)
             .option("topic", topic)
             .option(
@@ -283,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topic", required=True)
     ap.add_argument("--nodes", required=True, help="node gRPC HOST:PORT,...")
     ap.add_argument("--servers", required=True, help="queue server HOST:PORT,...")
-    ap.add_argument("--secret-file", required=True, type=Path)
+    ap.add_argument(
+        "--secret-file", type=Path, help="the cluster secret (only without TLS: with TLS the "
+        "client certificate in ROADLOG_CERT_FILE/ROADLOG_KEY_FILE is the credential)",
+    )  # fmt: skip
     ap.add_argument("--cluster-name", default="roadlog")
     ap.add_argument("--since-ms", type=int, default=15 * 60_000)
     ap.add_argument("--window", help="START_MS,END_MS (else the last --since-ms)")

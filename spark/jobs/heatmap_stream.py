@@ -415,7 +415,7 @@ def start(
     topic: str,
     nodes: list[str],
     servers: list[str],
-    secret_file: Path,
+    secret_file: Path | None,
     cluster_name: str,
     checkpoint: Path,
     windows: Windows,
@@ -434,7 +434,7 @@ def start(
     df = (
         spark.readStream.format("roadlog")
         .option("nodes", ",".join(nodes))
-        .option("secret_file", str(secret_file))
+        .option("secret_file", str(secret_file or ""))
         .option("cluster_name", cluster_name)
         .option("topic", topic)
         .option("starting", str(max(0, starting)))
@@ -485,7 +485,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--topic", required=True)
     ap.add_argument("--nodes", required=True, help="node gRPC HOST:PORT,...")
     ap.add_argument("--servers", required=True, help="queue server HOST:PORT,...")
-    ap.add_argument("--secret-file", required=True, type=Path)
+    ap.add_argument(
+        "--secret-file", type=Path, help="the cluster secret (only without TLS: with TLS the "
+        "client certificate in ROADLOG_CERT_FILE/ROADLOG_KEY_FILE is the credential)",
+    )  # fmt: skip
     ap.add_argument("--cluster-name", default="roadlog")
     ap.add_argument("--every-ms", type=int, default=DEFAULT_EVERY_MS)
     ap.add_argument("--window-ms", type=int, default=DEFAULT_WINDOW_MS)

@@ -32,6 +32,25 @@ pytestmark = pytest.mark.integration
 
 REGION = bbox_region(11.45, 48.08, 11.70, 48.20)
 HOT = (11.575, 48.137)  # lon, lat
+# The traffic's identities (made by the fixture): alice sends the pings,
+# bob only asks for heat maps.
+TOKENS: dict[str, str] = {}
+
+
+def as_(lc: LocalCluster, who: str) -> Connection:
+    """A connection of identity ``who``."""
+    return Connection(lc.servers, tls=lc.tls().with_token(TOKENS[who]))
+
+
+@pytest.fixture
+def spark_identity(
+    traffic: tuple[LocalCluster, int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-process Spark job's connections carry the cluster's Spark
+    identity (ROADLOG_TOKEN, as ``roadlog heatmap build`` sets it)."""
+    token = traffic[0].spark_token
+    assert token
+    monkeypatch.setenv("ROADLOG_TOKEN", token)
 
 
 def metres(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -49,13 +68,19 @@ def traffic(
     lc.start_all()
     try:
         lc.wait_ready(60)
+        with Connection(lc.servers, tls=lc.tls()) as conn:
+            admin = Admin(conn)
+            admin.create_topic("munich", REGION.geojson, 4)
+            TOKENS["alice"] = admin.create_client(
+                "alice", ["produce:munich", "heatmap:munich"]
+            ).token
+            TOKENS["bob"] = admin.create_client("bob", ["heatmap:munich"]).token
         end = int(time.time() * 1000)
         spec = TrafficSpec(vehicles=150, duration_s=180, end_ms=end, hotspots=(HOT,), seed=5)
         region = parse_region(REGION.geojson)
         in_window = 0
-        with Connection(lc.servers) as conn:
-            Admin(conn).create_topic("munich", REGION.geojson, 4)
-            p = Producer(conn, "munich", client="alice")
+        with as_(lc, "alice") as conn:
+            p = Producer(conn, "munich")
             for cols in simulate(region, spec):
                 p.send_batch(cols)
                 in_window += len(cols)
@@ -84,7 +109,7 @@ def build(
         topic="munich",
         nodes=[n.address for n in lc.nodes],
         servers=lc.servers,
-        secret_file=Path(lc.secret_file),
+        secret_file=None,  # with TLS the reader's client certificate is its credential
         cluster_name="roadlog",
         window_start_ms=start,
         window_end_ms=end,
@@ -94,12 +119,11 @@ def build(
 
 
 def test_the_data_source_reads_committed_data_the_same_twice(
-    traffic: tuple[LocalCluster, int, int, int],
+    traffic: tuple[LocalCluster, int, int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lc, start, end, n = traffic
     options = {
         "nodes": ",".join(n.address for n in lc.nodes),
-        "secret_file": lc.secret_file,
         "topic": "munich",
         "window_start_ms": str(start),
         "window_end_ms": str(end),
@@ -124,24 +148,27 @@ def test_the_data_source_reads_committed_data_the_same_twice(
     first = rows()
     assert len(first) == n == len(set(first))  # the window only, each ping once
     assert rows() == first
-    bad = {**options, "secret_file": str(Path(lc.secret_file).with_name("nope"))}
-    Path(bad["secret_file"]).write_text("wrong\n")
-    with pytest.raises(RuntimeError, match="UNAUTHENTICATED"):
-        plan(bad)
+    # A reader without a client certificate of the cluster's CA gets nowhere
+    # (no cluster secret is needed, nor would one help).
+    monkeypatch.delenv("ROADLOG_CERT_FILE")
+    monkeypatch.delenv("ROADLOG_KEY_FILE")
+    with pytest.raises(RuntimeError):
+        plan({**options, "secret_file": lc.secret_file})
 
 
 def test_the_jam_shows_up_where_it_is_and_only_contributors_see_it(
-    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path
+    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path, spark_identity: None
 ) -> None:
     lc, start, end, n = traffic
     summary = build(lc, start, end, tmp_path)
     assert summary["pings"] == n  # the old burst is outside the window
-    with Connection(lc.servers) as conn:
+    with as_(lc, "alice") as conn:
         conn.fence = int(str(summary["applied_index"]))  # read at the map's store, not before
-        admin = Admin(conn)
-        got = admin.heatmap("munich", client="alice")
+        got = Admin(conn).heatmap("munich")
+    with as_(lc, "bob") as conn:  # bob may ask for heat maps, but sent nothing
+        conn.fence = int(str(summary["applied_index"]))
         with pytest.raises(PermissionDenied):
-            admin.heatmap("munich", client="bob")
+            Admin(conn).heatmap("munich", client="alice")  # naming alice changes nothing
     c = got.heatmap.cells
     assert len(c.h3) > 20 and sum(c.pings) == n
     busy = [i for i in range(len(c.h3)) if c.pings[i] >= np.percentile(list(c.pings), 75)]
@@ -162,9 +189,9 @@ def test_the_jam_shows_up_where_it_is_and_only_contributors_see_it(
     # Re-running the window replaces its result; it never doubles it.
     again = build(lc, start, end, tmp_path)
     assert again["pings"] == n
-    with Connection(lc.servers) as conn:
+    with as_(lc, "alice") as conn:
         conn.fence = int(str(again["applied_index"]))  # read at the new map's store
-        resp = Admin(conn).heatmap("munich", client="alice")
+        resp = Admin(conn).heatmap("munich")
     assert list(resp.windows) == [start] and sum(resp.heatmap.cells.pings) == n
 
 
@@ -191,7 +218,10 @@ def standalone(tmp_path: Path) -> Iterator[str]:
 
 
 def test_the_same_job_runs_on_a_standalone_cluster(
-    traffic: tuple[LocalCluster, int, int, int], standalone: str, tmp_path: Path
+    traffic: tuple[LocalCluster, int, int, int],
+    standalone: str,
+    tmp_path: Path,
+    spark_identity: None,
 ) -> None:
     lc, start, end, n = traffic
     summary = build(lc, start, end, tmp_path, master=standalone)
@@ -199,7 +229,7 @@ def test_the_same_job_runs_on_a_standalone_cluster(
 
 
 def test_the_html_page_draws_in_headless_chromium(
-    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path
+    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path, spark_identity: None
 ) -> None:
     lc, start, end, _ = traffic
     summary = build(lc, start, end, tmp_path)
@@ -228,9 +258,10 @@ def test_the_cli_builds_and_gets(
     traffic: tuple[LocalCluster, int, int, int], tmp_path: Path
 ) -> None:
     lc, start, end, _ = traffic
-    env = {**os.environ, "ROADLOG_CLIENT_ID": "alice"}
+    env = dict(os.environ)
     roadlog = [sys.executable, "-m", "roadlog.cli"]
     where = ["--cluster", str(lc.dir)]
+    alice, bob = ["--token", TOKENS["alice"]], ["--token", TOKENS["bob"]]
     subprocess.run(
         [*roadlog, "heatmap", "build", "munich", "--window", f"{start},{end}",
          "--out", str(tmp_path / "maps"), *where],
@@ -243,14 +274,14 @@ def test_the_cli_builds_and_gets(
         return subprocess.run(
             [*roadlog, "heatmap", "get", "munich", "--png", str(tmp_path / "m.png"),
              "--html", str(tmp_path / "m.html"), "--geojson", str(tmp_path / "m.geojson"),
-             *where],
+             *where, *alice],
             env=env, timeout=120, capture_output=True, text=True,
         )  # fmt: skip
 
     out = settled(get, lambda r: r.returncode == 0, "the built heat map served to the CLI")
     assert (tmp_path / "m.png").stat().st_size > 1000 and "cells" in out.stderr
     denied = subprocess.run(
-        [*roadlog, "heatmap", "get", "munich", "--json", *where],
-        env={**env, "ROADLOG_CLIENT_ID": "bob"}, timeout=120, capture_output=True, text=True,
+        [*roadlog, "heatmap", "get", "munich", "--json", *where, *bob],
+        env=env, timeout=120, capture_output=True, text=True,
     )  # fmt: skip
     assert denied.returncode != 0 and "not allowed" in denied.stderr

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,7 +24,16 @@ from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import read_secret
 from roadlog.tools.localcluster import LocalCluster, NodeInfo, QueueInfo
-from roadlog.v1 import admin_pb2_grpc, client_pb2, client_pb2_grpc, work_pb2, work_pb2_grpc
+from roadlog.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    client_pb2,
+    client_pb2_grpc,
+    noderead_pb2,
+    noderead_pb2_grpc,
+    work_pb2,
+    work_pb2_grpc,
+)
 from tests.certs import ClusterCA
 from tests.integration.conftest import wait_for
 
@@ -147,3 +157,47 @@ def test_the_client_port_gives_nobody_the_work_stream(
         return grpc.StatusCode.OK
 
     assert asyncio.run(pull()) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_with_tls_the_cluster_token_is_no_peer_credential(
+    make_cluster: Callable[..., LocalCluster], test_ca: ClusterCA
+) -> None:
+    """Issue 19, finding 4: a node's certificate alone passes the changing
+    admin calls, a client's certificate alone reads from the nodes (Spark
+    needs no secret), and an operator's changing call still needs the
+    token on top of its client certificate."""
+    lc = make_cluster(1, 1)
+    node, client = lc.nodes[0].address, test_ca.security("client")
+
+    async def calls() -> dict[str, grpc.StatusCode]:
+        out: dict[str, grpc.StatusCode] = {}
+
+        async def code(name: str, call: Any) -> None:
+            try:
+                await call
+                out[name] = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                out[name] = e.code()
+
+        async with client.channel(node) as ch:
+            plan = noderead_pb2_grpc.NodeReadStub(ch).Plan(
+                noderead_pb2.PlanRequest(topic="nothing-here"), timeout=10
+            )
+            await code("client reads", plan)
+            remove = admin_pb2_grpc.AdminStub(ch).RemoveNode(
+                admin_pb2.RemoveNodeRequest(node_id=99), timeout=10
+            )
+            await code("client changes without the token", remove)
+        async with test_ca.security("node", 1).channel(node) as ch:
+            snap = admin_pb2_grpc.AdminStub(ch).Snapshot(admin_pb2.SnapshotNowRequest(), timeout=30)
+            await code("node changes without the token", snap)
+        return out
+
+    got = asyncio.run(calls())
+    assert got["client changes without the token"] == grpc.StatusCode.UNAUTHENTICATED
+    assert got["node changes without the token"] == grpc.StatusCode.OK
+    # Not refused for credentials: the topic is unknown.
+    assert got["client reads"] not in (
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    ), got
