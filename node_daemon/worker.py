@@ -83,6 +83,18 @@ _clock = time.monotonic
 Outcome = OpResult | BaseException  # a publish's result, or why it has none
 
 
+PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for group 0 to know an id
+
+
+async def _applied_to_commit(node: RaftNode, timeout: float) -> None:
+    """Wait until ``node`` applied the commit index it knows now (or
+    ``timeout`` passes)."""
+    target = node.core.log.committed
+    deadline = time.monotonic() + timeout
+    while node.sm.applied_index < target and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 class _Call:
     """The publishes of one work item (a PublishBatch, or a lone Publish),
     answered together: one future for the call, not one per publish.
@@ -292,6 +304,8 @@ class WorkHandler:
         owners = [(c, i) for c in calls for i in range(len(c.requests))]
         # Who sent each: the authenticated identity, where there is one.
         clients = [c.principal for c in calls for _ in c.requests]
+        if self.node.group != 0:  # producer ids are group 0's: checked there first
+            requests, owners, clients = await self._producers_checked(requests, owners, clients)
         now_ms = int(time.time() * 1000)
         if sum(map(len, requests)) <= INLINE_VALIDATE_BYTES:
             prepared, errors = prepare_appends(
@@ -314,6 +328,47 @@ class WorkHandler:
             proposal.add_done_callback(
                 functools.partial(_settle_spans, [owners[i] for i in p.members])
             )
+
+    async def _producers_checked(
+        self,
+        requests: list[bytes],
+        owners: list[tuple[_Call, int]],
+        clients: list[str],
+    ) -> tuple[list[bytes], list[tuple[_Call, int]], list[str]]:
+        """A data group's publishes whose producer id group 0 (this node's
+        replica of it) issued to their sender; the others are answered here
+        with the reason. An id group 0 does not know yet is asked about
+        again once this replica applied group 0's commit index it knows (an
+        id acknowledged a moment ago may not have reached it), for up to
+        PRODUCER_CATCH_UP_S."""
+        meta = self.node.raft_groups.get(0)
+        keep: list[int] = []
+        for i, raw in enumerate(requests):
+            try:
+                view = client_pb2.PublishRequestView.FromString(raw)
+            except DecodeError:
+                keep.append(i)  # prepare_appends answers it as malformed
+                continue
+            if not view.producer_id:
+                keep.append(i)
+                continue
+            if meta is None:
+                refused: tuple[Code, str] | None = (
+                    Code.UNAVAILABLE,
+                    "this node runs no group 0 to check producer ids with",
+                )
+            else:
+                client = clients[i] or view.client_id
+                refused = meta.sm.producer_refusal(view.producer_id, client)
+                if refused is not None and refused[0] == Code.FAILED_PRECONDITION:
+                    await _applied_to_commit(meta, PRODUCER_CATCH_UP_S)
+                    refused = meta.sm.producer_refusal(view.producer_id, client)
+            if refused is None:
+                keep.append(i)
+            else:
+                call, pos = owners[i]
+                call.settle(pos, RoadlogError(*refused))
+        return [requests[i] for i in keep], [owners[i] for i in keep], [clients[i] for i in keep]
 
     def _topic_lookup(self, name: str) -> tuple[int, Region]:
         topic = self.node.sm.topic(name)

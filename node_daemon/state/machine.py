@@ -157,9 +157,19 @@ class GroupFigures:
 
 
 class StateMachine:
-    def __init__(self, path: str | os.PathLike[str], map_size: int = 4 * GiB) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        map_size: int = 4 * GiB,
+        issues_producers: bool = True,
+    ) -> None:
+        """``issues_producers`` False: a data group's state, where producer
+        ids are not issued; its leader checks them against group 0's replica
+        (``producer_refusal``) before proposing, and applies take them as
+        checked."""
         self.path = Path(path)
         self.map_size = map_size
+        self.issues_producers = issues_producers
         self._open()
 
     def _open(self) -> None:
@@ -572,25 +582,10 @@ class StateMachine:
         for span, row in zip(op.spans, counts, strict=True):
             pid, seq = span.producer_id, span.sequence
             if pid:
-                if not self.producer_issued(txn, pid):
+                refused = self._refusal(txn, pid, span.client_id) if self.issues_producers else None
+                if refused is not None:
                     kept.append(False)
-                    out.append(
-                        OpResult(
-                            Code.FAILED_PRECONDITION,
-                            f"unknown producer id {pid}: get one with InitProducer",
-                        )
-                    )
-                    continue
-                owner = self._owner(txn, pid)
-                if owner and owner != span.client_id:
-                    kept.append(False)
-                    out.append(
-                        OpResult(
-                            Code.PERMISSION_DENIED,
-                            f"producer id {pid} was issued to another client: "
-                            "get your own with InitProducer",
-                        )
-                    )
+                    out.append(OpResult(*refused))
                     continue
                 seen = [
                     self._sequences(txn, pid, tid, p) if count else []
@@ -623,6 +618,37 @@ class StateMachine:
                 out.append(OpResult(response=publish_responses(partitions, nxt, [row], index)[0]))
             nxt = [base + count for base, count in zip(nxt, row, strict=True)]
         return nxt
+
+    def _refusal(
+        self, txn: Any, pid: int, client_id: str, cached: bool = True
+    ) -> tuple[Code, str] | None:
+        """Why ``client_id`` may not append with producer id ``pid`` (None: it
+        may). ``cached`` False: read from ``txn`` alone, leaving the applying
+        thread's caches alone (for a reader on another thread)."""
+        if cached:  # an owner is read (and remembered) only once the id is issued
+            issued = self.producer_issued(txn, pid)
+            owner = self._owner(txn, pid) if issued else ""
+        else:
+            issued = pid <= self._meta_int(txn, b"next_producer_id") or bool(
+                txn.get(_issued_key(pid), db=self.meta)
+            )
+            owner = ""
+            if txn.get(_bound_key(pid), db=self.meta) is not None:
+                owner = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
+        if not issued:
+            return Code.FAILED_PRECONDITION, f"unknown producer id {pid}: get one with InitProducer"
+        if owner and owner != client_id:
+            return (
+                Code.PERMISSION_DENIED,
+                f"producer id {pid} was issued to another client: get your own with InitProducer",
+            )
+        return None
+
+    def producer_refusal(self, pid: int, client_id: str) -> tuple[Code, str] | None:
+        """``_refusal`` as of what this replica applied (a data group's
+        leader asks group 0's before proposing)."""
+        with self.env.begin() as txn:
+            return self._refusal(txn, pid, client_id, cached=False)
 
     def producer_issued(self, txn: Any, pid: int) -> bool:
         """Whether producer id ``pid`` was issued by InitProducer: one of the
