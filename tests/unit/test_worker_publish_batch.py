@@ -36,6 +36,7 @@ class StubNode:
     def __init__(self, outcome: str) -> None:
         self.outcome = outcome
         self.cfg = SimpleNamespace(merge_publishes=True)
+        self.group = 0  # the metadata group
         self.core = SimpleNamespace(lead=1)
         self.is_leader = True
         topic = topics_pb2.Topic(id=7)
@@ -84,6 +85,7 @@ class LaggingNode:
 
     def __init__(self, applied: int) -> None:
         self.cfg = SimpleNamespace(merge_publishes=True)
+        self.group = 0  # the metadata group
         self.applied = asyncio.Condition()
         desc = topics_pb2.TopicDescription()
         desc.topic.spec.name = "munich"
