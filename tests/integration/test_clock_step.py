@@ -50,18 +50,32 @@ def one_node_with_a_clock(
         lc.down(grace=3)
 
 
+@contextlib.contextmanager
+def contributors(lc: LocalCluster, *names: str) -> Iterator[list[Connection]]:
+    """The topic munich (with a heat map to ask for), and a connection of
+    each named identity, which may publish to it and ask for its heat maps."""
+    with Connection(lc.servers, tls=lc.tls(), timeout=30) as conn:
+        admin = Admin(conn)
+        admin.create_topic("munich", REGION, 2)
+        admin.put_heatmap(heatmaps_pb2.HeatMap(topic="munich", window_start_ms=1, window_end_ms=2))
+        tokens = [admin.create_client(n, ["produce:munich", "heatmap:munich"]).token for n in names]
+    conns = [Connection(lc.servers, tls=lc.tls().with_token(t), timeout=30) for t in tokens]
+    try:
+        yield conns
+    finally:
+        for c in conns:
+            c.close()
+
+
 def test_a_contributor_is_not_refused_because_the_leader_s_clock_was_stepped(
     one_node_with_a_clock: tuple[LocalCluster, Path],
 ) -> None:
     lc, clock = one_node_with_a_clock
-    with Connection(lc.servers, timeout=30) as conn:
+    with contributors(lc, "c", "probe") as (conn, probe):
         admin = Admin(conn)
-        admin.create_topic("munich", REGION, 2)
-        hm = heatmaps_pb2.HeatMap(topic="munich", window_start_ms=1, window_end_ms=2)
-        admin.put_heatmap(hm)
-        producer = Producer(conn, "munich", client="c")
+        producer = Producer(conn, "munich")
         producer.send_batch(make_pings("c", 0, 10))
-        true_stamp = admin.heatmap("munich", client="c").contributed_ms
+        true_stamp = admin.heatmap("munich").contributed_ms
 
         # The leader's clock three hours behind: what it stamps now.
         clock.write_text(f"{-HOURS_3}\n")
@@ -70,16 +84,16 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_was_stepped(
         def stamped_behind() -> bool:
             producer.send_batch(make_pings("c", sent[0], 10))
             sent[0] += 10
-            return admin.heatmap("munich", client="c").contributed_ms < true_stamp - 3_600_000
+            return admin.heatmap("munich").contributed_ms < true_stamp - 3_600_000
 
         # (On the log's clock nothing is stamped behind: then this times out.)
         with contextlib.suppress(AssertionError):
             wait_for(stamped_behind, 3, "a contribution stamped on the stepped clock")
         # The clock set right again; c published a moment ago and asks.
         clock.write_text("0\n")
-        wait_for(lambda: _clock_true(admin, producer, sent), 10, "the clock read true again")
+        wait_for(lambda: _clock_true(Admin(probe), sent), 10, "the clock read true again")
         try:
-            admin.heatmap("munich", client="c")
+            admin.heatmap("munich")
         except PermissionDenied as e:
             pytest.fail(f"a client that published a moment ago was refused: {e.message}")
 
@@ -95,12 +109,10 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
     time since its last stamp (node_daemon/log_clock.py), so a step of its
     wall clock is not a jump of the log's."""
     lc, clock = one_node_with_a_clock
-    with Connection(lc.servers, timeout=30) as conn:
+    with contributors(lc, "c", "d") as (conn, d):
         admin = Admin(conn)
-        admin.create_topic("munich", REGION, 2)
-        admin.put_heatmap(heatmaps_pb2.HeatMap(topic="munich", window_start_ms=1, window_end_ms=2))
-        Producer(conn, "munich", client="c").send_batch(make_pings("c", 0, 10))
-        before = admin.heatmap("munich", client="c").contributed_ms
+        Producer(conn, "munich").send_batch(make_pings("c", 0, 10))
+        before = admin.heatmap("munich").contributed_ms
         clock.write_text(f"{HOURS_3}\n")
         # The node reads its wall clock stepped now (its HTTP Date header
         # says so): what it stamps from here on is proposed on that clock.
@@ -113,11 +125,11 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
             10,
             "the node's wall clock stepped ahead",
         )
-        Producer(conn, "munich", client="d").send_batch(make_pings("d", 0, 1))
-        stamped = admin.heatmap("munich", client="d").contributed_ms
+        Producer(d, "munich").send_batch(make_pings("d", 0, 1))
+        stamped = Admin(d).heatmap("munich").contributed_ms
         assert stamped < before + 3_600_000, "the leader stamped its stepped wall clock"
         try:
-            admin.heatmap("munich", client="c")  # c published seconds ago
+            admin.heatmap("munich")  # c published seconds ago
         except PermissionDenied as e:
             pytest.fail(f"a client that published seconds ago was refused: {e.message}")
 
@@ -129,11 +141,11 @@ def _node_wall_clock_ms(healthz: str) -> float:
     return email.utils.parsedate_to_datetime(date).timestamp() * 1000
 
 
-def _clock_true(admin: Admin, producer: Producer, sent: list[int]) -> bool:
-    """The node's clock is true again: a stranger's publish is stamped
-    within an hour of now (a different client, so c's stamp stays)."""
+def _clock_true(probe: Admin, sent: list[int]) -> bool:
+    """The node's clock is true again: another identity's publish is
+    stamped within an hour of now (another one, so c's stamp stays)."""
     cols = make_pings("probe", sent[0], 1)
     sent[0] += 1
-    Producer(admin.conn, "munich", client="probe").send_batch(cols)
-    stamp = admin.heatmap("munich", client="probe").contributed_ms
+    Producer(probe.conn, "munich").send_batch(cols)
+    stamp = probe.heatmap("munich").contributed_ms
     return abs(stamp - time.time() * 1000) < 3_600_000
