@@ -34,7 +34,9 @@ MIN_FREE = 32 * MIB
 
 
 @pytest.fixture
-def cluster_on_small_disks(tmp_path: Path, test_ca: ClusterCA) -> Iterator[LocalCluster]:
+def cluster_on_small_disks(
+    tmp_path: Path, test_ca: ClusterCA, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[LocalCluster]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     lc = LocalCluster.create(
@@ -51,6 +53,8 @@ def cluster_on_small_disks(tmp_path: Path, test_ca: ClusterCA) -> Iterator[Local
             mounted.append(n.data_dir)
         lc.start_all()
         lc.wait_ready(60)
+        assert lc.admin_token
+        monkeypatch.setenv("ROADLOG_TOKEN", lc.admin_token)  # the SDK's and urllib's calls
         yield lc
     finally:
         lc.down(grace=3)
