@@ -38,14 +38,24 @@ HOT = (11.575, 48.137)
 MIN = 60_000
 
 
+ALICE: list[str] = []  # the token of alice, who sends the pings and asks for the maps
+
+
+def as_alice(lc: LocalCluster) -> Connection:
+    return Connection(lc.servers, tls=lc.tls().with_token(ALICE[-1]))
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Iterator[LocalCluster]:
     lc = LocalCluster.create(Path(tmp_path_factory.mktemp("hs")) / "c", 3, 1, ca=test_ca.signing)
     lc.start_all()
     try:
         lc.wait_ready(60)
-        with Connection(lc.servers) as conn:
+        with Connection(lc.servers, tls=lc.tls()) as conn:
             Admin(conn).create_topic("munich", REGION.geojson, 4)
+            ALICE.append(
+                Admin(conn).create_client("alice", ["produce:munich", "heatmap:munich"]).token
+            )
         yield lc
     finally:
         lc.down(grace=3)
@@ -55,8 +65,8 @@ def publish(lc: LocalCluster, batches: list[PingColumns]) -> int:
     """Publish as alice; wait until every node applied it (the source plans
     on one node, at what it applied); how many pings."""
     n = 0
-    with Connection(lc.servers) as conn:
-        p = Producer(conn, "munich", client="alice")
+    with as_alice(lc) as conn:
+        p = Producer(conn, "munich")
         for cols in batches:
             p.send_batch(cols)
             n += len(cols)
@@ -84,7 +94,7 @@ def stream_once(
         topic="munich",
         nodes=[n.address for n in lc.nodes],
         servers=lc.servers,
-        secret_file=Path(lc.secret_file),
+        secret_file=None,  # with TLS the reader's client certificate is its credential
         cluster_name="roadlog",
         checkpoint=checkpoint,
         windows=Windows(MIN, 15 * MIN, 0),
@@ -100,9 +110,9 @@ def stream_once(
 
 
 def stored(lc: LocalCluster, start: int, fence: int) -> heatmaps_pb2.HeatMap:
-    with Connection(lc.servers) as conn:
+    with as_alice(lc) as conn:
         conn.fence = fence
-        return Admin(conn).heatmap("munich", client="alice", window_start_ms=start).heatmap
+        return Admin(conn).heatmap("munich", window_start_ms=start).heatmap
 
 
 def figures(hm: heatmaps_pb2.HeatMap) -> dict[int, tuple[Any, ...]]:
@@ -134,9 +144,11 @@ def spark() -> Iterator[SparkSession]:
 
 
 def test_a_streamed_window_is_the_batch_build_across_restarts_and_replays(
-    cluster: LocalCluster, spark: SparkSession, tmp_path: Path
+    cluster: LocalCluster, spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lc = cluster
+    assert lc.spark_token
+    monkeypatch.setenv("ROADLOG_TOKEN", lc.spark_token)  # the jobs' identity, as the CLI sets it
     now = int(time.time() * 1000)
     end = now // MIN * MIN  # the window a trigger now computes
     start = end - 15 * MIN
@@ -176,7 +188,7 @@ def test_a_streamed_window_is_the_batch_build_across_restarts_and_replays(
         topic="munich",
         nodes=[n.address for n in lc.nodes],
         servers=lc.servers,
-        secret_file=Path(lc.secret_file),
+        secret_file=None,  # with TLS the reader's client certificate is its credential
         cluster_name="roadlog",
         window_start_ms=start,
         window_end_ms=end,
