@@ -126,8 +126,10 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
 def _no_node_answered(st: dict[str, Any]) -> None:
     """Say why, and exit 1."""
     refused = [q["error"] for q in st["queue_servers"] if q.get("error")]
-    hint = f" (the queue servers want an identity: --token or ROADLOG_TOKEN; {refused[0]})"
-    err.print("[red]no node answered[/]" + (hint if refused else ""))
+    hint = ""
+    if refused:
+        hint = f" (the queue servers want an identity: --token or ROADLOG_TOKEN; {refused[0]})"
+    err.print("[red]no node answered[/]" + hint)
     raise SystemExit(1)
 
 
