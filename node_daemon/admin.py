@@ -5,12 +5,14 @@ cluster's own processes may call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
 import grpc
 from prometheus_client import Counter
 
+from node_daemon.leader_balance import successor
 from node_daemon.membership import Membership
 from node_daemon.node import NotLeader, RaftNode
 from node_daemon.raft import ConfChange, ConfChangeType
@@ -142,7 +144,21 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return await self._admin(context, self.node.conf_change(cc))
 
     async def TransferLeader(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
-        return await self._admin(context, self.node.transfer_leader(request.node_id))
+        resp = await self._admin(context, self.node.transfer_leader(request.node_id))
+        if request.all_groups:
+            await self._hand_data_groups(request.node_id)
+        return resp
+
+    async def _hand_data_groups(self, target: int) -> None:
+        """Every data group this node leads to ``target`` where it is a voter
+        of the group, else to the group's best follower (none: it stays)."""
+        for g, n in sorted(self.node.raft_groups.items()):
+            if g == 0 or not n.is_leader:
+                continue
+            to = target if target in n.core.conf.voters and target != n.id else successor(n.core)
+            if to:
+                with contextlib.suppress(NotLeader):
+                    await n.transfer_leader(to)
 
     async def Snapshot(self, request: Any, context: Any) -> admin_pb2.AdminResponse:
         return await self._admin(context, self.node.snapshot_now())

@@ -17,6 +17,10 @@ Invariants:
 - A group is handed over at most once per ``min_interval_s``, and a node
   starts at most one transfer per decision round: a preferred node that
   keeps failing makes its group's leadership move at most that often.
+  Gaining a group's leadership (an election, or a transfer such as
+  ``roadlog-node transfer-leader``'s) counts as a move: the new leader keeps
+  it for ``min_interval_s`` first, so a node drained on purpose is not
+  handed its groups back at once.
 - Sans-I/O: ``LeaderBalancer.decide`` takes each group's view and the time
   and returns the transfers to start; the caller starts them.
 """
@@ -60,11 +64,17 @@ class GroupView:
 class LeaderBalancer:
     node_id: int
     min_interval_s: float = MIN_INTERVAL_S
-    last: dict[int, float] = field(default_factory=dict)  # group -> last hand-over
+    last: dict[int, float] = field(default_factory=dict)  # group -> last move
     transfers: int = 0
+    leading: set[int] = field(default_factory=set)  # the groups it led at the last round
 
     def decide(self, now: float, views: Iterable[GroupView]) -> list[tuple[int, int]]:
         """The (group, target) hand-overs to start now: at most one."""
+        views = list(views)
+        led = {v.group for v in views if v.leads}
+        for g in led - self.leading:  # just gained: that was a move
+            self.last[g] = now
+        self.leading = led
         for v in views:
             if not v.leads or v.transferring:
                 continue

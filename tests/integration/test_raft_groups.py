@@ -141,6 +141,20 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
     lc.start(2)
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "node 2 back in every group")
 
+    # `roadlog-node transfer-leader` moves every group its leader leads, not
+    # group 0 alone: group 0's leader also leads data groups here.
+    wait_for(spread, 60, "node 2 leading its data group again")
+    lead0 = leaders(views(lc))[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "node_daemon.main", "transfer-leader",
+         "--address", lc.node(lead0).address, "--secret-file", lc.secret_file,
+         "--certs-dir", lc.node(lead0).certs_dir],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    moved = json.loads(r.stdout)
+    assert moved["from"] == lead0 and "still_leads" not in moved, moved
+
     # Membership: a node added to group 0 joins every data group (as a
     # learner, as in group 0), and leaves every one when removed.
     def members(kind: str) -> dict[int, set[int]]:

@@ -34,11 +34,26 @@ def view(group: int, leads: bool = True, healthy: bool = True, moving: bool = Fa
 def test_a_leader_hands_a_group_to_its_healthy_preferred_leader_once_per_interval() -> None:
     b = LeaderBalancer(node_id=1, min_interval_s=10)
     # group 1 is node 1's own; group 2 is node 2's, group 3 node 3's
-    assert b.decide(0.0, [view(1), view(2), view(3)]) == [(2, 2)]  # one per round
-    assert b.decide(1.0, [view(1), view(2), view(3)]) == [(3, 3)]
-    assert b.decide(2.0, [view(2), view(3)]) == []  # both handed over lately
-    assert b.decide(10.5, [view(2)]) == [(2, 2)]  # still leads it after the interval: again
+    assert b.decide(0.0, [view(1), view(2), view(3)]) == []  # just gained: kept a while
+    assert b.decide(10.0, [view(1), view(2), view(3)]) == [(2, 2)]  # one per round
+    assert b.decide(11.0, [view(1), view(2), view(3)]) == [(3, 3)]
+    assert b.decide(12.0, [view(1), view(2), view(3)]) == []  # both handed over lately
+    assert b.decide(20.5, [view(1), view(2), view(3)]) == [(2, 2)]  # still leads it: again
     assert b.transfers == 3
+
+
+def test_a_group_just_gained_is_kept_for_the_interval() -> None:
+    """Leadership gained by an election or a transfer (an operator draining
+    node 2) is kept min_interval_s before it goes back to its preferred node."""
+    b = LeaderBalancer(node_id=1, min_interval_s=10)
+    assert b.decide(0.0, [view(2, leads=False)]) == []
+    assert b.decide(5.0, [view(2)]) == []  # node 2 handed it over at 5 s
+    assert b.decide(14.9, [view(2)]) == []
+    assert b.decide(15.0, [view(2)]) == [(2, 2)]
+    # Lost and gained again: the interval starts again.
+    assert b.decide(16.0, [view(2, leads=False)]) == []
+    assert b.decide(30.0, [view(2)]) == []
+    assert b.decide(40.0, [view(2)]) == [(2, 2)]
 
 
 @pytest.mark.parametrize(
