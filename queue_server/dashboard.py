@@ -18,9 +18,9 @@ Its JSON, under ``/ui/api/``, goes through the same queues as the API:
   their ingest rate over the last minute (from the topics' end offsets,
   sampled when a page asks, at most once a second);
 - ``heatmap?topic=T&client_id=C[&window_start_ms=W]``: the heat map as
-  GeoJSON cells with their figures, the region's outline and the windows the
-  cluster keeps, under give-to-get (a stranger's 403 carries the API's
-  reason). Its ETag names the map and the latest window: a page polls with
+  GeoJSON cells with their figures, the region's outline and the newest
+  SLIDER_WINDOWS windows the cluster keeps (the slider's), under
+  give-to-get (a stranger's 403 carries the API's reason). Its ETag names the map and the latest window: a page polls with
   ``If-None-Match`` and gets 304 until a new heat map is committed.
 """
 
@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 STATIC = Path(__file__).resolve().parent / "static"
 RATE_SPAN_S = 60.0
 SAMPLE_EVERY_S = 1.0
+# The windows the slider offers: the newest 240 (4 hours of the stream's 60 s
+# triggers, 2.5 days of 15-minute windows), not the thousands a topic keeps.
+SLIDER_WINDOWS = 240
 MAX_TOPICS = 1000  # the cluster panel lists at most this many topics
 CACHED_MAPS = 16  # GeoJSON of the heat maps served last, by ETag
 REGION_TTL_S = 30.0
@@ -243,7 +246,9 @@ class Dashboard:
             window = int(q.get("window_start_ms", "0"))
         except ValueError:
             raise RoadlogError(Code.INVALID_ARGUMENT, "window_start_ms: an integer") from None
-        req = client_pb2.GetHeatmapRequest(topic=topic, client_id=client, window_start_ms=window)
+        req = client_pb2.GetHeatmapRequest(
+            topic=topic, client_id=client, window_start_ms=window, max_windows=SLIDER_WINDOWS
+        )
         resp = await self.api.call(request, "GetHeatmap", req, client)
         hm = resp.heatmap
         latest = resp.windows[-1] if resp.windows else 0

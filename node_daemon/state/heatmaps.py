@@ -58,10 +58,18 @@ class HeatmapTables:
             _WINDOW.pack(topic.id, hm.window_start_ms), hm.SerializeToString(), db=self.heatmaps
         )
 
-    def windows(self, txn: Any, tid: int) -> list[int]:
+    def windows(self, txn: Any, tid: int, newest: int = 0) -> list[int]:
+        """The topic's window starts, ascending: every one, or the newest
+        ``newest`` (read from the end, so a long history costs nothing)."""
         prefix = _TID.pack(tid)
         out = []
         cur = txn.cursor(db=self.heatmaps)
+        if newest > 0:
+            more = cur.prev() if cur.set_range(_TID.pack(tid + 1)) else cur.last()
+            while more and cur.key().startswith(prefix) and len(out) < newest:
+                out.append(int(_WINDOW.unpack(cur.key())[1]))
+                more = cur.prev()
+            return out[::-1]
         if cur.set_range(prefix):
             for k in cur.iternext(keys=True, values=False):
                 if not k.startswith(prefix):

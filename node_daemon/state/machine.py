@@ -941,7 +941,7 @@ class StateMachine:
         with self.env.begin() as txn:
             topic = self._topic(txn, req.topic)
             last = self.heat.allowed(txn, topic, req.client_id, now_ms)
-            windows = self.heat.windows(txn, topic.id)
+            windows = self.heat.windows(txn, topic.id, req.max_windows)
             start = req.window_start_ms or (windows[-1] if windows else 0)
             hm = self.heat.get(txn, topic.id, start) if windows else None
             if hm is None:

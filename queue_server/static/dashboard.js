@@ -164,7 +164,7 @@
     const shown = state.shown ? w.indexOf(state.shown.window_start_ms) : -1;
     s.value = String(shown >= 0 ? shown : w.length - 1);
     $("slider-label").textContent = w.length
-      ? `${shown + 1} of ${w.length} windows kept` + (state.selected ? " (paused)" : " (live)")
+      ? `${shown + 1} of the newest ${w.length} windows` + (state.selected ? " (paused)" : " (live)")
       : "";
     $("live").disabled = !state.selected;
   }

@@ -326,3 +326,29 @@ def test_entries_without_the_field_give_the_same_state_on_either_release(tmp_pat
     finally:
         new.sm.close()
         old.sm.close()
+
+
+def test_a_heat_map_answer_lists_the_newest_windows_asked_for(r: Replica) -> None:
+    """A topic keeps a window per trigger for its retention (thousands); a
+    reader (the dashboard's slider) asks for the newest few, read from the
+    end of the table."""
+    r.run(T0, create_op("munich", retention_ms=HOUR))
+    r.run(T0, create_op("berlin", retention_ms=HOUR))  # its windows are not munich's
+    every = starts(T0, 30)
+    for s in every:
+        r.run(T0, put_op("munich", s), put_op("berlin", s + 1))
+    r.run(T0 + 60_000, publish_op("munich", "alice", T0 + 60_000))
+    now = T0 + 2 * MIN
+
+    def ask(newest: int, start: int = 0) -> client_pb2.GetHeatmapResponse:
+        req = client_pb2.GetHeatmapRequest(
+            topic="munich", client_id="alice", window_start_ms=start, max_windows=newest
+        )
+        return r.sm.heatmap(req, now)
+
+    assert list(ask(0).windows) == every  # 0: every window, as before
+    assert list(ask(5).windows) == every[-5:]
+    assert ask(5).heatmap.window_start_ms == every[-1]
+    assert list(ask(100).windows) == every
+    old = ask(3, start=every[0])  # an older window itself can still be asked for
+    assert old.heatmap.window_start_ms == every[0] and list(old.windows) == every[-3:]
