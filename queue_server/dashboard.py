@@ -20,8 +20,9 @@ Its JSON, under ``/ui/api/``, goes through the same queues as the API:
 - ``heatmap?topic=T&client_id=C[&window_start_ms=W]``: the heat map as
   GeoJSON cells with their figures, the region's outline and the newest
   SLIDER_WINDOWS windows the cluster keeps (the slider's), under
-  give-to-get (a stranger's 403 carries the API's reason). Its ETag names the map and the latest window: a page polls with
-  ``If-None-Match`` and gets 304 until a new heat map is committed.
+  give-to-get (a stranger's 403 carries the API's reason). Its ETag names
+  the map and the latest window: a page polls with ``If-None-Match`` and
+  gets 304 until a new heat map is committed.
 """
 
 from __future__ import annotations
