@@ -265,8 +265,9 @@ def test_security_md_states_the_rules_the_code_and_the_roles_keep() -> None:
     # Honest about what issue 19 has not done yet.
     still = (
         "the Spark heat-map stream's metrics port (it has no certificate)",
-        "the static token is still sent (now inside TLS) and still checked",
-        "**open** for deployed clusters until the roles issue tokens",
+        "without TLS (`insecure`, debugging only) the static token is still what the ports check",
+        "**open** where an operator turns it off",
+        "**open**: quotas per identity on consumer groups and members",
     )
     for still_open in still:
         assert still_open in text
