@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(pyspy).exists():
+        sys.exit(
+            f"py-spy is not installed (a profiling tool, not in the lock): "
+            f"{sys.executable} -m pip install py-spy"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     node_args, queue_args = SYSTEMS[args.system]
     with roadlog_cluster(extra=node_args, queue_extra=queue_args) as lc:
