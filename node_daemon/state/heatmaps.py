@@ -62,7 +62,7 @@ class HeatmapTables:
         """The topic's window starts, ascending: every one, or the newest
         ``newest`` (read from the end, so a long history costs nothing)."""
         prefix = _TID.pack(tid)
-        out = []
+        out: list[int] = []
         cur = txn.cursor(db=self.heatmaps)
         if newest > 0:
             more = cur.prev() if cur.set_range(_TID.pack(tid + 1)) else cur.last()
