@@ -26,6 +26,11 @@ def groups(host: Any) -> list[str]:
 
 
 CERTS = "/etc/roadlog/certs"
+# Finding 13 (issue 19): Spark's master, workers and executors run as their
+# own user, with spark.authenticate (role roadlog_spark).
+SPARK_USER = "roadlog-spark"
+SPARK_CONF = "/etc/roadlog-spark"
+SPARK_DIR = "/var/lib/roadlog-spark"
 
 
 def get_json(host: Any, url: str) -> Any:
@@ -120,12 +125,13 @@ def test_units_are_hardened(host: Any) -> None:
         assert float(m.group(1)) <= MAX_EXPOSURE, f"{unit}: exposure {m.group(1)}"
         props = host.check_output(
             f"systemctl show -p NoNewPrivileges,ProtectSystem,ProtectHome,PrivateTmp,User {unit}"
-        )
+        ).splitlines()
+        user = SPARK_USER if unit.startswith("spark-") else "roadlog"  # finding 13
         for want in (
             "NoNewPrivileges=yes",
             "ProtectSystem=strict",
             "PrivateTmp=yes",
-            "User=roadlog",
+            f"User={user}",
         ):
             assert want in props, f"{unit}: {want} not in {props}"
 
@@ -167,6 +173,62 @@ def test_every_spark_worker_is_registered_with_the_master(host: Any) -> None:
     assert host.file("/opt/roadlog/spark-env/roadlog-env.tar.gz").mode == 0o644
 
 
+def spark_secret(host: Any, path: str) -> str:
+    lines = host.file(path).content_string.splitlines()
+    return str(next(x.split()[1] for x in lines if x.startswith("spark.authenticate.secret ")))
+
+
+def test_spark_runs_as_its_own_user_that_reads_nothing_of_roadlogs(host: Any) -> None:
+    """Finding 13 (issue 19): the Spark master and workers (and so every
+    executor) run as a system user of their own, which cannot read the
+    cluster secret, the nodes' data or roadlog's keys; Spark's directories
+    are its own (0700); spark.authenticate with the shared secret (root, the
+    Spark group, 0640), AES-encrypted RPC; executors read nodes with their
+    own copy of the Spark reader's certificate."""
+    g = groups(host)
+    if "spark_master" not in g and "spark_workers" not in g:
+        pytest.skip("no Spark on this host")
+    user = host.user(SPARK_USER)
+    assert user.exists and user.uid < 1000 and user.shell == "/usr/sbin/nologin"
+    assert user.groups == [SPARK_USER], user.groups  # not in roadlog's group
+    for unit in [u for u in units(host) if u.startswith("spark-")]:
+        pid = host.check_output(f"systemctl show -p MainPID --value {unit}")
+        assert host.check_output(f"ps -o user:32= -p {pid}").strip() == SPARK_USER, unit
+    # The Spark user reads none of roadlog's (as root: only the modes decide).
+    as_spark = f"runuser -u {SPARK_USER} --"
+    for path in ("/etc/roadlog/secret", f"{CERTS}/node.key", "/var/lib/roadlog/node/node_id"):
+        assert host.run(f"{as_spark} cat {path}").rc != 0, path
+    assert host.run(f"{as_spark} ls /var/lib/roadlog").rc != 0
+    for d in (SPARK_DIR, f"{SPARK_DIR}/logs", f"{SPARK_DIR}/tmp"):
+        f = host.file(d)
+        assert f.is_directory and (f.user, f.mode) == (SPARK_USER, 0o700), (d, f.user, oct(f.mode))
+    conf = host.file(f"{SPARK_CONF}/spark-defaults.conf")
+    assert (conf.user, conf.group, conf.mode) == ("root", SPARK_USER, 0o640)
+    for want in ("spark.authenticate true", "spark.network.crypto.enabled true",
+                 "spark.master.rest.enabled false"):  # fmt: skip
+        assert want in conf.content_string, want
+    assert len(spark_secret(host, f"{SPARK_CONF}/spark-defaults.conf")) >= 64
+    if "spark_workers" in g:  # executors: their own copy of the reader's certificate
+        key = host.file(f"{SPARK_CONF}/certs/client.spark.key")
+        assert (key.user, key.mode) == (SPARK_USER, 0o600), (key.user, oct(key.mode))
+        assert host.run(f"{as_spark} cat {SPARK_CONF}/certs/client.spark.key").rc == 0
+        assert host.file(f"{SPARK_DIR}/work").user == SPARK_USER
+    if "spark_master" in g:
+        # The driver (roadlog) submits with the same secret, from a file of its own.
+        job = host.file("/etc/roadlog/spark-job.conf")
+        assert (job.user, job.group, job.mode) == ("root", "roadlog", 0o640)
+        assert spark_secret(host, "/etc/roadlog/spark-job.conf") == spark_secret(
+            host, f"{SPARK_CONF}/spark-defaults.conf"
+        )
+        log = host.check_output(
+            "journalctl -u spark-master --no-pager -o cat | grep 'SecurityManager: auth'"
+        )
+        assert "authentication enabled" in log.splitlines()[-1], log[-500:]
+        # No REST submission server (it would take applications from anyone).
+        listening = host.socket.get_listening_sockets()
+        assert not any(s.endswith(":6066") for s in listening), listening
+
+
 def test_tls_keys_and_certificates_have_their_owners_and_modes(host: Any) -> None:
     """Issue 19: the certificates the roles push; each key 0600, owned by the
     user that reads it (the daemons refuse a key open to its group or
@@ -183,7 +245,7 @@ def test_tls_keys_and_certificates_have_their_owners_and_modes(host: Any) -> Non
         expected |= {"node.crt": ("root", 0o644), "node.key": ("roadlog", 0o600)}
     if "queue_servers" in g:
         expected |= {"queue.crt": ("root", 0o644), "queue.key": ("roadlog", 0o600)}
-    if "spark_master" in g or "spark_workers" in g:  # the Spark reader: driver, executors
+    if "spark_master" in g:  # the Spark reader's driver (executors have their own copy)
         expected |= {"client.spark.crt": ("root", 0o644), "client.spark.key": ("roadlog", 0o600)}
     if "nodes" in g or "queue_servers" in g:  # the operators' (fab's drill probe)
         expected |= {"client.ops.crt": ("root", 0o644), "client.ops.key": ("root", 0o600)}

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shlex
 import ssl
 import subprocess
 import sys
@@ -139,6 +140,9 @@ def test_the_ca_key_and_the_tokens_stay_on_the_controller_and_the_lab_runs_tls_a
     for key in PKI.glob("**/*.key"):
         assert key.stat().st_mode & 0o777 == 0o600, key
     assert TOKENS.stat().st_mode & 0o777 == 0o700
+    # The spark.authenticate secret (finding 13): made once here, 0600 in a 0700 directory.
+    assert (PKI / "spark").stat().st_mode & 0o777 == 0o700
+    assert (PKI / "spark" / "auth.secret").stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in TOKENS.iterdir()) == ["ops.token", "spark.token"]
     for tok in TOKENS.iterdir():
         assert tok.stat().st_mode & 0o777 == 0o600, tok
@@ -277,19 +281,71 @@ def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_m
             return False
         return True
 
+    # Meanwhile (cron's run goes on): an application submitted without the
+    # Spark secret is refused by the master (spark.authenticate, finding 13).
+    probe = f"/opt/roadlog/venv/bin/python -c {shlex.quote(UNAUTHENTICATED_SUBMIT)}"
+    submitted = json.loads(deployed.ssh(deployed.hosts[0], f"{probe} {deployed.hosts[0].ip}"))
+    assert submitted["outcome"] == "refused", "\n".join(submitted["tail"])
     wait_for(cron_heatmap_served, 420, "the cron job's heat map", every=5)
     assert got.get("type") == "FeatureCollection" and got.get("features"), str(got)[:500]
     # The job ran on the standalone cluster from cron, executors with the packed env.
     log = deployed.ssh(deployed.hosts[0], "journalctl -t roadlog-heatmap --no-pager -o cat")
     assert "building lab-city" in log
-    envs = "".join(
-        deployed.ssh(h, "find /var/lib/roadlog/spark/work -maxdepth 3 -name environment", False)
-        for h in deployed.hosts
-    )
-    assert "environment" in envs, "no executor unpacked the packed virtualenv"
+    # Executors ran as the Spark user (finding 13), in its work directories.
+    find = "find /var/lib/roadlog-spark/work -maxdepth 3 -name environment -user roadlog-spark"
+    envs = "".join(deployed.ssh(h, find, False) for h in deployed.hosts)
+    assert "environment" in envs, "no executor (as roadlog-spark) unpacked the packed virtualenv"
     # Proven: stop the every-minute job so the next tests get the two cores.
     deployed.ssh(deployed.hosts[0], "crontab -r -u roadlog")
 
+
+# spark-submit to the lab's master without the Spark secret (as root on the
+# master's host, a trivial application): "refused" once the master says no
+# (the first registration attempt fails within seconds), "registered" if it
+# took the application; then the submit is killed (it would retry a minute).
+UNAUTHENTICATED_SUBMIT = r"""
+import json, os, shutil, signal, subprocess, sys, tempfile, threading
+ip = sys.argv[1]
+venv = "/opt/roadlog/venv"
+home = venv + "/lib/python3.11/site-packages/pyspark"
+work = tempfile.mkdtemp(prefix="roadlog-lab-submit-")
+app = os.path.join(work, "app.py")
+with open(app, "w") as f:
+    f.write("import sys\nfrom pyspark.sql import SparkSession\n"
+            "SparkSession.builder.master(sys.argv[1]).getOrCreate()\n"
+            "print('REGISTERED', flush=True)\n")
+master = f"spark://{ip}:7077"
+env = {**os.environ, "SPARK_HOME": home, "JAVA_HOME": "/usr/lib/jvm/java-17-openjdk-amd64",
+       "SPARK_LOCAL_IP": ip, "PYSPARK_PYTHON": venv + "/bin/python", "HOME": work}
+p = subprocess.Popen(
+    [home + "/bin/spark-submit", "--master", master, "--conf", "spark.ui.enabled=false",
+     "--conf", f"spark.driver.host={ip}", "--conf", f"spark.local.dir={work}", app, master],
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work,
+    start_new_session=True)
+
+def kill():
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+timer = threading.Timer(90, kill)
+timer.start()
+outcome, tail = "no answer in 90 s", []
+for line in p.stdout:
+    tail = (tail + [line.rstrip()])[-20:]
+    if "Failed to connect to master" in line:
+        outcome = "refused"
+        break
+    if "REGISTERED" in line or "Connected to Spark cluster" in line:
+        outcome = "registered"
+        break
+timer.cancel()
+kill()
+p.wait()
+shutil.rmtree(work, ignore_errors=True)
+print(json.dumps({"outcome": outcome, "tail": tail}))
+"""
 
 STREAM = f"roadlog-heatmap-stream-{CITY}"
 
