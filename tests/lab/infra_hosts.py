@@ -213,6 +213,8 @@ def test_spark_runs_as_its_own_user_that_reads_nothing_of_roadlogs(host: Any) ->
         assert (key.user, key.mode) == (SPARK_USER, 0o600), (key.user, oct(key.mode))
         assert host.run(f"{as_spark} cat {SPARK_CONF}/certs/client.spark.key").rc == 0
         assert host.file(f"{SPARK_DIR}/work").user == SPARK_USER
+        env = host.check_output("systemctl show -p Environment --value spark-worker")
+        assert f"ROADLOG_KEY_FILE={SPARK_CONF}/certs/client.spark.key" in env.split(), env
     if "spark_master" in g:
         # The driver (roadlog) submits with the same secret, from a file of its own.
         job = host.file("/etc/roadlog/spark-job.conf")
