@@ -98,14 +98,18 @@ def test_the_stream_script_passes_what_the_stream_job_accepts() -> None:
 def test_the_scripts_dial_with_the_ca_and_the_spark_client_certificate_here_and_in_executors(
     script: str,
 ) -> None:
-    """Issue 19: the job and its executors read nodes (mutual TLS) with the
-    Spark reader's client certificate; plaintext only where TLS is off."""
+    """Issue 19: the driver reads nodes (mutual TLS) with the Spark reader's
+    client certificate; the executors get theirs from the Spark worker's unit
+    (finding 13: they run as the Spark user), never through executorEnv
+    (which also reaches the driver's planning worker); with TLS the job
+    gets nothing derived from the cluster secret and submits with the Spark
+    secret's properties file; plaintext only where TLS is off."""
     text = render(script, {})
     assert "export ROADLOG_CA_FILE=/etc/roadlog/certs/ca.crt" in text
     assert "export ROADLOG_CERT_FILE=/etc/roadlog/certs/client.spark.crt" in text
     assert "export ROADLOG_KEY_FILE=/etc/roadlog/certs/client.spark.key" in text
-    for name in ("ROADLOG_CA_FILE", "ROADLOG_CERT_FILE", "ROADLOG_KEY_FILE"):
-        assert f'--conf spark.executorEnv.{name}="${name}"' in text
+    assert "spark.executorEnv.ROADLOG_" not in text and "--secret-file" not in text
+    assert "--properties-file /etc/roadlog/spark-job.conf" in text
     assert "ROADLOG_INSECURE" not in text
     off = render(script, {"roadlog_common_insecure": True})
     assert "export ROADLOG_INSECURE=1" in off and "ROADLOG_CA_FILE" not in off
