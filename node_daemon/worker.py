@@ -86,15 +86,6 @@ Outcome = OpResult | BaseException  # a publish's result, or why it has none
 PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for group 0 to know an id
 
 
-async def _applied_to_commit(node: RaftNode, timeout: float) -> None:
-    """Wait until ``node`` applied the commit index it knows now (or
-    ``timeout`` passes)."""
-    target = node.core.log.committed
-    deadline = time.monotonic() + timeout
-    while node.sm.applied_index < target and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-
-
 class _Call:
     """The publishes of one work item (a PublishBatch, or a lone Publish),
     answered together: one future for the call, not one per publish.
@@ -361,7 +352,8 @@ class WorkHandler:
                 client = clients[i] or view.client_id
                 refused = meta.sm.producer_refusal(view.producer_id, client)
                 if refused is not None and refused[0] == Code.FAILED_PRECONDITION:
-                    await _applied_to_commit(meta, PRODUCER_CATCH_UP_S)
+                    with contextlib.suppress(TimeoutError):  # then it is unknown indeed
+                        await meta.wait_applied(meta.core.log.committed, PRODUCER_CATCH_UP_S)
                     refused = meta.sm.producer_refusal(view.producer_id, client)
             if refused is None:
                 keep.append(i)

@@ -53,6 +53,14 @@ class Group:
     async def proposals_taken(self) -> None:
         return None
 
+    async def wait_applied(self, index: int, timeout: float) -> None:
+        """As RaftNode's: until this replica applied ``index``."""
+        deadline = time.monotonic() + timeout
+        while self.sm.applied_index < index:
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            await asyncio.sleep(0.01)
+
 
 def publish(pid: int, seq: int, n: int = 6) -> bytes:
     now = int(time.time() * 1000)
