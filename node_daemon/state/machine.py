@@ -104,11 +104,16 @@ def _by_age_key(issued_ms: int, pid: int) -> bytes:
     return _BY_AGE + _U64.pack(max(issued_ms, 0)) + _U64.pack(pid)
 
 
+def _held_prefix(client_id: str) -> bytes:
+    """The meta keys' prefix of the producer ids bound to ``client_id``."""
+    raw = client_id.encode()[:255]
+    return _HELD + bytes([len(raw)]) + raw
+
+
 def _held_key(client_id: str, pid: int) -> bytes:
     """The meta key listing ``pid`` among the producer ids bound to
     ``client_id`` (counted against the identity's quota)."""
-    raw = client_id.encode()[:255]
-    return _HELD + bytes([len(raw)]) + raw + _U64.pack(pid)
+    return _held_prefix(client_id) + _U64.pack(pid)
 
 
 def _bound_key(pid: int) -> bytes:
@@ -625,16 +630,13 @@ class StateMachine:
         """Why ``client_id`` may not append with producer id ``pid`` (None: it
         may). ``cached`` False: read from ``txn`` alone, leaving the applying
         thread's caches alone (for a reader on another thread)."""
-        if cached:  # an owner is read (and remembered) only once the id is issued
+        # An owner is read (and, cached, remembered) only once the id is issued.
+        if cached:
             issued = self.producer_issued(txn, pid)
             owner = self._owner(txn, pid) if issued else ""
         else:
-            issued = pid <= self._meta_int(txn, b"next_producer_id") or bool(
-                txn.get(_issued_key(pid), db=self.meta)
-            )
-            owner = ""
-            if txn.get(_bound_key(pid), db=self.meta) is not None:
-                owner = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
+            issued = self._issued_in(txn, pid)
+            owner = self._owner_in(txn, pid) if issued else ""
         if not issued:
             return Code.FAILED_PRECONDITION, f"unknown producer id {pid}: get one with InitProducer"
         if owner and owner != client_id:
@@ -655,23 +657,30 @@ class StateMachine:
         counter's (entries from before random ids) or a registered one."""
         if pid in self._issued:
             return True
-        if pid <= self._meta_int(txn, b"next_producer_id") or txn.get(
-            _issued_key(pid), db=self.meta
-        ):
+        if self._issued_in(txn, pid):
             self._issued.add(pid)
             return True
         return False
+
+    def _issued_in(self, txn: Any, pid: int) -> bool:
+        """``producer_issued`` as ``txn`` says, without the cache."""
+        return pid <= self._meta_int(txn, b"next_producer_id") or bool(
+            txn.get(_issued_key(pid), db=self.meta)
+        )
 
     def _owner(self, txn: Any, pid: int) -> str:
         """The client id an issued producer id is bound to ("": not bound,
         any client may use it, as before identities)."""
         owner = self._owners.get(pid)
         if owner is None:
-            owner = ""
-            if txn.get(_bound_key(pid), db=self.meta) is not None:
-                owner = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
-            self._owners[pid] = owner
+            owner = self._owners[pid] = self._owner_in(txn, pid)
         return owner
+
+    def _owner_in(self, txn: Any, pid: int) -> str:
+        """``_owner`` as ``txn`` says, without the cache."""
+        if txn.get(_bound_key(pid), db=self.meta) is None:
+            return ""
+        return bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
 
     def _state(self, txn: Any, tid: int, p: int) -> PartitionState:
         """``_part_state`` for appends: remembered between them."""
@@ -774,8 +783,7 @@ class StateMachine:
     def producer_ids_held(self, client_id: str, limit: int = MAX_PRODUCER_IDS_PER_CLIENT) -> int:
         """How many producer ids are bound to ``client_id`` (counted up to
         ``limit``: the quota check needs no more)."""
-        raw = client_id.encode()[:255]
-        prefix = _HELD + bytes([len(raw)]) + raw
+        prefix = _held_prefix(client_id)
         n = 0
         with self.env.begin() as txn:
             cur = txn.cursor(db=self.meta)
