@@ -331,13 +331,7 @@ class WorkQueues:
 
     def leader(self, group: int = 0) -> Worker | None:
         """The worker that leads ``group`` at the highest term told."""
-        best: Worker | None = None
-        best_term = -1
-        for w in self.workers.values():
-            for g, term in w.leads():
-                if g == group and term > best_term:
-                    best, best_term = w, term
-        return best
+        return self.leaders().get(group)
 
     def leaders(self) -> dict[int, Worker]:
         """Each group's leader (the highest term told wins)."""
