@@ -102,6 +102,15 @@ def test_producer_records_go_once_retention_deleted_their_batches(r: Replica) ->
     assert 0 < r.producer_records() < records
     # Both ids are still issued (each has its lifetime) and alice's still works.
     assert r.issued(7) and r.issued(8)
+    # Idempotence holds for what retention kept: bob's retry is stored once.
+    cols = PingColumns.from_columns(
+        ["car-1", "car-2"], [T0 + 12 * HOUR] * 2, [48.1] * 2, [11.5] * 2
+    )
+    retry = append_op("munich", split_by_partition(cols, 2), 8, 1, client_id="bob")
+    r.index += 1
+    [[res]] = r.sm.apply([entry(r.index, T0 + 25 * HOUR, retry)])
+    (span,) = res.spans
+    assert span.code == Code.OK and client_pb2.PublishResponse.FromString(span.response).duplicate
     assert r.publish("alice", T0 + 25 * HOUR, producer=7, seq=2) == Code.OK
 
 
