@@ -78,6 +78,40 @@ def _ingest_cpu(ing: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _ingest_wide(doc: dict[str, Any]) -> list[str]:
+    """The same ingest benchmark on a machine with many cores (the device
+    tool's, when a session is lent one): where cores are not the limit,
+    the ceiling is one leader process."""
+    out = [
+        "## Replicated ingest on 16 cores",
+        "",
+        f"Machine: {_machine(doc)}. `bench/ingest.py --systems roadlog,jetstream --batches "
+        f"100,1000 --rounds {doc.get('rounds', 1)} --seconds {doc.get('seconds')}`, "
+        f"{doc['concurrency']} publishers, the same load as above on a machine where cores are "
+        "not the limit; each figure the median round, brackets the lowest and highest.",
+        "",
+        "| system | pings/message | pings/s | p50 / p99 ms | server CPU-s per M pings "
+        "| cores by process |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for c in doc["cases"]:
+        cores = ", ".join(f"{k} {v:.2f}" for k, v in c["cores"].items())
+        out.append(
+            f"| {c['system']} | {c['pings_per_message']} | {c['pings_per_s']:,.0f}{_spread(c)} "
+            f"| {c['ack_p50_ms']} / {c['ack_p99_ms']} | {c['server_cpu_s_per_m_pings']} "
+            f"| {cores} |"
+        )
+    ratio = ", ".join(f"{r} at {b}" for b, r in doc.get("ratio", {}).items())
+    cpu = ", ".join(f"{r}x at {b}" for b, r in doc.get("cpu_ratio", {}).items())
+    return [
+        *out,
+        "",
+        f"roadlog's pings/s over JetStream's: {ratio}; server CPU per ping over JetStream's: "
+        f"{cpu}.",
+        "",
+    ]
+
+
 def _ingest_tls(doc: dict[str, Any]) -> list[str]:
     """What TLS costs (``bench/ingest.py --tls both``): each system's figures
     plaintext and over TLS, measured in one run."""
@@ -285,6 +319,9 @@ def render() -> str:
             "throughput at least JetStream's at both.",
             "",
         ]
+    wide = _load("ingest-16core")
+    if wide:
+        lines += _ingest_wide(wide)
     ing_tls = _load("ingest-tls")
     if ing_tls and ing_tls.get("tls") == "both":
         lines += _ingest_tls(ing_tls)
