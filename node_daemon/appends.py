@@ -171,5 +171,6 @@ def _merge(
             producer_id=r.view.producer_id,
             sequence=r.view.sequence,
             counts=row,
+            producer_epoch=r.view.producer_epoch,
         )
     return PreparedAppend(wrapper, [r.position for r in keep])

@@ -350,11 +350,12 @@ class WorkHandler:
                 )
             else:
                 client = clients[i] or view.client_id
-                refused = meta.sm.producer_refusal(view.producer_id, client)
+                pid, epoch = view.producer_id, view.producer_epoch
+                refused = meta.sm.producer_refusal(pid, client, epoch)
                 if refused is not None and refused[0] == Code.FAILED_PRECONDITION:
                     with contextlib.suppress(TimeoutError):  # then it is unknown indeed
                         await meta.wait_applied(meta.core.log.committed, PRODUCER_CATCH_UP_S)
-                    refused = meta.sm.producer_refusal(view.producer_id, client)
+                    refused = meta.sm.producer_refusal(pid, client, epoch)
             if refused is None:
                 keep.append(i)
             else:
@@ -390,6 +391,14 @@ class WorkHandler:
         only an id it was given, not guess the next one. A clash with an id
         issued meanwhile is refused by the state machine (ABORTED: ask again)."""
         req = client_pb2.InitProducerRequest.FromString(item.request)
+        if req.producer_id:  # an id the caller holds, kept under its next epoch
+            renew = command_pb2.InitProducerOp(
+                client_id=item.principal or req.client_id,
+                producer_id=req.producer_id,
+                bound=bool(item.principal),
+                next_epoch=True,
+            )
+            return await self.node.propose_op(command_pb2.Op(init_producer=renew))
         if item.principal:  # a quota per identity (an id unused for long is forgotten)
             held = self.node.sm.producer_ids_held(item.principal)
             if held >= MAX_PRODUCER_IDS_PER_CLIENT:

@@ -321,21 +321,24 @@ class HttpApi:
     async def init_producer(self, request: web.Request) -> web.Response:
         """An idempotent producer id for HTTP publishes (as gRPC's
         InitProducer): a publish that names it and a sequence is stored
-        once however often it is sent again."""
+        once however often it is sent again. With the ``producer_id`` of an
+        id this client holds: that id under its next epoch (publishes under
+        older epochs are refused from then on)."""
         body = await _json_object(request, self.body_idle_s)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
-        resp = await self.call(
-            request, "InitProducer", client_pb2.InitProducerRequest(client_id=client), client
-        )
-        return web.json_response({"producer_id": resp.producer_id}, status=201)
+        resume = _int(body, "producer_id", 0, 0, 2**64 - 1)
+        init = client_pb2.InitProducerRequest(client_id=client, producer_id=resume)
+        resp = await self.call(request, "InitProducer", init, client)
+        return web.json_response({"producer_id": resp.producer_id, "epoch": resp.epoch}, status=201)
 
     async def publish(self, request: web.Request) -> web.Response:
         body = await _json_object(request, self.body_idle_s)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
         producer_id = _int(body, "producer_id", 0, 0, 2**64 - 1)
         sequence = _int(body, "sequence", 0, 0, 2**63 - 1)
-        if "sequence" in body and not producer_id:
-            raise bad("sequence needs a producer_id (POST /v1/producers)")
+        epoch = _int(body, "producer_epoch", 0, 0, 2**32 - 1)
+        if ("sequence" in body or "producer_epoch" in body) and not producer_id:
+            raise bad("sequence and producer_epoch need a producer_id (POST /v1/producers)")
         pings = body.get("pings")
         if isinstance(pings, list) and len(pings) > 1000:  # seconds of work: off the loop
             loop = asyncio.get_running_loop()
@@ -348,6 +351,7 @@ class HttpApi:
             producer_id=producer_id,
             sequence=sequence,
             batch=columnar.encode(cols),
+            producer_epoch=epoch,
         )
         resp = await self.call(request, "Publish", req, client)
         return web.json_response(

@@ -217,6 +217,12 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                         "a (producer_id, sequence) sent again is stored once",
                     },
                     "sequence": {"type": "integer", "minimum": 0},
+                    "producer_epoch": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "the epoch POST /v1/producers gave with producer_id "
+                        "(0 for a new id); an older one is refused with 409 (fenced)",
+                    },
                 },
             }
         ),
@@ -247,7 +253,16 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
             {
                 "type": "object",
                 "required": ["client_id"],
-                "properties": {"client_id": {"type": "string", "minLength": 1}},
+                "properties": {
+                    "client_id": {"type": "string", "minLength": 1},
+                    "producer_id": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "an id this client holds: keep it under its next "
+                        "epoch (a restarted producer resuming it); publishes under older "
+                        "epochs are refused from then on",
+                    },
+                },
             }
         ),
         "responses": {
@@ -256,8 +271,11 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                 "(sequence) and send a failed one again as it was",
                 {
                     "type": "object",
-                    "required": ["producer_id"],
-                    "properties": {"producer_id": {"type": "integer"}},
+                    "required": ["producer_id", "epoch"],
+                    "properties": {
+                        "producer_id": {"type": "integer"},
+                        "epoch": {"type": "integer", "description": "send it with each publish"},
+                    },
                 },
                 "201",
             ),

@@ -314,6 +314,11 @@ class Producer:
     the next sequence number; retries of it (after a timeout, an election or a
     queue server failure) are stored once. An error of a background flush is
     raised by the next call: nothing fails silently.
+
+    ``producer_id``: an id this identity was issued before (``producer_id``
+    of an earlier Producer, kept across a restart): the producer resumes it
+    under its next ``epoch`` instead of taking a new one, and an instance
+    still sending under the old epoch is refused from then on (fenced).
     """
 
     def __init__(
@@ -327,6 +332,7 @@ class Producer:
         deadline_s: float = 30.0,
         idempotent: bool = True,
         client: str | None = None,
+        producer_id: int = 0,
     ) -> None:
         self.conn = conn
         self.topic = topic
@@ -336,11 +342,11 @@ class Producer:
         self.deadline_s = deadline_s
         self.client_id = client or client_id()
         self.producer_id = 0
+        self.epoch = 0
         if idempotent:
-            resp = conn.call(
-                "InitProducer", client_pb2.InitProducerRequest(client_id=self.client_id)
-            )
-            self.producer_id = int(resp.producer_id)
+            init = client_pb2.InitProducerRequest(client_id=self.client_id, producer_id=producer_id)
+            resp = conn.call("InitProducer", init)
+            self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
         self.sequence = 0
         self.acked = 0
         self._rows: list[tuple[str, int, float, float, float, float, float]] = []
@@ -428,6 +434,7 @@ class Producer:
             producer_id=self.producer_id,
             sequence=self.sequence,
             batch=columnar.encode(cols),
+            producer_epoch=self.epoch,
         )
         resp = self.conn.call("Publish", req, timeout=self.deadline_s)
         ack = Ack(

@@ -71,6 +71,7 @@ _PROD = struct.Struct(">QII")
 _PART_VAL = struct.Struct(">QQq")
 _BATCH_HDR = struct.Struct(">Iq")  # count, append ms
 _SEQ = struct.Struct(">QQI")
+_EPOCH = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 
 
@@ -114,6 +115,43 @@ def _held_key(client_id: str, pid: int) -> bytes:
     """The meta key listing ``pid`` among the producer ids bound to
     ``client_id`` (counted against the identity's quota)."""
     return _held_prefix(client_id) + _U64.pack(pid)
+
+
+def _epoch_key(pid: int) -> bytes:
+    """The meta key of a producer id's current epoch (absent: 0)."""
+    return b"pepoch/" + _U64.pack(pid)
+
+
+def _seq_record(epoch: int, recent: list[_Seq]) -> bytes:
+    """A producer's record in a partition: its latest sequences, under the
+    epoch they were sent with. Epoch 0 keeps the layout of before epochs (a
+    run of _SEQ); a later epoch leads with it (so the length is 4 past a
+    multiple of _SEQ.size, which tells the two apart)."""
+    seqs = b"".join(_SEQ.pack(*x) for x in recent[-RECENT_SEQUENCES:])
+    return _EPOCH.pack(epoch) + seqs if epoch else seqs
+
+
+def _parse_seq_record(raw: bytes) -> tuple[int, list[_Seq]]:
+    """``_seq_record``'s epoch and sequences."""
+    epoch, start = 0, 0
+    if len(raw) % _SEQ.size == _EPOCH.size:
+        epoch, start = _EPOCH.unpack_from(raw)[0], _EPOCH.size
+    return epoch, [_SEQ.unpack_from(raw, i) for i in range(start, len(raw), _SEQ.size)]
+
+
+def _fenced(pid: int, epoch: int, current: int) -> tuple[Code, str]:
+    """The refusal of an append under an epoch that is not producer ``pid``'s
+    current one."""
+    if epoch < current:
+        return (
+            Code.FAILED_PRECONDITION,
+            f"producer id {pid} is fenced: epoch {epoch} is older than its current "
+            f"epoch {current} (another instance took it over with InitProducer)",
+        )
+    return (
+        Code.FAILED_PRECONDITION,
+        f"producer id {pid} has no epoch {epoch} yet (its current epoch is {current})",
+    )
 
 
 def _bound_key(pid: int) -> bytes:
@@ -304,6 +342,8 @@ class StateMachine:
             return b""
         if kind == "init_producer":
             pid = op.init_producer.producer_id
+            if op.init_producer.next_epoch:
+                return self._next_epoch(txn, pid, op.init_producer.client_id)
             if not pid:  # an entry from before random ids: the counter, as then
                 pid = self._meta_int(txn, b"next_producer_id") + 1
                 txn.put(b"next_producer_id", _U64.pack(pid), db=self.meta)
@@ -585,17 +625,25 @@ class StateMachine:
         offsets and left out. Appends to ``kept`` and ``out`` (one each per
         span); returns each part's next offset after the kept spans."""
         for span, row in zip(op.spans, counts, strict=True):
-            pid, seq = span.producer_id, span.sequence
+            pid, seq, epoch = span.producer_id, span.sequence, span.producer_epoch
             if pid:
-                refused = self._refusal(txn, pid, span.client_id) if self.issues_producers else None
+                refused = (
+                    self._refusal(txn, pid, span.client_id, epoch=epoch)
+                    if self.issues_producers
+                    else None
+                )
+                seen: list[list[_Seq]] = []
+                for p, count in zip(partitions, row, strict=True):
+                    had, recent = self._sequences(txn, pid, tid, p) if count else (0, [])
+                    if had > epoch and refused is None:
+                        # A later epoch wrote here (what a data group, which
+                        # does not know the epochs, learns from its records).
+                        refused = _fenced(pid, epoch, had)
+                    seen.append(recent if had == epoch else [])  # a new epoch starts afresh
                 if refused is not None:
                     kept.append(False)
                     out.append(OpResult(*refused))
                     continue
-                seen = [
-                    self._sequences(txn, pid, tid, p) if count else []
-                    for p, count in zip(partitions, row, strict=True)
-                ]
                 try:
                     dup = _duplicate(pid, seq, partitions, row, seen)
                 except RoadlogError as err:
@@ -614,9 +662,7 @@ class StateMachine:
                     if count:
                         recent.append((seq, base, count))
                         txn.put(
-                            _PROD.pack(pid, tid, p),
-                            b"".join(_SEQ.pack(*s) for s in recent[-RECENT_SEQUENCES:]),
-                            db=self.producers,
+                            _PROD.pack(pid, tid, p), _seq_record(epoch, recent), db=self.producers
                         )
             kept.append(True)
             if results:  # applied_index: a read fence
@@ -624,12 +670,47 @@ class StateMachine:
             nxt = [base + count for base, count in zip(nxt, row, strict=True)]
         return nxt
 
+    def _next_epoch(self, txn: Any, pid: int, client_id: str) -> bytes:
+        """Keep issued producer id ``pid`` for ``client_id`` under its next
+        epoch: the InitProducerResponse. Counts as a use: its lifetime starts
+        again (``expirable_producers``)."""
+        issued = self._issued_in(txn, pid)
+        holder = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
+        if not issued or txn.get(_issued_at_key(pid), db=self.meta) is None:
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
+                f"unknown producer id {pid}: get a new one with InitProducer",
+            )
+        if holder != client_id:
+            raise RoadlogError(
+                Code.PERMISSION_DENIED,
+                f"producer id {pid} was issued to another client: get your own with InitProducer",
+            )
+        epoch = self._epoch_in(txn, pid) + 1
+        if epoch >= 1 << 32:
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
+                f"producer id {pid} has used every epoch: get a new one with InitProducer",
+            )
+        txn.put(_epoch_key(pid), _EPOCH.pack(epoch), db=self.meta)
+        at = _U64.unpack(txn.get(_issued_at_key(pid), db=self.meta))[0]
+        txn.delete(_by_age_key(at, pid), db=self.meta)
+        txn.put(_issued_at_key(pid), _U64.pack(max(self._log_ms, 0)), db=self.meta)
+        txn.put(_by_age_key(self._log_ms, pid), b"", db=self.meta)
+        return client_pb2.InitProducerResponse(producer_id=pid, epoch=epoch).SerializeToString()
+
+    def _epoch_in(self, txn: Any, pid: int) -> int:
+        """Producer id ``pid``'s current epoch as ``txn`` says (0: never renewed)."""
+        raw = txn.get(_epoch_key(pid), db=self.meta)
+        return int(_EPOCH.unpack(raw)[0]) if raw else 0
+
     def _refusal(
-        self, txn: Any, pid: int, client_id: str, cached: bool = True
+        self, txn: Any, pid: int, client_id: str, cached: bool = True, epoch: int = 0
     ) -> tuple[Code, str] | None:
-        """Why ``client_id`` may not append with producer id ``pid`` (None: it
-        may). ``cached`` False: read from ``txn`` alone, leaving the applying
-        thread's caches alone (for a reader on another thread)."""
+        """Why ``client_id`` may not append with producer id ``pid`` under
+        ``epoch`` (None: it may). ``cached`` False: read from ``txn`` alone,
+        leaving the applying thread's caches alone (for a reader on another
+        thread)."""
         # An owner is read (and, cached, remembered) only once the id is issued.
         if cached:
             issued = self.producer_issued(txn, pid)
@@ -644,13 +725,16 @@ class StateMachine:
                 Code.PERMISSION_DENIED,
                 f"producer id {pid} was issued to another client: get your own with InitProducer",
             )
+        current = self._epoch_in(txn, pid)
+        if epoch != current:
+            return _fenced(pid, epoch, current)
         return None
 
-    def producer_refusal(self, pid: int, client_id: str) -> tuple[Code, str] | None:
+    def producer_refusal(self, pid: int, client_id: str, epoch: int = 0) -> tuple[Code, str] | None:
         """``_refusal`` as of what this replica applied (a data group's
         leader asks group 0's before proposing)."""
         with self.env.begin() as txn:
-            return self._refusal(txn, pid, client_id, cached=False)
+            return self._refusal(txn, pid, client_id, cached=False, epoch=epoch)
 
     def producer_issued(self, txn: Any, pid: int) -> bool:
         """Whether producer id ``pid`` was issued by InitProducer: one of the
@@ -689,11 +773,10 @@ class StateMachine:
             st = self._states[tid, p] = self._part_state(txn, tid, p)
         return st
 
-    def _sequences(self, txn: Any, pid: int, tid: int, p: int) -> list[_Seq]:
+    def _sequences(self, txn: Any, pid: int, tid: int, p: int) -> tuple[int, list[_Seq]]:
+        """Producer ``pid``'s record in a partition: its epoch and latest sequences."""
         raw = txn.get(_PROD.pack(pid, tid, p), db=self.producers)
-        if not raw:
-            return []
-        return [_SEQ.unpack_from(raw, i) for i in range(0, len(raw), _SEQ.size)]
+        return _parse_seq_record(raw) if raw else (0, [])
 
     # ------------------------------------------------------------ retention
 
@@ -728,7 +811,7 @@ class StateMachine:
         for key, raw in txn.cursor(db=self.producers):
             _, tid, p = _PROD.unpack(key)
             first = firsts.get((tid, p))
-            ends = [base + count for _, base, count in _SEQ.iter_unpack(raw)]
+            ends = [base + count for _, base, count in _parse_seq_record(raw)[1]]
             if first is None or max(ends, default=0) <= first:
                 doomed.append(bytes(key))
         for key in doomed:
@@ -747,7 +830,7 @@ class StateMachine:
         if at is None:
             return  # not issued, forgotten already, or issued before expiry: kept
         txn.delete(_by_age_key(_U64.unpack(at)[0], pid), db=self.meta)
-        for key in (_issued_key(pid), _issued_at_key(pid), _bound_key(pid)):
+        for key in (_issued_key(pid), _issued_at_key(pid), _bound_key(pid), _epoch_key(pid)):
             txn.delete(key, db=self.meta)
         if client:
             txn.delete(_held_key(client, pid), db=self.meta)

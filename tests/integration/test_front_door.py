@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
 from roadlog.client_tls import ClientTLS
+from roadlog.errors import Code, RoadlogError
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, heatmaps_pb2
@@ -478,3 +479,43 @@ def test_an_http_publish_with_a_producer_id_sent_again_is_stored_once(
     )
     assert code == 409 and "unknown producer id" in err["error"]["reason"], err
     assert topic["applied_index"] > 0
+    # The phone restarts and resumes its id: the next epoch, and the
+    # instance still sending under the old one is refused (fenced).
+    code, _, renewed = http(
+        "POST", f"{base}/v1/producers", {"client_id": "phone-7", "producer_id": pid}
+    )
+    assert code == 201 and renewed == {"producer_id": pid, "epoch": 1}, renewed
+    code, _, err = http("POST", f"{base}/v1/topics/munich/pings", {**publish, "sequence": 2})
+    assert code == 409 and "fenced" in err["error"]["reason"], err
+    resumed = {**publish, "producer_epoch": 1}  # its sequences start afresh
+    code, _, body = http("POST", f"{base}/v1/topics/munich/pings", resumed)
+    assert code == 200 and body["duplicate"] is False and body["count"] == 12
+    code, _, body = http("POST", f"{base}/v1/topics/munich/pings", resumed)
+    assert code == 200 and body["duplicate"] is True
+
+
+def test_a_producer_that_resumes_its_id_fences_the_old_instance(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """gRPC: ``Producer(producer_id=...)`` takes an id again under its next
+    epoch; the first instance's next batch is refused, nothing of it is
+    stored, and the resumed one's retries are still deduplicated."""
+    lc = make_cluster(3)
+    with Connection(lc.servers) as conn:
+        create_topic(conn)
+        first = Producer(conn, "munich")
+        assert first.epoch == 0 and first.send_batch(make_pings("car", 0, 20)).count == 20
+        second = Producer(conn, "munich", producer_id=first.producer_id)
+        assert (second.producer_id, second.epoch) == (first.producer_id, 1)
+        with pytest.raises(RoadlogError) as refused:
+            first.send_batch(make_pings("car", 20, 20))
+        assert refused.value.code == Code.FAILED_PRECONDITION
+        assert "fenced" in refused.value.message
+        ack = second.send_batch(make_pings("car", 40, 20))
+        assert ack.count == 20 and not ack.duplicate
+        second.sequence -= 1  # the answer was lost: the same batch once more
+        again = second.send_batch(make_pings("car", 40, 20))
+        assert again.duplicate and again.offsets == ack.offsets
+        topic = Admin(conn).describe("munich")  # fenced: the connection's last answer
+        stored = sum(p.next_offset - p.first_offset for p in topic.partitions)
+        assert stored == 40  # the first batch and the resumed one's, once

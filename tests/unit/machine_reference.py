@@ -110,7 +110,7 @@ class ReferenceStateMachine(StateMachine):
         for part, count in zip(op.parts, span.counts, strict=True):
             if not count:
                 continue
-            seen = self._sequences(txn, span.producer_id, tid, part.partition)
+            seen = self._ref_sequences(txn, span.producer_id, tid, part.partition)
             match = [s for s in seen if s[0] == span.sequence]
             if match:
                 _, base, stored = match[0]
@@ -125,7 +125,7 @@ class ReferenceStateMachine(StateMachine):
                 return None
         return resp
 
-    def _sequences(self, txn: Any, pid: int, tid: int, p: int) -> list[tuple[int, int, int]]:
+    def _ref_sequences(self, txn: Any, pid: int, tid: int, p: int) -> list[tuple[int, int, int]]:
         raw = txn.get(_PROD.pack(pid, tid, p), db=self.producers)
         if not raw:
             return []
@@ -134,7 +134,7 @@ class ReferenceStateMachine(StateMachine):
     def _remember_sequence(
         self, txn: Any, pid: int, tid: int, p: int, seq: int, base: int, count: int
     ) -> None:
-        recent = [*self._sequences(txn, pid, tid, p), (seq, base, count)][-RECENT_SEQUENCES:]
+        recent = [*self._ref_sequences(txn, pid, tid, p), (seq, base, count)][-RECENT_SEQUENCES:]
         txn.put(_PROD.pack(pid, tid, p), b"".join(_SEQ.pack(*s) for s in recent), db=self.producers)
 
 
