@@ -174,3 +174,39 @@ def _merge(
             producer_epoch=r.view.producer_epoch,
         )
     return PreparedAppend(wrapper, [r.position for r in keep])
+
+
+def split_by_group(
+    op: command_pb2.AppendOp, groups: Sequence[int], topic_id: int = 0
+) -> list[tuple[int, command_pb2.AppendOp, list[int]]]:
+    """An append op's parts regrouped by the Raft group that holds each
+    partition (``groups[partition]``, a placed topic's map): per group, in
+    group order, an AppendOp with that group's parts (their batches as they
+    are: parts are per partition already) and the spans that have pings
+    there, each span's counts cut to those parts, and the indexes in
+    ``op.spans`` of those spans. Every ping is in exactly one group's op;
+    each op carries ``topic_id`` (the group refuses it for another topic of
+    the same name)."""
+    by_group: dict[int, list[int]] = {}
+    for i, part in enumerate(op.parts):
+        by_group.setdefault(int(groups[part.partition]), []).append(i)
+    out: list[tuple[int, command_pb2.AppendOp, list[int]]] = []
+    for g in sorted(by_group):
+        idx = by_group[g]
+        sub = command_pb2.AppendOp(topic=op.topic, topic_id=topic_id)
+        sub.parts.extend(op.parts[i] for i in idx)
+        members: list[int] = []
+        for j, span in enumerate(op.spans):
+            counts = [span.counts[i] for i in idx]
+            if not any(counts):
+                continue
+            sub.spans.add(
+                client_id=span.client_id,
+                producer_id=span.producer_id,
+                sequence=span.sequence,
+                producer_epoch=span.producer_epoch,
+                counts=counts,
+            )
+            members.append(j)
+        out.append((g, sub, members))
+    return out

@@ -98,6 +98,14 @@ class NodeConfig:
     # 3), topics are still placed in group 0 (``placement_groups``), so the
     # data groups elect and replicate but hold no pings.
     data_groups: int = key(1, "Raft groups for pings (1: all in group 0; 1..64)")
+    # Publishes are routed (step 3, built); fetches, topic offsets,
+    # give-to-get, consumer commits, Spark and backup read group 0 still, so
+    # this stays off by default until they follow.
+    place_topics: bool = key(
+        False,
+        "with data_groups above 1, place new topics' partitions in the data groups "
+        "(being built: publishes are routed there; reads are not yet)",
+    )
     voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
     dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
     trim_interval_s: int = key(60, "how often the leader applies retention through the log")
@@ -110,9 +118,9 @@ class NodeConfig:
     @property
     def placement_groups(self) -> int:
         """The data groups a new topic's partitions are placed in
-        (``CreateTopicOp.data_groups``): 1, so group 0, until publishes are
-        routed to the data groups (docs/multiraft.md, step 3)."""
-        return 1
+        (``CreateTopicOp.data_groups``): 1, so group 0, unless
+        ``place_topics`` (docs/multiraft.md, step 3)."""
+        return self.data_groups if self.place_topics else 1
 
     def validate(self) -> None:
         if self.node_id < 0 or (self.node_id == 0 and self.peers):

@@ -12,14 +12,20 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from node_daemon import metrics
-from node_daemon.appends import MalformedRequest, prepare_appends
+from node_daemon.appends import (
+    MalformedRequest,
+    PreparedAppend,
+    prepare_appends,
+    split_by_group,
+)
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.grouped_work import Executor, group_states
 from node_daemon.node import NotLeader, RaftNode
@@ -43,11 +49,20 @@ from roadlog.limits import (
     WORK_MESSAGE_BYTES,
     grpc_options,
 )
+from roadlog.placement import group_of
 from roadlog.rpc import ROUTED
 from roadlog.runtime import frames, tls
 from roadlog.runtime.auth import token_metadata
 from roadlog.scopes import PHONE_SCOPES, ScopeError, check_client_name, check_scopes
-from roadlog.v1 import client_pb2, clients_pb2, command_pb2, raft_pb2, work_pb2, work_pb2_grpc
+from roadlog.v1 import (
+    client_pb2,
+    clients_pb2,
+    command_pb2,
+    raft_pb2,
+    topics_pb2,
+    work_pb2,
+    work_pb2_grpc,
+)
 from roadlog.validation import BatchRejected
 
 log = logging.getLogger("roadlog.worker")
@@ -84,6 +99,15 @@ Outcome = OpResult | BaseException  # a publish's result, or why it has none
 
 
 PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for group 0 to know an id
+PLACEMENT_WAIT_S = 3.0  # how long a data group's leader waits for a new topic to be placed
+
+
+@dataclass(slots=True)
+class SplitResult(OpResult):
+    """Publishes group 0's leader validated and split: the refusals (as
+    OpResult's response) and the parts for the data groups' leaders."""
+
+    parts: list[work_pb2.WorkPart] = field(default_factory=list)
 
 
 class _Call:
@@ -138,6 +162,27 @@ def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Task[OpResu
     else:
         for call, i in owners:
             call.settle(i, res)
+
+
+async def _placed(node: RaftNode, name: str, topic_id: int) -> None:
+    """Until data group replica ``node`` holds topic ``name`` with
+    ``topic_id`` (placed by its leader as it follows group 0), up to
+    PLACEMENT_WAIT_S: then UNAVAILABLE (the queue server tries again)."""
+    deadline = time.monotonic() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            if not topic_id or node.sm.topic(name).id == topic_id:
+                return
+        except RoadlogError as e:
+            if e.code != Code.NOT_FOUND:
+                raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RoadlogError(
+                Code.UNAVAILABLE, f"topic {name!r} is not placed in group {node.group} yet"
+            )
+        with contextlib.suppress(TimeoutError):
+            await node.wait_applied(node.sm.applied_index + 1, left)
 
 
 def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
@@ -199,6 +244,8 @@ class WorkHandler:
         try:
             out = await handler(item)
             res.code, res.message, res.response = out.code, out.message, out.response
+            if isinstance(out, SplitResult):
+                res.parts.extend(out.parts)
         except Exception as e:
             res.code, res.message = failure_status(e, item.method)
         if len(res.response) > CLIENT_MESSAGE_BYTES:
@@ -216,6 +263,8 @@ class WorkHandler:
     # ---------------------------------------------------------------- writes
 
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
+        if self._splits():
+            return await self._split(_Call([item.request], item.principal), lone=True)
         return await self._publish(item.request, item.principal)
 
     async def publish_batch(self, item: work_pb2.WorkItem) -> OpResult:
@@ -232,6 +281,8 @@ class WorkHandler:
             raise MalformedRequest(
                 f"a PublishBatch holds at most {MAX_BATCH_REQUESTS} requests, not {len(requests)}"
             )
+        if self._splits():
+            return await self._split(_Call(requests, item.principal), lone=False)
         outcomes = await self._enqueue(_Call(requests, item.principal))
         if all(isinstance(o, NotLeader) for o in outcomes):
             raise outcomes[0]  # type: ignore[misc]
@@ -241,6 +292,100 @@ class WorkHandler:
             else (*failure_status(o, "PublishBatch"), b"")
             for o in outcomes
         ]
+        return OpResult(response=publish_batch_response(answers))
+
+    def _splits(self) -> bool:
+        """Whether publishes are split here: on group 0 of a cluster whose
+        topics are placed in data groups (fixed by its first topic)."""
+        return self.node.group == 0 and self.node.sm.data_groups() > 1
+
+    async def _split(self, call: _Call, lone: bool) -> SplitResult:
+        """Publishes to topics placed in data groups (multi-raft), on group
+        0's leader, which holds the topics and issues producer ids: checked
+        and validated as they would be for an append, split by partition,
+        and the partitions regrouped by group into one part per group (an
+        AppendOp, a span per publish with pings there), which the queue
+        server hands to that group's leader; it answers the client once
+        every part is answered. A publish refused here is in no part: its
+        refusal is in the result (``lone``: raised, as for a Publish)."""
+        if not self.node.is_leader:
+            raise NotLeader(self.node.core.lead)
+        n = len(call.requests)
+        owners = [(call, i) for i in range(n)]
+        clients = [call.principal] * n
+        requests, owners, clients = await self._producers_checked(call.requests, owners, clients)
+        prepared, errors = await self._prepared(requests, clients)
+        for i, e in errors.items():
+            c, pos = owners[i]
+            c.settle(pos, e)
+        parts: list[work_pb2.WorkPart] = []
+        for p in prepared:
+            op = p.op.append
+            topic = self.node.sm.topic(op.topic)
+            positions = [owners[m][1] for m in p.members]
+            if not topic.partition_groups:  # a topic of group 0 (made before placement)
+                proposal = asyncio.get_running_loop().create_task(self.node.propose_op(p.op))
+                proposal.add_done_callback(
+                    functools.partial(_settle_spans, [owners[m] for m in p.members])
+                )
+                continue
+            for group, sub, spans in split_by_group(op, topic.partition_groups, topic.id):
+                parts.append(
+                    work_pb2.WorkPart(
+                        group=group,
+                        op=sub.SerializeToString(),
+                        members=[positions[j] for j in spans],
+                    )
+                )
+            for pos in positions:
+                call.settle(pos, OpResult())  # answered by its parts
+        outcomes = await call.future
+        answers = [
+            (o.code, o.message, o.response)
+            if isinstance(o, OpResult)
+            else (*failure_status(o, "Publish"), b"")
+            for o in outcomes
+        ]
+        if lone:
+            code, message, response = answers[0]
+            if code:
+                raise RoadlogError(Code.of(code), message)
+            return SplitResult(response=response, parts=parts)
+        return SplitResult(response=publish_batch_response(answers), parts=parts)
+
+    async def _prepared(
+        self, requests: list[bytes], clients: list[str]
+    ) -> tuple[list[PreparedAppend], dict[int, Exception]]:
+        """``prepare_appends`` of ``requests``: on the event loop up to
+        INLINE_VALIDATE_BYTES, beyond it on a thread."""
+        now_ms = int(time.time() * 1000)
+        if sum(map(len, requests)) <= INLINE_VALIDATE_BYTES:
+            return prepare_appends(requests, self._topic_lookup, now_ms, clients=clients)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.cpu,
+            functools.partial(
+                prepare_appends, requests, self._topic_lookup, now_ms, clients=clients
+            ),
+        )
+
+    async def append_part(self, item: work_pb2.WorkItem) -> OpResult:
+        """A part of publishes group 0's leader validated and split (its
+        producer ids checked there): appended in this data group as it is.
+        The answer: a PublishBatchResponse with one result per span. A topic
+        this group has not placed yet (just made) is waited for a moment."""
+        if self.node.group == 0:
+            raise RoadlogError(Code.INVALID_ARGUMENT, "a part is a data group's")
+        op = command_pb2.Op()
+        try:
+            op.append.ParseFromString(item.request)
+        except DecodeError as e:
+            raise MalformedRequest(f"malformed AppendOp: {e}") from None
+        await _placed(self.node, op.append.topic, op.append.topic_id)
+        res = await self.node.propose_op(op)
+        if res.spans:
+            answers = [(s.code, s.message, s.response) for s in res.spans]
+        else:  # refused whole
+            answers = [(res.code, res.message, res.response)] * len(op.append.spans)
         return OpResult(response=publish_batch_response(answers))
 
     async def _publish(self, request: bytes, principal: str = "") -> OpResult:
@@ -297,18 +442,7 @@ class WorkHandler:
         clients = [c.principal for c in calls for _ in c.requests]
         if self.node.group != 0:  # producer ids are group 0's: checked there first
             requests, owners, clients = await self._producers_checked(requests, owners, clients)
-        now_ms = int(time.time() * 1000)
-        if sum(map(len, requests)) <= INLINE_VALIDATE_BYTES:
-            prepared, errors = prepare_appends(
-                requests, self._topic_lookup, now_ms, clients=clients
-            )
-        else:
-            prepared, errors = await loop.run_in_executor(
-                self.cpu,
-                functools.partial(
-                    prepare_appends, requests, self._topic_lookup, now_ms, clients=clients
-                ),
-            )
+        prepared, errors = await self._prepared(requests, clients)
         _VALIDATE_SECONDS.observe(time.perf_counter() - t0)
         metrics.MERGED_PUBLISHES.observe(len(requests))
         for i, e in errors.items():
@@ -482,23 +616,81 @@ class WorkHandler:
     async def fetch(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.FetchRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
+        sm = self.node.sm
+        group = self._group_of(req.topic, req.partition)
+        if group:  # a placed topic: its pings are in that group's replica here
+            sm = (await self._data_replica(group, req.topic, req.group_fences)).sm
         loop = asyncio.get_running_loop()
-        resp = await loop.run_in_executor(self.cpu, self.node.sm.fetch, req)
+        resp = await loop.run_in_executor(self.cpu, sm.fetch, req)
         resp.served_by = str(self.node.id)
         return OpResult(response=resp.SerializeToString())
 
     async def describe_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.DescribeTopicRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
-        return OpResult(response=self.node.sm.describe(req.name).SerializeToString())
+        d = self.node.sm.describe(req.name)
+        await self._group_offsets([d], req.group_fences)
+        return OpResult(response=d.SerializeToString())
 
     async def list_topics(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.ListTopicsRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
         size = min(req.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         topics, token = self.node.sm.topics_page(req.page_token, size, PAGE_BYTES)
+        await self._group_offsets(topics, req.group_fences)
         resp = client_pb2.ListTopicsResponse(topics=topics, next_page_token=token)
         return OpResult(response=resp.SerializeToString())
+
+    def _group_of(self, topic: str, partition: int) -> int:
+        """The data group holding a partition (0: this group's own state
+        holds it: one group, a topic from before placement, or this is a
+        data group)."""
+        if self.node.group != 0 or self.node.sm.data_groups() == 1:
+            return 0
+        try:
+            record = self.node.sm.topic(topic)
+        except RoadlogError:
+            return 0  # the state answers as it would (no topic)
+        if partition >= record.spec.partitions:
+            return 0
+        return group_of(record, partition)
+
+    async def _data_replica(
+        self, group: int, topic: str, fences: Iterable[client_pb2.GroupFence]
+    ) -> RaftNode:
+        """This node's replica of data group ``group`` once it applied the
+        read's fence in that group and placed ``topic`` (up to
+        PLACEMENT_WAIT_S, then UNAVAILABLE: another node may be further)."""
+        node = self.node.raft_groups.get(group)
+        if node is None:
+            raise RoadlogError(Code.UNAVAILABLE, f"this node runs no group {group}")
+        fence = max((f.applied_index for f in fences if f.group == group), default=0)
+        try:
+            await node.wait_applied(fence, PLACEMENT_WAIT_S)
+        except TimeoutError:
+            raise RoadlogError(
+                Code.UNAVAILABLE,
+                f"this node has not applied index {fence} of group {group} yet",
+            ) from None
+        await _placed(node, topic, self.node.sm.topic(topic).id)
+        return node
+
+    async def _group_offsets(
+        self, topics: Iterable[topics_pb2.TopicDescription], fences: Iterable[client_pb2.GroupFence]
+    ) -> None:
+        """Fill the partitions of placed topics with their offsets as their
+        data groups' replicas here hold them (fenced per group)."""
+        fences = list(fences)
+        for d in topics:
+            groups = sorted({p.group for p in d.partitions if p.group})
+            for g in groups:
+                data = (await self._data_replica(g, d.topic.spec.name, fences)).sm
+                held = {p.partition: p for p in data.describe(d.topic.spec.name).partitions}
+                for p in d.partitions:
+                    if p.group == g and p.partition in held:
+                        src = held[p.partition]
+                        p.first_offset, p.next_offset = src.first_offset, src.next_offset
+                        p.last_append_ms = src.last_append_ms
 
     async def describe_group(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.DescribeGroupRequest.FromString(item.request)

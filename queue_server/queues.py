@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError
 
 from queue_server.fair import FairQueue, Full
+from queue_server.parts import replayable_part
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.rpc import Kind as Kind  # which queue: declared with the rpcs
 from roadlog.v1 import client_pb2
@@ -131,6 +132,8 @@ def replayable(it: Item) -> bool:
             raws = client_pb2.PublishBatchRequestView.FromString(it.request).requests
             views = [client_pb2.PublishRequestView.FromString(r) for r in raws]
             return bool(views) and all(v.producer_id for v in views)
+        if it.method == "AppendPart":  # a publish's part in a data group
+            return replayable_part(it.request)
     except DecodeError:
         return True  # refused as malformed wherever it goes: nothing is done
     return False

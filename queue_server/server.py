@@ -35,6 +35,7 @@ from queue_server.auth import Authenticator, Caller, Gate, Principal, RateLimit
 from queue_server.config import QueueConfig
 from queue_server.dashboard import DashboardSettings
 from queue_server.http_api import HttpApi
+from queue_server.parts import merge as merge_parts
 from queue_server.publish_stream import SERVICE as PUBLISH_STREAM
 from queue_server.publish_stream import publish_stream_handler
 from queue_server.queues import Item, QueueFull, WorkQueues
@@ -294,20 +295,59 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             self.q.submit(item)
         except QueueFull as e:
             raise RoadlogError(Code.RESOURCE_EXHAUSTED, str(e)) from None
+        res = await self._answer(item)
+        if res.code:
+            raise RoadlogError(Code.of(res.code), res.message)
+        if res.parts:
+            return await self._parts(item, res)
+        return res.response
+
+    async def _answer(self, item: Item) -> work_pb2.WorkResult:
+        """Wait for a submitted item's result, up to its deadline (then
+        DEADLINE_EXCEEDED); an item nobody waits for any more leaves the queue."""
         fut: asyncio.Future[work_pb2.WorkResult] = asyncio.get_running_loop().create_future()
         self._futures[item.id] = fut
         self._kick()
         try:
-            res = await asyncio.wait_for(fut, wait + 0.5)
+            return await asyncio.wait_for(fut, item.deadline - time.monotonic() + 0.5)
         except TimeoutError:
             raise RoadlogError(Code.DEADLINE_EXCEEDED, "no answer before the deadline") from None
         finally:
             self._futures.pop(item.id, None)
             if not fut.done() or fut.cancelled():  # timed out, or the client went away
                 self.q.cancel(item.id)
-        if res.code:
-            raise RoadlogError(Code.of(res.code), res.message)
-        return res.response
+
+    async def _parts(self, parent: Item, res: work_pb2.WorkResult) -> bytes:
+        """A publish group 0's leader split across data groups: each part a
+        write of its group (``AppendPart``, the parent's deadline, lane and
+        identity), the client answered once every part is (``parts.merge``)."""
+        now = time.monotonic()
+        children = [
+            Item(
+                next(self._ids),
+                Kind.WRITE,
+                "AppendPart",
+                p.op,
+                parent.deadline,
+                now,
+                client=parent.client,
+                principal=parent.principal,
+                group=p.group,
+            )
+            for p in res.parts
+        ]
+
+        async def one(child: Item) -> work_pb2.WorkResult:
+            try:
+                self.q.submit(child)
+                return await self._answer(child)
+            except QueueFull as e:
+                return work_pb2.WorkResult(code=Code.RESOURCE_EXHAUSTED, message=str(e))
+            except RoadlogError as e:
+                return work_pb2.WorkResult(code=e.code, message=e.message)
+
+        results = await asyncio.gather(*(one(c) for c in children))
+        return merge_parts(parent.method == "Publish", res.response, res.parts, results)
 
     def _kick(self) -> None:
         now = time.monotonic()

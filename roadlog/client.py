@@ -123,6 +123,9 @@ class Connection:
         # reads that take a fence wait for it (read your writes). Threads may
         # share a connection: the fence only ever grows, under a lock.
         self.fence = 0
+        # The same per data group, for topics placed in data groups
+        # (multi-raft): group -> the highest index an answer gave for it.
+        self.group_fences: dict[int, int] = {}
         self._fence_lock = threading.Lock()
 
     def close(self) -> None:
@@ -147,16 +150,30 @@ class Connection:
         fence and sets none waits for everything this connection wrote.
         ``request`` may be a view of the rpc's request (the same wire
         bytes); the answer is the rpc's response, or ``response`` (a view)."""
-        fenceable = "min_applied_index" in request.DESCRIPTOR.fields_by_name
-        if self.fence and fenceable and not getattr(request, "min_applied_index"):  # noqa: B009
+        fields = request.DESCRIPTOR.fields_by_name
+        fenceable = "min_applied_index" in fields
+        add_fence = self.fence and fenceable and not getattr(request, "min_applied_index")  # noqa: B009
+        add_groups = (
+            self.group_fences and "group_fences" in fields and not getattr(request, "group_fences")  # noqa: B009
+        )
+        if add_fence or add_groups:
             fenced = type(request)()
             fenced.CopyFrom(request)
-            fenced.min_applied_index = self.fence  # type: ignore[attr-defined]
+            if add_fence:
+                fenced.min_applied_index = self.fence  # type: ignore[attr-defined]
+            if add_groups:
+                with self._fence_lock:
+                    held = sorted(self.group_fences.items())
+                for g, index in held:
+                    fenced.group_fences.add(group=g, applied_index=index)  # type: ignore[attr-defined]
             request = fenced
         raw = self._call(method, request.SerializeToString(), timeout)
         resp: Any = (response or BY_NAME[method].response).FromString(raw)
         if "applied_index" in resp.DESCRIPTOR.fields_by_name:
             self.raise_fence(resp.applied_index)
+        if "group_fences" in resp.DESCRIPTOR.fields_by_name:
+            for f in resp.group_fences:
+                self.raise_group_fence(f.group, f.applied_index)
         return resp
 
     def raise_fence(self, index: int) -> None:
@@ -164,6 +181,13 @@ class Connection:
         with self._fence_lock:
             if index > self.fence:
                 self.fence = index
+
+    def raise_group_fence(self, group: int, index: int) -> None:
+        """Reads of partitions in data group ``group`` reflect everything up
+        to ``index`` of that group from now on."""
+        with self._fence_lock:
+            if index > self.group_fences.get(group, 0):
+                self.group_fences[group] = index
 
     def _method(self, method: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
         calls = self._calls[self._current]

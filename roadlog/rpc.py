@@ -29,7 +29,7 @@ from enum import IntEnum
 
 from google.protobuf.message import Message
 
-from roadlog.v1 import client_pb2, clients_pb2, groups_pb2, topics_pb2
+from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, topics_pb2
 
 SERVICE = "roadlog.v1.Roadlog"
 FENCE_FIELD = "min_applied_index"
@@ -171,6 +171,9 @@ INTERNAL: dict[str, Rpc] = {
     "AuthenticateAtLeader": Rpc(
         "AuthenticateAtLeader", W, k.AuthenticateRequest, k.AuthenticateResponse, "internal"
     ),
+    # A part of publishes split across data groups (multi-raft): an AppendOp
+    # group 0's leader validated, for its group's leader; a result per span.
+    "AppendPart": Rpc("AppendPart", W, command_pb2.AppendOp, c.PublishBatchResponse, "internal"),
 }
 del W, R, c, g, t, k
 

@@ -554,6 +554,11 @@ class StateMachine:
         topic = self._topics.get(op.topic)
         if topic is None:
             topic = self._topics[op.topic] = self._topic(txn, op.topic)
+        if op.topic_id and op.topic_id != topic.id:
+            raise RoadlogError(
+                Code.UNAVAILABLE,
+                f"topic {op.topic!r} here is not the one group 0 holds now: try again",
+            )
         tid, nparts = topic.id, topic.spec.partitions
         counts = [list(span.counts) for span in op.spans]
         _check_layout(op, counts, nparts)

@@ -41,7 +41,7 @@ class StubNode:
         self.is_leader = True
         topic = topics_pb2.Topic(id=7)
         topic.spec.name, topic.spec.partitions, topic.spec.region_geojson = "munich", 2, REGION
-        self.sm = SimpleNamespace(topic=lambda name: topic)
+        self.sm = SimpleNamespace(topic=lambda name: topic, data_groups=lambda: 1)
 
     async def proposals_taken(self) -> None:
         return None

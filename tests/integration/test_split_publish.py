@@ -1,0 +1,110 @@
+"""Publishes routed to data groups (issue 18, multi-raft step 3;
+docs/multiraft.md): a 3-node cluster with ``data_groups = 3`` and
+``place_topics`` places each topic's partitions in the data groups; group
+0's leader validates a publish and splits it by group, the queue server
+hands each part to its group's leader and answers once every part is
+stored. Reads follow: a fetch reads the partition's group on the node that
+takes it, fenced per group; a topic's offsets come from the data groups.
+Real processes on loopback, a leader SIGKILLed under idempotent writes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from roadlog.client import Admin, Connection, Producer
+from roadlog.errors import RoadlogError
+from roadlog.tools.localcluster import LocalCluster
+from tests.integration.conftest import (
+    assert_exactly_once_in_order,
+    create_topic,
+    make_pings,
+    read_topic,
+    wait_for,
+)
+from tests.integration.test_front_door import http
+from tests.integration.test_raft_groups import every_group_led_and_agreed, leaders, views
+
+PLACED = ["--data-groups", "3", "--place-topics"]
+
+
+def rows(cols: object) -> list[tuple[str, int]]:
+    return list(zip(cols.device_of().tolist(), cols.ts_ms.tolist(), strict=True))  # type: ignore[attr-defined]
+
+
+def test_a_publish_is_split_over_the_data_groups_and_read_back(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = make_cluster(nodes=3, extra=PLACED)
+    ids = [n.id for n in lc.nodes]
+    wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
+    with Connection(lc.servers) as conn:
+        create_topic(conn, "munich", partitions=6)
+        d = Admin(conn).describe("munich")
+        assert sorted({p.group for p in d.partitions}) == [1, 2, 3]  # every data group
+        producer = Producer(conn, "munich")
+        acked: list[tuple[str, int]] = []
+        batch = make_pings("van", 0, 300, devices=24)  # devices in every partition
+        ack = producer.send_batch(batch)
+        acked += rows(batch)
+        assert ack.count == 300 and not ack.duplicate and ack.applied_index == 0
+        assert sorted(p for p, _, _ in ack.offsets) == list(range(6))
+        assert sorted(conn.group_fences) == [1, 2, 3]  # a fence per group written
+        # The same batch again (its answer was lost): every part a duplicate.
+        producer.sequence -= 1
+        again = producer.send_batch(batch)
+        assert again.duplicate and sorted(again.offsets) == sorted(ack.offsets)
+        # Unary publishes without a producer id, and over HTTP.
+        plain = Producer(conn, "munich", idempotent=False)
+        more = make_pings("car", 0, 120, devices=12)
+        assert plain.send_batch(more).count == 120
+        acked += rows(more)
+        now = int(time.time() * 1000)
+        phones = [(f"phone-{i}", now - i) for i in range(30)]
+        pings = [{"device_id": d, "ts_ms": ts, "lat": 48.1, "lon": 11.5} for d, ts in phones]
+        code, _, body = http(
+            "POST",
+            f"{lc.queue_servers[0].http}/v1/topics/munich/pings",
+            {"client_id": "c", "pings": pings},
+        )
+        assert code == 200 and body["count"] == 30, body
+        acked += phones
+        # Read back through the data groups, fenced per group.
+        stored = read_topic(conn, "munich")
+        assert_exactly_once_in_order(stored, acked)
+        assert sum(len(v) for v in stored.values()) == 450
+        d = Admin(conn).describe("munich")
+        assert sum(p.next_offset for p in d.partitions) == 450
+        # A bad ping refuses its publish whole, in every group.
+        bad = make_pings("bad", 0, 40, devices=8)
+        bad.lat[5] = 95.0
+        with pytest.raises(RoadlogError, match="lat"):
+            plain.send_batch(bad)
+        assert sum(p.next_offset for p in Admin(conn).describe("munich").partitions) == 450
+
+
+def test_idempotent_writes_through_a_data_group_leaders_crash_are_stored_once(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = make_cluster(nodes=3, extra=PLACED)
+    ids = [n.id for n in lc.nodes]
+    wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
+    with Connection(lc.servers, timeout=60) as conn:
+        create_topic(conn, "munich", partitions=6)
+        producer = Producer(conn, "munich", deadline_s=60)
+        acked: list[tuple[str, int]] = []
+        victim = 0
+        for i in range(12):  # bounded: 12 batches, one crash among them
+            if i == 4:
+                victim = leaders(views(lc))[2]  # the leader of data group 2
+                lc.kill(victim)
+            batch = make_pings("van", i * 100, 100, devices=24)
+            assert producer.send_batch(batch).count == 100
+            acked += rows(batch)
+        lc.start(victim)
+        wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "the node back in every group")
+        stored = read_topic(conn, "munich")
+        assert_exactly_once_in_order(stored, acked)
+        assert sum(len(v) for v in stored.values()) == 1200
