@@ -25,6 +25,7 @@ from bench.common import write_result
 from bench.cpu import CpuMeter
 from bench.peers import NatsCluster, nats_cluster, nats_stream, percentile, roadlog_cluster
 from roadlog import columnar
+from roadlog.cli.cluster import raft_groups
 from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
 from roadlog.publisher import Publisher
@@ -161,12 +162,36 @@ def cpu_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float | None:
 
 def roadlog_meter(lc: LocalCluster) -> CpuMeter:
     """The queue server, the leader and the followers, labelled by role as
-    they stand when the case starts."""
-    leader = lc.status()["leader"]
+    they stand when the case starts (with data groups: the groups each
+    node leads, ``node_2_leads_0_2``)."""
+    st = lc.status()
+    groups = raft_groups(st, None)
+    leads: dict[int, list[int]] = {}
+    for g in groups:
+        if g["leader"]:
+            leads.setdefault(int(g["leader"]), []).append(int(g["id"]))
     pids = {f"queue_server_{i + 1}": q.pid for i, q in enumerate(lc.queue_servers)}
     for n in lc.nodes:
-        pids[f"node_{n.id}_leader" if n.id == leader else f"node_{n.id}"] = n.pid
+        if len(groups) > 1:
+            led = "_".join(str(g) for g in sorted(leads.get(n.id, [])))
+            pids[f"node_{n.id}_leads_{led}" if led else f"node_{n.id}"] = n.pid
+        else:
+            pids[f"node_{n.id}_leader" if n.id == st["leader"] else f"node_{n.id}"] = n.pid
     return CpuMeter(pids)
+
+
+def wait_spread(lc: LocalCluster, groups: int, timeout: float = 60.0) -> None:
+    """With data groups: until each data group has a leader and, where there
+    are as many nodes, no node leads two (the balancer's work), so that a
+    case measures the groups spread as they run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = raft_groups(lc.status(), None)
+        led = [int(g["leader"]) for g in seen if g["id"] and g["leader"]]
+        if len(led) == groups and len(set(led)) == min(groups, len(lc.nodes)):
+            return
+        time.sleep(0.5)
+    print(f"the data groups' leaders did not spread within {timeout} s", file=sys.stderr)
 
 
 def median_case(system: str, pings: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -260,7 +285,11 @@ def run_systems(
                 )
             continue
         node_args, queue_args = SYSTEMS[system]
+        if args.data_groups > 1:  # multi-raft: topics placed in the data groups
+            node_args = [*node_args, "--data-groups", str(args.data_groups), "--place-topics"]
         with roadlog_cluster(extra=node_args, queue_extra=queue_args, tls=tls) as lc:
+            if args.data_groups > 1:
+                wait_spread(lc, args.data_groups)
             corked = system != "roadlog-unary"
             cases += run_rounds(
                 system,
@@ -302,6 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         "roadlog's client, peer and Work links; JetStream's client port and routes), or each "
         "both ways with TLS's cost per ping (both); on and both write ingest-tls.json",
     )
+    ap.add_argument(
+        "--groups",
+        dest="data_groups",
+        type=int,
+        default=1,
+        help="data groups of roadlog's clusters (multi-raft): above 1, every topic's "
+        "partitions are placed in them (--data-groups G --place-topics); the results go to "
+        "ingest-groups-G.json",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -315,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     for tls in modes:
         cases += run_systems(systems, sizes, args, tls)
     figures: dict[str, Any] = {
+        "data_groups": args.data_groups,
         "concurrency": args.concurrency,
         "event_loop": eventloop.loop_name(),
         "seconds": args.seconds,
@@ -341,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             for system in systems
         }
         print(f"server CPU per ping, TLS/plaintext: {figures['tls_cpu_cost']}", file=sys.stderr)
-    print(write_result("ingest" if args.tls == "off" else "ingest-tls", figures))
+    name = "ingest" if args.tls == "off" else "ingest-tls"
+    if args.data_groups > 1:
+        name = f"ingest-groups-{args.data_groups}"
+    print(write_result(name, figures))
     return 0
 
 
