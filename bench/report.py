@@ -112,6 +112,43 @@ def _ingest_wide(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+def _ingest_groups(doc: dict[str, Any]) -> list[str]:
+    """Ingest with topics placed in G data groups (multi-raft, issue 18):
+    roadlog for each G beside JetStream, on the machine that ran it."""
+    out = [
+        "## Ingest over data groups (multi-raft, place_topics)",
+        "",
+        f"Machine: {_machine(doc)}. `bench/ingest.py --groups G` (G = "
+        f"{', '.join(str(g) for g in doc['groups'])}; 1 is today's one group), "
+        f"{doc['concurrency']} publishers, {doc.get('rounds')} rounds of {doc.get('seconds')} s, "
+        "the median round; with G above 1 every publish is validated and split by group 0's "
+        "leader and each part appended by its group's leader (docs/multiraft.md, step 3).",
+        "",
+        "| system | data groups | pings/message | pings/s | p50 / p99 ms "
+        "| server CPU-s per M pings | cores by process |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for c in doc["cases"]:
+        cores = ", ".join(f"{k} {v:.2f}" for k, v in c["cores"].items())
+        groups = c.get("data_groups") or "-"
+        out.append(
+            f"| {c['system']} | {groups} | {c['pings_per_message']} "
+            f"| {c['pings_per_s']:,.0f}{_spread(c)} | {c['ack_p50_ms']} / {c['ack_p99_ms']} "
+            f"| {c['server_cpu_s_per_m_pings']} | {cores} |"
+        )
+    return [
+        *out,
+        "",
+        "Splitting every publish costs more than spreading the groups gains: each corked call "
+        "becomes a split on group 0's leader plus a part, a Raft entry and an answer in every "
+        "group, so the fixed cost per call is paid G + 1 times, and group 0's leader, which "
+        "validates every publish, is the busiest process. Hence `place_topics` stays off by "
+        "default; the next step (docs/multiraft.md) routes publishes that carry one group's "
+        "pings straight to that group's leader, without group 0.",
+        "",
+    ]
+
+
 def _ingest_tls(doc: dict[str, Any]) -> list[str]:
     """What TLS costs (``bench/ingest.py --tls both``): each system's figures
     plaintext and over TLS, measured in one run."""
@@ -322,6 +359,9 @@ def render() -> str:
     wide = _load("ingest-16core")
     if wide:
         lines += _ingest_wide(wide)
+    spread = _load("ingest-16core-groups")
+    if spread:
+        lines += _ingest_groups(spread)
     ing_tls = _load("ingest-tls")
     if ing_tls and ing_tls.get("tls") == "both":
         lines += _ingest_tls(ing_tls)
