@@ -44,8 +44,8 @@ MAX_SESSION_TIMEOUT_MS = 300_000
 MAX_MEMBERS = 1_000  # in one group
 # Quotas (the leader's; each join carries them, see GroupQuotas). The
 # leader's loop looks at every group and member every 250 ms (expiring
-# silent members): about 7 us a group and 2.5 us a member on a busy 2-core
-# machine, so the caps keep one look under about 40 ms at worst.
+# silent members): about 5 us of CPU a group and 2 us a member on a loaded
+# 2-core machine, so the cluster's caps keep one look near 30 ms at worst.
 MAX_GROUPS = 2_000  # in the cluster
 MAX_GROUP_MEMBERS = 10_000  # in the cluster, all groups together
 MAX_GROUPS_PER_CLIENT = 100  # that an identity created and still has

@@ -11,15 +11,19 @@ identical, entries from before quotas included."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from node_daemon import worker
+from node_daemon.state import groups
 from node_daemon.state.groups import GROUP_RETENTION_MS
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
 from roadlog.errors import Code
-from roadlog.v1 import client_pb2, command_pb2
+from roadlog.v1 import client_pb2, command_pb2, work_pb2
 from tests.unit.test_heatmap_retention import HOUR, T0, create_op, entry
 
 pytestmark = pytest.mark.unit
@@ -238,3 +242,39 @@ def test_replicas_fed_the_same_entries_agree_with_entries_from_before_quotas(
     finally:
         a.sm.close()
         b.sm.close()
+
+
+def test_the_leader_refuses_a_join_past_a_quota_before_proposing(
+    r: Replica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the WorkHandler: the identity at its quota is answered
+    RESOURCE_EXHAUSTED and nothing is proposed; another identity joins."""
+    monkeypatch.setattr(groups, "MAX_GROUPS_PER_CLIENT", 1)
+    proposed: list[command_pb2.Op] = []
+
+    class Leader:
+        sm = r.sm
+
+        async def propose_op(self, op: command_pb2.Op) -> OpResult:
+            proposed.append(op)
+            [res] = r.run(T0, op)
+            return res
+
+    async def join(principal: str, group: str) -> work_pb2.WorkResult:
+        handler = worker.WorkHandler(Leader())  # type: ignore[arg-type]
+        req = client_pb2.JoinGroupRequest(group=group, topic="munich", client_id="declared")
+        item = work_pb2.WorkItem(
+            id=1, method="JoinGroup", request=req.SerializeToString(), principal=principal
+        )
+        return await handler.run(item)
+
+    assert asyncio.run(join("alice", "g1")).code == 0
+    refused = asyncio.run(join("alice", "g2"))
+    assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "created 1 consumer groups" in refused.message
+    assert asyncio.run(join("bob", "g2")).code == 0
+    assert [(op.join_group.request.client_id, op.join_group.bound) for op in proposed] == [
+        ("alice", True),
+        ("bob", True),
+    ]
+    assert proposed[0].join_group.quotas.groups_per_client == 1
