@@ -18,7 +18,7 @@ import time
 import uuid
 
 from node_daemon.node import NotLeader, RaftNode
-from node_daemon.state.groups import check_group_name, session_timeout
+from node_daemon.state.groups import check_group_name, default_quotas, session_timeout
 from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2
@@ -48,7 +48,12 @@ class GroupCoordinator:
         if not self.node.is_leader:
             raise NotLeader(self.node.core.lead)
 
-    async def join(self, request: bytes) -> OpResult:
+    async def join(self, request: bytes, principal: str = "") -> OpResult:
+        """``principal``: the caller's authenticated identity (the request's
+        client id then): the member, and a group the join creates, count
+        against its quotas. A join past a quota is refused here, before it
+        costs a log entry, and again where it is applied (joins proposed
+        side by side)."""
         req = client_pb2.JoinGroupRequest.FromString(request)
         check_group_name(req.group)
         session_timeout(req.session_timeout_ms)
@@ -56,9 +61,14 @@ class GroupCoordinator:
         if not req.member_id:
             prefix = (req.client_id or "member")[:40]
             req.member_id = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        res = await self.node.propose_op(
-            command_pb2.Op(join_group=command_pb2.JoinGroupOp(request=req))
+        op = command_pb2.JoinGroupOp(
+            request=req, bound=bool(principal) and req.client_id == principal
         )
+        op.quotas.CopyFrom(default_quotas())
+        refused = self.node.sm.group_join_refusal(op)
+        if refused is not None:
+            raise refused
+        res = await self.node.propose_op(command_pb2.Op(join_group=op))
         if res.code == Code.OK:
             self._seen(req.group, req.member_id)
         return res
@@ -124,12 +134,13 @@ class GroupCoordinator:
             self.revoking_since.clear()
             return
         now = time.monotonic()
-        groups = self.node.sm.list_groups()
-        live = {(d.group.name, m.member_id) for d in groups for m in d.group.members}
+        groups = self.node.sm.group_records()  # offsets not needed: about half the cost
+        live = {(g.name, m.member_id) for g in groups for m in g.members}
         for key in self.revoking_since.keys() - live:
             del self.revoking_since[key]
-        for d in groups:
-            g = d.group
+        for g in groups:
+            if not g.members:
+                continue
             timeout = g.session_timeout_ms / 1000
             await self._take_held_partitions(g, now, timeout)
             expired = []

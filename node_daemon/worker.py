@@ -560,7 +560,7 @@ class WorkHandler:
                 self._own_member(req.group, req.member_id, item.principal, missing_ok=True)
             req.client_id = item.principal
             request = req.SerializeToString()
-        return await self.groups.join(request)
+        return await self.groups.join(request, item.principal)
 
     async def heartbeat(self, item: work_pb2.WorkItem) -> OpResult:
         if item.principal:

@@ -55,11 +55,12 @@ def _rpc_error(e: grpc.RpcError) -> RoadlogError:
     return error(from_grpc(e.code()), e.details() or "")
 
 
-def _too_big(e: grpc.RpcError) -> bool:
-    """A request or answer over a hop's byte limit: no retry will fit it."""
+def _final(e: grpc.RpcError) -> bool:
+    """A RESOURCE_EXHAUSTED no retry changes: a request or answer over a
+    hop's byte limit, or a quota reached (its message says what frees it)."""
     details = e.details() or ""
     return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
-        "over the limit" in details or "larger than max" in details
+        "over the limit" in details or "larger than max" in details or "quota:" in details
     )
 
 
@@ -208,7 +209,7 @@ class Connection:
             try:
                 return self._method(method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
-                if from_grpc(e.code()) not in RETRYABLE or _too_big(e):
+                if from_grpc(e.code()) not in RETRYABLE or _final(e):
                     raise _rpc_error(e) from None
                 last = e
                 if e.details() and e.details() != "Deadline Exceeded":

@@ -44,7 +44,7 @@ from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.responses import publish_responses
 from node_daemon.state.clients import ClientTables
-from node_daemon.state.groups import GroupTables
+from node_daemon.state.groups import GROUP_RETENTION_MS, GroupTables
 from node_daemon.state.heatmaps import (
     DEFAULT_CONTRIBUTION_WINDOW_MS,
     HEATMAP_KEEP_NEWEST,
@@ -229,7 +229,7 @@ class StateMachine:
         db = self.env.open_db
         self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
-        self.groups = GroupTables(db(b"groups"), db(b"offsets"))
+        self.groups = GroupTables(db(b"groups"), db(b"offsets"), self.meta)
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         self.clients = ClientTables(db(b"clients"), self.meta)
         with self.env.begin() as txn:
@@ -366,6 +366,8 @@ class StateMachine:
                 self._expire_records(txn, self._log_ms)
             for pid in op.trim.expired_producers:
                 self._forget_producer(txn, pid)
+            if op.trim.group_retention_ms:  # 0: an entry from before group expiry
+                self.groups.expire(txn, self._log_ms - op.trim.group_retention_ms)
             return b""
         if kind == "add_peer":
             ap = op.add_peer
@@ -376,13 +378,15 @@ class StateMachine:
         if kind == "join_group":
             req = op.join_group.request
             topic = self._topic(txn, req.topic)
-            resp = self.groups.join(txn, req, topic.spec.partitions, leader_ms, index)
+            resp = self.groups.join(
+                txn, req, topic.spec.partitions, leader_ms, index, op.join_group
+            )
             return resp.SerializeToString()
         if kind == "leave_group":
             g = self.groups.get(txn, op.leave_group.group)
             nparts = self._topic(txn, g.topic).spec.partitions if g is not None else 0
             gen = self.groups.leave(
-                txn, op.leave_group.group, list(op.leave_group.member_ids), nparts
+                txn, op.leave_group.group, list(op.leave_group.member_ids), nparts, self._log_ms
             )
             return client_pb2.LeaveGroupResponse(generation=gen).SerializeToString()
         if kind == "commit_offsets":
@@ -994,6 +998,16 @@ class StateMachine:
         with self.env.begin() as txn:
             return [self.groups.describe(txn, n) for n in self.groups.names(txn)]
 
+    def group_records(self) -> list[groups_pb2.Group]:
+        """Every consumer group without its offsets (the leader's scan)."""
+        with self.env.begin() as txn:
+            return self.groups.records(txn)
+
+    def group_join_refusal(self, op: command_pb2.JoinGroupOp) -> RoadlogError | None:
+        """Why the join would pass a group quota (the leader asks first)."""
+        with self.env.begin() as txn:
+            return self.groups.quota_refusal(txn, op)
+
     def monitoring_figures(self) -> tuple[list[TopicFigures], list[GroupFigures]]:
         """Per topic and per consumer group, what a node exports for
         monitoring, from one read transaction (safe beside the applier)."""
@@ -1355,16 +1369,19 @@ def trim_op(
     heatmap_keep_newest: int = HEATMAP_KEEP_NEWEST,
     expired_producers: Sequence[int] = (),
     expire_records: bool = True,
+    group_retention_ms: int = GROUP_RETENTION_MS,
 ) -> command_pb2.Op:
     """The retention op a leader proposes every ``trim_interval_s``: pings,
     heat maps (all but the newest ``heatmap_keep_newest`` windows of a
-    topic) and per-client records older than the topic's retention, and the
-    producer ids ``expirable_producers`` found."""
+    topic) and per-client records older than the topic's retention, the
+    producer ids ``expirable_producers`` found, and consumer groups empty
+    for longer than ``group_retention_ms``."""
     return command_pb2.Op(
         trim=command_pb2.TrimOp(
             heatmap_keep_newest=heatmap_keep_newest,
             expire_records=expire_records,
             expired_producers=expired_producers,
+            group_retention_ms=group_retention_ms,
         )
     )
 

@@ -244,7 +244,8 @@ def group_describe(name: str, cluster: Path | None, servers: str | None, as_json
         click.echo(json.dumps(_group_json(d), indent=2))
         return
     g = d.group
-    out.print(f"group {g.name} on topic {g.topic}, generation {g.generation}")
+    owner = f", created by {g.owner}" if g.owner else ""
+    out.print(f"group {g.name} on topic {g.topic}, generation {g.generation}{owner}")
     t = Table("member", "client", "partitions")
     for m in g.members:
         t.add_row(m.member_id, m.client_id, ",".join(map(str, m.partitions)))
@@ -281,6 +282,8 @@ def _group_json(d: Any) -> dict[str, Any]:
         "topic": g.topic,
         "generation": g.generation,
         "session_timeout_ms": g.session_timeout_ms,
+        "owner": g.owner,  # the identity it counts against ("": none)
+        "empty_since_ms": g.empty_since_ms,  # 0: members are in it
         "members": [
             {
                 "member_id": m.member_id,

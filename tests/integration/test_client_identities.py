@@ -2,7 +2,8 @@
 and HTTP route refuses a caller without a token (UNAUTHENTICATED / 401)
 and one without the scope (PERMISSION_DENIED / 403, naming it);
 give-to-get, producer ids and group members follow the token's identity,
-not a declared client id; a revoked token stops working; the CLI makes,
+not a declared client id; an identity at its consumer-group quota does not
+stop another; a revoked token stops working; the CLI makes,
 lists and revokes identities; phones register themselves over HTTP."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from node_daemon.state.groups import MAX_GROUPS_PER_CLIENT
 from roadlog.client import Admin, Connection, PermissionDenied, Producer, RoadlogError
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code
@@ -250,6 +252,46 @@ def test_producer_ids_and_group_members_belong_to_their_identity(cluster: LocalC
                 cb.call(method, req)
         d = Admin(ca).describe_group("g1")
         assert [m.member_id for m in d.group.members] == [joined.member_id]
+
+
+def test_an_identity_at_its_group_quota_is_refused_and_another_is_served(
+    cluster: LocalCluster,
+) -> None:
+    """Consumer-group quotas per identity (issue 19, finding 10) through the
+    queue server: past its quota an identity's join that would create a
+    group is RESOURCE_EXHAUSTED, at once and saying what frees it; another
+    identity still creates groups and joins; a group deleted frees a place."""
+    a = make(cluster, "grouper-a", "read:munich")
+    b = make(cluster, "grouper-b", "read:munich")
+    with connect(cluster, a) as ca, connect(cluster, b) as cb:
+
+        def join(conn: Connection, group: str) -> client_pb2.JoinGroupResponse:
+            # A long session: no member expires while the test runs.
+            req = client_pb2.JoinGroupRequest(
+                group=group, topic="munich", session_timeout_ms=120_000
+            )
+            resp: client_pb2.JoinGroupResponse = conn.call("JoinGroup", req)
+            return resp
+
+        first = join(ca, "quota-a-0")
+        for i in range(1, MAX_GROUPS_PER_CLIENT):
+            join(ca, f"quota-a-{i}")
+        with pytest.raises(RoadlogError) as err:
+            join(ca, "quota-a-more")
+        assert err.value.code == Code.RESOURCE_EXHAUSTED, err.value
+        assert f"created {MAX_GROUPS_PER_CLIENT} consumer groups" in err.value.message
+        assert "leave" in err.value.message and "admin" in err.value.message
+        # Another identity is served: it creates a group, and joins one of A's.
+        assert join(cb, "quota-b-0").partitions
+        join(cb, "quota-a-1")
+        d = Admin(ca).describe_group("quota-a-0").group
+        assert d.owner == d.members[0].client_id  # charged to the identity that created it
+        # A leaves a group, an admin deletes it: A may create one again.
+        ca.call("LeaveGroup", client_pb2.LeaveGroupRequest(
+            group="quota-a-0", member_id=first.member_id))  # fmt: skip
+        with Connection(cluster.servers, tls=cluster.tls()) as admin:
+            Admin(admin).delete_group("quota-a-0")
+        assert join(ca, "quota-a-more").member_id
 
 
 def test_a_revoked_token_stops_working(cluster: LocalCluster) -> None:

@@ -267,7 +267,8 @@ def test_security_md_states_the_rules_the_code_and_the_roles_keep() -> None:
         "the Spark heat-map stream's metrics port (it has no certificate)",
         "without TLS (`insecure`, debugging only) the static token is still what the ports check",
         "**open** where an operator turns it off",
-        "**open**: quotas per identity on consumer groups and members",
+        '**open**: without tokens (`client_auth = "none"`) only the cluster\'s caps hold',
+        "identities that fill them (20 at their group quota) refuse everyone's new groups",
     )
     for still_open in still:
         assert still_open in text
