@@ -386,6 +386,8 @@ class RaftCore:
             for e in m.entries:
                 if e.index != expect or e.term < prev_term or e.term > m.term:
                     return False
+                if e.type == EntryType.CONFIG and not ConfState.decodes(e.data):
+                    return False  # applying it would fail on every node
                 expect, prev_term = expect + 1, e.term
         elif m.entries:
             return False

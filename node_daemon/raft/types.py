@@ -54,9 +54,24 @@ class ConfState:
 
     @classmethod
     def decode(cls, data: bytes) -> ConfState:
+        """``encode``'s bytes back; ValueError for anything else (a length
+        that does not match its counts, a node both voter and learner)."""
+        if len(data) < 4:
+            raise ValueError(f"a configuration of {len(data)} bytes")
         nv, nl = struct.unpack_from(">HH", data)
+        if len(data) != 4 + 8 * (nv + nl):
+            raise ValueError(f"a configuration of {nv + nl} ids in {len(data)} bytes")
         ids = struct.unpack_from(f">{nv + nl}Q", data, 4)
         return cls(frozenset(ids[:nv]), frozenset(ids[nv:]))
+
+    @classmethod
+    def decodes(cls, data: bytes) -> bool:
+        """Whether ``data`` is a configuration ``decode`` takes."""
+        try:
+            cls.decode(data)
+        except ValueError:
+            return False
+        return True
 
 
 class ConfChangeType(IntEnum):

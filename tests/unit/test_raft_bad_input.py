@@ -107,3 +107,23 @@ def test_snapshot_message_without_a_snapshot_is_dropped() -> None:
     r = new_core(1, term=2)
     r.step(Message(MT.SNAPSHOT, 1, 2, 2))
     assert r.invalid == 1 and not persist(r)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\x00\x01", b"\x00\x01\x00\x00", b"\x00\x01\x00\x01" + (2).to_bytes(8, "big") * 2],
+    ids=["empty", "short", "fewer-ids-than-counted", "voter-and-learner"],
+)
+def test_an_append_with_a_configuration_that_does_not_decode_is_dropped(data: bytes) -> None:
+    """Found by the test above (hypothesis): such an entry crashed the
+    follower where it recorded configurations. Now the whole append is
+    dropped and counted, and nothing of it is stored."""
+    r = new_core(1, term=2)
+    good = Entry(2, 1, EntryType.NORMAL, b"x")
+    bad = Entry(2, 2, EntryType.CONFIG, data)
+    r.step(Message(MT.APPEND, 1, 2, 2, 0, 0, (good, bad)))
+    assert r.invalid == 1
+    assert r.log.last_index() == 0 and not persist(r)
+    ok = Entry(2, 2, EntryType.CONFIG, ConfState(frozenset({1, 2}), frozenset({3})).encode())
+    r.step(Message(MT.APPEND, 1, 2, 2, 0, 0, (good, ok)))
+    assert r.invalid == 1 and r.log.last_index() == 2
