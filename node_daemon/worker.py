@@ -538,8 +538,9 @@ class WorkHandler:
             if held >= MAX_PRODUCER_IDS_PER_CLIENT:
                 raise RoadlogError(
                     Code.RESOURCE_EXHAUSTED,
-                    f"this identity holds {held} producer ids, the most one may: reuse one "
-                    f"(an id with no pings left is forgotten "
+                    f"producer id quota: this identity holds {held} producer ids, the most one "
+                    f"may: resume one under its next epoch (InitProducer with its producer_id; "
+                    f"an id with no pings left is forgotten "
                     f"{PRODUCER_ID_LIFETIME_MS // 86_400_000} days after it was issued)",
                 )
         pid = secrets.randbits(63) or 1

@@ -72,7 +72,8 @@ class ClientTables:
         if n >= limit:
             what = "self-registered identities" if ident.registered else "client identities"
             raise RoadlogError(
-                Code.RESOURCE_EXHAUSTED, f"the cluster holds {limit} {what}: revoke some first"
+                Code.RESOURCE_EXHAUSTED,
+                f"identity quota: the cluster holds {limit} {what}: revoke some first",
             )
         stored = clients_pb2.ClientIdentity()
         stored.CopyFrom(ident)
