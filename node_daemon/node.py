@@ -150,7 +150,7 @@ class RaftNode:
         data = group_data_dir(Path(cfg.data_dir), group)
         self.log_store = LmdbLogStorage(data / "raft")
         # Producer ids are issued in group 0; a data group's leader checks them there.
-        self.sm = StateMachine(data / "state", issues_producers=group == 0)
+        self.sm = StateMachine(data / "state", issues_producers=group == 0, group=group)
         marker = data / "raft" / CATCHING_UP_FILE
         self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new
         empty = self.log_store.last_index() == 0 and self.log_store.initial_state().term == 0

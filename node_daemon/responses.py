@@ -15,15 +15,27 @@ from roadlog.protowire import varint
 
 
 def publish_responses(
-    partitions: list[int], bases: list[int], rows: list[list[int]], applied_index: int
+    partitions: list[int],
+    bases: list[int],
+    rows: list[list[int]],
+    applied_index: int,
+    group: int = 0,
 ) -> list[bytes]:
     """``PublishResponse`` bytes for consecutive spans of one append: span
     ``k`` has ``rows[k][i]`` pings in ``partitions[i]``, stored right after
     the spans before it, the first from ``bases[i]`` on. Byte for byte what
     protobuf writes for ``PublishResponse(offsets=[PartitionOffsets(
     partition, base_offset, count) for each non-zero count in order],
-    applied_index=applied_index)``, without a message object per offset."""
-    tail = b"\x10" + varint(applied_index) if applied_index else b""
+    applied_index=applied_index)``, without a message object per offset;
+    ``group`` (a data group's answer): ``group_fences=[GroupFence(group,
+    applied_index)]`` in place of ``applied_index``."""
+    if group:
+        fence = (
+            b"\x08" + varint(group) + (b"\x10" + varint(applied_index) if applied_index else b"")
+        )
+        tail = b"\x22" + varint(len(fence)) + fence
+    else:
+        tail = b"\x10" + varint(applied_index) if applied_index else b""
     heads = [b"\x08" + varint(p) if p else b"" for p in partitions]
     nxt = list(bases)
     out = []

@@ -171,7 +171,7 @@ async def _placed(node: RaftNode, name: str, topic_id: int) -> None:
     deadline = time.monotonic() + PLACEMENT_WAIT_S
     while True:
         try:
-            if not topic_id or node.sm.topic(name).id == topic_id:
+            if node.sm.topic(name).id == topic_id or not topic_id:
                 return
         except RoadlogError as e:
             if e.code != Code.NOT_FOUND:
@@ -216,6 +216,7 @@ class WorkHandler:
         self._merger: asyncio.Task[None] | None = None
         self.groups = GroupCoordinator(node)
         self._read_links: set[object] = set()  # queue servers where fenced reads come in
+        self._placed_topics: set[str] = set()  # a data group's: topics seen placed here
 
     def reads_flowing(self, link: object, on: bool) -> None:
         """A queue server says fenced reads come in there lately (or no
@@ -313,7 +314,7 @@ class WorkHandler:
         n = len(call.requests)
         owners = [(call, i) for i in range(n)]
         clients = [call.principal] * n
-        requests, owners, clients = await self._producers_checked(call.requests, owners, clients)
+        requests, owners, clients, _ = await self._producers_checked(call.requests, owners, clients)
         prepared, errors = await self._prepared(requests, clients)
         for i, e in errors.items():
             c, pos = owners[i]
@@ -441,8 +442,13 @@ class WorkHandler:
         # Who sent each: the authenticated identity, where there is one.
         clients = [c.principal for c in calls for _ in c.requests]
         if self.node.group != 0:  # producer ids are group 0's: checked there first
-            requests, owners, clients = await self._producers_checked(requests, owners, clients)
+            requests, owners, clients, topics = await self._producers_checked(
+                requests, owners, clients
+            )
+            await self._topics_placed(topics)
         prepared, errors = await self._prepared(requests, clients)
+        if self.node.group != 0:
+            prepared, errors = await self._own_partitions(prepared, errors, requests, clients)
         _VALIDATE_SECONDS.observe(time.perf_counter() - t0)
         metrics.MERGED_PUBLISHES.observe(len(requests))
         for i, e in errors.items():
@@ -454,26 +460,78 @@ class WorkHandler:
                 functools.partial(_settle_spans, [owners[i] for i in p.members])
             )
 
+    async def _topics_placed(self, names: set[str]) -> None:
+        """Wait (``_placed``) until this data group placed each topic the
+        publishes name: one made a moment ago may not be yet. A topic still
+        missing after that is refused as NOT_FOUND by the validation."""
+        for name in sorted(names - self._placed_topics):
+            with contextlib.suppress(RoadlogError):
+                await _placed(self.node, name, 0)
+                self._placed_topics.add(name)  # a topic dropped later: NOT_FOUND
+
+    async def _own_partitions(
+        self,
+        prepared: list[PreparedAppend],
+        errors: dict[int, Exception],
+        requests: list[bytes],
+        clients: list[str],
+    ) -> tuple[list[PreparedAppend], dict[int, Exception]]:
+        """A data group takes only pings of its own partitions (a publish
+        routed here by its group hint): a publish with a ping of another
+        group's partition is refused (FAILED_PRECONDITION: the sender's map
+        of the topic is stale), the others of its op prepared again."""
+        own: list[PreparedAppend] = []
+        again: list[int] = []  # positions of the publishes to prepare again
+        for p in prepared:
+            op = p.op.append
+            groups = self.node.sm.topic(op.topic).partition_groups
+            foreign = [
+                i
+                for i, part in enumerate(op.parts)
+                if (int(groups[part.partition]) if groups else 0) != self.node.group
+            ]
+            if not foreign:
+                own.append(p)
+                continue
+            for span, m in zip(op.spans, p.members, strict=True):
+                if any(span.counts[i] for i in foreign):
+                    errors[m] = RoadlogError(
+                        Code.FAILED_PRECONDITION,
+                        f"pings of topic {op.topic!r} in partitions outside group "
+                        f"{self.node.group}: the topic's map changed, describe it again",
+                    )
+                else:
+                    again.append(m)
+        if again:
+            redone, failed = await self._prepared(
+                [requests[m] for m in again], [clients[m] for m in again]
+            )
+            own += [PreparedAppend(p.op, [again[i] for i in p.members]) for p in redone]
+            errors.update({again[i]: e for i, e in failed.items()})
+        return own, errors
+
     async def _producers_checked(
         self,
         requests: list[bytes],
         owners: list[tuple[_Call, int]],
         clients: list[str],
-    ) -> tuple[list[bytes], list[tuple[_Call, int]], list[str]]:
+    ) -> tuple[list[bytes], list[tuple[_Call, int]], list[str], set[str]]:
         """A data group's publishes whose producer id group 0 (this node's
         replica of it) issued to their sender; the others are answered here
         with the reason. An id group 0 does not know yet is asked about
         again once this replica applied group 0's commit index it knows (an
         id acknowledged a moment ago may not have reached it), for up to
-        PRODUCER_CATCH_UP_S."""
+        PRODUCER_CATCH_UP_S. Also returns the topics the publishes name."""
         meta = self.node.raft_groups.get(0)
         keep: list[int] = []
+        topics: set[str] = set()
         for i, raw in enumerate(requests):
             try:
                 view = client_pb2.PublishRequestView.FromString(raw)
             except DecodeError:
                 keep.append(i)  # prepare_appends answers it as malformed
                 continue
+            topics.add(view.topic)
             if not view.producer_id:
                 keep.append(i)
                 continue
@@ -495,7 +553,8 @@ class WorkHandler:
             else:
                 call, pos = owners[i]
                 call.settle(pos, RoadlogError(*refused))
-        return [requests[i] for i in keep], [owners[i] for i in keep], [clients[i] for i in keep]
+        kept = [requests[i] for i in keep], [owners[i] for i in keep], [clients[i] for i in keep]
+        return (*kept, topics)
 
     def _topic_lookup(self, name: str) -> tuple[int, Region]:
         topic = self.node.sm.topic(name)

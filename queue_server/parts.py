@@ -106,7 +106,9 @@ def _take(answers: list[_Answer], part: work_pb2.WorkPart, result: work_pb2.Work
             continue
         a.offsets.extend(span.response.offsets)
         a.duplicates.append(span.response.duplicate)
-        a.fences[part.group] = max(a.fences.get(part.group, 0), span.response.applied_index)
+        told = [f.applied_index for f in span.response.group_fences if f.group == part.group]
+        index = max([span.response.applied_index, *told])
+        a.fences[part.group] = max(a.fences.get(part.group, 0), index)
 
 
 def replayable_part(request: bytes) -> bool:

@@ -332,6 +332,10 @@ class WorkQueues:
 
     # ----------------------------------------------------------- dispatch
 
+    def runs_group(self, group: int) -> bool:
+        """Whether a connected node told of data group ``group``."""
+        return any(group in w.groups for w in self.workers.values())
+
     def leader(self, group: int = 0) -> Worker | None:
         """The worker that leads ``group`` at the highest term told."""
         return self.leaders().get(group)

@@ -42,7 +42,7 @@ from queue_server.queues import Item, QueueFull, WorkQueues
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
-from roadlog.protowire import length_delimited
+from roadlog.protowire import leading_varint, length_delimited
 from roadlog.rpc import BY_NAME, ROUTED, SERVICE, Kind
 from roadlog.runtime import frames, tls
 from roadlog.runtime.auth import ClusterAuth, cluster_token, protects
@@ -70,6 +70,13 @@ REQUESTS = Counter(
     "roadlog_queue_requests_total", "client requests by method and outcome", ["method", "code"]
 )
 WORKERS = Gauge("roadlog_queue_connected_nodes", "nodes pulling work from this queue server")
+SPLIT = Counter(
+    "roadlog_queue_split_publishes_total",
+    "calls with publishes group 0's leader split over data groups (their senders did not "
+    "route them by group), and the parts handed out",
+    ["what"],
+)
+_SPLIT_CALLS, _SPLIT_PARTS = SPLIT.labels("calls"), SPLIT.labels("parts")
 FRAMES_REJECTED = Counter(
     "roadlog_queue_frames_rejected_total",
     "framed Work links refused (bad hello) or cut (bad input)",
@@ -86,6 +93,8 @@ _ITEMS_ITEMS = 1  # WorkItems.items
 _ITEMS_FENCE_WAIT = 2  # WorkItems.fence_wait
 _ITEM_REQUEST = 4  # WorkItem.request
 _KIND = {Kind.WRITE: work_pb2.WORK_KIND_WRITE, Kind.READ: work_pb2.WORK_KIND_READ}
+# Where a publish's routing hint is (PublishRequest.group, PublishBatchRequest.group).
+_GROUP_HINT_FIELD = {"Publish": 7, "PublishBatch": 2}
 
 
 @dataclass(slots=True, eq=False)
@@ -290,6 +299,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             fence,
             client=client,
             principal=principal.client_id if principal is not None else "",
+            group=self._group_hint(method, request),
         )
         try:
             self.q.submit(item)
@@ -301,6 +311,17 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         if res.parts:
             return await self._parts(item, res)
         return res.response
+
+    def _group_hint(self, method: str, request: bytes) -> int:
+        """The data group a publish says all its pings lie in (the SDK
+        writes it first: read without parsing), when some node runs that
+        group; else 0 (group 0's leader takes it, and splits it if its
+        topic is placed in data groups). The group's leader checks it."""
+        field = _GROUP_HINT_FIELD.get(method)
+        if field is None:
+            return 0
+        g = leading_varint(request, field)
+        return g if g and self.q.runs_group(g) else 0
 
     async def _answer(self, item: Item) -> work_pb2.WorkResult:
         """Wait for a submitted item's result, up to its deadline (then
@@ -321,6 +342,8 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         """A publish group 0's leader split across data groups: each part a
         write of its group (``AppendPart``, the parent's deadline, lane and
         identity), the client answered once every part is (``parts.merge``)."""
+        _SPLIT_CALLS.inc()
+        _SPLIT_PARTS.inc(len(res.parts))
         now = time.monotonic()
         children = [
             Item(

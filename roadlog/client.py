@@ -35,8 +35,11 @@ from roadlog.errors import NotFound as NotFound
 from roadlog.errors import PermissionDenied as PermissionDenied
 from roadlog.errors import RoadlogError as RoadlogError
 from roadlog.errors import Unavailable as Unavailable
+from roadlog.geo import Region, parse_region
 from roadlog.grpc_status import from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
+from roadlog.partitioning import ping_groups
+from roadlog.protowire import with_leading_varint
 from roadlog.rpc import BY_NAME, SERVICE
 from roadlog.v1 import (
     client_pb2,
@@ -45,8 +48,13 @@ from roadlog.v1 import (
     heatmaps_pb2,
     topics_pb2,
 )
+from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if_bad
 
 RETRYABLE = {Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED}
+# Where a publish says which data group its pings lie in (PublishRequest.group,
+# PublishBatchRequest.group): written first, so the queue server reads it cheaply.
+_GROUP_HINT_FIELD = {"Publish": 7, "PublishBatch": 2}
+STALE_MAP = "the topic's map changed"  # a data group's refusal of another group's pings
 M = TypeVar("M", bound=Message)
 
 
@@ -145,12 +153,16 @@ class Connection:
         request: Message,
         timeout: float | None = None,
         response: type[Message] | None = None,
+        routing_group: int = 0,
     ) -> Any:
         """Call ``method``; retry retryable failures (on the next queue
         server) until ``timeout`` seconds have passed. A read that takes a
         fence and sets none waits for everything this connection wrote.
         ``request`` may be a view of the rpc's request (the same wire
-        bytes); the answer is the rpc's response, or ``response`` (a view)."""
+        bytes); the answer is the rpc's response, or ``response`` (a view).
+        ``routing_group``: a publish whose pings all lie in that data group's
+        partitions, said first in the message (the queue server routes it to
+        that group's leader without parsing it)."""
         fields = request.DESCRIPTOR.fields_by_name
         fenceable = "min_applied_index" in fields
         add_fence = self.fence and fenceable and not getattr(request, "min_applied_index")  # noqa: B009
@@ -168,7 +180,10 @@ class Connection:
                 for g, index in held:
                     fenced.group_fences.add(group=g, applied_index=index)  # type: ignore[attr-defined]
             request = fenced
-        raw = self._call(method, request.SerializeToString(), timeout)
+        wire = request.SerializeToString()
+        if routing_group:
+            wire = with_leading_varint(wire, _GROUP_HINT_FIELD[method], routing_group)
+        raw = self._call(method, wire, timeout)
         resp: Any = (response or BY_NAME[method].response).FromString(raw)
         if "applied_index" in resp.DESCRIPTOR.fields_by_name:
             self.raise_fence(resp.applied_index)
@@ -374,6 +389,10 @@ class Producer:
             self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
         self.sequence = 0
         self.acked = 0
+        # The topic's partition -> data group map (multi-raft; [] : none),
+        # read at the first batch and again when a group says it changed.
+        self._groups: list[int] | None = None
+        self._region: Region | None = None
         self._rows: list[tuple[str, int, float, float, float, float, float]] = []
         self._first_at = 0.0
         self._lock = threading.RLock()
@@ -453,6 +472,59 @@ class Producer:
 
     def _send_batch(self, cols: PingColumns) -> Ack:
         self.sequence += 1
+        if self._groups is None:
+            self._learn_map()
+        if not self._groups:  # every partition in group 0: one publish
+            ack = self._publish(cols, 0)
+        else:
+            self._check(cols)
+            try:
+                ack = self._publish_by_group(cols)
+            except FailedPrecondition as e:
+                if STALE_MAP not in e.message:
+                    raise
+                # The topic was made again with another map: the same
+                # sequence again, so the parts stored already are not.
+                self._learn_map()
+                ack = self._publish_by_group(cols) if self._groups else self._publish(cols, 0)
+        self.acked += ack.count
+        return ack
+
+    def _learn_map(self) -> None:
+        """The topic's partition -> data group map, and its region (to check
+        a batch whole before its groups' parts go their own ways)."""
+        record = Admin(self.conn).describe(self.topic).topic
+        self._groups = list(record.partition_groups)
+        self._region = parse_region(record.spec.region_geojson) if self._groups else None
+
+    def _check(self, cols: PingColumns) -> None:
+        """The cluster's checks of a batch, here: a batch split over data
+        groups is refused whole for one bad ping, as one publish is (the
+        groups' leaders check their parts again; a ping only they refuse,
+        say for a clock far off, refuses its group's part alone)."""
+        assert self._region is not None
+        try:
+            check_size(len(cols))
+            raise_if_bad(ping_reasons(cols, self._region, int(time.time() * 1000)))
+        except BatchRejected as e:
+            raise InvalidArgument(Code.INVALID_ARGUMENT, str(e)) from None
+
+    def _publish_by_group(self, cols: PingColumns) -> Ack:
+        """A topic placed in data groups: each group's pings as a publish of
+        their own (the same sequence: each group stores its share once),
+        straight to that group's leader; acknowledged when every part is."""
+        assert self._groups is not None
+        groups = ping_groups(cols, self._groups)
+        acks = [
+            self._publish(cols.take(np.flatnonzero(groups == g)), int(g)) for g in np.unique(groups)
+        ]
+        return Ack(
+            [o for a in acks for o in a.offsets],
+            0,
+            all(a.duplicate for a in acks),
+        )
+
+    def _publish(self, cols: PingColumns, group: int) -> Ack:
         req = client_pb2.PublishRequestView(  # the encoded batch as it is: no re-parse
             topic=self.topic,
             client_id=self.client_id,
@@ -461,14 +533,12 @@ class Producer:
             batch=columnar.encode(cols),
             producer_epoch=self.epoch,
         )
-        resp = self.conn.call("Publish", req, timeout=self.deadline_s)
-        ack = Ack(
+        resp = self.conn.call("Publish", req, timeout=self.deadline_s, routing_group=group)
+        return Ack(
             [(o.partition, o.base_offset, o.count) for o in resp.offsets],
             resp.applied_index,
             resp.duplicate,
         )
-        self.acked += ack.count
-        return ack
 
     def close(self) -> None:
         """Send what is buffered and stop the background flusher."""

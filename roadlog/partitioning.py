@@ -30,6 +30,15 @@ def device_partitions(cols: PingColumns, partitions: int) -> npt.NDArray[np.int6
     return partitions_of_utf8([d.encode() for d in cols.device_ids], partitions)
 
 
+def ping_groups(cols: PingColumns, partition_groups: Sequence[int]) -> npt.NDArray[np.int64]:
+    """The Raft group of each ping's partition, for a topic placed in data
+    groups (``Topic.partition_groups``, one per partition), as the cluster
+    computes it: so a publisher can send each group's pings to that group
+    (multi-raft's fast path)."""
+    per_device = device_partitions(cols, len(partition_groups))
+    return np.asarray(partition_groups, dtype=np.int64)[per_device][cols.device_index]
+
+
 def partitions_of_utf8(ids: Sequence[bytes], partitions: int) -> npt.NDArray[np.int64]:
     """``partition_of`` of each id, given as its UTF-8 bytes."""
     crc = np.fromiter(map(zlib.crc32, ids), dtype=np.int64, count=len(ids))

@@ -27,3 +27,26 @@ def varint(n: int) -> bytes:
 def length_delimited(field: int, length: int) -> bytes:
     """The tag and length that precede a bytes or message field's payload."""
     return varint(field << 3 | 2) + varint(length)
+
+
+def leading_varint(data: bytes, field: int) -> int:
+    """The value of varint field ``field`` when it is the first field of
+    message ``data`` (as a writer that wants it read cheaply puts it:
+    fields may come in any order), else 0. Reads at most 11 bytes."""
+    tag = field << 3
+    head = data[:11]
+    if not head or head[0] != tag or tag >= 0x80:
+        return 0
+    value, shift = 0, 0
+    for b in head[1:]:
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value
+        shift += 7
+    return 0  # not a varint within 10 bytes: no hint
+
+
+def with_leading_varint(data: bytes, field: int, value: int) -> bytes:
+    """``data`` (a message) with varint field ``field`` = ``value`` written
+    first (``leading_varint`` reads it back); ``value`` 0: ``data``."""
+    return varint(field << 3) + varint(value) + data if value else data

@@ -34,9 +34,11 @@ from roadlog.client import RETRYABLE, client_id
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code, RoadlogError, error
 from roadlog.limits import CLIENT_MESSAGE_BYTES
+from roadlog.protowire import with_leading_varint
 from roadlog.v1 import client_pb2
 
 MAX_BATCH_REQUESTS = 4096  # what a node takes in one PublishBatch
+_BATCH_GROUP_FIELD = 2  # PublishBatchRequest.group
 
 
 @dataclass(eq=False)
@@ -71,12 +73,20 @@ class Publisher:
         client: str | None = None,
         tls: ClientTLS | None = None,
         token: str | None = None,
+        group: int = 0,
     ) -> None:
+        """``group``: every publish's pings lie in this data group's
+        partitions (a topic placed in data groups: ``partitioning.ping_groups``
+        tells each ping's); the calls say so, and the queue server hands them
+        to that group's leader, which refuses a ping of another group's
+        partition. 0: no such promise (group 0's leader takes them and splits
+        them by group if it must)."""
         if not servers:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
         if not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
             raise ValueError(f"max_batch_requests must be 1..{MAX_BATCH_REQUESTS}")
         self.servers = list(servers)
+        self.group = group
         # The identity's token: ``token``, else tls's, else ROADLOG_TOKEN.
         self.tls = (tls if tls is not None else ClientTLS.from_env()).with_token(token)
         self.max_in_flight = max_in_flight
@@ -87,6 +97,7 @@ class Publisher:
         self.timeout = timeout
         self.metadata = (("roadlog-client", client or client_id()), *self.tls.metadata())
         self.fence = 0  # the highest applied index of any answer (read your writes)
+        self.group_fences: dict[int, int] = {}  # the same per data group
         self.stats = PublisherStats()
         self._channels: list[grpc.aio.Channel] = []
         self._calls: list[BatchStream] = []
@@ -214,11 +225,13 @@ class Publisher:
     async def _call(self, batch: list[_Pending]) -> None:
         server = self._current
         body = client_pb2.PublishBatchRequestView(requests=[p.request for p in batch])
+        # The group first, where the queue server reads it without parsing.
+        wire = with_leading_varint(body.SerializeToString(), _BATCH_GROUP_FIELD, self.group)
         left = max(p.deadline for p in batch) - time.monotonic()
         self.stats.calls += 1
         self.stats.sent += len(batch)
         try:
-            raw = await self._calls[server].exchange(body.SerializeToString(), max(left, 0.01))
+            raw = await self._calls[server].exchange(wire, max(left, 0.01))
         except BatchFailed as e:
             code, why = e.code, e.why
             if code not in RETRYABLE:
@@ -243,6 +256,10 @@ class Publisher:
             if r.code == 0:
                 out = client_pb2.PublishResponse.FromString(r.response)
                 self.fence = max(self.fence, out.applied_index)
+                for f in out.group_fences:
+                    self.group_fences[f.group] = max(
+                        self.group_fences.get(f.group, 0), f.applied_index
+                    )
                 self.stats.acked += 1
                 if not p.future.done():
                     p.future.set_result(out)

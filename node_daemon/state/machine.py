@@ -205,14 +205,18 @@ class StateMachine:
         path: str | os.PathLike[str],
         map_size: int = 4 * GiB,
         issues_producers: bool = True,
+        group: int = 0,
     ) -> None:
         """``issues_producers`` False: a data group's state, where producer
         ids are not issued; its leader checks them against group 0's replica
         (``producer_refusal``) before proposing, and applies take them as
-        checked."""
+        checked. ``group``: the Raft group whose state this is; a data
+        group's publish answers carry their index as that group's fence
+        (``group_fences``), not as ``applied_index`` (group 0's)."""
         self.path = Path(path)
         self.map_size = map_size
         self.issues_producers = issues_producers
+        self.group = group
         self._open()
 
     def _open(self) -> None:
@@ -576,7 +580,8 @@ class StateMachine:
             # answers are written as bytes at once (node_daemon.responses).
             if results:
                 out = [
-                    OpResult(response=r) for r in publish_responses(partitions, nxt, counts, index)
+                    OpResult(response=r)
+                    for r in publish_responses(partitions, nxt, counts, index, self.group)
                 ]
             nxt = [base + part.count for base, part in zip(nxt, op.parts, strict=True)]
         else:
@@ -664,7 +669,10 @@ class StateMachine:
                     # A fence at this entry: it is past where the original was
                     # stored, so a read at it sees the write (read your writes
                     # holds for an answer that came from a retry too).
-                    dup.applied_index = index
+                    if self.group:
+                        dup.group_fences.add(group=self.group, applied_index=index)
+                    else:
+                        dup.applied_index = index
                     out.append(OpResult(response=dup.SerializeToString()))
                     continue
                 for p, base, count, recent in zip(partitions, nxt, row, seen, strict=True):
@@ -675,7 +683,11 @@ class StateMachine:
                         )
             kept.append(True)
             if results:  # applied_index: a read fence
-                out.append(OpResult(response=publish_responses(partitions, nxt, [row], index)[0]))
+                out.append(
+                    OpResult(
+                        response=publish_responses(partitions, nxt, [row], index, self.group)[0]
+                    )
+                )
             nxt = [base + count for base, count in zip(nxt, row, strict=True)]
         return nxt
 

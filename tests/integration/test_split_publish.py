@@ -1,22 +1,28 @@
 """Publishes routed to data groups (issue 18, multi-raft step 3;
 docs/multiraft.md): a 3-node cluster with ``data_groups = 3`` and
-``place_topics`` places each topic's partitions in the data groups; group
-0's leader validates a publish and splits it by group, the queue server
-hands each part to its group's leader and answers once every part is
-stored. Reads follow: a fetch reads the partition's group on the node that
+``place_topics`` places each topic's partitions in the data groups. The
+SDK sends each group's pings to that group's leader (the fast path: a
+group refuses pings of another's partitions); a publish that names no
+group (HTTP, other clients) is validated and split by group 0's leader,
+the queue server hands each part to its group's leader and answers once
+every part is stored. Reads follow: a fetch reads the partition's group on the node that
 takes it, fenced per group; a topic's offsets come from the data groups.
 Real processes on loopback, a leader SIGKILLed under idempotent writes."""
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from collections.abc import Callable
 
 import pytest
 
-from roadlog.client import Admin, Connection, Producer
+from roadlog.client import Admin, Connection, FailedPrecondition, Producer
+from roadlog.columnar import encode
 from roadlog.errors import RoadlogError
 from roadlog.tools.localcluster import LocalCluster
+from roadlog.v1 import client_pb2
 from tests.integration.conftest import (
     assert_exactly_once_in_order,
     create_topic,
@@ -34,6 +40,15 @@ def rows(cols: object) -> list[tuple[str, int]]:
     return list(zip(cols.device_of().tolist(), cols.ts_ms.tolist(), strict=True))  # type: ignore[attr-defined]
 
 
+def split_calls(lc: LocalCluster) -> float:
+    """Calls the queue server had group 0's leader split (not routed by group)."""
+    url = lc.metrics_url(lc.queue_servers[0])
+    with urllib.request.urlopen(url, context=lc.ssl_context(), timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r'^roadlog_queue_split_publishes_total\{what="calls"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_a_publish_is_split_over_the_data_groups_and_read_back(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
@@ -45,6 +60,7 @@ def test_a_publish_is_split_over_the_data_groups_and_read_back(
         d = Admin(conn).describe("munich")
         assert sorted({p.group for p in d.partitions}) == [1, 2, 3]  # every data group
         producer = Producer(conn, "munich")
+        splits = split_calls(lc)
         acked: list[tuple[str, int]] = []
         batch = make_pings("van", 0, 300, devices=24)  # devices in every partition
         ack = producer.send_batch(batch)
@@ -61,6 +77,12 @@ def test_a_publish_is_split_over_the_data_groups_and_read_back(
         more = make_pings("car", 0, 120, devices=12)
         assert plain.send_batch(more).count == 120
         acked += rows(more)
+        # The SDK sent each group's pings to that group: nothing was split.
+        assert split_calls(lc) == splits
+        # A publish that says group 1 but holds pings of other groups' partitions.
+        wrong = client_pb2.PublishRequestView(topic="munich", batch=encode(make_pings("x", 0, 50)))
+        with pytest.raises(FailedPrecondition, match="map changed"):
+            conn.call("Publish", wrong, routing_group=1)
         now = int(time.time() * 1000)
         phones = [(f"phone-{i}", now - i) for i in range(30)]
         pings = [{"device_id": d, "ts_ms": ts, "lat": 48.1, "lon": 11.5} for d, ts in phones]
@@ -71,6 +93,7 @@ def test_a_publish_is_split_over_the_data_groups_and_read_back(
         )
         assert code == 200 and body["count"] == 30, body
         acked += phones
+        assert split_calls(lc) == splits + 1  # HTTP names no group: group 0's leader split it
         # Read back through the data groups, fenced per group.
         stored = read_topic(conn, "munich")
         assert_exactly_once_in_order(stored, acked)

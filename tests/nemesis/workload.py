@@ -126,14 +126,15 @@ class RecordingConnection(Connection):
         request: Any,
         timeout: float | None = None,
         response: Any = None,
+        routing_group: int = 0,
     ) -> Any:
         f = self.FS.get(method)
         if f is None:
-            return super().call(method, request, timeout, response)
+            return super().call(method, request, timeout, response, routing_group)
         fields = self._invoke_fields(method, request)
         op = self.ctx.rec.invoke(self.proc, f, **fields)
         try:
-            resp = super().call(method, request, timeout, response)
+            resp = super().call(method, request, timeout, response, routing_group)
         except Exception as e:
             code = _code(e)
             # A write the connection sent again (after an unknown outcome) may

@@ -12,7 +12,7 @@ import pytest
 from roadlog import columnar
 from roadlog.client import Producer, Unavailable
 from roadlog.errors import Code
-from roadlog.v1 import client_pb2
+from roadlog.v1 import client_pb2, topics_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -23,10 +23,14 @@ class FakeConnection:
         self.fail = fail
         self.lock = threading.Lock()
 
-    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def call(
+        self, method: str, request: Any, timeout: float | None = None, routing_group: int = 0
+    ) -> Any:
         if method == "InitProducer":
             return client_pb2.InitProducerResponse(producer_id=7)
-        assert method == "Publish"
+        if method == "DescribeTopic":  # a topic of group 0 (no data groups)
+            return topics_pb2.TopicDescription()
+        assert method == "Publish" and routing_group == 0
         if self.fail:
             raise Unavailable(Code.UNAVAILABLE, "no leader")
         with self.lock:

@@ -27,12 +27,16 @@ def appends(draw: st.DrawFn) -> tuple[list[int], list[int], list[list[int]], int
 
 
 def expected(
-    partitions: list[int], bases: list[int], rows: list[list[int]], index: int
+    partitions: list[int], bases: list[int], rows: list[list[int]], index: int, group: int = 0
 ) -> list[bytes]:
     nxt = list(bases)
     out = []
     for row in rows:
-        resp = client_pb2.PublishResponse(applied_index=index)
+        resp = client_pb2.PublishResponse()
+        if group:  # a data group's answer: its index is that group's fence
+            resp.group_fences.add(group=group, applied_index=index)
+        else:
+            resp.applied_index = index
         for i, count in enumerate(row):
             if count:
                 resp.offsets.add(partition=partitions[i], base_offset=nxt[i], count=count)
@@ -46,6 +50,13 @@ def test_publish_responses_are_protobufs_bytes(
     case: tuple[list[int], list[int], list[list[int]], int],
 ) -> None:
     assert publish_responses(*case) == expected(*case)
+
+
+@given(appends(), st.integers(1, 64))
+def test_a_data_groups_answers_carry_its_fence(
+    case: tuple[list[int], list[int], list[list[int]], int], group: int
+) -> None:
+    assert publish_responses(*case, group) == expected(*case, group)
 
 
 def test_each_span_starts_where_the_one_before_ended() -> None:
