@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import sys
 import time
@@ -26,8 +27,10 @@ from bench.cpu import CpuMeter
 from bench.peers import NatsCluster, nats_cluster, nats_stream, percentile, roadlog_cluster
 from roadlog import columnar
 from roadlog.cli.cluster import raft_groups
+from roadlog.client import Admin, Connection
 from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
+from roadlog.partitioning import partition_of
 from roadlog.publisher import Publisher
 from roadlog.runtime import eventloop
 from roadlog.tools.localcluster import LocalCluster
@@ -36,10 +39,12 @@ from roadlog.v1 import client_pb2, pings_pb2
 PING_BYTES = 36
 
 
-def batch_request(pings: int) -> bytes:
+def batch_request(pings: int, devices: list[str] | None = None) -> bytes:
+    """A publish of ``pings`` pings of 64 devices (``devices``: these)."""
     now = int(time.time() * 1000)
+    fleet = devices or [f"dev-{i}" for i in range(64)]
     cols = PingColumns.from_columns(
-        [f"dev-{i % 64}" for i in range(pings)],
+        [fleet[i % len(fleet)] for i in range(pings)],
         np.full(pings, now, dtype=np.int64),
         np.full(pings, 48.1),
         np.full(pings, 11.5),
@@ -90,6 +95,57 @@ async def drive(
     return out
 
 
+def group_fleets(partition_groups: list[int], per_group: int = 64) -> dict[int, list[str]]:
+    """For a topic placed in data groups: ``per_group`` device ids whose
+    partitions lie in each group, so that each message is one group's (as a
+    gateway that partitions its devices, Kafka-style, sends them)."""
+    fleets: dict[int, list[str]] = {g: [] for g in sorted(set(partition_groups))}
+    i = 0
+    while any(len(f) < per_group for f in fleets.values()):
+        d = f"dev-{i}"
+        f = fleets[partition_groups[partition_of(d, len(partition_groups))]]
+        if len(f) < per_group:
+            f.append(d)
+        i += 1
+    return fleets
+
+
+async def grouped_case(
+    server: str,
+    pings: int,
+    concurrency: int,
+    seconds: float,
+    meter: CpuMeter | None,
+    tls: ClientTLS,
+    partition_groups: list[int],
+) -> dict[str, Any]:
+    """Multi-raft's fast path: each publisher sends messages of one data
+    group's devices (publishers spread over the groups in turn) through a
+    ``Publisher(group=g)``, so each goes straight to that group's leader."""
+    fleets = group_fleets(partition_groups)
+    payloads = {g: batch_request(pings, fleet) for g, fleet in fleets.items()}
+    pubs = {g: Publisher([server], tls=tls, group=g) for g in fleets}
+    turn = itertools.cycle(sorted(fleets))
+    try:
+        mine: dict[int, int] = {}  # worker task -> its group
+
+        async def send() -> None:
+            task = id(asyncio.current_task())
+            g = mine.setdefault(task, next(turn))
+            await pubs[g].publish(payloads[g])
+
+        await drive(send, concurrency, 1.0, pings)  # warm up
+        out = await drive(send, concurrency, seconds, pings, meter)
+        calls = sum(p.stats.calls for p in pubs.values())
+        out["publishes_per_call"] = round(
+            sum(p.stats.sent for p in pubs.values()) / max(calls, 1), 1
+        )
+        return out
+    finally:
+        for p in pubs.values():
+            await p.close()
+
+
 async def roadlog_case(
     server: str,
     pings: int,
@@ -98,14 +154,18 @@ async def roadlog_case(
     meter: CpuMeter | None = None,
     corked: bool = True,
     tls: ClientTLS | None = None,
+    partition_groups: list[int] | None = None,
 ) -> dict[str, Any]:
     """Corked (the default): publishes go through roadlog.publisher, which
     sends the publishes made while earlier calls are out together in one
     PublishBatch call (as nats-py buffers publishes into one socket write);
     each publish is still validated, stored and acknowledged on its own.
     Not corked: one unary Publish call per message. ``tls``: how to dial
-    the queue server (plaintext when None)."""
+    the queue server (plaintext when None). ``partition_groups``: the
+    topic's map when it is placed in data groups (the fast path)."""
     tls = tls or ClientTLS(insecure=True)
+    if corked and partition_groups:
+        return await grouped_case(server, pings, concurrency, seconds, meter, tls, partition_groups)
     payload = batch_request(pings)
     if corked:
         async with Publisher([server], tls=tls) as pub:
@@ -288,14 +348,18 @@ def run_systems(
         if args.data_groups > 1:  # multi-raft: topics placed in the data groups
             node_args = [*node_args, "--data-groups", str(args.data_groups), "--place-topics"]
         with roadlog_cluster(extra=node_args, queue_extra=queue_args, tls=tls) as lc:
+            groups: list[int] = []
             if args.data_groups > 1:
                 wait_spread(lc, args.data_groups)
+                if not args.split:
+                    with Connection(lc.servers, tls=lc.tls()) as conn:
+                        groups = list(Admin(conn).describe("bench").topic.partition_groups)
             corked = system != "roadlog-unary"
             cases += run_rounds(
                 system,
                 sizes,
                 args.rounds,
-                lambda b, lc=lc, corked=corked: eventloop.run(  # type: ignore[misc]
+                lambda b, lc=lc, corked=corked, groups=groups: eventloop.run(  # type: ignore[misc]
                     roadlog_case(
                         lc.servers[0],
                         b,
@@ -304,6 +368,7 @@ def run_systems(
                         roadlog_meter(lc),
                         corked=corked,
                         tls=lc.tls(),
+                        partition_groups=groups,
                     )
                 ),
             )
@@ -340,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         "partitions are placed in them (--data-groups G --place-topics); the results go to "
         "ingest-groups-G.json",
     )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="with --groups: messages of every group's devices, split by group 0's leader "
+        "(the way of clients that do not route by group), instead of one group's each",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -354,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         cases += run_systems(systems, sizes, args, tls)
     figures: dict[str, Any] = {
         "data_groups": args.data_groups,
+        "split": args.split,
         "concurrency": args.concurrency,
         "event_loop": eventloop.loop_name(),
         "seconds": args.seconds,
@@ -382,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"server CPU per ping, TLS/plaintext: {figures['tls_cpu_cost']}", file=sys.stderr)
     name = "ingest" if args.tls == "off" else "ingest-tls"
     if args.data_groups > 1:
-        name = f"ingest-groups-{args.data_groups}"
+        name = f"ingest-groups-{args.data_groups}{'-split' if args.split else ''}"
     print(write_result(name, figures))
     return 0
 
