@@ -34,6 +34,7 @@ import re
 import struct
 from typing import Any
 
+from node_daemon.state.keys import count_prefix
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2
 
@@ -155,14 +156,7 @@ class GroupTables:
 
     def _count(self, txn: Any, prefix: bytes, limit: int) -> int:
         """Meta keys under ``prefix``, counted up to ``limit``."""
-        n = 0
-        cur = txn.cursor(db=self.meta)
-        if cur.set_range(prefix):
-            for key in cur.iternext(keys=True, values=False):
-                if not key.startswith(prefix) or n >= limit:
-                    break
-                n += 1
-        return n
+        return count_prefix(txn, self.meta, prefix, limit)
 
     def owned(self, txn: Any, client_id: str, limit: int = MAX_GROUPS_PER_CLIENT) -> int:
         """Groups ``client_id`` created and still has (counted up to ``limit``)."""

@@ -50,6 +50,7 @@ from node_daemon.state.heatmaps import (
     HEATMAP_KEEP_NEWEST,
     HeatmapTables,
 )
+from node_daemon.state.keys import count_prefix
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
@@ -887,16 +888,8 @@ class StateMachine:
     def producer_ids_held(self, client_id: str, limit: int = MAX_PRODUCER_IDS_PER_CLIENT) -> int:
         """How many producer ids are bound to ``client_id`` (counted up to
         ``limit``: the quota check needs no more)."""
-        prefix = _held_prefix(client_id)
-        n = 0
         with self.env.begin() as txn:
-            cur = txn.cursor(db=self.meta)
-            if cur.set_range(prefix):
-                for key in cur.iternext(keys=True, values=False):
-                    if not key.startswith(prefix) or n >= limit:
-                        break
-                    n += 1
-        return n
+            return count_prefix(txn, self.meta, _held_prefix(client_id), limit)
 
     def _trim_partition(self, txn: Any, tid: int, p: int, cutoff_ms: int) -> None:
         st = self._part_state(txn, tid, p)

@@ -49,12 +49,18 @@ def split_calls(lc: LocalCluster) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_a_publish_is_split_over_the_data_groups_and_read_back(
-    make_cluster: Callable[..., LocalCluster],
-) -> None:
+def placed_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    """3 nodes, 3 data groups, topics placed in them; every group led."""
     lc = make_cluster(nodes=3, extra=PLACED)
     ids = [n.id for n in lc.nodes]
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
+    return lc
+
+
+def test_publishes_go_to_the_data_groups_and_are_read_back(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = placed_cluster(make_cluster)
     with Connection(lc.servers) as conn:
         create_topic(conn, "munich", partitions=6)
         d = Admin(conn).describe("munich")
@@ -111,9 +117,8 @@ def test_a_publish_is_split_over_the_data_groups_and_read_back(
 def test_idempotent_writes_through_a_data_group_leaders_crash_are_stored_once(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
-    lc = make_cluster(nodes=3, extra=PLACED)
+    lc = placed_cluster(make_cluster)
     ids = [n.id for n in lc.nodes]
-    wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
     with Connection(lc.servers, timeout=60) as conn:
         create_topic(conn, "munich", partitions=6)
         producer = Producer(conn, "munich", deadline_s=60)

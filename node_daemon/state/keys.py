@@ -1,0 +1,18 @@
+"""Small LMDB key helpers the state's tables share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def count_prefix(txn: Any, db: Any, prefix: bytes, limit: int) -> int:
+    """Keys of ``db`` that start with ``prefix``, counted up to ``limit``
+    (a quota check needs no more, so a big count costs no more than that)."""
+    n = 0
+    cur = txn.cursor(db=db)
+    if cur.set_range(prefix):
+        for key in cur.iternext(keys=True, values=False):
+            if not key.startswith(prefix) or n >= limit:
+                break
+            n += 1
+    return n
