@@ -771,8 +771,27 @@ class WorkHandler:
         # with (a stepped wall clock here or at a leader must not refuse a
         # fresh contributor); the wall clock only before anything was applied.
         sm = self.node.sm
-        resp = sm.heatmap(req, sm.log_ms or int(time.time() * 1000))
+        elsewhere = await self._contribution_in_groups(req)
+        resp = sm.heatmap(req, sm.log_ms or int(time.time() * 1000), elsewhere)
         return OpResult(response=resp.SerializeToString())
+
+    async def _contribution_in_groups(self, req: client_pb2.GetHeatmapRequest) -> int | None:
+        """A topic placed in data groups: the client's last contribution as
+        they recorded it (their replicas here, each once it applied the
+        request's fence in that group). None: the topic is group 0's."""
+        if self.node.group != 0 or self.node.sm.data_groups() == 1:
+            return None
+        try:
+            record = self.node.sm.topic(req.topic)
+        except RoadlogError:
+            return None  # the state answers as it would (no topic)
+        last: int | None = None
+        for g in sorted(set(record.partition_groups)):
+            data = await self._data_replica(g, req.topic, req.group_fences)
+            at = data.sm.last_contribution(req.topic, req.client_id)
+            if at is not None and (last is None or at > last):
+                last = at
+        return last
 
     async def put_heatmap(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.PutHeatmapRequest.FromString(item.request)

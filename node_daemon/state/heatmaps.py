@@ -113,9 +113,17 @@ class HeatmapTables:
         raw = txn.get(_WINDOW.pack(tid, window_start_ms), db=self.heatmaps)
         return heatmaps_pb2.HeatMap.FromString(raw) if raw else None
 
-    def allowed(self, txn: Any, topic: topics_pb2.Topic, client_id: str, now_ms: int) -> int:
+    def allowed(
+        self,
+        txn: Any,
+        topic: topics_pb2.Topic,
+        client_id: str,
+        now_ms: int,
+        elsewhere: int | None = None,
+    ) -> int:
         """The client's last contribution, or PERMISSION_DENIED saying how to
-        qualify."""
+        qualify. ``elsewhere``: its last contribution as the topic's data
+        groups recorded it (a topic placed in them)."""
         window = topic.spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS
         minutes = f"{window / 60000:g} minute(s)"
         how = (
@@ -125,6 +133,8 @@ class HeatmapTables:
         if not client_id:
             raise RoadlogError(Code.PERMISSION_DENIED, f"no client_id given; {how}")
         last = self.last_contribution(txn, topic.id, client_id)
+        if elsewhere is not None and (last is None or elsewhere > last):
+            last = elsewhere
         if last is None or now_ms - last > window:
             raise RoadlogError(
                 Code.PERMISSION_DENIED,

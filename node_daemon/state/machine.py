@@ -1049,13 +1049,14 @@ class StateMachine:
         return out_topics, out_groups
 
     def heatmap(
-        self, req: client_pb2.GetHeatmapRequest, now_ms: int
+        self, req: client_pb2.GetHeatmapRequest, now_ms: int, elsewhere: int | None = None
     ) -> client_pb2.GetHeatmapResponse:
         """A heat map for a contributor: the give-to-get rule first, then the
-        map (the latest window unless one is asked for)."""
+        map (the latest window unless one is asked for). ``elsewhere``: the
+        client's last contribution in the topic's data groups."""
         with self.env.begin() as txn:
             topic = self._topic(txn, req.topic)
-            last = self.heat.allowed(txn, topic, req.client_id, now_ms)
+            last = self.heat.allowed(txn, topic, req.client_id, now_ms, elsewhere)
             windows = self.heat.windows(txn, topic.id, req.max_windows)
             start = req.window_start_ms or (windows[-1] if windows else 0)
             hm = self.heat.get(txn, topic.id, start) if windows else None
@@ -1066,6 +1067,16 @@ class StateMachine:
                     f"no heat map of {req.topic!r} for {what} yet (the Spark job writes them)",
                 )
             return client_pb2.GetHeatmapResponse(heatmap=hm, contributed_ms=last, windows=windows)
+
+    def last_contribution(self, name: str, client_id: str) -> int | None:
+        """When ``client_id`` last published to topic ``name`` here (None:
+        not lately, or no such topic here)."""
+        with self.env.begin() as txn:
+            raw = txn.get(name.encode(), db=self.topics)
+            if raw is None:
+                return None
+            tid = topics_pb2.Topic.FromString(raw).id
+            return self.heat.last_contribution(txn, tid, client_id)
 
     def read_range(
         self, name: str, partition: int, start: int, end: int, max_pings: int = 200_000

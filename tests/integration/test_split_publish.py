@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 
-from roadlog.client import Admin, Connection, FailedPrecondition, Producer
+from roadlog.client import Admin, Connection, FailedPrecondition, PermissionDenied, Producer
 from roadlog.columnar import encode
 from roadlog.errors import RoadlogError
 from roadlog.tools.localcluster import LocalCluster
@@ -30,7 +30,7 @@ from tests.integration.conftest import (
     read_topic,
     wait_for,
 )
-from tests.integration.test_front_door import http
+from tests.integration.test_front_door import heatmap, http
 from tests.integration.test_raft_groups import every_group_led_and_agreed, leaders, views
 
 PLACED = ["--data-groups", "3", "--place-topics"]
@@ -136,3 +136,32 @@ def test_idempotent_writes_through_a_data_group_leaders_crash_are_stored_once(
         stored = read_topic(conn, "munich")
         assert_exactly_once_in_order(stored, acked)
         assert sum(len(v) for v in stored.values()) == 1200
+
+
+def test_give_to_get_counts_what_the_data_groups_stored(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """Contributions are recorded where the pings are stored, in the data
+    groups; a heat map (group 0's) is given to whoever they list."""
+    lc = placed_cluster(make_cluster)
+    base = lc.queue_servers[0].http
+    tokens = {}
+    for name in ("alice", "bob"):
+        code, _, body = http("POST", f"{base}/v1/clients", {})
+        assert code == 201, body
+        tokens[name] = body["token"]
+    with (
+        Connection(lc.servers) as admin,
+        Connection(lc.servers, token=tokens["alice"]) as alice,
+        Connection(lc.servers, token=tokens["bob"]) as bob,
+    ):
+        create_topic(admin, "munich", partitions=6)
+        now = int(time.time() * 1000)
+        fence = Admin(admin).put_heatmap(heatmap(now - 300_000))
+        for who in (alice, bob):
+            who.raise_fence(fence)
+        assert Producer(alice, "munich").send_batch(make_pings("a", 0, 60, devices=12)).count == 60
+        got = Admin(alice).heatmap("munich")  # fenced in every group alice wrote
+        assert got.heatmap.window_start_ms == now - 300_000 and got.contributed_ms > 0
+        with pytest.raises(PermissionDenied, match="has not published"):
+            Admin(bob).heatmap("munich")
