@@ -13,6 +13,7 @@ but still heartbeats cannot hold partitions forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -21,11 +22,13 @@ from node_daemon.node import NotLeader, RaftNode
 from node_daemon.state.groups import check_group_name, default_quotas, session_timeout
 from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
+from roadlog.placement import group_of
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2
 
 log = logging.getLogger("roadlog.groups")
 
 EXPIRY_CHECK_S = 0.25
+COMMIT_CATCH_UP_S = 1.0  # how long a commit waits for a data group's replica here
 
 
 class GroupCoordinator:
@@ -95,12 +98,46 @@ class GroupCoordinator:
     async def commit(self, request: bytes) -> OpResult:
         req = client_pb2.CommitOffsetsRequest.FromString(request)
         self._require_leader()
+        await self._within_data_groups(req)
         res = await self.node.propose_op(
             command_pb2.Op(commit_offsets=command_pb2.CommitOffsetsOp(request=req))
         )
         if res.code == Code.OK:
             self._seen(req.group, req.member_id)
         return res
+
+    async def _within_data_groups(self, req: client_pb2.CommitOffsetsRequest) -> None:
+        """A topic placed in data groups: each offset at most its partition's
+        end as this node's replica of its group holds it, once that replica
+        applied what it knows its group committed (a consumer commits what a
+        node served it, which that group committed)."""
+        sm = self.node.sm
+        g = sm.describe_group(req.group).group if req.offsets else None
+        if g is None or not g.topic:
+            return
+        try:
+            topic = sm.topic(g.topic)
+        except RoadlogError:
+            return  # the apply answers as it would
+        if not topic.partition_groups:
+            return
+        for o in req.offsets:
+            if o.partition >= topic.spec.partitions:
+                continue  # refused at apply (not assigned)
+            data = self.node.raft_groups.get(group_of(topic, o.partition))
+            if data is None:
+                raise RoadlogError(Code.UNAVAILABLE, "this node runs no group of that partition")
+            with contextlib.suppress(TimeoutError):
+                await data.wait_applied(data.core.log.committed, COMMIT_CATCH_UP_S)
+            try:
+                end = data.sm.describe(g.topic).partitions[o.partition].next_offset
+            except RoadlogError:
+                end = 0  # not placed there yet: nothing stored
+            if o.offset > end:
+                raise RoadlogError(
+                    Code.INVALID_ARGUMENT,
+                    f"offset {o.offset} is past the end of partition {o.partition}",
+                )
 
     async def leave(self, request: bytes) -> OpResult:
         req = client_pb2.LeaveGroupRequest.FromString(request)

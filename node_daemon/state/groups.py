@@ -325,12 +325,13 @@ class GroupTables:
         self,
         txn: Any,
         req: client_pb2.CommitOffsetsRequest,
-        ends: dict[int, int],
+        ends: dict[int, int] | None,
         leader_ms: int,
         partitions: int,
     ) -> None:
-        """Store offsets (``ends`` maps each partition to its next offset),
-        then release the revoking partitions the request gives up."""
+        """Store offsets (``ends`` maps each partition to its next offset;
+        None: checked by the leader, a topic placed in data groups), then
+        release the revoking partitions the request gives up."""
         g = self.get(txn, req.group)
         if g is None:
             raise RoadlogError(Code.NOT_FOUND, f"no group {req.group!r}")
@@ -352,7 +353,7 @@ class GroupTables:
                     Code.FAILED_PRECONDITION,
                     f"partition {o.partition} is not assigned to {req.member_id!r}",
                 )
-            if o.offset > ends.get(o.partition, 0):
+            if ends is not None and o.offset > ends.get(o.partition, 0):
                 raise RoadlogError(
                     Code.INVALID_ARGUMENT,
                     f"offset {o.offset} is past the end of partition {o.partition}",

@@ -400,11 +400,18 @@ class StateMachine:
             if g is None:
                 raise RoadlogError(Code.NOT_FOUND, f"no group {commit.group!r}")
             topic = self._topic(txn, g.topic)
-            ends = {
-                o.partition: self._part_state(txn, topic.id, o.partition).next_offset
-                for o in commit.offsets
-                if o.partition < topic.spec.partitions
-            }
+            # A topic placed in data groups: its ends are theirs, which this
+            # group's apply cannot read alike on every replica; its leader
+            # checked the offsets against them before proposing.
+            ends = (
+                None
+                if topic.partition_groups
+                else {
+                    o.partition: self._part_state(txn, topic.id, o.partition).next_offset
+                    for o in commit.offsets
+                    if o.partition < topic.spec.partitions
+                }
+            )
             self.groups.commit(txn, commit, ends, leader_ms, topic.spec.partitions)
             return client_pb2.CommitOffsetsResponse(applied_index=index).SerializeToString()
         if kind == "release_partitions":

@@ -18,7 +18,15 @@ from collections.abc import Callable
 
 import pytest
 
-from roadlog.client import Admin, Connection, FailedPrecondition, PermissionDenied, Producer
+from roadlog.client import (
+    Admin,
+    Connection,
+    FailedPrecondition,
+    GroupConsumer,
+    InvalidArgument,
+    PermissionDenied,
+    Producer,
+)
 from roadlog.columnar import encode
 from roadlog.errors import RoadlogError
 from roadlog.tools.localcluster import LocalCluster
@@ -165,3 +173,35 @@ def test_give_to_get_counts_what_the_data_groups_stored(
         assert got.heatmap.window_start_ms == now - 300_000 and got.contributed_ms > 0
         with pytest.raises(PermissionDenied, match="has not published"):
             Admin(bob).heatmap("munich")
+
+
+def test_a_consumer_group_reads_and_commits_what_the_data_groups_hold(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """Consumer groups live in group 0, the pings in the data groups: a
+    member reads every ping once, its commits are checked against the data
+    groups' ends (by group 0's leader), and one past the end is refused."""
+    lc = placed_cluster(make_cluster)
+    with Connection(lc.servers) as conn:
+        create_topic(conn, "munich", partitions=6)
+        batch = make_pings("van", 0, 240, devices=24)
+        assert Producer(conn, "munich").send_batch(batch).count == 240
+        member = GroupConsumer(conn, "munich", "readers", client="r1", session_timeout_ms=5000)
+        member.join()
+        seen: list[tuple[str, int]] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 240 and time.monotonic() < deadline:
+            for f in member.poll(max_pings=100):
+                seen += rows(f.pings)
+        assert sorted(seen) == sorted(rows(batch))  # every ping once
+        assert member.commit()
+        offsets = {o.partition: o.offset for o in Admin(conn).describe_group("readers").offsets}
+        d = Admin(conn).describe("munich")
+        assert offsets == {p.partition: p.next_offset for p in d.partitions if p.next_offset}
+        too_far = client_pb2.CommitOffsetsRequest(
+            group="readers", member_id=member.member_id, generation=member.generation
+        )
+        too_far.offsets.add(partition=member.assigned[0], offset=10_000)
+        with pytest.raises(InvalidArgument, match="past the end"):
+            conn.call("CommitOffsets", too_far)
+        member.close()
