@@ -42,6 +42,8 @@ from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
+from roadlog.partitioning import ping_groups
+from roadlog.protowire import with_leading_varint
 from roadlog.rpc import BY_NAME, PUBLIC, RPCS
 from roadlog.status import node_json
 from roadlog.v1 import client_pb2, clients_pb2, topics_pb2
@@ -50,6 +52,8 @@ from roadlog.validation import MAX_BATCH_PINGS
 log = logging.getLogger("roadlog.http")
 
 MAX_FETCH_PINGS = 100_000
+MAP_TTL_S = 10.0  # how long a topic's partition -> group map is used before it is read again
+MAX_MAPS = 1024  # topics' maps kept at most
 MAX_CLIENT_ID = 128
 RETRY_AFTER_S = "1"
 TIMEOUT_HEADER = "X-Timeout-Ms"
@@ -165,6 +169,9 @@ class HttpApi:
         self._status = status
         self.body_idle_s = body_idle_s
         self.dashboard = Dashboard(self, dashboard)
+        # topic -> (when read, its partition -> data group map): to route a
+        # publish whose pings lie in one data group straight to its leader.
+        self._maps: dict[str, tuple[float, list[int]]] = {}
 
     def runner(
         self, idle_timeout_s: float = IDLE_TIMEOUT_S, linger_s: float = LINGER_S
@@ -235,8 +242,34 @@ class HttpApi:
             ms = _query_int(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000)
             timeout = ms / 1000
         caller = Caller(request.headers.get("Authorization"), request.remote or "", client)
-        raw = await self._call(method, req.SerializeToString(), timeout, caller)
+        wire = req if isinstance(req, bytes) else req.SerializeToString()
+        raw = await self._call(method, wire, timeout, caller)
         return (response or BY_NAME[method].response).FromString(raw)
+
+    async def _data_group(
+        self, request: web.Request, topic: str, cols: PingColumns, client: str
+    ) -> int:
+        """The data group all of a publish's pings lie in (a phone's, one
+        device, always does), for a topic placed in data groups; 0 when they
+        span groups, the topic is group 0's, or its map cannot be read (the
+        publish then goes the general way). Maps are kept MAP_TTL_S."""
+        now = time.monotonic()
+        hit = self._maps.get(topic)
+        if hit is None or now - hit[0] > MAP_TTL_S:
+            try:
+                d = await self.call(
+                    request, "DescribeTopic", client_pb2.DescribeTopicRequest(name=topic), client
+                )
+            except RoadlogError:
+                return 0  # the publish answers for itself
+            if len(self._maps) >= MAX_MAPS:
+                self._maps.clear()
+            hit = self._maps[topic] = (now, list(d.topic.partition_groups))
+        groups = hit[1]
+        if not groups or len(cols) == 0:
+            return 0
+        per_ping = ping_groups(cols, groups)
+        return int(per_ping[0]) if bool((per_ping == per_ping[0]).all()) else 0
 
     # -------------------------------------------------------------- handlers
 
@@ -345,15 +378,23 @@ class HttpApi:
             cols = await loop.run_in_executor(None, pings_from_json, pings)
         else:
             cols = pings_from_json(pings)
+        topic = request.match_info["name"]
         req = client_pb2.PublishRequestView(  # the encoded batch as it is: no re-parse
-            topic=request.match_info["name"],
+            topic=topic,
             client_id=client,
             producer_id=producer_id,
             sequence=sequence,
             batch=columnar.encode(cols),
             producer_epoch=epoch,
-        )
-        resp = await self.call(request, "Publish", req, client)
+        ).SerializeToString()
+        group = await self._data_group(request, topic, cols, client)
+        try:
+            resp = await self.call(request, "Publish", with_leading_varint(req, 7, group), client)
+        except RoadlogError as e:
+            if not group or e.code != Code.FAILED_PRECONDITION or "map changed" not in e.message:
+                raise
+            self._maps.pop(topic, None)  # made again: the general way, which splits it
+            resp = await self.call(request, "Publish", req, client)
         return web.json_response(
             {
                 "offsets": [
@@ -363,6 +404,8 @@ class HttpApi:
                 "applied_index": resp.applied_index,
                 "count": sum(o.count for o in resp.offsets),
                 "duplicate": resp.duplicate,
+                # A topic placed in data groups: each group's index (JSON keys are strings).
+                "group_fences": {str(f.group): f.applied_index for f in resp.group_fences},
             }
         )
 

@@ -241,6 +241,12 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                             "description": "a retry of a (producer_id, sequence) stored "
                             "before: its original offsets",
                         },
+                        "group_fences": {
+                            "type": "object",
+                            "additionalProperties": {"type": "integer"},
+                            "description": "a topic placed in data groups: the index each "
+                            "group stored its part at (applied_index is then 0)",
+                        },
                     },
                 },
             ),
@@ -279,7 +285,7 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                 },
                 "201",
             ),
-            **_errors("400", "413", "503", "504"),
+            **_errors("400", "409", "413", "503", "504"),
         },
     },
     "Fetch": {

@@ -106,20 +106,37 @@ def test_publishes_go_to_the_data_groups_and_are_read_back(
             {"client_id": "c", "pings": pings},
         )
         assert code == 200 and body["count"] == 30, body
+        assert sorted(body["group_fences"]) == ["1", "2", "3"], body
+        for g, index in body["group_fences"].items():  # read what HTTP wrote, too
+            conn.raise_group_fence(int(g), index)
         acked += phones
-        assert split_calls(lc) == splits + 1  # HTTP names no group: group 0's leader split it
+        assert split_calls(lc) == splits + 1  # phones in every group: group 0's leader split it
+        # One phone's publish lies in one group: the queue server routes it there.
+        one = [
+            {"device_id": "phone-x", "ts_ms": now + i, "lat": 48.1, "lon": 11.5} for i in range(5)
+        ]
+        code, _, body = http(
+            "POST",
+            f"{lc.queue_servers[0].http}/v1/topics/munich/pings",
+            {"client_id": "c", "pings": one},
+        )
+        assert code == 200 and body["count"] == 5 and len(body["group_fences"]) == 1, body
+        for g, index in body["group_fences"].items():
+            conn.raise_group_fence(int(g), index)
+        acked += [("phone-x", now + i) for i in range(5)]
+        assert split_calls(lc) == splits + 1
         # Read back through the data groups, fenced per group.
         stored = read_topic(conn, "munich")
         assert_exactly_once_in_order(stored, acked)
-        assert sum(len(v) for v in stored.values()) == 450
+        assert sum(len(v) for v in stored.values()) == 455
         d = Admin(conn).describe("munich")
-        assert sum(p.next_offset for p in d.partitions) == 450
+        assert sum(p.next_offset for p in d.partitions) == 455
         # A bad ping refuses its publish whole, in every group.
         bad = make_pings("bad", 0, 40, devices=8)
         bad.lat[5] = 95.0
         with pytest.raises(RoadlogError, match="lat"):
             plain.send_batch(bad)
-        assert sum(p.next_offset for p in Admin(conn).describe("munich").partitions) == 450
+        assert sum(p.next_offset for p in Admin(conn).describe("munich").partitions) == 455
 
 
 def test_idempotent_writes_through_a_data_group_leaders_crash_are_stored_once(
