@@ -73,8 +73,10 @@ QUEUE_PORT = 7500
 # The operators' client certificate on the hosts (roles: roadlog_tls_operator_client).
 CLIENT = os.environ.get("ROADLOG_OPERATOR_CLIENT", OPERATOR_CLIENT)
 
-# A node's /readyz as the host sees it (argv: port, node.toml): HTTPS trusting
-# the cluster's CA from the node's certs_dir, plaintext where it runs insecure.
+# A node's /readyz as the host sees it (argv: port, node.toml): at the address
+# its metrics port binds (metrics_host, else listen's host; 127.0.0.1 where that
+# is every address), HTTPS trusting the cluster's CA from the node's certs_dir,
+# plaintext where it runs insecure.
 READYZ = """
 import ssl, sys, tomllib, urllib.error, urllib.request
 port, config = sys.argv[1], sys.argv[2]
@@ -83,11 +85,17 @@ try:
         conf = tomllib.load(f)
 except (OSError, ValueError):
     conf = {}
+host = str(conf.get("metrics_host") or str(conf.get("listen", "")).rpartition(":")[0])
+host = host.strip("[]")
+if host in ("", "0.0.0.0", "::"):
+    host = "127.0.0.1"
+elif ":" in host:
+    host = f"[{host}]"
 ctx = None
 if conf.get("insecure") is True:
-    url = f"http://127.0.0.1:{port}/readyz"
+    url = f"http://{host}:{port}/readyz"
 else:
-    url = f"https://127.0.0.1:{port}/readyz"
+    url = f"https://{host}:{port}/readyz"
     ca = (conf.get("certs_dir") or "/etc/roadlog/certs") + "/ca.crt"
     try:
         ctx = ssl.create_default_context(cafile=ca)

@@ -3,7 +3,9 @@
 ``up`` starts N node daemons and M queue servers (each in its own session,
 logging to DIR/logs), waits for a leader and writes cluster.json; ``kill``
 SIGKILLs one node, ``start`` starts it again with the same arguments,
-``down`` stops everything (SIGTERM, then SIGKILL after a grace period).
+``restart`` stops a node or queue server and starts it again (reading its
+certs dir afresh), ``down`` stops everything (SIGTERM, then SIGKILL after a
+grace period).
 Only processes recorded in cluster.json are ever signalled.
 
 TLS by default: ``create`` makes a CA in DIR/ca (or signs with one it is
@@ -333,6 +335,31 @@ class LocalCluster:
         self.spawn(n)
         self.save()
         return n
+
+    def process(self, name: str) -> NodeInfo | QueueInfo:
+        """The node or queue server called ``name`` (``n1``, ``q1``)."""
+        procs: list[NodeInfo | QueueInfo] = [*self.nodes, *self.queue_servers]
+        for p in procs:
+            if p.name == name:
+                return p
+        raise KeyError(f"no process {name!r} in {self.file}")
+
+    def restart(self, name: str, grace: float = 10.0) -> NodeInfo | QueueInfo:
+        """Stop the process ``name`` (SIGTERM, SIGKILL after ``grace``
+        seconds; only one started here) and start it again with the same
+        arguments. It reads its files again, its certs dir included: so a
+        rolling restart loads certificates put in place of the old ones
+        (SECURITY.md, "Rotating"). Returns once it is started;
+        ``wait_ready`` waits until it serves."""
+        p = self.process(name)
+        if p.pid and alive(p.pid):
+            os.kill(p.pid, signal.SIGTERM)
+            if not wait_dead(p.pid, grace):
+                os.kill(p.pid, signal.SIGKILL)
+                wait_dead(p.pid, 5)
+        self.spawn(p)
+        self.save()
+        return p
 
     def down(self, grace: float = 5.0) -> None:
         procs = [p for p in [*self.nodes, *self.queue_servers] if p.pid and alive(p.pid)]

@@ -84,9 +84,12 @@ class Deployed:
         return self.lab.ssh(h, command, check=check).stdout
 
     def local_http(self, host: LabHost | str, port: int, path: str) -> str:
-        """GET https://127.0.0.1:PORT/PATH on a host (as its own services see
-        it), trusting the cluster's CA there."""
-        url = f"https://127.0.0.1:{port}{path}"
+        """GET https://IP:PORT/PATH on a host, from the host (as its own
+        services see it), at its address on the lab's network (where the
+        roles bind the metrics ports: roadlog_node_metrics_host), trusting
+        the cluster's CA there."""
+        h = self.host(host) if isinstance(host, str) else host
+        url = f"https://{h.ip}:{port}{path}"
         script = (
             "import ssl, urllib.request as u\n"
             f"ctx = ssl.create_default_context(cafile={HOST_CA!r})\n"

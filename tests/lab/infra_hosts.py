@@ -102,19 +102,28 @@ def test_units_are_enabled_and_running(host: Any) -> None:
 
 
 def test_ports_listen(host: Any) -> None:
+    """The client-facing and cluster ports on every address; the metrics
+    ports (/metrics, /healthz, /readyz) on the host's address on the lab's
+    network only (roadlog_node_metrics_host, roadlog_queue_metrics_host:
+    issue 19, finding 15), not on every address."""
     g = groups(host)
-    expected = []
+    ip = host.ansible.get_variables()["ansible_host"]
+    expected, metrics = [], []
     if "nodes" in g:
-        expected += ["tcp://0.0.0.0:7400", "tcp://0.0.0.0:9400", "udp://0.0.0.0:7499"]
+        expected += ["tcp://0.0.0.0:7400", "udp://0.0.0.0:7499"]
+        metrics += ["9400"]
     if "queue_servers" in g:
-        expected += ["tcp://0.0.0.0:7500", "tcp://0.0.0.0:8080", "tcp://0.0.0.0:9500"]
+        expected += ["tcp://0.0.0.0:7500", "tcp://0.0.0.0:8080"]
+        metrics += ["9500"]
     for spec in expected:
         assert host.socket(spec).is_listening, spec
+    listening = host.socket.get_listening_sockets()
+    for port in metrics:
+        assert f"tcp://{ip}:{port}" in listening, (port, listening)
+        assert not host.socket(f"tcp://0.0.0.0:{port}").is_listening, (port, listening)
     if "spark_master" in g:  # the JVM binds the host's address (as ::ffff:IP)
-        ip = host.ansible.get_variables()["ansible_host"]
-        listening = host.socket.get_listening_sockets()
-        for port in (7077, 8090):
-            assert any(s.endswith(f"{ip}:{port}") for s in listening), (port, listening)
+        for spark_port in (7077, 8090):
+            assert any(s.endswith(f"{ip}:{spark_port}") for s in listening), (spark_port, listening)
 
 
 def test_units_are_hardened(host: Any) -> None:
@@ -156,7 +165,8 @@ def test_prometheus_runs_on_the_monitoring_host_only(host: Any) -> None:
 def test_the_node_is_a_ready_member(host: Any) -> None:
     if "nodes" not in groups(host):
         pytest.skip("no node on this host")
-    ready = get_json(host, "https://127.0.0.1:9400/readyz")
+    ip = host.ansible.get_variables()["ansible_host"]  # where the metrics port binds
+    ready = get_json(host, f"https://{ip}:9400/readyz")
     assert ready["ready"] and ready["member"] and ready["leader"] != 0
 
 

@@ -373,6 +373,27 @@ def test_the_role_s_config_scrapes_the_inventory_under_the_rules_job_names(tmp_p
     ]
 
 
+def test_each_target_is_the_address_its_metrics_port_binds(tmp_path: Path) -> None:
+    """The roles bind a metrics port to the host's ansible_host (finding 15);
+    a host whose inventory binds it elsewhere (roadlog_node_metrics_host,
+    roadlog_queue_metrics_host) is scraped there, and one that binds every
+    address ("") at its ansible_host."""
+    config = render_config(
+        tmp_path,
+        master_vars={
+            "roadlog_node_metrics_host": "192.168.40.11",
+            "roadlog_queue_metrics_host": "",
+        },
+    )
+    doc = yaml.safe_load(config.read_text())
+    targets = {
+        job["job_name"]: sorted(t for sc in job["static_configs"] for t in sc["targets"])
+        for job in doc["scrape_configs"]
+    }
+    assert targets["roadlog-node"] == ["10.77.0.12:9400", "10.77.0.13:9400", "192.168.40.11:9400"]
+    assert targets["roadlog-queue"] == ["10.77.0.11:9500", "10.77.0.12:9501"]
+
+
 def test_the_role_scrapes_over_https_with_the_ca_where_the_daemons_run_tls(tmp_path: Path) -> None:
     """Issue 19: a node's and a queue server's metrics port is HTTPS when it
     runs with TLS, as the roles deploy it by default; a daemon run
