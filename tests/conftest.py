@@ -47,3 +47,26 @@ def test_ca(tmp_path_factory: pytest.TempPathFactory) -> ClusterCA:
 def foreign_ca(tmp_path_factory: pytest.TempPathFactory) -> ClusterCA:
     """Another CA with certificates of the same names: refused everywhere."""
     return make_test_ca(tmp_path_factory.mktemp("foreign-ca"))
+
+
+# The tiers run by marker (`-m integration tests/integration`, ...): a test
+# in a tier's directory without that marker would be deselected, silently.
+_TIERS = ("unit", "simulation", "integration", "netns", "lab")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    unmarked = []
+    for item in items:
+        try:
+            tier = Path(str(item.path)).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        if tier in _TIERS and item.get_closest_marker(tier) is None:
+            unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) without their tier's marker, which `make test` would "
+            f"never run: {', '.join(unmarked[:5])} (set pytestmark = pytest.mark.<tier>)"
+        )

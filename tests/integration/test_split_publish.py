@@ -41,6 +41,8 @@ from tests.integration.conftest import (
 from tests.integration.test_front_door import heatmap, http
 from tests.integration.test_raft_groups import every_group_led_and_agreed, leaders, views
 
+pytestmark = pytest.mark.integration
+
 PLACED = ["--data-groups", "3", "--place-topics"]
 
 
