@@ -52,6 +52,7 @@ from roadlog.validation import MAX_BATCH_PINGS
 log = logging.getLogger("roadlog.http")
 
 MAX_FETCH_PINGS = 100_000
+MAX_GROUP_FENCES = 64  # one per data group at most
 MAP_TTL_S = 10.0  # how long a topic's partition -> group map is used before it is read again
 MAX_MAPS = 1024  # topics' maps kept at most
 MAX_CLIENT_ID = 128
@@ -330,6 +331,7 @@ class HttpApi:
             "ListTopics",
             client_pb2.ListTopicsRequest(
                 min_applied_index=_fence(request),
+                group_fences=_group_fences(request),
                 page_size=_query_int(
                     request.query.get("page_size", "0"), "page_size", 0, MAX_PAGE_SIZE
                 ),
@@ -346,7 +348,9 @@ class HttpApi:
             request,
             "DescribeTopic",
             client_pb2.DescribeTopicRequest(
-                name=request.match_info["name"], min_applied_index=_fence(request)
+                name=request.match_info["name"],
+                min_applied_index=_fence(request),
+                group_fences=_group_fences(request),
             ),
         )
         return web.json_response(topic_json(d))
@@ -418,6 +422,7 @@ class HttpApi:
             offset=_query_int(q.get("offset", "0"), "offset", 0, 2**63 - 1),
             max_pings=_query_int(q.get("limit", "1000"), "limit", 1, MAX_FETCH_PINGS),
             min_applied_index=_fence(request),
+            group_fences=_group_fences(request),
         )
         resp = await self.call(request, "Fetch", req, response=client_pb2.FetchResponseView)
         pings: list[dict[str, Any]] = []
@@ -464,6 +469,7 @@ class HttpApi:
             client_id=q.get("client_id", ""),
             window_start_ms=_query_int(q.get("window_start_ms", "0"), "window_start_ms", 0),
             min_applied_index=_fence(request),
+            group_fences=_group_fences(request),
         )
         if len(req.client_id.encode()) > MAX_CLIENT_ID:
             raise bad(f"client_id is longer than {MAX_CLIENT_ID} bytes")
@@ -601,6 +607,22 @@ def _fence(request: web.Request) -> int:
     return _query_int(
         request.query.get("min_applied_index", "0"), "min_applied_index", 0, 2**63 - 1
     )
+
+
+def _group_fences(request: web.Request) -> list[client_pb2.GroupFence]:
+    """``?group_fences=G:INDEX,...``: read your writes in a topic placed in
+    data groups (a publish's ``group_fences``); 400 for anything else."""
+    raw = request.query.get("group_fences", "")
+    out: list[client_pb2.GroupFence] = []
+    for item in filter(None, raw.split(",")):
+        group, _, index = item.partition(":")
+        if not (group.isdigit() and index.isdigit()) or len(out) >= MAX_GROUP_FENCES:
+            raise bad(f"group_fences: {raw!r} is not GROUP:INDEX,... (at most {MAX_GROUP_FENCES})")
+        g, i = int(group), int(index)
+        if not 1 <= g < 2**32 or i >= 2**63:
+            raise bad(f"group_fences: {item!r} is out of range")
+        out.append(client_pb2.GroupFence(group=g, applied_index=i))
+    return out
 
 
 def topic_json(d: topics_pb2.TopicDescription) -> dict[str, Any]:

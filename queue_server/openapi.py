@@ -60,6 +60,13 @@ _FENCE = {
     "description": "read your writes: the applied_index a write answered",
     "schema": {"type": "integer", "minimum": 0},
 }
+_GROUP_FENCES = {
+    "name": "group_fences",
+    "in": "query",
+    "description": "read your writes in a topic placed in data groups: GROUP:INDEX,... from a "
+    "publish's group_fences",
+    "schema": {"type": "string", "pattern": "^([0-9]+:[0-9]+)(,[0-9]+:[0-9]+)*$"},
+}
 _PAGE_SIZE = {
     "name": "page_size",
     "in": "query",
@@ -402,6 +409,8 @@ def _paths() -> dict[str, Any]:
             op["description"] = f"Needs a Bearer token with {_NEEDS[rpc.needs]}."
         if rpc.fenced:
             op["parameters"] = [*op.get("parameters", []), _FENCE]
+        if "group_fences" in rpc.request.DESCRIPTOR.fields_by_name:
+            op["parameters"] = [*op["parameters"], _GROUP_FENCES]
         paths.setdefault(rpc.http.path, {})[rpc.http.method.lower()] = op
     return paths
 

@@ -125,6 +125,17 @@ def test_publishes_go_to_the_data_groups_and_are_read_back(
         assert code == 200 and body["count"] == 5 and len(body["group_fences"]) == 1, body
         for g, index in body["group_fences"].items():
             conn.raise_group_fence(int(g), index)
+        # Read it back over HTTP, fenced in its group (any node that answers has it).
+        (placed,) = body["offsets"]
+        fences = ",".join(f"{g}:{i}" for g, i in body["group_fences"].items())
+        url = f"{lc.queue_servers[0].http}/v1/topics/munich/partitions/{placed['partition']}"
+        code, _, got = http(
+            "GET", f"{url}/pings?offset={placed['base_offset']}&group_fences={fences}"
+        )
+        assert code == 200, got
+        assert [p["device_id"] for p in got["pings"]][:5] == ["phone-x"] * 5
+        code, _, got = http("GET", f"{url}/pings?group_fences=one:2")
+        assert code == 400 and "group_fences" in got["error"]["reason"], got
         acked += [("phone-x", now + i) for i in range(5)]
         assert split_calls(lc) == splits + 1
         # Read back through the data groups, fenced per group.
