@@ -254,6 +254,9 @@ class StateMachine:
         self._topics: dict[str, topics_pb2.Topic] = {}
         self._states: dict[tuple[int, int], PartitionState] = {}
         self._issued: set[int] = set()  # producer ids known to be issued
+        # The cluster's data groups once recorded (it never changes after: the
+        # write path asks on every call); 0: not recorded yet.
+        self._groups_recorded = 0
         # producer id -> the client id it is bound to ("": not bound), as stored
         self._owners: dict[int, str] = {}
 
@@ -505,8 +508,10 @@ class StateMachine:
 
     def data_groups(self) -> int:
         """The recorded number of data groups (1 before the first topic)."""
-        with self.env.begin() as txn:
-            return self._meta_int(txn, b"data_groups") or 1
+        if not self._groups_recorded:
+            with self.env.begin() as txn:
+                self._groups_recorded = self._meta_int(txn, b"data_groups")
+        return self._groups_recorded or 1
 
     def _delete_topic(self, txn: Any, name: str) -> None:
         raw = txn.get(name.encode(), db=self.topics)
