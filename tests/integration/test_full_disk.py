@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -59,7 +60,21 @@ def cluster_on_small_disks(
     finally:
         lc.down(grace=3)
         for d in mounted:
-            subprocess.run(["umount", d], check=False)
+            unmount(d)
+
+
+def unmount(path: str, timeout: float = 15.0) -> None:
+    """Unmount ``path``: again while it is busy (a process that held a file
+    there may take a moment to be gone), then lazily, so that no tmpfs
+    outlives the test."""
+    deadline = time.monotonic() + timeout
+    while os.path.ismount(path):
+        if subprocess.run(["umount", path], capture_output=True).returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            subprocess.run(["umount", "--lazy", path], check=False)
+            return
+        time.sleep(0.2)
 
 
 def ballast(node: NodeInfo, leave: int) -> Path:
