@@ -114,6 +114,10 @@ class NodeConfig:
     # reads and takes deletes; a snapshot needs about the state's size.
     min_free_bytes: int = key(512 << 20, "below this many free bytes, refuse growing writes")
     log_level: str = key("info", "debug, info, warning or error")
+    # What tells this boot of the host from the last one (see node_daemon/boot.py).
+    boot_id_file: Path = key(
+        Path("/proc/sys/kernel/random/boot_id"), "a file naming this boot of the host"
+    )
 
     @property
     def placement_groups(self) -> int:

@@ -42,20 +42,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from node_daemon.boot import boot_id
+
 # How much faster than time passes the stamps may catch up with a wall clock
 # ahead of them (1.0: at most one extra millisecond per millisecond).
 CATCH_UP = 1.0
 ANCHOR_FILE = "log-clock"  # in the data directory
 SAVE_EVERY_S = 1.0
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def boot_id() -> str:
-    """This boot of the host ('' where the system does not say)."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
 
 
 class LogClock:

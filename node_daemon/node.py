@@ -56,6 +56,7 @@ from typing import Any
 import grpc
 
 from node_daemon import metrics
+from node_daemon.boot import boot_id
 from node_daemon.config import NodeConfig
 from node_daemon.disk import DiskGuard, fsync_dir
 from node_daemon.io_thread import IoThread
@@ -78,6 +79,7 @@ from node_daemon.raft import (
 )
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.snapshots import Snapshots
+from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
 from node_daemon.transport import GroupEndpoint, PeerTransport
 from roadlog.columnar import varint
@@ -150,6 +152,9 @@ class RaftNode:
         data = group_data_dir(Path(cfg.data_dir), group)
         self.log_store = LmdbLogStorage(data / "raft")
         # Producer ids are issued in group 0; a data group's leader checks them there.
+        self.boot = boot_id(Path(cfg.boot_id_file))
+        # After a power loss the state's unsynced commits may be torn: rebuilt.
+        self.state_rebuilt = unsynced.guard(data / "state", self.boot)
         self.sm = StateMachine(data / "state", issues_producers=group == 0, group=group)
         marker = data / "raft" / CATCHING_UP_FILE
         self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new
@@ -185,7 +190,7 @@ class RaftNode:
             self.sm.install_snapshot(snap.data.decode())
         # What this node stamps its entries with as a leader: its wall clock,
         # but never a step of it (see log_clock); it goes on from the log's.
-        self.log_clock = LogClock(self.sm.log_ms, data / ANCHOR_FILE)
+        self.log_clock = LogClock(self.sm.log_ms, data / ANCHOR_FILE, boot=lambda: self.boot)
         self.core = RaftCore(
             Config(
                 self.id,
@@ -454,6 +459,7 @@ class RaftNode:
         self._apply_io.shutdown(wait=True)
         self.sm.checkpoint()
         self.sm.close()
+        unsynced.synced(self.sm.path)
         self.log_store.close()
 
     async def _ask_if_new(self) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from node_daemon import metrics
+from node_daemon.disk import fsync_dir
 from node_daemon.raft import Snapshot, SnapshotMeta
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
@@ -183,6 +184,7 @@ class Snapshots:
         index, term = self._sm.write_snapshot(taking)
         path = self.path(index, term)
         os.replace(taking, path)
+        fsync_dir(self.directory)  # its name survives a power loss before the log names it
         self._sm.checkpoint()
         metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
         return index, term, path

@@ -45,6 +45,7 @@ import grpc
 
 from node_daemon import metrics
 from node_daemon.batch_wire import encode_batch
+from node_daemon.disk import fsync_dir
 from node_daemon.peer_frames import FramesLink, FramesServer
 from node_daemon.raft import Message, MessageType
 from node_daemon.wire import message_from_pb, message_to_pb
@@ -440,6 +441,8 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             timer.cancel()  # the pull started: its end decides
         path = group.snapshot_file(request.index, request.term)
         if path is None or not path.exists():
+            # The pull ended here: Raft sends a snapshot again (a newer one).
+            group.on_snapshot_status(request.node_id, False)
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such snapshot here any more")
             return
         loop = asyncio.get_running_loop()
@@ -550,6 +553,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                 loop = asyncio.get_running_loop()
                 if await loop.run_in_executor(None, file_sha256, part) == sha:
                     os.replace(part, dest)
+                    # The log will name this file once the core takes it: its
+                    # name must survive a power loss first.
+                    await loop.run_in_executor(None, fsync_dir, snapshot_dir)
                     return dest
                 part.unlink(missing_ok=True)  # complete but wrong: start over
                 offset = 0

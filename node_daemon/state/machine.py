@@ -40,7 +40,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from node_daemon.disk import full_disk_error, open_lmdb
+from node_daemon.disk import fsync_dir, full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.responses import publish_responses
 from node_daemon.state.clients import ClientTables
@@ -1276,11 +1276,15 @@ class StateMachine:
         shutil.copyfile(snapshot_file, staging / "data.mdb")
         with open(staging / "data.mdb", "rb+") as f:
             os.fsync(f.fileno())
+        fsync_dir(staging)
         self.env.close()
         old = Path(f"{self.path}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(self.path, old)
         os.replace(staging, self.path)
+        # Durable before anything is applied on top (a power loss must not
+        # bring the old state back under a log compacted past it).
+        fsync_dir(self.path.parent)
         shutil.rmtree(old, ignore_errors=True)
         self._open()
 

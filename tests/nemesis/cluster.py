@@ -1,8 +1,8 @@
 """A roadlog cluster whose every process is a host of its own: network
 namespaces on a bridge the run makes and removes (``tests.netns``'s
 ``Net``), nodes with static peers, each with its data directory on a small
-tmpfs of its own and its wall clock read through ``clockshim``, and queue
-servers with gRPC and HTTP.
+ext4 disk of its own that can lose power (``disks``) and its wall clock
+read through ``clockshim``, and queue servers with gRPC and HTTP.
 
 Only processes started here are ever signalled, and only while this
 process has not reaped them (``Popen.poll() is None``), so a PID can never
@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ import grpc
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.status import ask_node
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, client_pb2_grpc
+from tests.nemesis.disks import Disk, ImageStore
 from tests.netns.conftest import REPO, Host, Net
 
 log = logging.getLogger("nemesis.cluster")
@@ -38,6 +40,14 @@ NODE_PORT, QUEUE_PORT, HTTP_PORT = 7400, 7500, 7580
 MIB = 1 << 20
 NODE_HOST0, QUEUE_HOST0 = 0, 10  # host index i is <subnet>.<10 + i>
 BALLAST = "nemesis-ballast"
+
+
+def in_netns(host: Host) -> list[str]:
+    """The prefix that runs a program in ``host``'s network namespace and
+    nothing else: unlike ``ip netns exec`` it makes no mount namespace, whose
+    copy of the nodes' disk mounts would outlive their unmount (a disk that
+    lost power would come back as the same shut-down filesystem)."""
+    return ["nsenter", f"--net=/run/netns/{host.ns}", "--"]
 
 
 @dataclass
@@ -51,7 +61,9 @@ class Service:
     argv: list[str]
     log: Path
     data_dir: Path | None = None
+    disk: Disk | None = None
     clock_file: Path | None = None
+    boot_file: Path | None = None
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -99,12 +111,13 @@ class NemesisCluster:
     snapshot_entries: int = 2000
     net: Net | None = None
     services: dict[str, Service] = field(default_factory=dict)
-    mounted: list[Path] = field(default_factory=list)
+    disks: list[Disk] = field(default_factory=list)
+    images: ImageStore | None = None
 
     # ------------------------------------------------------------ building
 
     def create(self) -> None:
-        """The bridge, one host per process, tmpfs data dirs, clock files."""
+        """The bridge, one host per process, data disks, clock files."""
         # Another route to the subnet (another run, a test tier, a lab bridge
         # left up) would take our traffic; an interface that is down has none.
         routes = subprocess.run(
@@ -139,18 +152,19 @@ class NemesisCluster:
                     "--client-auth", "none",  # so are tokens (its workload declares client ids)
                 ], self.dir / "logs" / f"q{k}.log")
             )  # fmt: skip
+        self.images = ImageStore(self.dir / "disks", self.nodes * self.disk_bytes + 16 * MIB)
+        self.images.create()
         for k, h in enumerate(hosts, 1):
             data = self.dir / "data" / f"n{k}"
-            data.mkdir(parents=True, exist_ok=True)
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={self.disk_bytes},mode=0700", "tmpfs",
-                 str(data)],
-                check=True, timeout=30,
-            )  # fmt: skip
-            self.mounted.append(data)
+            disk = Disk(self.images.root / f"n{k}.ext4", data, self.disk_bytes)
+            self.disks.append(disk)
+            disk.create()
             clock = self.dir / "clock" / f"n{k}"
             clock.parent.mkdir(parents=True, exist_ok=True)
             clock.write_text("0\n")
+            boot = self.dir / "boot" / f"n{k}"  # the node's host boots again after a power cut
+            boot.parent.mkdir(parents=True, exist_ok=True)
+            boot.write_text(f"{uuid.uuid4()}\n")
             self._add(
                 Service(f"n{k}", "node", k, h, [
                     py, "-m", "tests.nemesis.clockshim", str(clock),
@@ -166,7 +180,8 @@ class NemesisCluster:
                     "--insecure",
                     "--min-free-bytes", str(self.min_free_bytes),
                     "--snapshot-entries", str(self.snapshot_entries),
-                ], self.dir / "logs" / f"n{k}.log", data, clock)
+                    "--boot-id-file", str(boot),
+                ], self.dir / "logs" / f"n{k}.log", data, disk, clock, boot)
             )  # fmt: skip
 
     def _add(self, svc: Service) -> None:
@@ -182,9 +197,11 @@ class NemesisCluster:
                     svc.popen.wait(20)
                 except subprocess.TimeoutExpired:
                     log.error("did not die", extra={"service": svc.name, "pid": svc.pid})
-        for d in self.mounted:
-            subprocess.run(["umount", str(d)], capture_output=True, timeout=30)
-        self.mounted.clear()
+        for d in self.disks:
+            d.destroy()
+        self.disks.clear()
+        if self.images is not None:
+            self.images.destroy()
         if self.net is not None:
             self.net.destroy()  # its hosts hold no processes of their own
 
@@ -202,13 +219,13 @@ class NemesisCluster:
         return self.services[f"n{ident}"]
 
     def start(self, svc: Service) -> None:
-        """Start ``svc`` in its host's namespace (``ip netns exec`` execs
-        the program, so the PID is the daemon's)."""
+        """Start ``svc`` in its host's namespace (``nsenter`` execs the
+        program, so the PID is the daemon's)."""
         if svc.running():
             return
         with open(svc.log, "ab") as out:
             svc.popen = subprocess.Popen(
-                ["ip", "netns", "exec", svc.host.ns, *svc.argv],
+                [*in_netns(svc.host), *svc.argv],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -223,6 +240,21 @@ class NemesisCluster:
         if svc.signal(signal.SIGKILL):
             assert svc.popen is not None
             svc.popen.wait(20)
+
+    def power_cut(self, svc: Service) -> int:
+        """The node's machine loses power: the process stops at once, its
+        disk loses every write not on the device yet, the process dies and
+        the disk is mounted again as at boot (the process stays down).
+        Returns the bytes in use the disk lost (unsynced data and metadata)."""
+        assert svc.disk is not None
+        svc.signal(signal.SIGSTOP)  # the instant: the process does nothing more
+        before = svc.disk.used()
+        svc.disk.cut_power()
+        self.kill(svc)
+        svc.disk.power_on()
+        assert svc.boot_file is not None
+        svc.boot_file.write_text(f"{uuid.uuid4()}\n")  # the host boots again
+        return max(0, before - svc.disk.used())
 
     def wipe(self, svc: Service) -> None:
         """Remove everything in a (killed) node's data directory."""
@@ -331,7 +363,7 @@ class NemesisCluster:
 
     def nft(self, host: Host, script: str) -> None:
         subprocess.run(
-            ["ip", "netns", "exec", host.ns, "nft", "-f", "-"],
+            [*in_netns(host), "nft", "-f", "-"],
             input=script.encode(),
             check=True,
             capture_output=True,
@@ -340,7 +372,7 @@ class NemesisCluster:
 
     def nft_drop_table(self, host: Host, table: str) -> None:
         subprocess.run(
-            ["ip", "netns", "exec", host.ns, "nft", "delete", "table", "inet", table],
+            [*in_netns(host), "nft", "delete", "table", "inet", table],
             capture_output=True,
             timeout=30,
         )
@@ -387,14 +419,14 @@ class NemesisCluster:
         """Let ``host`` send only ``kbit`` kbit/s, queueing up to ``queue_ms``
         of it (a token bucket: what delays this kernel offers without netem)."""
         subprocess.run(
-            ["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", "eth0", "root",
+            [*in_netns(host), "tc", "qdisc", "replace", "dev", "eth0", "root",
              "tbf", "rate", f"{kbit}kbit", "burst", "16kbit", "latency", f"{queue_ms}ms"],
             check=True, capture_output=True, timeout=30,
         )  # fmt: skip
 
     def heal_slow(self, host: Host) -> None:
         subprocess.run(
-            ["ip", "netns", "exec", host.ns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+            [*in_netns(host), "tc", "qdisc", "del", "dev", "eth0", "root"],
             capture_output=True,
             timeout=30,
         )

@@ -3,7 +3,7 @@ against targets resolved then (who leads now), and healed ``duration``
 later; every start, heal and skip is recorded in the history.
 
 Invariants: a process is under at most one process fault at a time (kill,
-wipe or pause); a heal only undoes what its own start did (a pause is
+power cut, wipe or pause); a heal only undoes what its own start did (a pause is
 continued only if the same process is still there; a restart only starts
 what this fault killed); ``heal_all`` leaves every process running, every
 network rule, ballast file and clock offset removed; the loop ends by the
@@ -33,6 +33,7 @@ from tests.nemesis.schedule import (
     MEMBER,
     PARTITION,
     PAUSE,
+    POWER,
     SLOW,
     WIPE,
     Fault,
@@ -134,6 +135,7 @@ class Nemesis:
             CLOCK: self._clock,
             WIPE: self._wipe,
             MEMBER: self._member,
+            POWER: self._power,
         }[f.kind]
         leader = self._leader()
         try:
@@ -281,6 +283,24 @@ class Nemesis:
                     self.cluster.start(svc)
 
         return heal, {"services": [s.name for s in victims]}
+
+    def _power(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        """Power cuts: each victim's process stops, its disk loses what was
+        not on the device yet, and it stays off until heal."""
+        victims = self._nodes(f.target, leader)
+        lost: dict[str, int] = {}
+        for svc in victims:
+            self.down[svc.name] = f.id
+            self.paused.pop(svc.name, None)
+            lost[svc.name] = self.cluster.power_cut(svc)
+
+        def heal() -> None:
+            for svc in victims:
+                if self.down.get(svc.name) == f.id:
+                    del self.down[svc.name]
+                    self.cluster.start(svc)
+
+        return heal, {"services": [s.name for s in victims], "lost_bytes": lost}
 
     def _wipe(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
         # A wipe is a minority losing its disk: one follower of a known

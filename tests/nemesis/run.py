@@ -137,7 +137,7 @@ def converged_digests(rec: Recorder, cluster: NemesisCluster) -> None:
 
 def keep_states(cluster: NemesisCluster) -> None:
     """Replicas differ: copy each node's state (consistent LMDB copies, the
-    nodes keep running) out of its tmpfs into the run directory, to compare."""
+    nodes keep running) out of its disk into the run directory, to compare."""
     import lmdb
 
     for svc in cluster.node_services:
@@ -242,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out faults that trigger known, unfixed findings (a disk "
                     "filled under a node catching up after a wipe)")  # fmt: skip
     ap.add_argument("--disk-mib", type=int, default=256,
-                    help="each node's tmpfs, in MiB (long runs store more)")  # fmt: skip
+                    help="each node's disk, in MiB (long runs store more)")  # fmt: skip
     ap.add_argument("--kinds", default=",".join(schedule.KINDS),
                     help="the kinds of fault to draw, comma-separated")  # fmt: skip
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
-        print("the nemesis needs root (network namespaces, nftables, tmpfs)", file=sys.stderr)
+        print("the nemesis needs root (network namespaces, nftables, mounts)", file=sys.stderr)
         return 2
     run_dir = a.dir or Path("out/nemesis") / time.strftime(
         f"seed{a.seed}-%Y%m%dT%H%M%S", time.gmtime()

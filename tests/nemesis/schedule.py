@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER = (
+KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER = (
     "kill",
     "pause",
     "partition",
@@ -30,8 +30,9 @@ KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER = (
     "clock",
     "wipe",
     "member",
+    "power",
 )
-KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER)
+KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ LANES: dict[str, Lane] = {
     # A voter removed from the configuration (it keeps running) and added
     # back as a learner, which the leader promotes once it has caught up.
     MEMBER: Lane((2.0, 6.0), (1.0, 4.0), (("follower", 3), ("leader", 1))),
+    # Machines losing power (what they had not fsynced is gone; Jepsen's
+    # coordinated power failures are "all"), back on after the duration.
+    POWER: Lane(
+        (0.5, 5.0), (1.0, 5.0), (("leader", 3), ("follower", 3), ("minority", 1), ("all", 1))
+    ),
 }
 
 
