@@ -250,6 +250,7 @@ def restore_backup(
                 f"restored state is at {sm.applied_index}, the manifest says "
                 f"{manifest.applied_index}"
             )
+        sm.checkpoint()  # its commits are unsynced until now
     finally:
         sm.close()
     # The installed state doubles as the Raft snapshot a lagging peer is sent.
@@ -257,6 +258,8 @@ def restore_backup(
         manifest.applied_index, manifest.applied_term, ConfState(frozenset(voters))
     )
     shutil.copyfile(data_dir / "state" / "data.mdb", snap_file)
+    with open(snap_file, "rb+") as f:
+        os.fsync(f.fileno())
     store = LmdbLogStorage(data_dir / "raft")
     try:
         store.save(
@@ -266,5 +269,7 @@ def restore_backup(
         )
     finally:
         store.close()
-    fsync_dir(data_dir)
+    # Every name made here survives a power loss before the node starts.
+    for d in (snapshots, data_dir / "state", data_dir / "raft", data_dir):
+        fsync_dir(d)
     return aside

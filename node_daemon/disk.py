@@ -96,7 +96,13 @@ def open_lmdb(directory: Path, what: str, **options: Any) -> lmdb.Environment:
     ("disk full opening the <what> in <directory>"), never a SIGBUS."""
     try:
         reserve_lmdb_lock(directory)
-        return lmdb.open(str(directory), **options)
+        env = lmdb.open(str(directory), **options)
+        if not options.get("readonly"):
+            # The files' names, and the directory's own, survive a power
+            # loss from here on (LMDB fsyncs file contents, never names).
+            fsync_dir(directory)
+            fsync_dir(Path(directory).resolve().parent)
+        return env
     except (OSError, lmdb.Error) as e:
         if isinstance(e, lmdb.DiskError) or full_disk_error(e, directory):
             raise StorageFullError(f"disk full opening the {what} in {directory}: {e}") from e
