@@ -27,7 +27,7 @@ SECONDS, SEED = 40, 21
 
 def test_a_short_nemesis_run_keeps_every_property(tmp_path: Path) -> None:
     if os.geteuid() != 0:
-        pytest.fail("the nemesis needs root (network namespaces, nftables, tmpfs)")
+        pytest.fail("the nemesis needs root (network namespaces, nftables, mounts)")
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.nemesis.run", "--seconds", str(SECONDS),
