@@ -76,3 +76,14 @@ STORAGE_FULL_RETRIES = Counter(
     "log writes, applies and snapshot installs tried again for want of space",
     ["what"],
 )
+DAMAGED_LOGS_SET_ASIDE = Counter(
+    "roadlog_damaged_logs_set_aside_total",
+    "Raft logs found corrupt or truncated at start and set aside (the node caught up again)",
+    ["group"],
+)
+STATES_REBUILT = Counter(
+    "roadlog_states_rebuilt_total",
+    "state machines rebuilt from the snapshot and the log at start (torn by a power loss "
+    "or found damaged)",
+    ["group"],
+)

@@ -47,6 +47,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from typing import Any
 
 import grpc
 
-from node_daemon import metrics
+from node_daemon import damage, metrics
 from node_daemon.boot import boot_id
 from node_daemon.config import NodeConfig
 from node_daemon.disk import DiskGuard, fsync_dir
@@ -77,7 +78,6 @@ from node_daemon.raft import (
     StorageFullError,
     bootstrap,
 )
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.snapshots import Snapshots
 from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
@@ -150,11 +150,22 @@ class RaftNode:
         # node run alone runs its own group only).
         self.raft_groups: dict[int, RaftNode] = {group: self}
         data = group_data_dir(Path(cfg.data_dir), group)
-        self.log_store = LmdbLogStorage(data / "raft")
-        # Producer ids are issued in group 0; a data group's leader checks them there.
+        # A log the disk damaged is set aside: this group then starts empty.
+        self.log_store, self.log_set_aside = damage.open_log(data, group)
+        if self.log_set_aside:
+            metrics.DAMAGED_LOGS_SET_ASIDE.labels(str(group)).inc()
         self.boot = boot_id(Path(cfg.boot_id_file))
-        # After a power loss the state's unsynced commits may be torn: rebuilt.
+        # After a power loss the state's unsynced commits may be torn, and a
+        # disk may damage it: either way it is rebuilt from the snapshot and log.
         self.state_rebuilt = unsynced.guard(data / "state", self.boot)
+        why = damage.state_damage(data / "state")
+        if why:
+            log.error("the state is damaged: rebuilding it", extra={"group": group, "why": why})
+            shutil.rmtree(data / "state")
+            self.state_rebuilt = True
+        if self.state_rebuilt:
+            metrics.STATES_REBUILT.labels(str(group)).inc()
+        # Producer ids are issued in group 0; a data group's leader checks them there.
         self.sm = StateMachine(data / "state", issues_producers=group == 0, group=group)
         marker = data / "raft" / CATCHING_UP_FILE
         self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new

@@ -3,7 +3,14 @@
 One LMDB environment per node, separate from the state machine's. Layout
 (named databases):
 
-- ``log``:  8-byte big-endian index -> term (8 bytes), type (1 byte), data
+- ``log``:  8-byte big-endian index -> term (8 bytes), type (1 byte),
+  CRC-32 (4 bytes), data. The CRC covers the index, term, type and data, so
+  an entry the disk corrupted, or found under another index, is caught when
+  it is read from LMDB (``CorruptLogError``); ``verify`` reads them all.
+  Logs written before it lack the CRC: their type byte has no
+  ``_CHECKED`` bit, and they are read as before; ``crc_from`` in ``meta``
+  is the first index written with one, from which an entry without it is
+  corrupt too (its flag bit flipped).
 - ``conf``: index -> encoded ConfState, for the CONFIG entries still in ``log``
 - ``meta``: ``hard`` -> term, vote, commit; ``snap`` -> snapshot metadata;
   ``snapdata`` -> the snapshot's opaque data
@@ -29,6 +36,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +46,7 @@ import lmdb
 from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft.errors import (
     CompactedError,
+    CorruptLogError,
     StorageError,
     StorageFullError,
     UnavailableError,
@@ -53,6 +62,10 @@ from node_daemon.raft.types import (
 
 _KEY = struct.Struct(">Q")
 _HDR = struct.Struct(">QB")
+_CRC = struct.Struct(">I")
+_CHECKED = 0x80  # in the type byte: a CRC-32 follows the header
+_BODY = _HDR.size + _CRC.size  # where a checked entry's data starts
+_TYPES = frozenset(int(t) for t in EntryType)
 _HARD = struct.Struct(">QQQ")
 _SNAP = struct.Struct(">QQ")
 
@@ -62,6 +75,32 @@ MAX_RECENT = 1 << 16  # entries kept in memory, at most (and cache_bytes)
 
 def _key(index: int) -> bytes:
     return _KEY.pack(index)
+
+
+def encode_entry(e: Entry) -> bytes:
+    """An entry's stored value: header, CRC, data."""
+    crc = zlib.crc32(e.data, zlib.crc32(_key(e.index) + _HDR.pack(e.term, int(e.type))))
+    return _HDR.pack(e.term, int(e.type) | _CHECKED) + _CRC.pack(crc) + e.data
+
+
+def decode_entry(index: int, raw: bytes | memoryview, crc_from: int = 1) -> Entry:
+    """The entry stored under ``index``; ``CorruptLogError`` if its CRC is
+    not its content's, or it has none at or after ``crc_from``."""
+    term, typ = _HDR.unpack_from(raw)
+    if not typ & _CHECKED:
+        if index >= crc_from or typ not in _TYPES:
+            raise CorruptLogError(f"entry {index} is corrupt (it has no CRC)", index)
+        return Entry(term, index, EntryType(typ), bytes(raw[_HDR.size :]))
+    data = bytes(raw[_BODY:])
+    typ &= ~_CHECKED
+    crc = zlib.crc32(data, zlib.crc32(_key(index) + _HDR.pack(term, typ)))
+    if crc != _CRC.unpack_from(raw, _HDR.size)[0]:
+        raise CorruptLogError(f"entry {index} is corrupt (its CRC differs)", index)
+    try:
+        kind = EntryType(typ)
+    except ValueError:  # pragma: no cover - a CRC that matches a bad type
+        raise CorruptLogError(f"entry {index} has no known type ({typ})", index) from None
+    return Entry(term, index, kind, data)
 
 
 def encode_snapshot_meta(meta: SnapshotMeta) -> bytes:
@@ -111,6 +150,11 @@ class LmdbLogStorage:
             self._snap_meta = decode_snapshot_meta(raw) if raw else SnapshotMeta()
             cur = txn.cursor(db=self._log)
             self._last = _KEY.unpack(cur.key())[0] if cur.last() else self._snap_meta.index
+            raw = txn.get(b"crc_from", db=self._meta)
+        # Entries from here on carry a CRC (kept with the first save of a log
+        # written before entries had one).
+        self._crc_from: int = _KEY.unpack(raw)[0] if raw else self._last + 1
+        self._crc_from_saved = raw is not None
         # The entries saved last, by index, in index order (written by the
         # saving thread after each commit; read by any: a miss reads LMDB).
         self._recent: dict[int, Entry] = {}
@@ -153,9 +197,9 @@ class LmdbLogStorage:
             return e.term
         with self.env.begin(db=self._log) as txn:
             raw = txn.get(_key(index))
-        if raw is None:
-            raise StorageError(f"entry {index} missing from the log")
-        return int(_HDR.unpack_from(raw)[0])
+            if raw is None:
+                raise CorruptLogError(f"entry {index} missing from the log", index)
+            return int(decode_entry(index, raw, self._crc_from).term)
 
     def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
         if lo <= self._snap_meta.index:
@@ -179,18 +223,37 @@ class LmdbLogStorage:
         with self.env.begin(db=self._log) as txn:
             cur = txn.cursor()
             if not cur.set_key(_key(lo)):
-                raise StorageError(f"entry {lo} missing from the log")
+                raise CorruptLogError(f"entry {lo} missing from the log", lo)
+            expect = lo
             for k, v in cur.iternext():
                 index = _KEY.unpack(k)[0]
                 if index >= hi:
                     break
-                term, typ = _HDR.unpack_from(v)
-                e = Entry(term, index, EntryType(typ), bytes(v[_HDR.size :]))
+                if index != expect:
+                    raise CorruptLogError(f"entry {expect} missing from the log", expect)
+                expect += 1
+                e = decode_entry(index, v, self._crc_from)
                 total += e.size()
                 if out and max_bytes is not None and total > max_bytes:
                     break
                 out.append(e)
         return out
+
+    def verify(self) -> int:
+        """Read every entry after the snapshot from LMDB and check it: the
+        first index that is corrupt or missing, 0 when all are sound."""
+        expect = self._snap_meta.index + 1
+        with self.env.begin(db=self._log) as txn:
+            for k, v in txn.cursor():
+                index: int = _KEY.unpack(k)[0]
+                if index != expect:
+                    return expect
+                try:
+                    decode_entry(index, v, self._crc_from)
+                except CorruptLogError:
+                    return index
+                expect += 1
+        return 0 if expect == self._last + 1 else expect
 
     def config_entries(self) -> list[Entry]:
         out: list[Entry] = []
@@ -242,7 +305,7 @@ class LmdbLogStorage:
                 if first <= last:
                     self._delete_from(txn, self._log, first)
                     self._delete_from(txn, self._conf, first)
-                rows = [(_key(e.index), _HDR.pack(e.term, int(e.type)) + e.data) for e in ents]
+                rows = [(_key(e.index), encode_entry(e)) for e in ents]
                 cur = txn.cursor(db=self._log)
                 cur.putmulti(rows, append=True)
                 for e in ents:
@@ -250,8 +313,11 @@ class LmdbLogStorage:
                         txn.put(_key(e.index), e.data, db=self._conf)
                 last = ents[-1].index
         txn.put(b"hard", _HARD.pack(hard.term, hard.vote, hard.commit), db=self._meta)
+        if not self._crc_from_saved:
+            txn.put(b"crc_from", _key(self._crc_from), db=self._meta)
 
         def commit_view() -> None:
+            self._crc_from_saved = True
             if snapshot is not None:
                 self._recent.clear()
                 self._recent_bytes = 0

@@ -10,6 +10,7 @@ from node_daemon.raft.core import Config, RaftCore
 from node_daemon.raft.driver import ApplyJob, LogWrite, ReadyDriver
 from node_daemon.raft.errors import (
     CompactedError,
+    CorruptLogError,
     ProposalDropped,
     RaftError,
     StorageError,
@@ -44,6 +45,7 @@ __all__ = [
     "ConfChangeType",
     "ConfState",
     "Config",
+    "CorruptLogError",
     "Entry",
     "EntryType",
     "HardState",

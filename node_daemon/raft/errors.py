@@ -33,3 +33,13 @@ class StorageError(RaftError):
 class StorageFullError(StorageError):
     """The storage is out of space (LMDB map full or disk full). Everything
     persisted before this write is intact."""
+
+
+class CorruptLogError(StorageError):
+    """An entry read from the log is not what was written (its checksum
+    differs) or is missing between the first and the last index: the disk
+    corrupted it. ``index`` is the first bad one."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index

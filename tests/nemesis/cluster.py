@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import lmdb
 
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.status import ask_node
@@ -255,6 +256,35 @@ class NemesisCluster:
         assert svc.boot_file is not None
         svc.boot_file.write_text(f"{uuid.uuid4()}\n")  # the host boots again
         return max(0, before - svc.disk.used())
+
+    def corrupt_log(self, svc: Service, how: str, at: float) -> dict[str, Any]:
+        """Damage a (killed) node's Raft log as a disk may: ``entry`` flips a
+        byte of the entry at fraction ``at`` of the log (its record stays
+        where it is: rot inside a record); ``truncate`` cuts the data file
+        to ``at`` of its length (at least its meta pages). What was done."""
+        assert svc.data_dir is not None and not svc.running()
+        raft = svc.data_dir / "raft"
+        if how == "truncate":
+            data = raft / "data.mdb"
+            size = data.stat().st_size
+            keep = max(2 * 4096, int(size * at) // 4096 * 4096)
+            os.truncate(data, keep)
+            return {"how": how, "bytes": size, "kept": keep}
+        env = lmdb.open(str(raft), max_dbs=4, map_size=1 << 40, sync=True)
+        try:
+            log_db = env.open_db(b"log")
+            with env.begin(write=True, db=log_db) as txn:
+                keys = [bytes(k) for k in txn.cursor().iternext(values=False)]
+                if not keys:
+                    return {"how": how, "entries": 0}
+                key = keys[min(len(keys) - 1, int(len(keys) * at))]
+                raw = bytearray(txn.get(key) or b"")
+                pos = int(at * 1_000_003) % len(raw)
+                raw[pos] ^= 0xFF
+                txn.put(key, bytes(raw))
+        finally:
+            env.close()
+        return {"how": how, "index": int.from_bytes(key, "big"), "byte": pos, "entries": len(keys)}
 
     def wipe(self, svc: Service) -> None:
         """Remove everything in a (killed) node's data directory."""

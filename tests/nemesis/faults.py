@@ -3,7 +3,7 @@ against targets resolved then (who leads now), and healed ``duration``
 later; every start, heal and skip is recorded in the history.
 
 Invariants: a process is under at most one process fault at a time (kill,
-power cut, wipe or pause); a heal only undoes what its own start did (a pause is
+power cut, wipe, corruption or pause); a heal only undoes what its own start did (a pause is
 continued only if the same process is still there; a restart only starts
 what this fault killed); ``heal_all`` leaves every process running, every
 network rule, ballast file and clock offset removed; the loop ends by the
@@ -27,6 +27,7 @@ from tests.nemesis.cluster import NemesisCluster, Service
 from tests.nemesis.history import Recorder
 from tests.nemesis.schedule import (
     CLOCK,
+    CORRUPT,
     DISK,
     KILL,
     LOSS,
@@ -136,6 +137,7 @@ class Nemesis:
             WIPE: self._wipe,
             MEMBER: self._member,
             POWER: self._power,
+            CORRUPT: self._corrupt,
         }[f.kind]
         leader = self._leader()
         try:
@@ -328,6 +330,28 @@ class Nemesis:
                 self.cluster.start(svc)
 
         return heal, {"services": [svc.name]}
+
+    def _corrupt(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        """A follower's Raft log damaged while it is down (under the rules
+        of a wipe: the node loses its copy)."""
+        if not leader:
+            raise Skip("no leader known: any node may hold the only copies")
+        self._all_hold_a_copy()
+        everyone = {s.ident for s in self.cluster.node_services}
+        if self.removed or self.cluster.voters(leader) != (everyone, set()):
+            raise Skip("a member is out or not promoted yet, or no leader answers")
+        (svc,) = self._nodes(f.target, leader)
+        self.cluster.kill(svc)
+        self.down[svc.name] = f.id
+        self.paused.pop(svc.name, None)
+        detail = self.cluster.corrupt_log(svc, f.params["how"], float(f.params["at"]))
+
+        def heal() -> None:
+            if self.down.get(svc.name) == f.id:
+                del self.down[svc.name]
+                self.cluster.start(svc)
+
+        return heal, {"services": [svc.name], **detail}
 
     def _pause(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
         if f.target == "queue":

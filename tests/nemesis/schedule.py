@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER = (
+KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER, CORRUPT = (
     "kill",
     "pause",
     "partition",
@@ -31,8 +31,9 @@ KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER = (
     "wipe",
     "member",
     "power",
+    "corrupt",
 )
-KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER)
+KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER, CORRUPT)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ LANES: dict[str, Lane] = {
     POWER: Lane(
         (0.5, 5.0), (1.0, 5.0), (("leader", 3), ("follower", 3), ("minority", 1), ("all", 1))
     ),
+    # A follower's disk damages its Raft log while it is down (a minority's
+    # copy, as a wipe: only when the others hold theirs): a byte of an entry
+    # flipped, or the file cut short.
+    CORRUPT: Lane((1.0, 4.0), (6.0, 14.0), (("follower", 1),)),
 }
 
 
@@ -106,6 +111,8 @@ def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
         # inside the 24 h future slack of validation and the 7-day retention.
         sign = rng.choice((1, -1))
         return {"offset_s": sign * rng.choice((30, 300, 1800, 3600, 10_800))}
+    if kind == CORRUPT:
+        return {"how": rng.choice(("entry", "entry", "truncate")), "at": rng.random()}
     if kind == PARTITION and target == "one-way":
         return {"from_leader": rng.random() < 0.5}  # who stops hearing whom
     return {}

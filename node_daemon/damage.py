@@ -1,0 +1,138 @@
+"""A Raft group's files as a disk may leave them: checked before a node
+trusts them, set aside when damaged.
+
+LMDB maps its data file and trusts it. A file shorter than the pages its
+current meta page counts (truncated by the disk or its filesystem) kills the
+process with SIGBUS at the first read of a missing page, so the size is
+checked before LMDB opens it. A meta page that is not LMDB's is an error at
+open. Entries whose bytes changed are caught by their CRC
+(``LmdbLogStorage.verify``).
+
+A damaged log cannot be repaired here, and a node must never vote or serve
+from it: it is moved aside (kept for the operator, under
+``corrupt-<time>/``) and the node starts that group with an empty log, as a
+wiped node does: catching up, voting only once a leader has caught it up
+(see ``node.py``). A damaged state is rebuilt from the snapshot and the
+log instead. Invariants: nothing is deleted; what is set aside is durable
+(its directory fsynced) before the empty log is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from pathlib import Path
+
+import lmdb
+
+from node_daemon.disk import fsync_dir
+from node_daemon.raft_log import LmdbLogStorage
+
+log = logging.getLogger("roadlog.node.damage")
+
+# The 64-bit LMDB meta page: a 16-byte page header, then magic, version,
+# address, map size, two 48-byte database records (the first's md_pad holds
+# the page size), the last page number and the transaction id.
+_MAGIC, _VERSION = 0xBEEFC0DE, 1
+_META = struct.Struct("<IIQQ")
+_PSIZE_AT = 16 + _META.size  # dbs[0].md_pad
+_LAST_AT = 16 + _META.size + 2 * 48  # mm_last_pg, then mm_txnid
+# What LMDB raises for a file that is not an LMDB environment, or damaged.
+LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)
+# A group's files that hold its log and what was made from it.
+GROUP_FILES = ("raft", "state", "state.incoming", "state.old", "snapshots", "state-unsynced")
+
+
+def truncated(directory: Path) -> str:
+    """Why the LMDB data file in ``directory`` cannot be mapped safely
+    ('' when it can, or when there is none yet)."""
+    path = directory / "data.mdb"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(2 * 65536)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        return f"{path} cannot be read: {e}"
+    if size == 0:
+        return ""  # made, never written: LMDB writes it anew
+    metas = []
+    if len(head) >= _LAST_AT + 16:
+        (psize,) = struct.unpack_from("<I", head, _PSIZE_AT)
+        for off in (0, psize):
+            if 4096 <= psize <= 65536 and off + _LAST_AT + 16 <= len(head):
+                magic, version, _, _ = _META.unpack_from(head, off + 16)
+                last_pg, txnid = struct.unpack_from("<QQ", head, off + _LAST_AT)
+                if magic == _MAGIC and version == _VERSION:
+                    metas.append((txnid, last_pg, psize))
+    if not metas:
+        return f"{path} has no LMDB meta page"
+    _, last_pg, psize = max(metas)
+    need = (last_pg + 1) * psize
+    if size < need:
+        return f"{path} is truncated: {size} bytes, its meta page counts {need}"
+    return ""
+
+
+def set_aside(group_dir: Path, why: str) -> Path:
+    """Move the group's log, state and snapshots into a new
+    ``corrupt-<time>`` directory beside them; returns it."""
+    aside = group_dir / f"corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = aside.with_name(f"{aside.name.split('.')[0]}.{n}")
+    aside.mkdir(parents=True)
+    (aside / "why").write_text(why + "\n")
+    for name in GROUP_FILES:
+        if (group_dir / name).exists():
+            os.replace(group_dir / name, aside / name)
+    fsync_dir(aside)
+    fsync_dir(group_dir)
+    return aside
+
+
+def open_log(group_dir: Path, group: int = 0) -> tuple[LmdbLogStorage, str]:
+    """The group's log, checked whole (size, LMDB's pages, every entry's
+    CRC); a damaged one is set aside and an empty log opened instead.
+    Returns the log and why the old one was set aside ('' if it was not)."""
+    raft = group_dir / "raft"
+    why = truncated(raft)
+    store: LmdbLogStorage | None = None
+    if not why:
+        t0 = time.monotonic()
+        try:
+            store = LmdbLogStorage(raft)
+            bad = store.verify()
+            if bad:
+                why = f"entry {bad} of the log is corrupt or missing"
+        except LMDB_DAMAGE as e:
+            why = f"LMDB cannot read the log: {e}"
+        log.debug("log checked", extra={"group": group, "s": round(time.monotonic() - t0, 3)})
+    if not why:
+        assert store is not None
+        return store, ""
+    if store is not None:
+        store.close()
+    aside = set_aside(group_dir, why)
+    log.error(
+        "the log is damaged: set aside; this group starts empty and catches up",
+        extra={"group": group, "why": why, "aside": str(aside)},
+    )
+    return LmdbLogStorage(raft), why
+
+
+def state_damage(state_dir: Path) -> str:
+    """Why the state in ``state_dir`` cannot be opened safely ('' if it can)."""
+    why = truncated(state_dir)
+    if why or not (state_dir / "data.mdb").exists():
+        return why
+    try:
+        env = lmdb.open(str(state_dir), readonly=True, lock=False, max_dbs=16)
+    except LMDB_DAMAGE as e:
+        return f"LMDB cannot read the state: {e}"
+    env.close()
+    return ""
