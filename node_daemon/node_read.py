@@ -1,7 +1,11 @@
-"""Bulk reads straight from this node's state machine (the Spark data
+"""Bulk reads straight from this node's state machines (the Spark data
 source's path): plan offset ranges for an append-time window, then stream a
 range batch by batch. Only committed (applied) data is ever read, and a
-plan's ranges are pinned, so reading a plan twice gives the same pings."""
+plan's ranges are pinned, so reading a plan twice gives the same pings.
+
+A topic placed in data groups has each partition's batches in its group's
+state machine (every node runs every group): a range names its group and
+is fenced by that group's applied index; the topic itself is group 0's."""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ from typing import Any
 import grpc
 
 from node_daemon.node import RaftNode
-from roadlog.errors import RoadlogError
+from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
+from roadlog.placement import group_of
 from roadlog.v1 import client_pb2, noderead_pb2, noderead_pb2_grpc
 
 FENCE_WAIT_S = 30.0
@@ -24,29 +29,56 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
         self.node = node
         self.token = token
 
-    async def _prepare(self, context: Any, fence: int) -> None:
-        if self.node.sm.applied_index < fence:
+    async def _prepare(self, context: Any, fence: int, group: int = 0) -> RaftNode:
+        """The replica of ``group`` here, once it applied ``fence``."""
+        node = self.node.raft_groups.get(group)
+        if node is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this node runs no Raft group {group}")
+        assert node is not None
+        if node.sm.applied_index < fence:
             try:
-                await self.node.wait_applied(fence, timeout=FENCE_WAIT_S)
+                await node.wait_applied(fence, timeout=FENCE_WAIT_S)
             except TimeoutError:
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, f"this node has not applied index {fence} yet"
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"this node has not applied index {fence} of group {group} yet",
                 )
+        return node
 
     async def Plan(self, request: Any, context: Any) -> noderead_pb2.PlanResponse:
         await self._prepare(context, request.min_applied_index)
         sm = self.node.sm
         loop = asyncio.get_running_loop()
 
+        groups = self.node.raft_groups
+
         def plan() -> noderead_pb2.PlanResponse:
             topic = sm.topic(request.topic)
             resp = noderead_pb2.PlanResponse(topic=topic, applied_index=sm.applied_index)
+            fences = {0: resp.applied_index}
+            for g in sorted(set(topic.partition_groups)):
+                if g not in groups:
+                    raise RoadlogError(Code.UNAVAILABLE, f"this node runs no Raft group {g}")
+                # Pinned before its ranges are read: reads wait for it.
+                fences[g] = resp.group_applied[g] = groups[g].sm.applied_index
             for p in range(topic.spec.partitions):
-                lo, hi = sm.offsets_for_window(
-                    request.topic, p, request.append_start_ms, request.append_end_ms
-                )
+                g = group_of(topic, p)
+                try:
+                    lo, hi = groups[g].sm.offsets_for_window(
+                        request.topic, p, request.append_start_ms, request.append_end_ms
+                    )
+                except RoadlogError as e:
+                    if g and e.code == Code.NOT_FOUND:
+                        continue  # not placed in its group yet: nothing appended there
+                    raise
                 if hi > lo:
-                    resp.ranges.add(partition=p, start_offset=lo, end_offset=hi)
+                    resp.ranges.add(
+                        partition=p,
+                        start_offset=lo,
+                        end_offset=hi,
+                        group=g,
+                        applied_index=fences[g],
+                    )
             return resp
 
         try:
@@ -64,8 +96,8 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
     async def ReadRange(
         self, request: Any, context: Any
     ) -> AsyncIterator[client_pb2.StoredBatchView]:
-        await self._prepare(context, request.min_applied_index)
-        sm = self.node.sm
+        node = await self._prepare(context, request.min_applied_index, request.group)
+        sm = node.sm
         loop = asyncio.get_running_loop()
         offset, end = request.start_offset, request.end_offset
         while offset < end:

@@ -30,7 +30,8 @@ window; see ``RoadlogStreamReader``):
   when no ping came (a heat map's window slides on).
 
 Planning (on the driver) asks one node for the offset ranges of every
-partition in that append-time window, pinned at its applied index: one
+partition in that append-time window, pinned at its applied index (of the
+partition's Raft group, for a topic placed in data groups): one
 input partition per (topic partition, offset range). Each task reads its
 range from the node on its own host when one runs there (every node holds
 all the data), else from the others in turn, and yields Arrow record
@@ -106,6 +107,7 @@ class RangeTask:
     nodes: tuple[str, ...]
     token: str
     window: tuple[int | None, int | None]
+    group: int = 0  # the Raft group holding the partition; ``fence`` is its index
 
 
 class RoadlogDataSource(DataSource):
@@ -177,12 +179,19 @@ def split(
     token: str,
     window: tuple[int | None, int | None],
     step: int,
+    group: int = 0,
 ) -> list[RangeTask]:
     """Offsets [start, end) of one partition as tasks of at most ``step`` pings."""
     return [
-        RangeTask(topic, partition, lo, min(lo + step, end), fence, nodes, token, window)
+        RangeTask(topic, partition, lo, min(lo + step, end), fence, nodes, token, window, group)
         for lo in range(start, end, step)
     ]
+
+
+def range_fence(resp: noderead_pb2.PlanResponse, r: noderead_pb2.OffsetRange) -> int:
+    """The applied index a read of ``r`` waits for: its group's when it
+    names one (a node of a release before data groups names none)."""
+    return r.applied_index if r.group else resp.applied_index
 
 
 def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
@@ -208,11 +217,12 @@ def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
             r.partition,
             r.start_offset,
             r.end_offset,
-            resp.applied_index,
+            range_fence(resp, r),
             every,
             token,
             (start, end),
             step,
+            r.group,
         )
     return tasks
 
@@ -239,10 +249,12 @@ END_OF_TIME_MS = 2**62
 class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches of committed pings, offset by offset.
 
-    An offset is ``{"topic_id": I, "applied_index": N, "partitions": {"P":
-    next offset}, "tick_ms": T}``: what one node had applied when asked (only committed
-    pings, pinned there, so a micro-batch read again after a restart from
-    the checkpoint gives the same pings), each partition's end. A
+    An offset is ``{"topic_id": I, "applied_index": N, "fences": {"G": N},
+    "partitions": {"P": next offset}, "tick_ms": T}``: what one node had
+    applied when asked, in group 0 and in each data group the topic is
+    placed in (only committed pings, pinned there, so a micro-batch read
+    again after a restart from the checkpoint gives the same pings), each
+    partition's end. A
     micro-batch reads, per partition, offsets [start, end) from the node on
     the task's own host first. Offsets are dense and never reused, so
     consecutive micro-batches neither miss nor repeat a ping; offsets that
@@ -257,6 +269,7 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.step = _opt_int(options, "max_pings_per_task") or DEFAULT_TASK_PINGS
         self.known = self.nodes
         self.target: dict[str, Any] | None = None  # Trigger.AvailableNow's end
+        self.partition_groups: list[int] | None = None  # the topic's, once planned
 
     def _plan(self, append_start_ms: int) -> noderead_pb2.PlanResponse:
         resp = ask_plan(
@@ -267,6 +280,7 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ),
         )
         self.known = tuple(dict.fromkeys([*self.nodes, *resp.node_addresses]))
+        self.partition_groups = list(resp.topic.partition_groups)
         return resp
 
     def _offset(
@@ -283,6 +297,7 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {
             "topic_id": resp.topic.id,
             "applied_index": resp.applied_index,
+            "fences": {str(g): int(i) for g, i in sorted(resp.group_applied.items())},
             "partitions": parts,
             "tick_ms": tick,
         }
@@ -308,7 +323,11 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for r in resp.ranges:
             parts[str(r.partition)] = r.start_offset
         fence = max(ends["applied_index"], resp.applied_index)
-        return {**ends, "applied_index": fence, "partitions": parts, "tick_ms": 0}
+        fences = {
+            g: max(i, int(resp.group_applied.get(int(g), 0))) for g, i in ends["fences"].items()
+        }
+        return {**ends, "applied_index": fence, "fences": fences, "partitions": parts,
+                "tick_ms": 0}  # fmt: skip
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         if not isinstance(limit, ReadAllAvailable):
@@ -322,6 +341,9 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if latest["applied_index"] < start.get("applied_index", 0):
             # a node behind the last batch's: never move an offset back
             latest["applied_index"] = start["applied_index"]
+        fences = latest.setdefault("fences", {})
+        for g, i in start.get("fences", {}).items():
+            fences[g] = max(int(fences.get(g, 0)), int(i))
         for p, off in start.get("partitions", {}).items():
             latest["partitions"][p] = max(latest["partitions"].get(p, 0), off)
         return latest
@@ -332,11 +354,16 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
         tasks: list[InputPartition] = []
         fence = int(end.get("applied_index", 0))
+        fences = end.get("fences", {})
+        if fences and self.partition_groups is None:
+            self._plan(END_OF_TIME_MS)  # a restart from a checkpoint: learn the map
+        groups = self.partition_groups or []
         for p, hi in sorted(end["partitions"].items(), key=lambda kv: int(kv[0])):
             lo = int(start.get("partitions", {}).get(p, 0))
+            g = int(groups[int(p)]) if groups else 0
             for t in split(
-                self.topic, int(p), lo, int(hi), fence, self.known, self.token, (None, None),
-                self.step,
+                self.topic, int(p), lo, int(hi), int(fences.get(str(g), fence)) if g else fence,
+                self.known, self.token, (None, None), self.step, g,
             ):  # fmt: skip
                 tasks.append(InputPartition(t))
         return tasks
@@ -391,6 +418,7 @@ def _stream(task: RangeTask, node: str, offset: int) -> Iterator[tuple[pa.Record
         start_offset=offset,
         end_offset=task.end,
         min_applied_index=task.fence,
+        group=task.group,
     )
     lo, hi = task.window
     with ClientTLS.from_env().channel(node, options=GRPC_OPTIONS) as ch:
