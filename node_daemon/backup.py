@@ -4,7 +4,13 @@ A backup is a directory with `state.mdb` (a compact LMDB copy of the state
 machine, taken inside one read transaction, so it is exactly the state at
 its applied index) and `manifest.json` (cluster, node, applied index and
 term, size, SHA-256 of `state.mdb`, and an HMAC-SHA256 of all of that under
-the operators' backup key). It can be taken from a running node: LMDB lets
+the operators' backup key). A node that runs data groups (multi-raft) adds
+`groups/<g>/state.mdb` for each, with its applied index and term, size and
+SHA-256 under `groups` in the manifest. Each group's copy is exact at its
+own index; group 0's is taken first, so no consumer offset it holds points
+past the pings the data groups' copies hold (a topic created between the
+copies may have pings in a data group that group 0 does not know of:
+unreachable, as the write it came from is gone). It can be taken from a running node: LMDB lets
 another process read while the node writes, and the copy never blocks it.
 
 The backup key (issue 19, finding 14) is not the cluster secret: only
@@ -34,8 +40,9 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -67,6 +74,9 @@ class Manifest:
     sha256: str
     created_ms: int
     format: int = FORMAT
+    # Data group -> {"applied_index", "applied_term", "bytes", "sha256"}
+    # (keys are strings: JSON); empty for a node without data groups.
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _sha256(path: Path) -> str:
@@ -134,7 +144,7 @@ def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int, key:
     # A private directory with a name nobody can guess (0700), next to `out`.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        manifest = _copy_into(state, tmp, cluster_name, node_id, key)
+        manifest = _copy_into(data_dir, tmp, cluster_name, node_id, key)
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()
@@ -146,7 +156,21 @@ def take_backup(data_dir: Path, out: Path, cluster_name: str, node_id: int, key:
     return manifest
 
 
-def _copy_into(state: Path, tmp: Path, cluster_name: str, node_id: int, key: bytes) -> Manifest:
+def _data_groups(data_dir: Path) -> list[int]:
+    """The data groups whose state lies under ``data_dir`` (node.group_data_dir)."""
+    root = data_dir / "groups"
+    if not root.is_dir():
+        return []
+    return sorted(
+        int(d.name) for d in root.iterdir()
+        if d.name.isdigit() and (d / "state" / "data.mdb").exists()
+    )  # fmt: skip
+
+
+def _copy_state(state: Path, dest: Path) -> dict[str, Any]:
+    """A compact copy of the state environment ``state`` as ``dest/state.mdb``
+    (one read transaction): its applied index and term, size and SHA-256."""
+    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     env = lmdb.open(str(state), readonly=True, max_dbs=16, lock=True, readahead=False)
     try:
         meta = env.open_db(b"meta", create=False)
@@ -157,22 +181,36 @@ def _copy_into(state: Path, tmp: Path, cluster_name: str, node_id: int, key: byt
             )
             index = _U64.unpack(raw_index)[0] if raw_index else 0
             term = _U64.unpack(raw_term)[0] if raw_term else 0
-            env.copy(str(tmp), compact=True, txn=txn)
+            env.copy(str(dest), compact=True, txn=txn)
     finally:
         env.close()
-    data = tmp / "data.mdb"
+    data = dest / "data.mdb"
     with open(data, "rb+") as f:
         os.fchmod(f.fileno(), 0o600)  # LMDB creates it 0666 less the umask
         os.fsync(f.fileno())
-    os.replace(data, tmp / STATE_FILE)
+    os.replace(data, dest / STATE_FILE)
+    fsync_dir(dest)
+    return {
+        "applied_index": index,
+        "applied_term": term,
+        "bytes": (dest / STATE_FILE).stat().st_size,
+        "sha256": _sha256(dest / STATE_FILE),
+    }
+
+
+def _copy_into(data_dir: Path, tmp: Path, cluster_name: str, node_id: int, key: bytes) -> Manifest:
+    zero = _copy_state(data_dir / "state", tmp)  # group 0 first (see the module's docstring)
+    groups = {str(g): _copy_state(data_dir / "groups" / str(g) / "state",
+                                  tmp / "groups" / str(g))
+              for g in _data_groups(data_dir)}  # fmt: skip
+    if groups:
+        fsync_dir(tmp / "groups")
     manifest = Manifest(
         cluster_name=cluster_name,
         node_id=node_id,
-        applied_index=index,
-        applied_term=term,
-        bytes=(tmp / STATE_FILE).stat().st_size,
-        sha256=_sha256(tmp / STATE_FILE),
         created_ms=int(time.time() * 1000),
+        groups=groups,
+        **zero,
     )
     fields = asdict(manifest)
     doc = {**fields, MAC_FIELD: _manifest_mac(fields, key)}
@@ -218,7 +256,52 @@ def verify_backup(backup: Path, cluster_name: str, key: bytes) -> Manifest:
         )
     if manifest.applied_index == 0:
         raise BackupError("the backup holds an empty state (applied index 0)")
+    for g, entry in manifest.groups.items():
+        path = backup / "groups" / g / STATE_FILE
+        if not g.isdigit() or not path.exists() or path.stat().st_size != entry["bytes"]:
+            raise BackupError(f"{path}: missing or not {entry['bytes']} bytes")
+        if not hmac.compare_digest(_sha256(path), str(entry["sha256"])):
+            raise BackupError(f"{path}: SHA-256 does not match the manifest (corrupt copy)")
     return manifest
+
+
+def _restore_group(
+    group_dir: Path, state_file: Path, index: int, term: int, voters: dict[int, str]
+) -> None:
+    """One Raft group's state from ``state_file`` (at ``index``, ``term``),
+    and a log that begins with a snapshot there, configured with ``voters``."""
+    snapshots = group_dir / "snapshots"
+    snapshots.mkdir(parents=True)
+    snap_file = snapshots / f"snap-{index}-{term}.mdb"
+    shutil.copyfile(state_file, snap_file)
+    sm = StateMachine(group_dir / "state")
+    try:
+        sm.install_snapshot(snap_file)
+        sm.replace_address_book(voters)
+        if sm.applied_index != index:
+            raise BackupError(
+                f"restored state of {group_dir} is at {sm.applied_index}, the manifest says {index}"
+            )
+        sm.checkpoint()  # its commits are unsynced until now
+    finally:
+        sm.close()
+    # The installed state doubles as the Raft snapshot a lagging peer is sent.
+    snap_meta = SnapshotMeta(index, term, ConfState(frozenset(voters)))
+    shutil.copyfile(group_dir / "state" / "data.mdb", snap_file)
+    with open(snap_file, "rb+") as f:
+        os.fsync(f.fileno())
+    store = LmdbLogStorage(group_dir / "raft")
+    try:
+        store.save(
+            HardState(term=term, vote=0, commit=index),
+            [],
+            Snapshot(snap_meta, str(snap_file).encode()),
+        )
+    finally:
+        store.close()
+    # Every name made here survives a power loss before the node starts.
+    for d in (snapshots, group_dir / "state", group_dir / "raft", group_dir):
+        fsync_dir(d)
 
 
 def restore_backup(
@@ -234,42 +317,18 @@ def restore_backup(
         raise BackupError("restore needs the voters (ID=HOST:PORT,...)")
     aside = data_dir / f"pre-restore-{int(time.time())}"
     aside.mkdir(parents=True)
-    for name in ("raft", "state", "snapshots", "state.incoming", "state.old"):
+    for name in ("raft", "state", "snapshots", "state.incoming", "state.old", "state-unsynced",
+                 "groups"):  # fmt: skip
         if (data_dir / name).exists():
             os.replace(data_dir / name, aside / name)
-    snapshots = data_dir / "snapshots"
-    snapshots.mkdir()
-    snap_file = snapshots / f"snap-{manifest.applied_index}-{manifest.applied_term}.mdb"
-    shutil.copyfile(backup / STATE_FILE, snap_file)
-    sm = StateMachine(data_dir / "state")
-    try:
-        sm.install_snapshot(snap_file)
-        sm.replace_address_book(voters)
-        if sm.applied_index != manifest.applied_index:
-            raise BackupError(
-                f"restored state is at {sm.applied_index}, the manifest says "
-                f"{manifest.applied_index}"
-            )
-        sm.checkpoint()  # its commits are unsynced until now
-    finally:
-        sm.close()
-    # The installed state doubles as the Raft snapshot a lagging peer is sent.
-    snap_meta = SnapshotMeta(
-        manifest.applied_index, manifest.applied_term, ConfState(frozenset(voters))
-    )
-    shutil.copyfile(data_dir / "state" / "data.mdb", snap_file)
-    with open(snap_file, "rb+") as f:
-        os.fsync(f.fileno())
-    store = LmdbLogStorage(data_dir / "raft")
-    try:
-        store.save(
-            HardState(term=manifest.applied_term, vote=0, commit=manifest.applied_index),
-            [],
-            Snapshot(snap_meta, str(snap_file).encode()),
-        )
-    finally:
-        store.close()
-    # Every name made here survives a power loss before the node starts.
-    for d in (snapshots, data_dir / "state", data_dir / "raft", data_dir):
-        fsync_dir(d)
+    _restore_group(data_dir, backup / STATE_FILE, manifest.applied_index,
+                   manifest.applied_term, voters)  # fmt: skip
+    for g, entry in sorted(manifest.groups.items(), key=lambda kv: int(kv[0])):
+        if entry["applied_index"]:  # a group that never applied anything starts empty
+            index, term = int(entry["applied_index"]), int(entry["applied_term"])
+            state = backup / "groups" / g / STATE_FILE
+            _restore_group(data_dir / "groups" / g, state, index, term, voters)
+    if manifest.groups:
+        fsync_dir(data_dir / "groups")
+    fsync_dir(data_dir)
     return aside

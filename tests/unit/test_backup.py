@@ -27,6 +27,7 @@ from node_daemon.backup import (
 )
 from node_daemon.main import cli
 from node_daemon.raft import Entry, EntryType
+from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
 
 pytestmark = pytest.mark.unit
@@ -184,3 +185,51 @@ def test_the_cli_needs_the_key_and_takes_it_from_a_file_or_stdin(
     monkeypatch.setenv("ROADLOG_BACKUP_KEY_FILE", str(other))
     r = runner.invoke(cli, check)
     assert r.exit_code == 1 and "HMAC does not match" in r.output, r.output
+
+
+def test_a_node_with_data_groups_is_backed_up_and_restored_group_by_group(
+    tmp_path: Path, loose_umask: None
+) -> None:
+    data = tmp_path / "data"
+    digests: dict[int, bytes] = {}
+    for g, n in ((0, 2), (1, 5), (2, 3)):  # each group at its own index
+        where = data if g == 0 else data / "groups" / str(g)
+        sm = StateMachine(where / "state", map_size=1 << 24)
+        try:
+            sm.apply([Entry(1, i, EntryType.NORMAL, b"") for i in range(1, n + 1)])
+            digests[g] = sm.digest()
+        finally:
+            sm.close()
+    out = tmp_path / "b"
+    manifest = take_backup(data, out, "lab", 1, KEY)
+    assert manifest.applied_index == 2
+    assert {g: e["applied_index"] for g, e in manifest.groups.items()} == {"1": 5, "2": 3}
+    for name in ("1", "2"):
+        f = out / "groups" / name / STATE_FILE
+        assert (
+            f.stat().st_mode & 0o777 == 0o600
+            and (out / "groups" / name).stat().st_mode & 0o777 == 0o700
+        )
+    assert verify_backup(out, "lab", KEY).groups == manifest.groups
+
+    aside = restore_backup(data, out, "lab", {1: "127.0.0.1:1", 2: "127.0.0.1:2"}, KEY)
+    assert (aside / "groups" / "1" / "state").is_dir()  # the old data, moved aside
+    for g, index in ((0, 2), (1, 5), (2, 3)):
+        where = data if g == 0 else data / "groups" / str(g)
+        sm = StateMachine(where / "state", map_size=1 << 24)
+        try:
+            assert sm.applied_index == index
+        finally:
+            sm.close()
+        store = LmdbLogStorage(where / "raft")
+        try:
+            snap = store.snapshot().meta
+            assert (snap.index, sorted(snap.conf.voters)) == (index, [1, 2])
+        finally:
+            store.close()
+
+    # A data group's copy changed: refused, like group 0's.
+    f = out / "groups" / "2" / STATE_FILE
+    f.write_bytes(f.read_bytes()[:-1] + b"\x01")
+    with pytest.raises(BackupError, match="groups/2"):
+        verify_backup(out, "lab", KEY)
