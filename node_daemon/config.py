@@ -98,13 +98,13 @@ class NodeConfig:
     # 3), topics are still placed in group 0 (``placement_groups``), so the
     # data groups elect and replicate but hold no pings.
     data_groups: int = key(1, "Raft groups for pings (1: all in group 0; 1..64)")
-    # Publishes are routed (step 3, built); fetches, topic offsets,
-    # give-to-get, consumer commits, Spark and backup read group 0 still, so
-    # this stays off by default until they follow.
+    # Publishes, fetches, topic offsets, give-to-get, consumer commits,
+    # Spark and backups follow the data groups (docs/multiraft.md); this
+    # stays off by default until the simulation covers several groups.
     place_topics: bool = key(
         False,
         "with data_groups above 1, place new topics' partitions in the data groups "
-        "(being built: publishes are routed there; reads are not yet)",
+        "(being built: every read and write follows them; not yet the default)",
     )
     voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
     dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
