@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nemesis.schedule import KINDS, MEMBER, WIPE
+from tests.nemesis.schedule import CORRUPT, KINDS, MEMBER, WIPE
 from tests.netns.conftest import REPO
 
 pytestmark = pytest.mark.netns
@@ -41,9 +41,9 @@ def test_a_short_nemesis_run_keeps_every_property(tmp_path: Path) -> None:
     )
     assert len(lines) == 1 and lines[0].startswith(f"nemesis seed={SEED}"), proc.stdout
     assert "PASS" in lines[0]
-    # Every kind was injected at least once; a wipe only starts with a
-    # leader known, every node a voter and every earlier wipe repaired, and
-    # a membership change only when no other one is under way.
+    # Every kind was injected at least once; a wipe or a corruption only
+    # starts with a leader known, every node a voter and every earlier wipe
+    # repaired, and a membership change only when no other one is under way.
     for kind in KINDS:
-        if kind not in (WIPE, MEMBER):
+        if kind not in (WIPE, MEMBER, CORRUPT):
             assert f"{kind}=" in lines[0], lines[0]
