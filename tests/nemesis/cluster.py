@@ -270,7 +270,10 @@ class NemesisCluster:
             keep = max(2 * 4096, int(size * at) // 4096 * 4096)
             os.truncate(data, keep)
             return {"how": how, "bytes": size, "kept": keep}
-        env = lmdb.open(str(raft), max_dbs=4, map_size=1 << 40, sync=True)
+        try:
+            env = lmdb.open(str(raft), max_dbs=4, map_size=1 << 40, sync=True)
+        except lmdb.Error as e:
+            return {"how": how, "error": str(e)}
         try:
             log_db = env.open_db(b"log")
             with env.begin(write=True, db=log_db) as txn:
@@ -282,6 +285,8 @@ class NemesisCluster:
                 pos = int(at * 1_000_003) % len(raw)
                 raw[pos] ^= 0xFF
                 txn.put(key, bytes(raw))
+        except lmdb.Error as e:  # a full disk (a disk fault at the same time): nothing done
+            return {"how": how, "error": str(e)}
         finally:
             env.close()
         return {"how": how, "index": int.from_bytes(key, "big"), "byte": pos, "entries": len(keys)}
