@@ -18,13 +18,16 @@ the writes acknowledged up to its fence, and at the end every acknowledged
 write must be stored once on every replica.
 
 One seed in four or so runs several Raft groups on the same simulated
-nodes (``Options.groups``; docs/multiraft.md): group 0 with the clients and
-the real state machine where the seed says so, and data groups, each a
-replica on every founding node, over the same network (each message names
-its group). A node crash takes every group's replica on it down at once,
-a partition cuts every group's messages between two nodes, and one node
-may lead several groups; each group's invariants are checked on their own,
-and at the end every group must converge with every acknowledged write.
+nodes (``Options.groups``; docs/multiraft.md): group 0 and data groups,
+each a replica on every founding node with the real state machine where
+the seed says so, over the same network (each message names its group),
+each with clients and a queue of its own (the real ``WorkQueues``: a topic
+placed in data groups is written group by group, each group's leader
+taking its writes) and the front door's checks. A node crash takes every
+group's replica on it down at once, a partition cuts every group's
+messages between two nodes, and one node may lead several groups; each
+group's invariants are checked on their own, and at the end every group
+must converge with every acknowledged write.
 
 A violation raises ``Violation`` with the seed; ``replay_command(seed)``
 reproduces it exactly.
@@ -39,7 +42,7 @@ import random
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_daemon.raft import (
@@ -723,6 +726,7 @@ class Result:
     refetched: int = 0  # reads sent again by their client or handed to another node
     data_groups: int = 0  # Raft groups beside group 0 on the same nodes
     data_acked: int = 0  # proposals acknowledged in the data groups
+    data_writes: int = 0  # client writes acknowledged in the data groups
     multi_led: int = 0  # ticks at whose end one node led more than one group
 
 
@@ -1005,6 +1009,8 @@ class Simulation(GroupOps):
                     n.core.tick()
                     n.process()
         self.front.step()
+        for dg in self.data:
+            dg.front.step()
         self.after_event()
         if self.data:
             led = [g.leader() for g in (self, *self.data)]
@@ -1130,15 +1136,16 @@ class Simulation(GroupOps):
     # -- the end ---------------------------------------------------------------
 
     def _converged(self) -> bool:
-        if self.front.busy():
+        if self.front.busy() or any(dg.front.busy() for dg in self.data):
             return False
         return self._group_converged() and all(dg._group_converged() for dg in self.data)
 
     def _final_checks(self) -> None:
         members = self._group_final_checks()
         for dg in self.data:
-            dg._group_final_checks()
+            dg.front.final_checks(dg._group_final_checks())
             self.stats.data_acked += len(dg.acked)
+            self.stats.data_writes += len(dg.front.acked)
         self.front.final_checks(members)
         self.stats.applied = members[0].sm.applied if members else 0
 
@@ -1184,10 +1191,16 @@ class DataGroup(GroupOps):
         self.sim = sim
         self.group = group
         self.label = f"g{group}:"
-        self.opts = replace(sim.opts, real_sm=False)
+        self.opts = sim.opts
         self.rng = random.Random(sim.seed * 1_000_033 + group)  # its own stream
         self.net = GroupNet(sim.net, group)
-        self.front = NoFront()
+        # Its own clients and queue (the real WorkQueues), as a topic placed
+        # in data groups is written: each group's leader takes its writes.
+        self.front = Front(
+            self,  # type: ignore[arg-type]
+            random.Random(sim.seed * 1_000_037 + group),
+            with_clients=sim.front.with_clients,
+        )
         self.checker = Checker(self, label=f"group {group}: ")  # type: ignore[arg-type]
         self.tmp = sim.tmp / f"g{group}" if sim.tmp is not None else None
         self.proposed = {}
@@ -1226,6 +1239,7 @@ class DataGroup(GroupOps):
         self.sim.crash(node, self.rng)  # the node, so every group's replica on it
 
     def on_applied(self, node: SimNode, e: Entry) -> None:
+        self.front.on_applied(node, e, lambda: self.sim._result_of(node))
         p = self.proposed.get(e.data)
         if p is not None and p == (node.id, e.index, e.term):
             self.acked.add(e.data)  # the proposer applied it: acknowledged

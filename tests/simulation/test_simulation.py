@@ -314,6 +314,7 @@ def test_several_groups_on_the_same_nodes_hold_every_invariant() -> None:
     assert all(r.ok for r in results), [r.message for r in results if not r.ok]
     assert all(r.data_groups == 2 for r in results)
     assert sum(r.data_acked for r in results) > 0
+    assert sum(r.data_writes for r in results) > 0  # clients' writes in the data groups
     assert sum(r.crashes for r in results) > 0
     assert sum(1 for r in results if r.multi_led) > 0
 
@@ -345,3 +346,16 @@ def test_messages_routed_to_the_wrong_group_are_caught(monkeypatch: pytest.Monke
         MULTI_GROUP_SEEDS[:40], lambda r: "group " in r.message or "g2:" in r.message
     )
     assert found, "the simulator did not notice messages delivered to another group"
+
+
+def test_a_data_group_storing_a_retry_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data groups' clients are checked as group 0's: a replica storing
+    a resent write twice is found in a data group (its checker's label)."""
+    from tests.simulation.harness import StateMachine
+
+    monkeypatch.setattr(StateMachine, "_duplicate", lambda self, seen, seq: None)
+    seeds = [s for s in MULTI_GROUP_SEEDS if not options_of(s).real_sm][:8]
+    bad = [r for r in map(run_seed, seeds) if not r.ok]
+    assert any("group 1" in r.message or "group 2" in r.message for r in bad), [
+        r.message for r in bad
+    ]
