@@ -5,7 +5,7 @@ LMDB maps its data file and trusts it. A file shorter than the pages its
 current meta page counts (truncated by the disk or its filesystem) kills the
 process with SIGBUS at the first read of a missing page, so the size is
 checked before LMDB opens it. A meta page that is not LMDB's is an error at
-open. Entries whose bytes changed are caught by their CRC
+open. Entries whose bytes changed are caught by their checksum
 (``LmdbLogStorage.verify``).
 
 A damaged log cannot be repaired here, and a node must never vote or serve
@@ -97,7 +97,7 @@ def set_aside(group_dir: Path, why: str) -> Path:
 
 def open_log(group_dir: Path, group: int = 0) -> tuple[LmdbLogStorage, str]:
     """The group's log, checked whole (size, LMDB's pages, every entry's
-    CRC); a damaged one is set aside and an empty log opened instead.
+    checksum); a damaged one is set aside and an empty log opened instead.
     Returns the log and why the old one was set aside ('' if it was not)."""
     raft = group_dir / "raft"
     why = truncated(raft)

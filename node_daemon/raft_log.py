@@ -4,13 +4,13 @@ One LMDB environment per node, separate from the state machine's. Layout
 (named databases):
 
 - ``log``:  8-byte big-endian index -> term (8 bytes), type (1 byte),
-  CRC-32 (4 bytes), data. The CRC covers the index, term, type and data, so
-  an entry the disk corrupted, or found under another index, is caught when
-  it is read from LMDB (``CorruptLogError``); ``verify`` reads them all.
-  Logs written before it lack the CRC: their type byte has no
-  ``_CHECKED`` bit, and they are read as before; ``crc_from`` in ``meta``
-  is the first index written with one, from which an entry without it is
-  corrupt too (its flag bit flipped).
+  checksum (8 bytes: xxh3-64), data. The checksum covers the index, term,
+  type and data, so an entry the disk corrupted, or found under another
+  index, is caught when it is read from LMDB (``CorruptLogError``);
+  ``verify`` reads them all. Logs written before it lack the checksum:
+  their type byte has no ``_CHECKED`` bit, and they are read as before;
+  ``crc_from`` in ``meta`` is the first index written with one, from which
+  an entry without it is corrupt too (its flag bit flipped).
 - ``conf``: index -> encoded ConfState, for the CONFIG entries still in ``log``
 - ``meta``: ``hard`` -> term, vote, commit; ``snap`` -> snapshot metadata;
   ``snapdata`` -> the snapshot's opaque data
@@ -36,12 +36,12 @@ from __future__ import annotations
 import errno
 import os
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lmdb
+from xxhash import xxh3_64_intdigest
 
 from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft.errors import (
@@ -62,9 +62,9 @@ from node_daemon.raft.types import (
 
 _KEY = struct.Struct(">Q")
 _HDR = struct.Struct(">QB")
-_CRC = struct.Struct(">I")
-_CHECKED = 0x80  # in the type byte: a CRC-32 follows the header
-_BODY = _HDR.size + _CRC.size  # where a checked entry's data starts
+_SUM = struct.Struct(">Q")
+_CHECKED = 0x80  # in the type byte: a checksum follows the header
+_BODY = _HDR.size + _SUM.size  # where a checked entry's data starts
 _TYPES = frozenset(int(t) for t in EntryType)
 _HARD = struct.Struct(">QQQ")
 _SNAP = struct.Struct(">QQ")
@@ -77,28 +77,32 @@ def _key(index: int) -> bytes:
     return _KEY.pack(index)
 
 
+def _checksum(index: int, term: int, typ: int, data: bytes) -> int:
+    """xxh3-64 of the data, seeded with one of the index, term and type."""
+    return int(xxh3_64_intdigest(data, seed=xxh3_64_intdigest(_key(index) + _HDR.pack(term, typ))))
+
+
 def encode_entry(e: Entry) -> bytes:
-    """An entry's stored value: header, CRC, data."""
-    crc = zlib.crc32(e.data, zlib.crc32(_key(e.index) + _HDR.pack(e.term, int(e.type))))
-    return _HDR.pack(e.term, int(e.type) | _CHECKED) + _CRC.pack(crc) + e.data
+    """An entry's stored value: header, checksum, data."""
+    total = _checksum(e.index, e.term, int(e.type), e.data)
+    return _HDR.pack(e.term, int(e.type) | _CHECKED) + _SUM.pack(total) + e.data
 
 
 def decode_entry(index: int, raw: bytes | memoryview, crc_from: int = 1) -> Entry:
-    """The entry stored under ``index``; ``CorruptLogError`` if its CRC is
-    not its content's, or it has none at or after ``crc_from``."""
+    """The entry stored under ``index``; ``CorruptLogError`` if its checksum
+    is not its content's, or it has none at or after ``crc_from``."""
     term, typ = _HDR.unpack_from(raw)
     if not typ & _CHECKED:
         if index >= crc_from or typ not in _TYPES:
-            raise CorruptLogError(f"entry {index} is corrupt (it has no CRC)", index)
+            raise CorruptLogError(f"entry {index} is corrupt (it has no checksum)", index)
         return Entry(term, index, EntryType(typ), bytes(raw[_HDR.size :]))
     data = bytes(raw[_BODY:])
     typ &= ~_CHECKED
-    crc = zlib.crc32(data, zlib.crc32(_key(index) + _HDR.pack(term, typ)))
-    if crc != _CRC.unpack_from(raw, _HDR.size)[0]:
-        raise CorruptLogError(f"entry {index} is corrupt (its CRC differs)", index)
+    if _checksum(index, term, typ, data) != _SUM.unpack_from(raw, _HDR.size)[0]:
+        raise CorruptLogError(f"entry {index} is corrupt (its checksum differs)", index)
     try:
         kind = EntryType(typ)
-    except ValueError:  # pragma: no cover - a CRC that matches a bad type
+    except ValueError:  # pragma: no cover - a checksum that matches a bad type
         raise CorruptLogError(f"entry {index} has no known type ({typ})", index) from None
     return Entry(term, index, kind, data)
 
@@ -151,8 +155,8 @@ class LmdbLogStorage:
             cur = txn.cursor(db=self._log)
             self._last = _KEY.unpack(cur.key())[0] if cur.last() else self._snap_meta.index
             raw = txn.get(b"crc_from", db=self._meta)
-        # Entries from here on carry a CRC (kept with the first save of a log
-        # written before entries had one).
+        # Entries from here on carry a checksum (kept with the first save of
+        # a log written before entries had one).
         self._crc_from: int = _KEY.unpack(raw)[0] if raw else self._last + 1
         self._crc_from_saved = raw is not None
         # The entries saved last, by index, in index order (written by the

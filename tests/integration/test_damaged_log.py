@@ -1,7 +1,7 @@
 """A node whose disk damaged its Raft log while it was down (issue 21: a
 byte of an entry flipped, or the file cut short) must neither serve nor
 vote from it, nor die of it: at start it finds the damage (each entry's
-CRC, the file's size against LMDB's meta page), sets the log, state and
+checksum, the file's size against LMDB's meta page), sets the log, state and
 snapshots aside under ``corrupt-<time>/`` and rejoins as a wiped node,
 catching up from the leader until its state is byte-identical again."""
 

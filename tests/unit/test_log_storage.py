@@ -305,7 +305,7 @@ def _flip_last(raw: bytes) -> bytes:
     return raw[:-1] + bytes([raw[-1] ^ 0x01])
 
 
-def test_lmdb_entries_carry_a_crc_that_catches_a_changed_byte(tmp_path: Path) -> None:
+def test_lmdb_entries_carry_a_checksum_that_catches_a_changed_byte(tmp_path: Path) -> None:
     s = LmdbLogStorage(tmp_path / "log", cache_bytes=0)  # every read goes to LMDB
     s.save(HardState(term=1), ents(1, 11, size=64))
     assert s.verify() == 0
@@ -335,12 +335,12 @@ def test_lmdb_an_entry_stored_under_another_index_is_corruption(tmp_path: Path) 
     s.save(HardState(term=1), ents(1, 11))
     with s.env.begin(db=s._log) as txn:
         five = bytes(txn.get((5).to_bytes(8, "big")) or b"")
-    _rewrite(s, 6, lambda raw: five)  # the same bytes, but the CRC covers the index
+    _rewrite(s, 6, lambda raw: five)  # the same bytes, but the checksum covers the index
     assert s.verify() == 6
     s.close()
 
 
-def test_lmdb_reads_entries_written_before_the_crc(tmp_path: Path) -> None:
+def test_lmdb_reads_entries_written_before_the_checksum(tmp_path: Path) -> None:
     s = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
     with s.env.begin(write=True, db=s._log) as txn:  # as the release before wrote them
         for e in ents(1, 6):
@@ -350,7 +350,7 @@ def test_lmdb_reads_entries_written_before_the_crc(tmp_path: Path) -> None:
     again.save(HardState(term=1), ents(6, 9))
     assert again.verify() == 0
     assert [e.data for e in again.entries(1, 9)] == [e.data for e in ents(1, 9)]
-    # From the first entry written with a CRC on, one without is corrupt:
+    # From the first entry written with a checksum on, one without is corrupt:
     # its flag bit flipped would otherwise hide a changed byte.
     _rewrite(again, 7, lambda raw: raw[:8] + bytes([raw[8] & 0x7F]) + raw[9:])
     assert again.verify() == 7
