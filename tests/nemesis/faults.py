@@ -48,6 +48,11 @@ Heal = Callable[[], None]
 
 LEADER_TTL_S = 1.0  # who leads is asked again after this long
 LATE_S = 30.0  # a fault this far behind its time is skipped: the loop never drags on
+# Faults that wait for a state of the cluster (a leader known, every node a
+# voter holding its copy) are tried again this often, up to LATE_S after
+# their time, instead of being skipped at once: under every other fault
+# that state is brief, and a long run would see few of them otherwise.
+RETRY_S = 1.0
 
 
 def known_finding(f: Fault) -> str:
@@ -65,6 +70,9 @@ def known_finding(f: Fault) -> str:
 # of SIGBUS. Under ``skip_known`` a disk fault targets only nodes that hold
 # their copy (the leader, a follower: one that is not catching up).
 KNOWN_FULL_FRESH = "finding 8: a node opening new LMDB files on a full disk dies of SIGBUS"
+
+
+RETRIED = (WIPE, MEMBER, CORRUPT)
 
 
 class Skip(Exception):
@@ -113,19 +121,24 @@ class Nemesis:
             if stop.wait(max(0.0, at - self.rec.now())):
                 break
             heapq.heappop(queue)
-            if what == "start" and self.rec.now() - at > LATE_S:
+            due = self.offset + f.at
+            if what == "start" and self.rec.now() - due > LATE_S:
                 self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
                                kind=f.kind, target=f.target, reason="late")  # fmt: skip
             elif what == "start":
-                if self.start(f):
-                    seq += 1
-                    heapq.heappush(queue, (self.offset + f.end, seq, "heal", f))
+                last_try = f.kind not in RETRIED or self.rec.now() + RETRY_S - due > LATE_S
+                seq += 1
+                if self.start(f, record_skip=last_try):  # healed its duration after it began
+                    heapq.heappush(queue, (self.rec.now() + f.duration, seq, "heal", f))
+                elif not last_try:
+                    heapq.heappush(queue, (self.rec.now() + RETRY_S, seq, "start", f))
             else:
                 self.heal(f)
             self.check_alive()
 
-    def start(self, f: Fault) -> bool:
-        """Start one fault; False when it was skipped."""
+    def start(self, f: Fault, record_skip: bool = True) -> bool:
+        """Start one fault; False when it was skipped (recorded as such if
+        ``record_skip``: its last try)."""
         starter = {
             KILL: self._kill,
             PAUSE: self._pause,
@@ -145,8 +158,9 @@ class Nemesis:
                 raise Skip(known_finding(f))
             heal, detail = starter(f, leader)
         except Skip as e:
-            self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id, kind=f.kind,
-                           target=f.target, reason=str(e))  # fmt: skip
+            if record_skip:
+                self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
+                               kind=f.kind, target=f.target, reason=str(e))  # fmt: skip
             return False
         with self._lock:
             self._heals[f.id] = heal
