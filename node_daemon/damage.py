@@ -111,6 +111,8 @@ def open_log(group_dir: Path, group: int = 0) -> tuple[LmdbLogStorage, str]:
                 why = f"entry {bad} of the log is corrupt or missing"
         except LMDB_DAMAGE as e:
             why = f"LMDB cannot read the log: {e}"
+        except (struct.error, ValueError) as e:  # its hard state or snapshot record
+            why = f"the log's records cannot be read: {e}"
         log.debug("log checked", extra={"group": group, "s": round(time.monotonic() - t0, 3)})
     if not why:
         assert store is not None

@@ -90,8 +90,14 @@ def encode_entry(e: Entry) -> bytes:
 
 def decode_entry(index: int, raw: bytes | memoryview, crc_from: int = 1) -> Entry:
     """The entry stored under ``index``; ``CorruptLogError`` if its checksum
-    is not its content's, or it has none at or after ``crc_from``."""
+    is not its content's, it has none at or after ``crc_from``, or it is
+    too short to hold its header (never another error: a node reading a
+    damaged log sets it aside rather than dying)."""
+    if len(raw) < _HDR.size:
+        raise CorruptLogError(f"entry {index} is corrupt ({len(raw)} bytes)", index)
     term, typ = _HDR.unpack_from(raw)
+    if typ & _CHECKED and len(raw) < _BODY:
+        raise CorruptLogError(f"entry {index} is corrupt ({len(raw)} bytes)", index)
     if not typ & _CHECKED:
         if index >= crc_from or typ not in _TYPES:
             raise CorruptLogError(f"entry {index} is corrupt (it has no checksum)", index)

@@ -356,3 +356,16 @@ def test_lmdb_reads_entries_written_before_the_checksum(tmp_path: Path) -> None:
     assert again.verify() == 7
     again.close()
     assert LmdbLogStorage(tmp_path / "log").verify() == 7  # the boundary is kept
+
+
+@pytest.mark.parametrize("cut", [0, 5, 12, 13, 16])
+def test_lmdb_a_record_cut_short_is_corruption_not_a_crash(tmp_path: Path, cut: int) -> None:
+    """Whatever bytes a record holds, reading it gives the entry or
+    CorruptLogError (a node's start sets such a log aside)."""
+    s = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
+    s.save(HardState(term=1), ents(1, 4, size=32))
+    _rewrite(s, 2, lambda raw: raw[:cut])
+    assert s.verify() == 2
+    with pytest.raises(CorruptLogError):
+        s.entries(1, 4)
+    s.close()
