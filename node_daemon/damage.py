@@ -4,9 +4,12 @@ trusts them, set aside when damaged.
 LMDB maps its data file and trusts it. A file shorter than the pages its
 current meta page counts (truncated by the disk or its filesystem) kills the
 process with SIGBUS at the first read of a missing page, so the size is
-checked before LMDB opens it. A meta page that is not LMDB's is an error at
-open. Entries whose bytes changed are caught by their checksum
-(``LmdbLogStorage.verify``).
+checked before LMDB opens it; as a healthy file may be a little shorter
+(pages LMDB allocated and freed in one transaction are never written), a
+log that fails the check is read whole in a child process first, and only
+one that kills the child or reads as damaged there is damaged. A meta page
+that is not LMDB's is an error at open. Entries whose bytes changed are
+caught by their checksum (``LmdbLogStorage.verify``).
 
 A damaged log cannot be repaired here, and a node must never vote or serve
 from it: it is moved aside (kept for the operator, under
@@ -21,13 +24,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import lmdb
 
 from node_daemon.disk import fsync_dir
+from node_daemon.raft import HardState
 from node_daemon.raft_log import LmdbLogStorage
 
 log = logging.getLogger("roadlog.node.damage")
@@ -53,10 +60,8 @@ def truncated(directory: Path) -> str:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(2 * 65536)
-    except FileNotFoundError:
-        return ""
-    except OSError as e:
-        return f"{path} cannot be read: {e}"
+    except OSError:
+        return ""  # missing, or unreadable: LMDB's open says so, loudly
     if size == 0:
         return ""  # made, never written: LMDB writes it anew
     metas = []
@@ -77,6 +82,32 @@ def truncated(directory: Path) -> str:
     return ""
 
 
+def read_in_child(raft: Path) -> str:
+    """Open the log in ``raft`` and read every entry in a child process:
+    why it is damaged ('' if it reads whole). A SIGBUS kills the child, not
+    this process."""
+    code = (
+        "import sys\n"
+        "from node_daemon.raft_log import LmdbLogStorage\n"
+        "s = LmdbLogStorage(sys.argv[1])\n"
+        "print(s.verify())\n"
+    )
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", code, str(raft)],
+            capture_output=True, text=True, timeout=600,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "reading the log whole took over 600 s"
+    if r.returncode < 0:
+        return f"reading the log killed a process ({signal.Signals(-r.returncode).name})"
+    if r.returncode != 0:
+        return f"the log cannot be read: {r.stderr.strip().splitlines()[-1:]}"
+    bad = int(r.stdout.split()[-1]) if r.stdout.split() else -1
+    return f"entry {bad} of the log is corrupt or missing" if bad else ""
+
+
 def set_aside(group_dir: Path, why: str) -> Path:
     """Move the group's log, state and snapshots into a new
     ``corrupt-<time>`` directory beside them; returns it."""
@@ -95,12 +126,25 @@ def set_aside(group_dir: Path, why: str) -> Path:
     return aside
 
 
-def open_log(group_dir: Path, group: int = 0) -> tuple[LmdbLogStorage, str]:
+class DamagedLogError(Exception):
+    """The log is damaged and no peer can catch this node up: setting it
+    aside would lose everything; an operator restores from a backup."""
+
+
+def open_log(
+    group_dir: Path, group: int = 0, can_catch_up: bool = True
+) -> tuple[LmdbLogStorage, str, HardState]:
     """The group's log, checked whole (size, LMDB's pages, every entry's
-    checksum); a damaged one is set aside and an empty log opened instead.
-    Returns the log and why the old one was set aside ('' if it was not)."""
+    checksum); a damaged one is set aside and an empty log opened instead
+    (``DamagedLogError`` where no peer ``can_catch_up`` this node). Returns
+    the log, why the old one was set aside ('' if it was not), and the old
+    log's hard state where it could still be read (term and vote: a node
+    that held a copy never looks like a new one to its peers)."""
     raft = group_dir / "raft"
     why = truncated(raft)
+    if why:  # a suspicion: read whole where a SIGBUS cannot kill this process
+        child = read_in_child(raft)
+        why = f"{why}; {child}" if child else ""
     store: LmdbLogStorage | None = None
     if not why:
         t0 = time.monotonic()
@@ -116,15 +160,22 @@ def open_log(group_dir: Path, group: int = 0) -> tuple[LmdbLogStorage, str]:
         log.debug("log checked", extra={"group": group, "s": round(time.monotonic() - t0, 3)})
     if not why:
         assert store is not None
-        return store, ""
+        return store, "", HardState()
+    kept = HardState()
     if store is not None:
+        kept = store.initial_state()
         store.close()
+    if not can_catch_up:
+        raise DamagedLogError(
+            f"the log of group {group} in {raft} is damaged ({why}) and no peer can catch "
+            "this node up: restore it from a backup (roadlog-node restore)"
+        )
     aside = set_aside(group_dir, why)
     log.error(
         "the log is damaged: set aside; this group starts empty and catches up",
         extra={"group": group, "why": why, "aside": str(aside)},
     )
-    return LmdbLogStorage(raft), why
+    return LmdbLogStorage(raft), why, kept
 
 
 def state_damage(state_dir: Path) -> str:

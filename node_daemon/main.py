@@ -26,6 +26,7 @@ from node_daemon.backup import (
     verify_backup,
 )
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
+from node_daemon.damage import DamagedLogError
 from node_daemon.raft import StorageFullError
 from node_daemon.serve import NodeFailed, serve
 from roadlog.client_tls import ClientTLS
@@ -77,6 +78,9 @@ def run(config_path: Path | None, **flags: Any) -> None:
     except StorageFullError as e:  # opening the log or the state on a full disk
         log.error("cannot start: the disk is full", extra={"error": str(e)})
         sys.exit(1)  # systemd tries again later, when there may be room
+    except DamagedLogError as e:  # and nothing to catch up from
+        log.error("cannot start: the log is damaged", extra={"error": str(e)})
+        sys.exit(1)
 
 
 @cli.command()

@@ -67,6 +67,7 @@ from node_daemon.raft import (
     ConfChange,
     Config,
     Entry,
+    HardState,
     LogWrite,
     PendingProposals,
     ProposalDropped,
@@ -150,8 +151,10 @@ class RaftNode:
         # node run alone runs its own group only).
         self.raft_groups: dict[int, RaftNode] = {group: self}
         data = group_data_dir(Path(cfg.data_dir), group)
-        # A log the disk damaged is set aside: this group then starts empty.
-        self.log_store, self.log_set_aside = damage.open_log(data, group)
+        # A log the disk damaged is set aside: this group then starts empty
+        # and catches up (a node with no peer to catch it up refuses to start).
+        alone = bool(cfg.peers) and set(cfg.peers) <= {self.id}
+        self.log_store, self.log_set_aside, kept = damage.open_log(data, group, not alone)
         if self.log_set_aside:
             metrics.DAMAGED_LOGS_SET_ASIDE.labels(str(group)).inc()
         self.boot = boot_id(Path(cfg.boot_id_file))
@@ -180,6 +183,15 @@ class RaftNode:
                 "bootstrapped the static peers' cluster",
                 extra={"voters": sorted(cfg.peers), "group": group},
             )
+        if self.log_set_aside:
+            # It held a copy: it keeps the term and vote it had (so no peer
+            # takes it for a new cluster's, and it votes twice in no term),
+            # and it catches up before it votes again.
+            _durable_touch(marker)
+            term = max(kept.term, 2, self.log_store.initial_state().term)
+            vote = kept.vote if kept.term == term else 0
+            commit = self.log_store.initial_state().commit
+            self.log_store.save(HardState(term=term, vote=vote, commit=commit), [])
         catching_up = marker.exists()
         # Set while catching up; None once that is over for good.
         self._catching_up_file: Path | None = marker if catching_up else None

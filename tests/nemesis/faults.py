@@ -462,9 +462,16 @@ class Nemesis:
         return (lambda: self._add_back(tries=2)), {"services": [svc.name], "acked": acked}
 
     def _all_hold_a_copy(self) -> None:
-        unrepaired = [s.name for s in self.cluster.node_services if not _holds_a_copy(s)]
+        """Skip unless every node holds its copy: none catching up since a
+        wipe or a damaged log, and none down under a wipe or a corruption
+        (its files show nothing yet: it finds the damage when it starts)."""
+        unrepaired = [
+            s.name
+            for s in self.cluster.node_services
+            if not _holds_a_copy(s) or self.down.get(s.name, "").split("-")[0] in (WIPE, CORRUPT)
+        ]
         if unrepaired:
-            raise Skip(f"{unrepaired} not caught up since a wipe")
+            raise Skip(f"{unrepaired} not caught up since a wipe or a damaged log")
 
     def _admin_op(self, f: str, ident: int, call: Callable[[int], bool]) -> bool:
         """A membership change, recorded as an operation (ok when the

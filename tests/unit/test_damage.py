@@ -6,6 +6,7 @@ node then catches up as a wiped one), a sound log is kept as it is."""
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ def _log(group_dir: Path, n: int = 200) -> None:
 
 def test_a_sound_log_is_kept(tmp_path: Path) -> None:
     _log(tmp_path)
-    store, why = damage.open_log(tmp_path)
+    store, why, _ = damage.open_log(tmp_path)
     assert why == "" and store.last_index() == 200 and store.initial_state().vote == 1
     store.close()
     assert not list(tmp_path.glob("corrupt-*"))
@@ -45,7 +46,7 @@ def test_a_log_with_a_corrupt_entry_is_set_aside_and_an_empty_one_opened(tmp_pat
         raw = bytes(txn.get(key) or b"")
         txn.put(key, raw[:100] + bytes([raw[100] ^ 0xFF]) + raw[101:])
     s.close()
-    store, why = damage.open_log(tmp_path)
+    store, why, _ = damage.open_log(tmp_path)
     assert "entry 150" in why
     assert store.last_index() == 0 and store.initial_state() == HardState()
     store.close()
@@ -69,7 +70,7 @@ def test_a_truncated_log_is_found_before_lmdb_maps_it(tmp_path: Path) -> None:
         capture_output=True, timeout=60,
     )  # fmt: skip
     assert child.returncode != 0
-    store, why = damage.open_log(tmp_path)
+    store, why, _ = damage.open_log(tmp_path)
     assert "truncated" in why and store.last_index() == 0
     store.close()
 
@@ -78,7 +79,7 @@ def test_a_file_that_is_not_lmdb_is_damage(tmp_path: Path) -> None:
     (tmp_path / "raft").mkdir()
     (tmp_path / "raft" / "data.mdb").write_bytes(b"\0" * 20000)
     assert "no LMDB meta page" in damage.truncated(tmp_path / "raft")
-    store, why = damage.open_log(tmp_path)
+    store, why, _ = damage.open_log(tmp_path)
     assert why and store.last_index() == 0
     store.close()
 
@@ -92,3 +93,45 @@ def test_a_damaged_state_is_reported(tmp_path: Path) -> None:
     with open(data, "r+b") as f:  # both meta pages overwritten
         f.write(b"\xff" * 8192)
     assert damage.state_damage(tmp_path / "state")
+
+
+def test_a_file_shorter_than_its_meta_counts_but_whole_is_kept(tmp_path: Path) -> None:
+    """LMDB never writes pages it allocated and freed in one transaction, so
+    a healthy file may be shorter than its meta page's last page says: the
+    size check only raises a suspicion, which reading it whole (in a child
+    process) clears."""
+    _log(tmp_path)
+    data = tmp_path / "raft" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    (psize,) = struct.unpack_from("<I", raw, damage._PSIZE_AT)
+    metas = [(struct.unpack_from("<Q", raw, off + damage._LAST_AT + 8)[0], off)
+             for off in (0, psize)]  # fmt: skip
+    _, newest = max(metas)
+    last = struct.unpack_from("<Q", raw, newest + damage._LAST_AT)[0]
+    struct.pack_into("<Q", raw, newest + damage._LAST_AT, last + 3)  # 3 pages never written
+    data.write_bytes(bytes(raw))
+    assert "truncated" in damage.truncated(tmp_path / "raft")
+    store, why, _ = damage.open_log(tmp_path)
+    assert why == "" and store.last_index() == 200
+    store.close()
+    assert not list(tmp_path.glob("corrupt-*"))
+
+
+def test_a_set_aside_log_hands_back_its_term_and_vote_and_a_lone_node_refuses(
+    tmp_path: Path,
+) -> None:
+    """The node keeps the term and vote of a damaged log whose records it
+    can still read (it held a copy: no peer may take it for a new cluster's,
+    and it votes twice in no term); a node that no peer can catch up keeps
+    its log where it is and refuses to start."""
+    _log(tmp_path)
+    s = LmdbLogStorage(tmp_path / "raft")
+    with s.env.begin(write=True, db=s._log) as txn:
+        txn.delete((100).to_bytes(8, "big"))
+    s.close()
+    with pytest.raises(damage.DamagedLogError, match="restore"):
+        damage.open_log(tmp_path, can_catch_up=False)
+    assert not list(tmp_path.glob("corrupt-*"))
+    store, why, kept = damage.open_log(tmp_path)
+    assert "entry 100" in why and (kept.term, kept.vote) == (2, 1)
+    store.close()
