@@ -213,6 +213,8 @@ def _copy_into(data_dir: Path, tmp: Path, cluster_name: str, node_id: int, key: 
         **zero,
     )
     fields = asdict(manifest)
+    if not groups:  # the layout of a backup without data groups, as before them
+        del fields["groups"]
     doc = {**fields, MAC_FIELD: _manifest_mac(fields, key)}
     _write_private(tmp / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
     return manifest

@@ -54,13 +54,12 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
 
         def plan() -> noderead_pb2.PlanResponse:
             topic = sm.topic(request.topic)
-            resp = noderead_pb2.PlanResponse(topic=topic, applied_index=sm.applied_index)
-            fences = {0: resp.applied_index}
-            for g in sorted(set(topic.partition_groups)):
+            resp = noderead_pb2.PlanResponse(topic=topic)
+            placed = sorted(set(topic.partition_groups))
+            for g in placed:
                 if g not in groups:
                     raise RoadlogError(Code.UNAVAILABLE, f"this node runs no Raft group {g}")
-                # Pinned before its ranges are read: reads wait for it.
-                fences[g] = resp.group_applied[g] = groups[g].sm.applied_index
+            ranges = []
             for p in range(topic.spec.partitions):
                 g = group_of(topic, p)
                 try:
@@ -72,13 +71,17 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
                         continue  # not placed in its group yet: nothing appended there
                     raise
                 if hi > lo:
-                    resp.ranges.add(
-                        partition=p,
-                        start_offset=lo,
-                        end_offset=hi,
-                        group=g,
-                        applied_index=fences[g],
-                    )
+                    ranges.append((p, lo, hi, g))
+            # Each group's fence is read after its ranges: a node that applied
+            # it holds every batch they name (applied indexes only grow).
+            fences = {0: sm.applied_index, **{g: groups[g].sm.applied_index for g in placed}}
+            resp.applied_index = fences[0]
+            for g in placed:
+                resp.group_applied[g] = fences[g]
+            for p, lo, hi, g in ranges:
+                resp.ranges.add(
+                    partition=p, start_offset=lo, end_offset=hi, group=g, applied_index=fences[g]
+                )
             return resp
 
         try:

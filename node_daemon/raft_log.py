@@ -250,8 +250,9 @@ class LmdbLogStorage:
         return out
 
     def verify(self) -> int:
-        """Read every entry after the snapshot from LMDB and check it: the
-        first index that is corrupt or missing, 0 when all are sound."""
+        """Read every entry after the snapshot from LMDB and check it (and
+        each configuration's copy in ``conf``): the first index that is
+        corrupt or missing, 0 when all are sound."""
         expect = self._snap_meta.index + 1
         with self.env.begin(db=self._log) as txn:
             for k, v in txn.cursor():
@@ -259,8 +260,12 @@ class LmdbLogStorage:
                 if index != expect:
                     return expect
                 try:
-                    decode_entry(index, v, self._crc_from)
+                    e = decode_entry(index, v, self._crc_from)
                 except CorruptLogError:
+                    return index
+                # A configuration is read back from ``conf``: it must be the
+                # checked entry's (that table carries no checksum of its own).
+                if e.type == EntryType.CONFIG and txn.get(k, db=self._conf) != e.data:
                     return index
                 expect += 1
         return 0 if expect == self._last + 1 else expect

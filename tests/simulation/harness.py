@@ -21,9 +21,11 @@ One seed in four or so runs several Raft groups on the same simulated
 nodes (``Options.groups``; docs/multiraft.md): group 0 and data groups,
 each a replica on every founding node with the real state machine where
 the seed says so, over the same network (each message names its group),
-each with clients and a queue of its own (the real ``WorkQueues``: a topic
-placed in data groups is written group by group, each group's leader
-taking its writes) and the front door's checks. A node crash takes every
+each with clients and a queue of its own (the real ``WorkQueues``: each
+group's leader takes its writes, as for a topic placed in data groups) and
+the front door's checks. A data group's state machine here issues its own
+producer ids, as group 0's does: the product's check of a data group's
+producers against group 0, and fences per group, are not simulated yet. A node crash takes every
 group's replica on it down at once, a partition cuts every group's
 messages between two nodes, and one node may lead several groups; each
 group's invariants are checked on their own, and at the end every group

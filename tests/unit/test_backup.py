@@ -233,3 +233,14 @@ def test_a_node_with_data_groups_is_backed_up_and_restored_group_by_group(
     f.write_bytes(f.read_bytes()[:-1] + b"\x01")
     with pytest.raises(BackupError, match="groups/2"):
         verify_backup(out, "lab", KEY)
+
+
+def test_a_backup_without_data_groups_keeps_the_manifest_of_before(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """No ``groups`` key unless there are data groups: a release from
+    before them reads (and verifies) such a backup as its own."""
+    take_backup(data_dir, tmp_path / "b", "lab", 1, KEY)
+    doc = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert "groups" not in doc
+    assert verify_backup(tmp_path / "b", "lab", KEY).groups == {}

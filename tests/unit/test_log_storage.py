@@ -369,3 +369,14 @@ def test_lmdb_a_record_cut_short_is_corruption_not_a_crash(tmp_path: Path, cut: 
     with pytest.raises(CorruptLogError):
         s.entries(1, 4)
     s.close()
+
+
+def test_lmdb_a_configuration_copy_that_differs_is_corruption(tmp_path: Path) -> None:
+    s = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
+    bootstrap(s, [1, 2, 3])
+    s.save(HardState(term=1, commit=1), ents(2, 5))
+    assert s.verify() == 0
+    with s.env.begin(write=True, db=s._conf) as txn:
+        txn.put((1).to_bytes(8, "big"), ConfState(frozenset({1, 2, 4})).encode())
+    assert s.verify() == 1
+    s.close()
