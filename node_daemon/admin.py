@@ -124,8 +124,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def _add(self, node_id: int, address: str, as_voter: bool) -> int:
         """Record the address through the log, then add the node (a node
-        already in the configuration only gets its address updated)."""
+        already in the configuration only gets its address updated). Only
+        the leader answers: a follower's configuration may be stale (a node
+        removed a moment ago is still a voter in its own), and "already a
+        member" from it would acknowledge an addition that never happens
+        (found by the nemesis: a removed node re-added, acknowledged, and
+        left out for good)."""
         n = self.node
+        if not n.is_leader:
+            raise NotLeader(n.core.lead)
         n.update_addresses({node_id: address})
         if n.sm.peers().get(node_id) != address:
             op = command_pb2.Op(add_peer=command_pb2.AddPeerOp(node_id=node_id, address=address))
@@ -134,6 +141,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 raise NotLeader(n.core.lead, res.message)
         conf = n.core.conf
         if node_id in conf.voters or (node_id in conf.learners and not as_voter):
+            # Already a member in the leader's latest configuration: answered
+            # once the entry that made it one is applied (committed).
+            await n.wait_applied(n.core.conf_history[-1][0], timeout=30)
+            if not n.is_leader:
+                raise NotLeader(n.core.lead)
             return n.sm.applied_index
         kind = ConfChangeType.ADD_VOTER if as_voter else ConfChangeType.ADD_LEARNER
         log.info("adding a node", extra={"node": node_id, "address": address, "voter": as_voter})

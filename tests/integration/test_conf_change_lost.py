@@ -104,3 +104,37 @@ def test_an_acknowledged_removal_has_removed_the_node(make_cluster: Any) -> None
     finally:
         if paused:
             os.kill(leader_pid, signal.SIGCONT)
+
+
+def test_only_the_leader_answers_an_addition(make_cluster: Any) -> None:
+    """A removed node still counts itself a voter in its own configuration:
+    AddNode answered there was "ok, already a member" while the leader
+    never added it (found by the nemesis: seed 8, 60 s, with retried
+    membership changes). Only the leader answers; a follower refuses and
+    names it, and the leader's answer means the node is in."""
+    lc = make_cluster(nodes=3)
+    leader = int(lc.status()["leader"])
+    other, third = (n.id for n in lc.nodes if n.id != leader)
+    victim = lc.node(other)
+    # A follower asked to add a member it knows (its own configuration, and
+    # its address book once an AddNode recorded it): not its answer to give.
+    known = admin_pb2.AddNodeRequest(node_id=third, address=lc.node(third).address)
+    index = _admin(lc, leader, "AddNode", known, 30).index
+    wait_for(lambda: (v := _view(lc, other)) is not None and v.applied_index >= index, 30,
+             "the follower applied the address")  # fmt: skip
+    with pytest.raises(grpc.RpcError) as err:
+        _admin(lc, other, "AddNode", known, 30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    _admin(lc, leader, "RemoveNode", admin_pb2.RemoveNodeRequest(node_id=other), 30)
+    add = admin_pb2.AddNodeRequest(node_id=other, address=victim.address)
+    with pytest.raises(grpc.RpcError) as err:
+        _admin(lc, other, "AddNode", add, 30)  # it thinks it still is a voter
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not the leader" in (err.value.details() or "")
+    _admin(lc, leader, "AddNode", add, 30)
+
+    def member() -> bool:
+        v = _view(lc, leader)
+        return v is not None and other in set(v.voters) | set(v.learners)
+
+    wait_for(member, 30, "the node back in the leader's configuration")
