@@ -1024,8 +1024,8 @@ class Simulation(GroupOps):
         """Node ``nid`` comes back: its replica of every group."""
         for group in (self, *self.data):
             node = group.nodes.get(nid)
-            if node is None:
-                continue
+            if node is None or node.core is not None:
+                continue  # not a replica here, or one that runs (never started twice)
             node.start()
             group.checker.commit_seen.pop(nid, None)
             node.process()
