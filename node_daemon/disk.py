@@ -75,6 +75,19 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def write_durably(path: Path, text: str) -> None:
+    """Replace the small file ``path`` with ``text``, atomically and durably:
+    a temporary file fsynced, renamed over it, its directory fsynced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def reserve_lmdb_lock(directory: str | os.PathLike[str]) -> None:
     """Give an LMDB environment's lock file its room on disk before
     ``lmdb.open``. LMDB sizes that file with ftruncate (a sparse file) and

@@ -7,9 +7,10 @@ fsynced before the id is used.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
+
+from node_daemon.disk import write_durably
 
 MAX_ID = (1 << 53) - 1  # exact in JSON and in every language's numbers
 
@@ -22,16 +23,5 @@ def node_id_for(data_dir: Path, configured: int = 0) -> int:
             raise ValueError(f"{path} says node {stored}, the configuration says {configured}")
         return stored
     node_id = configured or secrets.randbelow(MAX_ID) + 1
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{node_id}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(data_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_durably(path, f"{node_id}\n")
     return node_id

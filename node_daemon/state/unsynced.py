@@ -16,11 +16,10 @@ boot means the state may be torn.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
-from node_daemon.disk import fsync_dir
+from node_daemon.disk import fsync_dir, write_durably
 
 log = logging.getLogger("roadlog.node.state")
 
@@ -53,14 +52,7 @@ def guard(state_dir: Path, boot: str) -> bool:
         shutil.rmtree(state_dir)
         fsync_dir(state_dir.parent)
     if marked != boot:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        tmp = marker.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{boot}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, marker)
-        fsync_dir(marker.parent)
+        write_durably(marker, f"{boot}\n")
     return torn
 
 

@@ -10,12 +10,13 @@ import sys
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from roadlog.client import Connection, Producer
 from roadlog.status import ask_node
-from roadlog.tools.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster, NodeInfo
 from tests.integration.conftest import create_topic, make_pings, read_topic, settled, wait_for
 from tests.integration.test_replicated_log import digest
 
@@ -40,6 +41,38 @@ def backup_key(tmp_path: Path) -> list[str]:
     return ["--backup-key-file", str(key)]
 
 
+def take(data_dir: str, out: Path, key: list[str]) -> dict[str, Any]:
+    """`roadlog-node backup` of a (running) node's data; its manifest."""
+    r = node_cli(
+        "backup", "--data-dir", data_dir, "--cluster-name", "roadlog", "--out", str(out),
+        "--json", *key,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    manifest: dict[str, Any] = json.loads(r.stdout)
+    return manifest
+
+
+def restore(n: NodeInfo, backup: Path, voters: str, key: list[str]) -> None:
+    """`roadlog-node restore` of a stopped node from ``backup``."""
+    r = node_cli(
+        "restore", "--data-dir", n.data_dir, "--cluster-name", "roadlog",
+        "--listen", n.address, "--from", str(backup), "--voters", voters, *key,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
+def two_thousand(conn: Connection, partitions: int = 4) -> tuple[Producer, set[tuple[str, int]]]:
+    """Topic munich with 2000 acknowledged pings; its producer and the pings."""
+    create_topic(conn, partitions=partitions)
+    p = Producer(conn, "munich")
+    for k in range(4):
+        p.send_batch(make_pings("p", k * 500, 500))
+    p.flush()
+    before = stored(conn)
+    assert len(before) == 2000
+    return p, before
+
+
 def stored(conn: Connection) -> set[tuple[str, int]]:
     return {row for rows in read_topic(conn, "munich").values() for row in rows}
 
@@ -49,24 +82,13 @@ def test_a_cluster_restored_from_a_live_backup_holds_exactly_the_backed_up_state
 ) -> None:
     lc = make_cluster(nodes=3)
     with Connection(lc.servers) as conn:
-        create_topic(conn)
-        p = Producer(conn, "munich")
-        for k in range(4):
-            p.send_batch(make_pings("p", k * 500, 500))
-        p.flush()
-        before = stored(conn)
-        assert len(before) == 2000
+        p, before = two_thousand(conn)
         # Every node applies what was acknowledged before it is backed up.
         wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "equal replicas")
         # Taken while the node runs.
         backup = tmp_path / "backup"
         key = backup_key(tmp_path)
-        r = node_cli(
-            "backup", "--data-dir", lc.nodes[0].data_dir, "--cluster-name", "roadlog",
-            "--out", str(backup), "--json", *key,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        manifest = json.loads(r.stdout)
+        manifest = take(lc.nodes[0].data_dir, backup, key)
         assert manifest["applied_index"] > 0 and manifest["cluster_name"] == "roadlog"
         # Issue 19, findings 14 and 18: backups and a node's data are its user's alone.
         for root in (backup, Path(lc.nodes[0].data_dir)):
@@ -84,11 +106,7 @@ def test_a_cluster_restored_from_a_live_backup_holds_exactly_the_backed_up_state
         assert r.returncode != 0 and "stop it" in r.stderr
     lc.down()
     for n in lc.nodes:
-        r = node_cli(
-            "restore", "--data-dir", n.data_dir, "--cluster-name", "roadlog",
-            "--listen", n.address, "--from", str(backup), "--voters", voters, *key,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr
+        restore(n, backup, voters, key)
         aside = list(Path(n.data_dir).glob("pre-restore-*"))
         assert aside and (aside[0] / "state" / "data.mdb").exists(), "old data kept aside"
     lc.start_all()
@@ -157,13 +175,7 @@ def test_a_cluster_with_data_groups_is_restored_with_every_group(
     every group's state, and a restore gives each group back its own."""
     lc = make_cluster(nodes=3, extra=["--data-groups", "3", "--place-topics"])
     with Connection(lc.servers) as conn:
-        create_topic(conn, partitions=6)
-        p = Producer(conn, "munich")
-        for k in range(4):
-            p.send_batch(make_pings("p", k * 500, 500))
-        p.flush()
-        before = stored(conn)
-        assert len(before) == 2000
+        p, before = two_thousand(conn, partitions=6)
 
         def level() -> bool:
             seen = _group_applied(lc)
@@ -172,22 +184,13 @@ def test_a_cluster_with_data_groups_is_restored_with_every_group(
         wait_for(level, 30, "every node applied every group")
         backup = tmp_path / "backup"
         key = backup_key(tmp_path)
-        r = node_cli(
-            "backup", "--data-dir", lc.nodes[0].data_dir, "--cluster-name", "roadlog",
-            "--out", str(backup), "--json", *key,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        assert sorted(json.loads(r.stdout)["groups"]) == ["1", "2", "3"]
+        assert sorted(take(lc.nodes[0].data_dir, backup, key)["groups"]) == ["1", "2", "3"]
         p.send_batch(make_pings("p", 2000, 700))  # after the backup: gone after a restore
         p.flush()
     lc.down()
     voters = ",".join(f"{n.id}={n.address}" for n in lc.nodes)
     for n in lc.nodes:
-        r = node_cli(
-            "restore", "--data-dir", n.data_dir, "--cluster-name", "roadlog",
-            "--listen", n.address, "--from", str(backup), "--voters", voters, *key,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr
+        restore(n, backup, voters, key)
     lc.start_all()
     lc.wait_ready(60)
     with Connection(lc.servers) as conn:

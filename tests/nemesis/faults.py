@@ -291,14 +291,7 @@ class Nemesis:
             self.cluster.kill(svc)
             self.down[svc.name] = f.id
             self.paused.pop(svc.name, None)
-
-        def heal() -> None:
-            for svc in victims:
-                if self.down.get(svc.name) == f.id:
-                    del self.down[svc.name]
-                    self.cluster.start(svc)
-
-        return heal, {"services": [s.name for s in victims]}
+        return self._restart_at_heal(victims, f), {"services": [s.name for s in victims]}
 
     def _power(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
         """Power cuts: each victim's process stops, its disk loses what was
@@ -309,6 +302,47 @@ class Nemesis:
             self.down[svc.name] = f.id
             self.paused.pop(svc.name, None)
             lost[svc.name] = self.cluster.power_cut(svc)
+        detail = {"services": [s.name for s in victims], "lost_bytes": lost}
+        return self._restart_at_heal(victims, f), detail
+
+    def _wipe(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        # A wipe is a minority losing its disk (see ``_lose_a_copy``).
+        def wipe(svc: Service) -> dict[str, Any]:
+            self.cluster.wipe(svc)
+            return {}
+
+        return self._lose_a_copy(f, leader, wipe)
+
+    def _corrupt(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        """A follower's Raft log damaged while it is down: it loses its copy."""
+        how, at = f.params["how"], float(f.params["at"])
+        return self._lose_a_copy(f, leader, lambda svc: self.cluster.corrupt_log(svc, how, at))
+
+    def _lose_a_copy(
+        self, f: Fault, leader: int, damage: Callable[[Service], dict[str, Any]]
+    ) -> tuple[Heal, dict[str, Any]]:
+        """Kill one follower of a known leader, ``damage`` its disk, start it
+        at heal: only while every node is a voter holding its copy (a node
+        still empty or catching up holds none), or the run would take a
+        majority's copies of acknowledged writes, which nothing survives.
+        (With two voters, one wiped before it has learned that configuration
+        cannot vote for the other: see RELIABILITY.md, finding 2.)"""
+        if not leader:
+            raise Skip("no leader known: any node may hold the only copies")
+        self._all_hold_a_copy()
+        everyone = {s.ident for s in self.cluster.node_services}
+        if self.removed or self.cluster.voters(leader) != (everyone, set()):
+            raise Skip("a member is out or not promoted yet, or no leader answers")
+        (svc,) = self._nodes(f.target, leader)
+        self.cluster.kill(svc)
+        self.down[svc.name] = f.id
+        self.paused.pop(svc.name, None)
+        detail = damage(svc)
+        return self._restart_at_heal([svc], f), {"services": [svc.name], **detail}
+
+    def _restart_at_heal(self, victims: list[Service], f: Fault) -> Heal:
+        """The heal of a fault that took ``victims`` down: start each that
+        this fault still holds down."""
 
         def heal() -> None:
             for svc in victims:
@@ -316,56 +350,7 @@ class Nemesis:
                     del self.down[svc.name]
                     self.cluster.start(svc)
 
-        return heal, {"services": [s.name for s in victims], "lost_bytes": lost}
-
-    def _wipe(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
-        # A wipe is a minority losing its disk: one follower of a known
-        # leader while every node is a voter, and only once every earlier
-        # wipe has been repaired (a node still empty or catching up holds no
-        # copy), or the run would wipe a majority's copies of acknowledged
-        # writes, which nothing survives. (With two voters, one wiped before
-        # it has learned that configuration cannot vote for the other: see
-        # RELIABILITY.md, finding 2.)
-        if not leader:
-            raise Skip("no leader known: any node may hold the only copies")
-        self._all_hold_a_copy()
-        everyone = {s.ident for s in self.cluster.node_services}
-        if self.removed or self.cluster.voters(leader) != (everyone, set()):
-            raise Skip("a member is out or not promoted yet, or no leader answers")
-        (svc,) = self._nodes(f.target, leader)
-        self.cluster.kill(svc)
-        self.down[svc.name] = f.id
-        self.paused.pop(svc.name, None)
-        self.cluster.wipe(svc)
-
-        def heal() -> None:
-            if self.down.get(svc.name) == f.id:
-                del self.down[svc.name]
-                self.cluster.start(svc)
-
-        return heal, {"services": [svc.name]}
-
-    def _corrupt(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
-        """A follower's Raft log damaged while it is down (under the rules
-        of a wipe: the node loses its copy)."""
-        if not leader:
-            raise Skip("no leader known: any node may hold the only copies")
-        self._all_hold_a_copy()
-        everyone = {s.ident for s in self.cluster.node_services}
-        if self.removed or self.cluster.voters(leader) != (everyone, set()):
-            raise Skip("a member is out or not promoted yet, or no leader answers")
-        (svc,) = self._nodes(f.target, leader)
-        self.cluster.kill(svc)
-        self.down[svc.name] = f.id
-        self.paused.pop(svc.name, None)
-        detail = self.cluster.corrupt_log(svc, f.params["how"], float(f.params["at"]))
-
-        def heal() -> None:
-            if self.down.get(svc.name) == f.id:
-                del self.down[svc.name]
-                self.cluster.start(svc)
-
-        return heal, {"services": [svc.name], **detail}
+        return heal
 
     def _pause(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
         if f.target == "queue":
