@@ -311,28 +311,36 @@ class LmdbLogStorage:
             txn.put(b"snap", encode_snapshot_meta(snapshot.meta), db=self._meta)
             txn.put(b"snapdata", snapshot.data, db=self._meta)
             snap_meta, last = snapshot.meta, snapshot.meta.index
-        if entries:
-            ents = [e for e in entries if e.index > snap_meta.index]
-            if ents:
-                first = ents[0].index
-                if first > last + 1:
-                    raise StorageError(f"gap: appending {first} after {last}")
-                if first <= last:
-                    self._delete_from(txn, self._log, first)
-                    self._delete_from(txn, self._conf, first)
-                rows = [(_key(e.index), encode_entry(e)) for e in ents]
-                cur = txn.cursor(db=self._log)
-                cur.putmulti(rows, append=True)
-                for e in ents:
-                    if e.type == EntryType.CONFIG:
-                        txn.put(_key(e.index), e.data, db=self._conf)
-                last = ents[-1].index
+        ents = [e for e in entries if e.index > snap_meta.index]
+        if ents:
+            first = ents[0].index
+            if first > last + 1:
+                raise StorageError(f"gap: appending {first} after {last}")
+            if first <= last:
+                self._delete_from(txn, self._log, first)
+                self._delete_from(txn, self._conf, first)
+            rows = [(_key(e.index), encode_entry(e)) for e in ents]
+            cur = txn.cursor(db=self._log)
+            cur.putmulti(rows, append=True)
+            for e in ents:
+                if e.type == EntryType.CONFIG:
+                    txn.put(_key(e.index), e.data, db=self._conf)
+            last = ents[-1].index
         txn.put(b"hard", _HARD.pack(hard.term, hard.vote, hard.commit), db=self._meta)
-        if not self._crc_from_saved:
-            txn.put(b"crc_from", _key(self._crc_from), db=self._meta)
+        # Every entry written here has a checksum: an older log's boundary
+        # moves down to the first of them (a rewritten suffix, or a log that
+        # a snapshot replaced), so that none of them can lose it unnoticed.
+        crc_from = self._crc_from
+        if snapshot is not None:
+            crc_from = min(crc_from, snap_meta.index + 1)
+        if ents:
+            crc_from = min(crc_from, ents[0].index)
+        if not self._crc_from_saved or crc_from != self._crc_from:
+            txn.put(b"crc_from", _key(crc_from), db=self._meta)
 
         def commit_view() -> None:
             self._crc_from_saved = True
+            self._crc_from = crc_from
             if snapshot is not None:
                 self._recent.clear()
                 self._recent_bytes = 0

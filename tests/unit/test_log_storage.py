@@ -380,3 +380,21 @@ def test_lmdb_a_configuration_copy_that_differs_is_corruption(tmp_path: Path) ->
         txn.put((1).to_bytes(8, "big"), ConfState(frozenset({1, 2, 4})).encode())
     assert s.verify() == 1
     s.close()
+
+
+def test_lmdb_a_rewritten_suffix_of_an_old_log_keeps_its_checksums_checked(
+    tmp_path: Path,
+) -> None:
+    """Entries of an older log rewritten (a conflicting suffix cut) carry
+    checksums: the boundary moves down to them, so one whose flag bit
+    flips is still caught."""
+    s = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
+    with s.env.begin(write=True, db=s._log) as txn:  # as the release before wrote them
+        for e in ents(1, 8):
+            txn.put(e.index.to_bytes(8, "big"), struct.pack(">QB", 1, int(e.type)) + e.data)
+    s.close()
+    again = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
+    again.save(HardState(term=2), ents(4, 6, term=2))  # cuts 4..7, writes 4..5
+    _rewrite(again, 4, lambda raw: raw[:8] + bytes([raw[8] & 0x7F]) + raw[9:])
+    assert again.verify() == 4
+    again.close()
