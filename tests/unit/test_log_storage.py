@@ -340,19 +340,30 @@ def test_lmdb_an_entry_stored_under_another_index_is_corruption(tmp_path: Path) 
     s.close()
 
 
-def test_lmdb_reads_entries_written_before_the_checksum(tmp_path: Path) -> None:
-    s = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
-    with s.env.begin(write=True, db=s._log) as txn:  # as the release before wrote them
-        for e in ents(1, 6):
-            txn.put(e.index.to_bytes(8, "big"), struct.pack(">QB", 1, int(e.type)) + e.data)
+def _old_log(path: Path, entries: list[Entry]) -> LmdbLogStorage:
+    """A log whose ``entries`` were written as the release before checksums
+    wrote them, opened again (no cache: every read goes to LMDB)."""
+    s = LmdbLogStorage(path, cache_bytes=0)
+    with s.env.begin(write=True, db=s._log) as txn:
+        for e in entries:
+            txn.put(e.index.to_bytes(8, "big"), struct.pack(">QB", e.term, int(e.type)) + e.data)
     s.close()
-    again = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
+    return LmdbLogStorage(path, cache_bytes=0)
+
+
+def _without_flag(raw: bytes) -> bytes:
+    """The record with its type byte's checksum flag cleared."""
+    return raw[:8] + bytes([raw[8] & 0x7F]) + raw[9:]
+
+
+def test_lmdb_reads_entries_written_before_the_checksum(tmp_path: Path) -> None:
+    again = _old_log(tmp_path / "log", ents(1, 6))
     again.save(HardState(term=1), ents(6, 9))
     assert again.verify() == 0
     assert [e.data for e in again.entries(1, 9)] == [e.data for e in ents(1, 9)]
     # From the first entry written with a checksum on, one without is corrupt:
     # its flag bit flipped would otherwise hide a changed byte.
-    _rewrite(again, 7, lambda raw: raw[:8] + bytes([raw[8] & 0x7F]) + raw[9:])
+    _rewrite(again, 7, _without_flag)
     assert again.verify() == 7
     again.close()
     assert LmdbLogStorage(tmp_path / "log").verify() == 7  # the boundary is kept
@@ -388,13 +399,8 @@ def test_lmdb_a_rewritten_suffix_of_an_old_log_keeps_its_checksums_checked(
     """Entries of an older log rewritten (a conflicting suffix cut) carry
     checksums: the boundary moves down to them, so one whose flag bit
     flips is still caught."""
-    s = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
-    with s.env.begin(write=True, db=s._log) as txn:  # as the release before wrote them
-        for e in ents(1, 8):
-            txn.put(e.index.to_bytes(8, "big"), struct.pack(">QB", 1, int(e.type)) + e.data)
-    s.close()
-    again = LmdbLogStorage(tmp_path / "log", cache_bytes=0)
+    again = _old_log(tmp_path / "log", ents(1, 8))
     again.save(HardState(term=2), ents(4, 6, term=2))  # cuts 4..7, writes 4..5
-    _rewrite(again, 4, lambda raw: raw[:8] + bytes([raw[8] & 0x7F]) + raw[9:])
+    _rewrite(again, 4, _without_flag)
     assert again.verify() == 4
     again.close()
