@@ -1155,20 +1155,6 @@ class Simulation(GroupOps):
         return "; ".join([self._describe_group(), *(dg._describe_group() for dg in self.data)])
 
 
-class NoFront:
-    """A data group's replicas have no queue server: clients write to group
-    0 until publishes are routed to data groups (docs/multiraft.md, step 3)."""
-
-    def connect(self, node: SimNode) -> None:
-        pass
-
-    def disconnect(self, node: SimNode) -> None:
-        pass
-
-    def on_log_written(self, node: SimNode, rd: Ready) -> None:
-        pass
-
-
 class GroupNet:
     """The simulation's one network as a data group's replicas use it."""
 
