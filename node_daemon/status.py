@@ -22,6 +22,8 @@ def group_status(node: RaftNode) -> client_pb2.GroupStatus:
         leader=core.lead,
         voters=sorted(core.conf.voters),
         learners=sorted(core.conf.learners),
+        conf_index=core.conf_index,
+        catching_up=core.catching_up,
     )
 
 
@@ -39,6 +41,8 @@ def node_status(node: RaftNode) -> client_pb2.NodeStatus:
         ready=node.serving,
         voters=sorted(core.conf.voters),
         learners=sorted(core.conf.learners),
+        conf_index=core.conf_index,
+        catching_up=core.catching_up,
         groups=[group_status(n) for _, n in sorted(node.raft_groups.items())],
     )
 

@@ -44,6 +44,8 @@ def node_json(ns: client_pb2.NodeStatus) -> dict[str, Any]:
                 "leader": g.leader,
                 "voters": list(g.voters),
                 "learners": list(g.learners),
+                "conf_index": g.conf_index,  # committed once commit_index reaches it
+                "catching_up": g.catching_up,  # lost its copy: votes again once caught up
             }
             for g in ns.groups
         ],

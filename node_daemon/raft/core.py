@@ -145,6 +145,7 @@ class RaftCore:
         # proposal came after a quiet heartbeat interval, and the commit
         # index at the last tick.
         self._quiet_ticks = 0
+        self._leader_ticks = 0  # ticks counted while leader (Progress.heard_at)
         self._lone_write = True
         self._tick_committed = 0
         self.prompt_commit = False
@@ -162,6 +163,13 @@ class RaftCore:
     def conf(self) -> ConfState:
         """The configuration in force: the latest one in this node's log."""
         return self.conf_history[-1][1]
+
+    @property
+    def conf_index(self) -> int:
+        """The log index of the configuration in force (its entry, or the
+        snapshot that carries it): committed once ``log.committed`` reaches
+        it. Until then a newer leader may not have it."""
+        return self.conf_history[-1][0]
 
     def conf_at(self, index: int) -> ConfState:
         """The configuration in force at ``index`` (latest entry <= index)."""
@@ -262,6 +270,7 @@ class RaftCore:
                 self._hup(transfer=False)
 
     def _tick_heartbeat(self) -> None:
+        self._leader_ticks += 1
         self.heartbeat_elapsed += 1
         self.election_elapsed += 1
         if self.election_elapsed >= self.cfg.election_tick:
@@ -454,6 +463,7 @@ class RaftCore:
             return
         released = False
         if m.type in _TO_LEADER:
+            pr.heard_at = self._leader_ticks
             released = pr.catching_up and not m.catching_up
             pr.catching_up = m.catching_up  # then it counts in no commit or read quorum
             if not m.catching_up:
@@ -826,10 +836,36 @@ class RaftCore:
                 "have no majority of voters that are not",
                 self.lead,
             )
+        if new_conf.voters != self.conf.voters:
+            self._check_live_majority(new_conf.voters)
         index = self._append([Entry(0, 0, EntryType.CONFIG, new_conf.encode())])
         self._proposed()
         self._bcast_append()
         return index
+
+    def _check_live_majority(self, voters: frozenset[int]) -> None:
+        """Refuse a change of the voters unless the new voters this leader
+        heard from within the last election timeout, and that are not
+        catching up, are a majority of them (etcd's strict reconfiguration
+        check). A change is in force on the leader once appended: taking
+        away a live voter while another one is silently down (or has just
+        lost its disk and not said so yet) would leave a configuration that
+        can commit nothing, not even its own entry, and whose leader steps
+        down holding an entry the others lack, so that no one may be elected
+        again (RELIABILITY.md, finding 12)."""
+        since = self._leader_ticks - self.cfg.election_tick
+        live = {self.id} | {
+            v
+            for v, pr in self.prs.items()
+            if pr.heard_at >= 0 and pr.heard_at >= since and not pr.catching_up
+        }
+        if len(voters & live) < quorum.majority(len(voters)):
+            silent = sorted(voters - live)
+            raise ProposalDropped(
+                f"voters {silent} of the new configuration have not answered within an election "
+                "timeout or are catching up: it would have no working majority",
+                self.lead,
+            )
 
     def _check_can_propose(self) -> None:
         if self.role != Role.LEADER:

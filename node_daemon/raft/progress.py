@@ -58,6 +58,7 @@ class Progress:
         "catch_up_mark",
         "catching_up",
         "commit_sent",
+        "heard_at",
         "inflights",
         "is_learner",
         "match",
@@ -78,6 +79,7 @@ class Progress:
         self.probe_sent = False
         self.pending_snapshot = 0
         self.recent_active = False
+        self.heard_at = -1  # the leader's tick count when this node last answered it (-1: never)
         self.is_learner = is_learner
         # The follower says it lost its storage and is catching up: it is
         # replicated to, but counts in no commit or read quorum (RaftCore._caught_up).

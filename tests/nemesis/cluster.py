@@ -358,14 +358,29 @@ class NemesisCluster:
 
     # ---------------------------------------------------------- membership
 
-    def voters(self, leader: int) -> tuple[set[int], set[int]] | None:
-        """(voters, learners) of the leader's configuration (None: no answer)."""
+    def catching_up(self, svc: Service) -> bool | None:
+        """Whether the node says it is catching up after losing its copy
+        (None: it does not answer, say while it starts)."""
+        try:
+            with grpc.insecure_channel(svc.address) as ch:
+                st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+        return bool(st.nodes[0].catching_up)
+
+    def voters(self, leader: int, committed: bool = False) -> tuple[set[int], set[int]] | None:
+        """(voters, learners) of the leader's configuration (None: no answer,
+        or with ``committed``, a configuration not committed yet: a leader
+        uses its latest one at once, and a newer leader may lack it)."""
         try:
             with grpc.insecure_channel(self.node(leader).address) as ch:
                 st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=2)
         except (grpc.RpcError, KeyError):
             return None
-        return set(st.nodes[0].voters), set(st.nodes[0].learners)
+        me = st.nodes[0]
+        if committed and me.conf_index > me.commit_index:
+            return None
+        return set(me.voters), set(me.learners)
 
     def admin(self, method: str, request: Any, timeout: float = 3.0) -> bool:
         """A changing admin call, to the leader (tried on each node in turn:

@@ -61,11 +61,8 @@ def known_finding(f: Fault) -> str:
     everything else (RELIABILITY.md). Wipes (finding 2) and clocks stepped
     ahead (finding 4) were left out until their fixes; finding 8 depends on
     the target's state, so ``_disk`` decides it (``KNOWN_FULL_FRESH``).
-    Membership changes are left out while finding 12 is open (with wipes
-    and damaged logs they can leave two voters, one catching up, and no
-    leader for good)."""
-    if f.kind == MEMBER:
-        return "finding 12: membership changes with lost copies can leave no leader"
+    Membership changes were left out until finding 12's fix."""
+    del f
     return ""
 
 
@@ -103,6 +100,11 @@ class Nemesis:
     paused: dict[str, tuple[str, int]] = field(default_factory=dict)  # -> (fault, pid)
     crashed: set[str] = field(default_factory=set)
     removed: set[int] = field(default_factory=set)  # node ids taken out of the configuration
+    held_out: set[int] = field(default_factory=set)  # of those, the ones whose fault lasts still
+    # Nodes whose copy a wipe or a corruption took, until the node itself says
+    # it is caught up: its files show nothing until it has started and found
+    # the damage, and a fault in between would take a second copy (finding 12).
+    lost: set[str] = field(default_factory=set)
     _heals: dict[str, Heal] = field(default_factory=dict)
     _leader_id: int = 0
     _leader_at: float = float("-inf")
@@ -335,12 +337,13 @@ class Nemesis:
             raise Skip("no leader known: any node may hold the only copies")
         self._all_hold_a_copy()
         everyone = {s.ident for s in self.cluster.node_services}
-        if self.removed or self.cluster.voters(leader) != (everyone, set()):
-            raise Skip("a member is out or not promoted yet, or no leader answers")
+        if self.removed or self.cluster.voters(leader, committed=True) != (everyone, set()):
+            raise Skip("a member is out or not promoted yet (committed), or no leader answers")
         (svc,) = self._nodes(f.target, leader)
         self.cluster.kill(svc)
         self.down[svc.name] = f.id
         self.paused.pop(svc.name, None)
+        self.lost.add(svc.name)
         detail = damage(svc)
         return self._restart_at_heal([svc], f), {"services": [svc.name], **detail}
 
@@ -439,25 +442,34 @@ class Nemesis:
         c = self.cluster
         self._add_back(tries=1)  # one left out by a heal that found no leader
         self._all_hold_a_copy()  # no voter removed while one catches up
-        conf = c.voters(leader) if leader else None
+        conf = c.voters(leader, committed=True) if leader else None
         everyone = {s.ident for s in c.node_services}
         if self.removed or conf is None or conf != (everyone, set()):
-            raise Skip("a member is out or not promoted yet, or no leader answers")
+            raise Skip("a member is out or not promoted yet (committed), or no leader answers")
         (svc,) = self._nodes(f.target, leader)
         # Whatever the answer (a timeout may come after the change), the node
         # may be out now: it is added back at heal (adding a member is a no-op).
         self.removed.add(svc.ident)
+        self.held_out.add(svc.ident)
         acked = self._admin_op("remove_node", svc.ident, c.remove_node)
-        return (lambda: self._add_back(tries=2)), {"services": [svc.name], "acked": acked}
+
+        def heal() -> None:
+            self.held_out.discard(svc.ident)
+            self._add_back(tries=2)
+
+        return heal, {"services": [svc.name], "acked": acked}
 
     def _all_hold_a_copy(self) -> None:
         """Skip unless every node holds its copy: none catching up since a
-        wipe or a damaged log, and none down under a wipe or a corruption
-        (its files show nothing yet: it finds the damage when it starts)."""
+        wipe or a damaged log, and none that lost its copy and has not said
+        since that it caught up (down, starting, or not asked yet)."""
+        for s in self.cluster.node_services:
+            if s.name in self.lost and s.running() and self.cluster.catching_up(s) is False:
+                self.lost.discard(s.name)
         unrepaired = [
             s.name
             for s in self.cluster.node_services
-            if not _holds_a_copy(s) or self.down.get(s.name, "").split("-")[0] in (WIPE, CORRUPT)
+            if not _holds_a_copy(s) or s.name in self.lost
         ]
         if unrepaired:
             raise Skip(f"{unrepaired} not caught up since a wipe or a damaged log")
@@ -471,10 +483,11 @@ class Nemesis:
         return ok
 
     def _add_back(self, tries: int) -> None:
-        """Add the removed nodes back as learners, each tried up to ``tries``
-        times a second apart (an election may be under way); what is still
-        out is tried again by the next start and by ``heal_all``."""
-        for ident in sorted(self.removed):
+        """Add the removed nodes back as learners (not those whose fault
+        still lasts), each tried up to ``tries`` times a second apart (an
+        election may be under way); what is still out is tried again by the
+        next start and by ``heal_all``."""
+        for ident in sorted(self.removed - self.held_out):
             for k in range(tries):
                 if self._admin_op("add_node", ident, self.cluster.add_node):
                     self.removed.discard(ident)

@@ -414,6 +414,48 @@ def test_add_learner_then_promote() -> None:
     assert net.cores[4].log.committed == leader.log.committed
 
 
+def test_conf_index_says_whether_the_configuration_in_force_is_committed() -> None:
+    net = _net()
+    net.elect(1)
+    leader = net.cores[1]
+    before = leader.conf_index
+    assert before <= leader.log.committed
+    net.isolate(2)
+    net.isolate(3)
+    leader.propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))
+    net.stabilize()
+    # In force at once on the leader, but not committed: a new leader may lack it.
+    assert 4 in leader.conf.learners
+    assert leader.conf_index == leader.log.last_index() > leader.log.committed
+    net.heal()
+    for _ in range(20):  # heartbeats find the followers behind and catch them up
+        net.tick_all()
+    assert leader.conf_index <= leader.log.committed
+    assert net.cores[2].conf_index == leader.conf_index
+
+
+def test_a_change_of_voters_needs_a_majority_of_them_heard_from_lately() -> None:
+    """Finding 12: removing a live voter while another is silently down would
+    leave a configuration in force on the leader that can commit nothing."""
+    net = _net()
+    net.elect(1)
+    leader = net.cores[1]
+    for _ in range(3):
+        net.tick_all()
+    net.isolate(3)  # down, and the leader does not know why
+    for _ in range(leader.cfg.election_tick + 1):
+        net.tick_all()
+    assert leader.role == Role.LEADER  # 1 and 2 are a majority of {1, 2, 3}
+    with pytest.raises(ProposalDropped, match=r"voters \[3\].*no working majority"):
+        leader.propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 2))
+    assert leader.conf.voters == {1, 2, 3}
+    # Taking out the silent one leaves a live majority: allowed.
+    leader.propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 3))
+    net.stabilize()
+    assert leader.conf.voters == {1, 2}
+    assert leader.conf_index <= leader.log.committed
+
+
 def test_only_one_configuration_change_at_a_time() -> None:
     net = _net()
     net.elect(1)

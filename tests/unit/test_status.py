@@ -24,10 +24,24 @@ def test_the_json_view_carries_every_field_tools_read() -> None:
     )
     ns.ready = True
     ns.groups.add(
-        id=0, role="leader", term=4, commit_index=9, applied_index=8, leader=2, voters=[1, 2]
+        id=0,
+        role="leader",
+        term=4,
+        commit_index=9,
+        applied_index=8,
+        leader=2,
+        voters=[1, 2],
+        conf_index=7,
     )
     ns.groups.add(
-        id=1, role="follower", term=2, commit_index=5, applied_index=5, leader=3, learners=[4]
+        id=1,
+        role="follower",
+        term=2,
+        commit_index=5,
+        applied_index=5,
+        leader=3,
+        learners=[4],
+        catching_up=True,
     )
     assert node_json(ns) == {
         "id": 2,
@@ -48,6 +62,8 @@ def test_the_json_view_carries_every_field_tools_read() -> None:
                 "leader": 2,
                 "voters": [1, 2],
                 "learners": [],
+                "conf_index": 7,
+                "catching_up": False,
             },
             {
                 "id": 1,
@@ -58,6 +74,8 @@ def test_the_json_view_carries_every_field_tools_read() -> None:
                 "leader": 3,
                 "voters": [],
                 "learners": [4],
+                "conf_index": 0,
+                "catching_up": True,
             },
         ],
     }
