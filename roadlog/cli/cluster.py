@@ -21,7 +21,7 @@ from roadlog.cli.common import (
 )
 from roadlog.client import Admin
 from roadlog.client_tls import ClientTLS
-from roadlog.placement import METADATA_GROUP
+from roadlog.placement import MAX_DATA_GROUPS, METADATA_GROUP
 from roadlog.runtime.processes import alive
 from roadlog.status import DOWN
 from roadlog.tools.localcluster import LocalCluster, gather_status
@@ -41,25 +41,42 @@ def cluster() -> None:
 )
 @click.option("--timeout", default=60.0, show_default=True, help="seconds to wait for a leader")
 @click.option(
+    "--groups",
+    "data_groups",
+    type=click.IntRange(1, MAX_DATA_GROUPS),
+    default=1,
+    show_default=True,
+    help="data groups (multi-raft): above 1, every topic's partitions are placed in "
+    "them and their leaders spread over the nodes (1: every ping in group 0)",
+)
+@click.option(
     "--insecure",
     is_flag=True,
     help="no TLS: plaintext, unauthenticated ports (debugging only)",
 )
 def cluster_up(
-    nodes: int, queue_servers: int, directory: Path, timeout: float, insecure: bool
+    nodes: int,
+    queue_servers: int,
+    directory: Path,
+    timeout: float,
+    data_groups: int,
+    insecure: bool,
 ) -> None:
     """Start node daemons and queue servers, wait for a leader, write
     DIR/cluster.json. TLS on every port: a CA in DIR/ca (its key too),
     each process's certificate in DIR/certs, the tools' in DIR/certs/client."""
     if nodes < 1 or queue_servers < 1:
         raise click.BadParameter("need at least one node and one queue server")
+    node_args = ["--data-groups", str(data_groups), "--place-topics"] if data_groups > 1 else []
     if insecure:
         err.print(
             "[bold red]INSECURE: --insecure turns TLS off: every port of this cluster is "
             "plaintext and unauthenticated. For debugging only.[/]"
         )
     try:
-        lc = LocalCluster.create(directory, nodes, queue_servers, insecure=insecure)
+        lc = LocalCluster.create(
+            directory, nodes, queue_servers, extra_node_args=node_args, insecure=insecure
+        )
     except FileExistsError as e:
         raise click.ClickException(str(e)) from None
     lc.start_all()
@@ -70,7 +87,8 @@ def cluster_up(
             lc.down()
             raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
     err.print(
-        f"cluster up: {nodes} nodes, leader {status['leader']} (term {status['term']}); "
+        f"cluster up: {nodes} nodes, {data_groups} data group(s), leader {status['leader']} "
+        f"(term {status['term']}); "
         f"queue servers {', '.join(lc.servers)}; {lc.file}; the admin identity's token in "
         f"{lc.token_file} (--cluster {directory} uses it)"
     )

@@ -248,3 +248,40 @@ def test_cli_errors_are_clear(tmp_path: Path) -> None:
     )  # fmt: skip
     assert unreached.returncode == 1 and "no node answered" in unreached.stderr
     assert json.loads(unreached.stdout)["leader"] == 0
+
+
+def test_cluster_up_with_data_groups_places_a_topic_in_them(tmp_path: Path) -> None:
+    """`roadlog cluster up --groups G` (issue 18's contract): G data groups,
+    every topic's partitions placed in them; `topic describe --json` names
+    each partition's group and `cluster status --json` lists every group
+    with its leader, term, commit index and partitions."""
+    d = tmp_path / "cluster"
+    up = roadlog("cluster", "up", "--groups", "3", "--dir", str(d))
+    try:
+        assert "3 data group(s)" in up.stderr
+        roadlog("topic", "create", "munich", "--bbox", "11.3,48.0,11.8,48.3",
+                "--partitions", "6", "--cluster", str(d))  # fmt: skip
+        csv, _, _ = write_inputs(tmp_path, int(time.time() * 1000))
+        out = roadlog("produce", "munich", "--file", str(csv), "--cluster", str(d), "--json")
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == {"acknowledged": 30}
+        desc = settled(
+            lambda: read_json("topic", "describe", "munich", "--cluster", str(d), "--json"),
+            lambda got: got["pings"] == 30,
+            "the produced pings described",
+        )
+        by_partition = {o["partition"]: o["group"] for o in desc["offsets"]}
+        assert sorted(by_partition) == list(range(6))
+        assert set(by_partition.values()) <= {1, 2, 3} and len(set(by_partition.values())) > 1
+
+        def groups() -> list[dict[str, Any]]:
+            st = read_json("cluster", "status", "--cluster", str(d), "--json")
+            return list(st["groups"])
+
+        listed = settled(groups, lambda gs: [g["id"] for g in gs] == [0, 1, 2, 3] and all(
+            g["leader"] in {1, 2, 3} for g in gs), "every group with a leader")  # fmt: skip
+        placed = {(t, p): g["id"] for g in listed for t, p in g["partitions"]}
+        assert placed == {("munich", p): g for p, g in by_partition.items()}
+        for g in listed:
+            assert g["term"] >= 1 and g["commit_index"] >= 1
+    finally:
+        roadlog("cluster", "down", "--dir", str(d), check=False)
