@@ -161,17 +161,18 @@ def run(
     kinds: tuple[str, ...] = schedule.KINDS,
     skip_known: bool = False,
     disk_mib: int = 256,
+    pace: float = 1.0,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
     if replay is not None:
         seed, seconds, faults = schedule.load(replay)
     else:
-        faults = schedule.generate(seed, seconds, kinds)
+        faults = schedule.generate(seed, seconds, kinds, pace)
     schedule.save(faults, run_dir / "schedule.json", seed, seconds)
     rec = Recorder(run_dir / "history.jsonl")
     rec.event("run", "info", "run", seed=seed, seconds=seconds, faults=len(faults),
-              kinds=list(kinds), skip_known=skip_known, subnet=subnet,
+              kinds=list(kinds), skip_known=skip_known, subnet=subnet, pace=pace,
               pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
@@ -245,7 +246,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="each node's disk, in MiB (long runs store more)")  # fmt: skip
     ap.add_argument("--kinds", default=",".join(schedule.KINDS),
                     help="the kinds of fault to draw, comma-separated")  # fmt: skip
+    ap.add_argument("--pace", type=float, default=1.0,
+                    help="gaps between kills, pauses, power cuts and network faults, times "
+                    "their usual length: above 1 leaves the quiet spells that wipes, "
+                    "corruptions and membership changes wait for (long runs)")  # fmt: skip
     a = ap.parse_args(argv)
+    if not 0.1 <= a.pace <= 20:
+        ap.error("--pace must be in 0.1..20")
     if os.geteuid() != 0:
         print("the nemesis needs root (network namespaces, nftables, mounts)", file=sys.stderr)
         return 2
@@ -257,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
     return run(
-        a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known, a.disk_mib
-    )
+        a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
+        a.disk_mib, a.pace,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -121,11 +121,22 @@ def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
     return {}
 
 
-def generate(seed: int, seconds: float, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
-    """The schedule for ``seconds`` of faults, sorted by start time."""
+# The kinds that take a node, a link or the leadership away. Wipes,
+# corruptions and membership changes start only while none of that is under
+# way (every node a voter holding its copy, a leader known): a long run that
+# must give 300 of those too spaces these out (``pace``).
+DISRUPTIVE = (KILL, PAUSE, PARTITION, LOSS, SLOW, POWER)
+
+
+def generate(
+    seed: int, seconds: float, kinds: tuple[str, ...] = KINDS, pace: float = 1.0
+) -> list[Fault]:
+    """The schedule for ``seconds`` of faults, sorted by start time; the
+    gaps of the DISRUPTIVE lanes are ``pace`` times their usual length."""
     out: list[Fault] = []
     for kind in kinds:
         lane = LANES[kind]
+        stretch = pace if kind in DISRUPTIVE else 1.0
         rng = random.Random(f"{seed}:{kind}")
         names = [t for t, _ in lane.targets]
         weights = [w for _, w in lane.targets]
@@ -141,7 +152,7 @@ def generate(seed: int, seconds: float, kinds: tuple[str, ...] = KINDS) -> list[
                       _params(kind, target, rng))
             )  # fmt: skip
             k += 1
-            t += dur + rng.uniform(*lane.gap)
+            t += dur + stretch * rng.uniform(*lane.gap)
     out.sort(key=lambda f: (f.at, f.id))
     return out
 

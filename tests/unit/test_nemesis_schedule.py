@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nemesis.schedule import KINDS, LANES, generate, load, save
+from tests.nemesis.schedule import DISRUPTIVE, KINDS, LANES, Fault, generate, load, save
 
 pytestmark = pytest.mark.unit
 
@@ -45,3 +45,16 @@ def test_a_saved_schedule_replays(tmp_path: Path) -> None:
     faults = generate(11, 30)
     save(faults, tmp_path / "schedule.json", 11, 30)
     assert load(tmp_path / "schedule.json") == (11, 30, faults)
+
+
+def test_pace_spaces_out_the_disruptive_kinds_only() -> None:
+    normal = generate(7, 600.0)
+    calm = generate(7, 600.0, pace=3.0)
+
+    def count(faults: list[Fault], kind: str) -> int:
+        return sum(f.kind == kind for f in faults)
+
+    for kind in DISRUPTIVE:
+        assert count(calm, kind) < 0.7 * count(normal, kind), kind
+    for kind in set(KINDS) - set(DISRUPTIVE):
+        assert count(calm, kind) == count(normal, kind), kind
