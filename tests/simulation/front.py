@@ -43,6 +43,10 @@ acknowledged write is stored exactly once, at the offset its answer gave
 writes in offset order and dedupes a resent (producer, sequence) as the
 real one does), no write is stored twice even when it was sent again, and
 every read returned a prefix of what the replica holds.
+
+The queue server also submits items of its own (``submit_foreign``; the
+split publishes of split.py and their parts), checked as the clients'
+are: each in exactly one place until it is answered or cancelled.
 """
 
 from __future__ import annotations
@@ -93,6 +97,15 @@ class Read:
 
 
 @dataclass(slots=True)
+class Foreign:
+    """An item of the queue server's own: who hears its answer, and how a
+    leader serves it when not by proposing it."""
+
+    answer: Callable[[OpResult | None], None]
+    serve: Callable[[SimNode, Item], OpResult] | None = None
+
+
+@dataclass(slots=True)
 class Client:
     producer: int
     seq: int = 0  # the sequence of the write in flight (or last acknowledged)
@@ -139,6 +152,13 @@ class Front:
     # Without clients the queue sees only workers, and the run's history
     # (messages, faults) is the one of the Raft-only harness.
     with_clients: bool = True
+    # Items the queue server submits for others (split.SplitFront: a split
+    # publish into group 0's queue, its parts into the data groups'):
+    # item -> who is answered, and how a leader serves it if not by proposing.
+    foreign: dict[int, Foreign] = field(default_factory=dict)
+    # Ops the first client's first write adds on the real state machine (a
+    # data group's: the split topic and the split clients' producer ids).
+    extra_create_ops: list[command_pb2.Op] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = self.rng.choice([1, 2, 3]) if self.with_clients else 0
@@ -173,6 +193,7 @@ class Front:
                 )
                 for k in self.clients
             ]
+            ops += self.extra_create_ops
         else:
             cols = PingColumns.from_columns(
                 [f"d{c.producer}"], [c.producer * TS_BASE + c.seq], [48.1], [11.5]
@@ -325,6 +346,10 @@ class Front:
     def _answer(self, item_id: int, result: OpResult | None) -> None:
         """The queue server answers the client waiting on ``item_id``, if
         any (a cancelled item's answer reaches no one)."""
+        f = self.foreign.pop(item_id, None)
+        if f is not None:
+            f.answer(result)
+            return
         for i, c in enumerate(self.clients):
             if c.item != item_id:
                 continue
@@ -443,8 +468,17 @@ class Front:
         if core.role != Role.LEADER:
             self._result(wid, it.id, None)  # NotLeader: UNAVAILABLE
             return
+        f = self.foreign.get(it.id)
+        if f is not None and f.serve is not None:  # answered at once, nothing proposed
+            self._result(wid, it.id, f.serve(node, it))
+            return
+        data = it.request
+        if it.method == "AppendPart":
+            from tests.simulation.split import part_proposal
+
+            data = part_proposal(it.request, self.sim.opts.real_sm, self.sim.now)
         try:
-            index = core.propose_many([it.request])
+            index = core.propose_many([data])
         except ProposalDropped:
             self._result(wid, it.id, None)
             return
@@ -553,6 +587,9 @@ class Front:
                 holder = self.q.workers.get(wid)
                 if holder is None or holder.node_id != nid or holder.inflight.get(it.id) is not it:
                     fail(f"node {nid} waits to serve read {it.id}, which its worker does not hold")
+        for iid in self.foreign:
+            if iid not in seen:
+                fail(f"queue server's item {iid} is lost: neither queued, held nor finished")
         for iid, i in self.open_items.items():
             if iid not in seen:
                 fail(f"queue item {iid} is lost: neither queued, held nor finished")
@@ -560,11 +597,47 @@ class Front:
             if c.item == iid and (c.read is None) != (kinds.get(iid) == Kind.WRITE):
                 fail(f"queue item {iid} of producer {c.producer} is of the wrong kind")
         for iid, where in seen.items():
-            if iid not in self.open_items:
+            if iid not in self.open_items and iid not in self.foreign:
                 fail(f"queue item {iid} is {where} but was finished")
 
     def busy(self) -> bool:
         return any(c.item is not None or c.retry_at is not None for c in self.clients)
+
+    # -- the queue server's own items -------------------------------------------
+
+    def submit_foreign(
+        self,
+        method: str,
+        request: bytes,
+        deadline: float,
+        client: str,
+        answer: Callable[[OpResult | None], None],
+        serve: Callable[[SimNode, Item], OpResult] | None = None,
+    ) -> int:
+        """A write the queue server submits itself (a split publish, or one
+        of its parts); ``answer`` hears its result (None: failed, as a
+        client's write), ``serve`` is how a leader answers it (None: it
+        proposes it). Its id."""
+        self.next_item += 1
+        now = self.sim.now
+        item = Item(self.next_item, Kind.WRITE, method, request, deadline, now, client=client)
+        try:
+            self.q.submit(item)
+        except QueueFull:
+            self.sim.checker.fail(f"queue full with {len(self.open_items)} items open")
+        self.foreign[item.id] = Foreign(answer, serve)
+        return item.id
+
+    def cancel_foreign(self, item_id: int) -> None:
+        """Nobody waits for it any more (its publish's call ended): out of
+        the queue if it is there (a worker holding it answers no one)."""
+        if item_id not in self.foreign:
+            return
+        if self.q.cancel(item_id):  # it was queued: gone now
+            del self.foreign[item_id]
+        else:  # a worker holds it: its answer reaches no one
+            self.foreign[item_id] = Foreign(lambda r: None)
+        self.check()
 
     def final_checks(self, members: list[SimNode]) -> None:
         """Every acknowledged write is stored on every replica exactly once,

@@ -25,8 +25,15 @@ each with clients and a queue of its own (the real ``WorkQueues``: each
 group's leader takes its writes, as for a topic placed in data groups) and
 the front door's checks. A data group's state machine here issues its own
 producer ids, as group 0's does: the product's check of a data group's
-producers against group 0, and fences per group, are not simulated yet. A node crash takes every
-group's replica on it down at once, a partition cuts every group's
+producers against group 0, and fences per group, are not simulated yet.
+Publishes whose pings span several data groups run too
+(``split.SplitFront``): into group 0's queue, answered by its leader with
+parts, each part a write of its group's queue, the client acknowledged
+once every part is (the product's merge), retried with the same producer
+id and sequence when the outcome is unknown; each acknowledged publish
+must be stored once in every group it spans, no retry twice, nothing of
+one refused for sure. A node crash takes every group's replica on it
+down at once, a partition cuts every group's
 messages between two nodes, and one node may lead several groups; each
 group's invariants are checked on their own, and at the end every group
 must converge with every acknowledged write.
@@ -74,6 +81,7 @@ from roadlog.errors import Code
 from roadlog.geo import bbox_region
 from roadlog.v1 import client_pb2, command_pb2, topics_pb2
 from tests.simulation.front import Front
+from tests.simulation.split import SplitFront, creation_ops
 
 TICK = 10  # time units per tick; message delays are in time units
 # Where LMDB seeds keep their files: in memory where the machine has a
@@ -116,6 +124,13 @@ class StateMachine:
         self.writes: list[bytes] = []  # stored client writes, by offset
         self.recent: dict[int, list[tuple[int, int]]] = {}  # producer -> (sequence, offset)
         self.last_result = OpResult()  # the answer for the entry applied last
+        # Parts of split publishes (split.toy_part_key), a topic of their own:
+        # partition -> (producer, sequence) by offset; each stored part's key
+        # and (partition, offset)s; producer -> (sequence, stored part).
+        self.split: dict[int, list[tuple[int, int]]] = {}
+        self.split_keys: list[bytes] = []
+        self.split_at: list[list[tuple[int, int]]] = []
+        self.split_recent: dict[int, list[tuple[int, int]]] = {}
 
     def apply(self, e: Entry) -> None:
         if e.index != self.applied + 1:
@@ -131,6 +146,8 @@ class StateMachine:
             w = toy_write(e.data) if self.with_writes else None
             if w is not None:
                 self.last_result = self._store(e.data, *w, e.index)
+            elif self.with_writes and e.data.startswith(b"s"):
+                self.last_result = self._store_part(e.data, e.index)
 
     def _store(self, key: bytes, producer: int, seq: int, index: int) -> OpResult:
         """Store a client's write unless it is a duplicate; its answer."""
@@ -153,6 +170,44 @@ class StateMachine:
         resp.offsets.add(partition=0, base_offset=offset, count=1)
         return OpResult(response=resp.SerializeToString())
 
+    def _store_part(self, key: bytes, index: int) -> OpResult:
+        """Store a split publish's part (its pings in its partitions) unless
+        its (producer, sequence) was stored before (then answered with the
+        first offsets, as the node's state machine answers a retried span)."""
+        from tests.simulation.split import parse_toy_part
+
+        producer, seq, _ = parse_toy_part(key)
+        seen = self.split_recent.get(producer, [])
+        resp = client_pb2.PublishResponse(applied_index=index)
+        dup = self._duplicate(seen, seq)
+        if dup is not None:
+            resp.duplicate = True
+            at = self.split_at[dup]
+        elif seen and seq < seen[-1][0]:
+            return OpResult(Code.FAILED_PRECONDITION, f"sequence {seq} of {producer} is too old")
+        else:
+            at = self._add_part(key)
+        for p, offset in at:
+            resp.offsets.add(partition=p, base_offset=offset, count=1)
+        return OpResult(response=resp.SerializeToString())
+
+    def _add_part(self, key: bytes) -> list[tuple[int, int]]:
+        from tests.simulation.split import parse_toy_part
+
+        producer, seq, partitions = parse_toy_part(key)
+        at = []
+        for p in partitions:
+            rows = self.split.setdefault(p, [])
+            at.append((p, len(rows)))
+            rows.append((producer, seq))
+        self.split_recent[producer] = [
+            *self.split_recent.get(producer, []),
+            (seq, len(self.split_keys)),
+        ][-RECENT_SEQUENCES:]
+        self.split_keys.append(key)
+        self.split_at.append(at)
+        return at
+
     def _duplicate(self, seen: list[tuple[int, int]], seq: int) -> int | None:
         """The offset ``seq`` was stored at, if it is one of ``seen``."""
         return next((o for s, o in seen if s == seq), None)
@@ -165,15 +220,21 @@ class StateMachine:
                 *sorted(p + b"\n" for p in self.proposals),
                 b"\0",
                 b"\n".join(self.writes),
+                *([b"\0", b"\n".join(self.split_keys)] if self.split_keys else []),
             ]
         )
 
     def restore(self, data: bytes) -> None:
         self.applied = struct.unpack_from(">Q", data)[0]
         self.digest = data[8:40]
-        proposals, _, writes = data[40:].partition(b"\0")
+        proposals, _, rest = data[40:].partition(b"\0")
+        writes, _, parts = rest.partition(b"\0")
         self.proposals = {p for p in proposals.split(b"\n") if p}
         self.writes = [w for w in writes.split(b"\n") if w]
+        self.split, self.split_keys, self.split_at, self.split_recent = {}, [], [], {}
+        for key in parts.split(b"\n"):
+            if key:
+                self._add_part(key)
         self.recent = {}
         for offset, key in enumerate(self.writes):
             w = toy_write(key)
@@ -730,6 +791,10 @@ class Result:
     data_acked: int = 0  # proposals acknowledged in the data groups
     data_writes: int = 0  # client writes acknowledged in the data groups
     multi_led: int = 0  # ticks at whose end one node led more than one group
+    split_acked: int = 0  # publishes over several data groups acknowledged (split.py)
+    split_refused: int = 0  # split publishes refused for sure (a ping outside the region)
+    split_resent: int = 0  # split publishes sent again after an unknown outcome
+    split_parts: int = 0  # parts handed to the data groups' leaders
 
 
 class GroupOps:
@@ -888,6 +953,14 @@ class Simulation(GroupOps):
         # Data groups: a replica on each founding node, over the same network.
         self.data = [DataGroup(self, g) for g in range(1, self.opts.groups)]
         self.stats.data_groups = len(self.data)
+        # Publishes split across the data groups (split.py), with a stream
+        # of their own: only in seeds with data groups and clients.
+        self.split: SplitFront | None = None
+        if self.data and clients:
+            self.split = SplitFront(self, random.Random(seed * 1_000_039 + 0x5B))
+            for dg in self.data:
+                if self.opts.real_sm:
+                    dg.front.extra_create_ops = creation_ops(self.split.producers)
 
     def group_nodes(self, group: int) -> dict[int, SimNode]:
         """Group ``group``'s replicas by node id."""
@@ -1013,6 +1086,8 @@ class Simulation(GroupOps):
         self.front.step()
         for dg in self.data:
             dg.front.step()
+        if self.split is not None:
+            self.split.step()
         self.after_event()
         if self.data:
             led = [g.leader() for g in (self, *self.data)]
@@ -1140,6 +1215,8 @@ class Simulation(GroupOps):
     def _converged(self) -> bool:
         if self.front.busy() or any(dg.front.busy() for dg in self.data):
             return False
+        if self.split is not None and self.split.busy():
+            return False
         return self._group_converged() and all(dg._group_converged() for dg in self.data)
 
     def _final_checks(self) -> None:
@@ -1149,6 +1226,12 @@ class Simulation(GroupOps):
             self.stats.data_acked += len(dg.acked)
             self.stats.data_writes += len(dg.front.acked)
         self.front.final_checks(members)
+        if self.split is not None:
+            self.split.final_checks()
+            self.stats.split_acked = len(self.split.history.acked)
+            self.stats.split_refused = len(self.split.history.refused)
+            self.stats.split_resent = self.split.resent
+            self.stats.split_parts = self.split.parts_sent
         self.stats.applied = members[0].sm.applied if members else 0
 
     def _describe(self) -> str:

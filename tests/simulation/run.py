@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         "crashes": 0,
         "conf_changes": 0,
         "reads": 0,
+        "split_acked": 0,
+        "split_refused": 0,
+        "split_resent": 0,
     }
     seeds = range(args.start, args.start + args.seeds)
     for done, r in enumerate(run_seeds(seeds, args.jobs), start=1):

@@ -359,3 +359,108 @@ def test_a_data_group_storing_a_retry_twice_is_caught(monkeypatch: pytest.Monkey
     assert any("group 1" in r.message or "group 2" in r.message for r in bad), [
         r.message for r in bad
     ]
+
+
+# ------------------------------------------------ publishes split across groups
+
+SPLIT_SEEDS = MULTI_GROUP_SEEDS[:24]
+
+
+def test_split_publishes_are_acknowledged_once_every_part_is() -> None:
+    """Seeds with data groups run split clients (split.py): publishes over
+    several groups go through group 0's leader, which answers with parts,
+    each handed to its group's leader; some are acknowledged, some retried
+    after an unknown outcome, some refused for sure; every check holds."""
+    results = list(run_seeds(SPLIT_SEEDS, jobs=2))
+    assert all(r.ok for r in results), [r.message for r in results if not r.ok]
+    assert sum(r.split_acked for r in results) > 0
+    assert sum(r.split_resent for r in results) > 0
+    assert sum(r.split_refused for r in results) > 0
+    assert sum(r.split_parts for r in results) > sum(r.split_acked for r in results)
+    # Seeds without data groups have no split clients.
+    assert run_seed(0).split_parts == 0
+
+
+def test_the_split_checker_reports_each_kind_of_violation() -> None:
+    """``split_violations`` fed histories that break each guarantee."""
+    from tests.simulation.split import SplitHistory, split_violations
+
+    groups = [1, 2, 1, 2]  # partition -> group
+
+    def history() -> SplitHistory:
+        h = SplitHistory(groups)
+        h.sent = {(7, 1): [0, 1], (7, 2): [1, 3], (7, 3): [2]}
+        h.acked = {(7, 1): {0: 0, 1: 0}}
+        return h
+
+    good = {1: {0: [(7, 1)], 2: [(7, 3)]}, 2: {1: [(7, 1), (7, 2)], 3: [(7, 2)]}}
+    assert split_violations(history(), good) == []
+    # (1) acknowledged, but a part is missing in its group, or at another offset.
+    lost = {1: {0: [(7, 1)]}, 2: {1: [(7, 2)], 3: [(7, 2)]}}
+    [msg] = split_violations(history(), lost)
+    assert "acknowledged split publish (7, 1) lacks its part in group 2" in msg
+    moved = {1: {0: [(7, 1)]}, 2: {1: [(7, 2), (7, 1)]}}
+    assert any("its answer said 0" in m for m in split_violations(history(), moved))
+    # (2) a retry stored again in one group.
+    twice = {1: {0: [(7, 1)]}, 2: {1: [(7, 1), (7, 2), (7, 2)], 3: [(7, 2)]}}
+    [msg] = split_violations(history(), twice)
+    assert "(7, 2) stored more than once in partition 1" in msg
+    # (3) a publish refused for sure, part of it stored; or one acknowledged.
+    h = history()
+    h.refused.add((7, 3))
+    [msg] = split_violations(h, good)
+    assert "(7, 3) was refused for sure" in msg
+    h = history()
+    h.bad.add((7, 1))
+    assert any("acknowledged, yet it has a ping to refuse" in m for m in split_violations(h, good))
+    # And a part in a group the map does not give it, or never sent.
+    stray = {1: {0: [(7, 1)], 1: [(9, 9)]}, 2: {1: [(7, 1)]}}
+    msgs = split_violations(history(), stray)
+    assert any("partition 1 stored in group 1" in m for m in msgs)
+    assert any("(9, 9) stored but never sent" in m for m in msgs)
+
+
+def test_a_merge_that_acknowledges_a_failed_part_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Break the queue server's merge (queue_server/parts.py) so that a
+    part's failure is left out of the client's answer: a publish is
+    acknowledged though one of its parts was not stored."""
+    from queue_server import parts
+
+    take = parts._take
+
+    from typing import Any
+
+    def ignoring_failures(answers: Any, part: Any, result: Any) -> None:
+        if not result.code:
+            take(answers, part, result)
+
+    monkeypatch.setattr(parts, "_take", ignoring_failures)
+    found = first_caught(SPLIT_SEEDS, lambda r: "acknowledged without its part" in r.message)
+    assert found, "the simulator did not notice a publish acknowledged without all its parts"
+
+
+def test_a_split_retry_stored_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the (producer, sequence) check in the data groups, a split
+    publish retried after an unknown outcome is stored again in a group
+    that had stored its part: the split checker finds it."""
+    from tests.simulation.harness import StateMachine
+
+    monkeypatch.setattr(StateMachine, "_duplicate", lambda self, seen, seq: None)
+    seeds = [s for s in SPLIT_SEEDS if not options_of(s).real_sm]
+    found = first_caught(seeds, lambda r: "split publish" in r.message)
+    assert found, "the simulator did not notice a split publish stored twice"
+    assert "more than once" in found.message
+
+
+def test_a_split_publish_that_must_fail_acknowledged_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Group 0's leader that does not validate before splitting stores and
+    acknowledges a publish that must be refused (a ping outside the region)."""
+    from roadlog import validation
+
+    monkeypatch.setattr(validation, "check_batch", lambda cols, region, now_ms: None)
+    found = first_caught(SPLIT_SEEDS, lambda r: "ping to refuse" in r.message)
+    assert found, "the simulator did not notice an invalid split publish acknowledged"
