@@ -162,17 +162,19 @@ def run(
     skip_known: bool = False,
     disk_mib: int = 256,
     pace: float = 1.0,
+    phases: tuple[float, float] | None = None,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
     if replay is not None:
         seed, seconds, faults = schedule.load(replay)
     else:
-        faults = schedule.generate(seed, seconds, kinds, pace)
+        faults = schedule.generate(seed, seconds, kinds, pace, phases)
     schedule.save(faults, run_dir / "schedule.json", seed, seconds)
     rec = Recorder(run_dir / "history.jsonl")
     rec.event("run", "info", "run", seed=seed, seconds=seconds, faults=len(faults),
               kinds=list(kinds), skip_known=skip_known, subnet=subnet, pace=pace,
+              phases=list(phases) if phases else None,
               pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
@@ -250,9 +252,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="gaps between kills, pauses, power cuts and network faults, times "
                     "their usual length: above 1 leaves the quiet spells that wipes, "
                     "corruptions and membership changes wait for (long runs)")  # fmt: skip
+    ap.add_argument("--phases", default="",
+                    help="STORM,CALM seconds, repeated: kills, pauses, power cuts and "
+                    "network faults start only in storms, wipes, corruptions and membership "
+                    "changes only in calms (long runs; default: any kind at any time)")  # fmt: skip
     a = ap.parse_args(argv)
     if not 0.1 <= a.pace <= 20:
         ap.error("--pace must be in 0.1..20")
+    phases: tuple[float, float] | None = None
+    if a.phases:
+        try:
+            storm, calm = (float(x) for x in a.phases.split(","))
+        except ValueError:
+            ap.error("--phases takes STORM,CALM seconds, e.g. 25,35")
+        if storm < 1 or calm < 1:
+            ap.error("--phases: each phase at least 1 s")
+        phases = (storm, calm)
     if os.geteuid() != 0:
         print("the nemesis needs root (network namespaces, nftables, mounts)", file=sys.stderr)
         return 2
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
     return run(
         a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
-        a.disk_mib, a.pace,
+        a.disk_mib, a.pace, phases,
     )  # fmt: skip
 
 

@@ -57,23 +57,23 @@ LANES: dict[str, Lane] = {
     ),
     PAUSE: Lane((1.2, 4.0), (1.0, 5.0), (("leader", 3), ("follower", 2), ("queue", 1))),
     PARTITION: Lane(
-        (2.0, 8.0),
+        (1.5, 6.0),
         (1.0, 4.0),
         (("leader-isolated", 3), ("majority-minority", 2), ("bridge", 1), ("one-way", 2)),
     ),
-    LOSS: Lane((2.0, 8.0), (1.0, 4.0), (("node", 2), ("all", 1))),
+    LOSS: Lane((1.5, 6.0), (1.0, 4.0), (("node", 2), ("all", 1))),
     # This kernel has no netem (no fixed delay): a slow link instead, a token
     # bucket on the host's way out whose queue holds up to seconds of data.
-    SLOW: Lane((2.0, 8.0), (1.0, 4.0), (("leader", 2), ("follower", 1), ("queue", 1))),
+    SLOW: Lane((1.5, 6.0), (1.0, 4.0), (("leader", 2), ("follower", 1), ("queue", 1))),
     DISK: Lane((2.0, 6.0), (1.0, 4.0), (("leader", 2), ("follower", 2))),
     CLOCK: Lane((2.0, 6.0), (0.5, 3.0), (("leader", 2), ("follower", 2))),
     # The kinds that take a copy or a member wait for a quiet cluster (every
     # node a voter holding its copy, a leader known) and start only about
     # half the time: shorter cycles, so that a long run still gets 300.
-    WIPE: Lane((0.5, 3.0), (1.0, 4.0), (("follower", 1),)),
+    WIPE: Lane((0.3, 2.0), (0.5, 3.0), (("follower", 1),)),
     # A voter removed from the configuration (it keeps running) and added
     # back as a learner, which the leader promotes once it has caught up.
-    MEMBER: Lane((1.5, 4.0), (1.0, 3.0), (("follower", 3), ("leader", 1))),
+    MEMBER: Lane((0.5, 3.0), (0.5, 3.0), (("follower", 3), ("leader", 1))),
     # Machines losing power (what they had not fsynced is gone; Jepsen's
     # coordinated power failures are "all"), back on after the duration.
     POWER: Lane(
@@ -82,7 +82,7 @@ LANES: dict[str, Lane] = {
     # A follower's disk damages its Raft log while it is down (a minority's
     # copy, as a wipe: only when the others hold theirs): a byte of an entry
     # flipped, or the file cut short.
-    CORRUPT: Lane((0.5, 3.0), (1.0, 4.0), (("follower", 1),)),
+    CORRUPT: Lane((0.3, 2.0), (0.5, 3.0), (("follower", 1),)),
 }
 
 
@@ -122,17 +122,40 @@ def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
 
 
 # The kinds that take a node, a link or the leadership away. Wipes,
-# corruptions and membership changes start only while none of that is under
-# way (every node a voter holding its copy, a leader known): a long run that
-# must give 300 of those too spaces these out (``pace``).
+# corruptions and membership changes (QUIET_KINDS) start only while none of
+# that is under way (every node a voter holding its copy, a leader known):
+# a long run that must give 300 of those too spaces these out (``pace``),
+# or alternates storms and calms (``phases``).
 DISRUPTIVE = (KILL, PAUSE, PARTITION, LOSS, SLOW, POWER)
+QUIET_KINDS = (WIPE, CORRUPT, MEMBER)
+
+
+def _in_phase(t: float, kind: str, phases: tuple[float, float] | None) -> float:
+    """``t``, or the start of the next phase where ``kind`` may start: with
+    ``phases`` = (storm, calm) seconds, repeated, the DISRUPTIVE kinds start
+    only in storms, the QUIET_KINDS only in calms, the rest at any time."""
+    if phases is None:
+        return t
+    storm, calm = phases
+    cycle = storm + calm
+    k, into = divmod(t, cycle)
+    if kind in DISRUPTIVE and into >= storm:
+        return (k + 1) * cycle
+    if kind in QUIET_KINDS and into < storm:
+        return k * cycle + storm
+    return t
 
 
 def generate(
-    seed: int, seconds: float, kinds: tuple[str, ...] = KINDS, pace: float = 1.0
+    seed: int,
+    seconds: float,
+    kinds: tuple[str, ...] = KINDS,
+    pace: float = 1.0,
+    phases: tuple[float, float] | None = None,
 ) -> list[Fault]:
     """The schedule for ``seconds`` of faults, sorted by start time; the
-    gaps of the DISRUPTIVE lanes are ``pace`` times their usual length."""
+    gaps of the DISRUPTIVE lanes are ``pace`` times their usual length,
+    and with ``phases`` each kind starts only in its phases (_in_phase)."""
     out: list[Fault] = []
     for kind in kinds:
         lane = LANES[kind]
@@ -142,7 +165,7 @@ def generate(
         weights = [w for _, w in lane.targets]
         # The first fault of every lane starts in the first 10 s (the first
         # third of a short run: it sees every kind), the rest follow its gaps.
-        t = rng.uniform(0.5, max(1.0, min(seconds / 3, 10.0)))
+        t = _in_phase(rng.uniform(0.5, max(1.0, min(seconds / 3, 10.0))), kind, phases)
         k = 0
         while t < seconds - 0.5:
             target = rng.choices(names, weights)[0]
@@ -152,7 +175,7 @@ def generate(
                       _params(kind, target, rng))
             )  # fmt: skip
             k += 1
-            t += dur + stretch * rng.uniform(*lane.gap)
+            t = _in_phase(t + dur + stretch * rng.uniform(*lane.gap), kind, phases)
     out.sort(key=lambda f: (f.at, f.id))
     return out
 

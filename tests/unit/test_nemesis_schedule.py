@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.nemesis.schedule import DISRUPTIVE, KINDS, LANES, Fault, generate, load, save
+from tests.nemesis.schedule import (
+    DISRUPTIVE,
+    KINDS,
+    LANES,
+    QUIET_KINDS,
+    Fault,
+    generate,
+    load,
+    save,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -58,3 +67,15 @@ def test_pace_spaces_out_the_disruptive_kinds_only() -> None:
         assert count(calm, kind) < 0.7 * count(normal, kind), kind
     for kind in set(KINDS) - set(DISRUPTIVE):
         assert count(calm, kind) == count(normal, kind), kind
+
+
+def test_phases_keep_storms_and_calms_apart() -> None:
+    storm, calm = 30.0, 30.0
+    faults = generate(9, 900.0, phases=(storm, calm))
+    for f in faults:
+        into = f.at % (storm + calm)
+        if f.kind in DISRUPTIVE:
+            assert into < storm, f
+        elif f.kind in QUIET_KINDS:
+            assert into >= storm, f
+    assert {f.kind for f in faults} == set(KINDS)
