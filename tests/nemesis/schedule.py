@@ -70,10 +70,10 @@ LANES: dict[str, Lane] = {
     # The kinds that take a copy or a member wait for a quiet cluster (every
     # node a voter holding its copy, a leader known) and start only about
     # half the time: shorter cycles, so that a long run still gets 300.
-    WIPE: Lane((0.3, 2.0), (0.5, 3.0), (("follower", 1),)),
+    WIPE: Lane((0.2, 1.0), (0.2, 1.5), (("follower", 1),)),
     # A voter removed from the configuration (it keeps running) and added
     # back as a learner, which the leader promotes once it has caught up.
-    MEMBER: Lane((0.5, 3.0), (0.5, 3.0), (("follower", 3), ("leader", 1))),
+    MEMBER: Lane((0.3, 1.5), (0.2, 1.5), (("follower", 3), ("leader", 1))),
     # Machines losing power (what they had not fsynced is gone; Jepsen's
     # coordinated power failures are "all"), back on after the duration.
     POWER: Lane(
@@ -82,7 +82,7 @@ LANES: dict[str, Lane] = {
     # A follower's disk damages its Raft log while it is down (a minority's
     # copy, as a wipe: only when the others hold theirs): a byte of an entry
     # flipped, or the file cut short.
-    CORRUPT: Lane((0.3, 2.0), (0.5, 3.0), (("follower", 1),)),
+    CORRUPT: Lane((0.2, 1.0), (0.2, 1.5), (("follower", 1),)),
 }
 
 
