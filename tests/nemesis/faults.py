@@ -52,7 +52,7 @@ LATE_S = 30.0  # a fault this far behind its time is skipped: the loop never dra
 # voter holding its copy) are tried again this often, up to LATE_S after
 # their time, instead of being skipped at once: under every other fault
 # that state is brief, and a long run would see few of them otherwise.
-RETRY_S = 1.0
+RETRY_S = 0.5
 
 
 def known_finding(f: Fault) -> str:
@@ -123,22 +123,35 @@ class Nemesis:
         for k, f in enumerate(self.faults):
             heapq.heappush(queue, (self.offset + f.at, k, "start", f))
         seq = len(self.faults)
+        # One fault of each RETRIED kind waits for a quiet cluster at a time:
+        # the others of its kind due meanwhile are skipped at once, or dense
+        # lanes would pile up retries (each asks the cluster) and clog the loop.
+        waiting: dict[str, str] = {}
         while queue and not stop.is_set():
             at, _, what, f = queue[0]
             if stop.wait(max(0.0, at - self.rec.now())):
                 break
             heapq.heappop(queue)
             due = self.offset + f.at
-            if what == "start" and self.rec.now() - due > LATE_S:
+            if what == "start" and waiting.get(f.kind, f.id) != f.id:
+                self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
+                               kind=f.kind, target=f.target,
+                               reason=f"another {f.kind} waits for a quiet cluster")  # fmt: skip
+            elif what == "start" and self.rec.now() - due > LATE_S:
+                waiting.pop(f.kind, None)
                 self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
                                kind=f.kind, target=f.target, reason="late")  # fmt: skip
             elif what == "start":
                 last_try = f.kind not in RETRIED or self.rec.now() + RETRY_S - due > LATE_S
                 seq += 1
                 if self.start(f, record_skip=last_try):  # healed its duration after it began
+                    waiting.pop(f.kind, None)
                     heapq.heappush(queue, (self.rec.now() + f.duration, seq, "heal", f))
                 elif not last_try:
+                    waiting[f.kind] = f.id
                     heapq.heappush(queue, (self.rec.now() + RETRY_S, seq, "start", f))
+                else:
+                    waiting.pop(f.kind, None)
             else:
                 self.heal(f)
             self.check_alive()
