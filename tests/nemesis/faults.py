@@ -74,6 +74,7 @@ RESTART_SEC = 2.0
 
 
 RETRIED = (WIPE, MEMBER, CORRUPT)
+FAIR_LEAD = 2  # how far one RETRIED kind may run ahead of the least started
 
 
 class Skip(Exception):
@@ -127,6 +128,10 @@ class Nemesis:
         # the others of its kind due meanwhile are skipped at once, or dense
         # lanes would pile up retries (each asks the cluster) and clog the loop.
         waiting: dict[str, str] = {}
+        # And they take turns: a kind that started FAIR_LEAD more than the
+        # least started of them lets the others go first (the first retry
+        # after a storm would otherwise win every quiet moment).
+        started: dict[str, int] = {k: 0 for k in RETRIED if any(x.kind == k for x in self.faults)}
         while queue and not stop.is_set():
             at, _, what, f = queue[0]
             if stop.wait(max(0.0, at - self.rec.now())):
@@ -141,10 +146,21 @@ class Nemesis:
                 waiting.pop(f.kind, None)
                 self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
                                kind=f.kind, target=f.target, reason="late")  # fmt: skip
+            elif (
+                what == "start"
+                and f.kind in started
+                and started[f.kind] > min(started.values()) + FAIR_LEAD
+                and self.rec.now() + RETRY_S - due <= LATE_S
+            ):
+                waiting[f.kind] = f.id  # the others' turn first
+                seq += 1
+                heapq.heappush(queue, (self.rec.now() + RETRY_S, seq, "start", f))
             elif what == "start":
                 last_try = f.kind not in RETRIED or self.rec.now() + RETRY_S - due > LATE_S
                 seq += 1
                 if self.start(f, record_skip=last_try):  # healed its duration after it began
+                    if f.kind in started:
+                        started[f.kind] += 1
                     waiting.pop(f.kind, None)
                     heapq.heappush(queue, (self.rec.now() + f.duration, seq, "heal", f))
                 elif not last_try:

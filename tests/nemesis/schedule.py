@@ -121,12 +121,14 @@ def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
     return {}
 
 
-# The kinds that take a node, a link or the leadership away. Wipes,
+# The kinds that take a node, a link, the leadership or the room to write
+# away (a follower whose disk is full holds back a catching-up node's
+# release: a long run's calms stalled on them). Wipes,
 # corruptions and membership changes (QUIET_KINDS) start only while none of
 # that is under way (every node a voter holding its copy, a leader known):
 # a long run that must give 300 of those too spaces these out (``pace``),
 # or alternates storms and calms (``phases``).
-DISRUPTIVE = (KILL, PAUSE, PARTITION, LOSS, SLOW, POWER)
+DISRUPTIVE = (KILL, PAUSE, PARTITION, LOSS, SLOW, POWER, DISK)
 QUIET_KINDS = (WIPE, CORRUPT, MEMBER)
 
 
