@@ -40,8 +40,8 @@ replica of every data group (``split_violations``, a pure function of the
 history, so that it can be fed a history with a violation): (1) each
 acknowledged publish is stored exactly once in each of its partitions, at
 the offset its answer gave, and nowhere else; (2) no publish, retried or
-not, is stored more than once in any partition; (3) nothing of a publish refused
-for sure is stored; and nothing is stored that was never sent.
+not, is stored more than once in any partition; (3) nothing of a publish
+refused for sure is stored; and nothing is stored that was never sent.
 """
 
 from __future__ import annotations
