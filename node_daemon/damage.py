@@ -13,17 +13,19 @@ caught by their checksum (``LmdbLogStorage.verify``).
 
 A damaged log cannot be repaired here, and a node must never vote or serve
 from it: it is moved aside (kept for the operator, under
-``corrupt-<time>/``) and the node starts that group with an empty log, as a
-wiped node does: catching up, voting only once a leader has caught it up
-(see ``node.py``). A damaged state is rebuilt from the snapshot and the
-log instead. Invariants: nothing is deleted; what is set aside is durable
-(its directory fsynced) before the empty log is made.
+``corrupt-<time>/``, the newest two such copies) and the node starts that
+group with an empty log, as a wiped node does: catching up, voting only
+once a leader has caught it up (see ``node.py``). A damaged state is
+rebuilt from the snapshot and the log instead. Invariants: nothing but an
+older set-aside copy is deleted; what is set aside is durable (its
+directory fsynced) before the empty log is made.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -108,9 +110,16 @@ def read_in_child(raft: Path) -> str:
     return f"entry {bad} of the log is corrupt or missing" if bad else ""
 
 
+KEEP_SET_ASIDE = 2  # damaged copies kept for a post-mortem, the newest first
+
+
 def set_aside(group_dir: Path, why: str) -> Path:
     """Move the group's log, state and snapshots into a new
-    ``corrupt-<time>`` directory beside them; returns it."""
+    ``corrupt-<time>`` directory beside them; returns it. Only the newest
+    KEEP_SET_ASIDE such directories are kept: each holds a whole copy of
+    the group, and a disk that damages logs again and again would
+    otherwise fill with them (RELIABILITY.md, finding 14)."""
+    _drop_old_copies(group_dir, keep=KEEP_SET_ASIDE - 1)
     aside = group_dir / f"corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     n = 0
     while aside.exists():
@@ -124,6 +133,17 @@ def set_aside(group_dir: Path, why: str) -> Path:
     fsync_dir(aside)
     fsync_dir(group_dir)
     return aside
+
+
+def _drop_old_copies(group_dir: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` set-aside copies of the group."""
+    copies = sorted(
+        (d for d in group_dir.glob("corrupt-*") if d.is_dir()),
+        key=lambda d: (d.stat().st_mtime_ns, d.name),
+    )
+    for old in copies[: max(0, len(copies) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+        log.warning("removed an old set-aside copy of a damaged log", extra={"dir": str(old)})
 
 
 class DamagedLogError(Exception):

@@ -1272,11 +1272,20 @@ class StateMachine:
         leaves either the old state or the new one."""
         staging = Path(f"{self.path}.incoming")
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        shutil.copyfile(snapshot_file, staging / "data.mdb")
-        with open(staging / "data.mdb", "rb+") as f:
-            os.fsync(f.fileno())
-        fsync_dir(staging)
+        try:
+            staging.mkdir(parents=True)
+            shutil.copyfile(snapshot_file, staging / "data.mdb")
+            with open(staging / "data.mdb", "rb+") as f:
+                os.fsync(f.fileno())
+            fsync_dir(staging)
+        except OSError as e:
+            # No room for the copy (finding 13): nothing changed; the caller
+            # tries again later, or the node says it cannot start.
+            shutil.rmtree(staging, ignore_errors=True)
+            if full_disk_error(e, self.path.parent):
+                why = f"disk full installing a snapshot in {self.path}: {e}"
+                raise StorageFullError(why) from e
+            raise
         self.env.close()
         old = Path(f"{self.path}.old")
         shutil.rmtree(old, ignore_errors=True)

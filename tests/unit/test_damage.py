@@ -135,3 +135,18 @@ def test_a_set_aside_log_hands_back_its_term_and_vote_and_a_lone_node_refuses(
     store, why, kept = damage.open_log(tmp_path)
     assert "entry 100" in why and (kept.term, kept.vote) == (2, 1)
     store.close()
+
+
+def test_only_the_newest_set_aside_copies_are_kept(tmp_path: Path) -> None:
+    """Finding 14: every damaged log set aside kept a whole copy of the
+    group; a disk that damages logs again and again filled with them (a
+    long nemesis run's node: 1.5 GiB of corrupt-* directories)."""
+    made = []
+    for k in range(4):
+        (tmp_path / "raft").mkdir()
+        (tmp_path / "raft" / "mark").write_text(str(k))
+        made.append(damage.set_aside(tmp_path, f"damage {k}"))
+    kept = sorted(tmp_path.glob("corrupt-*"))
+    assert len(kept) == damage.KEEP_SET_ASIDE == 2
+    assert set(kept) == set(made[-2:])
+    assert [(d / "raft" / "mark").read_text() for d in made[-2:]] == ["2", "3"]
