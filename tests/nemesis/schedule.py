@@ -57,15 +57,15 @@ LANES: dict[str, Lane] = {
     ),
     PAUSE: Lane((1.2, 4.0), (1.0, 5.0), (("leader", 3), ("follower", 2), ("queue", 1))),
     PARTITION: Lane(
-        (1.5, 6.0),
+        (1.0, 4.0),
         (1.0, 4.0),
         (("leader-isolated", 3), ("majority-minority", 2), ("bridge", 1), ("one-way", 2)),
     ),
-    LOSS: Lane((1.5, 6.0), (1.0, 4.0), (("node", 2), ("all", 1))),
+    LOSS: Lane((1.0, 4.0), (1.0, 4.0), (("node", 2), ("all", 1))),
     # This kernel has no netem (no fixed delay): a slow link instead, a token
     # bucket on the host's way out whose queue holds up to seconds of data.
-    SLOW: Lane((1.5, 6.0), (1.0, 4.0), (("leader", 2), ("follower", 1), ("queue", 1))),
-    DISK: Lane((2.0, 6.0), (1.0, 4.0), (("leader", 2), ("follower", 2))),
+    SLOW: Lane((1.0, 4.0), (1.0, 4.0), (("leader", 2), ("follower", 1), ("queue", 1))),
+    DISK: Lane((1.5, 5.0), (1.0, 4.0), (("leader", 2), ("follower", 2))),
     CLOCK: Lane((2.0, 6.0), (0.5, 3.0), (("leader", 2), ("follower", 2))),
     # The kinds that take a copy or a member wait for a quiet cluster (every
     # node a voter holding its copy, a leader known) and start only about
