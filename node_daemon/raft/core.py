@@ -585,7 +585,7 @@ class RaftCore:
             hint = m.reject_hint
             if m.log_term > 0:
                 hint, _ = self.log.find_conflict_by_term(m.reject_hint, m.log_term)
-            if pr.maybe_decr_to(m.index, hint):
+            if pr.maybe_decr_to(m.index, hint, lost_log=m.catching_up):
                 if pr.state == ProgressState.REPLICATE:
                     pr.become_probe()
                 self._send_append(m.frm)

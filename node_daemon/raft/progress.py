@@ -129,15 +129,20 @@ class Progress:
         elif self.state == ProgressState.PROBE:
             self.probe_sent = True
 
-    def maybe_decr_to(self, rejected: int, match_hint: int) -> bool:
+    def maybe_decr_to(self, rejected: int, match_hint: int, lost_log: bool = False) -> bool:
         """Handle a rejection of the append at ``rejected``; False if stale.
 
-        A rejection at exactly ``match`` means the follower no longer holds
-        what it acknowledged (its disk was wiped, say): ``match`` starts over
-        from 0. Lowering ``match`` never lowers the commit index."""
-        lost = self.match > 0 and rejected == self.match
+        A rejection at exactly ``match`` from a follower that says it lost
+        its log (``lost_log``: it is catching up after a wiped disk or a
+        damaged log) means it no longer holds what it acknowledged: ``match``
+        starts over from 0. From any other follower it is stale (a rejection
+        of a later append that arrived before the append it acknowledged
+        since; starting over for it re-sent the whole log, found by the
+        simulation's seed 4264). Lowering ``match`` never lowers the commit
+        index."""
+        lost = lost_log and self.match > 0 and rejected == self.match
         if self.state == ProgressState.REPLICATE:
-            if rejected < self.match:
+            if rejected < self.match or (rejected == self.match and not lost):
                 return False
             if lost:
                 self.match = 0

@@ -120,9 +120,22 @@ def test_conf_state_round_trips_and_rejects_overlap() -> None:
         ConfState(frozenset({1}), frozenset({1}))
 
 
-def test_a_rejection_at_match_means_the_follower_lost_its_log() -> None:
+def test_a_rejection_at_match_from_a_follower_that_lost_its_log_starts_over() -> None:
     p = Progress(next_index=1, max_inflight=8, max_inflight_bytes=1 << 20, is_learner=False)
     p.maybe_update(9)
     p.become_replicate()
-    assert p.maybe_decr_to(9, 0)
+    assert p.maybe_decr_to(9, 0, lost_log=True)  # it says it is catching up
     assert p.match == 0 and p.next == 1
+
+
+def test_a_rejection_at_match_from_any_other_follower_is_stale() -> None:
+    """Appends at 9 and 10 sent; the follower rejects 10 (it lacks 9 yet),
+    then takes 9 and acknowledges it; the rejection arrives after the
+    acknowledgement. Starting over from 0 for it re-sent the whole log
+    (the simulation's seed 4264 never converged)."""
+    p = Progress(next_index=1, max_inflight=8, max_inflight_bytes=1 << 20, is_learner=False)
+    p.maybe_update(9)
+    p.become_replicate()
+    p.sent_entries(12, 1)
+    assert not p.maybe_decr_to(9, 8)
+    assert p.match == 9 and p.next == 13
