@@ -12,13 +12,14 @@ that is not LMDB's is an error at open. Entries whose bytes changed are
 caught by their checksum (``LmdbLogStorage.verify``).
 
 A damaged log cannot be repaired here, and a node must never vote or serve
-from it: it is moved aside (kept for the operator, under
-``corrupt-<time>/``, the newest two such copies) and the node starts that
-group with an empty log, as a wiped node does: catching up, voting only
-once a leader has caught it up (see ``node.py``). A damaged state is
-rebuilt from the snapshot and the log instead. Invariants: nothing but an
-older set-aside copy is deleted; what is set aside is durable (its
-directory fsynced) before the empty log is made.
+from it: it is moved aside (the damaged log kept for the operator, under
+``corrupt-<time>/``, the newest two such copies; the state and snapshots
+made from it are dropped) and the node starts that group with an empty
+log, as a wiped node does: catching up, voting only once a leader has
+caught it up (see ``node.py``). A damaged state is rebuilt from the
+snapshot and the log instead. Invariants: nothing is deleted before it is
+out of the group's way; what is set aside is durable (its directory
+fsynced) before the empty log is made.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ _PSIZE_AT = 16 + _META.size  # dbs[0].md_pad
 _LAST_AT = 16 + _META.size + 2 * 48  # mm_last_pg, then mm_txnid
 # What LMDB raises for a file that is not an LMDB environment, or damaged.
 LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)
-# A group's files that hold its log and what was made from it.
+# A group's files that hold its log and what was made from it (all but the
+# log are dropped once set aside).
 GROUP_FILES = ("raft", "state", "state.incoming", "state.old", "snapshots", "state-unsynced")
 
 
@@ -115,10 +117,12 @@ KEEP_SET_ASIDE = 2  # damaged copies kept for a post-mortem, the newest first
 
 def set_aside(group_dir: Path, why: str) -> Path:
     """Move the group's log, state and snapshots into a new
-    ``corrupt-<time>`` directory beside them; returns it. Only the newest
-    KEEP_SET_ASIDE such directories are kept: each holds a whole copy of
-    the group, and a disk that damages logs again and again would
-    otherwise fill with them (RELIABILITY.md, finding 14)."""
+    ``corrupt-<time>`` directory beside them, then drop from it all but the
+    damaged log (the state and snapshots were made from it, and the node
+    fetches them again as it catches up); returns it. Only the newest
+    KEEP_SET_ASIDE such directories are kept: a disk that damages logs
+    again and again filled with whole copies of the group (RELIABILITY.md,
+    finding 14)."""
     _drop_old_copies(group_dir, keep=KEEP_SET_ASIDE - 1)
     aside = group_dir / f"corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     n = 0
@@ -132,6 +136,14 @@ def set_aside(group_dir: Path, why: str) -> Path:
             os.replace(group_dir / name, aside / name)
     fsync_dir(aside)
     fsync_dir(group_dir)
+    for name in GROUP_FILES:  # out of the group's way first, then dropped
+        derived = aside / name
+        if name == "raft" or not derived.exists():
+            continue
+        if derived.is_dir():
+            shutil.rmtree(derived, ignore_errors=True)
+        else:
+            derived.unlink(missing_ok=True)
     return aside
 
 

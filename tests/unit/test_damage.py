@@ -51,7 +51,8 @@ def test_a_log_with_a_corrupt_entry_is_set_aside_and_an_empty_one_opened(tmp_pat
     assert store.last_index() == 0 and store.initial_state() == HardState()
     store.close()
     [aside] = tmp_path.glob("corrupt-*")
-    assert (aside / "raft" / "data.mdb").exists() and (aside / "state").is_dir()
+    assert (aside / "raft" / "data.mdb").exists()  # the damaged log, for a post-mortem
+    assert not (aside / "state").exists()  # made from it: dropped, fetched again
     assert "entry 150" in (aside / "why").read_text()
     assert (tmp_path / "node_id").exists() and not (tmp_path / "state").exists()
 
