@@ -56,6 +56,20 @@ LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)
 GROUP_FILES = ("raft", "state", "state.incoming", "state.old", "snapshots", "state-unsynced")
 
 
+def _metas(head: bytes) -> list[tuple[int, int, int]]:
+    """(txnid, last page, page size) of each LMDB meta page in ``head``."""
+    metas = []
+    if len(head) >= _LAST_AT + 16:
+        (psize,) = struct.unpack_from("<I", head, _PSIZE_AT)
+        for off in (0, psize):
+            if 4096 <= psize <= 65536 and off + _LAST_AT + 16 <= len(head):
+                magic, version, _, _ = _META.unpack_from(head, off + 16)
+                last_pg, txnid = struct.unpack_from("<QQ", head, off + _LAST_AT)
+                if magic == _MAGIC and version == _VERSION:
+                    metas.append((txnid, last_pg, psize))
+    return metas
+
+
 def truncated(directory: Path) -> str:
     """Why the LMDB data file in ``directory`` cannot be mapped safely
     ('' when it can, or when there is none yet)."""
@@ -68,15 +82,7 @@ def truncated(directory: Path) -> str:
         return ""  # missing, or unreadable: LMDB's open says so, loudly
     if size == 0:
         return ""  # made, never written: LMDB writes it anew
-    metas = []
-    if len(head) >= _LAST_AT + 16:
-        (psize,) = struct.unpack_from("<I", head, _PSIZE_AT)
-        for off in (0, psize):
-            if 4096 <= psize <= 65536 and off + _LAST_AT + 16 <= len(head):
-                magic, version, _, _ = _META.unpack_from(head, off + 16)
-                last_pg, txnid = struct.unpack_from("<QQ", head, off + _LAST_AT)
-                if magic == _MAGIC and version == _VERSION:
-                    metas.append((txnid, last_pg, psize))
+    metas = _metas(head)
     if not metas:
         return f"{path} has no LMDB meta page"
     _, last_pg, psize = max(metas)
@@ -89,16 +95,34 @@ def truncated(directory: Path) -> str:
 def read_in_child(raft: Path) -> str:
     """Open the log in ``raft`` and read every entry in a child process:
     why it is damaged ('' if it reads whole). A SIGBUS kills the child, not
-    this process."""
+    this process. A log that reads whole is then rewritten (the child
+    copies every record into a new file, and checks the copy): pages
+    missing at the end of its file may still be LMDB's free list, whose
+    next use killed the node with SIGBUS (finding 16: a file cut by one
+    page passed this check, then the node's first write died)."""
+    compact = raft / "compact.tmp"
+    shutil.rmtree(compact, ignore_errors=True)
     code = (
         "import sys\n"
+        "import lmdb\n"
         "from node_daemon.raft_log import LmdbLogStorage\n"
         "s = LmdbLogStorage(sys.argv[1])\n"
-        "print(s.verify())\n"
+        "bad = s.verify()\n"
+        "if not bad:\n"
+        "    dst = lmdb.open(sys.argv[2], max_dbs=4, map_size=s.env.info()['map_size'])\n"
+        "    with s.env.begin() as rt, dst.begin(write=True) as wt:\n"
+        "        for name, db in ((b'log', s._log), (b'conf', s._conf), (b'meta', s._meta)):\n"
+        "            out = wt.cursor(db=dst.open_db(name, txn=wt))\n"
+        "            out.putmulti(rt.cursor(db=db).iternext(), append=True)\n"
+        "    dst.sync(True)\n"
+        "    dst.close()\n"
+        "    s.close()\n"
+        "    bad = LmdbLogStorage(sys.argv[2]).verify()\n"
+        "print(bad)\n"
     )
     try:
         r = subprocess.run(
-            [sys.executable, "-c", code, str(raft)],
+            [sys.executable, "-c", code, str(raft), str(compact)],
             capture_output=True, text=True, timeout=600,
             cwd=str(Path(__file__).resolve().parents[1]),
         )  # fmt: skip
@@ -109,7 +133,14 @@ def read_in_child(raft: Path) -> str:
     if r.returncode != 0:
         return f"the log cannot be read: {r.stderr.strip().splitlines()[-1:]}"
     bad = int(r.stdout.split()[-1]) if r.stdout.split() else -1
-    return f"entry {bad} of the log is corrupt or missing" if bad else ""
+    if bad:
+        return f"entry {bad} of the log is corrupt or missing"
+    os.replace(compact / "data.mdb", raft / "data.mdb")
+    fsync_dir(raft)
+    shutil.rmtree(compact, ignore_errors=True)
+    log.warning("the log's data file was shorter than its pages: rewritten compacted",
+                extra={"dir": str(raft)})  # fmt: skip
+    return ""
 
 
 KEEP_SET_ASIDE = 2  # damaged copies kept for a post-mortem, the newest first
