@@ -37,6 +37,16 @@ def small_tmpfs(where: Path, size: str, why: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def fill_up(path: Path) -> None:
+    """Write zeros to ``path`` until its filesystem has no room left."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+
+
 @pytest.fixture(scope="session")
 def test_ca(tmp_path_factory: pytest.TempPathFactory) -> ClusterCA:
     """The session's cluster CA and its certificates (tests/certs.py)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import small_tmpfs
+from tests.conftest import fill_up, small_tmpfs
 
 pytestmark = pytest.mark.unit
 
@@ -36,12 +36,7 @@ print("opened")
 @pytest.mark.parametrize("what", ["log", "state"])
 def test_opening_on_a_full_disk_is_a_storage_full_error(tmp_path: Path, what: str) -> None:
     with small_tmpfs(tmp_path / "tiny", "1m", "the full-disk open test") as mnt:
-        with open(mnt / "fill", "wb") as f:  # fill it up
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-            except OSError:
-                pass
+        fill_up(mnt / "fill")
         child = subprocess.run(
             [sys.executable, "-c", OPEN, what, str(mnt / what)],
             capture_output=True,

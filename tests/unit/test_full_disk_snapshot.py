@@ -12,7 +12,7 @@ import pytest
 
 from node_daemon.raft import StorageFullError
 from node_daemon.state.machine import StateMachine
-from tests.conftest import small_tmpfs
+from tests.conftest import fill_up, small_tmpfs
 
 pytestmark = pytest.mark.unit
 
@@ -25,12 +25,7 @@ def test_a_snapshot_install_on_a_full_disk_is_a_storage_full_error(tmp_path: Pat
     with small_tmpfs(tmp_path / "tiny", "2m", "the full-disk snapshot test") as mnt:
         sm = StateMachine(mnt / "state")
         before = sm.digest()
-        with open(mnt / "fill", "wb") as f:  # no room left
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-            except OSError:
-                pass
+        fill_up(mnt / "fill")
         with pytest.raises(StorageFullError, match="disk full installing a snapshot"):
             sm.install_snapshot(snapshot)
         assert not (mnt / "state.incoming").exists()  # the partial copy is gone
