@@ -104,18 +104,12 @@ def read_in_child(raft: Path) -> str:
     shutil.rmtree(compact, ignore_errors=True)
     code = (
         "import sys\n"
-        "import lmdb\n"
+        "from pathlib import Path\n"
         "from node_daemon.raft_log import LmdbLogStorage\n"
         "s = LmdbLogStorage(sys.argv[1])\n"
         "bad = s.verify()\n"
         "if not bad:\n"
-        "    dst = lmdb.open(sys.argv[2], max_dbs=4, map_size=s.env.info()['map_size'])\n"
-        "    with s.env.begin() as rt, dst.begin(write=True) as wt:\n"
-        "        for name, db in ((b'log', s._log), (b'conf', s._conf), (b'meta', s._meta)):\n"
-        "            out = wt.cursor(db=dst.open_db(name, txn=wt))\n"
-        "            out.putmulti(rt.cursor(db=db).iternext(), append=True)\n"
-        "    dst.sync(True)\n"
-        "    dst.close()\n"
+        "    s.copy_records(Path(sys.argv[2]))\n"
         "    s.close()\n"
         "    bad = LmdbLogStorage(sys.argv[2]).verify()\n"
         "print(bad)\n"
@@ -138,7 +132,7 @@ def read_in_child(raft: Path) -> str:
     os.replace(compact / "data.mdb", raft / "data.mdb")
     fsync_dir(raft)
     shutil.rmtree(compact, ignore_errors=True)
-    log.warning("the log's data file was shorter than its pages: rewritten compacted",
+    log.warning("the log's data file was shorter than its pages: rewritten",
                 extra={"dir": str(raft)})  # fmt: skip
     return ""
 

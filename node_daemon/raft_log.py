@@ -270,6 +270,21 @@ class LmdbLogStorage:
                 expect += 1
         return 0 if expect == self._last + 1 else expect
 
+    def copy_records(self, dest: Path) -> None:
+        """Write every record of this log (entries, configurations, hard
+        state and snapshot records) into a new LMDB file in ``dest``,
+        durably: a file that holds only what this log's trees reach (not
+        LMDB's free list, nor pages it never wrote)."""
+        dst = lmdb.open(str(dest), max_dbs=4, map_size=self.env.info()["map_size"])
+        try:
+            with self.env.begin() as rt, dst.begin(write=True) as wt:
+                for name, db in ((b"log", self._log), (b"conf", self._conf), (b"meta", self._meta)):
+                    out = wt.cursor(db=dst.open_db(name, txn=wt))
+                    out.putmulti(rt.cursor(db=db).iternext(), append=True)
+            dst.sync(True)
+        finally:
+            dst.close()
+
     def config_entries(self) -> list[Entry]:
         out: list[Entry] = []
         with self.env.begin(db=self._conf) as txn:
