@@ -142,7 +142,7 @@ class Progress:
         index."""
         lost = lost_log and self.match > 0 and rejected == self.match
         if self.state == ProgressState.REPLICATE:
-            if rejected < self.match or (rejected == self.match and not lost):
+            if rejected <= self.match and not lost:
                 return False
             if lost:
                 self.match = 0

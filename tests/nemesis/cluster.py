@@ -358,26 +358,33 @@ class NemesisCluster:
 
     # ---------------------------------------------------------- membership
 
-    def catching_up(self, svc: Service) -> bool | None:
-        """Whether the node says it is catching up after losing its copy
-        (None: it does not answer, say while it starts)."""
+    @staticmethod
+    def _own_status(address: str) -> client_pb2.NodeStatus | None:
+        """What the node at ``address`` says of itself (None: no answer)."""
         try:
-            with grpc.insecure_channel(svc.address) as ch:
+            with grpc.insecure_channel(address) as ch:
                 st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=2)
         except grpc.RpcError:
             return None
-        return bool(st.nodes[0].catching_up)
+        return st.nodes[0]
+
+    def catching_up(self, svc: Service) -> bool | None:
+        """Whether the node says it is catching up after losing its copy
+        (None: it does not answer, say while it starts)."""
+        me = self._own_status(svc.address)
+        return None if me is None else bool(me.catching_up)
 
     def voters(self, leader: int, committed: bool = False) -> tuple[set[int], set[int]] | None:
         """(voters, learners) of the leader's configuration (None: no answer,
         or with ``committed``, a configuration not committed yet: a leader
         uses its latest one at once, and a newer leader may lack it)."""
         try:
-            with grpc.insecure_channel(self.node(leader).address) as ch:
-                st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=2)
-        except (grpc.RpcError, KeyError):
+            address = self.node(leader).address
+        except KeyError:
             return None
-        me = st.nodes[0]
+        me = self._own_status(address)
+        if me is None:
+            return None
         if committed and me.conf_index > me.commit_index:
             return None
         return set(me.voters), set(me.learners)

@@ -287,16 +287,13 @@ class Nemesis:
         leader: int,
         *,
         allow_paused: bool = True,
-        keep: Callable[[Service], bool] | None = None,
     ) -> list[Service]:
         """The nodes a target names, among those up (and not paused unless
-        allowed, and kept by ``keep`` if given); raises Skip when none fits."""
+        allowed); raises Skip when none fits."""
         nodes = [
             s
             for s in self.cluster.node_services
-            if self._up(s)
-            and (allow_paused or s.name not in self.paused)
-            and (keep is None or keep(s))
+            if self._up(s) and (allow_paused or s.name not in self.paused)
         ]
         if target == "leader":
             pick = [s for s in nodes if s.ident == leader] or nodes[:0]
@@ -382,9 +379,7 @@ class Nemesis:
         if not leader:
             raise Skip("no leader known: any node may hold the only copies")
         self._all_hold_a_copy()
-        everyone = {s.ident for s in self.cluster.node_services}
-        if self.removed or self.cluster.voters(leader, committed=True) != (everyone, set()):
-            raise Skip("a member is out or not promoted yet (committed), or no leader answers")
+        self._every_node_a_voter(leader)
         (svc,) = self._nodes(f.target, leader)
         self.cluster.kill(svc)
         self.down[svc.name] = f.id
@@ -488,10 +483,7 @@ class Nemesis:
         c = self.cluster
         self._add_back(tries=1)  # one left out by a heal that found no leader
         self._all_hold_a_copy()  # no voter removed while one catches up
-        conf = c.voters(leader, committed=True) if leader else None
-        everyone = {s.ident for s in c.node_services}
-        if self.removed or conf is None or conf != (everyone, set()):
-            raise Skip("a member is out or not promoted yet (committed), or no leader answers")
+        self._every_node_a_voter(leader)
         (svc,) = self._nodes(f.target, leader)
         # Whatever the answer (a timeout may come after the change), the node
         # may be out now: it is added back at heal (adding a member is a no-op).
@@ -504,6 +496,15 @@ class Nemesis:
             self._add_back(tries=2)
 
         return heal, {"services": [svc.name], "acked": acked}
+
+    def _every_node_a_voter(self, leader: int) -> None:
+        """Skip unless the leader's configuration has every node a voter,
+        no learner, and is committed (a newer leader may lack one that is
+        not), and no node is out by a membership fault."""
+        everyone = {s.ident for s in self.cluster.node_services}
+        conf = self.cluster.voters(leader, committed=True) if leader else None
+        if self.removed or conf != (everyone, set()):
+            raise Skip("a member is out or not promoted yet (committed), or no leader answers")
 
     def _all_hold_a_copy(self) -> None:
         """Skip unless every node holds its copy: none catching up since a
