@@ -108,9 +108,19 @@ class Snapshots:
 
     def file(self, index: int, term: int) -> Path | None:
         """The local snapshot at (``index``, ``term``), if it is here (what
-        the transport sends to a follower behind the compacted log)."""
+        the transport sends to a follower behind the compacted log): one
+        this node took (``snap-*``) or the one its log names, which may be a
+        snapshot it received from an earlier leader (``recv-*``) and now
+        must pass on as leader itself."""
         p = self.path(index, term)
-        return p if p.exists() else None
+        if p.exists():
+            return p
+        current = self._log_store.snapshot()
+        if current.meta.index == index and current.meta.term == term and current.data:
+            named = Path(current.data.decode())
+            if named.exists():
+                return named
+        return None
 
     def _remove_old(self, keep: Path) -> None:
         for old in self.directory.glob("snap-*.mdb"):

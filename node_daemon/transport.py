@@ -293,6 +293,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self._snapshot_timers: dict[tuple[int, int], asyncio.TimerHandle] = {}  # (group, to)
         self._fetching: set[tuple[int, int, int]] = set()  # (group, index, term)
         self._sha_cache: dict[Path, bytes] = {}
+        self._missing_said: set[tuple[int, int, int]] = set()  # (group, index, term) warned of
 
     def add_group(self, group: int, endpoint: GroupEndpoint) -> None:
         """Route ``group``'s messages to ``endpoint`` (before the group sends)."""
@@ -442,6 +443,13 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         path = group.snapshot_file(request.index, request.term)
         if path is None or not path.exists():
             # The pull ended here: Raft sends a snapshot again (a newer one).
+            key = (request.group, request.index, request.term)
+            if key not in self._missing_said:
+                self._missing_said.add(key)
+                log.warning(
+                    "asked for a snapshot that is not here",
+                    extra={"peer": request.node_id, "group": request.group, "index": request.index},
+                )
             group.on_snapshot_status(request.node_id, False)
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such snapshot here any more")
             return
