@@ -84,6 +84,7 @@ from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
 from node_daemon.transport import GroupEndpoint, PeerTransport
 from roadlog.columnar import varint
+from roadlog.errors import Code, RoadlogError
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
 from roadlog.runtime import tls
 from roadlog.v1 import admin_pb2_grpc, client_pb2, command_pb2
@@ -97,6 +98,28 @@ INLINE_APPLY_BYTES = 256 << 10
 # empty (see the module docstring); a wipe or a restore takes it along.
 CATCHING_UP_FILE = "catching-up"
 ASK_PEERS_EVERY_S = 0.5
+
+
+PAST_DEADLINE = (
+    "not stored: its deadline passed before the leader could put it in the log "
+    "(the client has stopped waiting, and may have sent its next request)"
+)
+
+_Proposal = tuple[command_pb2.Op, "asyncio.Future[OpResult]", float | None]  # op, answer, deadline
+
+
+def _in_time(ops: list[_Proposal], now: float) -> list[_Proposal]:
+    """The proposals whose deadline has not passed at ``now``; the others
+    are answered DEADLINE_EXCEEDED and never enter the log."""
+    kept = []
+    for p in ops:
+        deadline, fut = p[2], p[1]
+        if deadline is not None and deadline <= now:
+            if not fut.done():
+                fut.set_exception(RoadlogError(Code.DEADLINE_EXCEEDED, PAST_DEADLINE))
+        else:
+            kept.append(p)
+    return kept
 
 
 def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
@@ -269,7 +292,8 @@ class RaftNode:
         self.transport = transport
         self._inbox: deque[Callable[[RaftCore], None]] = deque()
         self._wakeup = asyncio.Event()
-        self._ops: list[tuple[command_pb2.Op, asyncio.Future[OpResult]]] = []
+        # Proposals waiting for the driver: (op, its future, its deadline).
+        self._ops: list[_Proposal] = []
         self._ops_taken = asyncio.Event()  # set while no proposal waits for the driver
         self._ops_taken.set()
         self._pending: PendingProposals[_Futures] = PendingProposals()
@@ -323,14 +347,16 @@ class RaftNode:
         self._inbox.append(fn)
         self._wakeup.set()
 
-    async def propose_op(self, op: command_pb2.Op) -> OpResult:
+    async def propose_op(self, op: command_pb2.Op, deadline: float | None = None) -> OpResult:
         """Replicate one operation; its result once applied here. Raises
-        NotLeader when this node cannot take it (the client retries)."""
+        NotLeader when this node cannot take it (the client retries).
+        ``deadline`` (monotonic): if the op has not entered the log by then
+        (the loop was paused, or busy), it never does: DEADLINE_EXCEEDED."""
         if self.core.role != Role.LEADER:
             raise NotLeader(self.core.lead)
         self.disk.refuse(op.WhichOneof("op"), self.id)
         fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
-        self._ops.append((op, fut))
+        self._ops.append((op, fut, deadline))
         self._ops_taken.clear()
         self._wakeup.set()
         t0 = time.perf_counter()
@@ -577,26 +603,29 @@ class RaftNode:
         self._ops_taken.set()
         core = self.core
         if core.role != Role.LEADER:
-            for _, fut in ops:
+            for _, fut, _ in ops:
                 if not fut.done():
                     fut.set_exception(NotLeader(core.lead))
+            return
+        ops = _in_time(ops, time.monotonic())
+        if not ops:
             return
         now_ms = self.log_clock.stamp()  # not time.time(): a step of it is not believed
         # Each op serialized once and framed as a Command's ops field by
         # hand: no copy of the ops into a Command message, no sizing pass.
-        serialized = [op.SerializeToString() for op, _ in ops]
+        serialized = [op.SerializeToString() for op, _, _ in ops]
         runs = chunk_by_bytes([len(s) for s in serialized], self.cfg.max_ops_per_entry, ENTRY_BYTES)
         groups = [ops[r.start : r.stop] for r in runs]
         datas = [command_bytes(now_ms, serialized[r.start : r.stop]) for r in runs]
         try:
             first = core.propose_many(datas)
         except ProposalDropped as e:
-            for _, fut in ops:
+            for _, fut, _ in ops:
                 if not fut.done():
                     fut.set_exception(NotLeader(e.leader, e.reason))
             return
         for i, g in enumerate(groups):
-            self._pending.add(first + i, core.term, [fut for _, fut in g])
+            self._pending.add(first + i, core.term, [fut for _, fut, _ in g])
         metrics.PROPOSED_OPS.inc(len(ops))
 
     async def _drive(self) -> None:
@@ -802,7 +831,7 @@ class RaftNode:
         if core.role != Role.LEADER:
             # Proposals not yet in the log cannot be taken any more.
             ops, self._ops = self._ops, []
-            for _, fut in ops:
+            for _, fut, _ in ops:
                 if not fut.done():
                     fut.set_exception(NotLeader(core.lead))
         for fn in self.state_listeners:

@@ -28,7 +28,7 @@ from node_daemon.appends import (
 )
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.grouped_work import Executor, group_states
-from node_daemon.node import NotLeader, RaftNode
+from node_daemon.node import PAST_DEADLINE, NotLeader, RaftNode
 from node_daemon.responses import publish_batch_response
 from node_daemon.state.machine import (
     MAX_PRODUCER_IDS_PER_CLIENT,
@@ -117,13 +117,17 @@ class _Call:
     Invariant: ``future`` gets its result exactly when every publish has an
     outcome; each publish's first outcome stands."""
 
-    __slots__ = ("future", "outcomes", "principal", "remaining", "requests")
+    __slots__ = ("deadline", "future", "outcomes", "principal", "remaining", "requests")
 
-    def __init__(self, requests: list[bytes], principal: str = "") -> None:
+    def __init__(
+        self, requests: list[bytes], principal: str = "", deadline: float | None = None
+    ) -> None:
         self.requests = requests
         # The authenticated identity's client id: the publishes' client id
         # ("": the one each request declares, client_auth off).
         self.principal = principal
+        # When (monotonic) the client stops waiting: not proposed after it.
+        self.deadline = deadline
         self.outcomes: list[Outcome | None] = [None] * len(requests)
         self.remaining = len(requests)
         self.future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
@@ -140,6 +144,19 @@ class _Call:
         for i, o in enumerate(self.outcomes):
             if o is None:
                 self.settle(i, outcome)
+
+
+def _in_time(calls: list[_Call], now: float) -> list[_Call]:
+    """The calls whose deadline has not passed; the others are answered
+    DEADLINE_EXCEEDED, nothing of them stored."""
+    late = RoadlogError(Code.DEADLINE_EXCEEDED, PAST_DEADLINE)
+    kept = []
+    for call in calls:
+        if call.deadline is not None and call.deadline <= now:
+            call.settle_rest(late)
+        else:
+            kept.append(call)
+    return kept
 
 
 def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Task[OpResult]) -> None:
@@ -217,6 +234,7 @@ class WorkHandler:
         self.groups = GroupCoordinator(node)
         self._read_links: set[object] = set()  # queue servers where fenced reads come in
         self._placed_topics: set[str] = set()  # a data group's: topics seen placed here
+        self._deadlines: dict[int, float] = {}  # write items being done: their deadlines
 
     def reads_flowing(self, link: object, on: bool) -> None:
         """A queue server says fenced reads come in there lately (or no
@@ -242,6 +260,9 @@ class WorkHandler:
         if handler is None:
             res.code, res.message = Code.UNIMPLEMENTED, f"no method {item.method}"
             return res
+        if item.kind == work_pb2.WORK_KIND_WRITE and item.budget_ms:
+            # Publishes carry it to the moment they enter the log (_Call).
+            self._deadlines[item.id] = time.monotonic() + item.budget_ms / 1000
         try:
             out = await handler(item)
             res.code, res.message, res.response = out.code, out.message, out.response
@@ -249,6 +270,8 @@ class WorkHandler:
                 res.parts.extend(out.parts)
         except Exception as e:
             res.code, res.message = failure_status(e, item.method)
+        finally:
+            self._deadlines.pop(item.id, None)
         if len(res.response) > CLIENT_MESSAGE_BYTES:
             # Never send what the client's hop refuses: it would break this
             # stream, and the request would be handed out again.
@@ -264,9 +287,10 @@ class WorkHandler:
     # ---------------------------------------------------------------- writes
 
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
+        deadline = self._deadlines.get(item.id)
         if self._splits():
-            return await self._split(_Call([item.request], item.principal), lone=True)
-        return await self._publish(item.request, item.principal)
+            return await self._split(_Call([item.request], item.principal, deadline), lone=True)
+        return await self._publish(item.request, item.principal, deadline)
 
     async def publish_batch(self, item: work_pb2.WorkItem) -> OpResult:
         """Every request of the batch goes the way of a lone publish, and
@@ -282,9 +306,10 @@ class WorkHandler:
             raise MalformedRequest(
                 f"a PublishBatch holds at most {MAX_BATCH_REQUESTS} requests, not {len(requests)}"
             )
+        call = _Call(requests, item.principal, self._deadlines.get(item.id))
         if self._splits():
-            return await self._split(_Call(requests, item.principal), lone=False)
-        outcomes = await self._enqueue(_Call(requests, item.principal))
+            return await self._split(call, lone=False)
+        outcomes = await self._enqueue(call)
         if all(isinstance(o, NotLeader) for o in outcomes):
             raise outcomes[0]  # type: ignore[misc]
         answers = [
@@ -311,6 +336,8 @@ class WorkHandler:
         refusal is in the result (``lone``: raised, as for a Publish)."""
         if not self.node.is_leader:
             raise NotLeader(self.node.core.lead)
+        if not _in_time([call], time.monotonic()):
+            raise RoadlogError(Code.DEADLINE_EXCEEDED, PAST_DEADLINE)
         n = len(call.requests)
         owners = [(call, i) for i in range(n)]
         clients = [call.principal] * n
@@ -325,7 +352,9 @@ class WorkHandler:
             topic = self.node.sm.topic(op.topic)
             positions = [owners[m][1] for m in p.members]
             if not topic.partition_groups:  # a topic of group 0 (made before placement)
-                proposal = asyncio.get_running_loop().create_task(self.node.propose_op(p.op))
+                proposal = asyncio.get_running_loop().create_task(
+                    self.node.propose_op(p.op, deadline=call.deadline)
+                )
                 proposal.add_done_callback(
                     functools.partial(_settle_spans, [owners[m] for m in p.members])
                 )
@@ -389,8 +418,10 @@ class WorkHandler:
             answers = [(res.code, res.message, res.response)] * len(op.append.spans)
         return OpResult(response=publish_batch_response(answers))
 
-    async def _publish(self, request: bytes, principal: str = "") -> OpResult:
-        call = _Call([request], principal)
+    async def _publish(
+        self, request: bytes, principal: str = "", deadline: float | None = None
+    ) -> OpResult:
+        call = _Call([request], principal, deadline)
         if self.node.cfg.merge_publishes:
             (outcome,) = await self._enqueue(call)
         else:
@@ -436,6 +467,7 @@ class WorkHandler:
             for call in calls:
                 call.settle_rest(err)
             return
+        calls = _in_time(calls, time.monotonic())
         t0 = time.perf_counter()
         requests = [r for c in calls for r in c.requests]
         owners = [(c, i) for c in calls for i in range(len(c.requests))]
@@ -455,10 +487,12 @@ class WorkHandler:
             call, pos = owners[i]
             call.settle(pos, e)
         for p in prepared:
-            proposal = loop.create_task(self.node.propose_op(p.op))
-            proposal.add_done_callback(
-                functools.partial(_settle_spans, [owners[i] for i in p.members])
+            members = [owners[i] for i in p.members]
+            deadlines = [c.deadline for c, _ in members if c.deadline is not None]
+            proposal = loop.create_task(
+                self.node.propose_op(p.op, deadline=min(deadlines, default=None))
             )
+            proposal.add_done_callback(functools.partial(_settle_spans, members))
 
     async def _topics_placed(self, names: set[str]) -> None:
         """Wait (``_placed``) until this data group placed each topic the

@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,10 @@ MAX_MAPS = 1024  # topics' maps kept at most
 MAX_CLIENT_ID = 128
 RETRY_AFTER_S = "1"
 TIMEOUT_HEADER = "X-Timeout-Ms"
+# The deadline as a wall-clock time (Unix ms): unlike the timeout, it also
+# counts what passed before this server read the request (a backlog, a
+# restart, a pause). The earlier of the two holds.
+DEADLINE_HEADER = "X-Deadline-Unix-Ms"
 IDLE_TIMEOUT_S = 10.0  # no complete request (line + headers) for this long: closed
 BODY_IDLE_S = 10.0  # no byte of a request body for this long: 408
 LINGER_S = 2.0  # the unread rest of a body (after 408, 413, 404 ...) is drained this long at most
@@ -236,12 +240,10 @@ class HttpApi:
         response: type[Message] | None = None,
     ) -> Any:
         """Through the queues like a gRPC call; the deadline from the
-        ``X-Timeout-Ms`` header (else the queue server's default). The
-        answer is the rpc's response message (or ``response``, a view of it)."""
-        timeout = None
-        if TIMEOUT_HEADER in request.headers:
-            ms = _query_int(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000)
-            timeout = ms / 1000
+        ``X-Timeout-Ms`` and ``X-Deadline-Unix-Ms`` headers, the earlier
+        (else the queue server's default). The answer is the rpc's response
+        message (or ``response``, a view of it)."""
+        timeout = request_timeout(request.headers, time.time())
         caller = Caller(request.headers.get("Authorization"), request.remote or "", client)
         wire = req if isinstance(req, bytes) else req.SerializeToString()
         raw = await self._call(method, wire, timeout, caller)
@@ -542,6 +544,27 @@ def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise bad(f"{key} must be an integer in {lo}..{hi}")
     return v
+
+
+def request_timeout(headers: Mapping[str, str], now_unix: float) -> float | None:
+    """Seconds left for a request by its headers at ``now_unix``: the
+    earlier of ``X-Timeout-Ms`` (from now) and ``X-Deadline-Unix-Ms``; None
+    when neither is given. A deadline already passed is answered at once:
+    the client has stopped waiting (or its clock is wrong, which it is told)."""
+    timeout = None
+    if TIMEOUT_HEADER in headers:
+        timeout = _query_int(headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000) / 1000
+    if DEADLINE_HEADER in headers:
+        at_ms = _query_int(headers[DEADLINE_HEADER], DEADLINE_HEADER, 1, 2**53)
+        left = at_ms / 1000 - now_unix
+        if left <= 0:
+            raise RoadlogError(
+                Code.DEADLINE_EXCEEDED,
+                f"{DEADLINE_HEADER} passed {-left:.3f} s before this server read the request "
+                "(by its clock): nothing was done",
+            )
+        timeout = left if timeout is None else min(timeout, left)
+    return timeout
 
 
 def _query_int(raw: str, name: str, lo: int, hi: int = 2**63 - 1) -> int:

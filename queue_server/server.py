@@ -108,15 +108,19 @@ class Outgoing:
     request: bytes
 
     @classmethod
-    def of(cls, it: Item, deadline_unix_ms: int) -> Outgoing:
+    def of(cls, it: Item, now: float) -> Outgoing:
+        """``it`` handed out at ``now`` (monotonic): its deadline goes as
+        the wall-clock time and as the milliseconds left (``budget_ms``)."""
+        left = max(it.deadline - now, 0.001)
         head = work_pb2.WorkItem(
             id=it.id,
             kind=_KIND[it.kind],
             method=it.method,
             fence=it.fence,
-            deadline_unix_ms=deadline_unix_ms,
+            deadline_unix_ms=int((time.time() + left) * 1000),
             principal=it.principal,
             group=it.group,
+            budget_ms=min(int(left * 1000) or 1, (1 << 32) - 1),
         ).SerializeToString()
         return cls(it.id, head + length_delimited(_ITEM_REQUEST, len(it.request)), it.request)
 
@@ -381,7 +385,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 continue
             _WAIT[it.kind].observe(now - it.enqueued)
             _taken(w.node_id, it.kind).inc()
-            session.put_nowait(Outgoing.of(it, int((time.time() + it.deadline - now) * 1000)))
+            session.put_nowait(Outgoing.of(it, now))
         for queue_kind in (Kind.WRITE, Kind.READ):
             _DEPTH[queue_kind].set(self.q.depth(queue_kind))
             _DEPTH_BYTES[queue_kind].set(self.q.queues[queue_kind].bytes)

@@ -280,6 +280,16 @@ def test_http_api_operations_and_errors(make_cluster: Callable[..., LocalCluster
     assert grown == {p: int(p == marked["partition"]) for p in grown}  # only the good ping
     assert all(alive(p.pid) for p in [*lc.nodes, *lc.queue_servers])
 
+    # A publish read after its X-Deadline-Unix-Ms (a client that has gone on
+    # to its next request): 504 at once, nothing of it stored.
+    late = {"X-Deadline-Unix-Ms": str(int(time.time() * 1000) - 5000)}
+    code, _, got = http(
+        "POST", f"{base}/v1/topics/munich/pings", {"client_id": "c", "pings": pings}, headers=late
+    )
+    assert code == 504 and "before this server read the request" in got["error"]["reason"]
+    fenced = f"{base}/v1/topics/munich?min_applied_index={mark['applied_index']}"
+    assert http("GET", fenced)[2]["partition_states"] == after
+
     # No node at all: 503 with Retry-After once the request's deadline passes.
     for n in lc.nodes:
         lc.kill(n.id)

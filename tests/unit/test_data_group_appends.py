@@ -47,7 +47,7 @@ class Group:
         [[res]] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())])
         return res
 
-    async def propose_op(self, op: command_pb2.Op) -> OpResult:
+    async def propose_op(self, op: command_pb2.Op, deadline: float | None = None) -> OpResult:
         return self.commit(op)
 
     async def proposals_taken(self) -> None:

@@ -20,7 +20,7 @@ class ProposalLog:
     def __init__(self) -> None:
         self.ops: list[command_pb2.Op] = []
 
-    async def propose_op(self, op: command_pb2.Op) -> OpResult:
+    async def propose_op(self, op: command_pb2.Op, deadline: float | None = None) -> OpResult:
         self.ops.append(op)
         return OpResult()
 

@@ -255,7 +255,7 @@ def test_the_leader_refuses_a_join_past_a_quota_before_proposing(
     class Leader:
         sm = r.sm
 
-        async def propose_op(self, op: command_pb2.Op) -> OpResult:
+        async def propose_op(self, op: command_pb2.Op, deadline: float | None = None) -> OpResult:
             proposed.append(op)
             [res] = r.run(T0, op)
             return res

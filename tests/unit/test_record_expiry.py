@@ -162,7 +162,7 @@ def test_an_identity_gets_no_more_producer_ids_than_its_quota(
     class Leader:
         sm = r.sm
 
-        async def propose_op(self, op: command_pb2.Op) -> OpResult:
+        async def propose_op(self, op: command_pb2.Op, deadline: float | None = None) -> OpResult:
             proposed.append(op)
             ip = op.init_producer
             if not ip.next_epoch:  # a new id (a renewal issues none)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -259,8 +260,8 @@ def test_work_goes_out_as_workitems_wire_bytes_with_the_newest_fence_wait(
         out.get_nowait()  # the session's first FenceWait
         big = b"B" * (WORK_BATCH_BYTES + 1)
         for i, req in enumerate([b"a", b"", big, b"c"], start=1):
-            it = Item(i, Kind.WRITE, "Publish", req, 1e12, 0.0, 0, client="c")
-            out.put_nowait(Outgoing.of(it, 1234))
+            it = Item(i, Kind.WRITE, "Publish", req, 12.5, 0.0, 0, client="c")
+            out.put_nowait(Outgoing.of(it, 10.0))  # handed out with 2.5 s left
             if i == 1:
                 out.put_nowait(work_pb2.FenceWait(index=9, reads=True))
                 out.put_nowait(work_pb2.FenceWait())  # newer: none waits
@@ -276,11 +277,12 @@ def test_work_goes_out_as_workitems_wire_bytes_with_the_newest_fence_wait(
     assert sent[0].HasField("fence_wait") and sent[0].fence_wait == work_pb2.FenceWait()
     assert not sent[1].HasField("fence_wait") and not sent[2].HasField("fence_wait")
     first = sent[0].items[0]
-    assert (first.kind, first.method, first.deadline_unix_ms) == (
+    assert (first.kind, first.method, first.budget_ms) == (
         work_pb2.WORK_KIND_WRITE,
         "Publish",
-        1234,
+        2500,
     )
+    assert abs(first.deadline_unix_ms - (time.time() + 2.5) * 1000) < 60_000
 
 
 def test_a_frames_port_already_taken_means_nodes_pull_over_grpc(tmp_path: Path) -> None:

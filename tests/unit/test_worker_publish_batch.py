@@ -46,7 +46,7 @@ class StubNode:
     async def proposals_taken(self) -> None:
         return None
 
-    async def propose_op(self, op: Any) -> OpResult:
+    async def propose_op(self, op: Any, deadline: float | None = None) -> OpResult:
         if self.outcome == "cancelled":
             raise asyncio.CancelledError  # the node stopped with it in flight
         spans = tuple(OpResult(response=b"ok") for _ in op.append.spans)
@@ -165,7 +165,7 @@ class SpanNamingNode(StubNode):
         self.proposed = 0
         self.ops = 0
 
-    async def propose_op(self, op: Any) -> OpResult:
+    async def propose_op(self, op: Any, deadline: float | None = None) -> OpResult:
         self.ops += 1
         first = self.proposed
         self.proposed += len(op.append.spans)
