@@ -411,7 +411,7 @@ class WorkHandler:
         except DecodeError as e:
             raise MalformedRequest(f"malformed AppendOp: {e}") from None
         await _placed(self.node, op.append.topic, op.append.topic_id)
-        res = await self.node.propose_op(op)
+        res = await self.node.propose_op(op, deadline=self._deadlines.get(item.id))
         if res.spans:
             answers = [(s.code, s.message, s.response) for s in res.spans]
         else:  # refused whole
