@@ -234,7 +234,9 @@ class WorkHandler:
         self.groups = GroupCoordinator(node)
         self._read_links: set[object] = set()  # queue servers where fenced reads come in
         self._placed_topics: set[str] = set()  # a data group's: topics seen placed here
-        self._deadlines: dict[int, float] = {}  # write items being done: their deadlines
+        # Write items being done, by the item object (ids are per queue server,
+        # and two may use the same): their deadlines on this monotonic clock.
+        self._deadlines: dict[int, float] = {}
 
     def reads_flowing(self, link: object, on: bool) -> None:
         """A queue server says fenced reads come in there lately (or no
@@ -262,7 +264,7 @@ class WorkHandler:
             return res
         if item.kind == work_pb2.WORK_KIND_WRITE and item.budget_ms:
             # Publishes carry it to the moment they enter the log (_Call).
-            self._deadlines[item.id] = time.monotonic() + item.budget_ms / 1000
+            self._deadlines[id(item)] = time.monotonic() + item.budget_ms / 1000
         try:
             out = await handler(item)
             res.code, res.message, res.response = out.code, out.message, out.response
@@ -271,7 +273,7 @@ class WorkHandler:
         except Exception as e:
             res.code, res.message = failure_status(e, item.method)
         finally:
-            self._deadlines.pop(item.id, None)
+            self._deadlines.pop(id(item), None)
         if len(res.response) > CLIENT_MESSAGE_BYTES:
             # Never send what the client's hop refuses: it would break this
             # stream, and the request would be handed out again.
@@ -287,7 +289,7 @@ class WorkHandler:
     # ---------------------------------------------------------------- writes
 
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
-        deadline = self._deadlines.get(item.id)
+        deadline = self._deadlines.get(id(item))
         if self._splits():
             return await self._split(_Call([item.request], item.principal, deadline), lone=True)
         return await self._publish(item.request, item.principal, deadline)
@@ -306,7 +308,7 @@ class WorkHandler:
             raise MalformedRequest(
                 f"a PublishBatch holds at most {MAX_BATCH_REQUESTS} requests, not {len(requests)}"
             )
-        call = _Call(requests, item.principal, self._deadlines.get(item.id))
+        call = _Call(requests, item.principal, self._deadlines.get(id(item)))
         if self._splits():
             return await self._split(call, lone=False)
         outcomes = await self._enqueue(call)
@@ -411,7 +413,7 @@ class WorkHandler:
         except DecodeError as e:
             raise MalformedRequest(f"malformed AppendOp: {e}") from None
         await _placed(self.node, op.append.topic, op.append.topic_id)
-        res = await self.node.propose_op(op, deadline=self._deadlines.get(item.id))
+        res = await self.node.propose_op(op, deadline=self._deadlines.get(id(item)))
         if res.spans:
             answers = [(s.code, s.message, s.response) for s in res.spans]
         else:  # refused whole
