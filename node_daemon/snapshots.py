@@ -109,17 +109,12 @@ class Snapshots:
     def file(self, index: int, term: int) -> Path | None:
         """The local snapshot at (``index``, ``term``), if it is here (what
         the transport sends to a follower behind the compacted log): one
-        this node took (``snap-*``) or the one its log names, which may be a
-        snapshot it received from an earlier leader (``recv-*``) and now
-        must pass on as leader itself."""
-        p = self.path(index, term)
-        if p.exists():
-            return p
-        current = self._log_store.snapshot()
-        if current.meta.index == index and current.meta.term == term and current.data:
-            named = Path(current.data.decode())
-            if named.exists():
-                return named
+        this node took (``snap-*``) or one it received from an earlier
+        leader (``recv-*``, kept while its log names it), which it must pass
+        on once it leads itself."""
+        for p in (self.path(index, term), self.directory / f"recv-{index}-{term}.mdb"):
+            if p.exists():
+                return p
         return None
 
     def _remove_old(self, keep: Path) -> None:

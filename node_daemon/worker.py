@@ -146,6 +146,31 @@ class _Call:
                 self.settle(i, outcome)
 
 
+# A write is the node's until receipt + WorkItem.budget_ms; the wall-clock
+# deadline beside it counts also what passed before the node read the item
+# (a paused leader's socket), unless it says the item waited more than this,
+# which is taken for this node's clock being off, not for a wait.
+MAX_WORK_LAG_S = 20.0
+# Publishes are proposed only with this much of their deadline left: one
+# merged op answers for all its publishes, and a publish about to expire
+# must not make the op (and the others with it) too late for the log.
+PROPOSE_MARGIN_S = 0.1
+_monotonic = time.monotonic  # the deadlines' clock (a test moves it)
+
+
+def item_deadline(item: work_pb2.WorkItem, now: float, now_unix: float) -> float:
+    """The monotonic time by which ``item`` (a write with a budget) must be
+    in the log: receipt (``now``) plus the budget the queue server gave,
+    or less if its wall-clock deadline is nearer and this node's clock is
+    believable (it says the item waited at most MAX_WORK_LAG_S)."""
+    left = item.budget_ms / 1000
+    if item.deadline_unix_ms:
+        wall_left = item.deadline_unix_ms / 1000 - now_unix
+        if left - wall_left <= MAX_WORK_LAG_S:
+            left = min(left, wall_left)
+    return now + left
+
+
 def _in_time(calls: list[_Call], now: float) -> list[_Call]:
     """The calls whose deadline has not passed; the others are answered
     DEADLINE_EXCEEDED, nothing of them stored."""
@@ -264,7 +289,7 @@ class WorkHandler:
             return res
         if item.kind == work_pb2.WORK_KIND_WRITE and item.budget_ms:
             # Publishes carry it to the moment they enter the log (_Call).
-            self._deadlines[id(item)] = time.monotonic() + item.budget_ms / 1000
+            self._deadlines[id(item)] = item_deadline(item, _monotonic(), time.time())
         try:
             out = await handler(item)
             res.code, res.message, res.response = out.code, out.message, out.response
@@ -338,7 +363,7 @@ class WorkHandler:
         refusal is in the result (``lone``: raised, as for a Publish)."""
         if not self.node.is_leader:
             raise NotLeader(self.node.core.lead)
-        if not _in_time([call], time.monotonic()):
+        if not _in_time([call], _monotonic() + PROPOSE_MARGIN_S):
             raise RoadlogError(Code.DEADLINE_EXCEEDED, PAST_DEADLINE)
         n = len(call.requests)
         owners = [(call, i) for i in range(n)]
@@ -469,7 +494,7 @@ class WorkHandler:
             for call in calls:
                 call.settle_rest(err)
             return
-        calls = _in_time(calls, time.monotonic())
+        calls = _in_time(calls, _monotonic() + PROPOSE_MARGIN_S)
         t0 = time.perf_counter()
         requests = [r for c in calls for r in c.requests]
         owners = [(c, i) for c in calls for i in range(len(c.requests))]

@@ -62,6 +62,7 @@ TIMEOUT_HEADER = "X-Timeout-Ms"
 # counts what passed before this server read the request (a backlog, a
 # restart, a pause). The earlier of the two holds.
 DEADLINE_HEADER = "X-Deadline-Unix-Ms"
+MAX_TIMEOUT_S = 600.0  # the longest deadline either header may set
 IDLE_TIMEOUT_S = 10.0  # no complete request (line + headers) for this long: closed
 BODY_IDLE_S = 10.0  # no byte of a request body for this long: 408
 LINGER_S = 2.0  # the unread rest of a body (after 408, 413, 404 ...) is drained this long at most
@@ -553,7 +554,8 @@ def request_timeout(headers: Mapping[str, str], now_unix: float) -> float | None
     the client has stopped waiting (or its clock is wrong, which it is told)."""
     timeout = None
     if TIMEOUT_HEADER in headers:
-        timeout = _query_int(headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, 600_000) / 1000
+        ms = _query_int(headers[TIMEOUT_HEADER], TIMEOUT_HEADER, 1, int(MAX_TIMEOUT_S * 1000))
+        timeout = ms / 1000
     if DEADLINE_HEADER in headers:
         at_ms = _query_int(headers[DEADLINE_HEADER], DEADLINE_HEADER, 1, 2**53)
         left = at_ms / 1000 - now_unix
@@ -563,6 +565,7 @@ def request_timeout(headers: Mapping[str, str], now_unix: float) -> float | None
                 f"{DEADLINE_HEADER} passed {-left:.3f} s before this server read the request "
                 "(by its clock): nothing was done",
             )
+        left = min(left, MAX_TIMEOUT_S)
         timeout = left if timeout is None else min(timeout, left)
     return timeout
 

@@ -18,8 +18,9 @@ import grpc
 import pytest
 
 from node_daemon import node as node_mod
+from node_daemon import worker as worker_mod
 from node_daemon.state.machine import OpResult
-from node_daemon.worker import WorkHandler
+from node_daemon.worker import MAX_WORK_LAG_S, WorkHandler, item_deadline
 from queue_server.http_api import request_timeout
 from queue_server.queues import Item, Kind
 from queue_server.server import Outgoing
@@ -64,7 +65,7 @@ def run_publish(
     pause_s: float, budget_ms: int, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[work_pb2.WorkResult, PausedNode, Clock]:
     clock = Clock()
-    monkeypatch.setattr(time, "monotonic", clock)  # the worker's receipt and checks
+    monkeypatch.setattr(worker_mod, "_monotonic", clock)  # the worker's receipt and checks
     node = PausedNode(clock, pause_s)
 
     async def go() -> work_pb2.WorkResult:
@@ -135,7 +136,7 @@ def test_a_publish_batch_past_its_deadline_stores_none_of_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = Clock()
-    monkeypatch.setattr(time, "monotonic", clock)  # the worker's receipt and checks
+    monkeypatch.setattr(worker_mod, "_monotonic", clock)  # the worker's receipt and checks
     node = PausedNode(clock, pause_s=5.0)
 
     async def go() -> work_pb2.WorkResult:
@@ -167,3 +168,48 @@ def test_an_http_deadline_counts_what_passed_before_the_request_was_read() -> No
     with pytest.raises(RoadlogError, match=r"passed 2\.000 s before this server read") as e:
         request_timeout({"X-Deadline-Unix-Ms": str(int((now - 2) * 1000))}, now)
     assert e.value.code == Code.DEADLINE_EXCEEDED
+
+
+def test_a_write_that_waited_unread_at_a_paused_node_counts_the_wait() -> None:
+    """The budget runs from the node's receipt; the wall-clock deadline
+    beside it also counts a wait before the node read the item (a leader
+    SIGSTOPped with work in its socket). A node whose clock says the item
+    waited longer than MAX_WORK_LAG_S is taken to have a wrong clock."""
+    now, wall = 500.0, 1_800_000_000.0
+    sent_at = wall - 9.5  # handed out with 10 s left, read 9.5 s later
+    item = work_pb2.WorkItem(budget_ms=10_000, deadline_unix_ms=int((sent_at + 10) * 1000))
+    assert item_deadline(item, now, wall) == pytest.approx(now + 0.5)
+    fresh = work_pb2.WorkItem(budget_ms=10_000, deadline_unix_ms=int((wall + 10) * 1000))
+    assert item_deadline(fresh, now, wall) == pytest.approx(now + 10)
+    behind = work_pb2.WorkItem(budget_ms=10_000, deadline_unix_ms=int((wall + 3600) * 1000))
+    assert item_deadline(behind, now, wall) == pytest.approx(now + 10)  # a slow clock: the budget
+    ahead = work_pb2.WorkItem(
+        budget_ms=10_000, deadline_unix_ms=int((wall - MAX_WORK_LAG_S - 1) * 1000)
+    )
+    assert item_deadline(ahead, now, wall) == pytest.approx(now + 10)  # a fast clock: not believed
+    assert item_deadline(work_pb2.WorkItem(budget_ms=3000), now, wall) == pytest.approx(now + 3)
+
+
+def test_a_paused_leader_does_not_propose_what_it_read_after_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(worker_mod, "_monotonic", clock)
+    node = PausedNode(clock, pause_s=0.0)
+    late = int((time.time() - 2) * 1000)  # its deadline passed 2 s ago
+
+    async def go() -> work_pb2.WorkResult:
+        ex = WorkHandler(node)  # type: ignore[arg-type]
+        item = work_pb2.WorkItem(
+            id=3,
+            kind=work_pb2.WORK_KIND_WRITE,
+            method="Publish",
+            request=publish(),
+            budget_ms=5000,
+            deadline_unix_ms=late,
+        )
+        return await ex.run(item)
+
+    res = asyncio.run(go())
+    assert res.code == DEADLINE_EXCEEDED
+    assert node.proposed == []
