@@ -62,7 +62,7 @@ class PausedNode(StubNode):
 
 
 def run_publish(
-    pause_s: float, budget_ms: int, monkeypatch: pytest.MonkeyPatch
+    pause_s: float, budget_ms: int, monkeypatch: pytest.MonkeyPatch, deadline_unix_ms: int = 0
 ) -> tuple[work_pb2.WorkResult, PausedNode, Clock]:
     clock = Clock()
     monkeypatch.setattr(worker_mod, "_monotonic", clock)  # the worker's receipt and checks
@@ -76,6 +76,7 @@ def run_publish(
             method="Publish",
             request=publish(),
             budget_ms=budget_ms,
+            deadline_unix_ms=deadline_unix_ms,
         )
         return await ex.run(item)
 
@@ -193,23 +194,7 @@ def test_a_write_that_waited_unread_at_a_paused_node_counts_the_wait() -> None:
 def test_a_paused_leader_does_not_propose_what_it_read_after_the_deadline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = Clock()
-    monkeypatch.setattr(worker_mod, "_monotonic", clock)
-    node = PausedNode(clock, pause_s=0.0)
-    late = int((time.time() - 2) * 1000)  # its deadline passed 2 s ago
-
-    async def go() -> work_pb2.WorkResult:
-        ex = WorkHandler(node)  # type: ignore[arg-type]
-        item = work_pb2.WorkItem(
-            id=3,
-            kind=work_pb2.WORK_KIND_WRITE,
-            method="Publish",
-            request=publish(),
-            budget_ms=5000,
-            deadline_unix_ms=late,
-        )
-        return await ex.run(item)
-
-    res = asyncio.run(go())
+    late = int((time.time() - 2) * 1000)  # read 2 s after its deadline
+    res, node, _ = run_publish(0.0, 5000, monkeypatch, deadline_unix_ms=late)
     assert res.code == DEADLINE_EXCEEDED
     assert node.proposed == []
