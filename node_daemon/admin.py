@@ -184,8 +184,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def StateDigest(self, request: Any, context: Any) -> admin_pb2.StateDigestResponse:
         loop = asyncio.get_running_loop()
         sm = self.node.sm
-        digest = await loop.run_in_executor(self.node._apply_io, sm.digest)
-        return admin_pb2.StateDigestResponse(applied_index=sm.applied_index, sha256=digest)
+        # The index from the digest's own transaction (nemesis finding 7).
+        index, digest = await loop.run_in_executor(self.node._apply_io, sm.indexed_digest)
+        return admin_pb2.StateDigestResponse(applied_index=index, sha256=digest)
 
     async def CreateClient(
         self, request: clients_pb2.CreateClientRequest, context: Any

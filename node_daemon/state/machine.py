@@ -1223,8 +1223,16 @@ class StateMachine:
 
     def digest(self) -> bytes:
         """SHA-256 over every stored key and value, database by database."""
+        return self.indexed_digest()[1]
+
+    def indexed_digest(self) -> tuple[int, bytes]:
+        """(applied index, ``digest``) as one read transaction sees them.
+        Safe while another thread applies: the index is the one the digest
+        is of, never a later one (``self.applied_index`` read after the
+        digest could be: an entry applied meanwhile on the event loop)."""
         h = hashlib.sha256()
         with self.env.begin() as txn:
+            index = self._meta_int(txn, b"applied_index")
             for name, db in (
                 (b"topics", self.topics),
                 (b"parts", self.parts),
@@ -1243,7 +1251,7 @@ class StateMachine:
                     h.update(struct.pack(">II", len(k), len(v)))
                     h.update(k)
                     h.update(v)
-        return h.digest()
+        return index, h.digest()
 
     def write_snapshot(self, dest: str | os.PathLike[str]) -> tuple[int, int]:
         """A copy of the state as one read transaction sees it, as one file
