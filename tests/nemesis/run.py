@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -152,6 +153,22 @@ def keep_states(cluster: NemesisCluster) -> None:
             log.error("state not copied", extra={"node": svc.name, "why": str(e)})
 
 
+def stop_on_signals(stop: threading.Event, rec: Recorder) -> None:
+    """SIGTERM or SIGINT ends the faults early: the run then heals, reads,
+    checks what ran and reports as usual. A second one aborts (the cluster
+    is still taken down, by ``run``'s cleanup). Main thread only."""
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        rec.event("run", "info", "stopped", signal=signal.Signals(signum).name)
+        log.warning("stopping early: healing, then checking what ran (again: abort)")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
 def run(
     seconds: float,
     seed: int,
@@ -180,6 +197,8 @@ def run(
                                 "dir": str(run_dir)})  # fmt: skip
     cluster = NemesisCluster(run_dir, subnet, f"n{os.getpid() % 100000}", disk_bytes=disk_mib << 20)
     stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        stop_on_signals(stop, rec)
     made = False
     try:
         cluster.create()
