@@ -183,6 +183,32 @@ def _drop_old_copies(group_dir: Path, keep: int) -> None:
         log.warning("removed an old set-aside copy of a damaged log", extra={"dir": str(old)})
 
 
+def drop_set_aside(data_dir: Path) -> int:
+    """Make room: remove every set-aside copy of a damaged log under the
+    node's data directory (group 0's and each data group's), oldest first.
+    They are kept for a post-mortem only, and yield to the data the node
+    must store (RELIABILITY.md, finding 19: two copies of a 235 MB log
+    filled a node's disk, which then could apply nothing). Returns the
+    bytes freed."""
+    copies = sorted(
+        (d for pattern in ("corrupt-*", "groups/*/corrupt-*") for d in data_dir.glob(pattern)),
+        key=lambda d: (d.stat().st_mtime_ns, d.name),
+    )
+    freed = 0
+    for d in copies:
+        if not d.is_dir():
+            continue
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            freed += size
+            log.warning(
+                "out of space: removed a set-aside copy of a damaged log",
+                extra={"dir": str(d), "bytes": size},
+            )
+    return freed
+
+
 class DamagedLogError(Exception):
     """The log is damaged and no peer can catch this node up: setting it
     aside would lose everything; an operator restores from a backup."""

@@ -763,6 +763,8 @@ class RaftNode:
         meanwhile (DiskGuard). Logged at most every 10 s."""
         wait = self.disk.write_failed()
         metrics.STORAGE_FULL_RETRIES.labels(what.split()[0]).inc()
+        # Post-mortem copies of damaged logs go first: data must not wait on them.
+        damage.drop_set_aside(Path(self.cfg.data_dir))
         now = time.monotonic()
         if now - self._full_logged > 10:
             self._full_logged = now

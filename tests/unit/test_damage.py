@@ -185,3 +185,28 @@ def test_a_file_cut_by_its_free_tail_pages_is_usable_after_it_is_kept(
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert child.returncode == 0, (child.returncode, child.stderr[-500:])
     assert child.stdout.split() == ["''", str(entries + 20)]
+
+
+def test_set_aside_copies_yield_to_data_on_a_full_disk(tmp_path: Path) -> None:
+    """Finding 19: post-mortem copies of damaged logs filled a node's disk
+    and it could apply nothing. On a full disk they are removed (group 0's
+    and the data groups'), the state takes the room, and nothing else goes."""
+    from node_daemon.raft import EntryType, StorageFullError
+    from tests.conftest import fill_up, small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "4m", "the set-aside room test") as data:
+        sm = StateMachine(data / "state")
+        for copy in (data / "corrupt-20261127T023922", data / "groups/1/corrupt-20261127T023938"):
+            (copy / "raft").mkdir(parents=True)
+            (copy / "raft" / "data.mdb").write_bytes(b"\xab" * (512 << 10))
+        fill_up(data / "groups" / "1" / "state.fill")  # a data group's data: kept
+        entries = [Entry(1, i, EntryType.NORMAL, b"") for i in range(1, 400)]
+        with pytest.raises(StorageFullError):
+            sm.apply(entries)
+        assert damage.drop_set_aside(data) >= 2 * (512 << 10)
+        assert not list(data.glob("corrupt-*")) and not list(data.glob("groups/*/corrupt-*"))
+        sm.apply(entries)  # the room is the state's now
+        assert sm.applied_index == 399
+        assert (data / "groups" / "1" / "state.fill").exists()
+        sm.close()
+        assert damage.drop_set_aside(data) == 0  # nothing left to drop
