@@ -24,6 +24,7 @@ fsynced) before the empty log is made.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -32,6 +33,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import lmdb
@@ -140,36 +142,54 @@ def read_in_child(raft: Path) -> str:
 KEEP_SET_ASIDE = 2  # damaged copies kept for a post-mortem, the newest first
 
 
-def set_aside(group_dir: Path, why: str) -> Path:
+def set_aside(group_dir: Path, why: str) -> Path | None:
     """Move the group's log, state and snapshots into a new
     ``corrupt-<time>`` directory beside them, then drop from it all but the
     damaged log (the state and snapshots were made from it, and the node
     fetches them again as it catches up); returns it. Only the newest
     KEEP_SET_ASIDE such directories are kept: a disk that damages logs
     again and again filled with whole copies of the group (RELIABILITY.md,
-    finding 14)."""
+    finding 14). On a disk with no room even for that directory, the
+    damaged files are removed instead (None): the copy is for a post-mortem
+    only, and the node must start and catch up (finding 20)."""
     _drop_old_copies(group_dir, keep=KEEP_SET_ASIDE - 1)
     aside = group_dir / f"corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     n = 0
     while aside.exists():
         n += 1
         aside = aside.with_name(f"{aside.name.split('.')[0]}.{n}")
-    aside.mkdir(parents=True)
-    (aside / "why").write_text(why + "\n")
+    try:
+        aside.mkdir(parents=True)
+        (aside / "why").write_text(why + "\n")
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+        _remove(group_dir, GROUP_FILES)
+        log.error(
+            "no room to keep a copy of the damaged log: removed it",
+            extra={"dir": str(group_dir), "why": why},
+        )
+        return None
     for name in GROUP_FILES:
         if (group_dir / name).exists():
             os.replace(group_dir / name, aside / name)
     fsync_dir(aside)
     fsync_dir(group_dir)
-    for name in GROUP_FILES:  # out of the group's way first, then dropped
-        derived = aside / name
-        if name == "raft" or not derived.exists():
-            continue
-        if derived.is_dir():
-            shutil.rmtree(derived, ignore_errors=True)
-        else:
-            derived.unlink(missing_ok=True)
+    # Out of the group's way first, then dropped.
+    _remove(aside, [name for name in GROUP_FILES if name != "raft"])
     return aside
+
+
+def _remove(directory: Path, names: Iterable[str]) -> None:
+    """Remove ``names`` (files or trees) from ``directory``, then make that last."""
+    for name in names:
+        path = directory / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    fsync_dir(directory)
 
 
 def _drop_old_copies(group_dir: Path, keep: int) -> None:
