@@ -150,7 +150,27 @@ def test_only_the_newest_set_aside_copies_are_kept(tmp_path: Path) -> None:
     kept = sorted(tmp_path.glob("corrupt-*"))
     assert len(kept) == damage.KEEP_SET_ASIDE == 2
     assert set(kept) == set(made[-2:])
-    assert [(d / "raft" / "mark").read_text() for d in made[-2:]] == ["2", "3"]
+    assert [(d / "raft" / "mark").read_text() for d in made[-2:] if d is not None] == ["2", "3"]
+
+
+def test_a_damaged_log_on_a_disk_with_no_room_for_its_copy_is_removed(tmp_path: Path) -> None:
+    """Finding 20: setting a damaged log aside on a full disk died of ENOSPC
+    making the directory for the copy, and the node never started. The
+    damaged files are removed instead; a new log opens in the room freed."""
+    from tests.conftest import fill_up, small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "2m", "the no-room set-aside test") as group:
+        (group / "raft").mkdir()
+        (group / "raft" / "data.mdb").write_bytes(b"\xab" * (256 << 10))  # damaged
+        (group / "state").mkdir()
+        (group / "state" / "data.mdb").write_bytes(b"\xcd" * (256 << 10))
+        fill_up(group / "other")  # the disk is full of something else
+        assert damage.set_aside(group, "entry 7 is corrupt") is None
+        assert not (group / "raft").exists() and not (group / "state").exists()
+        assert not list(group.glob("corrupt-*"))
+        store = LmdbLogStorage(group / "raft")  # the group starts empty, in the room freed
+        assert store.last_index() == 0
+        store.close()
 
 
 WRITE_AFTER_OPEN = """
