@@ -192,12 +192,15 @@ def _remove(directory: Path, names: Iterable[str]) -> None:
     fsync_dir(directory)
 
 
+def _copies(root: Path, patterns: Iterable[str]) -> list[Path]:
+    """The set-aside copies under ``root`` matching ``patterns``, oldest first."""
+    found = (d for p in patterns for d in root.glob(p) if d.is_dir())
+    return sorted(found, key=lambda d: (d.stat().st_mtime_ns, d.name))
+
+
 def _drop_old_copies(group_dir: Path, keep: int) -> None:
     """Remove all but the newest ``keep`` set-aside copies of the group."""
-    copies = sorted(
-        (d for d in group_dir.glob("corrupt-*") if d.is_dir()),
-        key=lambda d: (d.stat().st_mtime_ns, d.name),
-    )
+    copies = _copies(group_dir, ["corrupt-*"])
     for old in copies[: max(0, len(copies) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
         log.warning("removed an old set-aside copy of a damaged log", extra={"dir": str(old)})
@@ -210,14 +213,8 @@ def drop_set_aside(data_dir: Path) -> int:
     must store (RELIABILITY.md, finding 19: two copies of a 235 MB log
     filled a node's disk, which then could apply nothing). Returns the
     bytes freed."""
-    copies = sorted(
-        (d for pattern in ("corrupt-*", "groups/*/corrupt-*") for d in data_dir.glob(pattern)),
-        key=lambda d: (d.stat().st_mtime_ns, d.name),
-    )
     freed = 0
-    for d in copies:
-        if not d.is_dir():
-            continue
+    for d in _copies(data_dir, ["corrupt-*", "groups/*/corrupt-*"]):
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         shutil.rmtree(d, ignore_errors=True)
         if not d.exists():
