@@ -43,6 +43,12 @@ SNAPSHOT_LOG_SHARE = 0.5  # a big state is snapshotted once the log is this shar
 SNAPSHOT_CHECK_S = 0.1
 
 
+def received_path(directory: Path, index: int, term: int) -> Path:
+    """Where a snapshot pulled from the leader is kept (the transport
+    writes it; the log names it once installed)."""
+    return directory / f"recv-{index}-{term}.mdb"
+
+
 def snapshot_due(
     entries: int,
     log_bytes: int,
@@ -112,7 +118,7 @@ class Snapshots:
         this node took (``snap-*``) or one it received from an earlier
         leader (``recv-*``, kept while its log names it), which it must pass
         on once it leads itself."""
-        for p in (self.path(index, term), self.directory / f"recv-{index}-{term}.mdb"):
+        for p in (self.path(index, term), received_path(self.directory, index, term)):
             if p.exists():
                 return p
         return None

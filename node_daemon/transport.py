@@ -48,6 +48,7 @@ from node_daemon.batch_wire import encode_batch
 from node_daemon.disk import fsync_dir
 from node_daemon.peer_frames import FramesLink, FramesServer
 from node_daemon.raft import Message, MessageType
+from node_daemon.snapshots import received_path
 from node_daemon.wire import message_from_pb, message_to_pb
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token, token_metadata
@@ -520,7 +521,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             return None
         snapshot_dir = self.groups[group].snapshot_dir
         snapshot_dir.mkdir(parents=True, exist_ok=True)
-        dest = snapshot_dir / f"recv-{index}-{term}.mdb"
+        dest = received_path(snapshot_dir, index, term)
         part = dest.with_suffix(".part")
         offset = part.stat().st_size if part.exists() else 0
         for attempt in range(attempts):
