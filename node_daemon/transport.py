@@ -19,6 +19,17 @@ message to its group. All groups' messages to one peer share its queue, so
 what the groups send in one turn of the event loop (their heartbeats of one
 tick, above all) leaves in one batch: one frame, one write.
 
+A node may run some groups in other processes (worker processes,
+docs/multiraft.md step 5), each with its own gRPC and framed ports. Its
+main process says which in ``FramesEndpointReply.group_ports`` (group ->
+that process's gRPC port on the same host), and a sender learns the map
+from every peer (``routes``) and sends each group's messages, and pulls its
+snapshots, at the port that runs the group: one link per peer process, so
+the groups of one worker pair still share theirs. A group a peer did not
+name goes to its main address (group 0 always; every group of a node of
+one process). The map is asked again whenever a link to the peer breaks:
+a worker that restarted may listen elsewhere.
+
 A SNAPSHOT message travels with its metadata only. The receiver then pulls
 the snapshot file from the sender with FetchSnapshot, checks every chunk's
 CRC-32 and the whole file's SHA-256, asks again from the last good offset
@@ -80,6 +91,13 @@ def _payload(m: Message) -> int:
 
 Outgoing = tuple[int, Message]  # (Raft group, message)
 
+ROUTES_RETRY_S = 1.0  # at most one ask for a peer's group ports per peer this often
+
+
+def with_port(address: str, port: int) -> str:
+    """``address`` ("host:port", "[v6]:port") with another port."""
+    return f"{address.rpartition(':')[0]}:{port}"
+
 
 @dataclass(frozen=True)
 class GroupEndpoint:
@@ -114,7 +132,7 @@ class _Peer:
     def __init__(self, transport: PeerTransport, node_id: int, address: str) -> None:
         self.t = transport
         self.id = node_id
-        self.address = address
+        self.address = address  # the peer's main address, or one of its workers'
         self.pending: deque[Outgoing] = deque()
         self.ready = asyncio.Event()  # set when pending has messages (or a link broke)
         self.up = False
@@ -236,6 +254,7 @@ class _Peer:
             except Exception:
                 log.exception("peer stream failed", extra={"peer": self.id})
             self.up = False
+            self.t._ask_routes(self.id)  # a worker of the peer may have moved
             if time.monotonic() - started > 1.0:
                 backoff = 0.02  # it was working: retry soon
             # Whatever was queued is stale now: drop it, tell Raft, retry.
@@ -244,9 +263,25 @@ class _Peer:
                 if m.type == MessageType.SNAPSHOT:
                     self.t._snapshot_lost(group, self.id)
                 self.t.dropped += 1
-            self.t._unreachable(self.id)
+            self.t._unreachable(self.id, self.address)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
+
+
+def _no_message(m: Message) -> None:
+    pass
+
+
+def _no_peer(to: int) -> None:
+    pass
+
+
+def _no_status(to: int, ok: bool) -> None:
+    pass
+
+
+def _no_file(index: int, term: int) -> Path | None:
+    return None
 
 
 def _certified_node(context: Any) -> int:
@@ -264,6 +299,14 @@ def _all_from(batch: raft_pb2.RaftBatch, sender: int) -> bool:
 
 
 class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
+    """The links of one process to its peers, for every Raft group it runs.
+
+    Invariants: a message goes to the process that runs its group on the
+    peer as far as this transport knows (``routes``; the peer's main
+    address otherwise); one ``_Peer`` (one link, one queue) per peer
+    process; a message of a group this process does not run is dropped
+    and counted, never handed to another group."""
+
     def __init__(
         self,
         node_id: int,
@@ -275,6 +318,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         on_snapshot_status: Callable[[int, bool], None],
         snapshot_file: Callable[[int, int], Path | None],
     ) -> None:
+        """A transport with group 0's endpoint (``bare`` for one without)."""
         self.node_id = node_id
         self.cluster = cluster
         self.token = cluster_token(secret, cluster)
@@ -287,14 +331,35 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                 on_message, on_unreachable, on_snapshot_status, snapshot_file, snapshot_dir
             )
         }
-        self.peers: dict[int, _Peer] = {}
-        self.addresses: dict[int, str] = {}
+        # (peer, the address its link goes to) -> the link
+        self.peers: dict[tuple[int, str], _Peer] = {}
+        self.addresses: dict[int, str] = {}  # peer -> its main address
+        # peer -> {group: gRPC port of the peer's process that runs it}, as
+        # the peer said; a peer not here has not said yet.
+        self.routes: dict[int, dict[int, int]] = {}
+        self._routes_asked: dict[int, float] = {}  # peer -> when last asked
+        self._routes_tasks: dict[int, asyncio.Task[None]] = {}
+        # Groups this node runs in other processes (what FramesEndpoint tells).
+        self.group_ports: dict[int, int] = {}
         self.dropped = 0
         self.rejected = 0
         self._snapshot_timers: dict[tuple[int, int], asyncio.TimerHandle] = {}  # (group, to)
         self._fetching: set[tuple[int, int, int]] = set()  # (group, index, term)
         self._sha_cache: dict[Path, bytes] = {}
         self._missing_said: set[tuple[int, int, int]] = set()  # (group, index, term) warned of
+
+    @classmethod
+    def bare(cls, node_id: int, cluster: str, secret: bytes) -> PeerTransport:
+        """A transport that runs no group yet (a worker process's: every
+        group it runs adds its endpoint)."""
+        t = cls(node_id, cluster, secret, Path("."), _no_message, _no_peer, _no_status, _no_file)
+        t.groups.clear()
+        return t
+
+    def set_group_ports(self, ports: dict[int, int]) -> None:
+        """The groups this node runs in other processes, each with the gRPC
+        port of its process (told to peers by ``FramesEndpoint``)."""
+        self.group_ports = dict(ports)
 
     def add_group(self, group: int, endpoint: GroupEndpoint) -> None:
         """Route ``group``'s messages to ``endpoint`` (before the group sends)."""
@@ -310,29 +375,94 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         for nid, addr in addresses.items():
             if nid == self.node_id:
                 continue
-            old = self.peers.get(nid)
-            if old is not None and old.address != addr:
-                old.task.cancel()
-                del self.peers[nid]
+            if self.addresses.get(nid, addr) != addr:
+                self._forget_peer(nid)
             self.addresses[nid] = addr
+
+    def _forget_peer(self, nid: int) -> None:
+        """Close every link to ``nid`` and forget its group ports."""
+        for key in [k for k in self.peers if k[0] == nid]:
+            self.peers.pop(key).task.cancel()
+        self.routes.pop(nid, None)
+        self._routes_asked.pop(nid, None)
+
+    def address_of(self, to: int, group: int) -> str | None:
+        """Where ``group``'s messages to ``to`` go (None: its address is not
+        known): the port of the peer's process that runs the group, as the
+        peer said, else its main address."""
+        base = self.addresses.get(to)
+        if base is None:
+            return None
+        port = self.routes.get(to, {}).get(group)
+        return base if port is None else with_port(base, port)
 
     def send(self, msgs: list[Message], group: int = 0) -> None:
         for m in msgs:
-            peer = self.peers.get(m.to)
+            addr = self.address_of(m.to, group)
+            if addr is None:
+                self.dropped += 1
+                continue
+            peer = self.peers.get((m.to, addr))
             if peer is None:
-                addr = self.addresses.get(m.to)
-                if addr is None:
-                    self.dropped += 1
-                    continue
-                peer = self.peers[m.to] = _Peer(self, m.to, addr)
+                peer = self.peers[(m.to, addr)] = _Peer(self, m.to, addr)
+            if not peer.up or m.to not in self.routes:
+                # Not said yet, or the process may have moved (a worker
+                # that restarted elsewhere leaves its link waiting forever).
+                self._ask_routes(m.to)
             if m.type == MessageType.SNAPSHOT:
                 self._arm_snapshot_timer(group, m.to)
             peer.put(group, m)
 
-    def _unreachable(self, to: int) -> None:
-        """The link to ``to`` broke: every group hears of it."""
-        for g in self.groups.values():
-            g.on_unreachable(to)
+    def _ask_routes(self, to: int) -> None:
+        """Ask ``to`` for its group ports, unless asked within
+        ROUTES_RETRY_S or an ask is under way."""
+        now = time.monotonic()
+        running = self._routes_tasks.get(to)
+        if (running is not None and not running.done()) or now - self._routes_asked.get(
+            to, -ROUTES_RETRY_S
+        ) < ROUTES_RETRY_S:
+            return
+        self._routes_asked[to] = now
+        self._routes_tasks[to] = asyncio.get_running_loop().create_task(self._learn_routes(to))
+
+    async def _learn_routes(self, to: int) -> None:
+        addr = self.addresses.get(to)
+        if addr is None:
+            return
+        try:
+            async with tls.current().channel(addr) as ch:
+                reply = await raft_pb2_grpc.RaftPeerStub(ch).FramesEndpoint(
+                    raft_pb2.FramesEndpointRequest(cluster=self.cluster),
+                    metadata=token_metadata(self.token),
+                    timeout=2.0,
+                )
+            routes = dict(reply.group_ports)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return  # down or busy: asked again at the next send or break
+            routes = {}  # a peer of an older version runs every group itself
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("asking a peer for its group ports failed", extra={"peer": to})
+            return
+        if self.addresses.get(to) != addr:
+            return  # it moved meanwhile: a new ask follows
+        if self.routes.get(to) == routes:
+            return
+        log.info("peer's group ports", extra={"peer": to, "group_ports": routes})
+        self.routes[to] = routes
+        # Links to processes of the peer that run none of our groups go.
+        used = {self.address_of(to, group) for group in self.groups}
+        for key in [k for k in self.peers if k[0] == to and k[1] not in used]:
+            self.peers.pop(key).task.cancel()
+
+    def _unreachable(self, to: int, address: str) -> None:
+        """The link to ``to``'s process at ``address`` broke: every group
+        whose messages to ``to`` go there hears of it."""
+        for group, g in self.groups.items():
+            if self.address_of(to, group) == address:
+                g.on_unreachable(to)
 
     def _snapshot_lost(self, group: int, to: int) -> None:
         self._snapshot_timers.pop((group, to), None)
@@ -359,6 +489,11 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         return bound
 
     async def close(self) -> None:
+        for task in self._routes_tasks.values():
+            task.cancel()
+        for task in self._routes_tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self.frames is not None:
             await self.frames.close()
         for p in self.peers.values():
@@ -419,7 +554,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         if request.cluster != self.cluster:  # the cluster token is checked by ClusterAuth
             self.rejected += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
-        return raft_pb2.FramesEndpointReply(port=self.frames.port if self.frames else 0)
+        return raft_pb2.FramesEndpointReply(
+            port=self.frames.port if self.frames else 0, group_ports=self.group_ports
+        )
 
     async def FetchSnapshot(
         self, request: raft_pb2.SnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -516,7 +653,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         """Download one of ``group``'s snapshots, verified; resumes after a
         broken stream or a bad chunk. Returns the local path, or None if it
         could not be had."""
-        addr = self.addresses.get(sender)
+        addr = self.address_of(sender, group)
         if addr is None:
             return None
         snapshot_dir = self.groups[group].snapshot_dir
