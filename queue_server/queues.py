@@ -84,17 +84,20 @@ class Worker:
     # Its data groups (group 0 is the fields above): group -> (leads it,
     # term, applied index).
     groups: dict[int, tuple[bool, int, int]] = field(default_factory=dict)
+    # False: a worker process's link, which runs data groups only (the
+    # fields above say nothing); its node's main process serves group 0.
+    runs_group_0: bool = True
 
     def applied_in(self, group: int) -> int:
         """Its applied index in ``group`` (-1: it does not run that group)."""
         if group == 0:
-            return self.applied
+            return self.applied if self.runs_group_0 else -1
         g = self.groups.get(group)
         return g[2] if g is not None else -1
 
     def leads(self) -> Iterator[tuple[int, int]]:
         """(group, term) of each group it leads."""
-        if self.is_leader:
+        if self.is_leader and self.runs_group_0:
             yield 0, self.term
         for g, (lead, term, _) in self.groups.items():
             if lead:
@@ -241,7 +244,7 @@ class WorkQueues:
         rq = self.queues[Kind.READ]
         if not len(rq):
             return 0
-        applied = max((w.applied for w in self.workers.values()), default=0)
+        applied = max((w.applied_in(0) for w in self.workers.values()), default=0)
         return max((it.fence for it in rq if it.group == 0 and it.fence > applied), default=0)
 
     def _why_waiting(self, kind: Kind, it: Item) -> str:
@@ -258,8 +261,10 @@ class WorkQueues:
 
     # ------------------------------------------------------------ workers
 
-    def connect(self, worker_id: int, node_id: int) -> None:
-        self.workers[worker_id] = Worker(worker_id, node_id)
+    def connect(self, worker_id: int, node_id: int, runs_group_0: bool = True) -> None:
+        """A node's link; ``runs_group_0`` False: a worker process's, which
+        serves its data groups only."""
+        self.workers[worker_id] = Worker(worker_id, node_id, runs_group_0=runs_group_0)
 
     def update(
         self,

@@ -403,9 +403,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         if not wanted and not flowing and not any(i or r for i, r in self._fence_told.values()):
             return
         for wid, w in self.q.workers.items():
-            want = (wanted if wanted > w.applied else 0, flowing)
+            applied = w.applied_in(0)  # -1: a worker process's link, no group 0
+            want = (wanted if applied >= 0 and wanted > applied else 0, flowing)
             index, reads = self._fence_told.get(wid, (0, False))
-            if want != (index if index > w.applied else 0, reads):
+            if want != (index if index > applied else 0, reads):
                 session = self._sessions.get(wid)
                 if session is not None:
                     self._fence_told[wid] = want
@@ -533,12 +534,15 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                 bound = self._session_node.get(wid, 0)
                 if bound and s.node_id != bound:
                     raise ValueError(f"node {bound} spoke for node {s.node_id}")
-                self.q.connect(wid, s.node_id)
+                self.q.connect(wid, s.node_id, runs_group_0=not s.data_groups_only)
                 connected = True
                 WORKERS.set(len(self.q.workers))
                 log.info("node connected", extra={"node": s.node_id, "worker": wid})
-            elif s.node_id != self.states[wid].node_id:
-                raise ValueError("a Work session changed its node id")
+            elif (s.node_id, s.data_groups_only) != (
+                self.states[wid].node_id,
+                self.states[wid].data_groups_only,
+            ):
+                raise ValueError("a Work session changed its node id or what it runs")
             self.states[wid] = s
             if s.HasField("status"):
                 self.statuses[wid] = s.status
@@ -656,7 +660,12 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         elif self.states:
             st.term = max(s.term for s in self.states.values())
         seen = set()
-        for wid, s in sorted(self.states.items(), key=lambda ws: ws[1].node_id):
+        # A node's main process speaks for it; its worker processes' links
+        # (data_groups_only) come after it and are not shown on their own.
+        by_node = sorted(
+            self.states.items(), key=lambda ws: (ws[1].node_id, ws[1].data_groups_only)
+        )
+        for wid, s in by_node:
             if s.node_id in seen:
                 continue
             seen.add(s.node_id)

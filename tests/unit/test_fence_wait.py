@@ -353,3 +353,42 @@ def test_the_leader_tells_commits_at_once_while_any_queue_server_has_fenced_read
     assert submitted == [True]  # b still has them
     handler.reads_flowing(b, False)
     assert submitted == [True, False]
+
+
+def test_a_worker_process_link_is_not_asked_for_group_0_fences_nor_shown_as_its_node(
+    tmp_path: Path,
+) -> None:
+    """Node 1's main process (session 1) and its worker process (session 2,
+    ``data_groups_only``): a group-0 read waiting for its fence asks the main
+    process only, and the cluster's status shows node 1 as its main process
+    tells it, once."""
+
+    async def main() -> None:
+        qs = _server(tmp_path)
+        sessions: dict[int, asyncio.Queue[Any]] = {}
+        for wid, only in ((2, True), (1, False)):  # the worker's link first
+            sessions[wid] = asyncio.Queue()
+            qs._sessions[wid] = sessions[wid]
+            st = work_pb2.WorkerState(node_id=1, data_groups_only=only)
+            if only:
+                st.groups.add(group=1, is_leader=True, term=4, applied_index=7, commit_index=7)
+            else:
+                st.is_leader, st.term, st.applied_index, st.commit_index = True, 3, 5, 5
+                st.status.id = 1
+                st.status.applied_index = 5
+            qs._worker_message(wid, work_pb2.WorkerMessage(state=st))
+        assert not qs.q.workers[2].runs_group_0 and qs.q.workers[1].runs_group_0
+        qs.q.submit(_read(9))
+        qs.q.fenced_read_at = float("-inf")
+        qs._kick()
+        [fw] = [m for m in _drain(sessions[1]) if isinstance(m, work_pb2.FenceWait)]
+        assert fw.index == 9
+        assert not [m for m in _drain(sessions[2]) if isinstance(m, work_pb2.FenceWait)]
+        st = qs.status()
+        assert [n.id for n in st.nodes] == [1]
+        assert st.nodes[0].applied_index == 5 and st.leader == 1 and st.term == 3
+        # A session may not switch between speaking for group 0 and not.
+        with pytest.raises(ValueError):
+            qs._worker_message(2, work_pb2.WorkerMessage(state=work_pb2.WorkerState(node_id=1)))
+
+    asyncio.run(main())

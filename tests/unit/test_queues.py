@@ -482,3 +482,34 @@ def test_unreachable_fences_are_judged_by_their_groups_commit() -> None:
     q.submit(grouped(Kind.READ, 5, 10**6))  # a group nobody told of: left alone
     dropped = q.drop_unreachable_fences(50, queued_before=1.0, group_commits={1: 60, 2: 30})
     assert [it.id for it in dropped] == [reads[0].id, reads[1].id]
+
+
+def test_a_worker_process_link_serves_its_data_groups_only() -> None:
+    """Node 1's main process (link 1) runs group 0; its worker process (link
+    4, ``runs_group_0`` False) runs group 1 and leads it. Group 1's writes
+    and reads go to the worker, group 0's never do, though the worker's
+    group-0 fields (unset: 0) would let a read fenced at 0 through, and a
+    worker claiming group 0's lead is not taken for its leader."""
+    q = WorkQueues()
+    q.connect(1, 1)
+    q.connect(4, 1, runs_group_0=False)
+    for w in (1, 4):
+        q.grant(w, writes=10, reads=10)
+    q.update(1, True, 3, 10)
+    q.update(4, True, 99, 0, [(1, True, 5, 20)])  # a bogus group-0 claim, ignored
+    assert q.leader(0) is q.workers[1] and q.leader(1) is q.workers[4]
+    assert q.workers[4].applied_in(0) == -1
+    for g in (0, 1, 0, 1):
+        q.submit(grouped(Kind.WRITE, g))
+    assert sorted((w, it.group) for w, it in q.dispatch(0)) == [(1, 0), (1, 0), (4, 1), (4, 1)]
+    for _ in range(6):
+        q.submit(grouped(Kind.READ, 0, fence=0))
+    q.submit(grouped(Kind.READ, 1, fence=15))
+    got = sorted((w, it.group) for w, it in q.dispatch(0))
+    assert got == [(1, 0)] * 6 + [(4, 1)]
+    # A group-0 read fenced beyond what the main process applied waits for it,
+    # not for the worker's.
+    q.submit(grouped(Kind.READ, 0, fence=11))
+    assert q.awaited_fence() == 11
+    q.update(1, True, 3, 11)
+    assert q.awaited_fence() == 0
