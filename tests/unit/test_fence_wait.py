@@ -384,9 +384,9 @@ def test_a_worker_process_link_is_not_asked_for_group_0_fences_nor_shown_as_its_
         [fw] = [m for m in _drain(sessions[1]) if isinstance(m, work_pb2.FenceWait)]
         assert fw.index == 9
         assert not [m for m in _drain(sessions[2]) if isinstance(m, work_pb2.FenceWait)]
-        st = qs.status()
-        assert [n.id for n in st.nodes] == [1]
-        assert st.nodes[0].applied_index == 5 and st.leader == 1 and st.term == 3
+        cs = qs.status()
+        assert [n.id for n in cs.nodes] == [1]
+        assert cs.nodes[0].applied_index == 5 and cs.leader == 1 and cs.term == 3
         # A session may not switch between speaking for group 0 and not.
         with pytest.raises(ValueError):
             qs._worker_message(2, work_pb2.WorkerMessage(state=work_pb2.WorkerState(node_id=1)))
