@@ -207,21 +207,27 @@ class StateMachine:
         map_size: int = 4 * GiB,
         issues_producers: bool = True,
         group: int = 0,
+        readonly: bool = False,
     ) -> None:
         """``issues_producers`` False: a data group's state, where producer
         ids are not issued; its leader checks them against group 0's replica
         (``producer_refusal``) before proposing, and applies take them as
         checked. ``group``: the Raft group whose state this is; a data
         group's publish answers carry their index as that group's fence
-        (``group_fences``), not as ``applied_index`` (group 0's)."""
+        (``group_fences``), not as ``applied_index`` (group 0's).
+        ``readonly``: a view of a replica another process applies
+        (``replica_view``): reads only, and ``applied_index`` is as of the
+        opening (``stored_applied_index`` reads it afresh)."""
         self.path = Path(path)
+        self.readonly = readonly
         self.map_size = map_size
         self.issues_producers = issues_producers
         self.group = group
         self._open()
 
     def _open(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
         self.env = open_lmdb(  # a full disk: StorageFullError, not a SIGBUS
             self.path,
             "state",
@@ -230,8 +236,12 @@ class StateMachine:
             sync=False,
             metasync=False,
             readahead=False,
+            readonly=self.readonly,
         )
-        db = self.env.open_db
+
+        def db(name: bytes) -> Any:
+            return self.env.open_db(name, create=not self.readonly)
+
         self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
         self.groups = GroupTables(db(b"groups"), db(b"offsets"), self.meta)
@@ -1224,6 +1234,11 @@ class StateMachine:
     def digest(self) -> bytes:
         """SHA-256 over every stored key and value, database by database."""
         return self.indexed_digest()[1]
+
+    def stored_applied_index(self) -> int:
+        """The applied index as last committed (by whichever process applies)."""
+        with self.env.begin() as txn:
+            return self._meta_int(txn, b"applied_index")
 
     def indexed_digest(self) -> tuple[int, bytes]:
         """(applied index, ``digest``) as one read transaction sees them.
