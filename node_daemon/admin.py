@@ -165,8 +165,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         """Every data group this node leads to ``target`` where it is a voter
         of the group, else to the group's best follower (none: it stays)."""
         for g, n in sorted(self.node.raft_groups.items()):
-            if g == 0 or not n.is_leader:
-                continue
+            if g == 0 or not n.is_leader or not isinstance(n, RaftNode):
+                continue  # a group another process runs: handed over there
             to = target if target in n.core.conf.voters and target != n.id else successor(n.core)
             if to:
                 with contextlib.suppress(NotLeader):

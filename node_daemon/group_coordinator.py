@@ -128,7 +128,7 @@ class GroupCoordinator:
             if data is None:
                 raise RoadlogError(Code.UNAVAILABLE, "this node runs no group of that partition")
             with contextlib.suppress(TimeoutError):
-                await data.wait_applied(data.core.log.committed, COMMIT_CATCH_UP_S)
+                await data.wait_applied(data.committed_index(), COMMIT_CATCH_UP_S)
             try:
                 end = data.sm.describe(g.topic).partitions[o.partition].next_offset
             except RoadlogError:

@@ -7,7 +7,10 @@ maps; data groups take the appends and reads of their partitions. What the
 queue server must know of the data groups to route (role, term, indexes)
 rides in ``WorkerState.groups`` (``group_states``).
 
-Invariant: an item of a group this node does not run is answered
+A worker process (docs/multiraft.md step 5) runs data groups only: its
+handlers have no group 0, and its links say so (``data_groups_only``).
+
+Invariant: an item of a group this process does not run is answered
 UNAVAILABLE ("runs no group g"), never done in another group.
 """
 
@@ -33,16 +36,17 @@ class Executor(Protocol):
 
 
 class GroupedWork:
-    """The work handlers of a node's groups (0 always among them)."""
+    """The work handlers of the groups this process runs."""
 
     def __init__(self, handlers: Mapping[int, WorkHandler]) -> None:
-        if 0 not in handlers:
-            raise ValueError("a node always runs group 0")
+        if not handlers:
+            raise ValueError("a process with work runs at least one group")
         self.handlers = dict(handlers)
 
     @property
     def meta(self) -> WorkHandler:
-        """Group 0's handler (consumer groups, topics, clients, heat maps)."""
+        """Group 0's handler (consumer groups, topics, clients, heat maps):
+        the main process's only."""
         return self.handlers[0]
 
     async def run(self, item: work_pb2.WorkItem) -> work_pb2.WorkResult:

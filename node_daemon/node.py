@@ -66,6 +66,7 @@ from node_daemon.raft import (
     ApplyJob,
     ConfChange,
     Config,
+    ConfState,
     Entry,
     HardState,
     LogWrite,
@@ -79,6 +80,7 @@ from node_daemon.raft import (
     StorageFullError,
     bootstrap,
 )
+from node_daemon.remote_group import Replica
 from node_daemon.snapshots import Snapshots
 from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
@@ -172,7 +174,7 @@ class RaftNode:
         self.group = group
         # Every group this node runs, by number (RaftGroups fills it in; a
         # node run alone runs its own group only).
-        self.raft_groups: dict[int, RaftNode] = {group: self}
+        self.raft_groups: dict[int, Replica] = {group: self}
         data = group_data_dir(Path(cfg.data_dir), group)
         # A log the disk damaged is set aside: this group then starts empty
         # and catches up (a node with no peer to catch it up refuses to start).
@@ -291,7 +293,7 @@ class RaftNode:
             transport.add_group(group, endpoint)
         self.transport = transport
         self._inbox: deque[Callable[[RaftCore], None]] = deque()
-        self._wakeup = asyncio.Event()
+        self._wakeup: asyncio.Event = asyncio.Event()
         # Proposals waiting for the driver: (op, its future, its deadline).
         self._ops: list[_Proposal] = []
         self._ops_taken = asyncio.Event()  # set while no proposal waits for the driver
@@ -457,6 +459,17 @@ class RaftNode:
 
     def address_of(self, node: int) -> str:
         return self.addresses.get(node, "")
+
+    # What another group of this node reads of this one (the same calls as a
+    # replica run by another process answers: ``group_workers.RemoteGroup``).
+
+    def committed_index(self) -> int:
+        """The commit index this replica knows of."""
+        return self.core.log.committed
+
+    def conf_state(self) -> ConfState:
+        """The group's latest configuration (voters, learners)."""
+        return self.core.conf
 
     # ----------------------------------------------------------------- driver
 

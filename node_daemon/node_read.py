@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from node_daemon.node import RaftNode
+from node_daemon.state.machine import StateMachine
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.placement import group_of
@@ -29,21 +30,24 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
         self.node = node
         self.token = token
 
-    async def _prepare(self, context: Any, fence: int, group: int = 0) -> RaftNode:
-        """The replica of ``group`` here, once it applied ``fence``."""
+    async def _prepare(self, context: Any, fence: int, group: int = 0) -> StateMachine:
+        """The state of ``group``'s replica here, once it applied ``fence``
+        (a group another process of this node runs: read-only, as it is
+        then; it applied ``fence``)."""
         node = self.node.raft_groups.get(group)
         if node is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"this node runs no Raft group {group}")
         assert node is not None
-        if node.sm.applied_index < fence:
-            try:
+        try:
+            if node.sm.applied_index < fence:
                 await node.wait_applied(fence, timeout=FENCE_WAIT_S)
-            except TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"this node has not applied index {fence} of group {group} yet",
-                )
-        return node
+            return node.sm
+        except (TimeoutError, RoadlogError):
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"this node has not applied index {fence} of group {group} yet",
+            )
+            raise  # abort raises; for the type checker
 
     async def Plan(self, request: Any, context: Any) -> noderead_pb2.PlanResponse:
         await self._prepare(context, request.min_applied_index)
@@ -99,8 +103,7 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
     async def ReadRange(
         self, request: Any, context: Any
     ) -> AsyncIterator[client_pb2.StoredBatchView]:
-        node = await self._prepare(context, request.min_applied_index, request.group)
-        sm = node.sm
+        sm = await self._prepare(context, request.min_applied_index, request.group)
         loop = asyncio.get_running_loop()
         offset, end = request.start_offset, request.end_offset
         while offset < end:

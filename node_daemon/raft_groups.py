@@ -19,6 +19,10 @@ Invariants:
   groups' leaders, and their write load, spread over the nodes.
 - A graceful stop first hands every group the node leads to another voter
   (``hand_over``), so no group waits out an election timeout for it.
+- A worker process (docs/multiraft.md step 5) runs a share of the data
+  groups and not group 0: it reads group 0 as a ``RemoteGroup`` (the main
+  process's replica, read-only, and the figures it tells), and its groups
+  have a transport of their own.
 - Each data group's leader makes its group's membership follow group 0's
   (``group_membership``): a node that joins or leaves the cluster joins or
   leaves every group; and its topics too (``group_topics``): a topic with
@@ -31,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from node_daemon import metrics
@@ -41,32 +45,69 @@ from node_daemon.group_topics import next_topic_op
 from node_daemon.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
 from node_daemon.membership import CATCH_UP_LAG, STEP_S
 from node_daemon.node import NotLeader, RaftNode
-from roadlog.errors import Code
+from node_daemon.remote_group import Replica
+from node_daemon.transport import PeerTransport
+from roadlog.errors import Code, RoadlogError
 
 log = logging.getLogger("roadlog.node")
 
 
 class RaftGroups:
-    def __init__(self, cfg: NodeConfig) -> None:
+    """The groups this process runs. ``local``: which (default: group 0 and
+    every data group); without group 0 (a worker process), ``group0`` is
+    group 0 as read from here and ``transport`` the process's own.
+    ``remote``: the node's groups other processes run, as read from here
+    (the main process's view of its workers' groups)."""
+
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        local: Iterable[int] | None = None,
+        group0: Replica | None = None,
+        transport: PeerTransport | None = None,
+        remote: Mapping[int, Replica] | None = None,
+    ) -> None:
         self.cfg = cfg
-        self.meta = RaftNode(cfg)  # group 0
-        self.nodes: dict[int, RaftNode] = {0: self.meta}
-        if cfg.data_groups > 1:
-            for g in range(1, cfg.data_groups + 1):
-                self.nodes[g] = RaftNode(cfg, g, self.meta.transport)
+        if local is None:
+            local = range(cfg.data_groups + 1) if cfg.data_groups > 1 else [0]
+        groups = sorted(set(local))
+        self.nodes: dict[int, RaftNode] = {}
+        if 0 in groups:
+            self.nodes[0] = RaftNode(cfg)
+            transport = self.nodes[0].transport
+        elif group0 is None or transport is None:
+            raise ValueError("a process without group 0 reads it from elsewhere, on its own links")
+        assert transport is not None
+        self.transport = transport
+        here: Replica | None = self.nodes.get(0)
+        self.group0: Replica = here if here is not None else group0  # type: ignore[assignment]
+        for g in groups:
+            if g:
+                self.nodes[g] = RaftNode(cfg, g, transport)
+        # What the groups read of each other: every group of the node.
+        reads: dict[int, Replica] = {0: self.group0, **(remote or {}), **self.nodes}
         for node in self.nodes.values():
-            node.raft_groups = self.nodes
+            node.raft_groups = reads
         self.balancer = LeaderBalancer(cfg.node_id)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
+    def meta(self) -> RaftNode:
+        """Group 0, run here (the main process)."""
+        return self.nodes[0]
+
+    @property
     def data(self) -> dict[int, RaftNode]:
-        """The data groups (none when every partition is in group 0)."""
+        """The data groups run here (none when every partition is in group 0)."""
         return {g: n for g, n in self.nodes.items() if g != 0}
 
     def update_addresses(self, known: dict[int, str]) -> None:
         for node in self.nodes.values():
             node.update_addresses(known)
+        if 0 not in self.nodes:  # no group here owns the transport
+            merged = {**self.transport.addresses, **known}
+            merged.pop(self.cfg.node_id, None)
+            self.transport.set_addresses(merged)
 
     async def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
         for node in self.nodes.values():
@@ -85,10 +126,16 @@ class RaftGroups:
         meta_topics: dict[str, Any] = {}
         while True:
             await asyncio.sleep(STEP_S)
-            if self.meta.sm.applied_index != topics_at:
-                topics_at = self.meta.sm.applied_index
-                meta_topics = self.meta.sm.topic_records()
-            meta = self.meta.core.conf
+            group0 = self.group0
+            try:
+                state = group0.sm
+                if state.applied_index != topics_at:
+                    topics_at = state.applied_index
+                    meta_topics = state.topic_records()
+            except RoadlogError as e:  # group 0's replica here is not ready
+                log.debug("group 0 not readable", extra={"error": e.message})
+                continue
+            meta = group0.conf_state()
             for g, node in sorted(self.data.items()):
                 if not node.is_leader:
                     continue
@@ -199,4 +246,7 @@ class RaftGroups:
                 await t
         for node in self.data.values():
             await node.stop()
-        await self.meta.stop()
+        if 0 in self.nodes:
+            await self.nodes[0].stop()
+        else:
+            await self.transport.close()

@@ -13,21 +13,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from discovery.agent import DiscoveryAgent, now_ms
 from discovery.core import DiscoveryCore, Found, Join
 from node_daemon.admin import (
-    NODE_CHANGES,
-    NODE_PROTECTED,
     AdminService,
-    node_callers,
-    refused_by_cert,
 )
 from node_daemon.config import ConfigError, NodeConfig
 from node_daemon.grouped_work import GroupedWork
+from node_daemon.grpc_server import node_grpc_server
 from node_daemon.identity import node_id_for
 from node_daemon.membership import Membership
 from node_daemon.node_read import NodeReadService
@@ -37,9 +33,8 @@ from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state_metrics import STATE
 from node_daemon.status import node_readiness
 from node_daemon.worker import QueueServerLink, WorkHandler
-from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.runtime import tls
-from roadlog.runtime.auth import ClusterAuth, cluster_token
+from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.health import serve_metrics_and_health
 from roadlog.runtime.sdnotify import notify
 from roadlog.v1 import (
@@ -89,12 +84,6 @@ class NodeFailed(RuntimeError):
     """The node stopped because its Raft driver failed (systemd restarts it)."""
 
 
-def _is_node(context: Any) -> bool:
-    """The caller holds a node's certificate of the cluster's CA."""
-    ident = tls.grpc_identity(context)
-    return ident is not None and ident.kind == "node"
-
-
 async def serve(cfg: NodeConfig) -> None:
     # LMDB commits and fsyncs release the GIL; hand it back quickly when they
     # return, instead of after the default 5 ms switch interval.
@@ -126,22 +115,7 @@ async def serve(cfg: NodeConfig) -> None:
     membership = Membership(node, token, sync_addresses=discovered_peers)
     stop = asyncio.Event()
     security = tls.current()
-    interceptors: list[grpc.aio.ServerInterceptor] = [ClusterAuth(token, NODE_PROTECTED)]
-    if not security.insecure:  # who may call what, by the caller's certificate
-        interceptors = [
-            tls.CertAuth(node_callers, refused_by_cert),
-            ClusterAuth(token, NODE_CHANGES, exempt=_is_node),
-        ]
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", PEER_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", PEER_MESSAGE_BYTES),
-            # Peers ping every 2 s to notice a dead node early: allow it.
-            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ],
-    )
+    server = node_grpc_server(token)
     raft_pb2_grpc.add_RaftPeerServicer_to_server(node.transport, server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(node, membership, token, stop), server)
     noderead_pb2_grpc.add_NodeReadServicer_to_server(NodeReadService(node, token), server)

@@ -6,12 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from node_daemon.node import RaftNode
+from node_daemon.remote_group import Replica
 from roadlog.status import role_name
 from roadlog.v1 import client_pb2
 
 
-def group_status(node: RaftNode) -> client_pb2.GroupStatus:
-    """One Raft group's figures on this node."""
+def group_status(node: Replica) -> client_pb2.GroupStatus:
+    """One Raft group's figures on this node (a group another process of the
+    node runs: as that process last told them)."""
+    if not isinstance(node, RaftNode):
+        told = getattr(node, "status", None)
+        return told if told is not None else client_pb2.GroupStatus(id=node.group)
     core = node.core
     return client_pb2.GroupStatus(
         id=node.group,

@@ -29,6 +29,7 @@ from node_daemon.appends import (
 from node_daemon.group_coordinator import GroupCoordinator
 from node_daemon.grouped_work import Executor, group_states
 from node_daemon.node import PAST_DEADLINE, NotLeader, RaftNode
+from node_daemon.remote_group import Replica
 from node_daemon.responses import publish_batch_response
 from node_daemon.state.machine import (
     MAX_PRODUCER_IDS_PER_CLIENT,
@@ -206,7 +207,7 @@ def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Task[OpResu
             call.settle(i, res)
 
 
-async def _placed(node: RaftNode, name: str, topic_id: int) -> None:
+async def _placed(node: Replica, name: str, topic_id: int) -> None:
     """Until data group replica ``node`` holds topic ``name`` with
     ``topic_id`` (placed by its leader as it follows group 0), up to
     PLACEMENT_WAIT_S: then UNAVAILABLE (the queue server tries again)."""
@@ -607,7 +608,7 @@ class WorkHandler:
                 refused = meta.sm.producer_refusal(pid, client, epoch)
                 if refused is not None and refused[0] == Code.FAILED_PRECONDITION:
                     with contextlib.suppress(TimeoutError):  # then it is unknown indeed
-                        await meta.wait_applied(meta.core.log.committed, PRODUCER_CATCH_UP_S)
+                        await meta.wait_applied(meta.committed_index(), PRODUCER_CATCH_UP_S)
                     refused = meta.sm.producer_refusal(pid, client, epoch)
             if refused is None:
                 keep.append(i)
@@ -778,7 +779,7 @@ class WorkHandler:
 
     async def _data_replica(
         self, group: int, topic: str, fences: Iterable[client_pb2.GroupFence]
-    ) -> RaftNode:
+    ) -> Replica:
         """This node's replica of data group ``group`` once it applied the
         read's fence in that group and placed ``topic`` (up to
         PLACEMENT_WAIT_S, then UNAVAILABLE: another node may be further)."""
@@ -951,9 +952,13 @@ class QueueServerLink:
         token: str,
         secret: bytes | None = None,
         data_groups: Mapping[int, RaftNode] | None = None,
+        data_groups_only: bool = False,
     ) -> None:
+        """``data_groups_only``: a worker process's link, for its data groups
+        alone (``node`` is one of them, for the node's id and config)."""
         self.address = address
         self.node = node
+        self.data_groups_only = data_groups_only
         self.executor = executor
         self.data_groups = data_groups if data_groups is not None else {}  # told with its state
         self.token = token
@@ -978,6 +983,13 @@ class QueueServerLink:
         """What routing needs (role, term, indexes), and unless told not to
         (the state riding on every result) the node's full status."""
         n = self.node
+        if self.data_groups_only:
+            return work_pb2.WorkerState(
+                node_id=n.id,
+                address=n.cfg.address,
+                data_groups_only=True,
+                groups=group_states(self.data_groups),
+            )
         core = n.core
         st = work_pb2.WorkerState(
             node_id=n.id,
@@ -997,8 +1009,10 @@ class QueueServerLink:
 
     def _role(self) -> _Role:
         n = self.node
-        lead = n.core.lead
         groups = tuple((g, d.is_leader, d.core.term) for g, d in sorted(self.data_groups.items()))
+        if self.data_groups_only:
+            return (False, 0, 0, "", groups)
+        lead = n.core.lead
         return (n.is_leader, lead, n.core.term, n.address_of(lead), groups)
 
     def state_changed(self) -> None:
@@ -1034,8 +1048,11 @@ class QueueServerLink:
 
     def _indexes_moved(self) -> None:
         n = self.node
-        applied = n.sm.applied_index
-        moved = applied > self._told_applied or n.core.log.committed > self._told_commit
+        if self.data_groups_only:  # group 0's fields stay unset
+            applied = committed = 0
+        else:
+            applied, committed = n.sm.applied_index, n.core.log.committed
+        moved = applied > self._told_applied or committed > self._told_commit
         moved = moved or any(
             d.sm.applied_index > self._told_group_applied.get(g, 0)
             for g, d in self.data_groups.items()

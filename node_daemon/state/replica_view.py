@@ -74,8 +74,10 @@ class StateReplicaView:
         return self._sm
 
     def applied(self, sm: StateMachine) -> int:
-        """``sm``'s applied index as its writer last committed it."""
+        """``sm``'s applied index as its writer last committed it (also set
+        as ``sm.applied_index``)."""
         index = sm.stored_applied_index()
+        sm.applied_index = index  # what readers of ``sm.applied_index`` see
         self._highest = max(self._highest, index)
         return index
 

@@ -53,6 +53,10 @@ class Group:
     async def proposals_taken(self) -> None:
         return None
 
+    def committed_index(self) -> int:
+        """As RaftNode's: the commit index this replica knows of."""
+        return int(self.core.log.committed)
+
     async def wait_applied(self, index: int, timeout: float) -> None:
         """As RaftNode's: until this replica applied ``index``."""
         deadline = time.monotonic() + timeout

@@ -44,7 +44,11 @@ def test_items_go_to_their_groups_handler_and_no_other() -> None:
     work.reads_flowing(object(), True)
     assert handlers[0].flowing == handlers[2].flowing == [True]
     with pytest.raises(ValueError):
-        GroupedWork({1: _Handler("one")})  # type: ignore[dict-item]
+        GroupedWork({})
+    # A worker process's: data groups only; group 0's items are refused there.
+    worker = GroupedWork({1: _Handler("one")})  # type: ignore[dict-item]
+    zero = asyncio.run(worker.run(work_pb2.WorkItem(id=4, method="Fetch", group=0)))
+    assert zero.code == grpc.StatusCode.UNAVAILABLE.value[0] and "runs no group 0" in zero.message
 
 
 def _with_data_groups(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _Node, dict[int, _Node]]:
@@ -87,5 +91,34 @@ def test_a_data_groups_index_moves_are_told_like_group_0s(
         await _settle(0.2)  # within INDEX_EVERY_S of the last word: told when it is up
         link.state_changed()
         assert [g.applied_index for s in _sent(link) for g in s.groups if g.group == 2] == [3]
+
+    asyncio.run(main())
+
+
+def test_a_worker_process_link_tells_its_data_groups_and_nothing_of_group_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker process's link (``data_groups_only``): its state names the
+    node and its groups only, with no status (its main process speaks for
+    the node); group 0's indexes (``node`` is one of its data groups) never
+    count as moves to tell."""
+
+    async def main() -> None:
+        link, node, data = _with_data_groups(monkeypatch)
+        link.data_groups_only = True
+        link._told_state(link.state())
+        st = link.state()
+        assert st.data_groups_only and st.node_id == node.id
+        assert (st.is_leader, st.term, st.applied_index, st.commit_index) == (False, 0, 0, 0)
+        assert not st.HasField("status") and [g.group for g in st.groups] == [1, 2]
+        link._told_at -= 1  # every move promptly
+        node.apply(9)  # the node given for its id moved: not group 0's, nothing to tell
+        link.state_changed()
+        assert not _sent(link)
+        data[1].is_leader = True
+        link.state_changed()
+        [told] = _sent(link)
+        assert told.data_groups_only and told.groups[0].group == 1 and told.groups[0].is_leader
+        assert not told.HasField("status")
 
     asyncio.run(main())

@@ -1,0 +1,99 @@
+"""A Raft group of this node as another group reads it (docs/multiraft.md).
+
+Groups of one node read each other: group 0's handlers serve fetches, topic
+offsets and give-to-get from the data groups' replicas, and a data group's
+leader checks producer ids and follows topics and membership in group 0's.
+``Replica`` is what they read; a ``RaftNode`` in the same process is one,
+and so is a ``RemoteGroup``: a group that another process of this node
+runs (worker processes, step 5), read through a read-only view of its
+state (``StateReplicaView``) and the live figures (commit index,
+configuration, role, status) that process last told.
+
+Invariants: a ``RemoteGroup`` never writes; its state is never older than
+one it showed before; its figures are the last told, so a reader that
+needs an index waits for the state to apply it (``wait_applied``), never
+for the figures alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from node_daemon.raft import ConfState
+from node_daemon.state.machine import StateMachine
+from node_daemon.state.replica_view import StateReplicaView
+from roadlog.errors import RoadlogError
+from roadlog.v1 import client_pb2
+
+
+class Replica(Protocol):
+    """What one group of a node reads of another."""
+
+    group: int
+
+    @property
+    def sm(self) -> StateMachine: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    def committed_index(self) -> int: ...
+
+    def conf_state(self) -> ConfState: ...
+
+    async def wait_applied(self, index: int, timeout: float | None = None) -> None: ...
+
+
+WAIT_FOREVER_S = 3600.0  # a wait without a timeout, bounded all the same
+
+
+class RemoteGroup:
+    """Group ``group``, run by another process of this node; ``state_dir``
+    is its state's directory (``groups/<g>/state``, or ``state`` for 0)."""
+
+    def __init__(self, group: int, state_dir: Path) -> None:
+        self.group = group
+        self.view = StateReplicaView(state_dir, group)
+        self.committed = 0
+        self.conf = ConfState()
+        self.leader = False
+        self.status: client_pb2.GroupStatus | None = None  # as last told
+
+    @property
+    def sm(self) -> StateMachine:
+        """The state as it is now (UNAVAILABLE while not there or rebuilding)."""
+        return self.view.current()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader
+
+    def committed_index(self) -> int:
+        return self.committed
+
+    def conf_state(self) -> ConfState:
+        return self.conf
+
+    async def wait_applied(self, index: int, timeout: float | None = None) -> None:
+        """Until the state applied ``index``; TimeoutError after ``timeout``
+        (as ``RaftNode.wait_applied``)."""
+        try:
+            await self.view.wait_applied(index, WAIT_FOREVER_S if timeout is None else timeout)
+        except RoadlogError as e:
+            raise TimeoutError(e.message) from None
+
+    def told(
+        self,
+        committed: int,
+        voters: list[int],
+        learners: list[int],
+        leader: bool,
+        status: bytes = b"",
+    ) -> None:
+        """What its process told of it."""
+        self.committed = max(self.committed, committed)
+        self.conf = ConfState(frozenset(voters), frozenset(learners))
+        self.leader = leader
+        if status:
+            self.status = client_pb2.GroupStatus.FromString(status)
