@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -93,6 +94,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self.membership = membership
         self.token = token
         self.stop = stop
+        # Hands the groups this node's worker processes lead to a node (0:
+        # each to its best follower); None: every group runs in this process.
+        self.remote_hand_over: Callable[[int], Awaitable[None]] | None = None
 
     async def Status(self, request: Any, context: Any) -> client_pb2.ClusterStatus:
         n = self.node
@@ -159,6 +163,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         resp = await self._admin(context, self.node.transfer_leader(request.node_id))
         if request.all_groups:
             await self._hand_data_groups(request.node_id)
+            if self.remote_hand_over is not None:  # the groups worker processes run
+                await self.remote_hand_over(request.node_id)
         return resp
 
     async def _hand_data_groups(self, target: int) -> None:

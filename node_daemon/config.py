@@ -106,6 +106,12 @@ class NodeConfig:
         "with data_groups above 1, place new topics' partitions in the data groups "
         "(being built: every read and write follows them; not yet the default)",
     )
+    # Worker processes (docs/multiraft.md step 5): with data_groups above 1,
+    # the node runs group 0 in its main process and the data groups in this
+    # many worker processes, each on a core of its own (group g in worker
+    # (g-1) mod workers). Being built: 1 (every group in the main process)
+    # stays the default until the workers' metrics and the tiers run them.
+    workers: int = key(1, "processes for the data groups (1: all in the main process; 1..64)")
     voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
     dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
     trim_interval_s: int = key(60, "how often the leader applies retention through the log")
@@ -135,6 +141,8 @@ class NodeConfig:
             raise ConfigError("bootstrap_expect: must be in 0..15")
         if not 1 <= self.data_groups <= MAX_DATA_GROUPS:
             raise ConfigError(f"data_groups: must be in 1..{MAX_DATA_GROUPS}")
+        if not 1 <= self.workers <= MAX_DATA_GROUPS:
+            raise ConfigError(f"workers: must be in 1..{MAX_DATA_GROUPS}")
         if not 0 <= self.voters <= 15 or self.dead_voter_timeout_s < 1:
             raise ConfigError("voters: 0..15; dead_voter_timeout_s: at least 1")
         for seed in self.discovery_seeds:

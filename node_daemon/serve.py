@@ -22,6 +22,7 @@ from node_daemon.admin import (
     AdminService,
 )
 from node_daemon.config import ConfigError, NodeConfig
+from node_daemon.group_workers import GroupWorkers, remote_groups, with_workers
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
 from node_daemon.identity import node_id_for
@@ -109,7 +110,10 @@ async def serve(cfg: NodeConfig) -> None:
     discovered_peers = cfg.discovery
     if cfg.discovery and not _has_raft_state(cfg):
         cfg = await _discover(cfg, agent)
-    groups = RaftGroups(cfg)  # group 0 (``node``) and the data groups, if any
+    # Group 0 (``node``) and the data groups, if any: here, or in worker
+    # processes (``workers``), read from here as RemoteGroups.
+    remote = remote_groups(cfg) if with_workers(cfg) else {}
+    groups = RaftGroups(cfg, local=[0], remote=remote) if remote else RaftGroups(cfg)
     node = groups.meta
     STATE.watch(node.sm)  # topics, group lag, heat-map age on /metrics
     membership = Membership(node, token, sync_addresses=discovered_peers)
@@ -117,7 +121,8 @@ async def serve(cfg: NodeConfig) -> None:
     security = tls.current()
     server = node_grpc_server(token)
     raft_pb2_grpc.add_RaftPeerServicer_to_server(node.transport, server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(node, membership, token, stop), server)
+    admin = AdminService(node, membership, token, stop)
+    admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
     noderead_pb2_grpc.add_NodeReadServicer_to_server(NodeReadService(node, token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -136,10 +141,15 @@ async def serve(cfg: NodeConfig) -> None:
     if cfg.peer_frames_port >= 0:
         host = cfg.listen.rpartition(":")[0].strip("[]")
         await node.transport.start_frames(host, cfg.peer_frames_port)
+    workers: GroupWorkers | None = None  # started once the links are
     if cfg.metrics_port:
 
         def readiness_detail() -> tuple[bool, dict[str, Any]]:
-            return node_readiness(node, membership.in_config())
+            ready, detail = node_readiness(node, membership.in_config())
+            if workers is not None:
+                detail["workers_alive"] = workers.alive()
+                ready = ready and detail["workers_alive"]
+            return ready, detail
 
         serve_metrics_and_health(
             cfg.metrics_host or cfg.listen.rpartition(":")[0],
@@ -201,6 +211,10 @@ async def serve(cfg: NodeConfig) -> None:
         data_node.state_listeners.append(on_data_group_state)
     on_state()
     link_queue_servers(cfg.queue_servers)
+    if remote:
+        workers = GroupWorkers(cfg, node, remote, lambda: list(links))
+        workers.start()
+        admin.remote_hand_over = workers.hand_over
     if agent is not None:
         discovered = agent
 
@@ -242,6 +256,8 @@ async def serve(cfg: NodeConfig) -> None:
     log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
     if not failed:  # a graceful stop: no group waits out an election for this node
         await groups.hand_over()
+    if workers is not None:  # each hands its groups over, then stops
+        await workers.stop()
     if joining is not None:
         joining.cancel()
     await health_servicer.enter_graceful_shutdown()

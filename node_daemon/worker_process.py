@@ -1,0 +1,337 @@
+"""A worker process: a share of this node's data groups, on a core of its
+own (docs/multiraft.md step 5).
+
+The node's main process (``group_workers``) starts one per ``workers``,
+with ``multiprocessing``'s spawn (gRPC and LMDB handles do not survive a
+fork), and tells it which groups are its (group g in worker (g-1) mod W).
+A worker runs each of its groups as a ``RaftNode``, with its own event
+loop, LMDB environments (``groups/<g>/``), peer transport (its own gRPC and
+framed ports, which the main process tells peers: ``group_ports``) and
+Work links to every queue server (``data_groups_only``). It reads group 0
+as a ``RemoteGroup``: the main process's replica, read-only, and group 0's
+commit index, configuration, addresses and queue servers as the main
+process tells them over the pipe.
+
+Over the pipe (``multiprocessing.Connection``, small pickled dicts):
+- main -> worker: ``{"kind": "group0", ...}`` group 0's figures (first
+  before anything starts, then as they move); ``{"kind": "hand_over",
+  "to": n}`` hand every group it leads to node n (0: each to its best
+  follower); ``{"kind": "stop"}`` hand over, then stop.
+- worker -> main: ``{"kind": "ports", "grpc": p, "frames": f}`` once
+  listening; ``{"kind": "groups", "groups": {g: {...}}}`` each group's
+  figures and status as they move (at most every ``TELL_EVERY_S``).
+
+Invariants: a worker dies with its main process (``PR_SET_PDEATHSIG``),
+and holds an exclusive lock on each of its groups' directories for its
+whole life, so no two processes ever run one group of a node; it never
+writes group 0's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from node_daemon.config import NodeConfig
+from node_daemon.grouped_work import GroupedWork
+from node_daemon.grpc_server import node_grpc_server
+from node_daemon.node import RaftNode, group_data_dir
+from node_daemon.raft_groups import RaftGroups
+from node_daemon.remote_group import RemoteGroup
+from node_daemon.status import group_status
+from node_daemon.transport import PeerTransport
+from node_daemon.worker import QueueServerLink, WorkHandler
+from roadlog.runtime import eventloop, tls
+from roadlog.runtime.auth import cluster_token
+from roadlog.runtime.logs import setup_logging
+from roadlog.v1 import raft_pb2_grpc
+
+log = logging.getLogger("roadlog.node.worker")
+
+TELL_EVERY_S = 0.05  # group figures to the main process at most this often
+LOCK_WAIT_S = 30.0  # a group's lock still held (its last worker dying): wait this long
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker is started with. ``grpc_port``/``frames_port``: the
+    ports it had before a restart (0: any), so peers find it where it was."""
+
+    index: int
+    groups: tuple[int, ...]
+    cfg: NodeConfig
+    grpc_port: int = 0
+    frames_port: int = 0
+
+
+def worker_of(group: int, workers: int) -> int:
+    """The worker (0-based) that runs data group ``group`` (>= 1)."""
+    return (group - 1) % workers
+
+
+def shares(data_groups: int, workers: int) -> list[tuple[int, ...]]:
+    """Each worker's data groups; no worker is empty (at most one per group)."""
+    count = max(1, min(workers, data_groups))
+    return [
+        tuple(g for g in range(1, data_groups + 1) if worker_of(g, count) == w)
+        for w in range(count)
+    ]
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (Linux); exit at once if it
+    already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _lock_groups(cfg: NodeConfig, groups: tuple[int, ...]) -> list[int]:
+    """An exclusive lock on each group's directory (held until exit)."""
+    fds = []
+    for g in groups:
+        d = group_data_dir(Path(cfg.data_dir), g)
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / "worker.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"group {g} is still run by another process") from None
+                time.sleep(0.1)
+        fds.append(fd)
+    return fds
+
+
+def main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
+    """The spawned process's entry point."""
+    _die_with_parent(parent)
+    cfg = spec.cfg
+    setup_logging(f"node-worker-{spec.index}", cfg.log_level)
+    tls.install(tls.load_security(cfg.certs_dir, cfg.insecure, "node"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the main process decides
+    _lock_groups(cfg, spec.groups)
+    try:
+        eventloop.run(_serve(spec, conn))
+    except Exception:
+        log.exception("worker failed", extra={"worker": spec.index})
+        sys.exit(1)
+
+
+class _Pipe:
+    """The pipe to the main process, on the event loop."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(conn.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            while self.conn.poll():
+                self.inbox.put_nowait(self.conn.recv())
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            self.inbox.put_nowait({"kind": "gone"})
+
+    def send(self, msg: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(msg)
+
+
+async def _serve(spec: WorkerSpec, conn: Connection) -> None:
+    cfg = spec.cfg
+    pipe = _Pipe(conn)
+    secret = cfg.secret()
+    token = cluster_token(secret, cfg.cluster_name)
+    group0 = RemoteGroup(0, group_data_dir(Path(cfg.data_dir), 0) / "state")
+    first = await pipe.inbox.get()
+    if first.get("kind") != "group0":
+        return  # the main process went away before it said anything
+    _take_group0(group0, first)
+    transport = PeerTransport.bare(cfg.node_id, cfg.cluster_name, secret)
+    groups = RaftGroups(cfg, local=spec.groups, group0=group0, transport=transport)
+    groups.update_addresses(first["addresses"])
+    server = node_grpc_server(token)
+    raft_pb2_grpc.add_RaftPeerServicer_to_server(transport, server)
+    host = cfg.listen.rpartition(":")[0]
+    port = 0
+    for want in dict.fromkeys((spec.grpc_port, 0)):  # where it was, else anywhere
+        with contextlib.suppress(RuntimeError):
+            port = tls.current().add_port(server, f"{host}:{want}", mutual=True)
+        if port:
+            break
+    if not port:
+        raise RuntimeError(f"cannot listen on {host}")
+    await server.start()
+    frames_port = 0
+    if cfg.peer_frames_port >= 0:
+        bare_host = host.strip("[]")
+        frames_port = await transport.start_frames(bare_host, spec.frames_port)
+        if not frames_port and spec.frames_port:
+            frames_port = await transport.start_frames(bare_host, 0)
+    pipe.send({"kind": "ports", "grpc": port, "frames": frames_port})
+    failed: list[BaseException] = []
+    stop = asyncio.Event()
+
+    def driver_failed(e: BaseException) -> None:
+        failed.append(e)
+        stop.set()
+
+    await groups.start(driver_failed)
+    executor = GroupedWork({g: WorkHandler(n) for g, n in groups.data.items()})
+    any_node = next(iter(groups.data.values()))
+    links: dict[str, QueueServerLink] = {}
+
+    def link_queue_servers(addresses: list[str]) -> None:
+        for q in addresses:
+            if q not in links:
+                links[q] = QueueServerLink(
+                    q,
+                    any_node,
+                    executor,
+                    token,
+                    secret,
+                    data_groups=groups.data,
+                    data_groups_only=True,
+                )
+                links[q].start()
+
+    teller = _Teller(pipe, groups.data)
+
+    def on_state() -> None:
+        for link in links.values():
+            link.state_changed()
+        teller.moved()
+
+    for node in groups.data.values():
+        node.state_listeners.append(on_state)
+    link_queue_servers(first["queue_servers"])
+    teller.moved()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    log.info(
+        "worker started",
+        extra={
+            "worker": spec.index,
+            "groups": list(spec.groups),
+            "grpc": port,
+            "frames": frames_port,
+        },
+    )
+
+    async def listen() -> None:
+        while True:
+            msg = await pipe.inbox.get()
+            kind = msg.get("kind")
+            if kind == "group0":
+                _take_group0(group0, msg)
+                groups.update_addresses(msg["addresses"])
+                link_queue_servers(msg["queue_servers"])
+            elif kind == "hand_over":
+                await _hand_to(groups, int(msg.get("to", 0)))
+            elif kind in ("stop", "gone"):
+                stop.set()
+                return
+
+    listener = loop.create_task(listen())
+    await stop.wait()
+    listener.cancel()
+    if not failed:
+        await groups.hand_over()
+    for link in links.values():
+        await link.stop()
+    await server.stop(grace=1.0)
+    await groups.stop()
+    teller.close()
+    if failed:
+        raise RuntimeError(f"the Raft driver failed: {failed[0]!r}")
+    log.info("worker stopped", extra={"worker": spec.index})
+
+
+def _take_group0(group0: RemoteGroup, msg: dict[str, Any]) -> None:
+    group0.told(msg["committed"], msg["voters"], msg["learners"], leader=False)
+
+
+async def _hand_to(groups: RaftGroups, target: int) -> None:
+    """Every group this worker leads to ``target`` where it is a voter of the
+    group, else to the group's best follower (none: it stays)."""
+    from node_daemon.leader_balance import successor
+    from node_daemon.node import NotLeader
+
+    for _, n in sorted(groups.data.items()):
+        if not n.is_leader:
+            continue
+        to = target if target in n.core.conf.voters and target != n.id else successor(n.core)
+        if to:
+            with contextlib.suppress(NotLeader):
+                await n.transfer_leader(to)
+
+
+class _Teller:
+    """Tells the main process each group's figures as they move, at most
+    every TELL_EVERY_S."""
+
+    def __init__(self, pipe: _Pipe, nodes: dict[int, RaftNode]) -> None:
+        self.pipe = pipe
+        self.nodes = nodes
+        self._told: dict[int, tuple[Any, ...]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0
+
+    def moved(self) -> None:
+        if self._timer is not None:
+            return
+        wait = max(0.0, self._last + TELL_EVERY_S - time.monotonic())
+        self._timer = asyncio.get_running_loop().call_later(wait, self._tell)
+
+    def _tell(self) -> None:
+        self._timer = None
+        self._last = time.monotonic()
+        out: dict[int, dict[str, Any]] = {}
+        for g, n in self.nodes.items():
+            conf = n.core.conf
+            key = (
+                n.is_leader,
+                n.core.term,
+                n.core.lead,
+                n.core.log.committed,
+                n.sm.applied_index,
+                conf.voters,
+                conf.learners,
+                n.core.catching_up,
+            )
+            if self._told.get(g) == key:
+                continue
+            self._told[g] = key
+            out[g] = {
+                "committed": n.core.log.committed,
+                "voters": sorted(conf.voters),
+                "learners": sorted(conf.learners),
+                "leader": n.is_leader,
+                "status": group_status(n).SerializeToString(),
+            }
+        if out:
+            self.pipe.send({"kind": "groups", "groups": out})
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
