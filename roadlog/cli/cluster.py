@@ -50,6 +50,14 @@ def cluster() -> None:
     "them and their leaders spread over the nodes (1: every ping in group 0)",
 )
 @click.option(
+    "--workers",
+    type=click.IntRange(1, MAX_DATA_GROUPS),
+    default=1,
+    show_default=True,
+    help="with --groups above 1: worker processes per node for the data groups, each on "
+    "a core of its own (1: every group in the node's main process)",
+)
+@click.option(
     "--insecure",
     is_flag=True,
     help="no TLS: plaintext, unauthenticated ports (debugging only)",
@@ -60,6 +68,7 @@ def cluster_up(
     directory: Path,
     timeout: float,
     data_groups: int,
+    workers: int,
     insecure: bool,
 ) -> None:
     """Start node daemons and queue servers, wait for a leader, write
@@ -68,6 +77,8 @@ def cluster_up(
     if nodes < 1 or queue_servers < 1:
         raise click.BadParameter("need at least one node and one queue server")
     node_args = ["--data-groups", str(data_groups), "--place-topics"] if data_groups > 1 else []
+    if data_groups > 1 and workers > 1:
+        node_args += ["--workers", str(workers)]
     if insecure:
         err.print(
             "[bold red]INSECURE: --insecure turns TLS off: every port of this cluster is "
@@ -87,7 +98,9 @@ def cluster_up(
             lc.down()
             raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
     err.print(
-        f"cluster up: {nodes} nodes, {data_groups} data group(s), leader {status['leader']} "
+        f"cluster up: {nodes} nodes, {data_groups} data group(s)"
+        + (f" in {workers} worker processes a node" if data_groups > 1 and workers > 1 else "")
+        + f", leader {status['leader']} "
         f"(term {status['term']}); "
         f"queue servers {', '.join(lc.servers)}; {lc.file}; the admin identity's token in "
         f"{lc.token_file} (--cluster {directory} uses it)"

@@ -250,15 +250,18 @@ def test_cli_errors_are_clear(tmp_path: Path) -> None:
     assert json.loads(unreached.stdout)["leader"] == 0
 
 
-def test_cluster_up_with_data_groups_places_a_topic_in_them(tmp_path: Path) -> None:
-    """`roadlog cluster up --groups G` (issue 18's contract): G data groups,
-    every topic's partitions placed in them; `topic describe --json` names
-    each partition's group and `cluster status --json` lists every group
-    with its leader, term, commit index and partitions."""
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "2-workers"])
+def test_cluster_up_with_data_groups_places_a_topic_in_them(tmp_path: Path, workers: int) -> None:
+    """`roadlog cluster up --groups G --workers W` (issue 18's contract): G
+    data groups, every topic's partitions placed in them, run in W worker
+    processes a node (1: in the node's main process); `topic describe
+    --json` names each partition's group and `cluster status --json` lists
+    every group with its leader, term, commit index and partitions."""
     d = tmp_path / "cluster"
-    up = roadlog("cluster", "up", "--groups", "3", "--dir", str(d))
+    up = roadlog("cluster", "up", "--groups", "3", "--workers", str(workers), "--dir", str(d))
     try:
         assert "3 data group(s)" in up.stderr
+        assert ("in 2 worker processes a node" in up.stderr) == (workers == 2)
         roadlog("topic", "create", "munich", "--bbox", "11.3,48.0,11.8,48.3",
                 "--partitions", "6", "--cluster", str(d))  # fmt: skip
         csv, _, _ = write_inputs(tmp_path, int(time.time() * 1000))
