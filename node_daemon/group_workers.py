@@ -36,6 +36,7 @@ from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode, group_data_dir
 from node_daemon.remote_group import RemoteGroup
 from node_daemon.transport import PeerTransport
+from node_daemon.worker_metrics import WorkerMetrics
 from node_daemon.worker_process import WorkerSpec, shares
 
 log = logging.getLogger("roadlog.node")
@@ -77,8 +78,11 @@ class GroupWorkers:
         meta: RaftNode,
         remote: dict[int, RemoteGroup],
         queue_servers: Callable[[], list[str]],
+        metrics: WorkerMetrics | None = None,
     ) -> None:
+        """``metrics``: where the workers' metrics go (the node's /metrics)."""
         self.cfg = cfg
+        self.metrics = metrics
         self.meta = meta
         self.remote = remote
         self.queue_servers = queue_servers
@@ -139,6 +143,9 @@ class GroupWorkers:
                 "worker process listening",
                 extra={"worker": w.index, "grpc": w.grpc_port, "frames": w.frames_port},
             )
+        elif kind == "metrics":
+            if self.metrics is not None:
+                self.metrics.told(w.index, str(msg["text"]))
         elif kind == "groups":
             for g, fig in msg["groups"].items():
                 rg = self.remote.get(int(g))
@@ -188,6 +195,8 @@ class GroupWorkers:
                     continue
                 if p is not None:  # it died: start it again after a backoff
                     self._closed(w)
+                    if self.metrics is not None:
+                        self.metrics.forget(w.index)
                     w.process = None
                     if now - w.started > STEADY_S:
                         w.backoff = RESTART_FIRST_S

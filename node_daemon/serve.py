@@ -34,6 +34,7 @@ from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state_metrics import STATE
 from node_daemon.status import node_readiness
 from node_daemon.worker import QueueServerLink, WorkHandler
+from node_daemon.worker_metrics import WorkerMetrics, merged_registry
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.health import serve_metrics_and_health
@@ -142,6 +143,7 @@ async def serve(cfg: NodeConfig) -> None:
         host = cfg.listen.rpartition(":")[0].strip("[]")
         await node.transport.start_frames(host, cfg.peer_frames_port)
     workers: GroupWorkers | None = None  # started once the links are
+    worker_metrics = WorkerMetrics() if remote else None
     if cfg.metrics_port:
 
         def readiness_detail() -> tuple[bool, dict[str, Any]]:
@@ -156,6 +158,7 @@ async def serve(cfg: NodeConfig) -> None:
             cfg.metrics_port,
             readiness_detail,
             ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)
+            registry=merged_registry(worker_metrics) if worker_metrics is not None else None,
         )
     groups.update_addresses(node.sm.peers())
     failed: list[BaseException] = []
@@ -212,7 +215,7 @@ async def serve(cfg: NodeConfig) -> None:
     on_state()
     link_queue_servers(cfg.queue_servers)
     if remote:
-        workers = GroupWorkers(cfg, node, remote, lambda: list(links))
+        workers = GroupWorkers(cfg, node, remote, lambda: list(links), worker_metrics)
         workers.start()
         admin.remote_hand_over = workers.hand_over
     if agent is not None:

@@ -43,6 +43,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import generate_latest
+
+from node_daemon import worker_metrics
 from node_daemon.config import NodeConfig
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
@@ -252,9 +255,16 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
                 stop.set()
                 return
 
+    async def send_metrics() -> None:
+        while True:
+            pipe.send({"kind": "metrics", "text": generate_latest().decode()})
+            await asyncio.sleep(worker_metrics.EVERY_S)
+
     listener = loop.create_task(listen())
+    metrics_task = loop.create_task(send_metrics())
     await stop.wait()
     listener.cancel()
+    metrics_task.cancel()
     if not failed:
         await groups.hand_over()
     for link in links.values():

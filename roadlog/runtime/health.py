@@ -37,7 +37,7 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Gauge, make_wsgi_app
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, make_wsgi_app
 
 Readiness = Callable[[], tuple[bool, dict[str, Any]]]
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
@@ -122,8 +122,11 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes every few seconds are not worth a log line."""
 
 
-def health_app(ready: Readiness) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
-    metrics = make_wsgi_app()
+def health_app(
+    ready: Readiness, registry: CollectorRegistry | None = None
+) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
+    """``registry``: what /metrics shows (default prometheus-client's)."""
+    metrics = make_wsgi_app(registry if registry is not None else REGISTRY)
 
     def readiness() -> tuple[bool, dict[str, Any]]:
         try:
@@ -162,6 +165,7 @@ def serve_metrics_and_health(
     idle_timeout_s: float = IDLE_TIMEOUT_S,
     deadline_s: float = DEADLINE_S,
     ssl_context: ssl.SSLContext | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> WSGIServer:
     """Start the endpoint in a daemon thread; returns the server (its
     `server_port` is the bound port, useful with port 0). ``ssl_context``:
@@ -178,7 +182,7 @@ def serve_metrics_and_health(
     server: WSGIServer = make_server(
         host or "0.0.0.0",
         port,
-        health_app(ready),
+        health_app(ready, registry),
         server_class=server_class,
         handler_class=handler_class,
     )

@@ -9,13 +9,16 @@ process) loses nothing acknowledged."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from roadlog.client import Admin, Connection, Producer
 from roadlog.runtime.processes import alive
@@ -50,6 +53,18 @@ def children(pid: int) -> list[int]:
             continue
         if b"spawn_main" in cmdline:
             out.append(int(c))
+    return out
+
+
+def workers_in_metrics(lc: LocalCluster, node: Any) -> dict[int, str]:
+    """Data group -> the worker whose commit index the node's /metrics shows."""
+    with urllib.request.urlopen(lc.metrics_url(node), context=lc.ssl_context(), timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "roadlog_raft_group_commit_index" and "worker" in s.labels:
+                out[int(s.labels["group"])] = s.labels["worker"]
     return out
 
 
@@ -88,6 +103,14 @@ def test_data_groups_in_worker_processes_through_a_worker_crash_and_a_cluster_cr
     wait_for(lambda: all_led(lc, ids), 90, "every group led, everywhere")
     for n in lc.nodes:
         assert len(children(n.pid)) == 2, f"node {n.id}'s worker processes"
+    # One /metrics for the node: its workers' groups there, labelled by worker
+    # (sent every 2 s); /readyz says the workers are alive.
+    wait_for(lambda: workers_in_metrics(lc, lc.nodes[0]) == {1: "0", 2: "1", 3: "0", 4: "1"}, 20,
+             "each group's figures from its worker")  # fmt: skip
+    with urllib.request.urlopen(
+        lc.metrics_url(lc.nodes[0]).replace("/metrics", "/readyz"), context=lc.ssl_context()
+    ) as r:
+        assert json.loads(r.read())["workers_alive"] is True
     acked: list[tuple[str, int]] = []
     with Connection(lc.servers) as conn:
         create_topic(conn, "munich", partitions=8)
