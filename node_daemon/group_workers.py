@@ -94,7 +94,13 @@ class GroupWorkers:
 
     # ------------------------------------------------------------ lifecycle
 
+    def _tell_ports(self) -> None:
+        """Peers learn where each data group runs (0: its worker is not
+        listening yet, so they neither send its messages here nor give up)."""
+        self.transport.set_group_ports({g: w.grpc_port for w in self.workers for g in w.groups})
+
     def start(self) -> None:
+        self._tell_ports()
         for w in self.workers:
             self._spawn(w)
         self._task = asyncio.get_running_loop().create_task(self._supervise())
@@ -137,8 +143,7 @@ class GroupWorkers:
         kind = msg.get("kind")
         if kind == "ports":
             w.grpc_port, w.frames_port = int(msg["grpc"]), int(msg["frames"])
-            ports = {g: x.grpc_port for x in self.workers if x.grpc_port for g in x.groups}
-            self.transport.set_group_ports(ports)
+            self._tell_ports()
             log.info(
                 "worker process listening",
                 extra={"worker": w.index, "grpc": w.grpc_port, "frames": w.frames_port},

@@ -387,20 +387,25 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self._routes_asked.pop(nid, None)
 
     def address_of(self, to: int, group: int) -> str | None:
-        """Where ``group``'s messages to ``to`` go (None: its address is not
-        known): the port of the peer's process that runs the group, as the
-        peer said, else its main address."""
+        """Where ``group``'s messages to ``to`` go (None: not known): the
+        port of the peer's process that runs the group, as the peer said,
+        else its main address; None too while the peer said the group's
+        process is not listening yet (port 0)."""
         base = self.addresses.get(to)
         if base is None:
             return None
         port = self.routes.get(to, {}).get(group)
-        return base if port is None else with_port(base, port)
+        if port is None:
+            return base
+        return with_port(base, port) if port else None
 
     def send(self, msgs: list[Message], group: int = 0) -> None:
         for m in msgs:
             addr = self.address_of(m.to, group)
             if addr is None:
                 self.dropped += 1
+                if m.to in self.addresses:
+                    self._ask_routes(m.to)  # its process for the group may listen now
                 continue
             peer = self.peers.get((m.to, addr))
             if peer is None:

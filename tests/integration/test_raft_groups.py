@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,10 +74,13 @@ def every_group_led_and_agreed(lc: LocalCluster, among: list[int]) -> bool:
     )
 
 
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "2-workers"])
 def test_data_groups_elect_replicate_and_survive_a_node_crash(
-    make_cluster: Callable[..., LocalCluster],
+    make_cluster: Callable[..., LocalCluster], workers: int
 ) -> None:
-    lc = make_cluster(nodes=3, extra=["--data-groups", "3"])
+    """Run with the data groups in the node's main process, and in two
+    worker processes a node (multi-raft step 5): the same behaviour."""
+    lc = make_cluster(nodes=3, extra=["--data-groups", "3", "--workers", str(workers)])
     ids = [n.id for n in lc.nodes]
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
 
@@ -94,8 +98,8 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
         lc.metrics_url(lc.nodes[0]), context=lc.ssl_context(), timeout=5
     ) as r:
         text = r.read().decode()
-    for g in GROUPS:
-        assert f'roadlog_raft_group_term{{group="{g}"}}' in text
+    for g in GROUPS:  # (a worker's labelled with its worker too)
+        assert re.search(rf'^roadlog_raft_group_term\{{group="{g}"[,}}]', text, re.M), g
 
     # Writes go on as before (into group 0) and are read back.
     with Connection(lc.servers) as conn:
@@ -130,13 +134,14 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
     # first (no group waits out an election timeout for it).
     log_before = Path(lc.node(2).log).read_text()
     lc.kill(2, signal.SIGTERM)
-    handed = [
+    handed = [  # (each worker process hands over its own groups)
         json.loads(line)
         for line in Path(lc.node(2).log).read_text()[len(log_before) :].splitlines()
         if "handed leadership over before stopping" in line
     ]
-    assert handed and "2" in handed[-1]["groups"], handed  # its data group, at least
-    assert handed[-1]["groups"]["2"] in (1, 3)
+    to = {g: n for h in handed for g, n in h["groups"].items()}
+    assert "2" in to, handed  # its data group, at least
+    assert to["2"] in (1, 3)
     wait_for(lambda: every_group_led_and_agreed(lc, [1, 3]), 60, "every group led by 1 and 3")
     lc.start(2)
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "node 2 back in every group")

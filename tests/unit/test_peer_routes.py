@@ -185,3 +185,45 @@ def test_with_port() -> None:
     assert with_port("10.0.0.1:7000", 7100) == "10.0.0.1:7100"
     assert with_port("[::1]:7000", 7100) == "[::1]:7100"
     assert with_port("node-3.example:7000", 1) == "node-3.example:1"
+
+
+def test_a_group_whose_worker_is_not_listening_yet_waits_for_it(tmp_path: Path) -> None:
+    """The peer's main process says its worker for group 1 is not listening
+    yet (port 0): group 1's messages are not sent to the main process (which
+    would drop them, and the sender would never ask again while that link
+    is up), and once the worker listens the sender finds it."""
+
+    async def body() -> None:
+        got0: list[Message] = []
+        main = peer_transport(2, CLUSTER, SECRET, tmp_path, got0)
+        main_server, main_port = await _serve(main)
+        main.set_group_ports({1: 0})
+        sender = peer_transport(1, CLUSTER, SECRET, tmp_path, [])
+        sender.add_group(1, _endpoint([], tmp_path))
+        sender.set_addresses({2: f"127.0.0.1:{main_port}"})
+        worker: PeerTransport | None = None
+        worker_server: grpc.aio.Server | None = None
+        try:
+            m0 = _append(1, 2, 1)
+            await _keep_sending([(sender, 0, m0)], [got0], "group 0")
+            await until(lambda: sender.routes.get(2) == {1: 0}, "the peer's answer")
+            dropped = sender.dropped
+            sender.send([_append(1, 2, 2)], group=1)
+            assert sender.dropped == dropped + 1 and sender.address_of(2, 1) is None
+            assert main.rejected == 0  # nothing of group 1 reached the main process
+            got1: list[Message] = []
+            worker = PeerTransport.bare(2, CLUSTER, SECRET)
+            worker.add_group(1, _endpoint(got1, tmp_path))
+            worker_server, worker_port = await _serve(worker)
+            main.set_group_ports({1: worker_port})
+            await _keep_sending([(sender, 1, _append(1, 2, 3))], [got1], "the worker, once up")
+            assert main.rejected == 0
+        finally:
+            await sender.close()
+            await main.close()
+            await main_server.stop(None)
+            if worker is not None and worker_server is not None:
+                await worker.close()
+                await worker_server.stop(None)
+
+    run_bounded(body)
