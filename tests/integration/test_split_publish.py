@@ -59,9 +59,11 @@ def split_calls(lc: LocalCluster) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def placed_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    """3 nodes, 3 data groups, topics placed in them; every group led."""
-    lc = make_cluster(nodes=3, extra=PLACED)
+def placed_cluster(make_cluster: Callable[..., LocalCluster], workers: int = 1) -> LocalCluster:
+    """3 nodes, 3 data groups, topics placed in them; every group led. With
+    ``workers`` 2, the data groups run in two worker processes a node, and
+    group 0 reads them across processes."""
+    lc = make_cluster(nodes=3, extra=[*PLACED, "--workers", str(workers)])
     ids = [n.id for n in lc.nodes]
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
     return lc
@@ -176,12 +178,13 @@ def test_idempotent_writes_through_a_data_group_leaders_crash_are_stored_once(
         assert sum(len(v) for v in stored.values()) == 1200
 
 
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "2-workers"])
 def test_give_to_get_counts_what_the_data_groups_stored(
-    make_cluster: Callable[..., LocalCluster],
+    make_cluster: Callable[..., LocalCluster], workers: int
 ) -> None:
     """Contributions are recorded where the pings are stored, in the data
     groups; a heat map (group 0's) is given to whoever they list."""
-    lc = placed_cluster(make_cluster)
+    lc = placed_cluster(make_cluster, workers)
     base = lc.queue_servers[0].http
     tokens = {}
     for name in ("alice", "bob"):
@@ -205,13 +208,14 @@ def test_give_to_get_counts_what_the_data_groups_stored(
             Admin(bob).heatmap("munich")
 
 
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "2-workers"])
 def test_a_consumer_group_reads_and_commits_what_the_data_groups_hold(
-    make_cluster: Callable[..., LocalCluster],
+    make_cluster: Callable[..., LocalCluster], workers: int
 ) -> None:
     """Consumer groups live in group 0, the pings in the data groups: a
     member reads every ping once, its commits are checked against the data
     groups' ends (by group 0's leader), and one past the end is refused."""
-    lc = placed_cluster(make_cluster)
+    lc = placed_cluster(make_cluster, workers)
     with Connection(lc.servers) as conn:
         create_topic(conn, "munich", partitions=6)
         batch = make_pings("van", 0, 240, devices=24)
