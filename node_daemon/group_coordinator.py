@@ -129,9 +129,12 @@ class GroupCoordinator:
                 raise RoadlogError(Code.UNAVAILABLE, "this node runs no group of that partition")
             with contextlib.suppress(TimeoutError):
                 await data.wait_applied(data.committed_index(), COMMIT_CATCH_UP_S)
+            state = data.sm  # UNAVAILABLE while a replica another process runs is not readable
             try:
-                end = data.sm.describe(g.topic).partitions[o.partition].next_offset
-            except RoadlogError:
+                end = state.describe(g.topic).partitions[o.partition].next_offset
+            except RoadlogError as e:
+                if e.code != Code.NOT_FOUND:
+                    raise
                 end = 0  # not placed there yet: nothing stored
             if o.offset > end:
                 raise RoadlogError(

@@ -11,9 +11,11 @@ so peers send each group's messages to its worker), and starts a worker
 again when it dies (its groups' followers elsewhere carry on meanwhile).
 
 Invariants: a worker is started again only after the last one of its
-share exited (its locks on the groups are gone with it); a stop asks every
-worker to hand over the groups it leads and stop, and kills what has not
-stopped within STOP_WAIT_S.
+share exited (its locks on the groups are gone with it, ``group_lock``);
+the pipes never block the main process's event loop (``process_pipe``); a
+stop asks every worker to hand over the groups it leads and stop (workers
+ignore the unit's SIGTERM: the main process decides), starts none again,
+and kills what has not stopped within STOP_WAIT_S.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from node_daemon import worker_process
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode, group_data_dir
+from node_daemon.process_pipe import ProcessPipe
 from node_daemon.remote_group import RemoteGroup
 from node_daemon.transport import PeerTransport
 from node_daemon.worker_metrics import WorkerMetrics
@@ -61,9 +63,12 @@ class _Worker:
     index: int
     groups: tuple[int, ...]
     process: BaseProcess | None = None
-    conn: Connection | None = None
-    grpc_port: int = 0
+    pipe: ProcessPipe | None = None
+    reader: asyncio.Task[None] | None = None
+    grpc_port: int = 0  # where it listens now (0: not listening)
     frames_port: int = 0
+    last_grpc_port: int = 0  # where it listened last: a restart asks for it again
+    last_frames_port: int = 0
     started: float = 0.0
     restarts: int = 0
     backoff: float = RESTART_FIRST_S
@@ -91,23 +96,24 @@ class GroupWorkers:
         self._ctx = multiprocessing.get_context("spawn")
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.tell_ports()
 
     # ------------------------------------------------------------ lifecycle
 
-    def _tell_ports(self) -> None:
+    def tell_ports(self) -> None:
         """Peers learn where each data group runs (0: its worker is not
-        listening yet, so they neither send its messages here nor give up)."""
+        listening yet, so they neither send its messages to the main process
+        nor give up). Set before the node's gRPC server answers anyone."""
         self.transport.set_group_ports({g: w.grpc_port for w in self.workers for g in w.groups})
 
-    def start(self) -> None:
-        self._tell_ports()
+    async def start(self) -> None:
         for w in self.workers:
-            self._spawn(w)
+            await self._spawn(w)
         self._task = asyncio.get_running_loop().create_task(self._supervise())
 
-    def _spawn(self, w: _Worker) -> None:
+    async def _spawn(self, w: _Worker) -> None:
         here, there = self._ctx.Pipe()
-        spec = WorkerSpec(w.index, w.groups, self.cfg, w.grpc_port, w.frames_port)
+        spec = WorkerSpec(w.index, w.groups, self.cfg, w.last_grpc_port, w.last_frames_port)
         p = self._ctx.Process(
             target=worker_process.main,
             args=(spec, there, os.getpid()),
@@ -115,35 +121,38 @@ class GroupWorkers:
         )
         p.start()
         there.close()
-        w.process, w.conn, w.started, w.told = p, here, time.monotonic(), ""
-        asyncio.get_running_loop().add_reader(here.fileno(), self._readable, w)
+        pipe = await ProcessPipe.open(here)
+        w.process, w.pipe, w.started, w.told = p, pipe, time.monotonic(), ""
+        w.reader = asyncio.get_running_loop().create_task(self._read(w, pipe))
         self._tell_group0(w)
         log.info(
             "worker process started",
             extra={"worker": w.index, "groups": list(w.groups), "pid": p.pid},
         )
 
-    def _readable(self, w: _Worker) -> None:
-        conn = w.conn
-        if conn is None:
-            return
+    async def _read(self, w: _Worker, pipe: ProcessPipe) -> None:
         try:
-            while conn.poll():
-                self._take(w, conn.recv())
-        except (EOFError, OSError):
-            self._closed(w)
+            while True:
+                self._take(w, await pipe.recv())
+        except EOFError:
+            pass  # it exited (or is about to): _supervise sees to it
+        except Exception:
+            log.exception("a worker's message could not be taken", extra={"worker": w.index})
 
     def _closed(self, w: _Worker) -> None:
-        if w.conn is not None:
-            asyncio.get_running_loop().remove_reader(w.conn.fileno())
-            w.conn.close()
-            w.conn = None
+        if w.reader is not None:
+            w.reader.cancel()
+            w.reader = None
+        if w.pipe is not None:
+            w.pipe.close()
+            w.pipe = None
 
     def _take(self, w: _Worker, msg: dict[str, Any]) -> None:
         kind = msg.get("kind")
         if kind == "ports":
             w.grpc_port, w.frames_port = int(msg["grpc"]), int(msg["frames"])
-            self._tell_ports()
+            w.last_grpc_port, w.last_frames_port = w.grpc_port, w.frames_port
+            self.tell_ports()
             log.info(
                 "worker process listening",
                 extra={"worker": w.index, "grpc": w.grpc_port, "frames": w.frames_port},
@@ -163,12 +172,8 @@ class GroupWorkers:
                         fig["status"],
                     )
 
-    def _send(self, w: _Worker, msg: dict[str, Any]) -> None:
-        if w.conn is not None:
-            try:
-                w.conn.send(msg)
-            except (OSError, ValueError):
-                self._closed(w)
+    def _send(self, w: _Worker, msg: dict[str, Any], droppable: bool = False) -> bool:
+        return w.pipe is not None and w.pipe.send(msg, droppable)
 
     def _group0(self) -> dict[str, Any]:
         core = self.meta.core
@@ -182,52 +187,67 @@ class GroupWorkers:
         }
 
     def _tell_group0(self, w: _Worker, msg: dict[str, Any] | None = None) -> None:
+        """Group 0's figures, if they moved since last told (and the worker
+        keeps up: the latest are told at the next look otherwise)."""
         msg = msg or self._group0()
         key = repr(sorted(msg.items()))
-        if key != w.told:
+        if key != w.told and self._send(w, msg, droppable=True):
             w.told = key
-            self._send(w, msg)
 
     async def _supervise(self) -> None:
         while not self._stopping:
             await asyncio.sleep(SUPERVISE_S)
-            msg = self._group0()
-            now = time.monotonic()
-            for w in self.workers:
-                p = w.process
-                if p is not None and p.is_alive():
-                    self._tell_group0(w, msg)
-                    continue
-                if p is not None:  # it died: start it again after a backoff
-                    self._closed(w)
-                    if self.metrics is not None:
-                        self.metrics.forget(w.index)
-                    w.process = None
-                    if now - w.started > STEADY_S:
-                        w.backoff = RESTART_FIRST_S
-                    w.due = now + w.backoff
-                    w.backoff = min(w.backoff * 2, RESTART_MAX_S)
-                    log.error(
-                        "worker process died: starting it again",
-                        extra={
-                            "worker": w.index,
-                            "exitcode": p.exitcode,
-                            "in_s": round(w.due - now, 2),
-                        },
-                    )
-                    for g in w.groups:
-                        rg = self.remote.get(g)
-                        if rg is not None:
-                            rg.leader = False
-                elif now >= w.due:
-                    w.restarts += 1
-                    self._spawn(w)
+            try:
+                await self._look()
+            except Exception:  # keep supervising: a worker must not stay dead
+                log.exception("supervising the worker processes failed")
+
+    async def _look(self) -> None:
+        msg = self._group0()
+        now = time.monotonic()
+        for w in self.workers:
+            if self._stopping:
+                return
+            p = w.process
+            if p is not None and p.is_alive():
+                self._tell_group0(w, msg)
+                continue
+            if p is not None:  # it died: start it again after a backoff
+                self._died(w, p, now)
+            elif now >= w.due:
+                w.restarts += 1
+                await self._spawn(w)
+
+    def _died(self, w: _Worker, p: BaseProcess, now: float) -> None:
+        self._closed(w)
+        w.process = None
+        w.grpc_port = w.frames_port = 0
+        self.tell_ports()  # peers hold its groups' messages until it listens again
+        # Its read transactions on group 0's state died with it: their
+        # slots would pin old pages for good.
+        self.meta.sm.env.reader_check()
+        if self.metrics is not None:
+            self.metrics.forget(w.index)
+        if now - w.started > STEADY_S:
+            w.backoff = RESTART_FIRST_S
+        w.due = now + w.backoff
+        w.backoff = min(w.backoff * 2, RESTART_MAX_S)
+        log.error(
+            "worker process died: starting it again",
+            extra={"worker": w.index, "exitcode": p.exitcode, "in_s": round(w.due - now, 2)},
+        )
+        for g in w.groups:
+            rg = self.remote.get(g)
+            if rg is not None:
+                rg.leader = False
 
     def alive(self) -> bool:
-        """Every worker runs and listens."""
-        return all(
-            w.process is not None and w.process.is_alive() and w.grpc_port for w in self.workers
-        )
+        """Every worker runs and listens (asked from the health thread)."""
+        for w in list(self.workers):
+            p = w.process
+            if p is None or not w.grpc_port or not p.is_alive():
+                return False
+        return True
 
     async def hand_over(self, target: int = 0) -> None:
         """Ask every worker to hand the groups it leads to ``target`` (0: to
@@ -235,15 +255,20 @@ class GroupWorkers:
         for w in self.workers:
             self._send(w, {"kind": "hand_over", "to": target})
 
-    async def stop(self) -> None:
-        """Ask every worker to hand over and stop; kill what does not."""
+    def begin_stop(self) -> None:
+        """Start none again; ask every worker to hand over and stop."""
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
         for w in self.workers:
             self._send(w, {"kind": "stop"})
+
+    async def stop(self) -> None:
+        """``begin_stop``, then wait for the workers; kill what does not stop."""
+        self.begin_stop()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
         deadline = time.monotonic() + STOP_WAIT_S
         for w in self.workers:
             p = w.process
@@ -252,7 +277,10 @@ class GroupWorkers:
             if p is not None and p.is_alive():
                 log.warning("worker process did not stop: killing it", extra={"worker": w.index})
                 p.kill()
-                p.join(5)
+                for _ in range(100):  # bounded: 5 s
+                    if not p.is_alive():
+                        break
+                    await asyncio.sleep(0.05)
             self._closed(w)
 
 

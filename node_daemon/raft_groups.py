@@ -34,17 +34,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
+from node_daemon.group_lock import lock_groups
 from node_daemon.group_membership import must_hand_over, next_change
 from node_daemon.group_topics import next_topic_op
 from node_daemon.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
 from node_daemon.membership import CATCH_UP_LAG, STEP_S
-from node_daemon.node import NotLeader, RaftNode
+from node_daemon.node import NotLeader, RaftNode, group_data_dir
 from node_daemon.remote_group import Replica
 from node_daemon.transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
@@ -81,6 +84,9 @@ class RaftGroups:
         self.transport = transport
         here: Replica | None = self.nodes.get(0)
         self.group0: Replica = here if here is not None else group0  # type: ignore[assignment]
+        # No other process of this node runs these groups meanwhile.
+        data_dir = Path(cfg.data_dir)
+        self._locks = lock_groups(group_data_dir(data_dir, g) for g in groups if g)
         for g in groups:
             if g:
                 self.nodes[g] = RaftNode(cfg, g, transport)
@@ -250,3 +256,6 @@ class RaftGroups:
             await self.nodes[0].stop()
         else:
             await self.transport.close()
+        for fd in self._locks:
+            os.close(fd)
+        self._locks = []

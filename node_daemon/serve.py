@@ -116,6 +116,13 @@ async def serve(cfg: NodeConfig) -> None:
     remote = remote_groups(cfg) if with_workers(cfg) else {}
     groups = RaftGroups(cfg, local=[0], remote=remote) if remote else RaftGroups(cfg)
     node = groups.meta
+    links: dict[str, QueueServerLink] = {}
+    worker_metrics = WorkerMetrics() if remote else None
+    # The worker processes: made (their groups' ports told as "not listening
+    # yet") before any peer can ask, started once the links are.
+    workers = (
+        GroupWorkers(cfg, node, remote, lambda: list(links), worker_metrics) if remote else None
+    )
     STATE.watch(node.sm)  # topics, group lag, heat-map age on /metrics
     membership = Membership(node, token, sync_addresses=discovered_peers)
     stop = asyncio.Event()
@@ -142,8 +149,6 @@ async def serve(cfg: NodeConfig) -> None:
     if cfg.peer_frames_port >= 0:
         host = cfg.listen.rpartition(":")[0].strip("[]")
         await node.transport.start_frames(host, cfg.peer_frames_port)
-    workers: GroupWorkers | None = None  # started once the links are
-    worker_metrics = WorkerMetrics() if remote else None
     if cfg.metrics_port:
 
         def readiness_detail() -> tuple[bool, dict[str, Any]]:
@@ -173,7 +178,6 @@ async def serve(cfg: NodeConfig) -> None:
         {0: WorkHandler(node)} | {g: WorkHandler(n) for g, n in groups.data.items()}
     )
     executor.meta.groups.start()  # consumer groups live in group 0
-    links: dict[str, QueueServerLink] = {}
 
     def link_queue_servers(addresses: list[str]) -> None:
         for q in addresses:
@@ -214,9 +218,8 @@ async def serve(cfg: NodeConfig) -> None:
         data_node.state_listeners.append(on_data_group_state)
     on_state()
     link_queue_servers(cfg.queue_servers)
-    if remote:
-        workers = GroupWorkers(cfg, node, remote, lambda: list(links), worker_metrics)
-        workers.start()
+    if workers is not None:
+        await workers.start()
         admin.remote_hand_over = workers.hand_over
     if agent is not None:
         discovered = agent
@@ -257,9 +260,11 @@ async def serve(cfg: NodeConfig) -> None:
     readiness.cancel()
     notify("STOPPING=1")
     log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
+    if workers is not None:  # each hands its groups over and stops, meanwhile
+        workers.begin_stop()
     if not failed:  # a graceful stop: no group waits out an election for this node
         await groups.hand_over()
-    if workers is not None:  # each hands its groups over, then stops
+    if workers is not None:
         await workers.stop()
     if joining is not None:
         joining.cancel()

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import fcntl
 import logging
 import os
 import signal
@@ -50,6 +49,7 @@ from node_daemon.config import NodeConfig
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
 from node_daemon.node import RaftNode, group_data_dir
+from node_daemon.process_pipe import ProcessPipe
 from node_daemon.raft_groups import RaftGroups
 from node_daemon.remote_group import RemoteGroup
 from node_daemon.status import group_status
@@ -63,7 +63,6 @@ from roadlog.v1 import raft_pb2_grpc
 log = logging.getLogger("roadlog.node.worker")
 
 TELL_EVERY_S = 0.05  # group figures to the main process at most this often
-LOCK_WAIT_S = 30.0  # a group's lock still held (its last worker dying): wait this long
 PR_SET_PDEATHSIG = 1
 
 
@@ -103,34 +102,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _lock_groups(cfg: NodeConfig, groups: tuple[int, ...]) -> list[int]:
-    """An exclusive lock on each group's directory (held until exit)."""
-    fds = []
-    for g in groups:
-        d = group_data_dir(Path(cfg.data_dir), g)
-        d.mkdir(parents=True, exist_ok=True)
-        fd = os.open(d / "worker.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"group {g} is still run by another process") from None
-                time.sleep(0.1)
-        fds.append(fd)
-    return fds
-
-
 def main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
     """The spawned process's entry point."""
     _die_with_parent(parent)
     cfg = spec.cfg
     setup_logging(f"node-worker-{spec.index}", cfg.log_level)
     tls.install(tls.load_security(cfg.certs_dir, cfg.insecure, "node"))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the main process decides
-    _lock_groups(cfg, spec.groups)
+    # A terminal's ^C and systemd's SIGTERM (sent to every process of the
+    # unit) are the main process's to act on: it tells each worker to hand
+    # over and stop, and a worker it would not see stop is not restarted.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         eventloop.run(_serve(spec, conn))
     except Exception:
@@ -138,35 +120,23 @@ def main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
         sys.exit(1)
 
 
-class _Pipe:
-    """The pipe to the main process, on the event loop."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        loop.add_reader(conn.fileno(), self._readable)
-
-    def _readable(self) -> None:
-        try:
-            while self.conn.poll():
-                self.inbox.put_nowait(self.conn.recv())
-        except (EOFError, OSError):
-            asyncio.get_running_loop().remove_reader(self.conn.fileno())
-            self.inbox.put_nowait({"kind": "gone"})
-
-    def send(self, msg: dict[str, Any]) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.conn.send(msg)
-
-
 async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     cfg = spec.cfg
-    pipe = _Pipe(conn)
+    pipe = await ProcessPipe.open(conn)
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def read_pipe() -> None:
+        try:
+            while True:
+                inbox.put_nowait(await pipe.recv())
+        except EOFError:
+            inbox.put_nowait({"kind": "gone"})
+
+    reading = asyncio.get_running_loop().create_task(read_pipe())
     secret = cfg.secret()
     token = cluster_token(secret, cfg.cluster_name)
     group0 = RemoteGroup(0, group_data_dir(Path(cfg.data_dir), 0) / "state")
-    first = await pipe.inbox.get()
+    first = await inbox.get()
     if first.get("kind") != "group0":
         return  # the main process went away before it said anything
     _take_group0(group0, first)
@@ -230,7 +200,6 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     link_queue_servers(first["queue_servers"])
     teller.moved()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
     log.info(
         "worker started",
         extra={
@@ -241,23 +210,28 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
         },
     )
 
+    handing: set[asyncio.Task[None]] = set()
+
     async def listen() -> None:
         while True:
-            msg = await pipe.inbox.get()
+            msg = await inbox.get()
             kind = msg.get("kind")
             if kind == "group0":
                 _take_group0(group0, msg)
                 groups.update_addresses(msg["addresses"])
                 link_queue_servers(msg["queue_servers"])
-            elif kind == "hand_over":
-                await _hand_to(groups, int(msg.get("to", 0)))
+            elif kind == "hand_over":  # a task: the pipe is read on meanwhile
+                task = loop.create_task(_hand_to(groups, int(msg.get("to", 0))))
+                handing.add(task)
+                task.add_done_callback(handing.discard)
             elif kind in ("stop", "gone"):
                 stop.set()
                 return
 
     async def send_metrics() -> None:
         while True:
-            pipe.send({"kind": "metrics", "text": generate_latest().decode()})
+            text = generate_latest().decode()
+            pipe.send({"kind": "metrics", "text": text}, droppable=True)
             await asyncio.sleep(worker_metrics.EVERY_S)
 
     listener = loop.create_task(listen())
@@ -265,6 +239,8 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     await stop.wait()
     listener.cancel()
     metrics_task.cancel()
+    for task in handing:
+        task.cancel()
     if not failed:
         await groups.hand_over()
     for link in links.values():
@@ -272,6 +248,8 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     await server.stop(grace=1.0)
     await groups.stop()
     teller.close()
+    reading.cancel()
+    pipe.close()
     if failed:
         raise RuntimeError(f"the Raft driver failed: {failed[0]!r}")
     log.info("worker stopped", extra={"worker": spec.index})
@@ -300,7 +278,7 @@ class _Teller:
     """Tells the main process each group's figures as they move, at most
     every TELL_EVERY_S."""
 
-    def __init__(self, pipe: _Pipe, nodes: dict[int, RaftNode]) -> None:
+    def __init__(self, pipe: ProcessPipe, nodes: dict[int, RaftNode]) -> None:
         self.pipe = pipe
         self.nodes = nodes
         self._told: dict[int, tuple[Any, ...]] = {}
@@ -317,6 +295,7 @@ class _Teller:
         self._timer = None
         self._last = time.monotonic()
         out: dict[int, dict[str, Any]] = {}
+        keys: dict[int, tuple[Any, ...]] = {}
         for g, n in self.nodes.items():
             conf = n.core.conf
             key = (
@@ -331,7 +310,7 @@ class _Teller:
             )
             if self._told.get(g) == key:
                 continue
-            self._told[g] = key
+            keys[g] = key
             out[g] = {
                 "committed": n.core.log.committed,
                 "voters": sorted(conf.voters),
@@ -339,8 +318,12 @@ class _Teller:
                 "leader": n.is_leader,
                 "status": group_status(n).SerializeToString(),
             }
-        if out:
-            self.pipe.send({"kind": "groups", "groups": out})
+        if not out:
+            return
+        if self.pipe.send({"kind": "groups", "groups": out}, droppable=True):
+            self._told.update(keys)
+        else:  # the main process is behind: the latest figures, a little later
+            self.moved()
 
     def close(self) -> None:
         if self._timer is not None:

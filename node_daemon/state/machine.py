@@ -242,6 +242,12 @@ class StateMachine:
         def db(name: bytes) -> Any:
             return self.env.open_db(name, create=not self.readonly)
 
+        if not self.readonly:
+            # Readers of this state in other processes (worker processes,
+            # the main process: ``replica_view``) that died left their slots
+            # in the lock file, which would pin old pages for good.
+            self.env.reader_check()
+
         self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
         self.groups = GroupTables(db(b"groups"), db(b"offsets"), self.meta)

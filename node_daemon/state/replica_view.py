@@ -57,21 +57,33 @@ class StateReplicaView:
     def current(self) -> StateMachine:
         """The replica as it is now, opened read-only (UNAVAILABLE while it
         is not there, or is behind what this view saw before)."""
-        try:
-            st = os.stat(self.path / "data.mdb")
-        except FileNotFoundError:
-            raise self._unavailable("not there yet") from None
-        if self._sm is None or (st.st_dev, st.st_ino) != self._file:
+        ident = self._identity()
+        if ident is None:
+            raise self._unavailable("not there yet")
+        if self._sm is None or ident != self._file:
             try:
                 sm = StateMachine(self.path, group=self.group, readonly=True)
             except (lmdb.Error, FileNotFoundError) as e:  # replaced as it was opened
                 raise self._unavailable(f"being replaced ({e})") from None
+            if self._identity() != ident:
+                # Replaced between the look and the opening: which file this
+                # is, is not known; the next call opens the new one.
+                sm.close()
+                raise self._unavailable("being replaced")
             # The old one is not closed: a request may still read it; it
             # closes when the last of them lets it go.
-            self._sm, self._file = sm, (st.st_dev, st.st_ino)
+            self._sm, self._file = sm, ident
         if self.applied(self._sm) < self._highest:
             raise self._unavailable("rebuilding")
         return self._sm
+
+    def _identity(self) -> tuple[int, int] | None:
+        """(device, inode) of the replica's data file now (None: none)."""
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
 
     def applied(self, sm: StateMachine) -> int:
         """``sm``'s applied index as its writer last committed it (also set

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import shutil
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -139,3 +140,41 @@ def test_the_view_follows_the_writer_across_a_snapshot_install(tmp_path: Path) -
     with pytest.raises(RoadlogError) as e:
         view.current()
     assert e.value.code == Code.UNAVAILABLE and "rebuilding" in e.value.message
+
+
+def test_a_replacement_while_the_view_opens_is_not_taken_for_the_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory replaced (a snapshot installed) between the view's look
+    at the data file and its opening: the view must not take the new file
+    for the old one (it would then try to open the new one again on every
+    call, which LMDB refuses in one process: unavailable for good)."""
+    from node_daemon.state import replica_view
+
+    state, newer = tmp_path / "state", tmp_path / "newer"
+    for path, n in ((state, 10), (newer, 25)):
+        sm = StateMachine(path, group=1)
+        log = Log(sm)
+        log.create("munich")
+        log.append(_pings(n, seed=n))
+        sm.close()
+    real = StateMachine
+    swaps: list[int] = []
+
+    def opening(*args: Any, **kwargs: Any) -> StateMachine:
+        if not swaps:  # the writer's install, just before the first opening
+            swaps.append(1)
+            old = tmp_path / "state.old"
+            os.replace(state, old)
+            os.replace(newer, state)
+            shutil.rmtree(old)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replica_view, "StateMachine", opening)
+    view = StateReplicaView(state, group=1)
+    with pytest.raises(RoadlogError) as e:
+        view.current()
+    assert e.value.code == Code.UNAVAILABLE and "being replaced" in e.value.message
+    sm = view.current()
+    assert _stored(sm) == 25
+    assert view.current() is sm and _stored(view.current()) == 25
