@@ -19,6 +19,7 @@ import time
 import uuid
 
 from node_daemon.node import NotLeader, RaftNode
+from node_daemon.remote_group import Replica
 from node_daemon.state.groups import check_group_name, default_quotas, session_timeout
 from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
@@ -29,6 +30,19 @@ log = logging.getLogger("roadlog.groups")
 
 EXPIRY_CHECK_S = 0.25
 COMMIT_CATCH_UP_S = 1.0  # how long a commit waits for a data group's replica here
+
+
+def _end_of(data: Replica, topic: str, partition: int) -> int:
+    """The partition's next offset in ``data``'s replica (0: not placed
+    there yet, nothing stored); UNAVAILABLE while the replica (run by
+    another process) cannot be read."""
+    state = data.sm
+    try:
+        return state.describe(topic).partitions[partition].next_offset
+    except RoadlogError as e:
+        if e.code != Code.NOT_FOUND:
+            raise
+        return 0
 
 
 class GroupCoordinator:
@@ -108,9 +122,12 @@ class GroupCoordinator:
 
     async def _within_data_groups(self, req: client_pb2.CommitOffsetsRequest) -> None:
         """A topic placed in data groups: each offset at most its partition's
-        end as this node's replica of its group holds it, once that replica
-        applied what it knows its group committed (a consumer commits what a
-        node served it, which that group committed)."""
+        end in its group. A consumer commits what a node served it, which
+        that group committed, but this node's replica may lag that node:
+        an offset past this replica's end (once it applied what it knows
+        committed) is judged again after a linearizable read of the group
+        (ReadIndex: every commit before it is applied here), and refused
+        only then; UNAVAILABLE (tried again) when that read cannot be had."""
         sm = self.node.sm
         g = sm.describe_group(req.group).group if req.offsets else None
         if g is None or not g.topic:
@@ -129,13 +146,16 @@ class GroupCoordinator:
                 raise RoadlogError(Code.UNAVAILABLE, "this node runs no group of that partition")
             with contextlib.suppress(TimeoutError):
                 await data.wait_applied(data.committed_index(), COMMIT_CATCH_UP_S)
-            state = data.sm  # UNAVAILABLE while a replica another process runs is not readable
-            try:
-                end = state.describe(g.topic).partitions[o.partition].next_offset
-            except RoadlogError as e:
-                if e.code != Code.NOT_FOUND:
-                    raise
-                end = 0  # not placed there yet: nothing stored
+            end = _end_of(data, g.topic, o.partition)
+            if o.offset > end:
+                try:
+                    await asyncio.wait_for(data.read_barrier(), COMMIT_CATCH_UP_S)
+                except (TimeoutError, NotLeader, RoadlogError) as e:
+                    raise RoadlogError(
+                        Code.UNAVAILABLE,
+                        f"cannot tell the end of partition {o.partition} now ({e}): try again",
+                    ) from None
+                end = _end_of(data, g.topic, o.partition)
             if o.offset > end:
                 raise RoadlogError(
                     Code.INVALID_ARGUMENT,

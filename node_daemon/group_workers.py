@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -40,6 +41,7 @@ from node_daemon.remote_group import RemoteGroup
 from node_daemon.transport import PeerTransport
 from node_daemon.worker_metrics import WorkerMetrics
 from node_daemon.worker_process import WorkerSpec, shares
+from roadlog.errors import Code, RoadlogError
 
 log = logging.getLogger("roadlog.node")
 
@@ -96,6 +98,10 @@ class GroupWorkers:
         self._ctx = multiprocessing.get_context("spawn")
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._barriers: dict[int, tuple[_Worker, asyncio.Future[int]]] = {}  # asked, by id
+        self._barrier_ids = 0
+        for g, rg in remote.items():
+            rg.ask_barrier = functools.partial(self._ask_barrier, g)
         self.tell_ports()
 
     # ------------------------------------------------------------ lifecycle
@@ -157,6 +163,13 @@ class GroupWorkers:
                 "worker process listening",
                 extra={"worker": w.index, "grpc": w.grpc_port, "frames": w.frames_port},
             )
+        elif kind == "barrier":
+            _, fut = self._barriers.pop(int(msg["id"]), (w, None))
+            if fut is not None and not fut.done():
+                if "index" in msg:
+                    fut.set_result(int(msg["index"]))
+                else:
+                    fut.set_exception(RoadlogError(Code.UNAVAILABLE, str(msg.get("error"))))
         elif kind == "metrics":
             if self.metrics is not None:
                 self.metrics.told(w.index, str(msg["text"]))
@@ -218,7 +231,25 @@ class GroupWorkers:
                 w.restarts += 1
                 await self._spawn(w)
 
+    async def _ask_barrier(self, group: int) -> int:
+        """A ReadIndex of ``group``, taken by the worker that runs it."""
+        w = next((x for x in self.workers if group in x.groups), None)
+        if w is None or w.pipe is None:
+            raise RoadlogError(Code.UNAVAILABLE, f"no worker runs group {group} now")
+        self._barrier_ids += 1
+        ask = self._barrier_ids
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._barriers[ask] = (w, fut)
+        try:
+            self._send(w, {"kind": "read_barrier", "id": ask, "group": group})
+            return await fut
+        finally:
+            self._barriers.pop(ask, None)
+
     def _died(self, w: _Worker, p: BaseProcess, now: float) -> None:
+        for x, fut in list(self._barriers.values()):
+            if x is w and not fut.done():
+                fut.set_exception(RoadlogError(Code.UNAVAILABLE, "its worker process died"))
         self._closed(w)
         w.process = None
         w.grpc_port = w.frames_port = 0

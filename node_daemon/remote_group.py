@@ -17,13 +17,14 @@ for the figures alone.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
 from node_daemon.raft import ConfState
 from node_daemon.state.machine import StateMachine
 from node_daemon.state.replica_view import StateReplicaView
-from roadlog.errors import RoadlogError
+from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2
 
 
@@ -44,6 +45,8 @@ class Replica(Protocol):
 
     async def wait_applied(self, index: int, timeout: float | None = None) -> None: ...
 
+    async def read_barrier(self) -> int: ...
+
 
 WAIT_FOREVER_S = 3600.0  # a wait without a timeout, bounded all the same
 
@@ -59,6 +62,8 @@ class RemoteGroup:
         self.conf = ConfState()
         self.leader = False
         self.status: client_pb2.GroupStatus | None = None  # as last told
+        # Asks the group's process for a ReadIndex (set by its supervisor).
+        self.ask_barrier: Callable[[], Awaitable[int]] | None = None
 
     @property
     def sm(self) -> StateMachine:
@@ -82,6 +87,15 @@ class RemoteGroup:
             await self.view.wait_applied(index, WAIT_FOREVER_S if timeout is None else timeout)
         except RoadlogError as e:
             raise TimeoutError(e.message) from None
+
+    async def read_barrier(self) -> int:
+        """A linearizable read point of the group (ReadIndex, taken by the
+        process that runs it), once this view applied it."""
+        if self.ask_barrier is None:
+            raise RoadlogError(Code.UNAVAILABLE, f"group {self.group}'s process cannot be asked")
+        index = await self.ask_barrier()
+        await self.view.wait_applied(index, WAIT_FOREVER_S)
+        return index
 
     def told(
         self,

@@ -48,7 +48,8 @@ from node_daemon import worker_metrics
 from node_daemon.config import NodeConfig
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
-from node_daemon.node import RaftNode, group_data_dir
+from node_daemon.leader_balance import successor
+from node_daemon.node import NotLeader, RaftNode, group_data_dir
 from node_daemon.process_pipe import ProcessPipe
 from node_daemon.raft_groups import RaftGroups
 from node_daemon.remote_group import RemoteGroup
@@ -63,6 +64,7 @@ from roadlog.v1 import raft_pb2_grpc
 log = logging.getLogger("roadlog.node.worker")
 
 TELL_EVERY_S = 0.05  # group figures to the main process at most this often
+BARRIER_WAIT_S = 2.0  # a ReadIndex for the main process: given up after this
 PR_SET_PDEATHSIG = 1
 
 
@@ -220,6 +222,10 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
                 _take_group0(group0, msg)
                 groups.update_addresses(msg["addresses"])
                 link_queue_servers(msg["queue_servers"])
+            elif kind == "read_barrier":  # a task too
+                task = loop.create_task(_barrier(groups, pipe, msg))
+                handing.add(task)
+                task.add_done_callback(handing.discard)
             elif kind == "hand_over":  # a task: the pipe is read on meanwhile
                 task = loop.create_task(_hand_to(groups, int(msg.get("to", 0))))
                 handing.add(task)
@@ -255,6 +261,19 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     log.info("worker stopped", extra={"worker": spec.index})
 
 
+async def _barrier(groups: RaftGroups, pipe: ProcessPipe, msg: dict[str, Any]) -> None:
+    """A ReadIndex of one of this worker's groups, for the main process."""
+    answer: dict[str, Any] = {"kind": "barrier", "id": msg["id"]}
+    node = groups.nodes.get(int(msg["group"]))
+    try:
+        if node is None:
+            raise ValueError(f"this worker runs no group {msg['group']}")
+        answer["index"] = await asyncio.wait_for(node.read_barrier(), BARRIER_WAIT_S)
+    except (TimeoutError, NotLeader, ValueError) as e:
+        answer["error"] = str(e) or type(e).__name__
+    pipe.send(answer)
+
+
 def _take_group0(group0: RemoteGroup, msg: dict[str, Any]) -> None:
     group0.told(msg["committed"], msg["voters"], msg["learners"], leader=False)
 
@@ -262,9 +281,6 @@ def _take_group0(group0: RemoteGroup, msg: dict[str, Any]) -> None:
 async def _hand_to(groups: RaftGroups, target: int) -> None:
     """Every group this worker leads to ``target`` where it is a voter of the
     group, else to the group's best follower (none: it stays)."""
-    from node_daemon.leader_balance import successor
-    from node_daemon.node import NotLeader
-
     for _, n in sorted(groups.data.items()):
         if not n.is_leader:
             continue

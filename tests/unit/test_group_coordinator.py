@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from node_daemon.group_coordinator import GroupCoordinator
+from node_daemon.node import NotLeader
 from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2
@@ -86,3 +87,68 @@ def test_a_commit_checked_against_an_unreadable_replica_is_unavailable_not_refus
     with pytest.raises(RoadlogError) as e:
         asyncio.run(coord._within_data_groups(req))
     assert e.value.code == Code.UNAVAILABLE
+
+
+class _Lagging:
+    """This node's replica of a data group, ``ends`` the partition's end it
+    shows before and after a linearizable read of the group (``barrier``:
+    what that read does: an index, or an error)."""
+
+    group = 1
+    is_leader = False
+
+    def __init__(self, ends: tuple[int, int], barrier: Exception | None = None) -> None:
+        self.ends, self.barrier, self.barriers = ends, barrier, 0
+
+    def committed_index(self) -> int:
+        return 5
+
+    async def wait_applied(self, index: int, timeout: float | None = None) -> None:
+        return None
+
+    async def read_barrier(self) -> int:
+        if self.barrier is not None:
+            raise self.barrier
+        self.barriers += 1
+        return 9
+
+    @property
+    def sm(self) -> object:
+        end = self.ends[min(self.barriers, 1)]
+        d = topics_pb2.TopicDescription()
+        d.partitions.add(partition=0, next_offset=end)
+        d.partitions.add(partition=1, next_offset=end)
+        return SimpleNamespace(describe=lambda name: d)
+
+
+def _commit_against(data: object, offset: int) -> None:
+    topic = topics_pb2.Topic(id=3, partition_groups=[1, 1])
+    topic.spec.name, topic.spec.partitions = "munich", 2
+    described = groups_pb2.GroupDescription(group=group([]))
+    sm = SimpleNamespace(describe_group=lambda name: described, topic=lambda name: topic)
+    coord = GroupCoordinator(SimpleNamespace(sm=sm, raft_groups={1: data}))  # type: ignore[arg-type]
+    req = client_pb2.CommitOffsetsRequest(group="dash", member_id="a", generation=2)
+    req.offsets.add(partition=0, offset=offset)
+    asyncio.run(coord._within_data_groups(req))
+
+
+def test_a_commit_past_a_lagging_replicas_end_is_judged_on_a_linearizable_read() -> None:
+    """A consumer commits what another node served it; this node's replica
+    of the group may not have it yet. Past this replica's end, the group is
+    read linearizably (ReadIndex) before the commit is refused: a valid one
+    goes through, one past the group's end is refused, and one that cannot
+    be judged now is UNAVAILABLE (tried again), never refused."""
+    caught_up = _Lagging((5, 8))
+    _commit_against(caught_up, 7)  # past 5 here, within the group's 8: taken
+    assert caught_up.barriers == 1
+    beyond = _Lagging((5, 8))
+    with pytest.raises(RoadlogError) as e:
+        _commit_against(beyond, 10)
+    assert e.value.code == Code.INVALID_ARGUMENT and "past the end" in e.value.message
+    within = _Lagging((5, 5))
+    _commit_against(within, 5)  # within this replica's end: no read needed
+    assert within.barriers == 0
+    for failure in (NotLeader(0), RoadlogError(Code.UNAVAILABLE, "worker gone")):
+        with pytest.raises(RoadlogError) as e:
+            _commit_against(_Lagging((5, 8), barrier=failure), 7)
+        assert e.value.code == Code.UNAVAILABLE
