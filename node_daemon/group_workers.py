@@ -40,7 +40,7 @@ from node_daemon.process_pipe import ProcessPipe
 from node_daemon.remote_group import RemoteGroup
 from node_daemon.transport import PeerTransport
 from node_daemon.worker_metrics import WorkerMetrics
-from node_daemon.worker_process import WorkerSpec, shares
+from node_daemon.worker_process import WorkerSpec, barrier_answer, shares
 from roadlog.errors import Code, RoadlogError
 
 log = logging.getLogger("roadlog.node")
@@ -100,6 +100,7 @@ class GroupWorkers:
         self._stopping = False
         self._barriers: dict[int, tuple[_Worker, asyncio.Future[int]]] = {}  # asked, by id
         self._barrier_ids = 0
+        self._answering: set[asyncio.Task[None]] = set()
         for g, rg in remote.items():
             rg.ask_barrier = functools.partial(self._ask_barrier, g)
         self.tell_ports()
@@ -163,6 +164,10 @@ class GroupWorkers:
                 "worker process listening",
                 extra={"worker": w.index, "grpc": w.grpc_port, "frames": w.frames_port},
             )
+        elif kind == "read_barrier":  # a worker asks for group 0's ReadIndex
+            task = asyncio.get_running_loop().create_task(self._answer_barrier(w, msg))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
         elif kind == "barrier":
             _, fut = self._barriers.pop(int(msg["id"]), (w, None))
             if fut is not None and not fut.done():
@@ -230,6 +235,10 @@ class GroupWorkers:
             elif now >= w.due:
                 w.restarts += 1
                 await self._spawn(w)
+
+    async def _answer_barrier(self, w: _Worker, msg: dict[str, Any]) -> None:
+        answer = await barrier_answer(self.meta if int(msg["group"]) == 0 else None, msg)
+        self._send(w, answer)
 
     async def _ask_barrier(self, group: int) -> int:
         """A ReadIndex of ``group``, taken by the worker that runs it."""

@@ -580,10 +580,11 @@ class WorkHandler:
     ) -> tuple[list[bytes], list[tuple[_Call, int]], list[str], set[str]]:
         """A data group's publishes whose producer id group 0 (this node's
         replica of it) issued to their sender; the others are answered here
-        with the reason. An id group 0 does not know yet is asked about
-        again once this replica applied group 0's commit index it knows (an
-        id acknowledged a moment ago may not have reached it), for up to
-        PRODUCER_CATCH_UP_S. Also returns the topics the publishes name."""
+        with the reason. An id this replica does not know is asked about
+        again after a linearizable read of group 0 (an id acknowledged a
+        moment ago may not have reached this replica), for up to
+        PRODUCER_CATCH_UP_S; UNAVAILABLE when that read cannot be had. Also
+        returns the topics the publishes name."""
         meta = self.node.raft_groups.get(0)
         keep: list[int] = []
         topics: set[str] = set()
@@ -607,9 +608,18 @@ class WorkHandler:
                 pid, epoch = view.producer_id, view.producer_epoch
                 refused = meta.sm.producer_refusal(pid, client, epoch)
                 if refused is not None and refused[0] == Code.FAILED_PRECONDITION:
-                    with contextlib.suppress(TimeoutError):  # then it is unknown indeed
-                        await meta.wait_applied(meta.committed_index(), PRODUCER_CATCH_UP_S)
-                    refused = meta.sm.producer_refusal(pid, client, epoch)
+                    # Unknown here; this replica may lag group 0's leader, which
+                    # issued it a moment ago: judged after a linearizable read.
+                    try:
+                        await asyncio.wait_for(meta.read_barrier(), PRODUCER_CATCH_UP_S)
+                    except (TimeoutError, NotLeader, RoadlogError) as e:
+                        refused = (
+                            Code.UNAVAILABLE,
+                            f"cannot tell now whether producer id {pid} was issued ({e}): "
+                            "try again",
+                        )
+                    else:
+                        refused = meta.sm.producer_refusal(pid, client, epoch)
             if refused is None:
                 keep.append(i)
             else:

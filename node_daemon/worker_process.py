@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import signal
@@ -56,6 +57,7 @@ from node_daemon.remote_group import RemoteGroup
 from node_daemon.status import group_status
 from node_daemon.transport import PeerTransport
 from node_daemon.worker import QueueServerLink, WorkHandler
+from roadlog.errors import Code, RoadlogError
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.logs import setup_logging
@@ -213,6 +215,21 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     )
 
     handing: set[asyncio.Task[None]] = set()
+    asked: dict[int, asyncio.Future[int]] = {}  # group 0's ReadIndexes asked of the main process
+    ask_ids = itertools.count(1)
+
+    async def ask_main() -> int:
+        ask = next(ask_ids)
+        fut: asyncio.Future[int] = loop.create_future()
+        asked[ask] = fut
+        try:
+            if not pipe.send({"kind": "read_barrier", "id": ask, "group": 0}):
+                raise RoadlogError(Code.UNAVAILABLE, "the main process is gone")
+            return await fut
+        finally:
+            asked.pop(ask, None)
+
+    group0.ask_barrier = ask_main
 
     async def listen() -> None:
         while True:
@@ -222,6 +239,13 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
                 _take_group0(group0, msg)
                 groups.update_addresses(msg["addresses"])
                 link_queue_servers(msg["queue_servers"])
+            elif kind == "barrier":  # the main process's answer to ask_main
+                fut = asked.pop(int(msg["id"]), None)
+                if fut is not None and not fut.done():
+                    if "index" in msg:
+                        fut.set_result(int(msg["index"]))
+                    else:
+                        fut.set_exception(RoadlogError(Code.UNAVAILABLE, str(msg.get("error"))))
             elif kind == "read_barrier":  # a task too
                 task = loop.create_task(_barrier(groups, pipe, msg))
                 handing.add(task)
@@ -263,15 +287,20 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
 
 async def _barrier(groups: RaftGroups, pipe: ProcessPipe, msg: dict[str, Any]) -> None:
     """A ReadIndex of one of this worker's groups, for the main process."""
+    pipe.send(await barrier_answer(groups.nodes.get(int(msg["group"])), msg))
+
+
+async def barrier_answer(node: RaftNode | None, msg: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a "read_barrier" ask: a ReadIndex of ``node``'s group
+    (None: this process runs no such group), or why there is none."""
     answer: dict[str, Any] = {"kind": "barrier", "id": msg["id"]}
-    node = groups.nodes.get(int(msg["group"]))
     try:
         if node is None:
-            raise ValueError(f"this worker runs no group {msg['group']}")
+            raise ValueError(f"this process runs no group {msg['group']}")
         answer["index"] = await asyncio.wait_for(node.read_barrier(), BARRIER_WAIT_S)
     except (TimeoutError, NotLeader, ValueError) as e:
         answer["error"] = str(e) or type(e).__name__
-    pipe.send(answer)
+    return answer
 
 
 def _take_group0(group0: RemoteGroup, msg: dict[str, Any]) -> None:

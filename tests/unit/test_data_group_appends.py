@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from node_daemon.group_topics import next_topic_op
+from node_daemon.node import NotLeader
 from node_daemon.raft import Entry, EntryType
 from node_daemon.state.machine import OpResult, StateMachine
 from node_daemon.worker import WorkHandler
@@ -56,6 +57,13 @@ class Group:
     def committed_index(self) -> int:
         """As RaftNode's: the commit index this replica knows of."""
         return int(self.core.log.committed)
+
+    async def read_barrier(self) -> int:
+        """As RaftNode's: a linearizable read point (here the commit index
+        this replica knows), once applied."""
+        index = self.committed_index()
+        await self.wait_applied(index, 10)
+        return index
 
     async def wait_applied(self, index: int, timeout: float) -> None:
         """As RaftNode's: until this replica applied ``index``."""
@@ -157,3 +165,20 @@ def test_an_id_group_0_commits_a_moment_later_is_waited_for(
     res = asyncio.run(go())
     assert res.code == 0, res.message
     assert stored(data) == 6
+
+
+def test_an_unknown_id_that_cannot_be_confirmed_now_is_unavailable_not_refused(
+    groups: tuple[Group, Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group 0 has no leader to confirm an id this replica does not know:
+    the publish is answered UNAVAILABLE (tried again), not refused as an
+    unknown producer (final for the client)."""
+    meta, data = groups
+
+    async def no_leader() -> int:
+        raise NotLeader(0)
+
+    monkeypatch.setattr(meta, "read_barrier", no_leader)
+    res = run(data, publish(99, 0), "alice")
+    assert res.code == grpc.StatusCode.UNAVAILABLE.value[0], res.message
+    assert "producer id 99" in res.message and stored(data) == 0
