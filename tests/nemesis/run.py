@@ -180,6 +180,7 @@ def run(
     disk_mib: int = 256,
     pace: float = 1.0,
     phases: tuple[float, float] | None = None,
+    max_batch: int = 200,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
@@ -191,7 +192,7 @@ def run(
     rec = Recorder(run_dir / "history.jsonl")
     rec.event("run", "info", "run", seed=seed, seconds=seconds, faults=len(faults),
               kinds=list(kinds), skip_known=skip_known, subnet=subnet, pace=pace,
-              phases=list(phases) if phases else None,
+              phases=list(phases) if phases else None, max_batch=max_batch,
               pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
@@ -212,6 +213,7 @@ def run(
             [q.http for q in cluster.queue_services],
             seed,
             deadline=time.monotonic() + seconds + SETUP_S + HEAL_S + AFTER_HEAL_S,
+            max_batch=max_batch,
         )
         if not workload.create_main_topic(ctx):
             log.error("could not create the main topic")
@@ -275,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="STORM,CALM seconds, repeated: kills, pauses, power cuts and "
                     "network faults start only in storms, wipes, corruptions and membership "
                     "changes only in calms (long runs; default: any kind at any time)")  # fmt: skip
+    ap.add_argument("--max-batch", type=int, default=200,
+                    help="pings in a gRPC publish, 1..N (HTTP: half): long runs may send "
+                    "fewer, so that the state, and the catching up the wipes, corruptions "
+                    "and membership changes wait for, grow slower")  # fmt: skip
     a = ap.parse_args(argv)
+    if not 1 <= a.max_batch <= 10_000:
+        ap.error("--max-batch must be in 1..10000")
     if not 0.1 <= a.pace <= 20:
         ap.error("--pace must be in 0.1..20")
     phases: tuple[float, float] | None = None
@@ -299,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
     return run(
         a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
-        a.disk_mib, a.pace, phases,
+        a.disk_mib, a.pace, phases, a.max_batch,
     )  # fmt: skip
 
 

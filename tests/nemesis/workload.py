@@ -63,6 +63,10 @@ class Ctx:
     stop: threading.Event = field(default_factory=threading.Event)
     acks: deque[tuple[str, int, int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
     fence: int = 0  # the highest applied index any answer carried
+    # Pings in a gRPC publish: 1..max_batch (HTTP: half as many). Long runs
+    # may send fewer: the state grows slower, and the wiped and damaged
+    # nodes that the quiet kinds of fault wait for catch up sooner.
+    max_batch: int = 200
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def going(self) -> bool:
@@ -246,7 +250,7 @@ def _retry(ctx: Ctx, fn: Callable[[], Any], tries: int = 20) -> Any:
 
 
 class GrpcProducer(Worker):
-    """An idempotent Producer; batches of 1..200 pings, one at a time."""
+    """An idempotent Producer; batches of 1..max_batch pings, one at a time."""
 
     def __init__(self, ctx: Ctx, name: str, topic: str, servers: list[str]) -> None:
         super().__init__(ctx, name)
@@ -265,7 +269,7 @@ class GrpcProducer(Worker):
             return
         sent = 0
         while self.ctx.going() and (self.limit is None or sent < self.limit):
-            self.publish(producer, self.rng.randint(1, 200))
+            self.publish(producer, self.rng.randint(1, self.ctx.max_batch))
             sent += 1
             self.pause(0.0, 0.05)
 
@@ -336,7 +340,7 @@ class HttpProducer(Worker):
     def body(self) -> None:
         rec = self.ctx.rec
         while self.ctx.going():
-            size = self.rng.randint(1, 100)
+            size = self.rng.randint(1, max(1, self.ctx.max_batch // 2))
             n0, n1 = self.n, self.n + size
             self.n = n1
             base = self.rng.choice(self.ctx.https)

@@ -33,3 +33,18 @@ def test_the_first_signal_stops_the_faults_and_the_second_aborts(tmp_path: Path)
         rec.close()
     [ev] = [e for e in load(tmp_path / "history.jsonl") if e.get("f") == "stopped"]
     assert ev["signal"] == "SIGTERM"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--max-batch", "0"], ["--max-batch", "10001"], ["--pace", "0"], ["--phases", "5"]],
+)
+def test_the_runs_knobs_out_of_range_are_refused_before_anything_starts(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.nemesis import run
+
+    with pytest.raises(SystemExit) as e:
+        run.main(args)
+    assert e.value.code == 2
+    assert args[0] in capsys.readouterr().err
