@@ -33,6 +33,24 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime) / CLOCK_TICKS
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The processes ``pid`` started with multiprocessing's spawn (a node's
+    worker processes), oldest first; not its other children."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    out = []
+    for child in sorted(int(c) for c in text.split()):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.spawn" in cmdline and b"spawn_main" in cmdline:
+            out.append(child)
+    return out
+
+
 @dataclass
 class CpuMeter:
     """CPU of named processes over one window (``start`` .. ``stop``)."""

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from bench.common import write_result
-from bench.cpu import CpuMeter
+from bench.cpu import CpuMeter, spawned_children
 from bench.peers import NatsCluster, nats_cluster, nats_stream, percentile, roadlog_cluster
 from roadlog import columnar
 from roadlog.cli.cluster import raft_groups
@@ -223,7 +223,9 @@ def cpu_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float | None:
 def roadlog_meter(lc: LocalCluster) -> CpuMeter:
     """The queue server, the leader and the followers, labelled by role as
     they stand when the case starts (with data groups: the groups each
-    node leads, ``node_2_leads_0_2``)."""
+    node leads, ``node_2_leads_0_2``), and each node's worker processes
+    (``node_2_leads_0_2_worker_0``: the main process's label then names
+    what the whole node leads)."""
     st = lc.status()
     groups = raft_groups(st, None)
     leads: dict[int, list[int]] = {}
@@ -234,9 +236,12 @@ def roadlog_meter(lc: LocalCluster) -> CpuMeter:
     for n in lc.nodes:
         if len(groups) > 1:
             led = "_".join(str(g) for g in sorted(leads.get(n.id, [])))
-            pids[f"node_{n.id}_leads_{led}" if led else f"node_{n.id}"] = n.pid
+            name = f"node_{n.id}_leads_{led}" if led else f"node_{n.id}"
         else:
-            pids[f"node_{n.id}_leader" if n.id == st["leader"] else f"node_{n.id}"] = n.pid
+            name = f"node_{n.id}_leader" if n.id == st["leader"] else f"node_{n.id}"
+        pids[name] = n.pid
+        for k, worker in enumerate(spawned_children(n.pid)):  # worker processes, if any
+            pids[f"{name}_worker_{k}"] = worker
     return CpuMeter(pids)
 
 
@@ -347,6 +352,8 @@ def run_systems(
         node_args, queue_args = SYSTEMS[system]
         if args.data_groups > 1:  # multi-raft: topics placed in the data groups
             node_args = [*node_args, "--data-groups", str(args.data_groups), "--place-topics"]
+            if args.workers > 1:  # in worker processes, each on a core of its own
+                node_args = [*node_args, "--workers", str(args.workers)]
         with roadlog_cluster(extra=node_args, queue_extra=queue_args, tls=tls) as lc:
             groups: list[int] = []
             if args.data_groups > 1:
@@ -406,6 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         "ingest-groups-G.json",
     )
     ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="with --groups: each node's data groups in this many worker processes "
+        "(--workers W); each worker's share of a core is reported; the results go to "
+        "ingest-groups-G-workers-W.json",
+    )
+    ap.add_argument(
         "--split",
         action="store_true",
         help="with --groups: messages of every group's devices, split by group 0's leader "
@@ -425,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         cases += run_systems(systems, sizes, args, tls)
     figures: dict[str, Any] = {
         "data_groups": args.data_groups,
+        "workers": args.workers,
         "split": args.split,
         "concurrency": args.concurrency,
         "event_loop": eventloop.loop_name(),
@@ -455,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "ingest" if args.tls == "off" else "ingest-tls"
     if args.data_groups > 1:
         name = f"ingest-groups-{args.data_groups}{'-split' if args.split else ''}"
+        if args.workers > 1:
+            name += f"-workers-{args.workers}"
     print(write_result(name, figures))
     return 0
 

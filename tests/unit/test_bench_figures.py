@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from bench.cpu import CpuMeter, cpu_seconds
+from bench.cpu import CpuMeter, cpu_seconds, spawned_children
 from bench.ingest import compare, cpu_ratio, median_case
 from bench.report import _ingest_tls, _spread
 
@@ -124,3 +126,25 @@ def test_the_tls_section_shows_each_system_both_ways() -> None:
     assert "| roadlog | 100 | 150,000 | 140,000 | 6.0 | 6.6 | 1.1 |" in text
     assert "| jetstream | 100 | 220,000 | 120,000 | 3.0 | 5.4 | 1.8 |" in text
     assert "over TLS: 1.22x at 100" in text
+
+
+def _sleep_a_while(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_nodes_worker_processes_are_found_and_other_children_are_not() -> None:
+    """``spawned_children``: the processes spawned by multiprocessing (a node's
+    worker processes), each metered apart; a plain child is not one."""
+    ctx = multiprocessing.get_context("spawn")
+    worker = ctx.Process(target=_sleep_a_while, args=(30,))
+    worker.start()
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        assert spawned_children(os.getpid()) == [worker.pid]
+        assert spawned_children(other.pid) == []
+    finally:
+        worker.kill()
+        worker.join(10)
+        other.kill()
+        other.wait(10)
+    assert spawned_children(os.getpid()) == []
