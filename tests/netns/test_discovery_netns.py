@@ -201,15 +201,19 @@ def test_a_node_leaves_gracefully_even_as_leader(net: Net) -> None:
     assert views(rest)[rest[0].index].leader != lead_id
 
 
-def test_data_groups_follow_a_discovered_cluster_and_a_late_node(net: Net) -> None:
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "2-workers"])
+def test_data_groups_follow_a_discovered_cluster_and_a_late_node(net: Net, workers: int) -> None:
     """With data groups, nodes that found a cluster by discovery run every
     group with every voter (a founder bootstraps them alone; the others join
     each group as group 0 takes them in), and a node that joins later joins
-    every group too (docs/multiraft.md, step 6)."""
+    every group too (docs/multiraft.md, step 6); the same with the data
+    groups in worker processes (step 5: they learn group 0's members and
+    addresses from their main process)."""
     groups = [0, 1, 2]
+    extra = ["--data-groups", "2", "--workers", str(workers)]
     hosts = [net.host(i) for i in range(1, 4)]
     for h in hosts:
-        h.node(expect=3, extra=["--data-groups", "2"])
+        h.node(expect=3, extra=extra)
 
     def every_group_has(voters: int, learners_or_voters: int) -> bool:
         if not one_cluster(hosts, voters, learners_or_voters):
@@ -232,6 +236,6 @@ def test_data_groups_follow_a_discovered_cluster_and_a_late_node(net: Net) -> No
 
     wait_for(lambda: every_group_has(3, 3), 120, "three voters in every group")
     late = net.host(4)
-    late.node(expect=3, extra=["--data-groups", "2"])
+    late.node(expect=3, extra=extra)
     hosts.append(late)
     wait_for(lambda: every_group_has(3, 4), 120, "the late node in every group")
