@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import threading
 import time
 import uuid
@@ -96,8 +97,16 @@ def client_id() -> str:
         return cid
 
 
+def first_server(count: int) -> int:
+    """Which of ``count`` queue servers a new connection calls first: any
+    one, so that clients spread over the queue servers (none of them is the
+    cluster's one ceiling) and fail over from there in turn."""
+    return random.randrange(count) if count > 1 else 0
+
+
 class Connection:
-    """Channels to the queue servers; calls fail over between them. Every
+    """Channels to the queue servers, each connection starting at any one of
+    them (``first_server``); calls fail over between them. Every
     call carries the identity's token (``token``, else ``tls.token``, else
     ROADLOG_TOKEN: ``authorization: Bearer TOKEN``) and the client id (queue
     servers are fair between clients; with tokens the identity's client id
@@ -126,7 +135,7 @@ class Connection:
         self._calls: list[dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]]] = [
             {} for _ in self.channels
         ]
-        self._current = 0
+        self._current = first_server(len(self.channels))
         self.metadata = (("roadlog-client", client or client_id()), *self.tls.metadata())
         # Session consistency: the highest applied index any answer carried;
         # reads that take a fence wait for it (read your writes). Threads may

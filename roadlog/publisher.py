@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from roadlog.batch_stream import BatchFailed, BatchStream
-from roadlog.client import RETRYABLE, client_id
+from roadlog.client import RETRYABLE, client_id, first_server
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code, RoadlogError, error
 from roadlog.limits import CLIENT_MESSAGE_BYTES
@@ -101,7 +101,7 @@ class Publisher:
         self.stats = PublisherStats()
         self._channels: list[grpc.aio.Channel] = []
         self._calls: list[BatchStream] = []
-        self._current = 0
+        self._current = first_server(len(self.servers))
         self._queue: deque[_Pending] = deque()
         self._in_flight = 0  # calls out, and retries waiting out their backoff
         self._flight_sizes: list[int] = []  # publishes in each call out

@@ -15,7 +15,8 @@ import pytest
 
 from queue_server.auth import Caller
 from queue_server.publish_stream import publish_stream_handler
-from roadlog.client import InvalidArgument, Unavailable
+from roadlog.client import Connection, InvalidArgument, Unavailable, first_server
+from roadlog.client_tls import ClientTLS
 from roadlog.errors import RoadlogError
 from roadlog.grpc_status import from_grpc
 from roadlog.publisher import Publisher
@@ -203,6 +204,7 @@ def test_a_failed_call_fails_over_to_the_next_queue_server() -> None:
         s2, a2 = await serve(up)
         try:
             async with Publisher([a1, a2]) as pub:
+                pub._current = 0  # it starts at the one that is down
                 await asyncio.gather(*(pub.publish(req(i)) for i in range(5)))
             return down, up
         finally:
@@ -310,6 +312,7 @@ def test_publishes_out_on_a_queue_server_that_dies_go_to_the_next() -> None:
         s2, a2 = await serve(up)
         try:
             async with Publisher([a1, a2], timeout=20) as pub:
+                pub._current = 0  # it starts at the one that dies
                 pending = [asyncio.ensure_future(pub.publish(req(i))) for i in range(5)]
                 await asyncio.wait_for(dying.took.wait(), 10)
                 await s1.stop(None)  # the held call or stream breaks
@@ -322,3 +325,20 @@ def test_publishes_out_on_a_queue_server_that_dies_go_to_the_next() -> None:
     assert all(isinstance(o, client_pb2.PublishResponse) for o in out), out
     assert dying.calls  # it had taken some
     assert sorted(r for c in up.calls for r in c) == sorted(req(i) for i in range(5))
+
+
+def test_new_connections_spread_over_the_queue_servers() -> None:
+    """A connection calls any queue server first (then fails over in turn),
+    so that many clients do not all load the first one listed."""
+    seen = {first_server(3) for _ in range(300)}
+    assert seen == {0, 1, 2}
+    assert first_server(1) == 0
+    servers = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    tls = ClientTLS(insecure=True)
+    firsts = set()
+    for _ in range(60):
+        conn = Connection(servers, tls=tls)
+        firsts.add(conn._current)
+        conn.close()
+    assert firsts == {0, 1, 2}
+    assert {Publisher(servers, tls=tls)._current for _ in range(60)} == {0, 1, 2}
