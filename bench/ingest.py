@@ -111,7 +111,7 @@ def group_fleets(partition_groups: list[int], per_group: int = 64) -> dict[int, 
 
 
 async def grouped_case(
-    server: str,
+    servers: list[str],
     pings: int,
     concurrency: int,
     seconds: float,
@@ -121,10 +121,14 @@ async def grouped_case(
 ) -> dict[str, Any]:
     """Multi-raft's fast path: each publisher sends messages of one data
     group's devices (publishers spread over the groups in turn) through a
-    ``Publisher(group=g)``, so each goes straight to that group's leader."""
+    ``Publisher(group=g)``, so each goes straight to that group's leader;
+    with several queue servers, the groups' publishers go to them in turn."""
     fleets = group_fleets(partition_groups)
     payloads = {g: batch_request(pings, fleet) for g, fleet in fleets.items()}
-    pubs = {g: Publisher([server], tls=tls, group=g) for g in fleets}
+    pubs = {
+        g: Publisher([servers[k % len(servers)]], tls=tls, group=g)
+        for k, g in enumerate(sorted(fleets))
+    }
     turn = itertools.cycle(sorted(fleets))
     try:
         mine: dict[int, int] = {}  # worker task -> its group
@@ -147,7 +151,7 @@ async def grouped_case(
 
 
 async def roadlog_case(
-    server: str,
+    servers: list[str],
     pings: int,
     concurrency: int,
     seconds: float,
@@ -162,22 +166,34 @@ async def roadlog_case(
     each publish is still validated, stored and acknowledged on its own.
     Not corked: one unary Publish call per message. ``tls``: how to dial
     the queue server (plaintext when None). ``partition_groups``: the
-    topic's map when it is placed in data groups (the fast path)."""
+    topic's map when it is placed in data groups (the fast path). With
+    several ``servers`` (queue servers), the publishers are spread over
+    them, a corked Publisher each."""
     tls = tls or ClientTLS(insecure=True)
     if corked and partition_groups:
-        return await grouped_case(server, pings, concurrency, seconds, meter, tls, partition_groups)
+        return await grouped_case(
+            servers, pings, concurrency, seconds, meter, tls, partition_groups
+        )
     payload = batch_request(pings)
     if corked:
-        async with Publisher([server], tls=tls) as pub:
+        pubs = [Publisher([s], tls=tls) for s in servers]
+        turn = itertools.cycle(range(len(pubs)))
+        mine: dict[int, int] = {}  # worker task -> its publisher
+        try:
 
             async def send() -> None:
-                await pub.publish(payload)
+                k = mine.setdefault(id(asyncio.current_task()), next(turn))
+                await pubs[k].publish(payload)
 
             await drive(send, concurrency, 1.0, pings)  # warm up
             out = await drive(send, concurrency, seconds, pings, meter)
-            out["publishes_per_call"] = round(pub.stats.sent / max(pub.stats.calls, 1), 1)
+            calls = sum(p.stats.calls for p in pubs)
+            out["publishes_per_call"] = round(sum(p.stats.sent for p in pubs) / max(calls, 1), 1)
             return out
-    async with tls.aio_channel(server) as ch:
+        finally:
+            for p in pubs:
+                await p.close()
+    async with tls.aio_channel(servers[0]) as ch:
         call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(
             "/roadlog.v1.Roadlog/Publish"
         )
@@ -354,7 +370,9 @@ def run_systems(
             node_args = [*node_args, "--data-groups", str(args.data_groups), "--place-topics"]
             if args.workers > 1:  # in worker processes, each on a core of its own
                 node_args = [*node_args, "--workers", str(args.workers)]
-        with roadlog_cluster(extra=node_args, queue_extra=queue_args, tls=tls) as lc:
+        with roadlog_cluster(
+            extra=node_args, queue_extra=queue_args, tls=tls, queue_servers=args.queue_servers
+        ) as lc:
             groups: list[int] = []
             if args.data_groups > 1:
                 wait_spread(lc, args.data_groups)
@@ -368,7 +386,7 @@ def run_systems(
                 args.rounds,
                 lambda b, lc=lc, corked=corked, groups=groups: eventloop.run(  # type: ignore[misc]
                     roadlog_case(
-                        lc.servers[0],
+                        lc.servers,
                         b,
                         args.concurrency,
                         args.seconds,
@@ -413,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
         "ingest-groups-G.json",
     )
     ap.add_argument(
+        "--queue-servers",
+        type=int,
+        default=1,
+        help="roadlog's queue servers, the publishers spread over them (one corked "
+        "Publisher each): whether the queue server is the ceiling; results in "
+        "ingest-qs-N.json",
+    )
+    ap.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -441,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, Any] = {
         "data_groups": args.data_groups,
         "workers": args.workers,
+        "queue_servers": args.queue_servers,
         "split": args.split,
         "concurrency": args.concurrency,
         "event_loop": eventloop.loop_name(),
@@ -473,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"ingest-groups-{args.data_groups}{'-split' if args.split else ''}"
         if args.workers > 1:
             name += f"-workers-{args.workers}"
+    if args.queue_servers > 1:
+        name += f"-qs-{args.queue_servers}"
     print(write_result(name, figures))
     return 0
 

@@ -32,12 +32,13 @@ def roadlog_cluster(
     extra: list[str] | None = None,
     queue_extra: list[str] | None = None,
     tls: bool = False,
+    queue_servers: int = 1,
 ) -> Iterator[LocalCluster]:
     """A local cluster with the topic "bench". Plaintext unless ``tls`` (the
     peers it is compared with run plaintext too, unless a bench says
     otherwise); clients connect with ``lc.tls()``."""
     d = Path(tempfile.mkdtemp(prefix="roadlog-bench-", dir="/var/tmp"))
-    lc = LocalCluster.create(d, nodes, 1, extra, queue_extra, insecure=not tls)
+    lc = LocalCluster.create(d, nodes, queue_servers, extra, queue_extra, insecure=not tls)
     lc.start_all()
     try:
         lc.wait_ready(60)

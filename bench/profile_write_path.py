@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             elif "follower" not in pids:
                 pids["follower"] = n.pid
         print(f"warming up, then sampling {sorted(pids)} for {args.seconds:.0f} s", flush=True)
-        eventloop.run(roadlog_case(lc.servers[0], args.batch, args.concurrency, 3.0, tls=lc.tls()))
+        eventloop.run(roadlog_case(lc.servers, args.batch, args.concurrency, 3.0, tls=lc.tls()))
         spies = []
         for name, pid in pids.items():
             cmd = [pyspy, "record", "--pid", str(pid), "--duration", str(int(args.seconds) - 2),
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         case = eventloop.run(
             roadlog_case(
-                lc.servers[0],
+                lc.servers,
                 args.batch,
                 args.concurrency,
                 args.seconds,
