@@ -193,8 +193,11 @@ async def serve(cfg: NodeConfig) -> None:
     last_health: list[bool | None] = [None]
 
     async def tell_systemd_when_ready() -> None:
-        """Type=notify: ready once in a cluster, knowing a leader, caught up."""
-        while not (node.serving and membership.in_config()):
+        """Type=notify: ready once in a cluster, knowing a leader, caught up,
+        and every worker process running."""
+        while not (
+            node.serving and membership.in_config() and (workers is None or workers.alive())
+        ):
             await asyncio.sleep(0.2)
         notify(f"READY=1\nSTATUS=member of the cluster, leader {node.core.lead}")
 
