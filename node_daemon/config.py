@@ -112,6 +112,13 @@ class NodeConfig:
     # (g-1) mod workers). Being built: 1 (every group in the main process)
     # stays the default until the workers' metrics and the tiers run them.
     workers: int = key(1, "processes for the data groups (1: all in the main process; 1..64)")
+    # Fixed ports, for the firewall: worker i's gRPC port (peers' snapshots,
+    # the Raft stream's fallback) is worker_ports + 2i, its framed Raft link
+    # worker_ports + 2i + 1, on listen's host; peers learn them from the main
+    # process (group_ports). A port taken: the worker warns and takes any.
+    worker_ports: int = key(
+        7410, "first TCP port of the worker processes, two each (0: any free ports)"
+    )
     voters: int = key(0, "voters to keep, learners beyond are standbys (0: bootstrap_expect or 3)")
     dead_voter_timeout_s: int = key(30, "a voter silent this long is replaced by a standby")
     trim_interval_s: int = key(60, "how often the leader applies retention through the log")
@@ -143,6 +150,8 @@ class NodeConfig:
             raise ConfigError(f"data_groups: must be in 1..{MAX_DATA_GROUPS}")
         if not 1 <= self.workers <= MAX_DATA_GROUPS:
             raise ConfigError(f"workers: must be in 1..{MAX_DATA_GROUPS}")
+        if not 0 <= self.worker_ports <= 65535 - 2 * self.workers:
+            raise ConfigError("worker_ports: must be in 0..65535, with two ports for each worker")
         if not 0 <= self.voters <= 15 or self.dead_voter_timeout_s < 1:
             raise ConfigError("voters: 0..15; dead_voter_timeout_s: at least 1")
         for seed in self.discovery_seeds:

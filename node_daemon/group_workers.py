@@ -95,6 +95,10 @@ class GroupWorkers:
         self.queue_servers = queue_servers
         self.transport: PeerTransport = meta.transport
         self.workers = [_Worker(i, s) for i, s in enumerate(shares(cfg.data_groups, cfg.workers))]
+        if cfg.worker_ports:  # fixed, for the firewall: two each
+            for w in self.workers:
+                w.last_grpc_port = cfg.worker_ports + 2 * w.index
+                w.last_frames_port = w.last_grpc_port + 1
         self._ctx = multiprocessing.get_context("spawn")
         self._task: asyncio.Task[None] | None = None
         self._stopping = False

@@ -158,6 +158,11 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
             break
     if not port:
         raise RuntimeError(f"cannot listen on {host}")
+    if spec.grpc_port and port != spec.grpc_port:
+        log.warning(
+            "worker's gRPC port taken: listening on another (peers learn it; a firewall may not)",
+            extra={"wanted": spec.grpc_port, "port": port},
+        )
     await server.start()
     frames_port = 0
     if cfg.peer_frames_port >= 0:

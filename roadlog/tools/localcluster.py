@@ -266,6 +266,8 @@ class LocalCluster:
                         str(mport),
                         "--peer-frames-port",
                         str(free_port()),
+                        "--worker-ports",
+                        "0",  # worker processes (if any): free ports, nodes share a host
                         "--queue-servers",
                         qlist,
                         "--discovery-port",

@@ -31,3 +31,14 @@ def test_every_group_in_exactly_one_worker_and_none_empty(groups: int, workers: 
     assert sorted(flat) == list(range(1, groups + 1))
     for w, share in enumerate(got):
         assert all(worker_of(g, len(got)) == w for g in share)
+
+
+def test_worker_ports_leave_two_ports_for_each_worker() -> None:
+    from node_daemon.config import ConfigError, NodeConfig
+
+    ok = NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}, workers=4, worker_ports=65527)
+    ok.validate()
+    for bad in (-1, 65530):
+        cfg = NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}, workers=4, worker_ports=bad)
+        with pytest.raises(ConfigError, match="worker_ports"):
+            cfg.validate()
