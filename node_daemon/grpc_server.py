@@ -37,5 +37,9 @@ def node_grpc_server(token: str) -> grpc.aio.Server:
             # Peers ping every 2 s to notice a dead node early: allow it.
             ("grpc.http2.min_ping_interval_without_data_ms", 1000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # A port another process holds is refused, never shared: with
+            # SO_REUSEPORT two nodes' processes on one host (a worker's fixed
+            # port taken) would split each other's peers' connections.
+            ("grpc.so_reuseport", 0),
         ],
     )
