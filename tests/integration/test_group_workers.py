@@ -14,12 +14,12 @@ import os
 import signal
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.cpu import spawned_children as children  # a node's worker processes
 from roadlog.client import Admin, Connection, Producer
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster
@@ -36,24 +36,6 @@ pytestmark = pytest.mark.integration
 
 GROUPS = [0, 1, 2, 3, 4]
 WORKERS = ["--data-groups", "4", "--place-topics", "--workers", "2"]
-
-
-def children(pid: int) -> list[int]:
-    """The worker processes ``pid`` started (spawned by multiprocessing; not
-    its resource tracker)."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    out = []
-    for c in text.split():
-        try:
-            cmdline = Path(f"/proc/{c}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline:
-            out.append(int(c))
-    return out
 
 
 def workers_in_metrics(lc: LocalCluster, node: Any) -> dict[int, str]:

@@ -7,35 +7,22 @@ no group ports gets every group at its main address, as before."""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import grpc
 import pytest
 
-from node_daemon.raft import Entry, Message, MessageType
+from node_daemon.raft import Message
 from node_daemon.transport import GroupEndpoint, PeerTransport, with_port
 from roadlog.v1 import raft_pb2_grpc
 from tests.unit.loops import run_bounded, until
 from tests.unit.peer_transports import peer_transport
+from tests.unit.test_peer_frames import _append
 
 pytestmark = pytest.mark.unit
 
 SECRET = b"r" * 32
 CLUSTER = "routes-test"
-
-
-def _append(frm: int, to: int, index: int) -> Message:
-    return Message(
-        MessageType.APPEND,
-        to,
-        frm,
-        term=2,
-        index=index - 1,
-        log_term=2,
-        entries=(Entry(2, index, data=os.urandom(16)),),
-        commit=index - 1,
-    )
 
 
 def _endpoint(got: list[Message], tmp: Path) -> GroupEndpoint:
