@@ -339,6 +339,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self.routes: dict[int, dict[int, int]] = {}
         self._routes_asked: dict[int, float] = {}  # peer -> when last asked
         self._routes_tasks: dict[int, asyncio.Task[None]] = {}
+        # (peer, group) -> address_of's answer, until the peer's address or
+        # routes change.
+        self._routed: dict[tuple[int, int], str | None] = {}
         # Groups this node runs in other processes (what FramesEndpoint tells).
         self.group_ports: dict[int, int] = {}
         self.dropped = 0
@@ -378,26 +381,35 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             if self.addresses.get(nid, addr) != addr:
                 self._forget_peer(nid)
             self.addresses[nid] = addr
+            self._forget_routed(nid)
 
     def _forget_peer(self, nid: int) -> None:
         """Close every link to ``nid`` and forget its group ports."""
         for key in [k for k in self.peers if k[0] == nid]:
             self.peers.pop(key).task.cancel()
         self.routes.pop(nid, None)
+        self._forget_routed(nid)
         self._routes_asked.pop(nid, None)
+
+    def _forget_routed(self, nid: int) -> None:
+        for key in [k for k in self._routed if k[0] == nid]:
+            del self._routed[key]
 
     def address_of(self, to: int, group: int) -> str | None:
         """Where ``group``'s messages to ``to`` go (None: not known): the
         port of the peer's process that runs the group, as the peer said,
         else its main address; None too while the peer said the group's
         process is not listening yet (port 0)."""
+        key = (to, group)
+        if key in self._routed:  # every message asks: worked out once
+            return self._routed[key]
         base = self.addresses.get(to)
         if base is None:
             return None
         port = self.routes.get(to, {}).get(group)
-        if port is None:
-            return base
-        return with_port(base, port) if port else None
+        addr = base if port is None else with_port(base, port) if port else None
+        self._routed[key] = addr
+        return addr
 
     def send(self, msgs: list[Message], group: int = 0) -> None:
         for m in msgs:
@@ -457,6 +469,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             return
         log.info("peer's group ports", extra={"peer": to, "group_ports": routes})
         self.routes[to] = routes
+        self._forget_routed(to)
         # Links to processes of the peer that run none of our groups go.
         used = {self.address_of(to, group) for group in self.groups}
         for key in [k for k in self.peers if k[0] == to and k[1] not in used]:
