@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 from node_daemon import worker_process
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode, group_data_dir
-from node_daemon.process_pipe import ProcessPipe
+from node_daemon.process_pipe import BarrierAsks, ProcessPipe
 from node_daemon.remote_group import RemoteGroup
 from node_daemon.transport import PeerTransport
 from node_daemon.worker_metrics import WorkerMetrics
@@ -76,6 +76,7 @@ class _Worker:
     backoff: float = RESTART_FIRST_S
     due: float = 0.0  # when to start it again, once dead
     told: str = ""  # group 0's figures as last told
+    asks: BarrierAsks = field(default_factory=BarrierAsks)  # its groups' ReadIndexes asked
 
 
 class GroupWorkers:
@@ -102,8 +103,6 @@ class GroupWorkers:
         self._ctx = multiprocessing.get_context("spawn")
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._barriers: dict[int, tuple[_Worker, asyncio.Future[int]]] = {}  # asked, by id
-        self._barrier_ids = 0
         self._answering: set[asyncio.Task[None]] = set()
         for g, rg in remote.items():
             rg.ask_barrier = functools.partial(self._ask_barrier, g)
@@ -173,12 +172,7 @@ class GroupWorkers:
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
         elif kind == "barrier":
-            _, fut = self._barriers.pop(int(msg["id"]), (w, None))
-            if fut is not None and not fut.done():
-                if "index" in msg:
-                    fut.set_result(int(msg["index"]))
-                else:
-                    fut.set_exception(RoadlogError(Code.UNAVAILABLE, str(msg.get("error"))))
+            w.asks.answered(msg)
         elif kind == "metrics":
             if self.metrics is not None:
                 self.metrics.told(w.index, str(msg["text"]))
@@ -249,20 +243,10 @@ class GroupWorkers:
         w = next((x for x in self.workers if group in x.groups), None)
         if w is None or w.pipe is None:
             raise RoadlogError(Code.UNAVAILABLE, f"no worker runs group {group} now")
-        self._barrier_ids += 1
-        ask = self._barrier_ids
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._barriers[ask] = (w, fut)
-        try:
-            self._send(w, {"kind": "read_barrier", "id": ask, "group": group})
-            return await fut
-        finally:
-            self._barriers.pop(ask, None)
+        return await w.asks.ask(w.pipe, group)
 
     def _died(self, w: _Worker, p: BaseProcess, now: float) -> None:
-        for x, fut in list(self._barriers.values()):
-            if x is w and not fut.done():
-                fut.set_exception(RoadlogError(Code.UNAVAILABLE, "its worker process died"))
+        w.asks.fail_all("its worker process died")
         self._closed(w)
         w.process = None
         w.grpc_port = w.frames_port = 0

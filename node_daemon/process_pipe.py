@@ -20,12 +20,15 @@ trust each other, share a pipe (pickle).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import pickle
 import socket
 import struct
 from multiprocessing.connection import Connection
 from typing import Any
+
+from roadlog.errors import Code, RoadlogError
 
 _LEN = struct.Struct("!I")
 MAX_MESSAGE = 16 << 20
@@ -79,3 +82,39 @@ class ProcessPipe:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class BarrierAsks:
+    """ReadIndexes asked of the process at the other end of a pipe: each ask
+    a "read_barrier" message with an id, each answer a "barrier" message
+    with that id and an ``index`` or an ``error`` (UNAVAILABLE here)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._open: dict[int, asyncio.Future[int]] = {}
+
+    async def ask(self, pipe: ProcessPipe | None, group: int) -> int:
+        ask = next(self._ids)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._open[ask] = fut
+        try:
+            if pipe is None or not pipe.send({"kind": "read_barrier", "id": ask, "group": group}):
+                raise RoadlogError(Code.UNAVAILABLE, "the process that runs the group is gone")
+            return await fut
+        finally:
+            self._open.pop(ask, None)
+
+    def answered(self, msg: dict[str, Any]) -> None:
+        fut = self._open.pop(int(msg["id"]), None)
+        if fut is None or fut.done():
+            return
+        if "index" in msg:
+            fut.set_result(int(msg["index"]))
+        else:
+            fut.set_exception(RoadlogError(Code.UNAVAILABLE, str(msg.get("error"))))
+
+    def fail_all(self, why: str) -> None:
+        """The other process died: nothing asked of it will be answered."""
+        for fut in self._open.values():
+            if not fut.done():
+                fut.set_exception(RoadlogError(Code.UNAVAILABLE, why))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import itertools
+import functools
 import logging
 import os
 import signal
@@ -51,13 +51,12 @@ from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
 from node_daemon.leader_balance import successor
 from node_daemon.node import NotLeader, RaftNode, group_data_dir
-from node_daemon.process_pipe import ProcessPipe
+from node_daemon.process_pipe import BarrierAsks, ProcessPipe
 from node_daemon.raft_groups import RaftGroups
 from node_daemon.remote_group import RemoteGroup
 from node_daemon.status import group_status
 from node_daemon.transport import PeerTransport
 from node_daemon.worker import QueueServerLink, WorkHandler
-from roadlog.errors import Code, RoadlogError
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.logs import setup_logging
@@ -220,21 +219,8 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     )
 
     handing: set[asyncio.Task[None]] = set()
-    asked: dict[int, asyncio.Future[int]] = {}  # group 0's ReadIndexes asked of the main process
-    ask_ids = itertools.count(1)
-
-    async def ask_main() -> int:
-        ask = next(ask_ids)
-        fut: asyncio.Future[int] = loop.create_future()
-        asked[ask] = fut
-        try:
-            if not pipe.send({"kind": "read_barrier", "id": ask, "group": 0}):
-                raise RoadlogError(Code.UNAVAILABLE, "the main process is gone")
-            return await fut
-        finally:
-            asked.pop(ask, None)
-
-    group0.ask_barrier = ask_main
+    asked = BarrierAsks()  # group 0's ReadIndexes, asked of the main process
+    group0.ask_barrier = functools.partial(asked.ask, pipe, 0)
 
     async def listen() -> None:
         while True:
@@ -244,13 +230,8 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
                 _take_group0(group0, msg)
                 groups.update_addresses(msg["addresses"])
                 link_queue_servers(msg["queue_servers"])
-            elif kind == "barrier":  # the main process's answer to ask_main
-                fut = asked.pop(int(msg["id"]), None)
-                if fut is not None and not fut.done():
-                    if "index" in msg:
-                        fut.set_result(int(msg["index"]))
-                    else:
-                        fut.set_exception(RoadlogError(Code.UNAVAILABLE, str(msg.get("error"))))
+            elif kind == "barrier":  # the main process's answer to an ask
+                asked.answered(msg)
             elif kind == "read_barrier":  # a task too
                 task = loop.create_task(_barrier(groups, pipe, msg))
                 handing.add(task)
