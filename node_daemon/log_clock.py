@@ -28,19 +28,37 @@ the host), so the node keeps its last measure in ``data_dir/log-clock``
 (``ANCHOR_FILE``: the host's boot id, a monotonic time, a stamp; written
 at most every ``SAVE_EVERY_S``, not synced) and takes it up again when it
 starts on the same boot: a leader killed while its clock was stepped does
-not believe the step when it comes back. After a reboot, or with no such
-file, until it has learned a new stamp a node has no monotonic measure of
-the time since the stamps on its disk (the whole cluster was down, say):
-its first stamp as a leader is then its wall clock (never below the log's
-clock), as before this bound existed.
+not believe the step when it comes back.
+
+After a reboot, or with no such file, until it has learned a new stamp a
+node has no monotonic measure of the time since the stamps on its disk.
+Such a node may still win an election (every node went down, say, and the
+others came back before anything was stamped): its first stamp would be
+its wall clock, believed whole, and a step of it a jump of the log's clock
+(issue 21, nemesis finding 21: a leader rebooted onto a clock 30 minutes
+ahead stamped 30 minutes ahead, and clients that had published a minute
+before were refused heat maps). So a granted vote carries the voter's
+``reading`` (what it would stamp now, and whether it has a measure), and a
+leader without a measure takes up, before its first stamp (``lead``):
+
+- the highest reading of a voter with a measure (each is the log's clock
+  at its last stamp plus the real time since, bounded by its wall clock);
+- with none, the lowest wall clock among itself and its voters, a
+  majority: one clock stepped ahead is not believed unless every clock of
+  that majority was.
+
+A reading is never below the log's clock (the floor). With no reading at
+all (one voter: a single-node cluster) the leader's wall clock is taken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 from node_daemon.boot import boot_id
 
@@ -49,6 +67,34 @@ from node_daemon.boot import boot_id
 CATCH_UP = 1.0
 ANCHOR_FILE = "log-clock"  # in the data directory
 SAVE_EVERY_S = 1.0
+
+
+class Reading(NamedTuple):
+    """What a node would stamp now, in ms, and whether that is bounded by a
+    monotonic measure (``measured``) or is its bare wall clock."""
+
+    ms: int
+    measured: bool
+
+
+_READING = struct.Struct(">cq")
+_MEASURED, _WALL = b"M", b"W"
+
+
+def encode_reading(r: Reading) -> bytes:
+    """A reading as a vote's context (9 bytes)."""
+    return _READING.pack(_MEASURED if r.measured else _WALL, r.ms)
+
+
+def decode_reading(data: bytes) -> Reading | None:
+    """The reading in a vote's context; None for anything else (an empty
+    context: a voter from before readings)."""
+    if len(data) != _READING.size:
+        return None
+    kind, ms = _READING.unpack(data)
+    if kind not in (_MEASURED, _WALL):
+        return None
+    return Reading(ms, kind == _MEASURED)
 
 
 class LogClock:
@@ -85,6 +131,36 @@ class LogClock:
         if log_ms > self._last:
             self._last = self._anchor_ms = log_ms
             self._at = self._monotonic()
+
+    @property
+    def measured(self) -> bool:
+        """Whether stamps are bounded by a monotonic measure yet."""
+        return self._at is not None
+
+    def reading(self) -> Reading:
+        """What this node would stamp now (nothing changes): for a vote."""
+        wall_ms = int(self._wall() * 1000)
+        if self._at is None:
+            return Reading(max(wall_ms, self._last), False)
+        ceiling = self._anchor_ms + int((self._monotonic() - self._at) * 1000 * (1 + CATCH_UP))
+        return Reading(max(self._last, min(wall_ms, ceiling)), True)
+
+    def lead(self, voters: Iterable[Reading]) -> None:
+        """This node now leads with the votes of ``voters``: without a
+        measure of its own, take one up from their readings (see the
+        module docstring); with one, nothing changes."""
+        if self._at is not None:
+            return
+        readings = list(voters)
+        if not readings:
+            return  # no voter but itself: its wall clock, at the first stamp
+        measured = [r.ms for r in readings if r.measured]
+        if measured:
+            start = max(measured)
+        else:
+            start = min(int(self._wall() * 1000), *(r.ms for r in readings))
+        self._last = self._anchor_ms = max(self._last, start)
+        self._at = self._monotonic()
 
     def stamp(self) -> int:
         """The stamp for entries proposed now; never below the last one."""

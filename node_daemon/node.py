@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -61,7 +62,7 @@ from node_daemon.boot import boot_id
 from node_daemon.config import NodeConfig
 from node_daemon.disk import DiskGuard, fsync_dir
 from node_daemon.io_thread import IoThread
-from node_daemon.log_clock import ANCHOR_FILE, LogClock
+from node_daemon.log_clock import ANCHOR_FILE, LogClock, Reading, decode_reading, encode_reading
 from node_daemon.raft import (
     ApplyJob,
     ConfChange,
@@ -70,6 +71,8 @@ from node_daemon.raft import (
     Entry,
     HardState,
     LogWrite,
+    Message,
+    MessageType,
     PendingProposals,
     ProposalDropped,
     RaftCore,
@@ -239,6 +242,12 @@ class RaftNode:
         # What this node stamps its entries with as a leader: its wall clock,
         # but never a step of it (see log_clock); it goes on from the log's.
         self.log_clock = LogClock(self.sm.log_ms, data / ANCHOR_FILE, boot=lambda: self.boot)
+        # The log clock readings granted votes carried in the term of
+        # ``_readings_term`` (voter -> reading), and the term the log clock
+        # last took them up in (``LogClock.lead``): once per leadership.
+        self._vote_readings: dict[int, Reading] = {}
+        self._readings_term = 0
+        self._clock_led_term = 0
         self.core = RaftCore(
             Config(
                 self.id,
@@ -315,11 +324,12 @@ class RaftNode:
         # The one Ready loop (persist, send, apply, advance); this class gives
         # it its I/O: LMDB writes on the log's thread, applies inline or on the
         # apply thread, the peer transport, and the clock that times writes.
+        self._transport_send = self.transport.sender(group)
         self.driver = ReadyDriver(
             self.core,
             write_log=self._write_log,
             apply=self._apply_job,
-            send=self.transport.sender(group),
+            send=self._send,
             clock=time.perf_counter,
             on_ready_done=self._ready_done,
         )
@@ -332,7 +342,27 @@ class RaftNode:
 
     def _on_message(self, m: Any) -> None:
         self.last_heard[m.frm] = time.monotonic()
+        if m.type == MessageType.VOTE_RESP and not m.reject:
+            self._heard_vote(m)
         self.submit(lambda core: core.step(m))
+
+    def _heard_vote(self, m: Message) -> None:
+        """Keep the log clock reading a granted vote carries (for
+        ``LogClock.lead``)."""
+        reading = decode_reading(m.context)
+        if reading is None:
+            return
+        if m.term != self._readings_term:
+            self._readings_term, self._vote_readings = m.term, {}
+        self._vote_readings[m.frm] = reading
+
+    def _send(self, msgs: list[Message]) -> None:
+        """The driver's ``send``: a granted vote carries this node's log
+        clock reading (see log_clock), every other message goes as is."""
+        for i, m in enumerate(msgs):
+            if m.type == MessageType.VOTE_RESP and not m.reject:
+                msgs[i] = dataclasses.replace(m, context=encode_reading(self.log_clock.reading()))
+        self._transport_send(msgs)
 
     def update_addresses(self, known: dict[int, str]) -> None:
         """Learn peer addresses (from the replicated address book and from
@@ -623,6 +653,12 @@ class RaftNode:
         ops = _in_time(ops, time.monotonic())
         if not ops:
             return
+        if self._clock_led_term != core.term:
+            # The first stamp of this leadership: a leader that has no
+            # measure of the log's clock takes one from its voters.
+            self._clock_led_term = core.term
+            readings = self._vote_readings if self._readings_term == core.term else {}
+            self.log_clock.lead(readings.values())
         now_ms = self.log_clock.stamp()  # not time.time(): a step of it is not believed
         # Each op serialized once and framed as a Command's ops field by
         # hand: no copy of the ops into a Command message, no sizing pass.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import heatmaps_pb2
 from tests.certs import ClusterCA
 from tests.integration.conftest import REGION, make_pings, wait_for
+from tests.integration.test_transfer_leader import transfer
 
 pytestmark = pytest.mark.integration
 
@@ -132,6 +134,94 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
             admin.heatmap("munich")  # c published seconds ago
         except PermissionDenied as e:
             pytest.fail(f"a client that published seconds ago was refused: {e.message}")
+
+
+@pytest.fixture
+def three_nodes_with_clocks_and_boots(
+    tmp_path: Path, test_ca: ClusterCA
+) -> Iterator[tuple[LocalCluster, list[Path], list[Path]]]:
+    """Three nodes, each with a wall clock the test steps (as
+    ``one_node_with_a_clock``) and a boot id file it can change (a reboot of
+    the host, as the nemesis's power cuts). Retention once an hour: nothing
+    but what the test does is stamped."""
+    lc = LocalCluster.create(
+        tmp_path / "c",
+        nodes=3,
+        queue_servers=1,
+        ca=test_ca.signing,
+        extra_node_args=["--trim-interval-s", "3600"],
+    )
+    clocks, boots = [], []
+    for node in lc.nodes:
+        clock, boot = tmp_path / f"clock{node.id}", tmp_path / f"boot{node.id}"
+        clock.write_text("0\n")
+        boot.write_text("boot-1\n")
+        clocks.append(clock)
+        boots.append(boot)
+        assert node.argv[1:3] == ["-m", "node_daemon.main"]
+        node.argv = [
+            node.argv[0], "-m", "tests.nemesis.clockshim", str(clock), *node.argv[2:],
+            "--boot-id-file", str(boot),
+        ]  # fmt: skip
+    lc.save()
+    lc.start_all()
+    try:
+        lc.wait_ready(60)
+        yield lc, clocks, boots
+    finally:
+        lc.down(grace=3)
+
+
+def test_a_rebooted_leader_does_not_stamp_its_stepped_wall_clock(
+    three_nodes_with_clocks_and_boots: tuple[LocalCluster, list[Path], list[Path]],
+) -> None:
+    """Nemesis finding 21 (seed 53, 1516 s): every node went down; one came
+    back on a new boot (no monotonic measure of the log's clock) with its
+    wall clock 30 minutes ahead and led before anything was stamped. Its
+    first stamp was its wall clock, so clients that had published a minute
+    before were refused heat maps. Its voters, killed and started again on
+    the same boot, kept their measures: a granted vote carries it."""
+    lc, clocks, boots = three_nodes_with_clocks_and_boots
+    with contributors(lc, "c", "d") as (conn, d):
+        admin = Admin(conn)
+        Producer(conn, "munich").send_batch(make_pings("c", 0, 10))
+        before = admin.heatmap("munich").contributed_ms
+        # Every node has saved its measure of that stamp (log-clock: boot,
+        # monotonic time, stamp), as it does at most every second.
+        anchors = [Path(n.data_dir) / "log-clock" for n in lc.nodes]
+        wait_for(
+            lambda: all(_anchor_ms(a) >= before for a in anchors), 10, "every node's measure saved"
+        )
+        # The whole cluster down (stopped cleanly: the state synced, so that
+        # the rebooted node applies no entry again as it starts, which would
+        # teach it a stamp and a measure, a stale one).
+        for node in lc.nodes:
+            lc.kill(node.id, signal.SIGTERM)
+        rebooted = lc.nodes[0]
+        boots[0].write_text("boot-2\n")  # its host booted again ...
+        clocks[0].write_text(f"{HOURS_3}\n")  # ... onto a clock 3 h ahead
+        for node in lc.nodes:
+            lc.start(node.id)
+        lc.wait_ready(60)
+        if lc.status()["leader"] != rebooted.id:
+            r = transfer(lc, "--to", str(rebooted.id))
+            assert r.returncode == 0, r.stderr
+        wait_for(lambda: lc.status()["leader"] == rebooted.id, 20, "the rebooted node leads")
+        Producer(d, "munich").send_batch(make_pings("d", 0, 1))  # its first stamp
+        stamped = Admin(d).heatmap("munich").contributed_ms
+        assert stamped < before + 3_600_000, "the rebooted leader stamped its stepped wall clock"
+        try:
+            admin.heatmap("munich")  # c published seconds ago
+        except PermissionDenied as e:
+            pytest.fail(f"a client that published seconds ago was refused: {e.message}")
+
+
+def _anchor_ms(path: Path) -> int:
+    """The stamp a node's saved measure holds (0: none yet)."""
+    try:
+        return int(path.read_text().split()[2])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _node_wall_clock_ms(healthz: str) -> float:

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.log_clock import CATCH_UP, SAVE_EVERY_S, LogClock
+from node_daemon.log_clock import (
+    CATCH_UP,
+    SAVE_EVERY_S,
+    LogClock,
+    Reading,
+    decode_reading,
+    encode_reading,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -153,3 +160,66 @@ def test_the_measure_is_saved_at_most_every_second(tmp_path: Path) -> None:
     lc.stamp()
     lc.save()
     assert anchor.read_text() != first
+
+
+def test_a_reading_is_what_the_node_would_stamp_and_changes_nothing() -> None:
+    c = Clocks()
+    lc = measured(c)
+    c.mono += 2.0
+    c.offset = 3 * HOUR
+    r = lc.reading()
+    assert r.measured and r.ms == c.true_ms() - 2000 + int(2000 * (1 + CATCH_UP))
+    assert lc.last_ms == c.true_ms() - 2000  # a reading is no stamp
+    bare = c.log_clock(0)
+    assert bare.reading() == Reading(c.true_ms() + 3 * 3_600_000, False)
+    for r in (Reading(123, True), Reading(-5, False), Reading(2**62, True)):
+        assert decode_reading(encode_reading(r)) == r
+    assert decode_reading(b"") is None  # a vote from a node that sends none
+    assert decode_reading(b"X" + bytes(8)) is None
+
+
+def test_a_rebooted_leader_takes_the_log_clock_from_a_measured_voter() -> None:
+    """Nemesis finding 21 (seed 53, 1516 s): every node went down; one came
+    back on a new boot with its wall clock 30 minutes ahead and won the
+    election before anything was stamped. Its first stamp was its wall
+    clock, the log's clock jumped 30 minutes, and clients that had published
+    a minute before were refused heat maps. A voter that kept its measure
+    (killed and restarted on the same boot) tells the true log time."""
+    c = Clocks()
+    on_disk = c.true_ms() - 5_000  # the last stamp, 5 s before the outage ended
+    c.offset = 30 * 60.0  # the rebooted node's wall clock, 30 min ahead
+    leader = c.log_clock(on_disk, boot="b2")
+    assert not leader.measured
+    voter = Reading(c.true_ms(), True)  # what a measured voter reads
+    leader.lead([voter])
+    assert leader.measured
+    first = leader.stamp()
+    assert first == c.true_ms(), "the leader stamped its stepped wall clock"
+    c.mono += 10.0
+    assert leader.stamp() <= first + int(10_000 * (1 + CATCH_UP))  # and catches up no faster
+    leader.lead([Reading(c.true_ms() + 99 * 3_600_000, True)])  # once measured, kept
+    assert leader.stamp() < c.true_ms() + 3_600_000
+
+
+def test_with_no_measure_anywhere_the_lowest_wall_clock_of_the_majority_is_taken() -> None:
+    """The whole cluster rebooted: no node has a measure. One clock stepped
+    ahead is not believed while a voter of the majority reads true; a clock
+    stepped back never takes the log's clock back (the floor)."""
+    c = Clocks()
+    on_disk = c.true_ms() - 60_000
+    c.offset = 3 * HOUR
+    ahead = c.log_clock(on_disk, boot="b2")
+    ahead.lead([Reading(c.true_ms(), False)])
+    assert ahead.stamp() == c.true_ms()
+    behind = c.log_clock(on_disk, boot="b2")
+    behind.lead([Reading(c.true_ms() - 2 * 3_600_000, False)])
+    assert behind.stamp() == on_disk
+
+
+def test_a_leader_with_no_voter_but_itself_takes_its_wall_clock() -> None:
+    c = Clocks()
+    c.offset = HOUR
+    lc = c.log_clock(0, boot="b2")
+    lc.lead([])
+    assert not lc.measured
+    assert lc.stamp() == c.true_ms() + 3_600_000
