@@ -112,6 +112,13 @@ def test_ports_listen(host: Any) -> None:
     if "nodes" in g:
         expected += ["tcp://0.0.0.0:7400", "udp://0.0.0.0:7499"]
         metrics += ["9400"]
+        # Each worker process's gRPC and framed peer ports (issue 18):
+        # roadlog_node_worker_ports + 2i and + 2i + 1 for worker i.
+        v = host.ansible.get_variables()
+        workers = int(v.get("roadlog_node_workers", 1))
+        base = int(v.get("roadlog_node_worker_ports", 7410))
+        if workers > 1:
+            expected += [f"tcp://0.0.0.0:{base + p}" for p in range(2 * workers)]
     if "queue_servers" in g:
         expected += ["tcp://0.0.0.0:7500", "tcp://0.0.0.0:8080"]
         metrics += ["9500"]
