@@ -367,9 +367,12 @@ def run_systems(
             continue
         node_args, queue_args = SYSTEMS[system]
         if args.data_groups > 1:  # multi-raft: topics placed in the data groups
-            node_args = [*node_args, "--data-groups", str(args.data_groups), "--place-topics"]
-            if args.workers > 1:  # in worker processes, each on a core of its own
-                node_args = [*node_args, "--workers", str(args.workers)]
+            # Worker processes said every time: 1 (this bench's default) keeps
+            # the groups in each node's main process, not the node's default.
+            node_args = [
+                *node_args, "--data-groups", str(args.data_groups), "--place-topics",
+                "--workers", str(args.workers),
+            ]  # fmt: skip
         with roadlog_cluster(
             extra=node_args, queue_extra=queue_args, tls=tls, queue_servers=args.queue_servers
         ) as lc:
@@ -443,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="with --groups: each node's data groups in this many worker processes "
-        "(--workers W); each worker's share of a core is reported; the results go to "
+        "(--workers W; 0: one per core, the node's default; 1: in its main process); each "
+        "worker's share of a core is reported; the results go to "
         "ingest-groups-G-workers-W.json",
     )
     ap.add_argument(
@@ -498,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "ingest" if args.tls == "off" else "ingest-tls"
     if args.data_groups > 1:
         name = f"ingest-groups-{args.data_groups}{'-split' if args.split else ''}"
-        if args.workers > 1:
-            name += f"-workers-{args.workers}"
+        if args.workers != 1:
+            name += f"-workers-{args.workers or 'auto'}"
     if args.queue_servers > 1:
         name += f"-qs-{args.queue_servers}"
     print(write_result(name, figures))

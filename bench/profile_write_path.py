@@ -5,6 +5,11 @@ thread's functions of each ranked by share of its samples.
 
     python -m bench.profile_write_path --system roadlog --batch 100 --seconds 20 --out /tmp/wp
 
+With ``--groups G`` (multi-raft, issue 18): topics placed in G data groups
+and each publisher sending one group's devices straight to its leader (the
+fast path of ``bench/ingest.py --groups G``); every node is sampled (each
+leads a share of the groups) beside the queue server.
+
 Writes the raw stacks (``py-spy record --format raw``, with ``--gil``: only
 samples that hold the GIL, so time a thread spends waiting is left out) to
 OUT/<process>.txt and prints, per process, the functions with the largest
@@ -24,8 +29,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench.ingest import SYSTEMS, roadlog_case, roadlog_meter
+from bench.ingest import SYSTEMS, roadlog_case, roadlog_meter, wait_spread
 from bench.peers import roadlog_cluster
+from roadlog.client import Admin, Connection
 from roadlog.runtime import eventloop
 
 _LINE = re.compile(r" \((.*?):\d+\)")
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--groups", type=int, default=1, help="data groups (multi-raft), fast route")
+    ap.add_argument("--workers", type=int, default=1, help="with --groups: worker processes")
     args = ap.parse_args(argv)
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(pyspy).exists():
@@ -89,16 +97,32 @@ def main(argv: list[str] | None = None) -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     node_args, queue_args = SYSTEMS[args.system]
+    if args.groups > 1:
+        node_args = [
+            *node_args, "--data-groups", str(args.groups), "--place-topics",
+            "--workers", str(args.workers),
+        ]  # fmt: skip
     with roadlog_cluster(extra=node_args, queue_extra=queue_args) as lc:
         leader = lc.status()["leader"]
         pids = {"queue": lc.queue_servers[0].pid}
-        for n in lc.nodes:
-            if n.id == leader:
-                pids["leader"] = n.pid
-            elif "follower" not in pids:
-                pids["follower"] = n.pid
+        groups: list[int] = []
+        if args.groups > 1:
+            wait_spread(lc, args.groups)
+            with Connection(lc.servers, tls=lc.tls()) as conn:
+                groups = list(Admin(conn).describe("bench").topic.partition_groups)
+            pids.update({f"n{n.id}": n.pid for n in lc.nodes})  # each leads its share
+        else:
+            for n in lc.nodes:
+                if n.id == leader:
+                    pids["leader"] = n.pid
+                elif "follower" not in pids:
+                    pids["follower"] = n.pid
         print(f"warming up, then sampling {sorted(pids)} for {args.seconds:.0f} s", flush=True)
-        eventloop.run(roadlog_case(lc.servers, args.batch, args.concurrency, 3.0, tls=lc.tls()))
+        eventloop.run(
+            roadlog_case(
+                lc.servers, args.batch, args.concurrency, 3.0, tls=lc.tls(), partition_groups=groups
+            )
+        )
         spies = []
         for name, pid in pids.items():
             cmd = [pyspy, "record", "--pid", str(pid), "--duration", str(int(args.seconds) - 2),
@@ -115,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.seconds,
                 roadlog_meter(lc),
                 tls=lc.tls(),
+                partition_groups=groups,
             )
         )
         for spy in spies:
