@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from roadlog.placement import MAX_DATA_GROUPS
+from roadlog.placement import MAX_DATA_GROUPS, worker_processes
 from roadlog.runtime import config as configfile
 from roadlog.runtime.config import ConfigError, check_address, key
 
@@ -107,11 +107,14 @@ class NodeConfig:
         "(being built: every read and write follows them; not yet the default)",
     )
     # Worker processes (docs/multiraft.md step 5): with data_groups above 1,
-    # the node runs group 0 in its main process and the data groups in this
-    # many worker processes, each on a core of its own (group g in worker
-    # (g-1) mod workers). Being built: 1 (every group in the main process)
-    # stays the default until the workers' metrics and the tiers run them.
-    workers: int = key(1, "processes for the data groups (1: all in the main process; 1..64)")
+    # the node runs group 0 in its main process and the data groups in
+    # ``worker_processes`` worker processes, each on a core of its own (group
+    # g in worker (g-1) mod that many).
+    workers: int = key(
+        0,
+        "processes for the data groups (0: one per core; 1: all in the main process; "
+        "at most one per data group; 0..64)",
+    )
     # Fixed ports, for the firewall: worker i's gRPC port (peers' snapshots,
     # the Raft stream's fallback) is worker_ports + 2i, its framed Raft link
     # worker_ports + 2i + 1, on listen's host; peers learn them from the main
@@ -133,6 +136,13 @@ class NodeConfig:
     )
 
     @property
+    def worker_processes(self) -> int:
+        """How many worker processes run the data groups: ``workers`` (0: one
+        per core this process may run on), at most one per data group; 1
+        means none (every group in the main process), as with one group."""
+        return worker_processes(self.data_groups, self.workers)
+
+    @property
     def placement_groups(self) -> int:
         """The data groups a new topic's partitions are placed in
         (``CreateTopicOp.data_groups``): 1, so group 0, unless
@@ -148,9 +158,9 @@ class NodeConfig:
             raise ConfigError("bootstrap_expect: must be in 0..15")
         if not 1 <= self.data_groups <= MAX_DATA_GROUPS:
             raise ConfigError(f"data_groups: must be in 1..{MAX_DATA_GROUPS}")
-        if not 1 <= self.workers <= MAX_DATA_GROUPS:
-            raise ConfigError(f"workers: must be in 1..{MAX_DATA_GROUPS}")
-        if not 0 <= self.worker_ports <= 65535 - 2 * self.workers:
+        if not 0 <= self.workers <= MAX_DATA_GROUPS:
+            raise ConfigError(f"workers: must be in 0..{MAX_DATA_GROUPS}")
+        if not 0 <= self.worker_ports <= 65535 - 2 * self.worker_processes:
             raise ConfigError("worker_ports: must be in 0..65535, with two ports for each worker")
         if not 0 <= self.voters <= 15 or self.dead_voter_timeout_s < 1:
             raise ConfigError("voters: 0..15; dead_voter_timeout_s: at least 1")

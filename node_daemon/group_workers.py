@@ -95,7 +95,9 @@ class GroupWorkers:
         self.remote = remote
         self.queue_servers = queue_servers
         self.transport: PeerTransport = meta.transport
-        self.workers = [_Worker(i, s) for i, s in enumerate(shares(cfg.data_groups, cfg.workers))]
+        self.workers = [
+            _Worker(i, s) for i, s in enumerate(shares(cfg.data_groups, cfg.worker_processes))
+        ]
         if cfg.worker_ports:  # fixed, for the firewall: two each
             for w in self.workers:
                 w.last_grpc_port = cfg.worker_ports + 2 * w.index
@@ -314,4 +316,4 @@ class GroupWorkers:
 
 def with_workers(cfg: NodeConfig) -> bool:
     """Whether this node runs its data groups in worker processes."""
-    return cfg.workers > 1 and cfg.data_groups > 1
+    return cfg.worker_processes > 1

@@ -13,10 +13,23 @@ old ones.
 
 from __future__ import annotations
 
+import os
+
 from roadlog.v1 import topics_pb2
 
 METADATA_GROUP = 0
 MAX_DATA_GROUPS = 64
+
+
+def worker_processes(data_groups: int, workers: int) -> int:
+    """How many worker processes a node runs its data groups in (``workers``
+    config key; 0: one per core this process may run on), at most one per
+    data group; 1: none, every group in the node's main process (as with
+    one data group)."""
+    if data_groups <= 1:
+        return 1
+    want = workers or len(os.sched_getaffinity(0))
+    return max(1, min(want, data_groups))
 
 
 def partition_groups(topic_id: int, partitions: int, data_groups: int) -> list[int]:

@@ -21,7 +21,7 @@ from roadlog.cli.common import (
 )
 from roadlog.client import Admin
 from roadlog.client_tls import ClientTLS
-from roadlog.placement import MAX_DATA_GROUPS, METADATA_GROUP
+from roadlog.placement import MAX_DATA_GROUPS, METADATA_GROUP, worker_processes
 from roadlog.runtime.processes import alive
 from roadlog.status import DOWN
 from roadlog.tools.localcluster import LocalCluster, gather_status
@@ -51,11 +51,12 @@ def cluster() -> None:
 )
 @click.option(
     "--workers",
-    type=click.IntRange(1, MAX_DATA_GROUPS),
-    default=1,
+    type=click.IntRange(0, MAX_DATA_GROUPS),
+    default=0,
     show_default=True,
     help="with --groups above 1: worker processes per node for the data groups, each on "
-    "a core of its own (1: every group in the node's main process)",
+    "a core of its own (0: one per core, at most one per group; 1: every group in the "
+    "node's main process)",
 )
 @click.option(
     "--insecure",
@@ -77,7 +78,7 @@ def cluster_up(
     if nodes < 1 or queue_servers < 1:
         raise click.BadParameter("need at least one node and one queue server")
     node_args = ["--data-groups", str(data_groups), "--place-topics"] if data_groups > 1 else []
-    if data_groups > 1 and workers > 1:
+    if data_groups > 1:
         node_args += ["--workers", str(workers)]
     if insecure:
         err.print(
@@ -97,9 +98,10 @@ def cluster_up(
         except TimeoutError as e:
             lc.down()
             raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
+    procs = worker_processes(data_groups, workers)
     err.print(
         f"cluster up: {nodes} nodes, {data_groups} data group(s)"
-        + (f" in {workers} worker processes a node" if data_groups > 1 and workers > 1 else "")
+        + (f" in {procs} worker processes a node" if procs > 1 else "")
         + f", leader {status['leader']} "
         f"(term {status['term']}); "
         f"queue servers {', '.join(lc.servers)}; {lc.file}; the admin identity's token in "

@@ -4,12 +4,14 @@ the same map on every node with the same W."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from node_daemon.worker_process import shares, worker_of
-from roadlog.placement import MAX_DATA_GROUPS
+from roadlog.placement import MAX_DATA_GROUPS, worker_processes
 
 pytestmark = pytest.mark.unit
 
@@ -36,9 +38,29 @@ def test_every_group_in_exactly_one_worker_and_none_empty(groups: int, workers: 
 def test_worker_ports_leave_two_ports_for_each_worker() -> None:
     from node_daemon.config import ConfigError, NodeConfig
 
-    ok = NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}, workers=4, worker_ports=65527)
+    peers = {1: "127.0.0.1:7400"}
+    ok = NodeConfig(node_id=1, peers=peers, data_groups=4, workers=4, worker_ports=65527)
     ok.validate()
     for bad in (-1, 65530):
-        cfg = NodeConfig(node_id=1, peers={1: "127.0.0.1:7400"}, workers=4, worker_ports=bad)
+        cfg = NodeConfig(node_id=1, peers=peers, data_groups=4, workers=4, worker_ports=bad)
         with pytest.raises(ConfigError, match="worker_ports"):
             cfg.validate()
+    # Four workers asked for but two data groups: two run, two ports each.
+    NodeConfig(node_id=1, peers=peers, data_groups=2, workers=4, worker_ports=65531).validate()
+
+
+def test_by_default_one_worker_per_core_at_most_one_per_group() -> None:
+    """``workers`` 0 (the default): one per core this process may run on;
+    never more than the data groups; none (1) with one group."""
+    from node_daemon.config import NodeConfig
+
+    cores = len(os.sched_getaffinity(0))
+    peers = {1: "127.0.0.1:7400"}
+    assert NodeConfig(node_id=1, peers=peers).workers == 0
+    assert NodeConfig(node_id=1, peers=peers).worker_processes == 1  # one group: none
+    assert worker_processes(1, 8) == 1
+    assert worker_processes(64, 0) == min(cores, 64)
+    assert worker_processes(3, 0) == min(cores, 3)
+    assert worker_processes(3, 8) == 3
+    assert worker_processes(6, 2) == 2
+    assert worker_processes(6, 1) == 1
