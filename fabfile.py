@@ -415,7 +415,7 @@ def backup(
 
     The manifest carries an HMAC under the backup key (restore checks it);
     the key reaches the node on stdin, never its disk. The copy here is 0600."""
-    from node_daemon.backup import BackupError, read_backup_key
+    from node_daemon.backup import BackupError, backup_files, read_backup_key
 
     key_path = key_file or os.environ.get("ROADLOG_BACKUP_KEY_FILE")
     try:
@@ -443,7 +443,9 @@ def backup(
             as_user=USER,
             stdin=key + "\n",
         )
-        for f in ("manifest.json", "state.mdb"):
+        manifest = jsonlib.loads(out.stdout)
+        for f in backup_files(manifest):
+            (local / f).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             with _private_file(local / f) as dst:
                 if conn.user == "root":
                     conn.get(f"{remote}/{f}", dst)
@@ -451,7 +453,6 @@ def backup(
                     data = conn.sudo(f"cat {remote}/{f}", hide=True, encoding="latin-1").stdout
                     dst.write(data.encode("latin-1"))
         _run(conn, f"rm -rf {remote}")
-    manifest = jsonlib.loads(out.stdout)
     print(
         f"backup {local}: {h.name} at index {manifest['applied_index']}, {manifest['bytes']} bytes"
     )

@@ -79,6 +79,14 @@ class Manifest:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def backup_files(manifest: dict[str, Any]) -> list[str]:
+    """The files of a backup, relative to its directory, from its manifest
+    (as ``roadlog-node backup --json`` prints it): the manifest, group 0's
+    state, and each data group's (``groups/<g>/state.mdb``)."""
+    groups = sorted(manifest.get("groups", {}), key=int)
+    return [MANIFEST, STATE_FILE, *(f"groups/{g}/{STATE_FILE}" for g in groups)]
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from node_daemon.backup import backup_files
 from roadlog.client import Admin, Connection, RoadlogError
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code
@@ -458,12 +459,24 @@ def test_backup_then_restore_brings_the_cluster_back_to_the_backup(deployed: Dep
     out = deployed.playbook("backup.yml")
     name = out.split("backups/")[1].split(":")[0]
     backup = REPO / "backups" / name
-    assert (backup / "state.mdb").exists() and (backup / "manifest.json").exists()
+    manifest = json.loads((backup / "manifest.json").read_text())
+    # Every file of it, each data group's state too (the lab with data
+    # groups found the playbook fetching group 0's only: the restore refused
+    # the backup), and the same from `fab backup`.
+    files = backup_files(manifest)
+    assert len(files) == 2 + len(manifest.get("groups") or {})
+    assert all((backup / f).is_file() for f in files), files
+    fab_dest = REPO / "backups" / "fab"
+    fabbed = deployed.fab(
+        "backup", "--key-file", str(deployed.lab.backup_key), "--dest", str(fab_dest)
+    )
+    fab_backup = fab_dest / fabbed.split(f"{fab_dest}/")[1].split(":")[0]
+    fab_manifest = json.loads((fab_backup / "manifest.json").read_text())
+    assert all((fab_backup / f).is_file() for f in backup_files(fab_manifest))
     with Connection(deployed.servers) as conn:
         # Read at the backup's index: unfenced, a node that had not applied
         # all the backed-up node had could answer, and differ from the backup.
         # With data groups, at each group's index the manifest records too.
-        manifest = json.loads((backup / "manifest.json").read_text())
         conn.fence = manifest["applied_index"]
         for g, entry in (manifest.get("groups") or {}).items():
             conn.raise_group_fence(int(g), int(entry["applied_index"]))

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from node_daemon.backup import (
     MANIFEST,
     STATE_FILE,
     BackupError,
+    backup_files,
     read_backup_key,
     restore_backup,
     take_backup,
@@ -211,6 +213,12 @@ def test_a_node_with_data_groups_is_backed_up_and_restored_group_by_group(
             and (out / "groups" / name).stat().st_mode & 0o777 == 0o700
         )
     assert verify_backup(out, "lab", KEY).groups == manifest.groups
+    # What `fab backup` fetches (and backup.yml, from the same JSON): every
+    # file the backup holds, the data groups' too (the lab found a backup
+    # fetched without them, which a restore refused).
+    held = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file())
+    assert sorted(backup_files(asdict(manifest))) == held
+    assert backup_files({"applied_index": 2}) == [MANIFEST, STATE_FILE]
 
     aside = restore_backup(data, out, "lab", {1: "127.0.0.1:1", 2: "127.0.0.1:2"}, KEY)
     assert (aside / "groups" / "1" / "state").is_dir()  # the old data, moved aside
