@@ -93,13 +93,19 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
             assert (Path(n.data_dir) / "groups" / str(g) / "raft").is_dir()
             assert (Path(n.data_dir) / "groups" / str(g) / "state").is_dir()
 
-    # Each group's figures are on /metrics, labelled by group.
-    with urllib.request.urlopen(
-        lc.metrics_url(lc.nodes[0]), context=lc.ssl_context(), timeout=5
-    ) as r:
-        text = r.read().decode()
-    for g in GROUPS:  # (a worker's labelled with its worker too)
-        assert re.search(rf'^roadlog_raft_group_term\{{group="{g}"[,}}]', text, re.M), g
+    # Each group's figures are on /metrics, labelled by group (a worker's
+    # labelled with its worker too, and told to the main process every
+    # worker_metrics.EVERY_S: a scrape may come before a new group's first).
+    def every_group_on_metrics() -> bool:
+        with urllib.request.urlopen(
+            lc.metrics_url(lc.nodes[0]), context=lc.ssl_context(), timeout=5
+        ) as r:
+            text = r.read().decode()
+        return all(
+            re.search(rf'^roadlog_raft_group_term\{{group="{g}"[,}}]', text, re.M) for g in GROUPS
+        )
+
+    wait_for(every_group_on_metrics, 15, "every group's term on the node's /metrics")
 
     # Writes go on as before (into group 0) and are read back.
     with Connection(lc.servers) as conn:
