@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import random
@@ -256,6 +255,9 @@ class RaftNode:
                 applied=self.sm.applied_index,
                 lazy_commit=True,
                 catching_up=catching_up,
+                # A granted vote carries this node's log clock reading (what
+                # a leader without a measure takes up: log_clock.py).
+                vote_context=lambda: encode_reading(self.log_clock.reading()),
             ),
             self.log_store,
             random.Random(int.from_bytes(os.urandom(8), "big")),
@@ -324,12 +326,11 @@ class RaftNode:
         # The one Ready loop (persist, send, apply, advance); this class gives
         # it its I/O: LMDB writes on the log's thread, applies inline or on the
         # apply thread, the peer transport, and the clock that times writes.
-        self._transport_send = self.transport.sender(group)
         self.driver = ReadyDriver(
             self.core,
             write_log=self._write_log,
             apply=self._apply_job,
-            send=self._send,
+            send=self.transport.sender(group),
             clock=time.perf_counter,
             on_ready_done=self._ready_done,
         )
@@ -355,14 +356,6 @@ class RaftNode:
         if m.term != self._readings_term:
             self._readings_term, self._vote_readings = m.term, {}
         self._vote_readings[m.frm] = reading
-
-    def _send(self, msgs: list[Message]) -> None:
-        """The driver's ``send``: a granted vote carries this node's log
-        clock reading (see log_clock), every other message goes as is."""
-        for i, m in enumerate(msgs):
-            if m.type == MessageType.VOTE_RESP and not m.reject:
-                msgs[i] = dataclasses.replace(m, context=encode_reading(self.log_clock.reading()))
-        self._transport_send(msgs)
 
     def update_addresses(self, known: dict[int, str]) -> None:
         """Learn peer addresses (from the replicated address book and from

@@ -21,7 +21,7 @@ The leader counts its own log only once the caller has persisted it (in
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from node_daemon.raft import quorum
@@ -90,6 +90,10 @@ class Config:
     # quorum (see ``RaftCore._caught_up``). The caller keeps this across restarts
     # until ``caught_up_durably()``.
     catching_up: bool = False
+    # What a granted vote (not a pre-vote) carries for the candidate, opaque
+    # to Raft (``Message.context``): the caller's, read as the vote is cast
+    # (the node's log clock reading: node_daemon/log_clock.py).
+    vote_context: Callable[[], bytes] | None = None
 
     def validate(self) -> None:
         if self.id <= 0:
@@ -420,7 +424,8 @@ class RaftCore:
         resp = MT.VOTE_RESP if m.type == MT.VOTE else MT.PRE_VOTE_RESP
         if can_vote and self.log.is_up_to_date(m.index, m.log_term):
             # Answer with the message's term: a pre-vote asks for a future term.
-            self._send(Message(resp, m.frm, self.id, m.term))
+            ctx = self.cfg.vote_context() if m.type == MT.VOTE and self.cfg.vote_context else b""
+            self._send(Message(resp, m.frm, self.id, m.term, context=ctx))
             if m.type == MT.VOTE:
                 self.election_elapsed = 0
                 self.vote = m.frm

@@ -459,3 +459,18 @@ def test_only_the_leader_accepts_proposals() -> None:
     with pytest.raises(ProposalDropped) as e:
         net.cores[2].propose(b"x")
     assert e.value.leader == 1
+
+
+def test_a_granted_vote_carries_the_callers_context_and_nothing_else_does() -> None:
+    """``Config.vote_context`` (the node's log clock reading, issue 21
+    finding 21) rides on a granted VOTE_RESP only: not on a refusal, not on
+    a pre-vote's answer."""
+    r = new_core(1, term=1)
+    r.cfg.vote_context = lambda: b"reading"
+    r.step(Message(MT.PRE_VOTE, 1, 2, 2, 0, 0))
+    r.step(Message(MT.VOTE, 1, 2, 1, 0, 0))
+    r.step(Message(MT.VOTE, 1, 3, 1, 0, 0))  # already voted for 2: refused
+    resp = {(m.type, m.to): m for m in persist(r) if m.type in (MT.VOTE_RESP, MT.PRE_VOTE_RESP)}
+    assert resp[(MT.PRE_VOTE_RESP, 2)].context == b""
+    assert not resp[(MT.VOTE_RESP, 2)].reject and resp[(MT.VOTE_RESP, 2)].context == b"reading"
+    assert resp[(MT.VOTE_RESP, 3)].reject and resp[(MT.VOTE_RESP, 3)].context == b""
