@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from roadlog.client import Admin, Connection, PermissionDenied, Producer
-from roadlog.tools.localcluster import LocalCluster
+from roadlog.tools.localcluster import LocalCluster, NodeInfo
 from roadlog.v1 import heatmaps_pb2
 from tests.certs import ClusterCA
 from tests.integration.conftest import REGION, make_pings, wait_for
@@ -42,14 +42,20 @@ def one_node_with_a_clock(
     clock = tmp_path / "clock"
     clock.write_text("0\n")
     (node,) = lc.nodes
-    assert node.argv[1:3] == ["-m", "node_daemon.main"]
-    node.argv = [node.argv[0], "-m", "tests.nemesis.clockshim", str(clock), *node.argv[2:]]
+    _on_a_clock(node, clock)
     lc.start_all()
     try:
         lc.wait_ready(60)
         yield lc, clock
     finally:
         lc.down(grace=3)
+
+
+def _on_a_clock(node: NodeInfo, clock: Path) -> None:
+    """Run ``node`` with its wall clock offset by what ``clock`` says
+    (``tests.nemesis.clockshim``, as the nemesis does)."""
+    assert node.argv[1:3] == ["-m", "node_daemon.main"]
+    node.argv = [node.argv[0], "-m", "tests.nemesis.clockshim", str(clock), *node.argv[2:]]
 
 
 @contextlib.contextmanager
@@ -152,11 +158,8 @@ def three_nodes_with_clocks_and_boots(
         boot.write_text("boot-1\n")
         clocks.append(clock)
         boots.append(boot)
-        assert node.argv[1:3] == ["-m", "node_daemon.main"]
-        node.argv = [
-            node.argv[0], "-m", "tests.nemesis.clockshim", str(clock), *node.argv[2:],
-            "--boot-id-file", str(boot),
-        ]  # fmt: skip
+        _on_a_clock(node, clock)
+        node.argv += ["--boot-id-file", str(boot)]
     lc.save()
     lc.start_all()
     try:
