@@ -37,7 +37,7 @@ from roadlog.errors import PermissionDenied as PermissionDenied
 from roadlog.errors import RoadlogError as RoadlogError
 from roadlog.errors import Unavailable as Unavailable
 from roadlog.geo import Region, parse_region
-from roadlog.grpc_status import from_grpc
+from roadlog.grpc_status import from_failed_call, from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.partitioning import ping_groups
 from roadlog.protowire import with_leading_varint
@@ -233,7 +233,7 @@ class Connection:
             try:
                 return self._method(method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
-                if from_grpc(e.code()) not in RETRYABLE or _final(e):
+                if from_failed_call(e.code()) not in RETRYABLE or _final(e):
                     raise _rpc_error(e) from None
                 last = e
                 if e.details() and e.details() != "Deadline Exceeded":

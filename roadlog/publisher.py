@@ -264,7 +264,7 @@ class Publisher:
                 if not p.future.done():
                     p.future.set_result(out)
                 continue
-            code = Code.of(r.code)
+            code = Code.of(r.code).as_received()
             if code in RETRYABLE:
                 p.reason = r.message
                 again.append(p)

@@ -196,9 +196,14 @@ def test_a_publish_that_never_gets_through_fails_at_its_deadline_with_the_reason
     assert "scripted" in str(err)
 
 
-def test_a_failed_call_fails_over_to_the_next_queue_server() -> None:
+@pytest.mark.parametrize("status", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_failed_call_fails_over_to_the_next_queue_server(status: grpc.StatusCode) -> None:
+    """A queue server that cannot take the call, or cancels it (as a server
+    that stops cancels every call it holds), sends the publishes on to the
+    next one."""
+
     async def run() -> tuple[Scripted, Scripted]:
-        down = Scripted(lambda r, n: 0, abort=grpc.StatusCode.UNAVAILABLE)
+        down = Scripted(lambda r, n: 0, abort=status)
         up = Scripted(lambda r, n: 0)
         s1, a1 = await serve(down)
         s2, a2 = await serve(up)
