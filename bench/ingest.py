@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -366,6 +367,7 @@ def run_systems(
                 )
             continue
         node_args, queue_args = SYSTEMS[system]
+        node_args = [*node_args, *shlex.split(args.node_flags)]
         if args.data_groups > 1:  # multi-raft: topics placed in the data groups
             # Worker processes said every time: 1 (this bench's default) keeps
             # the groups in each node's main process, not the node's default.
@@ -451,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         "ingest-groups-G-workers-W.json",
     )
     ap.add_argument(
+        "--node-flags",
+        default="",
+        help="more flags for every roadlog node, as one string (an experiment's knob, "
+        "e.g. --node-flags='--snapshot-bytes 1073741824'); the results say them and go "
+        "to a file ending -flags",
+    )
+    ap.add_argument(
         "--split",
         action="store_true",
         help="with --groups: messages of every group's devices, split by group 0's leader "
@@ -473,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "queue_servers": args.queue_servers,
         "split": args.split,
+        "node_flags": args.node_flags,
         "concurrency": args.concurrency,
         "event_loop": eventloop.loop_name(),
         "seconds": args.seconds,
@@ -506,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             name += f"-workers-{args.workers or 'auto'}"
     if args.queue_servers > 1:
         name += f"-qs-{args.queue_servers}"
+    if args.node_flags:  # an experiment: never in place of the standard figures
+        name += "-flags"
     print(write_result(name, figures))
     return 0
 
