@@ -77,6 +77,12 @@ class NodeConfig:
     # snapshot_entries. A state bigger than this is snapshotted only once
     # the log is half its size.
     snapshot_bytes: int = key(256 << 20, "... or once the applied log holds this many bytes")
+    # A snapshot copies the whole state; unpaced, that burst is what the
+    # log's fsyncs on the same disk wait behind (ack p99 x4 at 1000 pings per
+    # message, bench/profiles/write-path.md). Below the disk's throughput.
+    snapshot_mib_per_s: int = key(
+        64, "write a snapshot at most this fast, MiB/s (0: as fast as the disk takes it)"
+    )
     max_ops_per_entry: int = key(256, "ops packed into one Raft entry, at most")
     merge_publishes: bool = key(
         True, "server-side group commit: merge publishes that arrive together (default on)"
@@ -179,6 +185,8 @@ class NodeConfig:
             raise ConfigError("tick_ms: must be in 10..10000")
         if self.snapshot_entries < 1 or self.snapshot_bytes < 1:
             raise ConfigError("snapshot_entries and snapshot_bytes: must be positive")
+        if self.snapshot_mib_per_s < 0:
+            raise ConfigError("snapshot_mib_per_s: must be 0 (unpaced) or more")
         if self.election_ticks <= self.heartbeat_ticks:
             raise ConfigError("election_ticks: must exceed heartbeat_ticks")
 

@@ -273,6 +273,7 @@ class RaftNode:
             cfg.snapshot_entries,
             cfg.snapshot_bytes,
             index_gauge=self._snapshot_gauge,
+            write_rate=cfg.snapshot_mib_per_s * (1 << 20) or None,
         )
         self.addresses: dict[int, str] = dict(cfg.peers)
         self.addresses[self.id] = cfg.address

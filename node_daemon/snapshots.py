@@ -41,6 +41,11 @@ SNAPSHOT_LOG_SHARE = 0.5  # a big state is snapshotted once the log is this shar
 # How often at most the driver asks whether a snapshot is due: asking reads
 # LMDB statistics, and the driver wakes hundreds of times a second under load.
 SNAPSHOT_CHECK_S = 0.1
+# How often at most the state's commits (made without fsync) are pushed to
+# the disk while it applies: a little at a time, so that neither a
+# checkpoint nor the kernel's writeback of old dirty pages sends hundreds of
+# MiB at once, which the log's fsyncs on the same disk would wait behind.
+STATE_FLUSH_S = 0.25
 
 
 def received_path(directory: Path, index: int, term: int) -> Path:
@@ -86,9 +91,11 @@ class Snapshots:
         max_entries: int,
         max_bytes: int,
         index_gauge: Any = None,
+        write_rate: float | None = None,
     ) -> None:
         """``index_gauge``: where the index compacted to is shown (default:
-        ``roadlog_snapshot_index``, group 0's)."""
+        ``roadlog_snapshot_index``, group 0's); ``write_rate``: bytes a
+        second a snapshot is written at, at most (None: unpaced)."""
         self.directory = directory
         self._index_gauge = index_gauge if index_gauge is not None else metrics.SNAPSHOT_INDEX
         directory.mkdir(parents=True, exist_ok=True)
@@ -99,13 +106,19 @@ class Snapshots:
         self._wakeup = wakeup
         self._max_entries = max_entries
         self._max_bytes = max_bytes
+        self._write_rate = write_rate
         self._requests: list[asyncio.Future[int]] = []
         self._io = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._flush_io = ThreadPoolExecutor(1, thread_name_prefix="state-flush")
+        self._flushing: asyncio.Future[None] | None = None
+        self._flushed_index = sm.applied_index
+        self._next_flush = 0.0
         self._taking: asyncio.Future[tuple[int, int, Path]] | None = None
         self._waiters: list[asyncio.Future[int]] = []  # asked before it began
         # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
         # a failed snapshot, SNAPSHOT_RETRY_S); asking for one skips the wait.
         self._next_check = 0.0
+        self._phases: dict[str, float] = {}  # the last snapshot's, for its log line
 
     # ------------------------------------------------------------- files
 
@@ -146,6 +159,7 @@ class Snapshots:
         """Compact the log to a snapshot finished in the background, and
         begin one when the applied log has grown ``max_entries`` or
         ``max_bytes`` past the last, or one was asked for."""
+        self._flush_state(loop)
         task = self._taking
         if task is not None and task.done():
             self._taking = None
@@ -177,6 +191,22 @@ class Snapshots:
             self._taking = loop.run_in_executor(self._io, self._take)
             self._taking.add_done_callback(lambda _: self._wakeup())
 
+    def _flush_state(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Push what the state applied since the last flush to the disk, on
+        its own thread, at most every STATE_FLUSH_S (one flush at a time)."""
+        applied = self._sm.applied_index
+        if applied == self._flushed_index or (
+            self._flushing is not None and not self._flushing.done()
+        ):
+            return
+        now = time.monotonic()
+        if now < self._next_flush:
+            return
+        self._next_flush = now + STATE_FLUSH_S
+        self._flushed_index = applied
+        self._flushing = loop.run_in_executor(self._flush_io, self._sm.checkpoint)
+        self._flushing.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     def _applied_log_bytes(self, applied: int, first: int) -> int:
         """The bytes of the log's applied part (its share of the log's pages):
         entries not applied yet cannot be compacted, so they never make a
@@ -192,12 +222,19 @@ class Snapshots:
         may be compacted to the copy's index only once that is durable."""
         t0 = time.perf_counter()
         taking = self.directory / "snap-taking.mdb"
-        index, term = self._sm.write_snapshot(taking)
+        index, term = self._sm.write_snapshot(taking, self._write_rate)
         path = self.path(index, term)
         os.replace(taking, path)
         fsync_dir(self.directory)  # its name survives a power loss before the log names it
+        t1 = time.perf_counter()
         self._sm.checkpoint()
-        metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        metrics.SNAPSHOT_SECONDS.observe(t2 - t0)
+        self._phases = {
+            "copy_s": round(t1 - t0, 3),
+            "checkpoint_s": round(t2 - t1, 3),
+            "bytes": path.stat().st_size,
+        }
         return index, term, path
 
     async def _compact_to(
@@ -215,10 +252,15 @@ class Snapshots:
                 index = current
             else:
                 snap = Snapshot(self._meta_at(index), str(path).encode())
+                t0 = time.perf_counter()
                 await loop.run_in_executor(self._log_io, self._log_store.compact, snap)
+                compact_s = round(time.perf_counter() - t0, 3)
                 self._remove_old(path)
                 self._index_gauge.set(index)
-                log.info("snapshot and compaction", extra={"index": index})
+                log.info(
+                    "snapshot and compaction",
+                    extra={"index": index, **self._phases, "compact_s": compact_s},
+                )
         except Exception as e:
             log.exception("snapshot failed")
             self._next_check = time.monotonic() + SNAPSHOT_RETRY_S
@@ -231,10 +273,13 @@ class Snapshots:
                 f.set_result(index)
 
     async def taken(self) -> None:
-        """Wait for a snapshot being taken (its outcome is handled later):
-        its thread reads the state, which must not be replaced meanwhile."""
-        if self._taking is not None:
-            await asyncio.wait([self._taking])
+        """Wait for a snapshot being taken (its outcome is handled later) and
+        a flush of the state: their threads use the state, which must not be
+        replaced or closed meanwhile."""
+        busy = [f for f in (self._taking, self._flushing) if f is not None]
+        if busy:
+            await asyncio.wait(busy)
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        self._flush_io.shutdown(wait=True)

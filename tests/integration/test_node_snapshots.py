@@ -45,10 +45,12 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
         taking, release = threading.Event(), threading.Event()
         real = node.sm.write_snapshot
 
-        def held_snapshot(dest: str | os.PathLike[str]) -> tuple[int, int]:
+        def held_snapshot(
+            dest: str | os.PathLike[str], rate: float | None = None
+        ) -> tuple[int, int]:
             taking.set()
             release.wait(30)  # held until the writes below went through
-            return real(dest)
+            return real(dest, rate)
 
         node.sm.write_snapshot = held_snapshot  # type: ignore[method-assign]
         taken_before = REGISTRY.get_sample_value("roadlog_snapshot_seconds_count") or 0.0

@@ -1,0 +1,115 @@
+"""The state machine commits without fsync; what it applied is pushed to the
+disk a little at a time while it runs (``Snapshots``' state flush), so that
+neither a checkpoint nor the kernel's writeback of old dirty pages sends
+hundreds of MiB at once for the log's fsyncs on the same disk to wait behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from node_daemon import snapshots
+from node_daemon.raft import ConfState, SnapshotMeta
+from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.snapshots import Snapshots
+
+pytestmark = pytest.mark.unit
+
+
+class _Applying:
+    """A state machine's face to ``Snapshots``: an applied index that the
+    test moves, and checkpoints (fsyncs) it can hold."""
+
+    def __init__(self) -> None:
+        self.applied_index = 0
+        self.flushes: list[tuple[str, int]] = []  # (thread, applied when flushed)
+        self.release = threading.Event()
+        self.release.set()
+
+    def checkpoint(self) -> None:
+        self.flushes.append((threading.current_thread().name, self.applied_index))
+        assert self.release.wait(10)
+
+    def size_bytes(self) -> int:
+        return 0
+
+
+def _flushing(tmp_path: Path) -> tuple[Snapshots, LmdbLogStorage, _Applying]:
+    log_store = LmdbLogStorage(tmp_path / "raft", map_size=4 << 20)
+    sm = _Applying()
+    snaps = Snapshots(
+        tmp_path / "snapshots",
+        log_store,
+        sm,  # type: ignore[arg-type]
+        meta_at=lambda i: SnapshotMeta(i, 1, ConfState(voters=frozenset({1}))),
+        log_io=ThreadPoolExecutor(1),
+        wakeup=lambda: None,
+        max_entries=1000,
+        max_bytes=1 << 20,
+    )
+    return snaps, log_store, sm
+
+
+def test_the_state_is_flushed_on_its_own_thread_one_flush_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the state applied goes to the disk a little at a time (not all
+    at a checkpoint): a flush on its own thread once the applied index
+    moved, never two at once, none when nothing moved; and ``taken`` waits
+    for a flush (the state must not be replaced or closed under it)."""
+    monkeypatch.setattr(snapshots, "STATE_FLUSH_S", 0.0)
+    snaps, log_store, sm = _flushing(tmp_path)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        await snaps.between_readys(loop)
+        await snaps.taken()
+        assert sm.flushes == []  # nothing applied: nothing to flush
+        sm.release.clear()
+        sm.applied_index = 5
+        await snaps.between_readys(loop)
+        for i in range(6, 9):  # more applied while the flush is held
+            sm.applied_index = i
+            await snaps.between_readys(loop)
+        waiting = asyncio.ensure_future(snaps.taken())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # a flush is out: taken() waits for it
+        sm.release.set()
+        await asyncio.wait_for(waiting, 10)
+        assert len(sm.flushes) == 1
+        assert sm.flushes[0][0].startswith("state-flush") and sm.flushes[0][1] >= 5
+        await snaps.between_readys(loop)  # what moved meanwhile: flushed next
+        await snaps.taken()
+        assert [a for _, a in sm.flushes] == [sm.flushes[0][1], 8]
+        await snaps.between_readys(loop)
+        await snaps.taken()
+        assert len(sm.flushes) == 2  # nothing moved since
+
+    try:
+        asyncio.run(run())
+    finally:
+        snaps.close()
+        log_store.close()
+
+
+def test_flushes_are_state_flush_s_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshots, "STATE_FLUSH_S", 3600.0)
+    snaps, log_store, sm = _flushing(tmp_path)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for i in range(1, 6):
+            sm.applied_index = i
+            await snaps.between_readys(loop)
+            await snaps.taken()
+        assert [a for _, a in sm.flushes] == [1]
+
+    try:
+        asyncio.run(run())
+    finally:
+        snaps.close()
+        log_store.close()
