@@ -30,7 +30,7 @@ from typing import Any
 
 from node_daemon import metrics
 from node_daemon.disk import fsync_dir
-from node_daemon.raft import Snapshot, SnapshotMeta
+from node_daemon.raft import Snapshot, SnapshotMeta, StorageError
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
 
@@ -113,6 +113,7 @@ class Snapshots:
         self._flushing: asyncio.Future[None] | None = None
         self._flushed_index = sm.applied_index
         self._next_flush = 0.0
+        self._flush_failed: BaseException | None = None  # sticky: see _flushed
         self._taking: asyncio.Future[tuple[int, int, Path]] | None = None
         self._waiters: list[asyncio.Future[int]] = []  # asked before it began
         # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
@@ -205,7 +206,20 @@ class Snapshots:
         self._next_flush = now + STATE_FLUSH_S
         self._flushed_index = applied
         self._flushing = loop.run_in_executor(self._flush_io, self._sm.checkpoint)
-        self._flushing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._flushing.add_done_callback(self._flushed)
+
+    def _flushed(self, f: asyncio.Future[None]) -> None:
+        """A failed fsync may have dropped what it was to write while the
+        page cache still shows it (so a later fsync can succeed and prove
+        nothing): the log is never compacted again by this process."""
+        e = None if f.cancelled() else f.exception()
+        if e is not None and self._flush_failed is None:
+            self._flush_failed = e
+            log.error(
+                "an fsync of the state failed: the log is no longer compacted; "
+                "restart the node once the disk is sound",
+                extra={"error": repr(e)},
+            )
 
     def _applied_log_bytes(self, applied: int, first: int) -> int:
         """The bytes of the log's applied part (its share of the log's pages):
@@ -220,6 +234,8 @@ class Snapshots:
         """(snapshot thread) A compact copy of the state machine as one read
         transaction sees it, then an fsync of all it has applied: the log
         may be compacted to the copy's index only once that is durable."""
+        if self._flush_failed is not None:
+            raise StorageError(f"an fsync of the state failed earlier: {self._flush_failed!r}")
         t0 = time.perf_counter()
         taking = self.directory / "snap-taking.mdb"
         index, term = self._sm.write_snapshot(taking, self._write_rate)
@@ -227,7 +243,11 @@ class Snapshots:
         os.replace(taking, path)
         fsync_dir(self.directory)  # its name survives a power loss before the log names it
         t1 = time.perf_counter()
-        self._sm.checkpoint()
+        try:
+            self._sm.checkpoint()
+        except BaseException as e:
+            self._flush_failed = self._flush_failed or e  # sticky, as a flush's
+            raise
         t2 = time.perf_counter()
         metrics.SNAPSHOT_SECONDS.observe(t2 - t0)
         self._phases = {

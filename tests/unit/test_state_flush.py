@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from node_daemon import snapshots
-from node_daemon.raft import ConfState, SnapshotMeta
+from node_daemon.raft import ConfState, SnapshotMeta, StorageError
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.snapshots import Snapshots
 
@@ -107,6 +107,38 @@ def test_flushes_are_state_flush_s_apart(tmp_path: Path, monkeypatch: pytest.Mon
             await snaps.between_readys(loop)
             await snaps.taken()
         assert [a for _, a in sm.flushes] == [1]
+
+    try:
+        asyncio.run(run())
+    finally:
+        snaps.close()
+        log_store.close()
+
+
+def test_a_failed_flush_stops_compaction_for_good(tmp_path: Path) -> None:
+    """After a failed fsync the page cache may show what never reached the
+    disk, and a later fsync can succeed without it: no snapshot (and so no
+    compaction of the log) is taken again by this process."""
+    snaps, log_store, sm = _flushing(tmp_path)
+
+    def broken() -> None:
+        raise OSError(5, "Input/output error")
+
+    sm.checkpoint = broken  # type: ignore[method-assign]
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        sm.applied_index = 3
+        await snaps.between_readys(loop)
+        await snaps.taken()
+        asked = asyncio.ensure_future(snaps.now())
+        await asyncio.sleep(0)
+        await snaps.between_readys(loop)  # begins the snapshot: it refuses
+        await snaps.taken()
+        await snaps.between_readys(loop)  # its outcome: the asker is told
+        with pytest.raises(StorageError, match="fsync of the state failed"):
+            await asyncio.wait_for(asked, 10)
+        assert log_store.first_index() == 1  # nothing compacted
 
     try:
         asyncio.run(run())
