@@ -1289,18 +1289,18 @@ class StateMachine:
         519 MB), and snapshots are taken every few hundred MiB of log. With
         a ``rate`` it reaches the disk a little at a time, at most ``rate``
         bytes a second (``paced_copy``), not in one burst that the log's
-        fsyncs wait behind; without, LMDB copies it (O_DIRECT, no CPU to
-        speak of, as fast as the disk takes it)."""
+        fsyncs wait behind; without, LMDB copies it as fast as the disk
+        takes it."""
         tmp = Path(f"{dest}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         data = tmp / "data.mdb"
         if rate is None:
-            self.env.copy(str(tmp))  # LMDB's own: O_DIRECT, next to no CPU
-        with open(data, "rb+" if rate is None else "wb") as f:
-            if rate is not None:
-                copy_paced(self.env, f.fileno(), rate)
-            os.fsync(f.fileno())
+            self.env.copy(str(tmp))  # LMDB's own, at once
+            with open(data, "rb+") as f:
+                os.fsync(f.fileno())
+        else:
+            copy_paced(self.env, data, rate)  # fsynced
         index, term = applied_of(tmp)
         os.replace(data, dest)
         shutil.rmtree(tmp, ignore_errors=True)

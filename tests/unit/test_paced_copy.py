@@ -1,6 +1,7 @@
-"""A snapshot's paced copy: the same bytes LMDB's own copy writes, pushed to
-the disk ``sync_bytes`` at a time, never faster than its rate, and a failed
-copy leaves neither a thread nor a descriptor behind."""
+"""A snapshot's paced copy: LMDB's own copy byte for byte (pages from a map
+of the data file under a read transaction, or, where the file is not as
+expected, through a pipe), consistent while another thread commits, never
+faster than its rate, and a failed copy leaves nothing running or open."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import lmdb
 import pytest
 
+from node_daemon.state import paced_copy
 from node_daemon.state.paced_copy import copy_paced
 from tests.conftest import fill_up, small_tmpfs
 
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.unit
 
 
 def _env(path: Path, mib: int) -> Any:
-    env = lmdb.open(str(path), map_size=1 << 30, sync=False)
+    env = lmdb.open(str(path), map_size=1 << 30, sync=False, metasync=False)
     with env.begin(write=True) as txn:
         for i in range(mib * 256):  # 4 KiB values: ``mib`` MiB and some
             txn.put(i.to_bytes(8, "big"), i.to_bytes(8, "big") * 512)
@@ -36,32 +38,88 @@ def _items(path: Path) -> list[tuple[bytes, bytes]]:
         env.close()
 
 
-def test_the_copy_is_lmdbs_copy_byte_for_byte(tmp_path: Path) -> None:
+def _reference(env: Any, where: Path) -> bytes:
+    where.mkdir()
+    env.copy(str(where))
+    return (where / "data.mdb").read_bytes()
+
+
+@pytest.fixture(params=["pages", "pipe"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Either way of copying: the pipe where the data file is not as expected."""
+    if request.param == "pipe":
+
+        def unexpected(*_: Any) -> int:
+            raise paced_copy._Unexpected
+
+        monkeypatch.setattr(paced_copy, "_meta_of", unexpected)
+    return str(request.param)
+
+
+def test_the_copy_is_lmdbs_copy_byte_for_byte(tmp_path: Path, path: str) -> None:
     env = _env(tmp_path / "src", 6)
-    (tmp_path / "ref").mkdir()
-    env.copy(str(tmp_path / "ref"))
+    ref = _reference(env, tmp_path / "ref")
     (tmp_path / "paced").mkdir()
-    with open(tmp_path / "paced" / "data.mdb", "wb") as f:
-        n = copy_paced(env, f.fileno(), sync_bytes=1 << 20)
+    n = copy_paced(env, tmp_path / "paced" / "data.mdb", sync_bytes=1 << 20)
     env.close()
     paced = (tmp_path / "paced" / "data.mdb").read_bytes()
     assert n == len(paced) > 6 << 20
-    assert paced == (tmp_path / "ref" / "data.mdb").read_bytes()
+    assert paced == ref
     assert len(_items(tmp_path / "paced")) == 6 * 256
 
 
-def test_it_syncs_every_sync_bytes_and_sleeps_to_its_rate(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_copy_taken_while_another_thread_commits_is_one_transactions_view(
+    tmp_path: Path, path: str
 ) -> None:
+    """Commits go on during the copy (overwriting, deleting, adding): the
+    copy holds exactly what one transaction saw, every value whole."""
     env = _env(tmp_path / "src", 8)
-    syncs: list[int] = []
-    real_sync = os.fdatasync
+    stop = threading.Event()
+    commits = 0
 
-    def counted_sync(fd: int) -> None:
-        syncs.append(fd)
-        real_sync(fd)
+    def churn() -> None:
+        nonlocal commits
+        k = 0
+        while not stop.is_set() and commits < 5000:
+            with env.begin(write=True) as txn:
+                for _ in range(20):
+                    key = (k % 4000).to_bytes(8, "big")
+                    if k % 3:
+                        txn.put(key, b"%d" % k * 400)
+                    else:
+                        txn.delete(key)
+                    k += 1
+            commits += 1
 
-    monkeypatch.setattr(os, "fdatasync", counted_sync)
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        copy_paced(env, tmp_path / "copy.mdb", rate=64 << 20, sync_bytes=1 << 20)
+    finally:
+        stop.set()
+        writer.join()
+    env.close()
+    (tmp_path / "view").mkdir()
+    os.replace(tmp_path / "copy.mdb", tmp_path / "view" / "data.mdb")
+    items = dict(_items(tmp_path / "view"))
+    assert commits > 0  # the copy did race commits
+    # Exactly the state after some number of whole commits: the newest
+    # stamp names the last commit the copy saw; replaying the commits up to
+    # it over the start gives the copy, key for key.
+    stamps = [int(v[: len(v) // 400]) for v in items.values() if v[:1].isdigit() and v[:1] != b"\0"]
+    last_op = (max(stamps) // 20 + 1) * 20 if stamps else 0
+    expected = {i.to_bytes(8, "big"): i.to_bytes(8, "big") * 512 for i in range(8 * 256)}
+    for k in range(last_op):
+        key = (k % 4000).to_bytes(8, "big")
+        if k % 3:
+            expected[key] = b"%d" % k * 400
+        else:
+            expected.pop(key, None)
+    assert items == expected
+
+
+def test_it_sleeps_to_its_rate(tmp_path: Path, path: str) -> None:
+    env = _env(tmp_path / "src", 8)
     now = [0.0]  # a clock that moves only when the copy sleeps
     slept: list[float] = []
 
@@ -70,40 +128,70 @@ def test_it_syncs_every_sync_bytes_and_sleeps_to_its_rate(
         now[0] += s
 
     rate = 4 << 20  # bytes a second
-    with open(tmp_path / "copy.mdb", "wb") as f:
-        n = copy_paced(env, f.fileno(), rate, 1 << 20, clock=lambda: now[0], sleep=sleep)
+    n = copy_paced(env, tmp_path / "copy.mdb", rate, 1 << 20, clock=lambda: now[0], sleep=sleep)
     env.close()
-    assert len(syncs) >= n // (1 << 20) - 1 >= 7  # about one per MiB
     # Never ahead of the rate: the time slept is what the bytes take at it.
     assert now[0] == pytest.approx(n / rate, rel=0.01)
-    assert slept and all(s > 0 for s in slept)
+    assert len(slept) >= 8 and all(s > 0 for s in slept)
 
 
-def test_unpaced_it_never_sleeps(tmp_path: Path) -> None:
+def test_unpaced_it_never_sleeps(tmp_path: Path, path: str) -> None:
     env = _env(tmp_path / "src", 2)
     slept: list[float] = []
-    with open(tmp_path / "copy.mdb", "wb") as f:
-        assert copy_paced(env, f.fileno(), None, 1 << 20, sleep=slept.append) > 2 << 20
+    assert copy_paced(env, tmp_path / "copy.mdb", None, 1 << 20, sleep=slept.append) > 2 << 20
     env.close()
     assert slept == []
+
+
+def test_a_buffered_copy_is_synced_every_sync_bytes(
+    tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the file is written through the page cache (no O_DIRECT, or the
+    pipe), no more than ``sync_bytes`` of it waits there."""
+    real_open = os.open
+    monkeypatch.setattr(
+        os,
+        "open",
+        lambda p, flags, *a: (
+            (_ for _ in ()).throw(OSError(errno.EINVAL, "no O_DIRECT"))
+            if flags & os.O_DIRECT
+            else real_open(p, flags, *a)
+        ),
+    )
+    syncs: list[int] = []
+    real_sync = os.fdatasync
+
+    def counted_sync(fd: int) -> None:
+        syncs.append(fd)
+        real_sync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counted_sync)
+    env = _env(tmp_path / "src", 8)
+    ref = _reference(env, tmp_path / "ref")
+    n = copy_paced(env, tmp_path / "copy.mdb", None, 1 << 20)
+    env.close()
+    assert len(syncs) >= n // (1 << 20) - 1 >= 7  # about one per MiB
+    assert (tmp_path / "copy.mdb").read_bytes() == ref
 
 
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def test_a_copy_onto_a_full_disk_raises_and_leaves_nothing_running(tmp_path: Path) -> None:
+def test_a_copy_onto_a_full_disk_raises_and_leaves_nothing_open(tmp_path: Path, path: str) -> None:
     env = _env(tmp_path / "src", 4)
     threads, fds = threading.active_count(), _fds()
     with small_tmpfs(tmp_path / "tiny", "2m", "the full-disk copy test") as mnt:
         fill_up(mnt / "fill")
         (mnt / "fill").unlink()
-        with open(mnt / "copy.mdb", "wb") as f, pytest.raises(OSError) as err:
-            copy_paced(env, f.fileno(), None, 1 << 20)
+        with pytest.raises(OSError) as err:
+            copy_paced(env, mnt / "copy.mdb", None, 1 << 20)
         assert err.value.errno == errno.ENOSPC
+    assert threading.active_count() == threads  # no copying thread left
+    assert _fds() <= fds  # the data file, the pipe and the copy are closed
+    readers = env.readers().splitlines()[1:]
+    assert all(line.split()[-1] == "-" for line in readers), readers  # none left open
     env.close()
-    assert threading.active_count() == threads  # the copying thread ended
-    assert _fds() <= fds  # both ends of the pipe are closed
 
 
 def test_a_file_system_without_splice_gets_the_same_copy(
@@ -112,11 +200,13 @@ def test_a_file_system_without_splice_gets_the_same_copy(
     def no_splice(*_: Any) -> int:
         raise OSError(errno.EINVAL, "splice not supported")
 
+    def unexpected(*_: Any) -> int:
+        raise paced_copy._Unexpected
+
+    monkeypatch.setattr(paced_copy, "_meta_of", unexpected)
     monkeypatch.setattr(os, "splice", no_splice)
     env = _env(tmp_path / "src", 3)
-    (tmp_path / "ref").mkdir()
-    env.copy(str(tmp_path / "ref"))
-    with open(tmp_path / "copy.mdb", "wb") as f:
-        copy_paced(env, f.fileno(), None, 1 << 20)
+    ref = _reference(env, tmp_path / "ref")
+    copy_paced(env, tmp_path / "copy.mdb", None, 1 << 20)
     env.close()
-    assert (tmp_path / "copy.mdb").read_bytes() == (tmp_path / "ref" / "data.mdb").read_bytes()
+    assert (tmp_path / "copy.mdb").read_bytes() == ref
