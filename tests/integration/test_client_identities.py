@@ -149,7 +149,13 @@ def test_the_client_port_tells_strangers_nothing_of_the_cluster(cluster: LocalCl
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e.details()
     phone = make(cluster, "status-phone", "produce:munich")
     with Connection(cluster.servers, tls=ClientTLS.from_env().with_token(phone)) as conn:
+        # The status lists the nodes linked to the queue server: a node's
+        # work link may come up a moment after the cluster is ready.
+        deadline = time.monotonic() + 20
         st = Admin(conn).status()
+        while len(st.nodes) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            st = Admin(conn).status()
     assert st.leader != 0 and len(st.nodes) == 3
     tls = ClientTLS.from_env().with_token(phone)
     with tls.channel(cluster.servers[0]) as ch:
