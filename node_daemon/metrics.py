@@ -52,9 +52,21 @@ MERGED_PUBLISHES = Histogram(
 )
 SNAPSHOT_SECONDS = Histogram(
     "roadlog_snapshot_seconds",
-    "time to take a snapshot (compact copy of the state machine, then its fsync); "
-    "on a thread of its own, writes go on meanwhile",
-    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+    "time to take a snapshot (a copy of the state machine, paced by snapshot_mib_per_s, "
+    "then its fsync); on a thread of its own, writes go on meanwhile",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+)
+STATE_FSYNC_FAILED = Gauge(
+    "roadlog_state_fsync_failed",
+    "1 once an fsync of a Raft group's state failed: its log is no longer compacted (and grows) "
+    "until the node restarts",
+    ["group"],
+)
+STATE_FLUSH_SECONDS = Histogram(
+    "roadlog_state_flush_seconds",
+    "time an fsync of the state machine's commits took (every 0.25 s while it applies, on "
+    "a thread of its own): what a slow or failing data disk shows first",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
 )
 PEER_STREAM_WRITES = Counter(
     "roadlog_peer_stream_writes_total",

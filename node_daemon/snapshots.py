@@ -205,8 +205,13 @@ class Snapshots:
             return
         self._next_flush = now + STATE_FLUSH_S
         self._flushed_index = applied
-        self._flushing = loop.run_in_executor(self._flush_io, self._sm.checkpoint)
+        self._flushing = loop.run_in_executor(self._flush_io, self._flush)
         self._flushing.add_done_callback(self._flushed)
+
+    def _flush(self) -> None:
+        """(flush thread) fsync what the state applied; timed."""
+        with metrics.STATE_FLUSH_SECONDS.time():
+            self._sm.checkpoint()
 
     def _flushed(self, f: asyncio.Future[None]) -> None:
         """A failed fsync may have dropped what it was to write while the
@@ -214,12 +219,16 @@ class Snapshots:
         nothing): the log is never compacted again by this process."""
         e = None if f.cancelled() else f.exception()
         if e is not None and self._flush_failed is None:
-            self._flush_failed = e
+            self._fsync_failed(e)
             log.error(
                 "an fsync of the state failed: the log is no longer compacted; "
                 "restart the node once the disk is sound",
                 extra={"error": repr(e)},
             )
+
+    def _fsync_failed(self, e: BaseException) -> None:
+        self._flush_failed = e
+        metrics.STATE_FSYNC_FAILED.labels(str(self._sm.group)).set(1)
 
     def _applied_log_bytes(self, applied: int, first: int) -> int:
         """The bytes of the log's applied part (its share of the log's pages):
@@ -246,7 +255,8 @@ class Snapshots:
         try:
             self._sm.checkpoint()
         except BaseException as e:
-            self._flush_failed = self._flush_failed or e  # sticky, as a flush's
+            if self._flush_failed is None:  # sticky, as a flush's
+                self._fsync_failed(e)
             raise
         t2 = time.perf_counter()
         metrics.SNAPSHOT_SECONDS.observe(t2 - t0)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from node_daemon import snapshots
 from node_daemon.raft import ConfState, SnapshotMeta, StorageError
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.unit
 class _Applying:
     """A state machine's face to ``Snapshots``: an applied index that the
     test moves, and checkpoints (fsyncs) it can hold."""
+
+    group = 7  # the Raft group it is the state of
 
     def __init__(self) -> None:
         self.applied_index = 0
@@ -139,6 +142,8 @@ def test_a_failed_flush_stops_compaction_for_good(tmp_path: Path) -> None:
         with pytest.raises(StorageError, match="fsync of the state failed"):
             await asyncio.wait_for(asked, 10)
         assert log_store.first_index() == 1  # nothing compacted
+        failed = REGISTRY.get_sample_value("roadlog_state_fsync_failed", {"group": "7"})
+        assert failed == 1  # what the alert RoadlogStateFsyncFailed watches
 
     try:
         asyncio.run(run())
