@@ -210,3 +210,39 @@ def test_a_file_system_without_splice_gets_the_same_copy(
     copy_paced(env, tmp_path / "copy.mdb", None, 1 << 20)
     env.close()
     assert (tmp_path / "copy.mdb").read_bytes() == ref
+
+
+def test_a_copy_begun_while_a_commit_is_open_waits_for_it_without_holding_the_gil(
+    tmp_path: Path,
+) -> None:
+    """The copy takes the writer's lock for a moment (to read the meta pages
+    as its read transaction sees them). An apply holding that lock and still
+    running Python must be able to finish: the wait releases the GIL, and
+    the copy then holds the applied commit."""
+    env = _env(tmp_path / "src", 1)
+    holding, copying = threading.Event(), threading.Event()
+
+    def apply() -> None:
+        with env.begin(write=True) as txn:
+            holding.set()
+            assert copying.wait(10)
+            for i in range(200_000):  # Python work while the copy waits for the lock
+                if i == 199_999:
+                    txn.put(b"applied", b"yes")
+
+    applier = threading.Thread(target=apply)
+    applier.start()
+    assert holding.wait(10)
+    result: list[int] = []
+    copier = threading.Thread(
+        target=lambda: result.append(copy_paced(env, tmp_path / "copy.mdb", None, 1 << 20))
+    )
+    copier.start()
+    copying.set()
+    applier.join(20)
+    copier.join(20)
+    assert not applier.is_alive() and not copier.is_alive()
+    env.close()
+    (tmp_path / "view").mkdir()
+    os.replace(tmp_path / "copy.mdb", tmp_path / "view" / "data.mdb")
+    assert dict(_items(tmp_path / "view")).get(b"applied") == b"yes"
