@@ -1,0 +1,103 @@
+"""LMDB's CPU per commit over time for values that need overflow pages,
+with and without long read transactions (what a snapshot copy holds).
+
+A write pattern like the state machine's: each commit puts 16 values of
+23,000 bytes (a 1000-ping batch) under increasing keys, and 16 small index
+entries. Every `--reader-every` commits a read transaction is held across
+half of them (as a snapshot copy holds one for seconds). The pages the
+commits free meanwhile cannot be reused until it ends, and then they are
+single pages, which a value of several pages (a contiguous run) cannot use:
+LMDB scans and merges its whole free list for every such value, and saves
+it back at every commit. Modes:
+
+- `plain`: no long reader;
+- `reader`: the long readers;
+- `chunked`: the long readers, each value stored as chunks of one page
+  (`--chunk` bytes, 4080 for 4 KiB pages), which any single free page fits.
+
+Prints the CPU per commit every 2,000 commits; writes
+bench/results/lmdb-freelist.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import lmdb
+
+from bench.common import write_result
+
+VALUE_BYTES = 23_000
+PER_COMMIT = 16
+
+
+def run(mode: str, commits: int, reader_every: int, chunk: int) -> list[dict[str, Any]]:
+    d = tempfile.mkdtemp(prefix="lmdb-freelist-", dir="/var/tmp")
+    env = lmdb.open(d, map_size=64 << 30, sync=False, metasync=False, max_dbs=4)
+    try:
+        batches, index = env.open_db(b"batches"), env.open_db(b"timeidx")
+        value = os.urandom(VALUE_BYTES)
+        k, reader, t0, out = 0, None, time.process_time(), []
+        for c in range(1, commits + 1):
+            with env.begin(write=True) as txn:
+                for _ in range(PER_COMMIT):
+                    key = k.to_bytes(8, "big")
+                    if mode == "chunked":
+                        for j in range(0, VALUE_BYTES, chunk):
+                            txn.put(key + j.to_bytes(4, "big"), value[j : j + chunk], db=batches)
+                    else:
+                        txn.put(key, value, db=batches)
+                    txn.put((k * 7919 % 1_000_003).to_bytes(8, "big") + key, b"x" * 16, db=index)
+                    k += 1
+            if mode != "plain" and c % reader_every == reader_every // 4:
+                reader = env.begin()
+            if reader is not None and c % reader_every == 3 * reader_every // 4:
+                reader.abort()
+                reader = None
+            if c % 2000 == 0:
+                t = time.process_time()
+                row = {
+                    "commits": c,
+                    "cpu_ms_per_commit": round(1000 * (t - t0) / 2000, 3),
+                    "file_mib": os.path.getsize(os.path.join(d, "data.mdb")) >> 20,
+                }
+                print(f"{mode:8s} {row}", file=sys.stderr)
+                out.append(row)
+                t0 = t
+        if reader is not None:
+            reader.abort()
+        return out
+    finally:
+        env.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--commits", type=int, default=12_000)
+    ap.add_argument("--reader-every", type=int, default=2_000)
+    ap.add_argument("--chunk", type=int, default=4080, help="bytes per chunk (chunked mode)")
+    ap.add_argument("--modes", default="plain,reader,chunked")
+    args = ap.parse_args(argv)
+    figures = {
+        "commits": args.commits,
+        "values_per_commit": PER_COMMIT,
+        "value_bytes": VALUE_BYTES,
+        "reader_every": args.reader_every,
+        "chunk": args.chunk,
+        "modes": {
+            m: run(m, args.commits, args.reader_every, args.chunk) for m in args.modes.split(",")
+        },
+    }
+    print(write_result("lmdb-freelist", figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
