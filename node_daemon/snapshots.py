@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -33,6 +34,7 @@ from node_daemon.disk import fsync_dir
 from node_daemon.raft import Snapshot, SnapshotMeta, StorageError
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
+from node_daemon.state.paced_copy import CopyCancelled
 
 log = logging.getLogger("roadlog.node")
 
@@ -114,6 +116,7 @@ class Snapshots:
         self._flushed_index = sm.applied_index
         self._next_flush = 0.0
         self._flush_failed: BaseException | None = None  # sticky: see _flushed
+        self._give_up = threading.Event()  # set by taken(): a paced copy stops
         self._taking: asyncio.Future[tuple[int, int, Path]] | None = None
         self._waiters: list[asyncio.Future[int]] = []  # asked before it began
         # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
@@ -247,7 +250,7 @@ class Snapshots:
             raise StorageError(f"an fsync of the state failed earlier: {self._flush_failed!r}")
         t0 = time.perf_counter()
         taking = self.directory / "snap-taking.mdb"
-        index, term = self._sm.write_snapshot(taking, self._write_rate)
+        index, term = self._sm.write_snapshot(taking, self._write_rate, self._give_up)
         path = self.path(index, term)
         os.replace(taking, path)
         fsync_dir(self.directory)  # its name survives a power loss before the log names it
@@ -292,7 +295,10 @@ class Snapshots:
                     extra={"index": index, **self._phases, "compact_s": compact_s},
                 )
         except Exception as e:
-            log.exception("snapshot failed")
+            if isinstance(e, CopyCancelled):
+                log.info("snapshot given up", extra={"why": "the state is replaced or closed"})
+            else:
+                log.exception("snapshot failed")
             self._next_check = time.monotonic() + SNAPSHOT_RETRY_S
             for f in waiters:
                 if not f.done():
@@ -303,12 +309,17 @@ class Snapshots:
                 f.set_result(index)
 
     async def taken(self) -> None:
-        """Wait for a snapshot being taken (its outcome is handled later) and
-        a flush of the state: their threads use the state, which must not be
-        replaced or closed meanwhile."""
+        """Give up a snapshot being taken (a paced copy of a big state takes
+        minutes; its outcome, CopyCancelled, is handled later) and wait for
+        it and a flush of the state: their threads use the state, which is
+        about to be replaced or closed."""
         busy = [f for f in (self._taking, self._flushing) if f is not None]
         if busy:
-            await asyncio.wait(busy)
+            self._give_up.set()
+            try:
+                await asyncio.wait(busy)
+            finally:
+                self._give_up.clear()
 
     def close(self) -> None:
         self._io.shutdown(wait=True)

@@ -32,6 +32,7 @@ import hashlib
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -1276,7 +1277,10 @@ class StateMachine:
         return index, h.digest()
 
     def write_snapshot(
-        self, dest: str | os.PathLike[str], rate: float | None = None
+        self,
+        dest: str | os.PathLike[str],
+        rate: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> tuple[int, int]:
         """A copy of the state as one read transaction sees it, as one file
         ``dest`` (fsynced). Returns the (applied index, applied term) of that
@@ -1290,17 +1294,22 @@ class StateMachine:
         a ``rate`` it reaches the disk a little at a time, at most ``rate``
         bytes a second (``paced_copy``), not in one burst that the log's
         fsyncs wait behind; without, LMDB copies it as fast as the disk
-        takes it."""
+        takes it. Setting ``cancel`` gives a paced copy up (CopyCancelled),
+        leaving nothing behind."""
         tmp = Path(f"{dest}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         data = tmp / "data.mdb"
-        if rate is None:
-            self.env.copy(str(tmp))  # LMDB's own, at once
-            with open(data, "rb+") as f:
-                os.fsync(f.fileno())
-        else:
-            copy_paced(self.env, data, rate)  # fsynced
+        try:
+            if rate is None:
+                self.env.copy(str(tmp))  # LMDB's own, at once
+                with open(data, "rb+") as f:
+                    os.fsync(f.fileno())
+            else:
+                copy_paced(self.env, data, rate, cancel=cancel)  # fsynced
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         index, term = applied_of(tmp)
         os.replace(data, dest)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -61,31 +61,45 @@ class _Unexpected(Exception):
     """The data file is not as this module reads it: copy through the pipe."""
 
 
+class CopyCancelled(Exception):
+    """The copy was given up (``cancel`` was set): the node stops, or a
+    snapshot from the leader replaces the state being copied."""
+
+
 def copy_paced(
     env: Any,
     dest: str | os.PathLike[str],
     rate: float | None = None,
     sync_bytes: int = SYNC_BYTES,
     clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> int:
     """Copy ``env`` (an open ``lmdb.Environment`` kept in a directory) to
     the file ``dest``, at most ``rate`` bytes a second (None: unpaced), and
-    fsync it; the bytes written."""
-    pace = _Pace(rate, clock, sleep)
+    fsync it; the bytes written. Setting ``cancel`` gives the copy up within
+    a chunk (CopyCancelled; what was written of ``dest`` stays, for the
+    caller to remove): a paced copy of a big state takes minutes."""
+    cancel = cancel if cancel is not None else threading.Event()
+    nap = sleep if sleep is not None else cancel.wait
     try:
-        return _copy_pages(env, Path(dest), pace, sync_bytes)
+        return _copy_pages(env, Path(dest), _Pace(rate, clock, nap, cancel), sync_bytes)
     except _Unexpected:
-        return _copy_through_pipe(env, Path(dest), _Pace(rate, clock, sleep), sync_bytes)
+        return _copy_through_pipe(env, Path(dest), _Pace(rate, clock, nap, cancel), sync_bytes)
 
 
 class _Pace:
-    """Sleeps so that ``done`` bytes never go out faster than ``rate``."""
+    """Sleeps so that ``done`` bytes never go out faster than ``rate``;
+    raises CopyCancelled once ``cancel`` is set."""
 
     def __init__(
-        self, rate: float | None, clock: Callable[[], float], sleep: Callable[[float], None]
+        self,
+        rate: float | None,
+        clock: Callable[[], float],
+        sleep: Callable[[float], object],
+        cancel: threading.Event,
     ) -> None:
-        self.rate, self.clock, self.sleep = rate, clock, sleep
+        self.rate, self.clock, self.sleep, self.cancel = rate, clock, sleep, cancel
         self.start = clock()
 
     def __call__(self, done: int) -> None:
@@ -93,6 +107,8 @@ class _Pace:
             ahead = done / self.rate - (self.clock() - self.start)
             if ahead > 0:
                 self.sleep(ahead)
+        if self.cancel.is_set():
+            raise CopyCancelled("the snapshot copy was given up")
 
 
 def _open_dest(dest: Path) -> tuple[int, bool]:

@@ -46,11 +46,13 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
         real = node.sm.write_snapshot
 
         def held_snapshot(
-            dest: str | os.PathLike[str], rate: float | None = None
+            dest: str | os.PathLike[str],
+            rate: float | None = None,
+            cancel: threading.Event | None = None,
         ) -> tuple[int, int]:
             taking.set()
             release.wait(30)  # held until the writes below went through
-            return real(dest, rate)
+            return real(dest, rate, cancel)
 
         node.sm.write_snapshot = held_snapshot  # type: ignore[method-assign]
         taken_before = REGISTRY.get_sample_value("roadlog_snapshot_seconds_count") or 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import lmdb
 import pytest
 
 from node_daemon.state import paced_copy
-from node_daemon.state.paced_copy import copy_paced
+from node_daemon.state.paced_copy import CopyCancelled, copy_paced
 from tests.conftest import fill_up, small_tmpfs
 
 pytestmark = pytest.mark.unit
@@ -246,3 +247,36 @@ def test_a_copy_begun_while_a_commit_is_open_waits_for_it_without_holding_the_gi
     (tmp_path / "view").mkdir()
     os.replace(tmp_path / "copy.mdb", tmp_path / "view" / "data.mdb")
     assert dict(_items(tmp_path / "view")).get(b"applied") == b"yes"
+
+
+def test_a_cancelled_copy_stops_within_a_chunk_and_leaves_nothing_open(
+    tmp_path: Path, path: str
+) -> None:
+    """A paced copy of a big state takes minutes; a node that stops (or a
+    snapshot from the leader that replaces the state) gives it up."""
+    env = _env(tmp_path / "src", 8)
+    cancel = threading.Event()
+    fds = _fds()
+    errors: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            copy_paced(env, tmp_path / "copy.mdb", 1 << 20, cancel=cancel)  # 8+ s at 1 MiB/s
+        except BaseException as e:
+            errors.append(e)
+
+    copier = threading.Thread(target=copy)
+    copier.start()
+    deadline = time.monotonic() + 10
+    while not ((tmp_path / "copy.mdb").exists() and (tmp_path / "copy.mdb").stat().st_size):
+        assert time.monotonic() < deadline, "the copy never began"
+        time.sleep(0.01)
+    cancel.set()
+    copier.join(10)
+    assert not copier.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], CopyCancelled)
+    assert (tmp_path / "copy.mdb").stat().st_size < (8 << 20)  # it stopped part way
+    assert _fds() <= fds
+    readers = env.readers().splitlines()[1:]
+    assert all(line.split()[-1] == "-" for line in readers), readers
+    env.close()

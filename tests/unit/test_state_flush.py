@@ -14,9 +14,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from node_daemon import snapshots
-from node_daemon.raft import ConfState, SnapshotMeta, StorageError
+from node_daemon.raft import ConfState, Entry, HardState, SnapshotMeta, StorageError
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.snapshots import Snapshots
+from node_daemon.state.machine import StateMachine
+from node_daemon.state.paced_copy import CopyCancelled
 
 pytestmark = pytest.mark.unit
 
@@ -149,4 +151,52 @@ def test_a_failed_flush_stops_compaction_for_good(tmp_path: Path) -> None:
         asyncio.run(run())
     finally:
         snaps.close()
+        log_store.close()
+
+
+def test_taken_gives_up_a_paced_snapshot_and_nothing_of_it_stays(tmp_path: Path) -> None:
+    """A node that stops, or installs a snapshot from its leader, must not
+    wait minutes behind a paced copy of its state: ``taken`` gives it up,
+    whoever asked for it is told, and no file of it is left."""
+    log_store = LmdbLogStorage(tmp_path / "raft", map_size=4 << 20)
+    sm = StateMachine(tmp_path / "state")
+    with sm.env.begin(write=True) as txn:  # 8 MiB to copy at 1 MiB/s
+        db = sm.env.open_db(b"filler", txn=txn)
+        for i in range(2048):
+            txn.put(i.to_bytes(4, "big"), bytes(4000), db=db)
+    snaps = Snapshots(
+        tmp_path / "snapshots",
+        log_store,
+        sm,
+        meta_at=lambda i: SnapshotMeta(i, 1, ConfState(voters=frozenset({1}))),
+        log_io=ThreadPoolExecutor(1),
+        wakeup=lambda: None,
+        max_entries=1000,
+        max_bytes=1 << 20,
+        write_rate=float(1 << 20),
+    )
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        entries = [Entry(term=1, index=i) for i in (1, 2, 3)]  # no-ops, applied
+        log_store.save(HardState(term=1, vote=1, commit=3), entries)
+        sm.apply(entries)
+        asked = asyncio.ensure_future(snaps.now())
+        await asyncio.sleep(0)
+        await snaps.between_readys(loop)
+        deadline = loop.time() + 10
+        while not any(snaps.directory.glob("*.tmp/data.mdb")):
+            assert loop.time() < deadline, "the paced copy never began"
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(snaps.taken(), 10)  # gives it up: seconds early
+        await snaps.between_readys(loop)  # its outcome: the asker is told
+        with pytest.raises(CopyCancelled):
+            await asyncio.wait_for(asked, 10)
+        assert not list(snaps.directory.iterdir())  # no partial copy left
+
+    try:
+        asyncio.run(run())
+    finally:
+        snaps.close()
+        sm.close()
         log_store.close()
