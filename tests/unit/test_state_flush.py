@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -59,6 +61,16 @@ def _flushing(tmp_path: Path) -> tuple[Snapshots, LmdbLogStorage, _Applying]:
     return snaps, log_store, sm
 
 
+def _run_then_close(
+    run: Callable[[], Coroutine[Any, Any, None]], snaps: Snapshots, log_store: LmdbLogStorage
+) -> None:
+    try:
+        asyncio.run(run())
+    finally:
+        snaps.close()
+        log_store.close()
+
+
 def test_the_state_is_flushed_on_its_own_thread_one_flush_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,11 +106,7 @@ def test_the_state_is_flushed_on_its_own_thread_one_flush_at_a_time(
         await snaps.taken()
         assert len(sm.flushes) == 2  # nothing moved since
 
-    try:
-        asyncio.run(run())
-    finally:
-        snaps.close()
-        log_store.close()
+    _run_then_close(run, snaps, log_store)
 
 
 def test_flushes_are_state_flush_s_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,11 +121,7 @@ def test_flushes_are_state_flush_s_apart(tmp_path: Path, monkeypatch: pytest.Mon
             await snaps.taken()
         assert [a for _, a in sm.flushes] == [1]
 
-    try:
-        asyncio.run(run())
-    finally:
-        snaps.close()
-        log_store.close()
+    _run_then_close(run, snaps, log_store)
 
 
 def test_a_failed_flush_stops_compaction_for_good(tmp_path: Path) -> None:
@@ -147,11 +151,7 @@ def test_a_failed_flush_stops_compaction_for_good(tmp_path: Path) -> None:
         failed = REGISTRY.get_sample_value("roadlog_state_fsync_failed", {"group": "7"})
         assert failed == 1  # what the alert RoadlogStateFsyncFailed watches
 
-    try:
-        asyncio.run(run())
-    finally:
-        snaps.close()
-        log_store.close()
+    _run_then_close(run, snaps, log_store)
 
 
 def test_taken_gives_up_a_paced_snapshot_and_nothing_of_it_stays(tmp_path: Path) -> None:
