@@ -110,6 +110,7 @@ class NemesisCluster:
     disk_bytes: int = 256 * MIB
     min_free_bytes: int = 32 * MIB
     snapshot_entries: int = 2000
+    snapshot_mib_per_s: int = 64
     net: Net | None = None
     services: dict[str, Service] = field(default_factory=dict)
     disks: list[Disk] = field(default_factory=list)
@@ -181,6 +182,7 @@ class NemesisCluster:
                     "--insecure",
                     "--min-free-bytes", str(self.min_free_bytes),
                     "--snapshot-entries", str(self.snapshot_entries),
+                    "--snapshot-mib-per-s", str(self.snapshot_mib_per_s),
                     "--boot-id-file", str(boot),
                 ], self.dir / "logs" / f"n{k}.log", data, disk, clock, boot)
             )  # fmt: skip

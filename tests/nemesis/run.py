@@ -181,6 +181,8 @@ def run(
     pace: float = 1.0,
     phases: tuple[float, float] | None = None,
     max_batch: int = 200,
+    snapshot_entries: int = 2000,
+    snapshot_mib_per_s: int = 64,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
@@ -193,10 +195,14 @@ def run(
     rec.event("run", "info", "run", seed=seed, seconds=seconds, faults=len(faults),
               kinds=list(kinds), skip_known=skip_known, subnet=subnet, pace=pace,
               phases=list(phases) if phases else None, max_batch=max_batch,
+              snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
               pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
-    cluster = NemesisCluster(run_dir, subnet, f"n{os.getpid() % 100000}", disk_bytes=disk_mib << 20)
+    cluster = NemesisCluster(
+        run_dir, subnet, f"n{os.getpid() % 100000}", disk_bytes=disk_mib << 20,
+        snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
+    )  # fmt: skip
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         stop_on_signals(stop, rec)
@@ -281,7 +287,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="pings in a gRPC publish, 1..N (HTTP: half): long runs may send "
                     "fewer, so that the state, and the catching up the wipes, corruptions "
                     "and membership changes wait for, grow slower")  # fmt: skip
+    ap.add_argument("--snapshot-entries", type=int, default=2000,
+                    help="the nodes' snapshot_entries: fewer takes snapshots (and their "
+                    "compactions, installs and catch-ups) more often under the faults")  # fmt: skip
+    ap.add_argument("--snapshot-mib-per-s", type=int, default=64,
+                    help="the nodes' snapshot_mib_per_s: low, a snapshot's paced copy lasts "
+                    "long enough for kills, power cuts and stops to land in it")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.snapshot_entries < 1 or a.snapshot_mib_per_s < 0:
+        ap.error("--snapshot-entries must be at least 1, --snapshot-mib-per-s at least 0")
     if not 1 <= a.max_batch <= 10_000:
         ap.error("--max-batch must be in 1..10000")
     if not 0.1 <= a.pace <= 20:
@@ -307,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
     return run(
         a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
-        a.disk_mib, a.pace, phases, a.max_batch,
+        a.disk_mib, a.pace, phases, a.max_batch, a.snapshot_entries, a.snapshot_mib_per_s,
     )  # fmt: skip
 
 
