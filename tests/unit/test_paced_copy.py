@@ -1,6 +1,6 @@
 """A snapshot's paced copy: LMDB's own copy byte for byte (pages from a map
 of the data file under a read transaction, or, where the file is not as
-expected, through a pipe), consistent while another thread commits, never
+expected, by LMDB itself), consistent while another thread commits, never
 faster than its rate, and a failed copy leaves nothing running or open."""
 
 from __future__ import annotations
@@ -45,19 +45,7 @@ def _reference(env: Any, where: Path) -> bytes:
     return (where / "data.mdb").read_bytes()
 
 
-@pytest.fixture(params=["pages", "pipe"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Either way of copying: the pipe where the data file is not as expected."""
-    if request.param == "pipe":
-
-        def unexpected(*_: Any) -> int:
-            raise paced_copy._Unexpected
-
-        monkeypatch.setattr(paced_copy, "_meta_of", unexpected)
-    return str(request.param)
-
-
-def test_the_copy_is_lmdbs_copy_byte_for_byte(tmp_path: Path, path: str) -> None:
+def test_the_copy_is_lmdbs_copy_byte_for_byte(tmp_path: Path) -> None:
     env = _env(tmp_path / "src", 6)
     ref = _reference(env, tmp_path / "ref")
     (tmp_path / "paced").mkdir()
@@ -70,7 +58,7 @@ def test_the_copy_is_lmdbs_copy_byte_for_byte(tmp_path: Path, path: str) -> None
 
 
 def test_a_copy_taken_while_another_thread_commits_is_one_transactions_view(
-    tmp_path: Path, path: str
+    tmp_path: Path,
 ) -> None:
     """Commits go on during the copy (overwriting, deleting, adding): the
     copy holds exactly what one transaction saw, every value whole."""
@@ -119,7 +107,7 @@ def test_a_copy_taken_while_another_thread_commits_is_one_transactions_view(
     assert items == expected
 
 
-def test_it_sleeps_to_its_rate(tmp_path: Path, path: str) -> None:
+def test_it_sleeps_to_its_rate(tmp_path: Path) -> None:
     env = _env(tmp_path / "src", 8)
     now = [0.0]  # a clock that moves only when the copy sleeps
     slept: list[float] = []
@@ -136,7 +124,7 @@ def test_it_sleeps_to_its_rate(tmp_path: Path, path: str) -> None:
     assert len(slept) >= 8 and all(s > 0 for s in slept)
 
 
-def test_unpaced_it_never_sleeps(tmp_path: Path, path: str) -> None:
+def test_unpaced_it_never_sleeps(tmp_path: Path) -> None:
     env = _env(tmp_path / "src", 2)
     slept: list[float] = []
     assert copy_paced(env, tmp_path / "copy.mdb", None, 1 << 20, sleep=slept.append) > 2 << 20
@@ -145,10 +133,10 @@ def test_unpaced_it_never_sleeps(tmp_path: Path, path: str) -> None:
 
 
 def test_a_buffered_copy_is_synced_every_sync_bytes(
-    tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the file is written through the page cache (no O_DIRECT, or the
-    pipe), no more than ``sync_bytes`` of it waits there."""
+    """Where the file is written through the page cache (no O_DIRECT), no
+    more than ``sync_bytes`` of it waits there."""
     real_open = os.open
     monkeypatch.setattr(
         os,
@@ -179,7 +167,7 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def test_a_copy_onto_a_full_disk_raises_and_leaves_nothing_open(tmp_path: Path, path: str) -> None:
+def test_a_copy_onto_a_full_disk_raises_and_leaves_nothing_open(tmp_path: Path) -> None:
     env = _env(tmp_path / "src", 4)
     threads, fds = threading.active_count(), _fds()
     with small_tmpfs(tmp_path / "tiny", "2m", "the full-disk copy test") as mnt:
@@ -189,28 +177,30 @@ def test_a_copy_onto_a_full_disk_raises_and_leaves_nothing_open(tmp_path: Path, 
             copy_paced(env, mnt / "copy.mdb", None, 1 << 20)
         assert err.value.errno == errno.ENOSPC
     assert threading.active_count() == threads  # no copying thread left
-    assert _fds() <= fds  # the data file, the pipe and the copy are closed
+    assert _fds() <= fds  # the data file and the copy are closed
     readers = env.readers().splitlines()[1:]
     assert all(line.split()[-1] == "-" for line in readers), readers  # none left open
     env.close()
 
 
-def test_a_file_system_without_splice_gets_the_same_copy(
+def test_a_data_file_laid_out_otherwise_is_copied_by_lmdb(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def no_splice(*_: Any) -> int:
-        raise OSError(errno.EINVAL, "splice not supported")
+    """Where the meta pages are not as this module reads them, LMDB copies
+    the environment itself (unpaced): the same bytes."""
 
     def unexpected(*_: Any) -> int:
         raise paced_copy._Unexpected
 
     monkeypatch.setattr(paced_copy, "_meta_of", unexpected)
-    monkeypatch.setattr(os, "splice", no_splice)
     env = _env(tmp_path / "src", 3)
     ref = _reference(env, tmp_path / "ref")
-    copy_paced(env, tmp_path / "copy.mdb", None, 1 << 20)
+    slept: list[float] = []
+    n = copy_paced(env, tmp_path / "copy.mdb", 1 << 20, sleep=slept.append)
+    readers = env.readers().splitlines()[1:]
     env.close()
-    assert (tmp_path / "copy.mdb").read_bytes() == ref
+    assert (tmp_path / "copy.mdb").read_bytes() == ref and n == len(ref)
+    assert all(line.split()[-1] == "-" for line in readers), readers  # none left open
 
 
 def test_a_copy_begun_while_a_commit_is_open_waits_for_it_without_holding_the_gil(
@@ -250,7 +240,7 @@ def test_a_copy_begun_while_a_commit_is_open_waits_for_it_without_holding_the_gi
 
 
 def test_a_cancelled_copy_stops_within_a_chunk_and_leaves_nothing_open(
-    tmp_path: Path, path: str
+    tmp_path: Path,
 ) -> None:
     """A paced copy of a big state takes minutes; a node that stops (or a
     snapshot from the leader that replaces the state) gives it up."""
