@@ -217,21 +217,24 @@ class Snapshots:
             self._sm.checkpoint()
 
     def _flushed(self, f: asyncio.Future[None]) -> None:
-        """A failed fsync may have dropped what it was to write while the
-        page cache still shows it (so a later fsync can succeed and prove
-        nothing): the log is never compacted again by this process."""
         e = None if f.cancelled() else f.exception()
-        if e is not None and self._flush_failed is None:
+        if e is not None:
             self._fsync_failed(e)
-            log.error(
-                "an fsync of the state failed: the log is no longer compacted; "
-                "restart the node once the disk is sound",
-                extra={"error": repr(e)},
-            )
 
     def _fsync_failed(self, e: BaseException) -> None:
+        """A failed fsync may have dropped what it was to write while the
+        page cache still shows it (so a later fsync can succeed and prove
+        nothing): the log is never compacted again by this process (the
+        first failure is kept, shown and logged)."""
+        if self._flush_failed is not None:
+            return
         self._flush_failed = e
         metrics.STATE_FSYNC_FAILED.labels(str(self._sm.group)).set(1)
+        log.error(
+            "an fsync of the state failed: the log is no longer compacted; "
+            "restart the node once the disk is sound",
+            extra={"error": repr(e), "group": self._sm.group},
+        )
 
     def _applied_log_bytes(self, applied: int, first: int) -> int:
         """The bytes of the log's applied part (its share of the log's pages):
@@ -258,8 +261,7 @@ class Snapshots:
         try:
             self._sm.checkpoint()
         except BaseException as e:
-            if self._flush_failed is None:  # sticky, as a flush's
-                self._fsync_failed(e)
+            self._fsync_failed(e)
             raise
         t2 = time.perf_counter()
         metrics.SNAPSHOT_SECONDS.observe(t2 - t0)
