@@ -200,3 +200,58 @@ def test_taken_gives_up_a_paced_snapshot_and_nothing_of_it_stays(tmp_path: Path)
         snaps.close()
         sm.close()
         log_store.close()
+
+
+def test_a_snapshot_whose_checkpoint_fails_compacts_nothing_then_or_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log is compacted only up to a checkpoint (an fsync of the state).
+    A snapshot whose checkpoint fails compacts nothing, and no later
+    snapshot does either: the failure is as sticky as a flush's."""
+    monkeypatch.setattr(snapshots, "STATE_FLUSH_S", 3600.0)
+    log_store = LmdbLogStorage(tmp_path / "raft", map_size=4 << 20)
+    sm = StateMachine(tmp_path / "state")
+    entries = [Entry(term=1, index=i) for i in (1, 2, 3)]  # no-ops, applied
+    log_store.save(HardState(term=1, vote=1, commit=3), entries)
+    sm.apply(entries)
+    snaps = Snapshots(
+        tmp_path / "snapshots",
+        log_store,
+        sm,
+        meta_at=lambda i: SnapshotMeta(i, 1, ConfState(voters=frozenset({1}))),
+        log_io=ThreadPoolExecutor(1),
+        wakeup=lambda: None,
+        max_entries=1000,
+        max_bytes=1 << 20,
+    )
+    real = sm.checkpoint
+    calls = [0]
+
+    def fails_once() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OSError(5, "Input/output error")
+        real()  # a later fsync succeeds: it proves nothing
+
+    sm.checkpoint = fails_once  # type: ignore[method-assign]
+
+    async def ask() -> None:
+        loop = asyncio.get_running_loop()
+        asked = asyncio.ensure_future(snaps.now())
+        await asyncio.sleep(0)
+        await snaps.between_readys(loop)  # begins it
+        await snaps.taken()
+        await snaps.between_readys(loop)  # its outcome
+        await asyncio.wait_for(asked, 10)
+
+    async def run() -> None:
+        with pytest.raises(OSError, match="Input/output"):
+            await ask()
+        with pytest.raises(StorageError, match="fsync of the state failed earlier"):
+            await ask()
+        assert log_store.first_index() == 1  # nothing compacted
+
+    try:
+        _run_then_close(run, snaps, log_store)
+    finally:
+        sm.close()
