@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from roadlog.errors import Code
-from roadlog.grpc_status import from_failed_call
+from roadlog.grpc_status import from_grpc
 from roadlog.v1 import client_pb2
 
 STREAM_METHOD = "/roadlog.v1.PublishStream/PublishBatches"
@@ -76,7 +76,7 @@ class BatchStream:
         try:
             raw: bytes = await self._unary(batch, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
-            code = from_failed_call(e.code())
+            code = from_grpc(e.code())
             raise BatchFailed(code, e.details() or code.name) from None
         return raw
 
@@ -143,7 +143,7 @@ class BatchStream:
         finally:
             self._waiting.pop(rid, None)
         if resp.code:
-            code = Code.of(resp.code).as_received()
+            code = Code.of(resp.code)
             raise BatchFailed(code, resp.message or code.name)
         return resp.batch
 

@@ -37,7 +37,7 @@ from roadlog.errors import PermissionDenied as PermissionDenied
 from roadlog.errors import RoadlogError as RoadlogError
 from roadlog.errors import Unavailable as Unavailable
 from roadlog.geo import Region, parse_region
-from roadlog.grpc_status import from_failed_call, from_grpc
+from roadlog.grpc_status import from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.partitioning import ping_groups
 from roadlog.protowire import with_leading_varint
@@ -51,7 +51,12 @@ from roadlog.v1 import (
 )
 from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if_bad
 
-RETRYABLE = {Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED}
+# What a client sends again (to the next queue server, with backoff): the
+# server could not take it now. CANCELLED among them: a client never cancels
+# a call it still waits on, so one it receives is the server's doing (a
+# server that stops cancels every call it holds); sending again is safe
+# (publishes are deduplicated by producer id and sequence, reads change nothing).
+RETRYABLE = {Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED, Code.CANCELLED}
 # Where a publish says which data group its pings lie in (PublishRequest.group,
 # PublishBatchRequest.group): written first, so the queue server reads it cheaply.
 _GROUP_HINT_FIELD = {"Publish": 7, "PublishBatch": 2}
@@ -233,7 +238,7 @@ class Connection:
             try:
                 return self._method(method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
-                if from_failed_call(e.code()) not in RETRYABLE or _final(e):
+                if from_grpc(e.code()) not in RETRYABLE or _final(e):
                     raise _rpc_error(e) from None
                 last = e
                 if e.details() and e.details() != "Deadline Exceeded":

@@ -48,14 +48,6 @@ class Code(IntEnum):
         except ValueError:
             return cls.UNKNOWN
 
-    def as_received(self) -> Code:
-        """What this code means where a client receives it for a call it still
-        waited on: CANCELLED is then the server's doing (a server stopping
-        cancels every call it holds), the server going away, UNAVAILABLE, and
-        safe to send again (publishes are deduplicated by producer id and
-        sequence; reads change nothing). Every other code stands."""
-        return Code.UNAVAILABLE if self is Code.CANCELLED else self
-
 
 class RoadlogError(Exception):
     """A request failed with ``code``; ``message`` (also ``reason``) says why.

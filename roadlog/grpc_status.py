@@ -22,9 +22,3 @@ def to_grpc(code: Code) -> grpc.StatusCode:
 def from_grpc(status: grpc.StatusCode | None) -> Code:
     """roadlog's code for a gRPC status (UNKNOWN for none)."""
     return _FROM_GRPC.get(status, Code.UNKNOWN) if status is not None else Code.UNKNOWN
-
-
-def from_failed_call(status: grpc.StatusCode | None) -> Code:
-    """roadlog's code for a call of ours that ended with ``status``
-    (``Code.as_received``: a CANCELLED we did not ask for is UNAVAILABLE)."""
-    return from_grpc(status).as_received()

@@ -264,7 +264,7 @@ class Publisher:
                 if not p.future.done():
                     p.future.set_result(out)
                 continue
-            code = Code.of(r.code).as_received()
+            code = Code.of(r.code)
             if code in RETRYABLE:
                 p.reason = r.message
                 again.append(p)

@@ -13,7 +13,7 @@ import roadlog.client
 from queue_server.http_api import HTTP_STATUS
 from roadlog import errors
 from roadlog.errors import Code, RoadlogError, error
-from roadlog.grpc_status import from_failed_call, from_grpc, to_grpc
+from roadlog.grpc_status import from_grpc, to_grpc
 
 pytestmark = pytest.mark.unit
 
@@ -28,11 +28,10 @@ def test_the_grpc_edge_maps_both_ways(sc: grpc.StatusCode) -> None:
     assert from_grpc(sc).value == sc.value[0]
 
 
-def test_a_cancelled_call_is_the_server_going_away_and_nothing_else_changes() -> None:
-    assert from_failed_call(grpc.StatusCode.CANCELLED) is Code.UNAVAILABLE
-    assert Code.CANCELLED.as_received() is Code.UNAVAILABLE
-    others = [sc for sc in grpc.StatusCode if sc is not grpc.StatusCode.CANCELLED]
-    assert all(from_failed_call(sc) is from_grpc(sc) for sc in others)
+def test_a_client_sends_again_what_the_server_could_not_take_or_cancelled() -> None:
+    """A CANCELLED a client receives is the server going away (a server that
+    stops cancels every call it holds): sent again, as UNAVAILABLE is."""
+    assert Code.CANCELLED in roadlog.client.RETRYABLE
 
 
 def test_an_unknown_wire_number_is_unknown() -> None:
