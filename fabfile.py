@@ -415,7 +415,7 @@ def backup(
 
     The manifest carries an HMAC under the backup key (restore checks it);
     the key reaches the node on stdin, never its disk. The copy here is 0600."""
-    from node_daemon.backup import BackupError, backup_files, read_backup_key
+    from node_daemon.backup import BackupError, read_backup_key
 
     key_path = key_file or os.environ.get("ROADLOG_BACKUP_KEY_FILE")
     try:
@@ -444,7 +444,7 @@ def backup(
             stdin=key + "\n",
         )
         manifest = jsonlib.loads(out.stdout)
-        for f in backup_files(manifest):
+        for f in manifest["files"]:
             (local / f).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             with _private_file(local / f) as dst:
                 if conn.user == "root":

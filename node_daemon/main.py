@@ -19,6 +19,7 @@ import lmdb
 from discovery.protocol import discovery_key
 from node_daemon.backup import (
     BackupError,
+    backup_files,
     check_backup_key,
     read_backup_key,
     restore_backup,
@@ -220,7 +221,12 @@ def _backup_key(path: Path | None) -> bytes:
 @click.option("--data-dir", type=click.Path(path_type=Path))
 @click.option("--cluster-name")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="a new directory")
-@click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="print the manifest as JSON, with `files`: the backup's files, relative to OUT",
+)
 @backup_key_option
 def backup(
     config_path: Path | None,
@@ -242,7 +248,8 @@ def backup(
     except (BackupError, lmdb.Error, OSError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(asdict(manifest)))
+        fields = asdict(manifest)
+        click.echo(json.dumps({**fields, "files": backup_files(fields)}))
     else:
         click.echo(
             f"backup of {cfg.cluster_name} at index {manifest.applied_index} "

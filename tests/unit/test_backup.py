@@ -179,6 +179,9 @@ def test_the_cli_needs_the_key_and_takes_it_from_a_file_or_stdin(
     )
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["applied_index"] == 2
+    # The files to fetch, as fab and backup.yml read them from this JSON.
+    files = json.loads(r.output)["files"]
+    assert files == [MANIFEST, STATE_FILE] and all((out / f).is_file() for f in files)
     good = key_file(tmp_path / "good.key")
     check = ["verify-backup", "--cluster-name", "lab", "--from", str(out)]
     r = runner.invoke(cli, [*check, "--backup-key-file", str(good)])
@@ -213,7 +216,7 @@ def test_a_node_with_data_groups_is_backed_up_and_restored_group_by_group(
             and (out / "groups" / name).stat().st_mode & 0o777 == 0o700
         )
     assert verify_backup(out, "lab", KEY).groups == manifest.groups
-    # What `fab backup` fetches (and backup.yml, from the same JSON): every
+    # What `fab backup` and backup.yml fetch (`backup --json` lists it): every
     # file the backup holds, the data groups' too (the lab found a backup
     # fetched without them, which a restore refused).
     held = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file())
