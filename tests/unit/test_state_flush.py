@@ -93,7 +93,8 @@ def test_the_state_is_flushed_on_its_own_thread_one_flush_at_a_time(
             sm.applied_index = i
             await snaps.between_readys(loop)
         waiting = asyncio.ensure_future(snaps.taken())
-        await asyncio.sleep(0.05)
+        for _ in range(20):  # turns of the loop, not time: the flush is held
+            await asyncio.sleep(0)
         assert not waiting.done()  # a flush is out: taken() waits for it
         sm.release.set()
         await asyncio.wait_for(waiting, 10)
