@@ -45,20 +45,27 @@ class _Applying:
         return 0
 
 
-def _flushing(tmp_path: Path) -> tuple[Snapshots, LmdbLogStorage, _Applying]:
-    log_store = LmdbLogStorage(tmp_path / "raft", map_size=4 << 20)
-    sm = _Applying()
-    snaps = Snapshots(
+def _snapshots(
+    tmp_path: Path, log_store: LmdbLogStorage, sm: StateMachine, write_rate: float | None = None
+) -> Snapshots:
+    """A one-voter node's snapshots of ``sm``, compacting ``log_store``."""
+    return Snapshots(
         tmp_path / "snapshots",
         log_store,
-        sm,  # type: ignore[arg-type]
+        sm,
         meta_at=lambda i: SnapshotMeta(i, 1, ConfState(voters=frozenset({1}))),
         log_io=ThreadPoolExecutor(1),
         wakeup=lambda: None,
         max_entries=1000,
         max_bytes=1 << 20,
+        write_rate=write_rate,
     )
-    return snaps, log_store, sm
+
+
+def _flushing(tmp_path: Path) -> tuple[Snapshots, LmdbLogStorage, _Applying]:
+    log_store = LmdbLogStorage(tmp_path / "raft", map_size=4 << 20)
+    sm = _Applying()
+    return _snapshots(tmp_path, log_store, sm), log_store, sm  # type: ignore[arg-type]
 
 
 def _run_then_close(
@@ -165,17 +172,7 @@ def test_taken_gives_up_a_paced_snapshot_and_nothing_of_it_stays(tmp_path: Path)
         db = sm.env.open_db(b"filler", txn=txn)
         for i in range(2048):
             txn.put(i.to_bytes(4, "big"), bytes(4000), db=db)
-    snaps = Snapshots(
-        tmp_path / "snapshots",
-        log_store,
-        sm,
-        meta_at=lambda i: SnapshotMeta(i, 1, ConfState(voters=frozenset({1}))),
-        log_io=ThreadPoolExecutor(1),
-        wakeup=lambda: None,
-        max_entries=1000,
-        max_bytes=1 << 20,
-        write_rate=float(1 << 20),
-    )
+    snaps = _snapshots(tmp_path, log_store, sm, write_rate=float(1 << 20))
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -215,16 +212,7 @@ def test_a_snapshot_whose_checkpoint_fails_compacts_nothing_then_or_later(
     entries = [Entry(term=1, index=i) for i in (1, 2, 3)]  # no-ops, applied
     log_store.save(HardState(term=1, vote=1, commit=3), entries)
     sm.apply(entries)
-    snaps = Snapshots(
-        tmp_path / "snapshots",
-        log_store,
-        sm,
-        meta_at=lambda i: SnapshotMeta(i, 1, ConfState(voters=frozenset({1}))),
-        log_io=ThreadPoolExecutor(1),
-        wakeup=lambda: None,
-        max_entries=1000,
-        max_bytes=1 << 20,
-    )
+    snaps = _snapshots(tmp_path, log_store, sm)
     real = sm.checkpoint
     calls = [0]
 
