@@ -13,7 +13,10 @@ it back at every commit. Modes:
 - `plain`: no long reader;
 - `reader`: the long readers;
 - `chunked`: the long readers, each value stored as chunks of one page
-  (`--chunk` bytes, 4080 for 4 KiB pages), which any single free page fits.
+  (`--chunk` bytes, 4080 for 4 KiB pages), which any single free page fits;
+- `state`: the long readers, with the real state machine applying append ops
+  of 8 partitions of about 1000 pings each (two ops a commit, 16 batches),
+  as a node's apply does: whatever layout the state stores batches in.
 
 Prints the CPU per commit every 2,000 commits; writes
 bench/results/lmdb-freelist.json.
@@ -32,12 +35,16 @@ from typing import Any
 import lmdb
 
 from bench.common import write_result
+from node_daemon.raft import Entry, EntryType
+from node_daemon.state.machine import StateMachine
 
 VALUE_BYTES = 23_000
 PER_COMMIT = 16
 
 
 def run(mode: str, commits: int, reader_every: int, chunk: int) -> list[dict[str, Any]]:
+    if mode == "state":
+        return run_state(commits, reader_every)
     d = tempfile.mkdtemp(prefix="lmdb-freelist-", dir="/var/tmp")
     env = lmdb.open(d, map_size=64 << 30, sync=False, metasync=False, max_dbs=4)
     try:
@@ -75,6 +82,86 @@ def run(mode: str, commits: int, reader_every: int, chunk: int) -> list[dict[str
         return out
     finally:
         env.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _append_entries() -> tuple[bytes, bytes]:
+    """The create-topic command, and one append command of 8 publishes of
+    1000 pings each over 8 partitions (about 1000 pings, 23 KB, a part)."""
+    import numpy as np
+
+    from node_daemon.appends import prepare_appends
+    from roadlog import columnar
+    from roadlog.columnar import PingColumns
+    from roadlog.geo import bbox_region
+    from roadlog.v1 import client_pb2, command_pb2, pings_pb2, topics_pb2
+
+    region = bbox_region(11.4, 48.05, 11.75, 48.25)
+    rng = np.random.default_rng(7)
+    t0 = 1_800_000_000_000
+    reqs = []
+    for k in range(8):
+        n = 1000
+        cols = PingColumns.from_columns(
+            [f"car-{d}" for d in rng.integers(0, 5000, n)],
+            list(t0 + k * n + np.arange(n)),
+            list(rng.uniform(48.06, 48.24, n)),
+            list(rng.uniform(11.41, 11.74, n)),
+        )
+        reqs.append(
+            client_pb2.PublishRequest(
+                topic="munich",
+                client_id="bench",
+                batch=pings_pb2.PingBatch.FromString(columnar.encode(cols)),
+            ).SerializeToString()
+        )
+    prepared, errors = prepare_appends(reqs, lambda _name: (8, region), t0)
+    assert not errors and len(prepared) == 1
+    spec = topics_pb2.TopicSpec(name="munich", region_geojson=region.geojson, partitions=8)
+    create = command_pb2.Command(
+        leader_ms=t0, ops=[command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))]
+    )
+    append = command_pb2.Command(leader_ms=t0, ops=[prepared[0].op])
+    return create.SerializeToString(), append.SerializeToString()
+
+
+def run_state(commits: int, reader_every: int) -> list[dict[str, Any]]:
+    """``run``'s long readers against the real state machine's applies."""
+    d = tempfile.mkdtemp(prefix="lmdb-freelist-", dir="/var/tmp")
+    sm = StateMachine(os.path.join(d, "state"), map_size=64 << 30)
+    try:
+        create, append = _append_entries()
+        sm.apply([Entry(1, 1, EntryType.NORMAL, create)], results=False)
+        index, reader, t0, out = 1, None, time.process_time(), []
+        for c in range(1, commits + 1):
+            sm.apply(
+                [
+                    Entry(1, index + 1, EntryType.NORMAL, append),
+                    Entry(1, index + 2, EntryType.NORMAL, append),
+                ],
+                results=False,
+            )
+            index += 2
+            if c % reader_every == reader_every // 4:
+                reader = sm.env.begin()
+            if reader is not None and c % reader_every == 3 * reader_every // 4:
+                reader.abort()
+                reader = None
+            if c % 2000 == 0:
+                t = time.process_time()
+                row = {
+                    "commits": c,
+                    "cpu_ms_per_commit": round(1000 * (t - t0) / 2000, 3),
+                    "file_mib": os.path.getsize(os.path.join(d, "state", "data.mdb")) >> 20,
+                }
+                print(f"state    {row}", file=sys.stderr)
+                out.append(row)
+                t0 = t
+        if reader is not None:
+            reader.abort()
+        return out
+    finally:
+        sm.close()
         shutil.rmtree(d, ignore_errors=True)
 
 

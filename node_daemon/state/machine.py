@@ -11,7 +11,8 @@ Named databases (keys big-endian, so LMDB orders them numerically):
 
 - ``topics``: name -> Topic (protobuf)
 - ``parts``: topic id, partition -> first offset, next offset, last append ms
-- ``batches``: topic id, partition, base offset -> header + PingBatch bytes
+- ``batches``: topic id, partition, base offset -> header + PingBatch bytes,
+  the bytes past a page in ``batchmore`` (``batch_store``)
 - ``timeidx``: topic id, partition, append ms, base offset -> b""
 - ``producers``: producer id, topic id, partition -> recent (seq, base, count)
 - ``meta``: applied index/term, id counters, the log's clock (``log_ms``)
@@ -44,6 +45,7 @@ import numpy as np
 from node_daemon.disk import fsync_dir, full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.responses import publish_responses
+from node_daemon.state import batch_store
 from node_daemon.state.clients import ClientTables
 from node_daemon.state.groups import GROUP_RETENTION_MS, GroupTables
 from node_daemon.state.heatmaps import (
@@ -72,7 +74,7 @@ _BATCH = struct.Struct(">IIQ")
 _TIME = struct.Struct(">IIQQ")  # unsigned: keys must sort numerically
 _PROD = struct.Struct(">QII")
 _PART_VAL = struct.Struct(">QQq")
-_BATCH_HDR = struct.Struct(">Iq")  # count, append ms
+_BATCH_HDR = batch_store.HEADER  # count, append ms
 _SEQ = struct.Struct(">QQI")
 _EPOCH = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -91,6 +93,15 @@ PRODUCER_ID_LIFETIME_MS = DEFAULT_RETENTION_MS
 MAX_PRODUCER_IDS_PER_CLIENT = 1024
 EXPIRED_PRODUCERS_PER_TRIM = 1000  # keeps a trim entry small
 EXPIRY_SCAN_KEYS = 50_000  # producer ids a leader looks at per trim, oldest first
+# The state's on-disk layout: 1, batches stored whole; 2, in pieces of a page
+# (``batch_store``), which reads format 1's too. A state of a later format
+# (a newer release's) is refused, not misread.
+STATE_FORMAT = 2
+_FORMAT_KEY = b"state_format"  # in meta; local to the replica, not in the digest
+
+
+class StateFormatError(Exception):
+    """The state on disk was written by a newer release of roadlog."""
 
 
 def _issued_key(pid: int) -> bytes:
@@ -251,14 +262,22 @@ class StateMachine:
             self.env.reader_check()
 
         self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
+        self._more: Any = None if self.readonly else db(b"batchmore")
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
         self.groups = GroupTables(db(b"groups"), db(b"offsets"), self.meta)
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         self.clients = ClientTables(db(b"clients"), self.meta)
         with self.env.begin() as txn:
+            stored_format = self._meta_int(txn, _FORMAT_KEY)
             self.applied_index = self._meta_int(txn, b"applied_index")
             self.applied_term = self._meta_int(txn, b"applied_term")
             self.log_ms = self._meta_int(txn, b"log_ms")  # 0: nothing applied yet
+        if stored_format > STATE_FORMAT:
+            self.env.close()
+            raise _format_error(self.path, stored_format)
+        if not self.readonly and stored_format < STATE_FORMAT:
+            with self.env.begin(write=True) as txn:
+                txn.put(_FORMAT_KEY, _U64.pack(STATE_FORMAT), db=self.meta)
         self._log_ms = self.log_ms  # while an apply's transaction is open
         self._forget()
 
@@ -277,6 +296,16 @@ class StateMachine:
         self._groups_recorded = 0
         # producer id -> the client id it is bound to ("": not bound), as stored
         self._owners: dict[int, str] = {}
+
+    def _batchmore(self) -> Any:
+        """``batchmore``, opened when first needed in a read-only view (its
+        writer may create it after the view opened); None: not there yet."""
+        if self._more is None:
+            try:
+                self._more = self.env.open_db(b"batchmore", create=False)
+            except lmdb.NotFoundError:
+                return None
+        return self._more
 
     def _meta_int(self, txn: Any, key: bytes) -> int:
         raw = txn.get(key, db=self.meta)
@@ -537,7 +566,7 @@ class StateMachine:
             raise RoadlogError(Code.NOT_FOUND, f"no topic {name!r}")
         topic = topics_pb2.Topic.FromString(raw)
         prefix = struct.pack(">I", topic.id)
-        for db in (self.parts, self.batches, self.timeidx):
+        for db in (self.parts, self.batches, self._more, self.timeidx):
             _delete_prefix(txn, db, prefix)
         cur = txn.cursor(db=self.producers)
         for key in [k for k, _ in cur if k[8:12] == prefix]:
@@ -638,10 +667,8 @@ class StateMachine:
                 batch = _kept_rows(batch, [row[i] for row in counts], kept)
             p, base = part.partition, st.next_offset
             append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
-            txn.put(
-                _BATCH.pack(tid, p, base),
-                _BATCH_HDR.pack(count, append_ms) + batch,
-                db=self.batches,
+            batch_store.put_batch(
+                txn, self.batches, self._more, _BATCH.pack(tid, p, base), count, append_ms, batch
             )
             txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
             txn.put(
@@ -934,10 +961,9 @@ class StateMachine:
                 break
             doomed.append((key, base))
         for key, base in doomed:
-            raw = txn.get(_BATCH.pack(tid, p, base), db=self.batches)
+            raw = batch_store.delete_batch(txn, self.batches, self._more, _BATCH.pack(tid, p, base))
             if raw is not None:
                 first = max(first, base + _BATCH_HDR.unpack_from(raw)[0])
-            txn.delete(_BATCH.pack(tid, p, base), db=self.batches)
             txn.delete(key, db=self.timeidx)
         if first != st.first_offset:
             txn.put(
@@ -1207,7 +1233,7 @@ class StateMachine:
             count, append_ms = _BATCH_HDR.unpack_from(value)
             if base + count <= offset:
                 continue
-            yield base, append_ms, count, bytes(value[_BATCH_HDR.size :])
+            yield base, append_ms, count, batch_store.batch_bytes(txn, self._batchmore, key, value)
 
     def offsets_for_window(
         self, name: str, partition: int, start_ms: int, end_ms: int
@@ -1271,6 +1297,10 @@ class StateMachine:
             ):
                 h.update(name)
                 for k, v in txn.cursor(db=db):
+                    if db is self.batches:  # the batch whole, however it lies
+                        v = batch_store.whole_value(txn, self._batchmore, k, v)
+                    elif db is self.meta and k == _FORMAT_KEY:
+                        continue
                     h.update(struct.pack(">II", len(k), len(v)))
                     h.update(k)
                     h.update(v)
@@ -1326,6 +1356,7 @@ class StateMachine:
             with open(staging / "data.mdb", "rb+") as f:
                 os.fsync(f.fileno())
             fsync_dir(staging)
+            _check_format(staging)  # a newer release's state: refused, the old one kept
         except OSError as e:
             # No room for the copy (finding 13): nothing changed; the caller
             # tries again later, or the node says it cannot start.
@@ -1333,6 +1364,9 @@ class StateMachine:
             if full_disk_error(e, self.path.parent):
                 why = f"disk full installing a snapshot in {self.path}: {e}"
                 raise StorageFullError(why) from e
+            raise
+        except StateFormatError:
+            shutil.rmtree(staging, ignore_errors=True)
             raise
         self.env.close()
         old = Path(f"{self.path}.old")
@@ -1344,6 +1378,31 @@ class StateMachine:
         fsync_dir(self.path.parent)
         shutil.rmtree(old, ignore_errors=True)
         self._open()
+
+
+def _check_format(directory: Path) -> None:
+    """StateFormatError if the state environment in ``directory`` (opened
+    read-only, without a lock file) has a format this release cannot read."""
+    env = lmdb.open(str(directory), readonly=True, lock=False, max_dbs=16)
+    try:
+        try:
+            meta = env.open_db(b"meta", create=False)
+        except lmdb.NotFoundError:
+            return  # nothing applied: any release reads it
+        with env.begin() as txn:
+            raw = txn.get(_FORMAT_KEY, db=meta)
+    finally:
+        env.close()
+    stored = int(_U64.unpack(raw)[0]) if raw else 1
+    if stored > STATE_FORMAT:
+        raise _format_error(directory, stored)
+
+
+def _format_error(directory: Path, stored: int) -> StateFormatError:
+    return StateFormatError(
+        f"the state in {directory} has format {stored}, written by a newer release of "
+        f"roadlog; this one reads formats up to {STATE_FORMAT}"
+    )
 
 
 def applied_of(directory: str | os.PathLike[str]) -> tuple[int, int]:
