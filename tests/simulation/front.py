@@ -45,8 +45,9 @@ real one does), no write is stored twice even when it was sent again, and
 every read returned a prefix of what the replica holds.
 
 The queue server also submits items of its own (``submit_foreign``; the
-split publishes of split.py and their parts), checked as the clients'
-are: each in exactly one place until it is answered or cancelled.
+split publishes of split.py and their parts, the consumers' offset commits
+of consumers.py), checked as the clients' are: each in exactly one place
+until it is answered or cancelled.
 """
 
 from __future__ import annotations
@@ -99,10 +100,14 @@ class Read:
 @dataclass(slots=True)
 class Foreign:
     """An item of the queue server's own: who hears its answer, and how a
-    leader serves it when not by proposing it."""
+    leader serves it when not by proposing it (``serve``: answered at once),
+    or what it does before proposing it (``judge``: given the node, its
+    worker and the item, it later calls ``Front.propose`` or answers with
+    ``Front.answer_held``)."""
 
     answer: Callable[[OpResult | None], None]
     serve: Callable[[SimNode, Item], OpResult] | None = None
+    judge: Callable[[SimNode, int, Item], None] | None = None
 
 
 @dataclass(slots=True)
@@ -157,7 +162,8 @@ class Front:
     # item -> who is answered, and how a leader serves it if not by proposing.
     foreign: dict[int, Foreign] = field(default_factory=dict)
     # Ops the first client's first write adds on the real state machine (a
-    # data group's: the split topic and the split clients' producer ids).
+    # data group's: the split topic and the split clients' producer ids;
+    # group 0's: its record of the split topic and the consumers' groups).
     extra_create_ops: list[command_pb2.Op] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -472,11 +478,24 @@ class Front:
         if f is not None and f.serve is not None:  # answered at once, nothing proposed
             self._result(wid, it.id, f.serve(node, it))
             return
+        if f is not None and f.judge is not None:  # judged first (it proposes, or answers)
+            f.judge(node, wid, it)
+            return
         data = it.request
         if it.method == "AppendPart":
             from tests.simulation.split import part_proposal
 
             data = part_proposal(it.request, self.sim.opts.real_sm, self.sim.now)
+        self.propose(node, wid, it, data)
+
+    def propose(self, node: SimNode, wid: int, it: Item, data: bytes) -> None:
+        """The node proposes ``data`` for the item its worker ``wid`` holds,
+        answered once it applies it; a node that is no longer the leader
+        answers UNAVAILABLE (NotLeader), as does a dropped proposal."""
+        core = node.core
+        if core is None or core.role != Role.LEADER:
+            self._result(wid, it.id, None)
+            return
         try:
             index = core.propose_many([data])
         except ProposalDropped:
@@ -484,6 +503,17 @@ class Front:
             return
         self.pending.setdefault(node.id, PendingProposals()).add(index, core.term, (wid, it.id))
         node.process()
+
+    def answer_held(self, wid: int, it: Item, r: OpResult | None) -> None:
+        """The worker ``wid`` answers the item it holds without proposing
+        it (a refusal; None: UNAVAILABLE, handed to another node)."""
+        self._result(wid, it.id, r)
+
+    def holds(self, wid: int, it: Item) -> bool:
+        """Worker ``wid`` (still connected) holds ``it``: it was not handed
+        back after a crash of its node."""
+        w = self.q.workers.get(wid)
+        return w is not None and w.inflight.get(it.id) is it
 
     def fence_reached(self, node: SimNode, it: Item) -> bool:
         """As WorkHandler._fenced: the node has applied the read's fence."""
@@ -613,11 +643,13 @@ class Front:
         client: str,
         answer: Callable[[OpResult | None], None],
         serve: Callable[[SimNode, Item], OpResult] | None = None,
+        judge: Callable[[SimNode, int, Item], None] | None = None,
     ) -> int:
         """A write the queue server submits itself (a split publish, or one
-        of its parts); ``answer`` hears its result (None: failed, as a
-        client's write), ``serve`` is how a leader answers it (None: it
-        proposes it). Its id."""
+        of its parts; a consumer's offset commit); ``answer`` hears its
+        result (None: failed, as a client's write), ``serve`` is how a
+        leader answers it (None: it proposes it), ``judge`` what a leader
+        does before proposing it (see ``Foreign``). Its id."""
         self.next_item += 1
         now = self.sim.now
         item = Item(self.next_item, Kind.WRITE, method, request, deadline, now, client=client)
@@ -625,7 +657,7 @@ class Front:
             self.q.submit(item)
         except QueueFull:
             self.sim.checker.fail(f"queue full with {len(self.open_items)} items open")
-        self.foreign[item.id] = Foreign(answer, serve)
+        self.foreign[item.id] = Foreign(answer, serve, judge)
         return item.id
 
     def cancel_foreign(self, item_id: int) -> None:
@@ -635,8 +667,9 @@ class Front:
             return
         if self.q.cancel(item_id):  # it was queued: gone now
             del self.foreign[item_id]
-        else:  # a worker holds it: its answer reaches no one
-            self.foreign[item_id] = Foreign(lambda r: None)
+        else:  # a worker holds it: its answer reaches no one (served, judged as before)
+            f = self.foreign[item_id]
+            self.foreign[item_id] = Foreign(lambda r: None, f.serve, f.judge)
         self.check()
 
     def final_checks(self, members: list[SimNode]) -> None:

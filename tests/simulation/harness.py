@@ -51,6 +51,7 @@ import random
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,7 @@ from node_daemon.state.machine import StateMachine as NodeStateMachine
 from roadlog.errors import Code
 from roadlog.geo import bbox_region
 from roadlog.v1 import client_pb2, command_pb2, topics_pb2
+from tests.simulation.consumers import ConsumerFront
 from tests.simulation.front import Front
 from tests.simulation.split import SplitFront, creation_ops
 
@@ -131,6 +133,9 @@ class StateMachine:
         self.split_keys: list[bytes] = []
         self.split_at: list[list[tuple[int, int]]] = []
         self.split_recent: dict[int, list[tuple[int, int]]] = {}
+        # Consumers' offsets committed (consumers.toy_commit_key): (consumer
+        # group, partition) -> offset, the last one applied.
+        self.offsets: dict[tuple[str, int], int] = {}
 
     def apply(self, e: Entry) -> None:
         if e.index != self.applied + 1:
@@ -148,6 +153,8 @@ class StateMachine:
                 self.last_result = self._store(e.data, *w, e.index)
             elif self.with_writes and e.data.startswith(b"s"):
                 self.last_result = self._store_part(e.data, e.index)
+            elif self.with_writes and e.data.startswith(b"o"):
+                self.last_result = self._store_offset(e.data, e.index)
 
     def _store(self, key: bytes, producer: int, seq: int, index: int) -> OpResult:
         """Store a client's write unless it is a duplicate; its answer."""
@@ -191,6 +198,18 @@ class StateMachine:
             resp.offsets.add(partition=p, base_offset=offset, count=1)
         return OpResult(response=resp.SerializeToString())
 
+    def _store_offset(self, key: bytes, index: int) -> OpResult:
+        """Store a consumer's committed offset, as the node's state machine
+        does for a topic placed in data groups: no end checked at apply
+        (its leader judged it before proposing)."""
+        from tests.simulation.consumers import parse_toy_commit
+
+        group, partition, offset = parse_toy_commit(key)
+        self.offsets[(group, partition)] = offset
+        return OpResult(
+            response=client_pb2.CommitOffsetsResponse(applied_index=index).SerializeToString()
+        )
+
     def _add_part(self, key: bytes) -> list[tuple[int, int]]:
         from tests.simulation.split import parse_toy_part
 
@@ -220,21 +239,32 @@ class StateMachine:
                 *sorted(p + b"\n" for p in self.proposals),
                 b"\0",
                 b"\n".join(self.writes),
-                *([b"\0", b"\n".join(self.split_keys)] if self.split_keys else []),
+                *([b"\0", b"\n".join(self.split_keys)] if self.split_keys or self.offsets else []),
+                *([b"\0", self._offset_lines()] if self.offsets else []),
             ]
         )
+
+    def _offset_lines(self) -> bytes:
+        from tests.simulation.consumers import toy_commit_key
+
+        return b"\n".join(toy_commit_key(g, p, o) for (g, p), o in sorted(self.offsets.items()))
 
     def restore(self, data: bytes) -> None:
         self.applied = struct.unpack_from(">Q", data)[0]
         self.digest = data[8:40]
         proposals, _, rest = data[40:].partition(b"\0")
-        writes, _, parts = rest.partition(b"\0")
+        writes, _, rest = rest.partition(b"\0")
+        parts, _, offsets = rest.partition(b"\0")
         self.proposals = {p for p in proposals.split(b"\n") if p}
         self.writes = [w for w in writes.split(b"\n") if w]
         self.split, self.split_keys, self.split_at, self.split_recent = {}, [], [], {}
         for key in parts.split(b"\n"):
             if key:
                 self._add_part(key)
+        self.offsets = {}
+        for key in offsets.split(b"\n"):
+            if key:
+                self._store_offset(key, 0)
         self.recent = {}
         for offset, key in enumerate(self.writes):
             w = toy_write(key)
@@ -555,6 +585,9 @@ class SimNode:
     def _ready_done(self, rd: Ready, w: LogWrite) -> None:
         for rs in rd.read_states:
             self.sim.checker.on_read_state(self, rs.index, rs.context)
+            waiter = self.sim.read_waiters.pop(rs.context, None)
+            if waiter is not None:  # a ReadIndex taken for someone (consumers.py)
+                waiter(rs.index)
         self.sim.front.on_log_written(self, rd)
 
     def _crash_point(self) -> bool:
@@ -795,6 +828,9 @@ class Result:
     split_refused: int = 0  # split publishes refused for sure (a ping outside the region)
     split_resent: int = 0  # split publishes sent again after an unknown outcome
     split_parts: int = 0  # parts handed to the data groups' leaders
+    offset_commits: int = 0  # consumers' offset commits acknowledged (consumers.py)
+    offset_refused: int = 0  # refused as past the partition's end
+    offset_read_index: int = 0  # judged again after a ReadIndex of the data group
 
 
 class GroupOps:
@@ -810,6 +846,9 @@ class GroupOps:
     checker: Checker
     stats: Result
     label: str = ""
+    # ReadIndex contexts someone waits on (consumers.py): context -> who
+    # hears the index, when the read state reaches the node that asked.
+    read_waiters: dict[bytes, Callable[[int], None]]
 
     now: int
 
@@ -941,6 +980,7 @@ class Simulation(GroupOps):
         self.proposed: dict[bytes, tuple[int, int, int]] = {}  # id -> (node, index, term)
         self.acked: set[bytes] = set()
         self.next_proposal = 0
+        self.read_waiters = {}
         self.down_until: dict[int, int] = {}
         self.stats = Result(seed, True)
         # The clients and the queue server draw from a stream of their own.
@@ -961,6 +1001,13 @@ class Simulation(GroupOps):
             for dg in self.data:
                 if self.opts.real_sm:
                     dg.front.extra_create_ops = creation_ops(self.split.producers)
+        # Consumers of the split topic, committing offsets through group 0
+        # (consumers.py), with a stream of their own: with the split clients.
+        self.consumers: ConsumerFront | None = None
+        if self.split is not None:
+            self.consumers = ConsumerFront(self, random.Random(seed * 1_000_039 + 0xC0))
+            if self.opts.real_sm:
+                self.front.extra_create_ops = self.consumers.creation_ops()
 
     def group_nodes(self, group: int) -> dict[int, SimNode]:
         """Group ``group``'s replicas by node id."""
@@ -1088,6 +1135,8 @@ class Simulation(GroupOps):
             dg.front.step()
         if self.split is not None:
             self.split.step()
+        if self.consumers is not None:
+            self.consumers.step()
         self.after_event()
         if self.data:
             led = [g.leader() for g in (self, *self.data)]
@@ -1217,6 +1266,8 @@ class Simulation(GroupOps):
             return False
         if self.split is not None and self.split.busy():
             return False
+        if self.consumers is not None and self.consumers.busy():
+            return False
         return self._group_converged() and all(dg._group_converged() for dg in self.data)
 
     def _final_checks(self) -> None:
@@ -1232,6 +1283,11 @@ class Simulation(GroupOps):
             self.stats.split_refused = len(self.split.history.refused)
             self.stats.split_resent = self.split.resent
             self.stats.split_parts = self.split.parts_sent
+        if self.consumers is not None:
+            self.consumers.final_checks(members)
+            self.stats.offset_commits = len(self.consumers.history.acked)
+            self.stats.offset_refused = len(self.consumers.history.refused)
+            self.stats.offset_read_index = self.consumers.read_indexes
         self.stats.applied = members[0].sm.applied if members else 0
 
     def _describe(self) -> str:
@@ -1277,6 +1333,7 @@ class DataGroup(GroupOps):
         self.proposed = {}
         self.acked = set()
         self.next_proposal = 0
+        self.read_waiters = {}
         self.nodes = {}
         voters = sorted(sim.nodes)
         for i in voters:

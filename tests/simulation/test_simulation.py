@@ -384,6 +384,14 @@ def test_split_publishes_are_acknowledged_once_every_part_is() -> None:
     assert sum(r.split_parts for r in results) > sum(r.split_acked for r in results)
     # Seeds without data groups have no split clients.
     assert run_seed(0).split_parts == 0
+    # The consumers of the split topic (consumers.py) ran in the same seeds:
+    # offsets committed through group 0, on the toy and the real state
+    # machine, some judged again after a ReadIndex of their data group, some
+    # (committed ahead of what was read) refused as past the end.
+    assert sum(r.offset_commits for r in results) > 0
+    assert sum(r.offset_commits for r in results if options_of(r.seed).real_sm) > 0
+    assert sum(r.offset_read_index for r in results) > 0
+    assert sum(r.offset_refused for r in results) > 0
 
 
 def test_the_split_checker_reports_each_kind_of_violation() -> None:
@@ -469,3 +477,75 @@ def test_a_split_publish_that_must_fail_acknowledged_is_caught(
     monkeypatch.setattr(validation, "check_batch", lambda cols, region, now_ms: None)
     found = first_caught(SPLIT_SEEDS, lambda r: "ping to refuse" in r.message)
     assert found, "the simulator did not notice an invalid split publish acknowledged"
+
+
+# ------------------------------------------- consumer offsets and committed data
+
+
+def test_the_offset_checker_reports_each_kind_of_violation() -> None:
+    """``offset_violations`` fed histories that break "consumer offsets
+    never ahead of committed data"."""
+    from tests.simulation.consumers import Commit, OffsetHistory, offset_violations
+
+    def history() -> OffsetHistory:
+        h = OffsetHistory([1, 2, 1, 2])
+        h.sent = {
+            (1, 1): Commit("cg1", 0, 3, honest=True),
+            (1, 2): Commit("cg1", 1, 5, honest=False),
+            (2, 1): Commit("cg2", 0, 2, honest=True),
+        }
+        h.acked = {(1, 1): 3, (2, 1): 4}  # each commit's partition's committed end then
+        h.refused = {(1, 2)}  # committed ahead of what was read: refused
+        return h
+
+    stored = {"cg1": {0: 3}, "cg2": {0: 2}}
+    ends = {0: 3, 1: 0, 2: 0, 3: 0}
+    assert offset_violations(history(), stored, ends) == []
+    # Acknowledged past the end its data group had committed then.
+    h = history()
+    h.acked[(1, 1)] = 2
+    [msg] = offset_violations(h)
+    assert "commit (1, 1) of cg1 acknowledged at offset 3 of partition 0" in msg
+    assert "committed only up to 2" in msg
+    assert offset_violations(h, only=(2, 1)) == []  # one commit alone
+    # A commit of what a replica served, refused as past the end.
+    h = history()
+    h.refused.add((2, 1))
+    assert any("(2, 1) of cg2 refused as past the end" in m for m in offset_violations(h))
+    # At the end: a stored offset ahead of the converged data group, or never sent.
+    [msg] = offset_violations(history(), {"cg1": {0: 3}, "cg2": {0: 2}}, {**ends, 0: 2})
+    assert "cg1's committed offset 3 of partition 0 is ahead of what its data group 1" in msg
+    msgs = offset_violations(history(), {"cg1": {0: 3, 2: 0}}, ends)
+    assert msgs == ["cg1's committed offset 0 of partition 2 was never sent"]
+
+
+def test_a_leader_that_does_not_judge_commits_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group 0's leader that proposes a consumer's commit without judging
+    it against the partition's data group (``_within_data_groups``) stores
+    an offset a consumer committed ahead of what it read, past what the
+    group committed: caught when the commit is acknowledged."""
+    from tests.simulation.consumers import ConsumerFront
+
+    monkeypatch.setattr(ConsumerFront, "judged", False)
+    found = first_caught(SPLIT_SEEDS, lambda r: "committed only up to" in r.message)
+    assert found, "the simulator did not notice a consumer offset ahead of committed data"
+
+
+# Seeds in which a commit of what a replica served reaches a group 0
+# leader whose replica of the data group lags that one (found by running
+# seeds 0-399 with ``linearizable`` off: 88, 120, 138, 214, 258, 264, 398).
+LAGGING_JUDGE_SEEDS = [138, 88, 398]
+
+
+def test_a_leader_judging_on_its_lagging_replica_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Judged on the leader's own replica of the data group as it is (no
+    catch-up, no ReadIndex), a commit of what a further replica served is
+    refused as past the end: caught (a ReadIndex covers what any replica
+    applied)."""
+    from tests.simulation.consumers import ConsumerFront
+
+    monkeypatch.setattr(ConsumerFront, "linearizable", False)
+    found = first_caught(LAGGING_JUDGE_SEEDS, lambda r: "refused as past the end" in r.message)
+    assert found, "the simulator did not notice a commit within committed data refused"
