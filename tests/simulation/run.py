@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         "split_acked": 0,
         "split_refused": 0,
         "split_resent": 0,
+        "offset_commits": 0,
+        "offset_refused": 0,
+        "offset_read_index": 0,
     }
     seeds = range(args.start, args.start + args.seeds)
     for done, r in enumerate(run_seeds(seeds, args.jobs), start=1):
