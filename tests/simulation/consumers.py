@@ -38,7 +38,11 @@ through group 0, as ``roadlog consume --group`` does:
   placed in data groups, checks membership and generation and leaves the
   end to the leader), or the toy's ``toy_commit_key``;
 - a commit whose outcome is unknown is sent again (the same request)
-  until it is answered.
+  until it is answered; so is one refused NOT_FOUND ("no group") by a
+  new group 0 leader whose replica has not applied the join yet (it has
+  not committed in its term): the product's ``GroupCoordinator.commit``
+  reads its replica without waiting for it, so a consumer can be told
+  that too (checked: only while that replica lags the join).
 
 Checked (``offset_violations``, a pure function of the history, so that it
 can be fed a history with a violation): when a commit is acknowledged, its
@@ -277,6 +281,7 @@ class ConsumerFront:
         self.judging: list[Judging] = []
         self.next_ctx = 0
         self.read_indexes = 0  # commits judged again after a ReadIndex
+        self.missing_groups = 0  # commits a leader lagging its own group 0 refused
 
     def creation_ops(self) -> list[command_pb2.Op]:
         """What group 0's first write adds on the real state machine: its
@@ -369,8 +374,8 @@ class ConsumerFront:
             return
         c.item = None
         k = (c.id, c.n)
-        if r is None or r.code == Code.UNAVAILABLE:
-            self._failed(c)
+        if r is None or r.code in (Code.UNAVAILABLE, Code.NOT_FOUND):
+            self._failed(c)  # NOT_FOUND: see ``_group_missing``
             return
         h = self.history
         if r.code == Code.INVALID_ARGUMENT:
@@ -402,6 +407,8 @@ class ConsumerFront:
         try:
             group = self._partition_group(node, req)
         except RoadlogError as e:
+            if e.code == Code.NOT_FOUND:
+                self._group_missing(node, req.group)
             front.answer_held(wid, it, OpResult(e.code, e.message))
             return
         if group is None:  # not placed: the apply checks it
@@ -425,6 +432,19 @@ class ConsumerFront:
         )
         if not self._advance(j):
             self.judging.append(j)
+
+    def _group_missing(self, node: SimNode, group: str) -> None:
+        """The leader's replica of group 0 has no such consumer group: only
+        while it has not applied the write that made it (a new leader that
+        has not yet committed in its term); the product's leader answers
+        NOT_FOUND then too, and the consumer sends its commit again."""
+        made = self.sim.front.acked_at.get((1, 0), 0)  # the first client's first write
+        if not made or node.sm.applied >= made:
+            self.sim.checker.fail(
+                f"group 0's leader {node.id} (applied {node.sm.applied}) finds no {group!r}, "
+                f"made at index {made}"
+            )
+        self.missing_groups += 1
 
     def _partition_group(self, node: SimNode, req: client_pb2.CommitOffsetsRequest) -> int | None:
         """The data group of the commit's partition, as the leader finds it

@@ -32,7 +32,12 @@ parts, each part a write of its group's queue, the client acknowledged
 once every part is (the product's merge), retried with the same producer
 id and sequence when the outcome is unknown; each acknowledged publish
 must be stored once in every group it spans, no retry twice, nothing of
-one refused for sure. A node crash takes every group's replica on it
+one refused for sure. Consumers read that topic on the data groups'
+replicas and commit their offsets through group 0
+(``consumers.ConsumerFront``), each commit judged first by group 0's
+leader against the partition's data group (its replica, then a ReadIndex
+of that group); an acknowledged or stored offset must never be ahead of
+what the data group committed. A node crash takes every group's replica on it
 down at once, a partition cuts every group's
 messages between two nodes, and one node may lead several groups; each
 group's invariants are checked on their own, and at the end every group
@@ -831,6 +836,7 @@ class Result:
     offset_commits: int = 0  # consumers' offset commits acknowledged (consumers.py)
     offset_refused: int = 0  # refused as past the partition's end
     offset_read_index: int = 0  # judged again after a ReadIndex of the data group
+    offset_missing_group: int = 0  # refused NOT_FOUND by a leader lagging the group's join
 
 
 class GroupOps:
@@ -1288,6 +1294,7 @@ class Simulation(GroupOps):
             self.stats.offset_commits = len(self.consumers.history.acked)
             self.stats.offset_refused = len(self.consumers.history.refused)
             self.stats.offset_read_index = self.consumers.read_indexes
+            self.stats.offset_missing_group = self.consumers.missing_groups
         self.stats.applied = members[0].sm.applied if members else 0
 
     def _describe(self) -> str:
