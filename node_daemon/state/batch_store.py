@@ -27,12 +27,12 @@ whichever way it lies (``whole_value``, what digests hash).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from typing import Any
 
 PIECE = 4096 - 16  # value bytes one overflow page holds (4 KiB pages, 16-byte header)
 HEADER = struct.Struct(">Iq")  # count, append ms
 FIRST_FULL = PIECE  # a first part this long may continue in ``batchmore``
+MORE_NAME = b"batchmore"
 _NUMBER = struct.Struct(">I")
 
 
@@ -47,18 +47,26 @@ def put_batch(
         txn.put(key + _NUMBER.pack(number), view[at : at + PIECE], db=more)
 
 
-def batch_bytes(txn: Any, more: Callable[[], Any], key: bytes, value: bytes) -> bytes:
+class PiecesNotOpen(Exception):
+    """A read transaction met a batch that may go on in ``batchmore`` but
+    began before this process opened that database (a read-only view of a
+    replica whose writer created it later): read again in a new one."""
+
+
+def batch_bytes(txn: Any, more: Any, key: bytes, value: bytes) -> bytes:
     """The whole PingBatch bytes of the batch whose ``batches`` value (as
-    read under ``key``) is ``value``; ``more`` opens ``batchmore``, asked
-    only for a batch that may continue there (None: it does not exist)."""
+    read under ``key``) is ``value``; ``more``: ``batchmore`` as opened
+    before ``txn`` began, None if it was not (PiecesNotOpen if this batch
+    may go on there and it exists in ``txn``)."""
     data = bytes(value[HEADER.size :])
     if len(value) != FIRST_FULL:
         return data
-    db = more()
-    if db is None:
+    if more is None:
+        if txn.get(MORE_NAME) is not None:  # a named database is a key of the main one
+            raise PiecesNotOpen(key)
         return data
     pieces = [data]
-    cur = txn.cursor(db=db)
+    cur = txn.cursor(db=more)
     if cur.set_range(key):
         for k, v in cur:
             if not k.startswith(key) or len(k) != len(key) + _NUMBER.size:
@@ -67,7 +75,7 @@ def batch_bytes(txn: Any, more: Callable[[], Any], key: bytes, value: bytes) -> 
     return b"".join(pieces)
 
 
-def whole_value(txn: Any, more: Callable[[], Any], key: bytes, value: bytes) -> bytes:
+def whole_value(txn: Any, more: Any, key: bytes, value: bytes) -> bytes:
     """Header + the whole batch: the ``batches`` value a state of format 1
     stored (what the state's digest hashes, so replicas that stored the same
     batch either way agree)."""

@@ -29,6 +29,7 @@ right, makes fresh ones look old; a node's own wall clock plays no part.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -262,7 +263,8 @@ class StateMachine:
             self.env.reader_check()
 
         self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
-        self._more: Any = None if self.readonly else db(b"batchmore")
+        self._more: Any = None
+        self._open_pieces()
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
         self.groups = GroupTables(db(b"groups"), db(b"offsets"), self.meta)
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
@@ -297,15 +299,14 @@ class StateMachine:
         # producer id -> the client id it is bound to ("": not bound), as stored
         self._owners: dict[int, str] = {}
 
-    def _batchmore(self) -> Any:
-        """``batchmore``, opened when first needed in a read-only view (its
-        writer may create it after the view opened); None: not there yet."""
+    def _open_pieces(self) -> None:
+        """Open ``batchmore`` (creating it unless read-only). A read-only
+        view of a replica whose writer has not created it yet tries again
+        before each read transaction: a transaction can only use databases
+        opened before it began (``batch_store.PiecesNotOpen``)."""
         if self._more is None:
-            try:
-                self._more = self.env.open_db(b"batchmore", create=False)
-            except lmdb.NotFoundError:
-                return None
-        return self._more
+            with contextlib.suppress(lmdb.NotFoundError):  # read-only, not there yet
+                self._more = self.env.open_db(batch_store.MORE_NAME, create=not self.readonly)
 
     def _meta_int(self, txn: Any, key: bytes) -> int:
         raw = txn.get(key, db=self.meta)
@@ -1175,6 +1176,7 @@ class StateMachine:
         """``fetch``, and the number of pings of each batch."""
         limit = req.max_pings or max_default
         counts: list[int] = []
+        self._open_pieces()
         with self.env.begin() as txn:
             topic = self._topic(txn, req.topic)
             if req.partition >= topic.spec.partitions:
@@ -1233,7 +1235,13 @@ class StateMachine:
             count, append_ms = _BATCH_HDR.unpack_from(value)
             if base + count <= offset:
                 continue
-            yield base, append_ms, count, batch_store.batch_bytes(txn, self._batchmore, key, value)
+            try:
+                data = batch_store.batch_bytes(txn, self._more, key, value)
+            except batch_store.PiecesNotOpen:
+                raise RoadlogError(
+                    Code.UNAVAILABLE, "this replica's batches are not readable yet: try again"
+                ) from None
+            yield base, append_ms, count, data
 
     def offsets_for_window(
         self, name: str, partition: int, start_ms: int, end_ms: int
@@ -1280,6 +1288,7 @@ class StateMachine:
         is of, never a later one (``self.applied_index`` read after the
         digest could be: an entry applied meanwhile on the event loop)."""
         h = hashlib.sha256()
+        self._open_pieces()
         with self.env.begin() as txn:
             index = self._meta_int(txn, b"applied_index")
             for name, db in (
@@ -1298,7 +1307,7 @@ class StateMachine:
                 h.update(name)
                 for k, v in txn.cursor(db=db):
                     if db is self.batches:  # the batch whole, however it lies
-                        v = batch_store.whole_value(txn, self._batchmore, k, v)
+                        v = batch_store.whole_value(txn, self._more, k, v)
                     elif db is self.meta and k == _FORMAT_KEY:
                         continue
                     h.update(struct.pack(">II", len(k), len(v)))

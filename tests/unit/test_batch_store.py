@@ -62,8 +62,8 @@ def test_every_length_reads_back_whole_and_no_value_outgrows_a_page(
             value = txn.get(key, db=batches)
             assert value is not None
             assert HEADER.unpack_from(value) == (n, T0 + base)
-            assert batch_store.batch_bytes(txn, lambda: more, key, value) == sent[base]
-            whole = batch_store.whole_value(txn, lambda: more, key, value)
+            assert batch_store.batch_bytes(txn, more, key, value) == sent[base]
+            whole = batch_store.whole_value(txn, more, key, value)
             assert whole == HEADER.pack(n, T0 + base) + sent[base]
     with env.begin(write=True) as txn:  # delete every other batch: the rest stay whole
         for base in range(0, len(LENGTHS), 2):
@@ -79,7 +79,7 @@ def test_every_length_reads_back_whole_and_no_value_outgrows_a_page(
                 assert value is None
             else:
                 assert value is not None
-                assert batch_store.batch_bytes(txn, lambda: more, key, value) == sent[base]
+                assert batch_store.batch_bytes(txn, more, key, value) == sent[base]
         left = sum(max(0, -(-(LENGTHS[b] - FIRST) // PIECE)) for b in range(1, len(LENGTHS), 2))
         assert txn.stat(more)["entries"] == left
 
@@ -94,7 +94,7 @@ def test_a_value_stored_whole_before_pieces_reads_as_it_is(env: lmdb.Environment
     with env.begin() as txn:
         value = txn.get(key, db=batches)
         assert value is not None and len(value) > FIRST_FULL
-        assert batch_store.batch_bytes(txn, lambda: None, key, value) == data
+        assert batch_store.batch_bytes(txn, None, key, value) == data
 
 
 def big_pings(n: int, seed: int) -> PingColumns:
@@ -238,3 +238,41 @@ def test_a_snapshot_of_a_newer_format_is_refused_and_the_state_kept(tmp_path: Pa
     assert not (tmp_path / "follower.incoming").exists()
     assert len(fetched(follower, 0)) == 1
     follower.close()
+
+
+def test_a_read_only_view_reads_batches_in_pieces_from_its_first_read(tmp_path: Path) -> None:
+    """As the main process reads a worker's replica (``replica_view``): a
+    transaction cannot use a database opened after it began, so the view
+    opens ``batchmore`` before its reads, never inside one."""
+    writer = StateMachine(tmp_path / "sm", map_size=256 << 20)
+    cmds = commands()
+    apply_all(writer, cmds)
+    want = [fetched(writer, p) for p in range(2)]
+    digest = writer.digest()
+    writer.close()
+    view = StateMachine(tmp_path / "sm", map_size=256 << 20, readonly=True)
+    assert [fetched(view, p) for p in range(2)] == want and view.digest() == digest
+    view.close()
+
+
+def test_a_transaction_that_began_before_the_pieces_were_opened_says_so(
+    env: lmdb.Environment,
+) -> None:
+    batches = env.open_db(b"batches")
+    key = struct.pack(">IIQ", 1, 0, 0)
+    data = os.urandom(2 * PIECE)
+    with env.begin(write=True) as txn:  # a batch that fills its first value exactly
+        txn.put(key, HEADER.pack(1, T0) + data[:FIRST], db=batches)
+    with env.begin() as txn:  # no ``batchmore`` at all: the value is the whole batch
+        value = txn.get(key, db=batches)
+        assert value is not None
+        assert batch_store.batch_bytes(txn, None, key, value) == data[:FIRST]
+    more = env.open_db(batch_store.MORE_NAME)
+    with env.begin(write=True) as txn:
+        batch_store.put_batch(txn, batches, more, key, len(data), T0, data)
+    with env.begin() as txn:  # it exists, but was not opened for this transaction
+        value = txn.get(key, db=batches)
+        assert value is not None
+        with pytest.raises(batch_store.PiecesNotOpen):
+            batch_store.batch_bytes(txn, None, key, value)
+        assert batch_store.batch_bytes(txn, more, key, value) == data
