@@ -50,6 +50,36 @@ def _cpu() -> tuple[float, float]:
     return t.user, t.system
 
 
+def _timed_commits(
+    label: str, commits: int, reader_every: int, commit: Any, begin: Any, data_file: str
+) -> list[dict[str, Any]]:
+    """Call ``commit`` ``commits`` times, holding a read transaction from
+    ``begin`` (None: none) over half of every ``reader_every``; a row of CPU
+    per commit every 2,000."""
+    reader, t0, out = None, _cpu(), []
+    for c in range(1, commits + 1):
+        commit()
+        if begin is not None and c % reader_every == reader_every // 4:
+            reader = begin()
+        if reader is not None and c % reader_every == 3 * reader_every // 4:
+            reader.abort()
+            reader = None
+        if c % 2000 == 0:
+            t = _cpu()
+            row = {
+                "commits": c,
+                "cpu_ms_per_commit": round(1000 * (t[0] + t[1] - t0[0] - t0[1]) / 2000, 3),
+                "user_ms_per_commit": round(1000 * (t[0] - t0[0]) / 2000, 3),
+                "file_mib": os.path.getsize(data_file) >> 20,
+            }
+            print(f"{label:8s} {row}", file=sys.stderr)
+            out.append(row)
+            t0 = t
+    if reader is not None:
+        reader.abort()
+    return out
+
+
 def run(mode: str, commits: int, reader_every: int, chunk: int) -> list[dict[str, Any]]:
     if mode == "state":
         return run_state(commits, reader_every)
@@ -58,8 +88,10 @@ def run(mode: str, commits: int, reader_every: int, chunk: int) -> list[dict[str
     try:
         batches, index = env.open_db(b"batches"), env.open_db(b"timeidx")
         value = os.urandom(VALUE_BYTES)
-        k, reader, t0, out = 0, None, _cpu(), []
-        for c in range(1, commits + 1):
+        k = 0
+
+        def commit() -> None:
+            nonlocal k
             with env.begin(write=True) as txn:
                 for _ in range(PER_COMMIT):
                     key = k.to_bytes(8, "big")
@@ -70,25 +102,11 @@ def run(mode: str, commits: int, reader_every: int, chunk: int) -> list[dict[str
                         txn.put(key, value, db=batches)
                     txn.put((k * 7919 % 1_000_003).to_bytes(8, "big") + key, b"x" * 16, db=index)
                     k += 1
-            if mode != "plain" and c % reader_every == reader_every // 4:
-                reader = env.begin()
-            if reader is not None and c % reader_every == 3 * reader_every // 4:
-                reader.abort()
-                reader = None
-            if c % 2000 == 0:
-                t = _cpu()
-                row = {
-                    "commits": c,
-                    "cpu_ms_per_commit": round(1000 * (t[0] + t[1] - t0[0] - t0[1]) / 2000, 3),
-                    "user_ms_per_commit": round(1000 * (t[0] - t0[0]) / 2000, 3),
-                    "file_mib": os.path.getsize(os.path.join(d, "data.mdb")) >> 20,
-                }
-                print(f"{mode:8s} {row}", file=sys.stderr)
-                out.append(row)
-                t0 = t
-        if reader is not None:
-            reader.abort()
-        return out
+
+        begin = None if mode == "plain" else env.begin
+        return _timed_commits(
+            mode, commits, reader_every, commit, begin, os.path.join(d, "data.mdb")
+        )
     finally:
         env.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -141,8 +159,10 @@ def run_state(commits: int, reader_every: int) -> list[dict[str, Any]]:
     try:
         create, append = _append_entries()
         sm.apply([Entry(1, 1, EntryType.NORMAL, create)], results=False)
-        index, reader, t0, out = 1, None, _cpu(), []
-        for c in range(1, commits + 1):
+        index = 1
+
+        def commit() -> None:
+            nonlocal index
             sm.apply(
                 [
                     Entry(1, index + 1, EntryType.NORMAL, append),
@@ -151,25 +171,15 @@ def run_state(commits: int, reader_every: int) -> list[dict[str, Any]]:
                 results=False,
             )
             index += 2
-            if c % reader_every == reader_every // 4:
-                reader = sm.env.begin()
-            if reader is not None and c % reader_every == 3 * reader_every // 4:
-                reader.abort()
-                reader = None
-            if c % 2000 == 0:
-                t = _cpu()
-                row = {
-                    "commits": c,
-                    "cpu_ms_per_commit": round(1000 * (t[0] + t[1] - t0[0] - t0[1]) / 2000, 3),
-                    "user_ms_per_commit": round(1000 * (t[0] - t0[0]) / 2000, 3),
-                    "file_mib": os.path.getsize(os.path.join(d, "state", "data.mdb")) >> 20,
-                }
-                print(f"state    {row}", file=sys.stderr)
-                out.append(row)
-                t0 = t
-        if reader is not None:
-            reader.abort()
-        return out
+
+        return _timed_commits(
+            "state",
+            commits,
+            reader_every,
+            commit,
+            sm.env.begin,
+            os.path.join(d, "state", "data.mdb"),
+        )
     finally:
         sm.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commits", type=int, default=12_000)
     ap.add_argument("--reader-every", type=int, default=2_000)
     ap.add_argument("--chunk", type=int, default=4080, help="bytes per chunk (chunked mode)")
-    ap.add_argument("--modes", default="plain,reader,chunked")
+    ap.add_argument("--modes", default="plain,reader,chunked,state")
     args = ap.parse_args(argv)
     figures = {
         "commits": args.commits,
