@@ -42,6 +42,10 @@ acknowledged publish is stored exactly once in each of its partitions, at
 the offset its answer gave, and nowhere else; (2) no publish, retried or
 not, is stored more than once in any partition; (3) nothing of a publish
 refused for sure is stored; and nothing is stored that was never sent.
+
+Consumers read what these clients store and commit their offsets through
+group 0 (consumers.py): issue 18's third client-level check, a consumer
+offset never ahead of what the partition's data group committed.
 """
 
 from __future__ import annotations
