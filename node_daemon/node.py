@@ -421,6 +421,31 @@ class RaftNode:
         await self.wait_applied(index)
         return index
 
+    @property
+    def caught_up_as_leader(self) -> bool:
+        """Leading, and every write committed before this term is applied
+        here (``RaftCore.leads_caught_up``)."""
+        return self.core.leads_caught_up(self.sm.applied_index)
+
+    async def wait_caught_up_as_leader(self, timeout: float) -> None:
+        """Wait until ``caught_up_as_leader``, or until this node is not the
+        leader (the caller then refuses as it would); UNAVAILABLE (try
+        again) if it does not catch up within ``timeout`` seconds."""
+
+        def done() -> bool:
+            return self.caught_up_as_leader or not self.is_leader
+
+        if done():
+            return
+        try:
+            async with self._applied:
+                await asyncio.wait_for(self._applied.wait_for(done), timeout)
+        except TimeoutError:
+            if self.is_leader:
+                raise RoadlogError(
+                    Code.UNAVAILABLE, "a new leader is still applying what was committed: try again"
+                ) from None
+
     async def wait_applied(self, index: int, timeout: float | None = None) -> None:
         async with self._applied:
             await asyncio.wait_for(

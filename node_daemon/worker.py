@@ -100,6 +100,7 @@ Outcome = OpResult | BaseException  # a publish's result, or why it has none
 
 
 PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for group 0 to know an id
+LEADER_CATCH_UP_S = 2.0  # how long a new leader waits to apply its term's first entry
 PLACEMENT_WAIT_S = 3.0  # how long a data group's leader waits for a new topic to be placed
 
 
@@ -292,6 +293,11 @@ class WorkHandler:
             # Publishes carry it to the moment they enter the log (_Call).
             self._deadlines[id(item)] = item_deadline(item, _monotonic(), time.time())
         try:
+            if item.kind == work_pb2.WORK_KIND_WRITE and self.node.is_leader:
+                # What a leader checks before it proposes (topics, producer
+                # ids, consumer groups, identities) is read from its state,
+                # which must hold every write acknowledged before it led.
+                await self.node.wait_caught_up_as_leader(LEADER_CATCH_UP_S)
             out = await handler(item)
             res.code, res.message, res.response = out.code, out.message, out.response
             if isinstance(out, SplitResult):

@@ -669,6 +669,16 @@ class RaftCore:
     def _committed_in_term(self) -> bool:
         return self.log.term_or_zero(self.log.committed) == self.term
 
+    def leads_caught_up(self, applied: int) -> bool:
+        """Leading, with a state machine that has applied up to ``applied``
+        holding every entry committed before this term: the entry at
+        ``applied`` is of this term, so this term's first entry (which
+        follows all its predecessors committed) is applied. A new leader
+        may not know yet that its predecessors' last entries committed;
+        until this holds, a write they acknowledged may be missing from its
+        state, and nothing may be judged from that state."""
+        return self.role == Role.LEADER and self.log.term_or_zero(applied) == self.term
+
     def _send_append(self, to: int, send_empty: bool = True) -> bool:
         pr = self.prs[to]
         if pr.is_paused():

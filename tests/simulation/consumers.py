@@ -282,6 +282,7 @@ class ConsumerFront:
         self.next_ctx = 0
         self.read_indexes = 0  # commits judged again after a ReadIndex
         self.missing_groups = 0  # commits a leader lagging its own group 0 refused
+        self.not_caught_up = 0  # commits a new leader sent back before it caught up
 
     def creation_ops(self) -> list[command_pb2.Op]:
         """What group 0's first write adds on the real state machine: its
@@ -403,6 +404,15 @@ class ConsumerFront:
         req = client_pb2.CommitOffsetsRequest.FromString(it.request)
         if not self.judged:
             front.propose(node, wid, it, self._proposal(req))
+            return
+        if node.core is not None and not node.core.leads_caught_up(node.sm.applied):
+            # As the product's WorkHandler.run: a new leader judges nothing
+            # from its state before it has applied an entry of its own term
+            # (it waits up to LEADER_CATCH_UP_S, then answers UNAVAILABLE;
+            # here at once), so a consumer group whose join was acknowledged
+            # is never missing from it.
+            self.not_caught_up += 1
+            front.answer_held(wid, it, OpResult(Code.UNAVAILABLE, "a new leader is catching up"))
             return
         try:
             group = self._partition_group(node, req)

@@ -837,6 +837,7 @@ class Result:
     offset_refused: int = 0  # refused as past the partition's end
     offset_read_index: int = 0  # judged again after a ReadIndex of the data group
     offset_missing_group: int = 0  # refused NOT_FOUND by a leader lagging the group's join
+    offset_not_caught_up: int = 0  # sent back by a new leader not yet caught up
 
 
 class GroupOps:
@@ -1295,6 +1296,7 @@ class Simulation(GroupOps):
             self.stats.offset_refused = len(self.consumers.history.refused)
             self.stats.offset_read_index = self.consumers.read_indexes
             self.stats.offset_missing_group = self.consumers.missing_groups
+            self.stats.offset_not_caught_up = self.consumers.not_caught_up
         self.stats.applied = members[0].sm.applied if members else 0
 
     def _describe(self) -> str:

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         "offset_refused": 0,
         "offset_read_index": 0,
         "offset_missing_group": 0,
+        "offset_not_caught_up": 0,
     }
     seeds = range(args.start, args.start + args.seeds)
     for done, r in enumerate(run_seeds(seeds, args.jobs), start=1):

@@ -722,3 +722,26 @@ def test_take_committed_gives_only_entries_on_disk_once_each() -> None:
     nxt = leader.ready()
     assert [e.index for e in nxt.committed_entries] == [b]  # a is never applied twice
     assert leader.log.applied == a
+
+
+def test_a_new_leader_is_caught_up_only_once_it_applied_an_entry_of_its_term() -> None:
+    """``leads_caught_up``: what a leader checks before proposing may be read
+    from its state only once that state holds every entry its predecessors
+    committed, i.e. once an entry of its own term is applied."""
+    net = _net()
+    net.elect(1)
+    net.cores[1].propose(b"a write of term 1's leader")
+    net.stabilize()
+    one, two = net.cores[1], net.cores[2]
+    before = net.applied[1][-1]
+    assert before.data == b"a write of term 1's leader"
+    assert one.leads_caught_up(before.index)
+    assert not two.leads_caught_up(net.applied[2][-1].index)  # a follower never is
+    net.elect(2)
+    assert two.role == Role.LEADER and two.term > before.term
+    # Applied up to the old leader's last write, not yet its own term's first entry:
+    assert not two.leads_caught_up(before.index)
+    first_of_term = net.applied[2][-1]
+    assert first_of_term.term == two.term and first_of_term.index > before.index
+    assert two.leads_caught_up(first_of_term.index)
+    assert not one.leads_caught_up(net.applied[1][-1].index)  # it no longer leads

@@ -10,9 +10,11 @@ from typing import Any
 import grpc
 import pytest
 
+from node_daemon import worker
 from node_daemon.state.machine import OpResult
 from node_daemon.worker import WorkHandler
 from roadlog.columnar import PingColumns, encode
+from roadlog.errors import Code, RoadlogError
 from roadlog.geo import bbox_region
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.v1 import client_pb2, pings_pb2, topics_pb2, work_pb2
@@ -44,6 +46,9 @@ class StubNode:
         self.sm = SimpleNamespace(topic=lambda name: topic, data_groups=lambda: 1)
 
     async def proposals_taken(self) -> None:
+        return None
+
+    async def wait_caught_up_as_leader(self, timeout: float) -> None:
         return None
 
     async def propose_op(self, op: Any, deadline: float | None = None) -> OpResult:
@@ -204,3 +209,59 @@ def test_calls_merged_into_one_proposal_each_get_their_own_publishes_answers() -
     assert [r.response for r in a.results] == [b"span0", b"", b"span1"]
     assert a.results[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert [r.response for r in b.results] == [b"span2"]
+
+
+class CatchingUpNode(StubNode):
+    """A new leader that has not applied its own term's first entry yet:
+    a write its predecessor acknowledged may still be missing from its state."""
+
+    def __init__(self) -> None:
+        super().__init__("ok")
+        self.caught_up = asyncio.Event()
+        self.proposed = 0
+
+    async def wait_caught_up_as_leader(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.caught_up.wait(), timeout)
+        except TimeoutError:
+            raise RoadlogError(Code.UNAVAILABLE, "still applying: try again") from None
+
+    async def propose_op(self, op: Any, deadline: float | None = None) -> OpResult:
+        self.proposed += 1
+        return await super().propose_op(op, deadline)
+
+
+def _write_item() -> work_pb2.WorkItem:
+    body = client_pb2.PublishBatchRequestView(requests=[publish()]).SerializeToString()
+    return work_pb2.WorkItem(
+        id=1, method="PublishBatch", request=body, kind=work_pb2.WORK_KIND_WRITE
+    )
+
+
+def test_a_new_leader_takes_a_write_in_only_once_it_caught_up() -> None:
+    async def go() -> None:
+        node = CatchingUpNode()
+        task = asyncio.ensure_future(WorkHandler(node).run(_write_item()))  # type: ignore[arg-type]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not task.done() and node.proposed == 0  # nothing read or proposed yet
+        node.caught_up.set()
+        res = await asyncio.wait_for(task, 10)
+        assert res.code == 0 and node.proposed == 1
+
+    asyncio.run(go())
+
+
+def test_a_leader_that_does_not_catch_up_in_time_answers_try_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker, "LEADER_CATCH_UP_S", 0.05)
+
+    async def go() -> work_pb2.WorkResult:
+        node = CatchingUpNode()
+        res = await WorkHandler(node).run(_write_item())  # type: ignore[arg-type]
+        assert node.proposed == 0
+        return res
+
+    res = asyncio.run(go())
+    assert res.code == Code.UNAVAILABLE and "try again" in res.message
