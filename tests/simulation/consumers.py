@@ -74,7 +74,7 @@ from queue_server.queues import Item
 from roadlog.errors import Code, RoadlogError
 from roadlog.placement import group_of
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2
-from tests.simulation.split import REGION, SPLIT_PARTITIONS, SPLIT_TOPIC
+from tests.simulation.split import REGION, SPLIT_PARTITIONS, SPLIT_TOPIC, drive_clients
 
 if TYPE_CHECKING:
     from tests.simulation.harness import DataGroup, SimNode, Simulation
@@ -543,20 +543,14 @@ class ConsumerFront:
             elif not self._advance(j):
                 still.append(j)
         self.judging = still
-        now = self.sim.now
-        for c in self.consumers:
-            if c.busy and c.retry_at is None and now >= c.deadline:
-                self._failed(c)
-            if c.busy and c.retry_at is not None:
-                if now >= c.retry_at:
-                    self._submit(c)
-            elif (
-                not c.busy
-                and self.sim.chaos
-                and self._ready()
-                and self.rng.random() < self.p_commit
-            ):
-                self._read_and_commit(c)
+        drive_clients(
+            self.consumers,
+            self.sim.now,
+            lambda: self.sim.chaos and self._ready() and self.rng.random() < self.p_commit,
+            self._failed,
+            self._submit,
+            self._read_and_commit,
+        )
 
     def busy(self) -> bool:
         """A commit is under way, unless it waits for a group 0 leader that

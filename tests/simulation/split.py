@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from node_daemon.appends import split_by_group
 from node_daemon.state.machine import OpResult, append_op
@@ -165,6 +165,29 @@ def stored_split_rows(sm: object) -> dict[int, list[Key]]:
 
 
 # ----------------------------------------------------------------- the checker
+
+
+def drive_clients(
+    clients: Iterable[Any],
+    now: int,
+    start: Callable[[], bool],
+    failed: Callable[[Any], None],
+    submit: Callable[[Any], None],
+    begin: Callable[[Any], None],
+) -> None:
+    """One step of simulated clients that retry (split publishers,
+    consumers): a try past its deadline has failed (``failed``), one due
+    again is sent again (``submit``), and an idle client begins anew
+    (``begin``) when ``start()`` says so (asked of idle clients only, in
+    order, so that seeds draw their random numbers as before)."""
+    for c in clients:
+        if c.busy and c.retry_at is None and now >= c.deadline:
+            failed(c)  # it gives up waiting on this try
+        if c.busy and c.retry_at is not None:
+            if now >= c.retry_at:
+                submit(c)
+        elif not c.busy and start():
+            begin(c)
 
 
 @dataclass
@@ -406,20 +429,14 @@ class SplitFront:
     # -- the run ----------------------------------------------------------------
 
     def step(self) -> None:
-        now = self.sim.now
-        for c in self.clients:
-            if c.busy and c.retry_at is None and now >= c.deadline:
-                self._failed(c)  # it gives up waiting on this try
-            if c.busy and c.retry_at is not None:
-                if now >= c.retry_at:
-                    self._submit(c)
-            elif (
-                not c.busy
-                and self.sim.chaos
-                and self._ready()
-                and self.rng.random() < self.p_submit
-            ):
-                self._new_publish(c)
+        drive_clients(
+            self.clients,
+            self.sim.now,
+            lambda: self.sim.chaos and self._ready() and self.rng.random() < self.p_submit,
+            self._failed,
+            self._submit,
+            self._new_publish,
+        )
 
     def busy(self) -> bool:
         return any(c.busy for c in self.clients)
