@@ -13,6 +13,7 @@ all of these (``roadlog --cluster DIR``: its admin token too).
 
 from __future__ import annotations
 
+import collections
 import os
 import ssl
 from collections.abc import Sequence
@@ -75,15 +76,16 @@ class ClientTLS:
         except OSError as e:
             raise ValueError(f"cannot read {p}: {e.strerror}") from None
 
-    def credentials(self) -> grpc.ChannelCredentials | None:
-        """gRPC channel credentials (None: plaintext)."""
+    def credentials(self, with_token: bool = True) -> grpc.ChannelCredentials | None:
+        """gRPC channel credentials (None: plaintext); ``with_token``: every
+        call on the channel carries the token (``authorization: Bearer``)."""
         if self.insecure:
             return None
         cert, key = self._read(self.cert_file), self._read(self.key_file)
         if (cert is None) != (key is None):
             raise ValueError("a client certificate needs both its certificate and its key file")
         creds = grpc.ssl_channel_credentials(self._read(self.ca_file), key, cert)
-        if self.token:  # every call on the channel carries it: authorization: Bearer TOKEN
+        if self.token and with_token:
             return grpc.composite_channel_credentials(
                 creds, grpc.access_token_call_credentials(self.token)
             )
@@ -92,10 +94,18 @@ class ClientTLS:
     def channel(
         self, target: str, options: Sequence[tuple[str, Any]] | None = None
     ) -> grpc.Channel:
-        creds = self.credentials()
+        """A blocking channel. Over TLS its calls carry the token from an
+        interceptor, not from call credentials: those run a Python callback
+        on a thread of gRPC's for every call, and closing the channel while
+        one runs can deadlock on the GIL (grpc/grpc#42247; seen here as a
+        status poll's ``with channel:`` that never returned)."""
+        creds = self.credentials(with_token=False)
         if creds is None:
             return grpc.insecure_channel(target, options=options)
-        return grpc.secure_channel(target, creds, options=options)
+        ch = grpc.secure_channel(target, creds, options=options)
+        if self.token:
+            return grpc.intercept_channel(ch, _BearerToken(self.token))
+        return ch
 
     def aio_channel(
         self, target: str, options: Sequence[tuple[str, Any]] | None = None
@@ -113,3 +123,50 @@ class ClientTLS:
         if self.cert_file is not None and self.key_file is not None:
             ctx.load_cert_chain(self.cert_file, self.key_file)
         return ctx
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer TOKEN`` to every call of a blocking
+    channel (what ``access_token_call_credentials`` does, in the caller's
+    thread)."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = ("authorization", f"Bearer {token}")
+
+    def _details(self, d: Any) -> _CallDetails:
+        metadata = [*(d.metadata or ()), self._pair]
+        return _CallDetails(
+            d.method,
+            d.timeout,
+            metadata,
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation: Any, d: Any, request: Any) -> Any:
+        return continuation(self._details(d), request)
+
+    def intercept_unary_stream(self, continuation: Any, d: Any, request: Any) -> Any:
+        return continuation(self._details(d), request)
+
+    def intercept_stream_unary(self, continuation: Any, d: Any, requests: Any) -> Any:
+        return continuation(self._details(d), requests)
+
+    def intercept_stream_stream(self, continuation: Any, d: Any, requests: Any) -> Any:
+        return continuation(self._details(d), requests)

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from roadlog.cli import cli
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.config import ConfigError
 from roadlog.runtime.tls import (
     CertAuth,
@@ -242,3 +243,48 @@ def test_ssl_contexts_verify_both_ends(test_ca: ClusterCA) -> None:
     assert server.verify_mode == ssl.CERT_REQUIRED and client.check_hostname
     assert c.server_ssl(False).verify_mode == ssl.CERT_NONE
     assert os.path.exists(c.ca_file)
+
+
+class _Recorder(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.tokens: list[list[str]] = []
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        md = context.invocation_metadata() or ()
+        self.tokens.append([v for k, v in md if k == "authorization"])
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_a_blocking_tls_channel_sends_the_token_with_every_call_and_closes(
+    test_ca: ClusterCA,
+) -> None:
+    """``ClientTLS.channel`` carries the token from an interceptor (call
+    credentials run a Python callback that can deadlock the channel's
+    close on the GIL): every call has it once, and the channel closes."""
+    tls = ClientTLS(
+        ca_file=test_ca.ca_file,
+        cert_file=test_ca.client() / "client.admin.crt",
+        key_file=test_ca.client() / "client.admin.key",
+        token="t0k3n",
+    )
+
+    def calls(port: int) -> None:
+        for _ in range(20):  # a channel per call, as status polls do
+            with tls.channel(f"127.0.0.1:{port}") as ch:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    async def main() -> list[list[str]]:
+        server = grpc.aio.server()
+        h = _Recorder()
+        health_pb2_grpc.add_HealthServicer_to_server(h, server)
+        port = test_ca.security("node", 1).add_port(server, "127.0.0.1:0", mutual=True)
+        await server.start()
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(None, calls, port), 60
+            )
+        finally:
+            await server.stop(None)
+        return h.tokens
+
+    assert asyncio.run(main()) == [["Bearer t0k3n"]] * 20
