@@ -274,9 +274,11 @@ class StateMachine:
             self.applied_index = self._meta_int(txn, b"applied_index")
             self.applied_term = self._meta_int(txn, b"applied_term")
             self.log_ms = self._meta_int(txn, b"log_ms")  # 0: nothing applied yet
-        if stored_format > STATE_FORMAT:
+        try:
+            _refuse_newer(self.path, stored_format)
+        except StateFormatError:
             self.env.close()
-            raise _format_error(self.path, stored_format)
+            raise
         if not self.readonly and stored_format < STATE_FORMAT:
             with self.env.begin(write=True) as txn:
                 txn.put(_FORMAT_KEY, _U64.pack(STATE_FORMAT), db=self.meta)
@@ -1389,42 +1391,47 @@ class StateMachine:
         self._open()
 
 
-def _check_format(directory: Path) -> None:
-    """StateFormatError if the state environment in ``directory`` (opened
-    read-only, without a lock file) has a format this release cannot read."""
+def _stored_meta(directory: str | os.PathLike[str], keys: Sequence[bytes]) -> list[int] | None:
+    """The integers under ``keys`` in the ``meta`` of the state environment
+    in ``directory`` (0 where absent), opened read-only and without a lock
+    file; None if it has no ``meta`` (nothing was ever applied)."""
     env = lmdb.open(str(directory), readonly=True, lock=False, max_dbs=16)
     try:
         try:
             meta = env.open_db(b"meta", create=False)
         except lmdb.NotFoundError:
-            return  # nothing applied: any release reads it
+            return None
         with env.begin() as txn:
-            raw = txn.get(_FORMAT_KEY, db=meta)
+            values = [txn.get(k, db=meta) for k in keys]
     finally:
         env.close()
-    stored = int(_U64.unpack(raw)[0]) if raw else 1
+    return [int(_U64.unpack(v)[0]) if v else 0 for v in values]
+
+
+def _refuse_newer(directory: Path, stored: int) -> None:
+    """StateFormatError if ``stored`` is a format this release cannot read."""
     if stored > STATE_FORMAT:
-        raise _format_error(directory, stored)
+        raise StateFormatError(
+            f"the state in {directory} has format {stored}, written by a newer release of "
+            f"roadlog; this one reads formats up to {STATE_FORMAT}"
+        )
 
 
-def _format_error(directory: Path, stored: int) -> StateFormatError:
-    return StateFormatError(
-        f"the state in {directory} has format {stored}, written by a newer release of "
-        f"roadlog; this one reads formats up to {STATE_FORMAT}"
-    )
+def _check_format(directory: Path) -> None:
+    """StateFormatError if the state environment in ``directory`` has a
+    format this release cannot read (one with nothing applied: any reads it)."""
+    stored = _stored_meta(directory, [_FORMAT_KEY])
+    if stored is not None:
+        _refuse_newer(directory, stored[0])
 
 
 def applied_of(directory: str | os.PathLike[str]) -> tuple[int, int]:
     """The (applied index, applied term) recorded in a state environment's
     copy, opened read-only and without a lock file."""
-    env = lmdb.open(str(directory), readonly=True, lock=False, max_dbs=16)
-    try:
-        meta = env.open_db(b"meta", create=False)
-        with env.begin() as txn:
-            values = [txn.get(k, db=meta) for k in (b"applied_index", b"applied_term")]
-    finally:
-        env.close()
-    index, term = (int(_U64.unpack(v)[0]) if v else 0 for v in values)
+    values = _stored_meta(directory, [b"applied_index", b"applied_term"])
+    if values is None:
+        raise lmdb.NotFoundError(f"no meta database in the state in {directory}")
+    index, term = values
     return index, term
 
 
