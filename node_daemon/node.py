@@ -432,14 +432,12 @@ class RaftNode:
         leader (the caller then refuses as it would); UNAVAILABLE (try
         again) if it does not catch up within ``timeout`` seconds."""
 
-        def done() -> bool:
-            return self.caught_up_as_leader or not self.is_leader
-
-        if done():
+        if self.caught_up_as_leader or not self.is_leader:
             return
         try:
-            async with self._applied:
-                await asyncio.wait_for(self._applied.wait_for(done), timeout)
+            await self._until_applied(
+                lambda: self.caught_up_as_leader or not self.is_leader, timeout
+            )
         except TimeoutError:
             if self.is_leader:
                 raise RoadlogError(
@@ -447,10 +445,13 @@ class RaftNode:
                 ) from None
 
     async def wait_applied(self, index: int, timeout: float | None = None) -> None:
+        await self._until_applied(lambda: self.sm.applied_index >= index, timeout)
+
+    async def _until_applied(self, done: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until ``done()``, asked again whenever the applied index
+        moves (TimeoutError after ``timeout`` seconds)."""
         async with self._applied:
-            await asyncio.wait_for(
-                self._applied.wait_for(lambda: self.sm.applied_index >= index), timeout
-            )
+            await asyncio.wait_for(self._applied.wait_for(done), timeout)
 
     async def conf_change(self, cc: ConfChange) -> int:
         """Propose a configuration change; returns its index once that very

@@ -58,18 +58,17 @@ def batch_bytes(txn: Any, more: Any, key: bytes, value: bytes) -> bytes:
     read under ``key``) is ``value``; ``more``: ``batchmore`` as opened
     before ``txn`` began, None if it was not (PiecesNotOpen if this batch
     may go on there and it exists in ``txn``)."""
-    data = bytes(value[HEADER.size :])
     if len(value) != FIRST_FULL:
-        return data
+        return bytes(value[HEADER.size :])
     if more is None:
         if txn.get(MORE_NAME) is not None:  # a named database is a key of the main one
             raise PiecesNotOpen(key)
-        return data
-    pieces = [data]
+        return bytes(value[HEADER.size :])
+    pieces: list[bytes | memoryview] = [memoryview(value)[HEADER.size :]]
     cur = txn.cursor(db=more)
     if cur.set_range(key):
         for k, v in cur:
-            if not k.startswith(key) or len(k) != len(key) + _NUMBER.size:
+            if not k.startswith(key):  # every key there is a batch's key + a number
                 break
             pieces.append(v)
     return b"".join(pieces)
@@ -95,7 +94,7 @@ def delete_batch(txn: Any, batches: Any, more: Any, key: bytes) -> bytes | None:
     if len(value) == FIRST_FULL:
         cur = txn.cursor(db=more)
         if cur.set_range(key):
-            while cur.key().startswith(key) and len(cur.key()) == len(key) + _NUMBER.size:
+            while cur.key().startswith(key):
                 if not cur.delete():
                     break
     return value
