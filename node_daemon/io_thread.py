@@ -13,7 +13,10 @@ one (snapshots compact the log on the log's thread).
 Invariants: jobs run one at a time, in the order they were handed over;
 each future is settled exactly once, with the job's result or exception
 (a future cancelled meanwhile is left alone); after ``shutdown`` the
-thread finishes the jobs already handed over and takes no more.
+thread finishes the jobs already handed over and takes no more. ``idle``
+is true only when every job handed over has finished: a caller that is the
+only one handing jobs over may then do the thread's kind of work itself,
+knowing that nothing runs beside it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class IoThread(concurrent.futures.Executor):
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
+        self._handed = 0  # jobs handed over (by the callers)
+        self._finished = 0  # jobs finished (by the thread)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -55,6 +60,7 @@ class IoThread(concurrent.futures.Executor):
         if self._closed:
             raise RuntimeError("the I/O thread is shut down")
         fut: asyncio.Future[T] = loop.create_future()
+        self._handed += 1
         self._jobs.put((functools.partial(fn, *args), loop, fut))
         return fut
 
@@ -64,8 +70,15 @@ class IoThread(concurrent.futures.Executor):
         if self._closed:
             raise RuntimeError("the I/O thread is shut down")
         cf: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._handed += 1
         self._jobs.put((functools.partial(fn, *args, **kwargs), None, cf))
         return cf
+
+    @property
+    def idle(self) -> bool:
+        """Every job handed over has finished (its future may not be settled
+        on its loop yet)."""
+        return self._finished == self._handed
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if not self._closed:
@@ -83,10 +96,12 @@ class IoThread(concurrent.futures.Executor):
                         fut.set_result(fn())
                     except BaseException as e:
                         fut.set_exception(e)
+                self._finished += 1
                 continue
             try:
                 result, exc = fn(), None
             except BaseException as e:
                 result, exc = None, e
+            self._finished += 1
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 loop.call_soon_threadsafe(_settle, fut, result, exc)

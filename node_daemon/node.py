@@ -7,7 +7,9 @@ advance; apply committed entries already on disk while a write runs) is
 ``raft.driver.ReadyDriver``, shared with the simulation and the unit tests;
 this module gives it its I/O: one LMDB transaction and one fsync per Ready
 in the log's thread, applies inline or in the state machine's thread, the
-peer transport. Completions come back as ``write_done``/``apply_done`` on
+peer transport. While no group on the event loop leads, a Ready's write and
+applies are done on the loop itself (``_inline_io``): a follower has nothing
+else to do meanwhile, and saves two thread hops and their wake-ups a round. Completions come back as ``write_done``/``apply_done`` on
 the event loop. While a write is in flight the driver task keeps stepping
 the core with what arrives, and proposals that arrive pile up into the next
 Ready: group commit comes from that, one fsync for all of them.
@@ -98,6 +100,9 @@ log = logging.getLogger("roadlog.node")
 
 # Committed entries up to this size are applied on the event loop (see _apply).
 INLINE_APPLY_BYTES = 256 << 10
+# While no group on the event loop leads, log writes and applies up to this
+# size are done on it (see _inline_io).
+FOLLOWER_INLINE_BYTES = 4 << 20
 # Kept in the Raft log's directory while the node catches up after starting
 # empty (see the module docstring); a wipe or a restore takes it along.
 CATCHING_UP_FILE = "catching-up"
@@ -177,6 +182,9 @@ class RaftNode:
         # Every group this node runs, by number (RaftGroups fills it in; a
         # node run alone runs its own group only).
         self.raft_groups: dict[int, Replica] = {group: self}
+        # The groups whose I/O shares this node's event loop (RaftGroups
+        # sets them; see _inline_io).
+        self.loop_mates: list[RaftNode] = [self]
         data = group_data_dir(Path(cfg.data_dir), group)
         # A log the disk damaged is set aside: this group then starts empty
         # and catches up (a node with no peer to catch it up refuses to start).
@@ -721,17 +729,46 @@ class RaftNode:
     # The driver's I/O: the log's thread, the state machine (inline or on the
     # apply thread), the transport. Completions come back on the event loop.
 
+    def _inline_io(self, io: IoThread, nbytes: int) -> bool:
+        """Whether a log write or an apply of ``nbytes`` is done right here
+        on the event loop rather than handed to ``io``'s thread: when no
+        group on this loop leads, nothing else waits on the loop meanwhile
+        but this follower's own next message, which must wait for the
+        write anyway, and two thread hops and their wake-ups per Raft round
+        are saved. A leader keeps the threads, so that it validates,
+        proposes and sends while its write runs. Only while ``io`` is idle
+        (a snapshot's log compaction may be running there), and only up to
+        FOLLOWER_INLINE_BYTES (a catch-up's big writes keep the loop free)."""
+        return (
+            nbytes <= FOLLOWER_INLINE_BYTES
+            and io.idle
+            and not any(n.is_leader for n in self.loop_mates)
+        )
+
     def _write_log(self, w: LogWrite) -> bool:
         if not self.log_store.writes(w.entries, w.snapshot, w.sync):
             # Only the commit index moved: nothing touches the disk, no thread hop.
-            try:
-                self.log_store.save(w.hard_state, w.entries, w.snapshot, w.sync)
-                return True
-            except StorageFullError as e:
-                self._out_of_space(e, "log write", lambda: self._save(w))
-                return False
+            return self._save_here(w)
+        if w.snapshot is None and self._inline_io(self._log_io, sum(e.size() for e in w.entries)):
+            return self._save_here(w)
         self._save(w)
         return False
+
+    def _save_here(self, w: LogWrite) -> bool:
+        """Persist ``w`` on the event loop: True once durable; False when it
+        failed (for want of space: tried again on the log's thread after a
+        backoff; otherwise fatal, raised by the driver task)."""
+        try:
+            self.log_store.save(w.hard_state, w.entries, w.snapshot, w.sync)
+        except StorageFullError as e:
+            self._out_of_space(e, "log write", lambda: self._save(w))
+            return False
+        except Exception as e:
+            self._failure = e
+            return False
+        if self.log_store.writes(w.entries, w.snapshot, w.sync):
+            self.disk.write_succeeded()
+        return True
 
     def _save(self, w: LogWrite) -> None:
         """Persist ``w`` on the log's thread; report it, or try it again
@@ -754,8 +791,9 @@ class RaftNode:
     def _apply_job(self, job: ApplyJob) -> bool:
         """Install a snapshot (on the apply thread, once a snapshot being
         taken is done), or apply committed entries: small ones right here
-        (LMDB without fsync takes less than a thread hop), big ones on the
-        apply thread. The driver hands out one job at a time."""
+        (LMDB without fsync takes less than a thread hop), and on a follower
+        (``_inline_io``) big ones too; others on the apply thread. The
+        driver hands out one job at a time."""
         if job.snapshot is not None:
             self._install(job)
             return False
@@ -764,7 +802,8 @@ class RaftNode:
         # entry it proposes is in the log, so in PendingProposals, before it
         # can be applied): a follower's applies answer nobody.
         wanted = len(self._pending) > 0
-        if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
+        nbytes = sum(len(e.data) for e in entries)
+        if nbytes <= INLINE_APPLY_BYTES or self._inline_io(self._apply_io, nbytes):
             try:
                 self._resolve(entries, self.sm.apply(entries, wanted))
                 return True

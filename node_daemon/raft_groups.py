@@ -94,6 +94,7 @@ class RaftGroups:
         reads: dict[int, Replica] = {0: self.group0, **(remote or {}), **self.nodes}
         for node in self.nodes.values():
             node.raft_groups = reads
+            node.loop_mates = list(self.nodes.values())
         self.balancer = LeaderBalancer(cfg.node_id)
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -74,3 +75,34 @@ def test_it_is_an_executor_and_shutdown_finishes_what_was_handed_over() -> None:
     assert late.done() and done == [1]
     with pytest.raises(RuntimeError, match="shut down"):
         io.submit(done.append, 2)
+
+
+def test_idle_only_once_every_job_handed_over_has_finished() -> None:
+    io = IoThread("test-io")
+    gate = threading.Event()
+    assert io.idle
+    try:
+        running = io.submit(gate.wait, 10)
+        queued = io.submit(lambda: 1)
+        assert not io.idle  # one runs, one waits behind it
+        gate.set()
+        assert running.result(10) and queued.result(10) == 1
+
+        def finished() -> bool:  # the thread counts a job once its future is set
+            deadline = time.monotonic() + 10
+            while not io.idle and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return io.idle
+
+        assert finished()
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            fut = io.call(loop, gate.wait, 10)
+            assert not io.idle
+            await fut
+
+        asyncio.run(main())
+        assert finished()
+    finally:
+        io.shutdown()

@@ -1,0 +1,148 @@
+"""A node that leads no group on its event loop writes its Raft log and
+applies on the loop itself (no thread hop); a leader, a node whose loop
+runs a group it leads, a write while the log's thread is busy (a
+compaction there) and a write too big keep the threads. Either way the
+write is durable in LMDB before it is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from node_daemon import node as node_module
+from node_daemon.config import NodeConfig
+from node_daemon.node import RaftNode
+from node_daemon.raft import ApplyJob, Entry, HardState, LogWrite
+from node_daemon.raft.types import Role
+from roadlog.runtime.processes import free_port
+from roadlog.v1 import command_pb2
+
+pytestmark = pytest.mark.unit
+
+
+def _node(tmp_path: Path, name: str = "n1") -> RaftNode:
+    addr = f"127.0.0.1:{free_port()}"
+    other = f"127.0.0.1:{free_port()}"
+    cfg = NodeConfig(node_id=1, data_dir=tmp_path / name, listen=addr, peers={1: addr, 2: other})
+    node = RaftNode(cfg)
+    node._loop = asyncio.get_running_loop()
+    return node
+
+
+def _close(node: RaftNode) -> None:
+    node._log_io.shutdown()
+    node._apply_io.shutdown()
+    node.sm.close()
+    node.log_store.close()
+
+
+def _write(first: int, n: int, size: int = 100) -> LogWrite:
+    entries = [Entry(1, i, data=bytes([i % 256]) * size) for i in range(first, first + n)]
+    return LogWrite(HardState(1, 0, 0), entries, None, True)
+
+
+def _stored(node: RaftNode, lo: int, hi: int) -> list[Entry]:
+    with node.log_store.env.begin() as txn:  # read from LMDB, not the recent cache
+        assert txn.stat(node.log_store._log)["entries"] >= hi - lo
+    return node.log_store.entries(lo, hi)
+
+
+async def _reported(node: RaftNode, write: LogWrite) -> None:
+    done = asyncio.Event()
+
+    def write_done(w: LogWrite) -> None:
+        if w is write:
+            done.set()
+
+    node.driver.write_done = write_done  # type: ignore[method-assign]
+    await asyncio.wait_for(done.wait(), 10)
+
+
+def test_a_follower_writes_on_the_loop_and_a_leader_on_the_thread(tmp_path: Path) -> None:
+    async def main() -> None:
+        node = _node(tmp_path)
+        try:
+            assert not node.is_leader
+            handed = node._log_io._handed
+            w = _write(1, 3)
+            assert node._write_log(w) is True  # durable when it returns
+            assert node._log_io._handed == handed  # no job for the log's thread
+            assert [e.data for e in _stored(node, 1, 4)] == [e.data for e in w.entries]
+
+            node.core.role = Role.LEADER
+            w = _write(4, 2)
+            assert node._write_log(w) is False  # on the thread, reported later
+            await _reported(node, w)
+            assert node._log_io._handed == handed + 1
+            assert node.log_store.last_index() == 5
+        finally:
+            _close(node)
+
+    asyncio.run(main())
+
+
+def test_the_thread_when_the_loop_runs_a_leader_is_busy_or_the_write_is_big(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        node, mate = _node(tmp_path, "n1"), _node(tmp_path, "n2")
+        try:
+            # Another group on this loop leads: its work must not wait.
+            node.loop_mates = [node, mate]
+            mate.core.role = Role.LEADER
+            w = _write(1, 1)
+            assert node._write_log(w) is False
+            await _reported(node, w)
+            mate.core.role = Role.FOLLOWER
+
+            # The log's thread is busy (a compaction): nothing beside it.
+            gate = threading.Event()
+            busy = node._log_io.submit(gate.wait, 10)
+            w = _write(2, 1)
+            assert node._write_log(w) is False
+            gate.set()
+            assert busy.result(10)
+            await _reported(node, w)
+
+            # Too big to hold the loop for.
+            monkeypatch.setattr(node_module, "FOLLOWER_INLINE_BYTES", 1000)
+            w = _write(3, 1, size=2000)
+            assert node._write_log(w) is False
+            await _reported(node, w)
+            assert node._write_log(_write(4, 1, size=500)) is True
+            assert [e.index for e in _stored(node, 1, 5)] == [1, 2, 3, 4]
+        finally:
+            _close(node)
+            _close(mate)
+
+    asyncio.run(main())
+
+
+def test_a_follower_applies_big_entries_on_the_loop_and_a_leader_on_the_thread(
+    tmp_path: Path,
+) -> None:
+    def entry(index: int) -> Entry:  # past INLINE_APPLY_BYTES
+        op = command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id="x" * 300_000))
+        return Entry(1, index, data=command_pb2.Command(ops=[op]).SerializeToString())
+
+    async def main() -> None:
+        node = _node(tmp_path)
+        try:
+            assert len(entry(1).data) > node_module.INLINE_APPLY_BYTES
+            handed = node._apply_io._handed
+            assert node._apply_job(ApplyJob([entry(1)])) is True
+            assert node.sm.applied_index == 1 and node._apply_io._handed == handed
+
+            node.core.role = Role.LEADER
+            done = asyncio.Event()
+            node.driver.apply_done = lambda job: done.set()  # type: ignore[method-assign]
+            assert node._apply_job(ApplyJob([entry(2)])) is False
+            await asyncio.wait_for(done.wait(), 10)
+            assert node.sm.applied_index == 2 and node._apply_io._handed == handed + 1
+        finally:
+            _close(node)
+
+    asyncio.run(main())
