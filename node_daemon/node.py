@@ -1,4 +1,4 @@
-"""RaftNode: the Raft core driven by asyncio, with LMDB off the event loop.
+"""RaftNode: the Raft core driven by asyncio, a leader's LMDB off the event loop.
 
 One driver task owns the core. Everything else (peer messages, proposals,
 timer ticks, admin requests) reaches it as a callable in the inbox. The
@@ -7,12 +7,13 @@ advance; apply committed entries already on disk while a write runs) is
 ``raft.driver.ReadyDriver``, shared with the simulation and the unit tests;
 this module gives it its I/O: one LMDB transaction and one fsync per Ready
 in the log's thread, applies inline or in the state machine's thread, the
-peer transport. While no group on the event loop leads, a Ready's write and
-applies are done on the loop itself (``_inline_io``): a follower has nothing
-else to do meanwhile, and saves two thread hops and their wake-ups a round. Completions come back as ``write_done``/``apply_done`` on
-the event loop. While a write is in flight the driver task keeps stepping
-the core with what arrives, and proposals that arrive pile up into the next
-Ready: group commit comes from that, one fsync for all of them.
+peer transport. While no group on the event loop leads, a Ready's write is
+done on the loop itself (``_inline_io``): a follower has nothing else to do
+meanwhile, and saves the thread hops and their wake-ups of every round.
+Completions come back as ``write_done``/``apply_done`` on the event loop.
+While a write is in flight the driver task keeps stepping the core with
+what arrives, and proposals that arrive pile up into the next Ready: group
+commit comes from that, one fsync for all of them.
 
 Writes are batched on the way in too: publish operations that arrive
 together are packed into one entry (at most ``max_ops_per_entry`` ops and
@@ -100,8 +101,8 @@ log = logging.getLogger("roadlog.node")
 
 # Committed entries up to this size are applied on the event loop (see _apply).
 INLINE_APPLY_BYTES = 256 << 10
-# While no group on the event loop leads, log writes and applies up to this
-# size are done on it (see _inline_io).
+# While no group on the event loop leads, log writes up to this size are
+# done on it (see _inline_io).
 FOLLOWER_INLINE_BYTES = 4 << 20
 # Kept in the Raft log's directory while the node catches up after starting
 # empty (see the module docstring); a wipe or a restore takes it along.
@@ -730,14 +731,14 @@ class RaftNode:
     # apply thread), the transport. Completions come back on the event loop.
 
     def _inline_io(self, io: IoThread, nbytes: int) -> bool:
-        """Whether a log write or an apply of ``nbytes`` is done right here
-        on the event loop rather than handed to ``io``'s thread: when no
-        group on this loop leads, nothing else waits on the loop meanwhile
-        but this follower's own next message, which must wait for the
-        write anyway, and two thread hops and their wake-ups per Raft round
-        are saved. A leader keeps the threads, so that it validates,
-        proposes and sends while its write runs. Only while ``io`` is idle
-        (a snapshot's log compaction may be running there), and only up to
+        """Whether a log write of ``nbytes`` is done right here on the event
+        loop rather than handed to ``io``'s thread: when no group on this
+        loop leads, nothing else waits on the loop meanwhile but this
+        follower's own next message, which must wait for the write anyway,
+        and a thread hop each way and their wake-ups per Raft round are
+        saved. A leader keeps the thread, so that it validates, proposes and
+        sends while its write runs. Only while ``io`` is idle (a snapshot's
+        log compaction may be running there), and only up to
         FOLLOWER_INLINE_BYTES (a catch-up's big writes keep the loop free)."""
         return (
             nbytes <= FOLLOWER_INLINE_BYTES
@@ -791,8 +792,10 @@ class RaftNode:
     def _apply_job(self, job: ApplyJob) -> bool:
         """Install a snapshot (on the apply thread, once a snapshot being
         taken is done), or apply committed entries: small ones right here
-        (LMDB without fsync takes less than a thread hop), and on a follower
-        (``_inline_io``) big ones too; others on the apply thread. The
+        (LMDB without fsync takes less than a thread hop), big ones on the
+        apply thread, on a follower too: applied on its loop, they held up
+        its next write and its ack (ack p99 at 1000 pings per message 29-33
+        ms against 26-29, bench/profiles/write-path.md, session 23). The
         driver hands out one job at a time."""
         if job.snapshot is not None:
             self._install(job)
@@ -802,8 +805,7 @@ class RaftNode:
         # entry it proposes is in the log, so in PendingProposals, before it
         # can be applied): a follower's applies answer nobody.
         wanted = len(self._pending) > 0
-        nbytes = sum(len(e.data) for e in entries)
-        if nbytes <= INLINE_APPLY_BYTES or self._inline_io(self._apply_io, nbytes):
+        if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
             try:
                 self._resolve(entries, self.sm.apply(entries, wanted))
                 return True

@@ -1,5 +1,5 @@
-"""A node that leads no group on its event loop writes its Raft log and
-applies on the loop itself (no thread hop); a leader, a node whose loop
+"""A node that leads no group on its event loop writes its Raft log on
+the loop itself (no thread hop); a leader, a node whose loop
 runs a group it leads, a write while the log's thread is busy (a
 compaction there) and a write too big keep the threads. Either way the
 write is durable in LMDB before it is reported."""
@@ -15,10 +15,9 @@ import pytest
 from node_daemon import node as node_module
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode
-from node_daemon.raft import ApplyJob, Entry, HardState, LogWrite
+from node_daemon.raft import Entry, HardState, LogWrite
 from node_daemon.raft.types import Role
 from roadlog.runtime.processes import free_port
-from roadlog.v1 import command_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -117,32 +116,5 @@ def test_the_thread_when_the_loop_runs_a_leader_is_busy_or_the_write_is_big(
         finally:
             _close(node)
             _close(mate)
-
-    asyncio.run(main())
-
-
-def test_a_follower_applies_big_entries_on_the_loop_and_a_leader_on_the_thread(
-    tmp_path: Path,
-) -> None:
-    def entry(index: int) -> Entry:  # past INLINE_APPLY_BYTES
-        op = command_pb2.Op(init_producer=command_pb2.InitProducerOp(client_id="x" * 300_000))
-        return Entry(1, index, data=command_pb2.Command(ops=[op]).SerializeToString())
-
-    async def main() -> None:
-        node = _node(tmp_path)
-        try:
-            assert len(entry(1).data) > node_module.INLINE_APPLY_BYTES
-            handed = node._apply_io._handed
-            assert node._apply_job(ApplyJob([entry(1)])) is True
-            assert node.sm.applied_index == 1 and node._apply_io._handed == handed
-
-            node.core.role = Role.LEADER
-            done = asyncio.Event()
-            node.driver.apply_done = lambda job: done.set()  # type: ignore[method-assign]
-            assert node._apply_job(ApplyJob([entry(2)])) is False
-            await asyncio.wait_for(done.wait(), 10)
-            assert node.sm.applied_index == 2 and node._apply_io._handed == handed + 1
-        finally:
-            _close(node)
 
     asyncio.run(main())
