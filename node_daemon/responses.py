@@ -13,6 +13,10 @@ from collections.abc import Sequence
 
 from roadlog.protowire import varint
 
+# An offset range's body is at most 33 bytes (three fields of at most 10
+# bytes and their tags): its length is one byte.
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
 
 def publish_responses(
     partitions: list[int],
@@ -40,15 +44,21 @@ def publish_responses(
     nxt = list(bases)
     out = []
     for row in rows:
-        pieces = []
+        # Each offset range as its pieces (tag, length, fields), joined once
+        # per answer: no bytes object per range.
+        pieces: list[bytes] = []
         for i, count in enumerate(row):
             if count:
                 base = nxt[i]
-                body = (
-                    heads[i] + (b"\x10" + varint(base) if base else b"") + b"\x18" + varint(count)
-                )
-                pieces.append(b"\x0a" + varint(len(body)) + body)
                 nxt[i] = base + count
+                head, vc = heads[i], varint(count)
+                if base:
+                    vb = varint(base)
+                    size = len(head) + len(vb) + len(vc) + 2
+                    pieces += (b"\x0a", _ONE_BYTE[size], head, b"\x10", vb, b"\x18", vc)
+                else:
+                    size = len(head) + len(vc) + 1
+                    pieces += (b"\x0a", _ONE_BYTE[size], head, b"\x18", vc)
         pieces.append(tail)
         out.append(b"".join(pieces))
     return out

@@ -16,6 +16,12 @@ def varint(n: int) -> bytes:
     """``n`` (>= 0) as a protobuf varint."""
     if n < 0x80:
         return _ONE_BYTE[n]
+    if n < 0x4000:  # offsets and counts mostly fit in 2-4 bytes: no loop for them
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
+    if n < 0x10000000:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14 & 0x7F | 0x80, n >> 21))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)

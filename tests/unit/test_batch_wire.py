@@ -93,3 +93,15 @@ def test_varints() -> None:
         b"\xac\x02",
         b"\xff" * 9 + b"\x01",
     ]
+
+
+@given(
+    st.one_of(
+        st.sampled_from([2**k + d for k in (7, 14, 21, 28, 35, 63) for d in (-1, 0, 1)]),
+        st.integers(0, 2**64 - 1),
+    )
+)
+def test_varints_are_protobufs_at_every_length(n: int) -> None:
+    # Field 1 of a message, uint64: its tag (one byte), then the varint.
+    written = raft_pb2.RaftEntry(term=n).SerializeToString()
+    assert varint(n) == (written[1:] if n else b"\x00")
