@@ -4,7 +4,9 @@ A ``Publisher`` keeps at most ``max_in_flight`` PublishBatch calls out to
 the queue servers (a batch that is already full, ``max_batch_bytes``, goes
 out anyway, up to ``max_full_in_flight``). Publishes made while they are
 out wait, and travel together in the next call, which goes out once as many
-wait as the smallest call out carries (or at once when none is out): the
+wait as the smallest call out carries (or at once when none is out), and
+never before the callers a call just answered have had their turn to
+publish again (one turn of the event loop): the
 same thing a NATS or Kafka client does with its write buffer, so that a
 process publishing thousands of small batches a second pays for a few gRPC
 messages, not thousands. The batches travel on one long-lived stream per
@@ -107,6 +109,9 @@ class Publisher:
         self._flight_sizes: list[int] = []  # publishes in each call out
         self._tasks: set[asyncio.Task[None]] = set()
         self._backoff = 0.0
+        # A call came back: no call goes out until the callers it answered
+        # had their turn (``_answered``).
+        self._answering = False
         self._idle = asyncio.Event()  # nothing queued, nothing out
         self._idle.set()
 
@@ -162,8 +167,9 @@ class Publisher:
           of publishes, as many as the publishers keep going allow, instead
           of a call taking the few that came in while another returned: the
           fixed cost of a call (a replication round on every node) is
-          shared by more publishes, with the same calls in flight."""
-        if not self._queue:
+          shared by more publishes, with the same calls in flight.
+        Never while a call's answers are being taken up (``_answered``)."""
+        if not self._queue or self._answering:
             return False
         if self._in_flight == 0:
             return True
@@ -220,7 +226,21 @@ class Publisher:
         finally:
             self._in_flight -= 1
             self._flight_sizes.remove(len(batch))
-            self._pump()
+            self._answering = True
+            asyncio.get_running_loop().call_soon(self._answered)
+
+    def _answered(self) -> None:
+        """Send what waits, a turn of the event loop after a call came back:
+        the callers its answers woke (each woken by a callback scheduled
+        before this one) have published again by now and ride in the next
+        call with the publishes that waited, instead of the first of them
+        sending the waiting ones off alone and the rest waiting out a whole
+        round. In a closed loop of senders, a call then carries every
+        sender's publish, not half of them in each of two calls: one
+        replication round for all (bench/profiles/write-path.md, session
+        23)."""
+        self._answering = False
+        self._pump()
 
     async def _call(self, batch: list[_Pending]) -> None:
         server = self._current

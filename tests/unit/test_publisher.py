@@ -7,6 +7,7 @@ unary PublishBatch calls."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -290,6 +291,34 @@ def test_a_second_call_waits_until_as_many_publish_as_the_call_out_carries() -> 
 
     sizes = asyncio.run(run())
     assert sizes == [1, 1, 7, 7]
+
+
+def test_senders_in_a_closed_loop_all_ride_in_one_call() -> None:
+    """Senders that each publish again once answered: a call's answered
+    senders get their turn before the next call goes out, so after the
+    start every call carries every sender's publish, one replication round
+    for all, instead of calls of one and of the rest taking turns."""
+    senders, each = 8, 10
+
+    async def run() -> list[int]:
+        h = Scripted(lambda r, n: 0)
+        server, addr = await serve(h)
+        try:
+            async with Publisher([addr], max_in_flight=2) as pub:
+
+                async def sender(k: int) -> None:
+                    for i in range(each):
+                        await pub.publish(req(k * each + i))
+
+                await asyncio.gather(*(sender(k) for k in range(senders)))
+                return [len(c) for c in h.calls]
+        finally:
+            await server.stop(None)
+
+    sizes = asyncio.run(run())
+    assert sum(sizes) == senders * each
+    assert statistics.median(sizes) == senders, sizes
+    assert len(sizes) <= each + 3, sizes
 
 
 class Hanging(Scripted):
