@@ -282,7 +282,44 @@ def parse(data: bytes) -> ColumnBytes:
             raw[attr] = b
         elif b:
             return _column_bytes(_decode_slow(data))
-    return ColumnBytes(n, list(view.device_ids), raw)
+    return ColumnBytes(n, _dictionary(data, view, raw), raw)
+
+
+def _dictionary(data: bytes, view: Any, columns: dict[str, bytes]) -> list[str]:
+    """The device ids of a parsed batch whose fields the view accounted for
+    byte for byte. A producer's batches mostly repeat one dictionary, and
+    ``encode`` writes it first: its wire bytes are then the batch's prefix
+    up to the columns, so the ids decoded once for those bytes are shared
+    by every batch that starts with them (``MEMO_DICTIONARY_BYTES`` in all).
+    A prefix is remembered only once it parsed as nothing but whole
+    ``device_ids`` fields; then a batch with that prefix and columns of the
+    rest's length has exactly those ids. The list returned is shared: it
+    is never to be changed."""
+    global _memo_bytes
+    tail = sum(len(b) + len(varint(len(b))) + 1 for b in columns.values() if b)
+    k = len(data) - tail
+    if k <= 0 or data[0] != 0x0A:  # no ids, or not written ids first
+        return list(view.device_ids)
+    prefix = data[:k]
+    ids = _DICTIONARIES.get(prefix)
+    if ids is not None:
+        return ids
+    ids = list(view.device_ids)
+    if _memo_bytes + k <= MEMO_DICTIONARY_BYTES:
+        try:
+            only = pings_pb2.PingBatchView.FromString(prefix)
+        except DecodeError:  # the prefix cuts a field: not a dictionary
+            return ids
+        pure = not any(getattr(only, attr) for _, attr in _COLUMNS)
+        if pure and only.ByteSize() == k and list(only.device_ids) == ids:
+            _DICTIONARIES[prefix] = ids
+            _memo_bytes += k
+    return ids
+
+
+MEMO_DICTIONARY_BYTES = 8 << 20  # the first dictionaries seen, up to this many wire bytes
+_DICTIONARIES: dict[bytes, list[str]] = {}
+_memo_bytes = 0
 
 
 def join(parts: Sequence[ColumnBytes]) -> PingColumns:
