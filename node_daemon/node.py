@@ -90,9 +90,9 @@ from node_daemon.snapshots import Snapshots
 from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
 from node_daemon.transport import GroupEndpoint, PeerTransport
-from roadlog.columnar import varint
 from roadlog.errors import Code, RoadlogError
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
+from roadlog.protowire import varint
 from roadlog.runtime import tls
 from roadlog.v1 import admin_pb2_grpc, client_pb2, command_pb2
 

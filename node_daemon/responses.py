@@ -11,11 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from roadlog.protowire import varint
-
-# An offset range's body is at most 33 bytes (three fields of at most 10
-# bytes and their tags): its length is one byte.
-_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+from roadlog.protowire import SMALL_VARINTS, varint
 
 
 def publish_responses(
@@ -45,7 +41,8 @@ def publish_responses(
     out = []
     for row in rows:
         # Each offset range as its pieces (tag, length, fields), joined once
-        # per answer: no bytes object per range.
+        # per answer: no bytes object per range. Its body is at most 23
+        # bytes (three fields and their tags), so its length is one byte.
         pieces: list[bytes] = []
         for i, count in enumerate(row):
             if count:
@@ -55,10 +52,10 @@ def publish_responses(
                 if base:
                     vb = varint(base)
                     size = len(head) + len(vb) + len(vc) + 2
-                    pieces += (b"\x0a", _ONE_BYTE[size], head, b"\x10", vb, b"\x18", vc)
+                    pieces += (b"\x0a", SMALL_VARINTS[size], head, b"\x10", vb, b"\x18", vc)
                 else:
                     size = len(head) + len(vc) + 1
-                    pieces += (b"\x0a", _ONE_BYTE[size], head, b"\x18", vc)
+                    pieces += (b"\x0a", SMALL_VARINTS[size], head, b"\x18", vc)
         pieces.append(tail)
         out.append(b"".join(pieces))
     return out

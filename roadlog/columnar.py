@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
+from roadlog.protowire import varint
 from roadlog.v1 import pings_pb2
 
 U32 = npt.NDArray[np.uint32]
@@ -224,19 +225,6 @@ def encode_runs(
     return [b"".join(pieces) for pieces in out]
 
 
-def varint(n: int) -> bytes:
-    """``n`` (>= 0) as a protobuf base-128 varint."""
-    if n < 0x80:
-        return _SMALL_VARINTS[n]
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
 # The tag of each packed column (field 2..8, wire type 2: length-delimited).
 _TAGS = tuple(bytes(((field << 3) | 2,)) for field in range(2, 2 + len(_COLUMNS)))
 

@@ -9,13 +9,14 @@ joined bytes as usual.
 
 from __future__ import annotations
 
-_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+# The varint of each n below 0x80: one byte, made once.
+SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
 
 
 def varint(n: int) -> bytes:
     """``n`` (>= 0) as a protobuf varint."""
     if n < 0x80:
-        return _ONE_BYTE[n]
+        return SMALL_VARINTS[n]
     if n < 0x4000:  # offsets and counts mostly fit in 2-4 bytes: no loop for them
         return bytes((n & 0x7F | 0x80, n >> 7))
     if n < 0x200000:
