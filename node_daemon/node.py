@@ -8,7 +8,7 @@ advance; apply committed entries already on disk while a write runs) is
 this module gives it its I/O: one LMDB transaction and one fsync per Ready
 in the log's thread, applies inline or in the state machine's thread, the
 peer transport. While no group on the event loop leads, a Ready's write is
-done on the loop itself (``_inline_io``): a follower has nothing else to do
+done on the loop itself (``_writes_inline``): a follower has nothing else to do
 meanwhile, and saves the thread hops and their wake-ups of every round.
 Completions come back as ``write_done``/``apply_done`` on the event loop.
 While a write is in flight the driver task keeps stepping the core with
@@ -102,7 +102,7 @@ log = logging.getLogger("roadlog.node")
 # Committed entries up to this size are applied on the event loop (see _apply).
 INLINE_APPLY_BYTES = 256 << 10
 # While no group on the event loop leads, log writes up to this size are
-# done on it (see _inline_io).
+# done on it (see _writes_inline).
 FOLLOWER_INLINE_BYTES = 4 << 20
 # Kept in the Raft log's directory while the node catches up after starting
 # empty (see the module docstring); a wipe or a restore takes it along.
@@ -184,7 +184,7 @@ class RaftNode:
         # node run alone runs its own group only).
         self.raft_groups: dict[int, Replica] = {group: self}
         # The groups whose I/O shares this node's event loop (RaftGroups
-        # sets them; see _inline_io).
+        # sets them; see _writes_inline).
         self.loop_mates: list[RaftNode] = [self]
         data = group_data_dir(Path(cfg.data_dir), group)
         # A log the disk damaged is set aside: this group then starts empty
@@ -730,32 +730,33 @@ class RaftNode:
     # The driver's I/O: the log's thread, the state machine (inline or on the
     # apply thread), the transport. Completions come back on the event loop.
 
-    def _inline_io(self, io: IoThread, nbytes: int) -> bool:
+    def _writes_inline(self, nbytes: int) -> bool:
         """Whether a log write of ``nbytes`` is done right here on the event
-        loop rather than handed to ``io``'s thread: when no group on this
+        loop rather than handed to the log's thread: when no group on this
         loop leads, nothing else waits on the loop meanwhile but this
         follower's own next message, which must wait for the write anyway,
         and a thread hop each way and their wake-ups per Raft round are
         saved. A leader keeps the thread, so that it validates, proposes and
-        sends while its write runs. Only while ``io`` is idle (a snapshot's
-        log compaction may be running there), and only up to
+        sends while its write runs. Only while the log's thread is idle (a
+        snapshot's log compaction may be running there), and only up to
         FOLLOWER_INLINE_BYTES (a catch-up's big writes keep the loop free)."""
         return (
             nbytes <= FOLLOWER_INLINE_BYTES
-            and io.idle
+            and self._log_io.idle
             and not any(n.is_leader for n in self.loop_mates)
         )
 
     def _write_log(self, w: LogWrite) -> bool:
-        if not self.log_store.writes(w.entries, w.snapshot, w.sync):
-            # Only the commit index moved: nothing touches the disk, no thread hop.
-            return self._save_here(w)
-        if w.snapshot is None and self._inline_io(self._log_io, sum(e.size() for e in w.entries)):
-            return self._save_here(w)
+        # Only the commit index moved: nothing touches the disk, no thread hop.
+        touches_disk = self.log_store.writes(w.entries, w.snapshot, w.sync)
+        if not touches_disk or (
+            w.snapshot is None and self._writes_inline(sum(e.size() for e in w.entries))
+        ):
+            return self._save_here(w, touches_disk)
         self._save(w)
         return False
 
-    def _save_here(self, w: LogWrite) -> bool:
+    def _save_here(self, w: LogWrite, touches_disk: bool) -> bool:
         """Persist ``w`` on the event loop: True once durable; False when it
         failed (for want of space: tried again on the log's thread after a
         backoff; otherwise fatal, raised by the driver task)."""
@@ -767,7 +768,7 @@ class RaftNode:
         except Exception as e:
             self._failure = e
             return False
-        if self.log_store.writes(w.entries, w.snapshot, w.sync):
+        if touches_disk:
             self.disk.write_succeeded()
         return True
 

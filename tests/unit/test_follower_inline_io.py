@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,9 +67,19 @@ def test_a_follower_writes_on_the_loop_and_a_leader_on_the_thread(tmp_path: Path
         try:
             assert not node.is_leader
             handed = node._log_io._handed
+            synced: list[bool] = []
+            save = node.log_store.save
+
+            def recorded(*args: Any) -> None:
+                synced.append(args[3])
+                save(*args)
+
+            node.log_store.save = recorded  # type: ignore[method-assign]
             w = _write(1, 3)
             assert node._write_log(w) is True  # durable when it returns
             assert node._log_io._handed == handed  # no job for the log's thread
+            assert synced == [True]  # fsynced before it is reported, as on the thread
+            node.log_store.save = save  # type: ignore[method-assign]
             assert [e.data for e in _stored(node, 1, 4)] == [e.data for e in w.entries]
 
             node.core.role = Role.LEADER
