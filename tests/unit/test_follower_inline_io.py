@@ -74,7 +74,7 @@ def test_a_follower_writes_on_the_loop_and_a_leader_on_the_thread(tmp_path: Path
                 synced.append(args[3])
                 save(*args)
 
-            node.log_store.save = recorded  # type: ignore[method-assign]
+            node.log_store.save = recorded  # type: ignore[method-assign,assignment]
             w = _write(1, 3)
             assert node._write_log(w) is True  # durable when it returns
             assert node._log_io._handed == handed  # no job for the log's thread
