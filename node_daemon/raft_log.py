@@ -13,7 +13,16 @@ One LMDB environment per node, separate from the state machine's. Layout
   an entry without it is corrupt too (its flag bit flipped).
 - ``conf``: index -> encoded ConfState, for the CONFIG entries still in ``log``
 - ``meta``: ``hard`` -> term, vote, commit; ``snap`` -> snapshot metadata;
-  ``snapdata`` -> the snapshot's opaque data
+  ``snapdata`` -> the snapshot's opaque data; ``retain`` -> the lowest index
+  whose entry is still kept
+
+Entries the state machine refers to (ping batches it stores as a reference
+into the entry that carried them, docs/one-copy.md) outlive the compaction
+point: ``compact(snapshot, retain_from)`` keeps every entry from
+``retain_from`` on. Those below ``first_index()`` are no longer part of the
+Raft log (``entries`` and ``term`` treat them as compacted); they are only
+read by ``read_slice``. Invariant: the kept entries are contiguous, from
+``retained_from()`` to ``last_index()``.
 
 The entries saved last (up to ``cache_bytes``) are also kept in memory, so
 that applying them and sending them to followers reads no LMDB page and
@@ -47,6 +56,7 @@ from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft.errors import (
     CompactedError,
     CorruptLogError,
+    MissingEntryError,
     StorageError,
     StorageFullError,
     UnavailableError,
@@ -161,6 +171,10 @@ class LmdbLogStorage:
             cur = txn.cursor(db=self._log)
             self._last = _KEY.unpack(cur.key())[0] if cur.last() else self._snap_meta.index
             raw = txn.get(b"crc_from", db=self._meta)
+            kept = txn.get(b"retain", db=self._meta)
+        # The lowest index whose entry is kept (below the snapshot's: entries
+        # the state still refers to).
+        self._retain_from: int = _KEY.unpack(kept)[0] if kept else self._snap_meta.index + 1
         # Entries from here on carry a checksum (kept with the first save of
         # a log written before entries had one).
         self._crc_from: int = _KEY.unpack(raw)[0] if raw else self._last + 1
@@ -184,12 +198,43 @@ class LmdbLogStorage:
     def first_index(self) -> int:
         return self._snap_meta.index + 1
 
+    def retained_from(self) -> int:
+        """The lowest index whose entry is kept: ``first_index()``, or below
+        it where compaction kept entries the state refers to."""
+        return min(self._retain_from, self._snap_meta.index + 1)
+
     def log_bytes(self) -> int:
-        """Bytes the entries after the snapshot take (their LMDB pages): what
-        compacting the whole log would free."""
+        """Bytes the entries after the snapshot take (their share of the
+        LMDB pages of every kept entry, by count): what compacting the whole
+        log would free, besides the entries kept for the state."""
         with self.env.begin() as txn:
             st = txn.stat(self._log)
-        return int(st["psize"] * (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]))
+        total = int(st["psize"] * (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]))
+        kept = self._last - self.retained_from() + 1
+        live = self._last - self._snap_meta.index
+        return total if kept <= 0 or live >= kept else total * max(live, 0) // kept
+
+    def read_slice(self, index: int, offset: int, length: int) -> bytes:
+        """``length`` bytes of entry ``index``'s data from ``offset`` on (a
+        ping batch the state machine refers to), copied out of LMDB with no
+        copy of the rest of the entry. ``MissingEntryError`` if the entry is
+        not kept, or is shorter. The entry's checksum is not checked here
+        (``verify`` does, for the whole log)."""
+        e = self._recent.get(index)
+        if e is not None and offset + length <= len(e.data):
+            return e.data[offset : offset + length]
+        with self.env.begin(db=self._log, buffers=True) as txn:
+            raw = txn.get(_key(index))
+            body = (
+                _BODY
+                if raw is not None and len(raw) > _HDR.size and raw[8] & _CHECKED
+                else _HDR.size
+            )
+            if raw is None or len(raw) < body + offset + length:
+                raise MissingEntryError(
+                    f"entry {index} is not kept (kept from {self.retained_from()})", index
+                )
+            return bytes(raw[body + offset : body + offset + length])
 
     def last_index(self) -> int:
         return self._last
@@ -255,7 +300,9 @@ class LmdbLogStorage:
         corrupt or missing, 0 when all are sound."""
         expect = self._snap_meta.index + 1
         with self.env.begin(db=self._log) as txn:
-            for k, v in txn.cursor():
+            cur = txn.cursor()
+            # Entries kept below it are the state's, not Raft's.
+            for k, v in cur.iternext() if cur.set_range(_key(expect)) else ():
                 index: int = _KEY.unpack(k)[0]
                 if index != expect:
                     return expect
@@ -325,6 +372,7 @@ class LmdbLogStorage:
             txn.drop(self._conf, delete=False)
             txn.put(b"snap", encode_snapshot_meta(snapshot.meta), db=self._meta)
             txn.put(b"snapdata", snapshot.data, db=self._meta)
+            txn.put(b"retain", _key(snapshot.meta.index + 1), db=self._meta)
             snap_meta, last = snapshot.meta, snapshot.meta.index
         ents = [e for e in entries if e.index > snap_meta.index]
         if ents:
@@ -359,6 +407,7 @@ class LmdbLogStorage:
             if snapshot is not None:
                 self._recent.clear()
                 self._recent_bytes = 0
+                self._retain_from = snap_meta.index + 1
             elif entries and entries[0].index <= self._last:
                 first = entries[0].index  # a truncated suffix leaves before its replacement
                 self._forget_recent(lambda i: i >= first)
@@ -386,25 +435,34 @@ class LmdbLogStorage:
             while cur.delete():
                 pass
 
-    def compact(self, snapshot: Snapshot) -> None:
+    def compact(self, snapshot: Snapshot, retain_from: int | None = None) -> None:
+        """Make ``snapshot`` the log's compaction point: the entries up to
+        its index leave the Raft log. Those from ``retain_from`` on are kept
+        (the state refers to them: ``read_slice``), the others deleted;
+        ``retain_from`` None keeps none of them. What is kept never shrinks
+        back: entries deleted before are not brought back."""
         index = snapshot.meta.index
         if index <= self._snap_meta.index:
             return
         if index > self._last:
             raise UnavailableError(f"compact {index} beyond the last {self._last}")
+        keep = index + 1 if retain_from is None else min(max(retain_from, 1), index + 1)
+        keep = max(keep, self.retained_from())
 
         def body(txn: Any) -> Callable[[], None]:
-            for db in (self._log, self._conf):
+            for db, upto in ((self._log, keep - 1), (self._conf, index)):
                 cur = txn.cursor(db=db)
                 if cur.first():
-                    while cur.key() and _KEY.unpack(cur.key())[0] <= index:
+                    while cur.key() and _KEY.unpack(cur.key())[0] <= upto:
                         if not cur.delete():
                             break
             txn.put(b"snap", encode_snapshot_meta(snapshot.meta), db=self._meta)
             txn.put(b"snapdata", snapshot.data, db=self._meta)
+            txn.put(b"retain", _key(keep), db=self._meta)
 
             def commit_view() -> None:
                 self._snap_meta = snapshot.meta
+                self._retain_from = keep
                 self._forget_recent(lambda i: i <= index)
 
             return commit_view

@@ -43,3 +43,12 @@ class CorruptLogError(StorageError):
     def __init__(self, message: str, index: int) -> None:
         super().__init__(message)
         self.index = index
+
+
+class MissingEntryError(StorageError):
+    """An entry the state machine refers to is no longer kept in the log
+    (retention released it, or the log was replaced by a snapshot)."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index

@@ -45,8 +45,10 @@ import numpy as np
 
 from node_daemon.disk import fsync_dir, full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
+from node_daemon.raft.errors import MissingEntryError
 from node_daemon.responses import publish_responses
-from node_daemon.state import batch_store
+from node_daemon.state import batch_refs, batch_store
+from node_daemon.state.batch_refs import EntrySource
 from node_daemon.state.clients import ClientTables
 from node_daemon.state.groups import GROUP_RETENTION_MS, GroupTables
 from node_daemon.state.heatmaps import (
@@ -95,9 +97,10 @@ MAX_PRODUCER_IDS_PER_CLIENT = 1024
 EXPIRED_PRODUCERS_PER_TRIM = 1000  # keeps a trim entry small
 EXPIRY_SCAN_KEYS = 50_000  # producer ids a leader looks at per trim, oldest first
 # The state's on-disk layout: 1, batches stored whole; 2, in pieces of a page
-# (``batch_store``), which reads format 1's too. A state of a later format
-# (a newer release's) is refused, not misread.
-STATE_FORMAT = 2
+# (``batch_store``); 3, as references into the Raft log where the node's log
+# is open to it (``batch_refs``). Each reads the earlier ones' too. A state
+# of a later format (a newer release's) is refused, not misread.
+STATE_FORMAT = 3
 _FORMAT_KEY = b"state_format"  # in meta; local to the replica, not in the digest
 
 
@@ -222,8 +225,14 @@ class StateMachine:
         issues_producers: bool = True,
         group: int = 0,
         readonly: bool = False,
+        entries: EntrySource | None = None,
     ) -> None:
-        """``issues_producers`` False: a data group's state, where producer
+        """``entries``: the node's Raft log for this group. With it, a
+        batch appended as it came is stored as a reference to its bytes in
+        the entry that carried them (``batch_refs``: one copy per node) and
+        read from there; without it (a state opened alone), batches are
+        stored as bytes, and a reference read is an error.
+        ``issues_producers`` False: a data group's state, where producer
         ids are not issued; its leader checks them against group 0's replica
         (``producer_refusal``) before proposing, and applies take them as
         checked. ``group``: the Raft group whose state this is; a data
@@ -237,6 +246,7 @@ class StateMachine:
         self.map_size = map_size
         self.issues_producers = issues_producers
         self.group = group
+        self.entries = entries
         self._open()
 
     def _open(self) -> None:
@@ -368,11 +378,17 @@ class StateMachine:
             return [OpResult(Code.INTERNAL, "undecodable command")]
         self._log_ms = max(self._log_ms, cmd.leader_ms)  # the log's clock never goes back
         out = []
-        for op in cmd.ops:
+        where: list[list[tuple[int, int]]] | None = None  # each op's batches in e.data
+        if self.entries is not None:
+            where = batch_refs.append_batch_spans(e.data)
+            if where is not None and len(where) != len(cmd.ops):
+                where = None
+        for n, op in enumerate(cmd.ops):
             try:
                 kind = op.WhichOneof("op")
                 if kind == "append":
-                    spans = self._append(txn, op.append, self._log_ms, e.index, results)
+                    at = (e.data, where[n]) if where is not None else None
+                    spans = self._append(txn, op.append, self._log_ms, e.index, results, at)
                     out.append(OpResult(spans=tuple(spans)))
                 else:
                     if kind in _FORGETTING:
@@ -616,9 +632,13 @@ class StateMachine:
         leader_ms: int,
         index: int,
         results: bool = True,
+        at: tuple[bytes, list[tuple[int, int]]] | None = None,
     ) -> list[OpResult]:
         """Store the op's parts; one result per span (none if ``results`` is
-        False). A span that is a retry of a stored (producer, sequence) is
+        False). ``at``: the entry's data and where each part's batch lies in
+        it; a batch stored as it came and found there is stored as a
+        reference to entry ``index`` (one copy per node), any other as
+        bytes. A span that is a retry of a stored (producer, sequence) is
         answered with its original offsets and its pings are left out of
         what is stored. The topic and the partitions' states are remembered
         from one append to the next (``_forget``)."""
@@ -670,9 +690,12 @@ class StateMachine:
                 batch = _kept_rows(batch, [row[i] for row in counts], kept)
             p, base = part.partition, st.next_offset
             append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
-            batch_store.put_batch(
-                txn, self.batches, self._more, _BATCH.pack(tid, p, base), count, append_ms, batch
-            )
+            key = _BATCH.pack(tid, p, base)
+            ref = _ref_to(at, i, batch, index) if every else None
+            if ref is not None:
+                batch_store.put_ref(txn, self.batches, key, count, append_ms, ref)
+            else:
+                batch_store.put_batch(txn, self.batches, self._more, key, count, append_ms, batch)
             txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
             txn.put(
                 _PART.pack(tid, p),
@@ -1238,10 +1261,16 @@ class StateMachine:
             if base + count <= offset:
                 continue
             try:
-                data = batch_store.batch_bytes(txn, self._more, key, value)
+                data = batch_store.batch_bytes(txn, self._more, key, value, self.entries)
             except batch_store.PiecesNotOpen:
                 raise RoadlogError(
                     Code.UNAVAILABLE, "this replica's batches are not readable yet: try again"
+                ) from None
+            except MissingEntryError as e:
+                # Retention released it while this read was under way (or
+                # the log was replaced by a snapshot): read again.
+                raise RoadlogError(
+                    Code.UNAVAILABLE, f"a batch's log entry is no longer here ({e}): try again"
                 ) from None
             yield base, append_ms, count, data
 
@@ -1265,6 +1294,28 @@ class StateMachine:
             return first_at(start_ms), first_at(end_ms)
 
     # ----------------------------------------------------------- durability
+
+    def oldest_entry_ref(self, txn: Any = None) -> int | None:
+        """The lowest log index a stored batch refers to (None: none does):
+        the log must keep every entry from there on. Batches lie in offset
+        order within a partition, and so in log order: each partition's
+        first reference is its lowest."""
+        if txn is None:
+            with self.env.begin() as t:
+                return self.oldest_entry_ref(t)
+        lowest: int | None = None
+        cur = txn.cursor(db=self.batches)
+        for key in txn.cursor(db=self.parts).iternext(values=False):
+            if not cur.set_range(key):
+                break
+            for k, v in cur:
+                if not k.startswith(key):
+                    break
+                if batch_refs.is_ref(v, _BATCH_HDR.size):
+                    index = batch_refs.decode_ref(v, _BATCH_HDR.size)[0]
+                    lowest = index if lowest is None else min(lowest, index)
+                    break
+        return lowest
 
     def size_bytes(self) -> int:
         """The high-water mark of the state's LMDB pages: about what a
@@ -1309,7 +1360,7 @@ class StateMachine:
                 h.update(name)
                 for k, v in txn.cursor(db=db):
                     if db is self.batches:  # the batch whole, however it lies
-                        v = batch_store.whole_value(txn, self._more, k, v)
+                        v = batch_store.whole_value(txn, self._more, k, v, self.entries)
                     elif db is self.meta and k == _FORMAT_KEY:
                         continue
                     h.update(struct.pack(">II", len(k), len(v)))
@@ -1520,6 +1571,22 @@ def _duplicate(
         else:
             return None
     return resp
+
+
+def _ref_to(
+    at: tuple[bytes, list[tuple[int, int]]] | None, part: int, batch: bytes, index: int
+) -> bytes | None:
+    """A reference to part ``part``'s batch in entry ``index``'s data, if
+    ``at`` says where it lies and those bytes are the batch; else None."""
+    if at is None:
+        return None
+    data, spans = at
+    if part >= len(spans):
+        return None
+    offset, length = spans[part]
+    if length != len(batch) or not length or not data.startswith(batch, offset):
+        return None
+    return batch_refs.encode_ref(index, offset, length)
 
 
 def _kept_rows(batch: bytes, counts: list[int], kept: list[bool]) -> bytes:

@@ -34,6 +34,7 @@ class ReferenceStateMachine(StateMachine):
         leader_ms: int,
         index: int,
         wanted: bool = True,
+        at: object = None,  # where batches lie in the entry: the reference stores bytes
     ) -> list[OpResult]:
         """Store the op's parts; one result per span. A span that is a retry
         of a stored (producer, sequence) is answered with its original

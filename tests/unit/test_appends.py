@@ -11,6 +11,7 @@ import pytest
 
 from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.raft import Entry, EntryType
+from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import OpResult, StateMachine
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -54,8 +55,13 @@ def request(
 
 
 class Replica:
-    def __init__(self, path: Path) -> None:
-        self.sm = StateMachine(path, map_size=64 << 20)
+    """A state machine fed ops as committed entries; ``logged``: with its
+    node's Raft log, each entry saved there first (batches stored as
+    references into it)."""
+
+    def __init__(self, path: Path, logged: bool = False) -> None:
+        self.log = LmdbLogStorage(path.with_name(path.name + "-raft")) if logged else None
+        self.sm = StateMachine(path, map_size=64 << 20, entries=self.log)
         self.index = 0
         spec = topics_pb2.TopicSpec(name="munich", region_geojson=REGION.geojson, partitions=PARTS)
         self.apply([command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))])
@@ -72,8 +78,16 @@ class Replica:
     def apply(self, ops: list[command_pb2.Op]) -> list[OpResult]:
         self.index += 1
         cmd = command_pb2.Command(leader_ms=T0, ops=ops)
-        [res] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())])
+        entry = Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())
+        if self.log is not None:
+            self.log.save(None, [entry])
+        [res] = self.sm.apply([entry])
         return res
+
+    def close(self) -> None:
+        self.sm.close()
+        if self.log is not None:
+            self.log.close()
 
     def read(self, partition: int) -> list[int]:
         resp = self.sm.fetch(client_pb2.FetchRequest(topic="munich", partition=partition))
@@ -83,11 +97,11 @@ class Replica:
         return out
 
 
-@pytest.fixture
-def replica(tmp_path: Path) -> Iterator[Replica]:
-    r = Replica(tmp_path / "sm")
+@pytest.fixture(params=[False, True], ids=["bytes", "refs"])
+def replica(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Replica]:
+    r = Replica(tmp_path / "sm", logged=request.param)
     yield r
-    r.sm.close()
+    r.close()
 
 
 def ts_of(resp: client_pb2.PublishResponse, stored: dict[int, list[int]]) -> list[int]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
+from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import OpResult, StateMachine, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -34,7 +35,10 @@ class Log:
 
     def results(self, cmd: command_pb2.Command) -> list[OpResult]:
         self.index += 1
-        [res] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())])
+        entry = Entry(1, self.index, EntryType.NORMAL, cmd.SerializeToString())
+        if isinstance(self.sm.entries, LmdbLogStorage):  # the node's order: logged, then applied
+            self.sm.entries.save(None, [entry])
+        [res] = self.sm.apply([entry])
         return res
 
     def run(self, cmd: command_pb2.Command) -> list[tuple[Code, bytes, str]]:
@@ -97,11 +101,16 @@ def pings(n: int, start: int = 0, devices: int = 5) -> PingColumns:
     )
 
 
-@pytest.fixture
-def sm(tmp_path: Path) -> Iterator[StateMachine]:
-    s = StateMachine(tmp_path / "sm", map_size=64 << 20)
+@pytest.fixture(params=["bytes", "refs"])
+def sm(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StateMachine]:
+    """A state alone (batches stored as bytes), and one with its node's Raft
+    log (batches stored as references into the log's entries)."""
+    log = LmdbLogStorage(tmp_path / "raft", map_size=64 << 20) if request.param == "refs" else None
+    s = StateMachine(tmp_path / "sm", map_size=64 << 20, entries=log)
     yield s
     s.close()
+    if log is not None:
+        log.close()
 
 
 def read_all(sm: StateMachine, partition: int, offset: int = 0, max_pings: int = 0) -> list[int]:

@@ -1,0 +1,129 @@
+"""Ping batches stored as a reference into the Raft log entry that carried
+them, not as a second copy (docs/one-copy.md).
+
+A replicated ping batch is written to every node's Raft log (fsynced before
+the ack) as part of an entry's command. The state machine used to store the
+same bytes again; now it stores where they lie: the entry's index and the
+batch's offset and length within the entry's data. The log keeps the entries
+the state refers to past its compaction point (``LmdbLogStorage.compact``'s
+``retain_from``), so each ping is written once per node.
+
+A reference is told from stored bytes by its first byte: a PingBatch starts
+with a field's tag, never 0 (protobuf has no field 0), and a reference
+starts with 0.
+
+``append_batch_spans`` finds where each append op's batches lie in an
+entry's data by walking the protobuf wire format as protobuf parses it (an
+op's ``append`` fields merge, a part's last ``batch`` field wins); callers
+still check that the bytes there are the parsed batch's before they refer to
+them, so a command this misreads is stored as bytes, never misreferenced.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Protocol
+
+REF_MARK = 0  # the first byte of a reference (a PingBatch's never is)
+_REF = struct.Struct(">BQII")  # mark, entry index, offset, length
+REF_SIZE = _REF.size
+
+
+class EntrySource(Protocol):
+    """Where the state reads the batches it refers to: the node's Raft log."""
+
+    def read_slice(self, index: int, offset: int, length: int) -> bytes:
+        """``length`` bytes of entry ``index``'s data from ``offset``;
+        ``MissingEntryError`` if the entry is not kept."""
+        ...
+
+
+def encode_ref(index: int, offset: int, length: int) -> bytes:
+    return _REF.pack(REF_MARK, index, offset, length)
+
+
+def is_ref(value: bytes | memoryview, at: int) -> bool:
+    """Whether the stored batch value holds a reference from ``at`` on."""
+    return len(value) == at + REF_SIZE and value[at] == REF_MARK
+
+
+def decode_ref(value: bytes | memoryview, at: int) -> tuple[int, int, int]:
+    """(entry index, offset, length) of a reference stored from ``at`` on."""
+    _, index, offset, length = _REF.unpack_from(value, at)
+    return index, offset, length
+
+
+# ------------------------------------------------------------ wire walking
+
+# Field numbers (proto/roadlog/v1/command.proto).
+_COMMAND_OPS = 2
+_OP_APPEND = 1
+_APPEND_PARTS = 5
+_PART_BATCH = 2
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _varint(data: bytes, at: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= end or shift > 63:
+            raise _Malformed
+        b = data[at]
+        at += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, at
+        shift += 7
+
+
+def _fields(data: bytes, at: int, end: int, wanted: int) -> list[tuple[int, int]]:
+    """(start, end) of each length-delimited field ``wanted`` of the message
+    in ``data[at:end]``, in order; every other field skipped."""
+    out: list[tuple[int, int]] = []
+    while at < end:
+        tag, at = _varint(data, at, end)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, at = _varint(data, at, end)
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        elif wire == 2:
+            size, at = _varint(data, at, end)
+            if at + size > end:
+                raise _Malformed
+            if field == wanted:
+                out.append((at, at + size))
+            at += size
+        else:
+            raise _Malformed  # groups: never written by roadlog
+        if at > end:
+            raise _Malformed
+    return out
+
+
+def append_batch_spans(data: bytes) -> list[list[tuple[int, int]]] | None:
+    """For each op of the Command in ``data``, in order: the (offset, length)
+    of each of its append parts' batch (empty for an op that is not an
+    append, or a part without a batch: length 0); None if ``data`` is not
+    well-formed protobuf."""
+    try:
+        out: list[list[tuple[int, int]]] = []
+        for op_at, op_end in _fields(data, 0, len(data), _COMMAND_OPS):
+            spans: list[tuple[int, int]] = []
+            for ap_at, ap_end in _fields(data, op_at, op_end, _OP_APPEND):
+                for pt_at, pt_end in _fields(data, ap_at, ap_end, _APPEND_PARTS):
+                    batches = _fields(data, pt_at, pt_end, _PART_BATCH)
+                    if batches:
+                        start, end = batches[-1]
+                        spans.append((start, end - start))
+                    else:
+                        spans.append((pt_at, 0))
+            out.append(spans)
+        return out
+    except _Malformed:
+        return None
