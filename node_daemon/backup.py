@@ -46,13 +46,16 @@ from typing import Any
 
 import lmdb
 
+from node_daemon import kept_log
 from node_daemon.disk import fsync_dir
+from node_daemon.raft.errors import MissingEntryError
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
 from node_daemon.raft_log import LmdbLogStorage
-from node_daemon.state.machine import _U64, StateMachine
+from node_daemon.state.machine import _U64, StateMachine, oldest_ref_in_snapshot
 from roadlog.runtime.config import ConfigError, check_secret, check_secret_value
 
 STATE_FILE = "state.mdb"
+KEPT_ATTEMPTS = 3  # copies of a state whose log let referred-to entries go meanwhile
 MANIFEST = "manifest.json"
 FORMAT = 2  # 1: no HMAC (refused: anyone could have rewritten it)
 MAC_FIELD = "hmac_sha256"
@@ -177,8 +180,45 @@ def _data_groups(data_dir: Path) -> list[int]:
 
 def _copy_state(state: Path, dest: Path) -> dict[str, Any]:
     """A compact copy of the state environment ``state`` as ``dest/state.mdb``
-    (one read transaction): its applied index and term, size and SHA-256."""
+    (one read transaction), with the Raft log entries its batches refer to
+    (``kept_log``: the state stores each batch as a reference into the log
+    beside it, ``state.parent / "raft"``): its applied index and term, size
+    and SHA-256. The log may let entries go between the two reads (a
+    compaction after retention): then both are read again."""
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for attempt in range(KEPT_ATTEMPTS):
+        index, term = _copy_env(state, dest)
+        data = dest / "data.mdb"
+        lo = oldest_ref_in_snapshot(data)
+        if lo is None:
+            break
+        try:
+            kept_log.bundle_from_log_dir(data, data, state.parent / "raft", lo, index)
+            break
+        except MissingEntryError:
+            if attempt == KEPT_ATTEMPTS - 1:
+                raise BackupError(
+                    f"{state}: the Raft log let entries the state refers to go "
+                    f"{KEPT_ATTEMPTS} times during the copy; try again"
+                ) from None
+    data = dest / "data.mdb"
+    with open(data, "rb+") as f:
+        os.fchmod(f.fileno(), 0o600)  # LMDB creates it 0666 less the umask
+        os.fsync(f.fileno())
+    os.replace(data, dest / STATE_FILE)
+    fsync_dir(dest)
+    return {
+        "applied_index": index,
+        "applied_term": term,
+        "bytes": (dest / STATE_FILE).stat().st_size,
+        "sha256": _sha256(dest / STATE_FILE),
+    }
+
+
+def _copy_env(state: Path, dest: Path) -> tuple[int, int]:
+    """``dest/data.mdb``: a compact copy of ``state`` in one read
+    transaction; its applied index and term."""
+    (dest / "data.mdb").unlink(missing_ok=True)
     env = lmdb.open(str(state), readonly=True, max_dbs=16, lock=True, readahead=False)
     try:
         meta = env.open_db(b"meta", create=False)
@@ -192,18 +232,7 @@ def _copy_state(state: Path, dest: Path) -> dict[str, Any]:
             env.copy(str(dest), compact=True, txn=txn)
     finally:
         env.close()
-    data = dest / "data.mdb"
-    with open(data, "rb+") as f:
-        os.fchmod(f.fileno(), 0o600)  # LMDB creates it 0666 less the umask
-        os.fsync(f.fileno())
-    os.replace(data, dest / STATE_FILE)
-    fsync_dir(dest)
-    return {
-        "applied_index": index,
-        "applied_term": term,
-        "bytes": (dest / STATE_FILE).stat().st_size,
-        "sha256": _sha256(dest / STATE_FILE),
-    }
+    return index, term
 
 
 def _copy_into(data_dir: Path, tmp: Path, cluster_name: str, node_id: int, key: bytes) -> Manifest:
@@ -295,9 +324,12 @@ def _restore_group(
         sm.checkpoint()  # its commits are unsynced until now
     finally:
         sm.close()
-    # The installed state doubles as the Raft snapshot a lagging peer is sent.
+    # The installed state doubles as the Raft snapshot a lagging peer is
+    # sent, with the log entries the backup carries for it (which the log
+    # takes from it as it saves the snapshot: kept_log).
     snap_meta = SnapshotMeta(index, term, ConfState(frozenset(voters)))
     shutil.copyfile(group_dir / "state" / "data.mdb", snap_file)
+    kept_log.carry_over(state_file, snap_file)
     with open(snap_file, "rb+") as f:
         os.fsync(f.fileno())
     store = LmdbLogStorage(group_dir / "raft")

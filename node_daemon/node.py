@@ -205,7 +205,11 @@ class RaftNode:
         if self.state_rebuilt:
             metrics.STATES_REBUILT.labels(str(group)).inc()
         # Producer ids are issued in group 0; a data group's leader checks them there.
-        self.sm = StateMachine(data / "state", issues_producers=group == 0, group=group)
+        # Its batches are stored as references into this log (one copy per
+        # node: docs/one-copy.md).
+        self.sm = StateMachine(
+            data / "state", issues_producers=group == 0, group=group, entries=self.log_store
+        )
         marker = data / "raft" / CATCHING_UP_FILE
         self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new
         empty = self.log_store.last_index() == 0 and self.log_store.initial_state().term == 0
@@ -292,7 +296,7 @@ class RaftNode:
             on_snapshot_status=lambda to, ok: self.submit(
                 lambda core: core.report_snapshot(to, ok)
             ),
-            snapshot_file=self.snapshots.file,
+            snapshot_file=self.snapshots.shipped,
             snapshot_dir=self.snapshots.directory,
         )
         self._owns_transport = transport is None

@@ -52,6 +52,7 @@ from typing import Any
 import lmdb
 from xxhash import xxh3_64_intdigest
 
+from node_daemon import kept_log
 from node_daemon.disk import full_disk_error, open_lmdb
 from node_daemon.raft.errors import (
     CompactedError,
@@ -130,6 +131,19 @@ def encode_snapshot_meta(meta: SnapshotMeta) -> bytes:
 def decode_snapshot_meta(raw: bytes) -> SnapshotMeta:
     index, term = _SNAP.unpack_from(raw)
     return SnapshotMeta(index, term, ConfState.decode(raw[_SNAP.size :]))
+
+
+def _carried(txn: Any, log_db: Any, snapshot: Snapshot) -> int | None:
+    """Put the log entries the snapshot's file carries (``kept_log``) into
+    ``log_db``; the lowest of them, None if it carries none (or its data
+    names no file)."""
+    try:
+        path = Path(snapshot.data.decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not snapshot.data or not path.is_absolute():
+        return None
+    return kept_log.import_kept(txn, log_db, path)
 
 
 def _is_disk_full(err: lmdb.Error, path: Path) -> bool:
@@ -225,16 +239,11 @@ class LmdbLogStorage:
             return e.data[offset : offset + length]
         with self.env.begin(db=self._log, buffers=True) as txn:
             raw = txn.get(_key(index))
-            body = (
-                _BODY
-                if raw is not None and len(raw) > _HDR.size and raw[8] & _CHECKED
-                else _HDR.size
-            )
-            if raw is None or len(raw) < body + offset + length:
+            if raw is None:
                 raise MissingEntryError(
                     f"entry {index} is not kept (kept from {self.retained_from()})", index
                 )
-            return bytes(raw[body + offset : body + offset + length])
+            return kept_log.slice_of(raw, index, offset, length)
 
     def last_index(self) -> int:
         return self._last
@@ -332,6 +341,12 @@ class LmdbLogStorage:
         finally:
             dst.close()
 
+    def bundle(self, state_file: Path, dest: Path, upto: int) -> None:
+        """Write ``dest``: the state snapshot ``state_file`` with every entry
+        this log keeps up to ``upto`` (``kept_log.bundle``);
+        ``MissingEntryError`` if one of them is gone meanwhile."""
+        kept_log.bundle(state_file, dest, self.env, self._log, self.retained_from(), upto)
+
     def config_entries(self) -> list[Entry]:
         out: list[Entry] = []
         with self.env.begin(db=self._conf) as txn:
@@ -366,13 +381,17 @@ class LmdbLogStorage:
     def _save_txn(
         self, txn: Any, hard: HardState, entries: Sequence[Entry], snapshot: Snapshot | None
     ) -> Callable[[], None]:
-        snap_meta, last = self._snap_meta, self._last
+        snap_meta, last, retain = self._snap_meta, self._last, self._retain_from
         if snapshot is not None:
             txn.drop(self._log, delete=False)
             txn.drop(self._conf, delete=False)
             txn.put(b"snap", encode_snapshot_meta(snapshot.meta), db=self._meta)
             txn.put(b"snapdata", snapshot.data, db=self._meta)
-            txn.put(b"retain", _key(snapshot.meta.index + 1), db=self._meta)
+            # The entries a snapshot carries for its state (kept_log) are
+            # the new log's kept ones.
+            carried = _carried(txn, self._log, snapshot)
+            retain = snapshot.meta.index + 1 if carried is None else carried
+            txn.put(b"retain", _key(retain), db=self._meta)
             snap_meta, last = snapshot.meta, snapshot.meta.index
         ents = [e for e in entries if e.index > snap_meta.index]
         if ents:
@@ -407,7 +426,7 @@ class LmdbLogStorage:
             if snapshot is not None:
                 self._recent.clear()
                 self._recent_bytes = 0
-                self._retain_from = snap_meta.index + 1
+                self._retain_from = retain
             elif entries and entries[0].index <= self._last:
                 first = entries[0].index  # a truncated suffix leaves before its replacement
                 self._forget_recent(lambda i: i >= first)

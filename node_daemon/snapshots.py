@@ -29,9 +29,10 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from node_daemon import metrics
+from node_daemon import kept_log, metrics
 from node_daemon.disk import fsync_dir
 from node_daemon.raft import Snapshot, SnapshotMeta, StorageError
+from node_daemon.raft.errors import MissingEntryError
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
 from node_daemon.state.paced_copy import CopyCancelled
@@ -48,6 +49,9 @@ SNAPSHOT_CHECK_S = 0.1
 # checkpoint nor the kernel's writeback of old dirty pages sends hundreds of
 # MiB at once, which the log's fsyncs on the same disk would wait behind.
 STATE_FLUSH_S = 0.25
+# At most this often a snapshot is taken only to let the log release entries
+# that retention no longer needs (the state is small: a copy costs little).
+RELEASE_EVERY_S = 10.0
 
 
 def received_path(directory: Path, index: int, term: int) -> Path:
@@ -111,17 +115,22 @@ class Snapshots:
         self._write_rate = write_rate
         self._requests: list[asyncio.Future[int]] = []
         self._io = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        # Bundling a snapshot with the log entries its state refers to, for
+        # a follower (``shipped``); one bundle per snapshot, made once.
+        self._ship_io = ThreadPoolExecutor(1, thread_name_prefix="snapshot-ship")
+        self._shipping: dict[tuple[int, int], asyncio.Future[None]] = {}
         self._flush_io = ThreadPoolExecutor(1, thread_name_prefix="state-flush")
         self._flushing: asyncio.Future[None] | None = None
         self._flushed_index = sm.applied_index
         self._next_flush = 0.0
         self._flush_failed: BaseException | None = None  # sticky: see _flushed
         self._give_up = threading.Event()  # set by taken(): a paced copy stops
-        self._taking: asyncio.Future[tuple[int, int, Path]] | None = None
+        self._taking: asyncio.Future[tuple[int, int, Path, int | None]] | None = None
         self._waiters: list[asyncio.Future[int]] = []  # asked before it began
         # No snapshot_due() check before this (SNAPSHOT_CHECK_S apart; after
         # a failed snapshot, SNAPSHOT_RETRY_S); asking for one skips the wait.
         self._next_check = 0.0
+        self._next_release = 0.0  # no snapshot for released references before this
         self._phases: dict[str, float] = {}  # the last snapshot's, for its log line
 
     # ------------------------------------------------------------- files
@@ -140,10 +149,45 @@ class Snapshots:
                 return p
         return None
 
+    def ship_path(self, index: int, term: int) -> Path:
+        return self.directory / f"ship-{index}-{term}.mdb"
+
+    async def shipped(self, index: int, term: int) -> Path | None:
+        """The file a follower behind the log is sent for the snapshot at
+        (``index``, ``term``): the local one, bundled with the log entries
+        its state refers to (``kept_log``) unless it carries them already or
+        refers to none; made once, on a thread, and kept until a newer
+        snapshot replaces it. None if the snapshot is not here, or the log
+        no longer keeps what it refers to (Raft then sends a newer one)."""
+        src = self.file(index, term)
+        if src is None:
+            return None
+        lo = self._log_store.retained_from()
+        if lo > index or kept_log.kept_range(src) is not None:
+            return src
+        ship = self.ship_path(index, term)
+        if ship.exists():
+            return ship
+        key = (index, term)
+        fut = self._shipping.get(key)
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(self._ship_io, self._log_store.bundle, src, ship, index)
+            self._shipping[key] = fut
+            fut.add_done_callback(lambda _: self._shipping.pop(key, None))
+        try:
+            await asyncio.shield(fut)
+        except MissingEntryError as e:
+            log.info("snapshot not bundled", extra={"index": index, "why": str(e)})
+            return None
+        return ship if ship.exists() else None
+
     def _remove_old(self, keep: Path) -> None:
         for old in self.directory.glob("snap-*.mdb"):
             if old != keep:
                 old.unlink(missing_ok=True)
+        for old in self.directory.glob("ship-*.mdb*"):
+            old.unlink(missing_ok=True)  # bundles of older snapshots (and their leftovers)
         current = Path(self._log_store.snapshot().data.decode()).resolve()
         for old in self.directory.glob("recv-*.mdb"):
             if old.resolve() != current:
@@ -184,14 +228,23 @@ class Snapshots:
         if not asked and now < self._next_check:
             return
         self._next_check = now + SNAPSHOT_CHECK_S
-        if asked or snapshot_due(
-            applied - first + 1,
-            self._applied_log_bytes(applied, first),
-            self._sm.size_bytes,
-            self._max_entries,
-            self._max_bytes,
+        # Retention let batches go: their log entries go at a compaction
+        # (one copy per node: the log keeps what the state refers to).
+        released = self._sm.refs_released and now >= self._next_release
+        if (
+            asked
+            or released
+            or snapshot_due(
+                applied - first + 1,
+                self._applied_log_bytes(applied, first),
+                self._sm.size_bytes,
+                self._max_entries,
+                self._max_bytes,
+            )
         ):
             self._waiters, self._requests = self._requests, []
+            self._next_release = now + RELEASE_EVERY_S
+            self._sm.refs_released = False  # what is released from here on: the next one
             self._taking = loop.run_in_executor(self._io, self._take)
             self._taking.add_done_callback(lambda _: self._wakeup())
 
@@ -245,13 +298,16 @@ class Snapshots:
             return 0
         return self._log_store.log_bytes() * (applied - first + 1) // (last - first + 1)
 
-    def _take(self) -> tuple[int, int, Path]:
+    def _take(self) -> tuple[int, int, Path, int | None]:
         """(snapshot thread) A compact copy of the state machine as one read
         transaction sees it, then an fsync of all it has applied: the log
-        may be compacted to the copy's index only once that is durable."""
+        may be compacted to the copy's index only once that is durable.
+        Also the lowest log index the copy's batches may refer to (looked up
+        before the copy: it only grows), which the log keeps."""
         if self._flush_failed is not None:
             raise StorageError(f"an fsync of the state failed earlier: {self._flush_failed!r}")
         t0 = time.perf_counter()
+        oldest = self._sm.oldest_entry_ref()
         taking = self.directory / "snap-taking.mdb"
         index, term = self._sm.write_snapshot(taking, self._write_rate, self._give_up)
         path = self.path(index, term)
@@ -270,17 +326,17 @@ class Snapshots:
             "checkpoint_s": round(t2 - t1, 3),
             "bytes": path.stat().st_size,
         }
-        return index, term, path
+        return index, term, path, oldest
 
     async def _compact_to(
         self,
         loop: asyncio.AbstractEventLoop,
-        task: asyncio.Future[tuple[int, int, Path]],
+        task: asyncio.Future[tuple[int, int, Path, int | None]],
         waiters: list[asyncio.Future[int]],
     ) -> None:
         """Compact the log to a finished snapshot and answer who asked for it."""
         try:
-            index, _, path = task.result()
+            index, _, path, oldest = task.result()
             current = self._log_store.snapshot().meta.index
             if index <= current:  # a newer one was installed from the leader meanwhile
                 path.unlink(missing_ok=True)
@@ -288,7 +344,10 @@ class Snapshots:
             else:
                 snap = Snapshot(self._meta_at(index), str(path).encode())
                 t0 = time.perf_counter()
-                await loop.run_in_executor(self._log_io, self._log_store.compact, snap)
+                # The entries the copy's batches refer to stay (one copy per
+                # node: docs/one-copy.md); the rest up to the index go.
+                keep = index + 1 if oldest is None else oldest
+                await loop.run_in_executor(self._log_io, self._log_store.compact, snap, keep)
                 compact_s = round(time.perf_counter() - t0, 3)
                 self._remove_old(path)
                 self._index_gauge.set(index)
@@ -325,4 +384,5 @@ class Snapshots:
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        self._ship_io.shutdown(wait=True)
         self._flush_io.shutdown(wait=True)

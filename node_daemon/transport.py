@@ -47,7 +47,7 @@ import os
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,7 @@ class GroupEndpoint:
     on_message: Callable[[Message], None]
     on_unreachable: Callable[[int], None]
     on_snapshot_status: Callable[[int, bool], None]
-    snapshot_file: Callable[[int, int], Path | None]
+    snapshot_file: Callable[[int, int], Awaitable[Path | None]]
     snapshot_dir: Path
 
 
@@ -280,7 +280,7 @@ def _no_status(to: int, ok: bool) -> None:
     pass
 
 
-def _no_file(index: int, term: int) -> Path | None:
+async def _no_file(index: int, term: int) -> Path | None:
     return None
 
 
@@ -316,7 +316,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         on_message: Callable[[Message], None],
         on_unreachable: Callable[[int], None],
         on_snapshot_status: Callable[[int, bool], None],
-        snapshot_file: Callable[[int, int], Path | None],
+        snapshot_file: Callable[[int, int], Awaitable[Path | None]],
     ) -> None:
         """A transport with group 0's endpoint (``bare`` for one without)."""
         self.node_id = node_id
@@ -348,7 +348,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self.rejected = 0
         self._snapshot_timers: dict[tuple[int, int], asyncio.TimerHandle] = {}  # (group, to)
         self._fetching: set[tuple[int, int, int]] = set()  # (group, index, term)
-        self._sha_cache: dict[Path, bytes] = {}
+        self._sha_cache: dict[tuple[Path, int, int], bytes] = {}
         self._missing_said: set[tuple[int, int, int]] = set()  # (group, index, term) warned of
 
     @classmethod
@@ -596,7 +596,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         timer = self._snapshot_timers.pop((request.group, request.node_id), None)
         if timer is not None:
             timer.cancel()  # the pull started: its end decides
-        path = group.snapshot_file(request.index, request.term)
+        path = await group.snapshot_file(request.index, request.term)
         if path is None or not path.exists():
             # The pull ended here: Raft sends a snapshot again (a newer one).
             key = (request.group, request.index, request.term)
@@ -610,10 +610,12 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such snapshot here any more")
             return
         loop = asyncio.get_running_loop()
-        sha = self._sha_cache.get(path)
+        st = path.stat()
+        made = (path, st.st_ino, st.st_mtime_ns)  # a file made again under its name is another
+        sha = self._sha_cache.get(made)
         if sha is None:
-            sha = self._sha_cache[path] = await loop.run_in_executor(None, file_sha256, path)
-        size = path.stat().st_size
+            sha = self._sha_cache[made] = await loop.run_in_executor(None, file_sha256, path)
+        size = st.st_size
         offset = request.offset
         ok = False
         try:

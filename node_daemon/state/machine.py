@@ -43,6 +43,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from node_daemon import kept_log
 from node_daemon.disk import fsync_dir, full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.raft.errors import MissingEntryError
@@ -247,6 +248,10 @@ class StateMachine:
         self.issues_producers = issues_producers
         self.group = group
         self.entries = entries
+        # Set when retention or a topic's deletion removed batches stored as
+        # references: the log may let their entries go at its next
+        # compaction, which is then due (``Snapshots``); cleared by it.
+        self.refs_released = False
         self._open()
 
     def _open(self) -> None:
@@ -585,6 +590,8 @@ class StateMachine:
             raise RoadlogError(Code.NOT_FOUND, f"no topic {name!r}")
         topic = topics_pb2.Topic.FromString(raw)
         prefix = struct.pack(">I", topic.id)
+        if self.entries is not None:
+            self.refs_released = True  # its log entries may go (if nothing else refers to them)
         for db in (self.parts, self.batches, self._more, self.timeidx):
             _delete_prefix(txn, db, prefix)
         cur = txn.cursor(db=self.producers)
@@ -990,6 +997,8 @@ class StateMachine:
             raw = batch_store.delete_batch(txn, self.batches, self._more, _BATCH.pack(tid, p, base))
             if raw is not None:
                 first = max(first, base + _BATCH_HDR.unpack_from(raw)[0])
+                if batch_refs.is_ref(raw, _BATCH_HDR.size):
+                    self.refs_released = True
             txn.delete(key, db=self.timeidx)
         if first != st.first_offset:
             txn.put(
@@ -1295,27 +1304,11 @@ class StateMachine:
 
     # ----------------------------------------------------------- durability
 
-    def oldest_entry_ref(self, txn: Any = None) -> int | None:
+    def oldest_entry_ref(self) -> int | None:
         """The lowest log index a stored batch refers to (None: none does):
-        the log must keep every entry from there on. Batches lie in offset
-        order within a partition, and so in log order: each partition's
-        first reference is its lowest."""
-        if txn is None:
-            with self.env.begin() as t:
-                return self.oldest_entry_ref(t)
-        lowest: int | None = None
-        cur = txn.cursor(db=self.batches)
-        for key in txn.cursor(db=self.parts).iternext(values=False):
-            if not cur.set_range(key):
-                break
-            for k, v in cur:
-                if not k.startswith(key):
-                    break
-                if batch_refs.is_ref(v, _BATCH_HDR.size):
-                    index = batch_refs.decode_ref(v, _BATCH_HDR.size)[0]
-                    lowest = index if lowest is None else min(lowest, index)
-                    break
-        return lowest
+        the log must keep every entry from there on."""
+        with self.env.begin() as txn:
+            return _oldest_ref(txn, self.parts, self.batches)
 
     def size_bytes(self) -> int:
         """The high-water mark of the state's LMDB pages: about what a
@@ -1414,12 +1407,15 @@ class StateMachine:
         shutil.rmtree(staging, ignore_errors=True)
         try:
             staging.mkdir(parents=True)
-            shutil.copyfile(snapshot_file, staging / "data.mdb")
+            # A snapshot that carries log entries (kept_log: the raft log
+            # took them) is installed without them.
+            if not kept_log.copy_state_without_kept(Path(snapshot_file), staging):
+                shutil.copyfile(snapshot_file, staging / "data.mdb")
             with open(staging / "data.mdb", "rb+") as f:
                 os.fsync(f.fileno())
             fsync_dir(staging)
             _check_format(staging)  # a newer release's state: refused, the old one kept
-        except OSError as e:
+        except (OSError, lmdb.Error) as e:
             # No room for the copy (finding 13): nothing changed; the caller
             # tries again later, or the node says it cannot start.
             shutil.rmtree(staging, ignore_errors=True)
@@ -1571,6 +1567,42 @@ def _duplicate(
         else:
             return None
     return resp
+
+
+def _oldest_ref(txn: Any, parts: Any, batches: Any) -> int | None:
+    """The lowest log index a batch in ``batches`` refers to, None if none
+    does. Batches lie in offset order within a partition, and so in log
+    order: each partition's first reference is its lowest."""
+    lowest: int | None = None
+    cur = txn.cursor(db=batches)
+    for key in txn.cursor(db=parts).iternext(values=False):
+        if not cur.set_range(key):
+            break
+        for k, v in cur:
+            if not k.startswith(key):
+                break
+            if batch_refs.is_ref(v, _BATCH_HDR.size):
+                index = batch_refs.decode_ref(v, _BATCH_HDR.size)[0]
+                lowest = index if lowest is None else min(lowest, index)
+                break
+    return lowest
+
+
+def oldest_ref_in_snapshot(snapshot_file: str | os.PathLike[str]) -> int | None:
+    """``StateMachine.oldest_entry_ref`` of a state snapshot file."""
+    env = lmdb.open(str(snapshot_file), subdir=False, readonly=True, lock=False, max_dbs=17)
+    try:
+        try:
+            parts, batches = (
+                env.open_db(b"parts", create=False),
+                env.open_db(b"batches", create=False),
+            )
+        except lmdb.NotFoundError:
+            return None
+        with env.begin() as txn:
+            return _oldest_ref(txn, parts, batches)
+    finally:
+        env.close()
 
 
 def _ref_to(

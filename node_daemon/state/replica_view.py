@@ -28,6 +28,7 @@ from pathlib import Path
 
 import lmdb
 
+from node_daemon.kept_log import KeptLogReader
 from node_daemon.state.machine import StateMachine
 from roadlog.errors import Code, RoadlogError
 
@@ -48,6 +49,9 @@ class StateReplicaView:
         self._sm: StateMachine | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the open data file
         self._highest = 0  # the highest applied index seen
+        # The replica's batches are references into its Raft log (beside
+        # the state directory), read here read-only too.
+        self._log = KeptLogReader(path.parent / "raft")
 
     def _unavailable(self, why: str) -> _NotReady:
         return _NotReady(
@@ -62,7 +66,7 @@ class StateReplicaView:
             raise self._unavailable("not there yet")
         if self._sm is None or ident != self._file:
             try:
-                sm = StateMachine(self.path, group=self.group, readonly=True)
+                sm = StateMachine(self.path, group=self.group, readonly=True, entries=self._log)
             except (lmdb.Error, FileNotFoundError) as e:  # replaced as it was opened
                 raise self._unavailable(f"being replaced ({e})") from None
             if self._identity() != ident:

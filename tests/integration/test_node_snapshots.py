@@ -14,12 +14,31 @@ import lmdb
 import pytest
 from prometheus_client import REGISTRY
 
+from node_daemon import kept_log
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode
+from node_daemon.state import batch_refs, batch_store
+from node_daemon.state.machine import append_op, trim_op
+from roadlog import columnar
+from roadlog.columnar import PingColumns
+from roadlog.geo import bbox_region
+from roadlog.partitioning import split_by_partition
 from roadlog.runtime.processes import free_port
-from roadlog.v1 import command_pb2
+from roadlog.v1 import client_pb2, command_pb2, topics_pb2
 
 pytestmark = pytest.mark.integration
+
+REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
+
+
+def pings(n: int, start: int, devices: int) -> PingColumns:
+    now = int(time.time() * 1000)  # within the topic's retention
+    return PingColumns.from_columns(
+        [f"car-{i % devices}" for i in range(start, start + n)],
+        [now + i for i in range(start, start + n)],
+        [48.1] * n,
+        [11.5] * n,
+    )
 
 
 async def _until(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
@@ -155,5 +174,104 @@ def test_a_failed_log_write_stops_the_node_instead_of_leaving_it_half_alive(
             await node.stop()  # the failure does not keep it from closing
         with pytest.raises(lmdb.Error):  # closed: stop() ran to its end
             node.sm.env.stat()
+
+    asyncio.run(main())
+
+
+def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_path: Path) -> None:
+    """A node stores each appended batch once: in its Raft log, which keeps
+    the entries past compaction; its state refers to them. A follower
+    behind the log is sent the snapshot bundled with those entries."""
+    addr = f"127.0.0.1:{free_port()}"
+    cfg = NodeConfig(
+        node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr}, snapshot_entries=5
+    )
+    spec = topics_pb2.TopicSpec(name="munich", region_geojson=REGION, partitions=4)
+    create = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
+    sent = [pings(30, start=k * 30, devices=5) for k in range(12)]
+
+    def read_all(node: RaftNode) -> list[int]:
+        out: list[int] = []
+        for p in range(4):
+            resp = node.sm.fetch(client_pb2.FetchRequest(topic="munich", partition=p))
+            for b in resp.batches:
+                out += columnar.decode(b.batch).ts_ms.tolist()
+        return sorted(out)
+
+    want = sorted(t for cols in sent for t in cols.ts_ms.tolist())
+
+    async def main() -> None:
+        node = RaftNode(cfg)
+        await node.start()
+        try:
+            await _until(lambda: node.is_leader, "a leader")
+            await asyncio.wait_for(node.propose_op(create), 10)
+            first_append = node.sm.applied_index + 1
+            for cols in sent:
+                op = append_op("munich", split_by_partition(cols, 4), 0, 0)
+                await asyncio.wait_for(node.propose_op(op), 10)
+            index = await asyncio.wait_for(node.snapshot_now(), 20)
+            assert node.log_store.first_index() == index + 1 > first_append
+            assert node.log_store.retained_from() == first_append  # kept for the state
+            with node.sm.env.begin() as txn:
+                values = [bytes(v) for _, v in txn.cursor(db=node.sm.batches)]
+            assert values and all(batch_refs.is_ref(v, batch_store.HEADER.size) for v in values)
+            assert read_all(node) == want
+            term = node.log_store.snapshot().meta.term
+            ship = await node.snapshots.shipped(index, term)
+            assert ship is not None and ship.name == f"ship-{index}-{term}.mdb"
+            assert kept_log.kept_range(ship) == (first_append, index)
+            assert await node.snapshots.shipped(index, term) == ship  # made once
+        finally:
+            await node.stop()
+        again = RaftNode(cfg)
+        await again.start()
+        try:
+            await _until(lambda: again.is_leader, "a leader again")
+            assert read_all(again) == want
+        finally:
+            await again.stop()
+
+    asyncio.run(main())
+
+
+def test_entries_retention_let_go_leave_the_log(tmp_path: Path) -> None:
+    """The log keeps an entry only while the state refers to it: once
+    retention removed a topic's batches, a compaction lets their entries go
+    (without waiting for the log to grow by snapshot_bytes)."""
+    addr = f"127.0.0.1:{free_port()}"
+    cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr})
+    spec = topics_pb2.TopicSpec(name="brief", region_geojson=REGION, partitions=2, retention_ms=300)
+    create = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
+
+    def kept(node: RaftNode) -> int:
+        return sum(p.next_offset - p.first_offset for p in node.sm.describe("brief").partitions)
+
+    async def main() -> None:
+        node = RaftNode(cfg)
+        await node.start()
+        try:
+            await _until(lambda: node.is_leader, "a leader")
+            await asyncio.wait_for(node.propose_op(create), 10)
+            first_append = node.sm.applied_index + 1
+            for k in range(5):
+                op = append_op("brief", split_by_partition(pings(20, k * 20, 3), 2), 0, 0)
+                await asyncio.wait_for(node.propose_op(op), 10)
+            last_append = node.sm.applied_index
+            assert node.log_store.retained_from() <= first_append
+            assert node.sm.oldest_entry_ref() == first_append
+            deadline = time.monotonic() + 15
+            while kept(node):  # retention (300 ms) through the log, as the leader's trims do
+                assert time.monotonic() < deadline, "retention never trimmed the pings"
+                await asyncio.wait_for(node.propose_op(trim_op()), 10)
+                await asyncio.sleep(0.05)
+            assert node.sm.oldest_entry_ref() is None
+            await _until(
+                lambda: node.log_store.retained_from() > last_append,
+                "the log to let the trimmed batches' entries go",
+                timeout=30,
+            )
+        finally:
+            await node.stop()
 
     asyncio.run(main())

@@ -11,6 +11,11 @@ from node_daemon.raft import Message
 from node_daemon.transport import PeerTransport
 
 
+async def no_snapshot(index: int, term: int) -> Path | None:
+    """No snapshot here (these transports only receive)."""
+    return None
+
+
 def peer_transport(
     node_id: int, cluster: str, secret: bytes, tmp: Path, got: list[Message]
 ) -> PeerTransport:
@@ -22,5 +27,5 @@ def peer_transport(
         on_message=got.append,
         on_unreachable=lambda to: None,
         on_snapshot_status=lambda to, ok: None,
-        snapshot_file=lambda index, term: None,
+        snapshot_file=no_snapshot,
     )

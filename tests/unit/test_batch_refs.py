@@ -15,6 +15,7 @@ from node_daemon.raft.errors import MissingEntryError
 from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.machine import StateMachine, append_op
+from roadlog import columnar
 from roadlog.errors import Code, RoadlogError
 from roadlog.partitioning import split_by_partition
 from roadlog.protowire import length_delimited
@@ -207,3 +208,28 @@ def test_what_the_log_keeps_never_grows_back(tmp_path: Path) -> None:
         assert log.retained_from() == 31 and log.first_index() == 31
     finally:
         log.close()
+
+
+def test_retention_moves_the_oldest_reference_and_compaction_lets_entries_go(
+    node: tuple[StateMachine, LmdbLogStorage],
+) -> None:
+    sm, log = node
+    feed = Log(sm)
+    feed.create(retention_ms=60_000)
+    for k in range(5):
+        feed.append(pings(10, start=k * 10, devices=1), at_ms=T0 + k * 30_000)
+    first_append = 2
+    assert sm.oldest_entry_ref() == first_append
+    trim = command_pb2.Command(
+        leader_ms=T0 + 150_000, ops=[command_pb2.Op(trim=command_pb2.TrimOp())]
+    )
+    feed.run(trim)
+    # Batches older than 60 s at 150 s are gone: those of entries 2..4.
+    oldest = sm.oldest_entry_ref()
+    assert oldest == first_append + 3
+    log.compact(Snapshot(SnapshotMeta(sm.applied_index, 1, CONF), b""), retain_from=oldest)
+    assert log.retained_from() == oldest
+    with pytest.raises(MissingEntryError):
+        log.read_slice(first_append, 0, 1)
+    kept = fetch_all(sm)
+    assert sum(len(columnar.decode(b).ts_ms) for b in kept) == 20

@@ -31,6 +31,12 @@ from tests.unit.peer_transports import peer_transport
 
 pytestmark = pytest.mark.unit
 
+
+async def no_snapshot(index: int, term: int) -> Path | None:
+    """No snapshot here (these transports only receive)."""
+    return None
+
+
 SECRET = b"s" * 32
 CLUSTER = "frames-test"
 
@@ -110,7 +116,7 @@ def test_groups_share_one_link_and_each_message_reaches_its_group(
         b.add_group(
             3,
             GroupEndpoint(
-                got[3].append, lambda to: None, lambda to, ok: None, lambda i, t: None, tmp_path
+                got[3].append, lambda to: None, lambda to, ok: None, no_snapshot, tmp_path
             ),
         )
         with pytest.raises(ValueError):

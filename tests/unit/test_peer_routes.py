@@ -21,12 +21,18 @@ from tests.unit.test_peer_frames import _append
 
 pytestmark = pytest.mark.unit
 
+
+async def no_snapshot(index: int, term: int) -> Path | None:
+    """No snapshot here (these transports only receive)."""
+    return None
+
+
 SECRET = b"r" * 32
 CLUSTER = "routes-test"
 
 
 def _endpoint(got: list[Message], tmp: Path) -> GroupEndpoint:
-    return GroupEndpoint(got.append, lambda to: None, lambda to, ok: None, lambda i, t: None, tmp)
+    return GroupEndpoint(got.append, lambda to: None, lambda to, ok: None, no_snapshot, tmp)
 
 
 async def _serve(t: PeerTransport, port: int = 0) -> tuple[grpc.aio.Server, int]:

@@ -19,6 +19,11 @@ from roadlog.v1 import raft_pb2, raft_pb2_grpc
 pytestmark = pytest.mark.unit
 
 
+async def no_snapshot(index: int, term: int) -> Path | None:
+    """No snapshot here (these transports only receive)."""
+    return None
+
+
 class FlakySender(raft_pb2_grpc.RaftPeerServicer):
     """Serves a snapshot file, corrupting one chunk once and cutting the
     stream once, as a bad network would."""
@@ -80,7 +85,7 @@ def test_a_corrupt_chunk_and_a_broken_stream_are_fetched_again(tmp_path: Path) -
                 on_message=lambda m: None,
                 on_unreachable=lambda n: None,
                 on_snapshot_status=lambda n, ok: None,
-                snapshot_file=lambda i, t: None,
+                snapshot_file=no_snapshot,
             )
             receiver.set_addresses({1: f"127.0.0.1:{port}"})
             got = await receiver.fetch_snapshot(1, index=7, term=3)
