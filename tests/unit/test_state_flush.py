@@ -30,6 +30,7 @@ class _Applying:
     test moves, and checkpoints (fsyncs) it can hold."""
 
     group = 7  # the Raft group it is the state of
+    refs_released = False  # retention let no batch's log entry go
 
     def __init__(self) -> None:
         self.applied_index = 0
