@@ -6,12 +6,15 @@ its applied index) and `manifest.json` (cluster, node, applied index and
 term, size, SHA-256 of `state.mdb`, and an HMAC-SHA256 of all of that under
 the operators' backup key). A node that runs data groups (multi-raft) adds
 `groups/<g>/state.mdb` for each, with its applied index and term, size and
-SHA-256 under `groups` in the manifest. Each group's copy is exact at its
-own index; group 0's is taken first, so no consumer offset it holds points
-past the pings the data groups' copies hold (a topic created between the
-copies may have pings in a data group that group 0 does not know of:
-unreachable, as the write it came from is gone). It can be taken from a running node: LMDB lets
-another process read while the node writes, and the copy never blocks it.
+SHA-256 under `groups` in the manifest. A state refers to its ping batches
+in the Raft log beside it (docs/one-copy.md): each `state.mdb` also holds
+those log entries (``kept_log``), which a restore gives to the new log. Each
+group's copy is exact at its own index; group 0's is taken first, so no
+consumer offset it holds points past the pings the data groups' copies hold
+(a topic created between the copies may have pings in a data group that
+group 0 does not know of: unreachable, as the write it came from is gone).
+It can be taken from a running node: LMDB lets another process read while
+the node writes, and the copy never blocks it.
 
 The backup key (issue 19, finding 14) is not the cluster secret: only
 operators hold it (a text file of at least 16 bytes, readable by its owner
