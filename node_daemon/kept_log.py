@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from node_daemon.raft.errors import MissingEntryError
 
 KEPT_DB = b"keptlog"
 STATE_DBS = 16  # the state environment's max_dbs (and one for keptlog)
+TXN_BYTES = 64 << 20  # a bundle's entries are written this much per transaction
 _KEY = struct.Struct(">Q")
 _HDR_SIZE = 9  # term (8 bytes) and type (1 byte), as raft_log stores an entry
 _CHECKED = 0x80
@@ -49,50 +51,57 @@ def slice_of(raw: Any, index: int, offset: int, length: int) -> bytes:
     return bytes(raw[body + offset : body + offset + length])
 
 
-def _gapless(rows: list[tuple[bytes, bytes]], lo: int, hi: int) -> None:
-    want = hi - lo + 1 if hi >= lo else 0
-    if len(rows) != want or (
-        rows and (_KEY.unpack(rows[0][0])[0], _KEY.unpack(rows[-1][0])[0]) != (lo, hi)
-    ):
-        raise MissingEntryError(f"the log no longer keeps entries {lo}..{hi}", lo)
+def _entries(cur: Any, lo: int, hi: int) -> Iterator[tuple[bytes, bytes]]:
+    """The stored entries ``lo``..``hi`` from a cursor of a log; raises
+    ``MissingEntryError`` on the first one missing (a gap, or an end short
+    of ``hi``)."""
+    expect = lo
+    if hi >= lo and cur.set_range(_KEY.pack(lo)):
+        for k, v in cur:
+            index = _KEY.unpack(k)[0]
+            if index > hi:
+                break
+            if index != expect:
+                break
+            yield k, v
+            expect += 1
+    if expect <= hi:
+        raise MissingEntryError(f"the log no longer keeps entry {expect} (of {lo}..{hi})", expect)
 
 
-def _rows(log_env: lmdb.Environment, log_db: Any, lo: int, hi: int) -> list[tuple[bytes, bytes]]:
-    """The log's stored entries ``lo``..``hi``, as (key, value), all of them
-    from one read transaction (``MissingEntryError`` if any is missing)."""
-    rows: list[tuple[bytes, bytes]] = []
-    with log_env.begin(db=log_db) as rtxn:
-        cur = rtxn.cursor()
-        if hi >= lo and cur.set_range(_KEY.pack(lo)):
-            for k, v in cur:
-                if _KEY.unpack(k)[0] > hi:
-                    break
-                rows.append((k, v))
-    _gapless(rows, lo, hi)
-    return rows
-
-
-def _add_rows(file: Path, rows: list[tuple[bytes, bytes]]) -> None:
-    """Put ``rows`` into the ``keptlog`` of the LMDB file ``file``; fsynced."""
-    size = sum(len(k) + len(v) for k, v in rows)
+def _add_rows(file: Path, rows: Iterable[tuple[bytes, bytes]], room: int) -> None:
+    """Put ``rows`` (in key order) into the ``keptlog`` of the LMDB file
+    ``file``, in write transactions of at most ``TXN_BYTES`` (what is held
+    in memory stays bounded however many there are); fsynced. ``room``: at
+    least the bytes the rows take."""
     env = lmdb.open(
         str(file),
         subdir=False,
         max_dbs=STATE_DBS + 1,
-        map_size=os.path.getsize(file) + 2 * size + (64 << 20),
+        map_size=os.path.getsize(file) + 2 * room + (64 << 20),
         lock=False,
         sync=False,
     )
     try:
-        with env.begin(write=True) as wtxn:
-            kept = env.open_db(KEPT_DB, txn=wtxn)
-            wtxn.cursor(db=kept).putmulti(rows, append=True)
+        it = iter(rows)
+        more = True
+        while more:
+            more = False
+            with env.begin(write=True) as wtxn:
+                cur = wtxn.cursor(db=env.open_db(KEPT_DB, txn=wtxn))
+                size = 0
+                for k, v in it:
+                    cur.put(k, v, append=True)
+                    size += len(k) + len(v)
+                    if size >= TXN_BYTES:
+                        more = True
+                        break
         env.sync(True)
     finally:
         env.close()
 
 
-def _made_as(dest: Path, make: Any) -> None:
+def _made_as(dest: Path, make: Callable[[Path], None]) -> None:
     """Make ``dest`` by ``make(tmp)`` under a temporary name, fsynced and
     renamed into place (nothing left behind on an error)."""
     tmp = dest.with_name(dest.name + ".tmp")
@@ -115,14 +124,14 @@ def bundle(
     hi: int,
 ) -> None:
     """Write ``dest``: the state snapshot ``state_file`` with the log's
-    entries ``lo``..``hi`` (as stored) added under ``keptlog``.
-    ``MissingEntryError`` (and no ``dest``) if the log does not hold all of
-    them."""
-    rows = _rows(log_env, log_db, lo, hi)
+    entries ``lo``..``hi`` (as stored, read in one read transaction) added
+    under ``keptlog``. ``MissingEntryError`` (and no ``dest``) if the log
+    does not hold all of them."""
 
     def make(tmp: Path) -> None:
         shutil.copyfile(state_file, tmp)
-        _add_rows(tmp, rows)
+        with log_env.begin(db=log_db) as rtxn:
+            _add_rows(tmp, _entries(rtxn.cursor(), lo, hi), log_env.info()["map_size"])
 
     _made_as(dest, make)
 
@@ -147,13 +156,13 @@ def carry_over(src: Path, dest: Path) -> bool:
         except lmdb.NotFoundError:
             return False
         with env.begin(db=db) as txn:
-            rows = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+            cur = txn.cursor()
+            if not cur.first():
+                return False
+            _add_rows(dest, cur.iternext(), os.path.getsize(src))
+            return True
     finally:
         env.close()
-    if not rows:
-        return False
-    _add_rows(dest, rows)
-    return True
 
 
 def kept_range(snapshot_file: Path) -> tuple[int, int] | None:

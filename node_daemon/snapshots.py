@@ -29,6 +29,8 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from node_daemon import kept_log, metrics
 from node_daemon.disk import fsync_dir
 from node_daemon.raft import Snapshot, SnapshotMeta, StorageError
@@ -177,8 +179,10 @@ class Snapshots:
             fut.add_done_callback(lambda _: self._shipping.pop(key, None))
         try:
             await asyncio.shield(fut)
-        except MissingEntryError as e:
-            log.info("snapshot not bundled", extra={"index": index, "why": str(e)})
+        except (MissingEntryError, OSError, lmdb.Error) as e:
+            # The log let entries go, or a newer snapshot removed this one
+            # meanwhile: Raft sends a newer snapshot.
+            log.info("snapshot not bundled", extra={"index": index, "why": repr(e)})
             return None
         return ship if ship.exists() else None
 

@@ -42,9 +42,14 @@ def leader(tmp_path: Path) -> Iterator[tuple[StateMachine, LmdbLogStorage, Path]
     log.close()
 
 
+@pytest.mark.parametrize("txn_bytes", [kept_log.TXN_BYTES, 1], ids=["one-txn", "txn-per-entry"])
 def test_a_bundled_snapshot_makes_a_follower_whole(
-    leader: tuple[StateMachine, LmdbLogStorage, Path], tmp_path: Path
+    leader: tuple[StateMachine, LmdbLogStorage, Path],
+    tmp_path: Path,
+    txn_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(kept_log, "TXN_BYTES", txn_bytes)  # bounded memory: many transactions
     sm, log, snap = leader
     index = sm.applied_index
     assert oldest_ref_in_snapshot(snap) == log.retained_from()
