@@ -81,15 +81,19 @@ async def drive(
 
     if meter is not None:
         meter.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - t0
+    elapsed, client_cpu = time.perf_counter() - t0, time.process_time() - c0
     out: dict[str, Any] = {
         "messages": done,
         "errors": errors,
         "pings_per_s": round(done * pings / elapsed, 1),
         "ack_p50_ms": round(percentile(lat, 0.5) * 1000, 2),
         "ack_p99_ms": round(percentile(lat, 0.99) * 1000, 2),
+        # The client (this process, every thread): what the senders cost,
+        # which shares the machine's cores with the servers.
+        "client_cpu_s_per_m_pings": round(client_cpu / max(done * pings, 1) * 1e6, 3),
+        "client_cores": round(client_cpu / elapsed, 3),
     }
     if meter is not None:
         out |= meter.stop(done * pings)
@@ -310,7 +314,8 @@ def show(system: str, b: int, r: dict[str, Any], what: str = "") -> None:
     print(
         f"{system:<9} {b:>5}/msg: {r['pings_per_s']:>12,.0f} pings/s  "
         f"p50 {r['ack_p50_ms']} ms  p99 {r['ack_p99_ms']} ms  errors {r['errors']}  "
-        f"server CPU-s/M pings {cpu}  cores {cores}  {what}",
+        f"server CPU-s/M pings {cpu}  cores {cores}  "
+        f"client CPU-s/M pings {r.get('client_cpu_s_per_m_pings')}  {what}",
         file=sys.stderr,
         flush=True,
     )

@@ -23,6 +23,12 @@ GROUP_APPLIED_INDEX = Gauge(
 GROUP_SNAPSHOT_INDEX = Gauge(
     "roadlog_raft_group_snapshot_index", "index each Raft group's log is compacted to", ["group"]
 )
+LOG_KEPT_FROM = Gauge(
+    "roadlog_raft_log_kept_from_index",
+    "lowest index each Raft group's log keeps: below its snapshot's, the entries whose ping "
+    "batches the state refers to (one copy per node); retention moves it up",
+    ["group"],
+)
 LEADER_HANDOVERS = Counter(
     "roadlog_raft_group_leader_handovers_total",
     "data groups this node handed to their preferred leader (leaders spread)",

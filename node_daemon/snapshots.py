@@ -134,6 +134,8 @@ class Snapshots:
         self._next_check = 0.0
         self._next_release = 0.0  # no snapshot for released references before this
         self._phases: dict[str, float] = {}  # the last snapshot's, for its log line
+        self._kept_gauge = metrics.LOG_KEPT_FROM.labels(str(sm.group))
+        self._kept_gauge.set(log_store.retained_from())
 
     # ------------------------------------------------------------- files
 
@@ -355,9 +357,15 @@ class Snapshots:
                 compact_s = round(time.perf_counter() - t0, 3)
                 self._remove_old(path)
                 self._index_gauge.set(index)
+                self._kept_gauge.set(self._log_store.retained_from())
                 log.info(
                     "snapshot and compaction",
-                    extra={"index": index, **self._phases, "compact_s": compact_s},
+                    extra={
+                        "index": index,
+                        **self._phases,
+                        "compact_s": compact_s,
+                        "kept_from": self._log_store.retained_from(),
+                    },
                 )
         except Exception as e:
             if isinstance(e, CopyCancelled):

@@ -271,6 +271,8 @@ def test_entries_retention_let_go_leave_the_log(tmp_path: Path) -> None:
                 "the log to let the trimmed batches' entries go",
                 timeout=30,
             )
+            gauge = REGISTRY.get_sample_value("roadlog_raft_log_kept_from_index", {"group": "0"})
+            assert gauge == node.log_store.retained_from()
         finally:
             await node.stop()
 
