@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from node_daemon import kept_log
 from roadlog.client import Admin, Connection, Producer, Unavailable
 from roadlog.client_tls import ClientTLS
 from roadlog.runtime.processes import alive
@@ -148,17 +149,25 @@ def digest(address: str) -> tuple[int, bytes]:
     return r.applied_index, r.sha256
 
 
+@pytest.mark.parametrize("wiped", [True, False], ids=["wiped", "behind"])
 def test_a_wiped_node_catches_up_by_snapshot_and_ends_byte_identical(
-    make_cluster: MakeCluster,
+    make_cluster: MakeCluster, wiped: bool
 ) -> None:
+    """A node wiped, or only stopped while the others compacted their logs
+    past it, is sent a snapshot bundled with the log entries its state
+    refers to (one copy per node: docs/one-copy.md), and ends identical."""
     import shutil
 
     lc = make_cluster(nodes=3, extra=["--snapshot-entries", "20"])
     with Connection(lc.servers) as conn:
         create_topic(conn)
         victim = next(n for n in lc.nodes if n.id != lc.status()["leader"])
+        if not wiped:  # it holds pings of its own before it stops
+            Producer(conn, "munich").send_batch(make_pings("early", 0, 500))
+            wait_for(lambda: digest(victim.address)[0] > 0, 30, "the victim to apply")
         lc.kill(victim.id)
-        shutil.rmtree(victim.data_dir)
+        if wiped:
+            shutil.rmtree(victim.data_dir)
         p = Producer(conn, "munich")
         for k in range(60):
             p.send_batch(make_pings("p", k * 500, 500))
@@ -172,9 +181,10 @@ def test_a_wiped_node_catches_up_by_snapshot_and_ends_byte_identical(
             except grpc.RpcError:
                 return False  # not serving yet
 
-        wait_for(caught_up, 60, "the wiped node to catch up")
+        wait_for(caught_up, 60, "the node to catch up")
         snaps = list((lc.dir / f"node{victim.id}" / "snapshots").glob("*.mdb"))
-        assert snaps, "the wiped node did not get a snapshot"
+        assert snaps, "the node did not get a snapshot"
+        assert any(kept_log.kept_range(p) for p in snaps), "the snapshot carried no log entries"
         wait_for(lambda: len({digest(n.address) for n in lc.nodes}) == 1, 30, "identical replicas")
 
 
