@@ -25,6 +25,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -146,48 +147,50 @@ def bundle_from_log_dir(state_file: Path, dest: Path, log_dir: Path, lo: int, hi
         env.close()
 
 
-def carry_over(src: Path, dest: Path) -> bool:
-    """Add the entries the snapshot file ``src`` carries to the snapshot
-    file ``dest`` (a state made from it); False if it carries none."""
-    env = lmdb.open(str(src), subdir=False, readonly=True, lock=False, max_dbs=STATE_DBS + 1)
-    try:
-        try:
-            db = env.open_db(KEPT_DB, create=False)
-        except lmdb.NotFoundError:
-            return False
-        with env.begin(db=db) as txn:
-            cur = txn.cursor()
-            if not cur.first():
-                return False
-            _add_rows(dest, cur.iternext(), os.path.getsize(src))
-            return True
-    finally:
-        env.close()
-
-
-def kept_range(snapshot_file: Path) -> tuple[int, int] | None:
-    """The (lowest, highest) index of the entries ``snapshot_file`` carries,
-    None if it carries none."""
+@contextmanager
+def _carried(snapshot_file: Path) -> Iterator[Any]:
+    """A cursor on the first entry ``snapshot_file`` carries (in a read
+    transaction open while the block runs), None if it carries none or is
+    not an LMDB file."""
     try:
         env = lmdb.open(
             str(snapshot_file), subdir=False, readonly=True, lock=False, max_dbs=STATE_DBS + 1
         )
     except lmdb.Error:
-        return None
+        yield None
+        return
     try:
         try:
             db = env.open_db(KEPT_DB, create=False)
         except lmdb.NotFoundError:
-            return None
+            yield None
+            return
         with env.begin(db=db) as txn:
             cur = txn.cursor()
-            if not cur.first():
-                return None
-            lo = _KEY.unpack(cur.key())[0]
-            cur.last()
-            return lo, _KEY.unpack(cur.key())[0]
+            yield cur if cur.first() else None
     finally:
         env.close()
+
+
+def carry_over(src: Path, dest: Path) -> bool:
+    """Add the entries the snapshot file ``src`` carries to the snapshot
+    file ``dest`` (a state made from it); False if it carries none."""
+    with _carried(src) as cur:
+        if cur is None:
+            return False
+        _add_rows(dest, cur.iternext(), os.path.getsize(src))
+        return True
+
+
+def kept_range(snapshot_file: Path) -> tuple[int, int] | None:
+    """The (lowest, highest) index of the entries ``snapshot_file`` carries,
+    None if it carries none."""
+    with _carried(snapshot_file) as cur:
+        if cur is None:
+            return None
+        lo = _KEY.unpack(cur.key())[0]
+        cur.last()
+        return lo, _KEY.unpack(cur.key())[0]
 
 
 def import_kept(txn: Any, log_db: Any, snapshot_file: Path) -> int | None:
@@ -196,23 +199,12 @@ def import_kept(txn: Any, log_db: Any, snapshot_file: Path) -> int | None:
     lowest of them, None if it carries none."""
     if not snapshot_file.is_file():
         return None
-    env = lmdb.open(
-        str(snapshot_file), subdir=False, readonly=True, lock=False, max_dbs=STATE_DBS + 1
-    )
-    try:
-        try:
-            db = env.open_db(KEPT_DB, create=False)
-        except lmdb.NotFoundError:
+    with _carried(snapshot_file) as cur:
+        if cur is None:
             return None
-        with env.begin(db=db) as rtxn:
-            cur = rtxn.cursor()
-            if not cur.first():
-                return None
-            lowest = int(_KEY.unpack(cur.key())[0])
-            txn.cursor(db=log_db).putmulti(cur.iternext(), append=True)
-            return lowest
-    finally:
-        env.close()
+        lowest = int(_KEY.unpack(cur.key())[0])
+        txn.cursor(db=log_db).putmulti(cur.iternext(), append=True)
+        return lowest
 
 
 def copy_state_without_kept(snapshot_file: Path, dest_dir: Path) -> bool:
