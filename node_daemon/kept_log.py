@@ -249,14 +249,26 @@ class KeptLogReader:
     """Read-only access to a group's Raft log from another process (the
     node's main process reading a worker's group): ``read_slice`` as the
     log's own. LMDB's readers span processes; a map the writer grew is
-    adopted on the next read."""
+    adopted on the next read, and a log set aside and made anew under the
+    same path (a damaged one, ``damage.py``) is opened again."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._env: lmdb.Environment | None = None
         self._db: Any = None
+        self._file: tuple[int, int] | None = None  # (device, inode) of the open data file
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
 
     def _open(self) -> lmdb.Environment:
+        ident = self._identity()
+        if self._env is not None and ident != self._file:
+            self.close()  # another log under this path now
         if self._env is None:
             try:
                 env = lmdb.open(str(self.path), readonly=True, max_dbs=4, readahead=False)
@@ -267,7 +279,7 @@ class KeptLogReader:
             except lmdb.Error as e:
                 env.close()
                 raise MissingEntryError(f"the log in {self.path} has no entries: {e}", 0) from e
-            self._env = env
+            self._env, self._file = env, ident
         return self._env
 
     def read_slice(self, index: int, offset: int, length: int) -> bytes:
@@ -286,4 +298,4 @@ class KeptLogReader:
     def close(self) -> None:
         if self._env is not None:
             self._env.close()
-            self._env = None
+            self._env, self._file = None, None

@@ -123,3 +123,24 @@ def test_another_process_reads_the_log_read_only(tmp_path: Path) -> None:
         reader.close()
     with pytest.raises(MissingEntryError):
         kept_log.KeptLogReader(tmp_path / "none").read_slice(1, 0, 1)
+
+
+def test_the_reader_opens_a_log_made_anew_under_its_path(tmp_path: Path) -> None:
+    """A damaged log is set aside and an empty one made at the same path;
+    a reader in another process then reads the new one, not the old."""
+    path = tmp_path / "raft"
+    log = LmdbLogStorage(path, map_size=64 << 20)
+    log.save(None, [Entry(1, i, EntryType.NORMAL, b"old" * 10) for i in range(1, 4)])
+    log.close()
+    reader = kept_log.KeptLogReader(path)
+    try:
+        assert reader.read_slice(2, 0, 3) == b"old"
+        path.rename(tmp_path / "corrupt-raft")
+        log = LmdbLogStorage(path, map_size=64 << 20)
+        log.save(None, [Entry(1, i, EntryType.NORMAL, b"new" * 10) for i in range(1, 3)])
+        log.close()
+        assert reader.read_slice(2, 0, 3) == b"new"
+        with pytest.raises(MissingEntryError):
+            reader.read_slice(3, 0, 3)  # only in the old one
+    finally:
+        reader.close()
