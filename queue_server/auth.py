@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from roadlog.errors import Code, RoadlogError
+from roadlog.protowire import field_spans
 from roadlog.rpc import ADMIN, BY_NAME, IDENTITY, PUBLIC
 from roadlog.scopes import (
     AUTHENTICATED,
@@ -156,44 +157,12 @@ def check_need(principal: Principal, need: Need, what: str) -> None:
         )
 
 
-def _varint(buf: memoryview, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
 def _fields(raw: bytes | memoryview, number: int) -> Iterator[memoryview]:
     """Every length-delimited value of field ``number`` at the top level of a
     message's wire bytes, in order (not copied)."""
     buf = memoryview(raw)
-    i, n = 0, len(buf)
-    while i < n:
-        key, i = _varint(buf, i)
-        kind = key & 7
-        if kind == 0:
-            _, i = _varint(buf, i)
-        elif kind == 1:
-            i += 8
-        elif kind == 5:
-            i += 4
-        elif kind == 2:
-            size, i = _varint(buf, i)
-            if i + size > n:
-                raise ValueError("truncated field")
-            if key >> 3 == number:
-                yield buf[i : i + size]
-            i += size
-        else:
-            raise ValueError(f"wire type {kind}")
-        if i > n:
-            raise ValueError("truncated field")
+    for start, end in field_spans(buf, number):
+        yield buf[start:end]
 
 
 def _last_string(raw: bytes | memoryview, number: int) -> str:

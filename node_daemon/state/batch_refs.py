@@ -24,6 +24,8 @@ from __future__ import annotations
 import struct
 from typing import Protocol
 
+from roadlog.protowire import field_spans
+
 REF_MARK = 0  # the first byte of a reference (a PingBatch's never is)
 _REF = struct.Struct(">BQII")  # mark, entry index, offset, length
 REF_SIZE = _REF.size
@@ -62,50 +64,6 @@ _APPEND_PARTS = 5
 _PART_BATCH = 2
 
 
-class _Malformed(Exception):
-    pass
-
-
-def _varint(data: bytes, at: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= end or shift > 63:
-            raise _Malformed
-        b = data[at]
-        at += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, at
-        shift += 7
-
-
-def _fields(data: bytes, at: int, end: int, wanted: int) -> list[tuple[int, int]]:
-    """(start, end) of each length-delimited field ``wanted`` of the message
-    in ``data[at:end]``, in order; every other field skipped."""
-    out: list[tuple[int, int]] = []
-    while at < end:
-        tag, at = _varint(data, at, end)
-        field, wire = tag >> 3, tag & 7
-        if wire == 0:
-            _, at = _varint(data, at, end)
-        elif wire == 1:
-            at += 8
-        elif wire == 5:
-            at += 4
-        elif wire == 2:
-            size, at = _varint(data, at, end)
-            if at + size > end:
-                raise _Malformed
-            if field == wanted:
-                out.append((at, at + size))
-            at += size
-        else:
-            raise _Malformed  # groups: never written by roadlog
-        if at > end:
-            raise _Malformed
-    return out
-
-
 def append_batch_spans(data: bytes) -> list[list[tuple[int, int]]] | None:
     """For each op of the Command in ``data``, in order: the (offset, length)
     of each of its append parts' batch (empty for an op that is not an
@@ -113,11 +71,11 @@ def append_batch_spans(data: bytes) -> list[list[tuple[int, int]]] | None:
     well-formed protobuf."""
     try:
         out: list[list[tuple[int, int]]] = []
-        for op_at, op_end in _fields(data, 0, len(data), _COMMAND_OPS):
+        for op_at, op_end in field_spans(data, _COMMAND_OPS):
             spans: list[tuple[int, int]] = []
-            for ap_at, ap_end in _fields(data, op_at, op_end, _OP_APPEND):
-                for pt_at, pt_end in _fields(data, ap_at, ap_end, _APPEND_PARTS):
-                    batches = _fields(data, pt_at, pt_end, _PART_BATCH)
+            for ap_at, ap_end in field_spans(data, _OP_APPEND, op_at, op_end):
+                for pt_at, pt_end in field_spans(data, _APPEND_PARTS, ap_at, ap_end):
+                    batches = field_spans(data, _PART_BATCH, pt_at, pt_end)
                     if batches:
                         start, end = batches[-1]
                         spans.append((start, end - start))
@@ -125,5 +83,5 @@ def append_batch_spans(data: bytes) -> list[list[tuple[int, int]]] | None:
                         spans.append((pt_at, 0))
             out.append(spans)
         return out
-    except _Malformed:
+    except ValueError:
         return None
