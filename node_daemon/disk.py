@@ -65,6 +65,16 @@ def full_disk_error(err: BaseException, path: str | os.PathLike[str]) -> bool:
 LMDB_LOCK_BYTES = 64 << 10  # room for LMDB's lock file (its reader table)
 
 
+def data_file_identity(directory: Path) -> tuple[int, int] | None:
+    """(device, inode) of the LMDB data file in ``directory`` now (None:
+    none): an environment replaced under the same path is another file."""
+    try:
+        st = os.stat(directory / "data.mdb")
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make the names in directory ``path`` durable (files created, renamed
     or removed there): fsync the directory itself."""

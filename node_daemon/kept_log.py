@@ -11,9 +11,9 @@ takes it byte for byte and its checksum still holds.
 - ``bundle`` makes such a file from a state snapshot and a log;
 - ``import_kept`` takes the entries into a log's write transaction (a
   follower installing the snapshot: its log is replaced by the snapshot's);
-- ``copy_state_without_kept`` installs the state part alone;
-- ``KeptLogReader`` reads a group's log from another process (a worker's
-  group, read by the node's main process), read-only.
+- ``copy_state_without_kept`` installs the state part alone.
+
+The entries are copied as stored, never read: their layout is raft_log's.
 
 Invariant: a file with ``keptlog`` holds every entry from its lowest to its
 highest key (no gap), and the state it carries refers to none outside them.
@@ -37,19 +37,15 @@ from node_daemon.raft.errors import MissingEntryError
 KEPT_DB = b"keptlog"
 STATE_DBS = 16  # the state environment's max_dbs (and one for keptlog)
 TXN_BYTES = 64 << 20  # a bundle's entries are written this much per transaction
-_KEY = struct.Struct(">Q")
-_HDR_SIZE = 9  # term (8 bytes) and type (1 byte), as raft_log stores an entry
-_CHECKED = 0x80
-_BODY = _HDR_SIZE + 8  # where a checked entry's data starts
+_KEY = struct.Struct(">Q")  # a log entry's key (raft_log's): its index
 
 
-def slice_of(raw: Any, index: int, offset: int, length: int) -> bytes:
-    """``length`` bytes of a stored entry value's data from ``offset``."""
-    checked = len(raw) > _HDR_SIZE and raw[_HDR_SIZE - 1] & _CHECKED
-    body = _BODY if checked else _HDR_SIZE
-    if len(raw) < body + offset + length:
-        raise MissingEntryError(f"entry {index} is shorter than a batch it holds", index)
-    return bytes(raw[body + offset : body + offset + length])
+def open_snapshot_file(snapshot_file: str | os.PathLike[str]) -> lmdb.Environment:
+    """A state snapshot file (an LMDB data file, maybe with ``keptlog``),
+    opened read-only and without a lock file."""
+    return lmdb.open(
+        str(snapshot_file), subdir=False, readonly=True, lock=False, max_dbs=STATE_DBS + 1
+    )
 
 
 def _entries(cur: Any, lo: int, hi: int) -> Iterator[tuple[bytes, bytes]]:
@@ -153,9 +149,7 @@ def _carried(snapshot_file: Path) -> Iterator[Any]:
     transaction open while the block runs), None if it carries none or is
     not an LMDB file."""
     try:
-        env = lmdb.open(
-            str(snapshot_file), subdir=False, readonly=True, lock=False, max_dbs=STATE_DBS + 1
-        )
+        env = open_snapshot_file(snapshot_file)
     except lmdb.Error:
         yield None
         return
@@ -213,9 +207,7 @@ def copy_state_without_kept(snapshot_file: Path, dest_dir: Path) -> bool:
     by record, so the file is the state's size, not the entries'); fsynced.
     False, writing nothing, if it carries no ``keptlog`` (copy the file as
     it is)."""
-    src = lmdb.open(
-        str(snapshot_file), subdir=False, readonly=True, lock=False, max_dbs=STATE_DBS + 1
-    )
+    src = open_snapshot_file(snapshot_file)
     try:
         with src.begin() as rtxn:
             names = [bytes(k) for k, _ in rtxn.cursor()]
@@ -243,59 +235,3 @@ def copy_state_without_kept(snapshot_file: Path, dest_dir: Path) -> bool:
         return True
     finally:
         src.close()
-
-
-class KeptLogReader:
-    """Read-only access to a group's Raft log from another process (the
-    node's main process reading a worker's group): ``read_slice`` as the
-    log's own. LMDB's readers span processes; a map the writer grew is
-    adopted on the next read, and a log set aside and made anew under the
-    same path (a damaged one, ``damage.py``) is opened again."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._env: lmdb.Environment | None = None
-        self._db: Any = None
-        self._file: tuple[int, int] | None = None  # (device, inode) of the open data file
-
-    def _identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path / "data.mdb")
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
-
-    def _open(self) -> lmdb.Environment:
-        ident = self._identity()
-        if self._env is not None and ident != self._file:
-            self.close()  # another log under this path now
-        if self._env is None:
-            try:
-                env = lmdb.open(str(self.path), readonly=True, max_dbs=4, readahead=False)
-            except lmdb.Error as e:
-                raise MissingEntryError(f"the log in {self.path} is not readable: {e}", 0) from e
-            try:
-                self._db = env.open_db(b"log", create=False)
-            except lmdb.Error as e:
-                env.close()
-                raise MissingEntryError(f"the log in {self.path} has no entries: {e}", 0) from e
-            self._env, self._file = env, ident
-        return self._env
-
-    def read_slice(self, index: int, offset: int, length: int) -> bytes:
-        env = self._open()
-        for _ in range(2):
-            try:
-                with env.begin(db=self._db, buffers=True) as txn:
-                    raw = txn.get(_KEY.pack(index))
-                    if raw is None:
-                        raise MissingEntryError(f"entry {index} is not kept", index)
-                    return slice_of(raw, index, offset, length)
-            except lmdb.MapResizedError:
-                env.set_mapsize(0)  # the writer grew the map: take its size
-        raise MissingEntryError(f"entry {index}: the log's map keeps changing", index)
-
-    def close(self) -> None:
-        if self._env is not None:
-            self._env.close()
-            self._env, self._file = None, None

@@ -53,7 +53,7 @@ import lmdb
 from xxhash import xxh3_64_intdigest
 
 from node_daemon import kept_log
-from node_daemon.disk import full_disk_error, open_lmdb
+from node_daemon.disk import data_file_identity, full_disk_error, open_lmdb
 from node_daemon.raft.errors import (
     CompactedError,
     CorruptLogError,
@@ -133,7 +133,16 @@ def decode_snapshot_meta(raw: bytes) -> SnapshotMeta:
     return SnapshotMeta(index, term, ConfState.decode(raw[_SNAP.size :]))
 
 
-def _carried(txn: Any, log_db: Any, snapshot: Snapshot) -> int | None:
+def entry_slice(raw: Any, index: int, offset: int, length: int) -> bytes:
+    """``length`` bytes of a stored entry value's data from ``offset`` on
+    (its checksum not checked); ``MissingEntryError`` if it is shorter."""
+    body = _BODY if len(raw) > _HDR.size and raw[_HDR.size - 1] & _CHECKED else _HDR.size
+    if len(raw) < body + offset + length:
+        raise MissingEntryError(f"entry {index} is shorter than a batch it holds", index)
+    return bytes(raw[body + offset : body + offset + length])
+
+
+def _import_carried(txn: Any, log_db: Any, snapshot: Snapshot) -> int | None:
     """Put the log entries the snapshot's file carries (``kept_log``) into
     ``log_db``; the lowest of them, None if it carries none (or its data
     names no file)."""
@@ -243,7 +252,7 @@ class LmdbLogStorage:
                 raise MissingEntryError(
                     f"entry {index} is not kept (kept from {self.retained_from()})", index
                 )
-            return kept_log.slice_of(raw, index, offset, length)
+            return entry_slice(raw, index, offset, length)
 
     def last_index(self) -> int:
         return self._last
@@ -389,7 +398,7 @@ class LmdbLogStorage:
             txn.put(b"snapdata", snapshot.data, db=self._meta)
             # The entries a snapshot carries for its state (kept_log) are
             # the new log's kept ones.
-            carried = _carried(txn, self._log, snapshot)
+            carried = _import_carried(txn, self._log, snapshot)
             retain = snapshot.meta.index + 1 if carried is None else carried
             txn.put(b"retain", _key(retain), db=self._meta)
             snap_meta, last = snapshot.meta, snapshot.meta.index
@@ -517,3 +526,52 @@ class LmdbLogStorage:
 
     def close(self) -> None:
         self.env.close()
+
+
+class LogReader:
+    """Read-only access to a group's Raft log from another process (the
+    node's main process reading a worker's group): ``read_slice`` as
+    ``LmdbLogStorage``'s. LMDB's readers span processes; a map the writer
+    grew is adopted on the next read, and a log set aside and made anew
+    under the same path (a damaged one, ``damage.py``) is opened again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._env: lmdb.Environment | None = None
+        self._db: Any = None
+        self._file: tuple[int, int] | None = None  # (device, inode) of the open data file
+
+    def _open(self) -> lmdb.Environment:
+        ident = data_file_identity(self.path)
+        if self._env is not None and ident != self._file:
+            self.close()  # another log under this path now
+        if self._env is None:
+            try:
+                env = lmdb.open(str(self.path), readonly=True, max_dbs=4, readahead=False)
+            except lmdb.Error as e:
+                raise MissingEntryError(f"the log in {self.path} is not readable: {e}", 0) from e
+            try:
+                self._db = env.open_db(b"log", create=False)
+            except lmdb.Error as e:
+                env.close()
+                raise MissingEntryError(f"the log in {self.path} has no entries: {e}", 0) from e
+            self._env, self._file = env, ident
+        return self._env
+
+    def read_slice(self, index: int, offset: int, length: int) -> bytes:
+        env = self._open()
+        for _ in range(2):
+            try:
+                with env.begin(db=self._db, buffers=True) as txn:
+                    raw = txn.get(_key(index))
+                    if raw is None:
+                        raise MissingEntryError(f"entry {index} is not kept", index)
+                    return entry_slice(raw, index, offset, length)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)  # the writer grew the map: take its size
+        raise MissingEntryError(f"entry {index}: the log's map keeps changing", index)
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env, self._file = None, None

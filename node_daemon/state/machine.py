@@ -1590,7 +1590,7 @@ def _oldest_ref(txn: Any, parts: Any, batches: Any) -> int | None:
 
 def oldest_ref_in_snapshot(snapshot_file: str | os.PathLike[str]) -> int | None:
     """``StateMachine.oldest_entry_ref`` of a state snapshot file."""
-    env = lmdb.open(str(snapshot_file), subdir=False, readonly=True, lock=False, max_dbs=17)
+    env = kept_log.open_snapshot_file(snapshot_file)
     try:
         try:
             parts, batches = (

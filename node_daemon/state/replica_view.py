@@ -22,13 +22,13 @@ index it saw applied sees at least that; the view never writes.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
 import lmdb
 
-from node_daemon.kept_log import KeptLogReader
+from node_daemon.disk import data_file_identity
+from node_daemon.raft_log import LogReader
 from node_daemon.state.machine import StateMachine
 from roadlog.errors import Code, RoadlogError
 
@@ -51,7 +51,7 @@ class StateReplicaView:
         self._highest = 0  # the highest applied index seen
         # The replica's batches are references into its Raft log (beside
         # the state directory), read here read-only too.
-        self._log = KeptLogReader(path.parent / "raft")
+        self._log = LogReader(path.parent / "raft")
 
     def _unavailable(self, why: str) -> _NotReady:
         return _NotReady(
@@ -83,11 +83,7 @@ class StateReplicaView:
 
     def _identity(self) -> tuple[int, int] | None:
         """(device, inode) of the replica's data file now (None: none)."""
-        try:
-            st = os.stat(self.path / "data.mdb")
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
+        return data_file_identity(self.path)
 
     def applied(self, sm: StateMachine) -> int:
         """``sm``'s applied index as its writer last committed it (also set

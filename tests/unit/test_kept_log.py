@@ -12,7 +12,7 @@ import pytest
 from node_daemon import kept_log
 from node_daemon.raft import ConfState, Entry, EntryType, HardState, Snapshot, SnapshotMeta
 from node_daemon.raft.errors import MissingEntryError
-from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.raft_log import LmdbLogStorage, LogReader
 from node_daemon.state.machine import StateMachine, oldest_ref_in_snapshot
 from tests.unit.test_batch_refs import fetch_all
 from tests.unit.test_state_machine import T0, Log, pings
@@ -111,7 +111,7 @@ def test_another_process_reads_the_log_read_only(tmp_path: Path) -> None:
     log.save(None, [Entry(1, i, EntryType.NORMAL, bytes([i]) * 100) for i in range(1, 11)])
     log.compact(Snapshot(SnapshotMeta(8, 1, CONF), b""), retain_from=4)
     log.close()  # one opener of an environment per process: the writer is gone
-    reader = kept_log.KeptLogReader(tmp_path / "raft")
+    reader = LogReader(tmp_path / "raft")
     try:
         assert reader.read_slice(4, 3, 40) == bytes([4]) * 40
         assert reader.read_slice(10, 0, 100) == bytes([10]) * 100
@@ -122,7 +122,7 @@ def test_another_process_reads_the_log_read_only(tmp_path: Path) -> None:
     finally:
         reader.close()
     with pytest.raises(MissingEntryError):
-        kept_log.KeptLogReader(tmp_path / "none").read_slice(1, 0, 1)
+        LogReader(tmp_path / "none").read_slice(1, 0, 1)
 
 
 def test_the_reader_opens_a_log_made_anew_under_its_path(tmp_path: Path) -> None:
@@ -132,7 +132,7 @@ def test_the_reader_opens_a_log_made_anew_under_its_path(tmp_path: Path) -> None
     log = LmdbLogStorage(path, map_size=64 << 20)
     log.save(None, [Entry(1, i, EntryType.NORMAL, b"old" * 10) for i in range(1, 4)])
     log.close()
-    reader = kept_log.KeptLogReader(path)
+    reader = LogReader(path)
     try:
         assert reader.read_slice(2, 0, 3) == b"old"
         path.rename(tmp_path / "corrupt-raft")
