@@ -189,9 +189,9 @@ def _copy_state(state: Path, dest: Path) -> dict[str, Any]:
     and SHA-256. The log may let entries go between the two reads (a
     compaction after retention): then both are read again."""
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data = dest / "data.mdb"
     for attempt in range(KEPT_ATTEMPTS):
         index, term = _copy_env(state, dest)
-        data = dest / "data.mdb"
         lo = oldest_ref_in_snapshot(data)
         if lo is None:
             break
@@ -204,7 +204,6 @@ def _copy_state(state: Path, dest: Path) -> dict[str, Any]:
                     f"{state}: the Raft log let entries the state refers to go "
                     f"{KEPT_ATTEMPTS} times during the copy; try again"
                 ) from None
-    data = dest / "data.mdb"
     with open(data, "rb+") as f:
         os.fchmod(f.fileno(), 0o600)  # LMDB creates it 0666 less the umask
         os.fsync(f.fileno())

@@ -255,3 +255,56 @@ def test_a_backup_without_data_groups_keeps_the_manifest_of_before(
     doc = json.loads((tmp_path / "b" / MANIFEST).read_text())
     assert "groups" not in doc
     assert verify_backup(tmp_path / "b", "lab", KEY).groups == {}
+
+
+@pytest.fixture
+def referring_data_dir(tmp_path: Path) -> Path:
+    """A node's group 0 whose state stores its batches as references into
+    its Raft log (one copy per node), the log compacted past them."""
+    from node_daemon.raft import ConfState, Snapshot, SnapshotMeta
+    from tests.unit.test_state_machine import T0, Log, pings
+
+    data = tmp_path / "data"
+    log = LmdbLogStorage(data / "raft", map_size=1 << 26)
+    sm = StateMachine(data / "state", map_size=1 << 26, entries=log)
+    try:
+        feed = Log(sm)
+        feed.create()
+        for k in range(4):
+            feed.append(pings(20, start=k * 20), at_ms=T0 + k)
+        oldest = sm.oldest_entry_ref()
+        snap = SnapshotMeta(sm.applied_index, 1, ConfState(frozenset({1})))
+        log.compact(Snapshot(snap, b""), retain_from=oldest)
+    finally:
+        sm.close()
+        log.close()
+    return data
+
+
+def test_a_backup_carries_the_log_entries_its_state_refers_to(
+    referring_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from node_daemon import backup, kept_log
+
+    real = kept_log.bundle_from_log_dir
+    calls = []
+
+    def let_go_once(*args: object) -> None:
+        calls.append(args)
+        if len(calls) == 1:  # a compaction let the entries go between the two reads
+            raise backup.MissingEntryError("entry 2 is not kept", 2)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kept_log, "bundle_from_log_dir", let_go_once)
+    out = tmp_path / "b1"
+    take_backup(referring_data_dir, out, "lab", 1, KEY)
+    assert len(calls) == 2  # read again, whole
+    assert kept_log.kept_range(out / STATE_FILE) == (2, 5)
+    verify_backup(out, "lab", KEY)
+
+    def always(*args: object) -> None:
+        raise backup.MissingEntryError("entry 2 is not kept", 2)
+
+    monkeypatch.setattr(kept_log, "bundle_from_log_dir", always)
+    with pytest.raises(BackupError, match="let entries the state refers to go"):
+        take_backup(referring_data_dir, tmp_path / "b2", "lab", 1, KEY)
