@@ -284,7 +284,8 @@ def referring_data_dir(tmp_path: Path) -> Path:
 def test_a_backup_carries_the_log_entries_its_state_refers_to(
     referring_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from node_daemon import backup, kept_log
+    from node_daemon import kept_log
+    from node_daemon.raft.errors import MissingEntryError
 
     real = kept_log.bundle_from_log_dir
     calls = []
@@ -292,7 +293,7 @@ def test_a_backup_carries_the_log_entries_its_state_refers_to(
     def let_go_once(*args: object) -> None:
         calls.append(args)
         if len(calls) == 1:  # a compaction let the entries go between the two reads
-            raise backup.MissingEntryError("entry 2 is not kept", 2)
+            raise MissingEntryError("entry 2 is not kept", 2)
         real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kept_log, "bundle_from_log_dir", let_go_once)
@@ -303,7 +304,7 @@ def test_a_backup_carries_the_log_entries_its_state_refers_to(
     verify_backup(out, "lab", KEY)
 
     def always(*args: object) -> None:
-        raise backup.MissingEntryError("entry 2 is not kept", 2)
+        raise MissingEntryError("entry 2 is not kept", 2)
 
     monkeypatch.setattr(kept_log, "bundle_from_log_dir", always)
     with pytest.raises(BackupError, match="let entries the state refers to go"):
