@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from node_daemon import kept_log
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode
-from node_daemon.state import batch_refs, batch_store
+from node_daemon.state import batch_refs, batch_store, unsynced
 from node_daemon.state.machine import append_op, trim_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -178,13 +178,36 @@ def test_a_failed_log_write_stops_the_node_instead_of_leaving_it_half_alive(
     asyncio.run(main())
 
 
+async def _leader_with_pings(
+    node: RaftNode, create: command_pb2.Op, appends: list[command_pb2.Op]
+) -> tuple[int, int]:
+    """Start ``node`` (one voter), make a topic and append to it; the index
+    of the first append and of the last."""
+    await node.start()
+    await _until(lambda: node.is_leader, "a leader")
+    await asyncio.wait_for(node.propose_op(create), 10)
+    first = node.sm.applied_index + 1
+    for op in appends:
+        await asyncio.wait_for(node.propose_op(op), 10)
+    return first, node.sm.applied_index
+
+
 def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_path: Path) -> None:
     """A node stores each appended batch once: in its Raft log, which keeps
     the entries past compaction; its state refers to them. A follower
-    behind the log is sent the snapshot bundled with those entries."""
+    behind the log is sent the snapshot bundled with those entries. After
+    its host lost power, the node rebuilds its state from its snapshot and
+    log, and the kept entries make it whole."""
     addr = f"127.0.0.1:{free_port()}"
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-1\n")
     cfg = NodeConfig(
-        node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr}, snapshot_entries=5
+        node_id=1,
+        data_dir=tmp_path / "n1",
+        listen=addr,
+        peers={1: addr},
+        snapshot_entries=5,
+        boot_id_file=boot,
     )
     spec = topics_pb2.TopicSpec(name="munich", region_geojson=REGION, partitions=4)
     create = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
@@ -202,14 +225,9 @@ def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_pat
 
     async def main() -> None:
         node = RaftNode(cfg)
-        await node.start()
+        appends = [append_op("munich", split_by_partition(c, 4), 0, 0) for c in sent]
         try:
-            await _until(lambda: node.is_leader, "a leader")
-            await asyncio.wait_for(node.propose_op(create), 10)
-            first_append = node.sm.applied_index + 1
-            for cols in sent:
-                op = append_op("munich", split_by_partition(cols, 4), 0, 0)
-                await asyncio.wait_for(node.propose_op(op), 10)
+            first_append, _ = await _leader_with_pings(node, create, appends)
             index = await asyncio.wait_for(node.snapshot_now(), 20)
             assert node.log_store.first_index() == index + 1 > first_append
             assert node.log_store.retained_from() == first_append  # kept for the state
@@ -231,6 +249,20 @@ def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_pat
             assert read_all(again) == want
         finally:
             await again.stop()
+        # A power loss: the state was marked unsynced on boot 1, and the
+        # host comes back on boot 2.
+        (tmp_path / "n1" / unsynced.MARKER).write_text("boot-1\n")
+        boot.write_text("boot-2\n")
+        rebuilt = REGISTRY.get_sample_value("roadlog_states_rebuilt_total", {"group": "0"}) or 0
+        after = RaftNode(cfg)
+        await after.start()
+        try:
+            await _until(lambda: after.is_leader, "a leader after the power loss")
+            now = REGISTRY.get_sample_value("roadlog_states_rebuilt_total", {"group": "0"})
+            assert now == rebuilt + 1
+            assert read_all(after) == want
+        finally:
+            await after.stop()
 
     asyncio.run(main())
 
@@ -249,15 +281,11 @@ def test_entries_retention_let_go_leave_the_log(tmp_path: Path) -> None:
 
     async def main() -> None:
         node = RaftNode(cfg)
-        await node.start()
+        appends = [
+            append_op("brief", split_by_partition(pings(20, k * 20, 3), 2), 0, 0) for k in range(5)
+        ]
         try:
-            await _until(lambda: node.is_leader, "a leader")
-            await asyncio.wait_for(node.propose_op(create), 10)
-            first_append = node.sm.applied_index + 1
-            for k in range(5):
-                op = append_op("brief", split_by_partition(pings(20, k * 20, 3), 2), 0, 0)
-                await asyncio.wait_for(node.propose_op(op), 10)
-            last_append = node.sm.applied_index
+            first_append, last_append = await _leader_with_pings(node, create, appends)
             assert node.log_store.retained_from() <= first_append
             assert node.sm.oldest_entry_ref() == first_append
             deadline = time.monotonic() + 15
