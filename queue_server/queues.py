@@ -62,6 +62,9 @@ class Item:
     broken: int = 0  # times a worker holding it left (its stream broke)
     principal: str = ""  # the authenticated identity's client id ("": none), for the node
     group: int = 0  # its Raft group: 0, the metadata group, or a data group
+    # The queue server's own request (a client's Authenticate when it
+    # connects), not a client's: a fenced one does not make reads flowing.
+    own: bool = False
 
     @property
     def size(self) -> int:
@@ -192,13 +195,17 @@ class WorkQueues:
             self.queues[item.kind].push(item)
         except Full as e:
             raise QueueFull(f"{item.kind.name.lower()} {e}") from None
-        if item.kind == Kind.READ and item.fence:
+        if item.kind == Kind.READ and item.fence and not item.own:
             self.fenced_read_at = max(self.fenced_read_at, item.enqueued)
 
     def reads_flowing(self, now: float) -> bool:
-        """Fenced reads came in lately: nodes that tell their applied index
-        promptly can take them too, not only the leader (whose answer to
-        the write told its index)."""
+        """Fenced reads of clients came in lately: nodes that tell their
+        applied index promptly can take them too, not only the leader
+        (whose answer to the write told its index). The queue server's own
+        (each client's Authenticate as it connects) do not count: the
+        leader takes them at once, and counted, every connect had every
+        leader tell each commit with an APPEND of its own for a second or
+        two (bench/profiles/write-path.md, session 25)."""
         return now - self.fenced_read_at < READS_FLOWING_S
 
     def cancel(self, item_id: int) -> bool:

@@ -258,7 +258,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         t0 = time.monotonic()
         outcome = "error"
         try:
-            answer = await self._call(method, request, timeout, client, None)
+            answer = await self._call(method, request, timeout, client, None, own=True)
             outcome = "ok"
             return answer
         finally:
@@ -271,7 +271,10 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         timeout: float | None,
         client: str,
         principal: Principal | None,
+        own: bool = False,
     ) -> bytes:
+        """Queue one request and wait for its answer; ``own``: the queue
+        server's own (see ``Item.own``)."""
         rpc = ROUTED[method]
         kind = rpc.kind
         assert kind is not None  # QUEUED holds the rpcs that have a queue
@@ -304,6 +307,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             client=client,
             principal=principal.client_id if principal is not None else "",
             group=self._group_hint(method, request),
+            own=own,
         )
         try:
             self.q.submit(item)

@@ -19,7 +19,7 @@ from node_daemon.worker import INDEX_IDLE_S, QueueServerLink
 from queue_server.config import QueueConfig
 from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
 from queue_server.server import Outgoing, QueueServer
-from roadlog.v1 import client_pb2, work_pb2
+from roadlog.v1 import client_pb2, clients_pb2, work_pb2
 
 pytestmark = pytest.mark.unit
 _ids = itertools.count(1)
@@ -46,6 +46,36 @@ def test_the_awaited_fence_is_the_highest_no_worker_has_told() -> None:
     assert q.awaited_fence() == 15
     q.update(1, False, 1, applied=15)
     assert q.awaited_fence() == 0
+
+
+def test_only_clients_fenced_reads_make_reads_flowing(tmp_path: Path) -> None:
+    """The queue server's own fenced reads (each connecting client's
+    Authenticate) do not have every leader tell each commit at once."""
+
+    async def main() -> None:
+        qs = _server(tmp_path)
+        _session(qs, 1, 5, leader=True)
+        req = clients_pb2.AuthenticateRequest(token_hash=b"h" * 32, min_applied_index=5)
+        call = asyncio.ensure_future(qs.call("Authenticate", req.SerializeToString(), 5.0))
+        await until_queued(qs)
+        [queued] = list(qs.q.queues[Kind.READ])
+        assert queued.fence == 5 and queued.own
+        assert not qs.q.reads_flowing(time.monotonic())
+        read = _read(5)  # a client's
+        read.enqueued = time.monotonic()
+        qs.q.submit(read)
+        assert qs.q.reads_flowing(time.monotonic())
+        call.cancel()
+
+    asyncio.run(main())
+
+
+async def until_queued(qs: QueueServer) -> None:
+    for _ in range(100):
+        if qs.q.depth(Kind.READ):
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the call was never queued")
 
 
 # ------------------------------------------------------------- QueueServer
