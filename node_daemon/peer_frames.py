@@ -94,6 +94,15 @@ class FramesLink:
         as they are, not joined here)."""
         await self._conn.send_parts(parts)
 
+    @property
+    def writable(self) -> bool:
+        """A frame written now goes out without waiting."""
+        return self._conn.writable
+
+    def write_parts(self, parts: list[bytes]) -> None:
+        """``send_parts`` now (the caller saw ``writable`` this turn)."""
+        self._conn.write_parts(parts)
+
     async def wait_closed(self) -> None:
         await self._conn.wait_closed()
 

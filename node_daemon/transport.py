@@ -136,13 +136,32 @@ class _Peer:
         self.pending: deque[Outgoing] = deque()
         self.ready = asyncio.Event()  # set when pending has messages (or a link broke)
         self.up = False
+        # The framed link while this peer's task waits for messages on it:
+        # ``flush`` writes to it at once (see there).
+        self._idle_link: FramesLink | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def put(self, group: int, m: Message) -> None:
+        """Queue ``m``; it leaves with the next ``flush``."""
         if len(self.pending) >= QUEUE_LIMIT:
             self.t.dropped += 1
             return
         self.pending.append((group, m))
+
+    def flush(self) -> None:
+        """Send what is queued, as one batch: written to the framed link
+        right here while the link is up and its task waits for messages
+        (no wake-up of the task); otherwise (no link yet, the gRPC stream,
+        a full socket buffer, a send under way) the task is woken to send
+        it, in order."""
+        if not self.pending:
+            return
+        link = self._idle_link
+        if link is not None and link.writable:
+            self._mark_up("frames")
+            link.write_parts(encode_batch(self.t.cluster, self.t.node_id, self._next_messages()))
+            if not self.pending:
+                return
         self.ready.set()
 
     def _mark_up(self, how: str) -> None:
@@ -219,7 +238,11 @@ class _Peer:
         broke.add_done_callback(lambda _: self.ready.set())
         try:
             while True:
-                await self._wait_pending(link)
+                self._idle_link = link
+                try:
+                    await self._wait_pending(link)
+                finally:
+                    self._idle_link = None
                 if link.closed:
                     raise ConnectionError("frames link is down")
                 self._mark_up("frames")
@@ -333,6 +356,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         }
         # (peer, the address its link goes to) -> the link
         self.peers: dict[tuple[int, str], _Peer] = {}
+        self._flush_due = False  # a ``flush`` is scheduled for the next turn
         self.addresses: dict[int, str] = {}  # peer -> its main address
         # peer -> {group: gRPC port of the peer's process that runs it}, as
         # the peer said; a peer not here has not said yet.
@@ -412,6 +436,8 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         return addr
 
     def send(self, msgs: list[Message], group: int = 0) -> None:
+        """Queue ``msgs`` on their peers' links; they leave with the next
+        ``flush`` (the event loop's next turn at the latest)."""
         for m in msgs:
             addr = self.address_of(m.to, group)
             if addr is None:
@@ -429,6 +455,23 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             if m.type == MessageType.SNAPSHOT:
                 self._arm_snapshot_timer(group, m.to)
             peer.put(group, m)
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send every peer's queued messages now. ``send`` has this done in
+        the event loop's next turn, so that what every group on the loop
+        sends meanwhile shares one frame per peer; a caller about to hold
+        the loop with disk work (an inline log write or apply) calls it
+        first, so that its messages do not wait for that work: on a
+        follower, the previous round's apply ran ahead of its append
+        response, and so of the commit (bench/profiles/write-path.md,
+        session 25)."""
+        self._flush_due = False
+        for peer in self.peers.values():
+            if peer.pending:
+                peer.flush()
 
     def _ask_routes(self, to: int) -> None:
         """Ask ``to`` for its group ports, unless asked within

@@ -271,6 +271,19 @@ class _Conn(asyncio.BufferedProtocol):
         mark. Raises ConnectionError once the link is down."""
         await self.send_parts([payload])
 
+    @property
+    def writable(self) -> bool:
+        """A frame written now goes out without waiting: the link is up and
+        the socket's buffer is under its high mark."""
+        return not self.lost.done() and self.transport is not None and self.can_write.is_set()
+
+    def write_parts(self, parts: list[bytes]) -> None:
+        """``send_parts`` without waiting, for a caller that saw ``writable``
+        in the same turn of the event loop."""
+        if self.transport is None or self.lost.done():
+            raise ConnectionError("framed link is down")
+        self.transport.writelines([LEN.pack(sum(len(p) for p in parts)), *parts])
+
     async def send_parts(self, parts: list[bytes]) -> None:
         """One frame whose payload is ``parts`` joined, written as they are
         (a writev; nothing is joined or copied here). Waits while the

@@ -250,3 +250,38 @@ def test_a_link_to_a_dead_peer_breaks_and_the_sender_reconnects(tmp_path: Path) 
             await server.stop(None)
 
     run_bounded(body)
+
+
+def test_a_flush_writes_to_an_idle_link_before_the_caller_goes_on(tmp_path: Path) -> None:
+    """``flush`` sends what is queued in the caller's own turn of the event
+    loop (a node calls it before an inline log write or apply, which would
+    otherwise hold its append responses back); ``send`` alone leaves it for
+    the next turn, so that what several groups send meanwhile shares a frame."""
+
+    async def body() -> None:
+        got: list[Message] = []
+        b = _transport(2, tmp_path, got)
+        server, addr = await _serving(b, frames=True)
+        a = _transport(1, tmp_path, [])
+        a.set_addresses({2: addr})
+        try:
+            a.send([_append(1, 2, 1)])
+            await until(lambda: len(got) == 1, "the link up")
+            await until(
+                lambda: bool(a.peers) and all(p._idle_link for p in a.peers.values()), "idle"
+            )
+            writes = metrics.PEER_STREAM_WRITES._value.get()
+            a.send([_append(1, 2, 2)])
+            assert metrics.PEER_STREAM_WRITES._value.get() == writes  # queued only
+            a.send([_append(1, 2, 3)])
+            a.flush()  # no await between: written right here, both in one frame
+            assert metrics.PEER_STREAM_WRITES._value.get() == writes + 1
+            await until(lambda: len(got) == 3, "both messages")
+            assert [m.index for m in got] == [0, 1, 2]
+            assert metrics.PEER_STREAM_WRITES._value.get() == writes + 1  # nothing sent twice
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(None)
+
+    run_bounded(body)
