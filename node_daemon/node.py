@@ -104,6 +104,9 @@ INLINE_APPLY_BYTES = 256 << 10
 # While no group on the event loop leads, log writes up to this size are
 # done on it (see _writes_inline).
 FOLLOWER_INLINE_BYTES = 4 << 20
+# A leader alone on its loop whose proposals come one at a time writes up to
+# this size on the loop too (see _writes_inline).
+LEADER_INLINE_BYTES = 256 << 10
 # Kept in the Raft log's directory while the node catches up after starting
 # empty (see the module docstring); a wipe or a restore takes it along.
 CATCHING_UP_FILE = "catching-up"
@@ -324,6 +327,9 @@ class RaftNode:
         self._ops_taken = asyncio.Event()  # set while no proposal waits for the driver
         self._ops_taken.set()
         self._pending: PendingProposals[_Futures] = PendingProposals()
+        # The last proposal came while an earlier one was still unanswered
+        # (see _writes_inline).
+        self._proposals_overlap = False
         self._reads: dict[bytes, asyncio.Future[int]] = {}
         self._read_seq = 0
         self._applied = asyncio.Condition()
@@ -699,6 +705,7 @@ class RaftNode:
         runs = chunk_by_bytes([len(s) for s in serialized], self.cfg.max_ops_per_entry, ENTRY_BYTES)
         groups = [ops[r.start : r.stop] for r in runs]
         datas = [command_bytes(now_ms, serialized[r.start : r.stop]) for r in runs]
+        self._proposals_overlap = len(self._pending) > 0
         try:
             first = core.propose_many(datas)
         except ProposalDropped as e:
@@ -736,19 +743,30 @@ class RaftNode:
 
     def _writes_inline(self, nbytes: int) -> bool:
         """Whether a log write of ``nbytes`` is done right here on the event
-        loop rather than handed to the log's thread: when no group on this
-        loop leads, nothing else waits on the loop meanwhile but this
-        follower's own next message, which must wait for the write anyway,
-        and a thread hop each way and their wake-ups per Raft round are
-        saved. A leader keeps the thread, so that it validates, proposes and
-        sends while its write runs. Only while the log's thread is idle (a
-        snapshot's log compaction may be running there), and only up to
-        FOLLOWER_INLINE_BYTES (a catch-up's big writes keep the loop free)."""
-        return (
-            nbytes <= FOLLOWER_INLINE_BYTES
-            and self._log_io.idle
-            and not any(n.is_leader for n in self.loop_mates)
-        )
+        loop rather than handed to the log's thread, saving a thread hop
+        each way and their wake-ups per Raft round. Only while the log's
+        thread is idle (a snapshot's log compaction may be running there).
+
+        - A follower, when no group on this loop leads, up to
+          FOLLOWER_INLINE_BYTES (a catch-up's big writes keep the loop
+          free): nothing else waits on the loop meanwhile but its own next
+          message, which must wait for the write anyway.
+        - A leader alone on its loop, up to LEADER_INLINE_BYTES, while its
+          proposals come one at a time (the last came when none was
+          unanswered): nothing would be validated or proposed during the
+          write anyway, and the hops were 0.4-0.5 ms of a 4.3 ms round at
+          100 pings a message (bench/profiles/write-path.md, session 25).
+          Once proposals overlap, the thread lets the next be validated and
+          proposed while the write runs."""
+        if not self._log_io.idle:
+            return False
+        if self.is_leader:
+            return (
+                nbytes <= LEADER_INLINE_BYTES
+                and len(self.loop_mates) == 1
+                and not self._proposals_overlap
+            )
+        return nbytes <= FOLLOWER_INLINE_BYTES and not any(n.is_leader for n in self.loop_mates)
 
     def _write_log(self, w: LogWrite) -> bool:
         # Only the commit index moved: nothing touches the disk, no thread hop.
@@ -764,6 +782,8 @@ class RaftNode:
         """Persist ``w`` on the event loop: True once durable; False when it
         failed (for want of space: tried again on the log's thread after a
         backoff; otherwise fatal, raised by the driver task)."""
+        if touches_disk:
+            self.transport.flush()  # what is queued for peers does not wait on the disk
         try:
             self.log_store.save(w.hard_state, w.entries, w.snapshot, w.sync)
         except StorageFullError as e:
@@ -811,6 +831,10 @@ class RaftNode:
         # can be applied): a follower's applies answer nobody.
         wanted = len(self._pending) > 0
         if sum(len(e.data) for e in entries) <= INLINE_APPLY_BYTES:
+            # What is queued for peers (a follower's append response) leaves
+            # first: it would otherwise wait for this apply, and the commit
+            # with it (bench/profiles/write-path.md, session 25).
+            self.transport.flush()
             try:
                 self._resolve(entries, self.sm.apply(entries, wanted))
                 return True

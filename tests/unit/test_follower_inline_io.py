@@ -1,8 +1,9 @@
 """A node that leads no group on its event loop writes its Raft log on
-the loop itself (no thread hop); a leader, a node whose loop
-runs a group it leads, a write while the log's thread is busy (a
-compaction there) and a write too big keep the threads. Either way the
-write is durable in LMDB before it is reported."""
+the loop itself (no thread hop), and so does a leader alone on its loop
+whose proposals come one at a time; a leader whose proposals overlap, a
+node whose loop runs a group another leads, a write while the log's thread
+is busy (a compaction there) and a write too big keep the threads. Either
+way the write is durable in LMDB before it is reported."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from node_daemon.node import RaftNode
 from node_daemon.raft import Entry, HardState, LogWrite
 from node_daemon.raft.types import Role
 from roadlog.runtime.processes import free_port
+from roadlog.v1 import command_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -61,7 +63,7 @@ async def _reported(node: RaftNode, write: LogWrite) -> None:
     await asyncio.wait_for(done.wait(), 10)
 
 
-def test_a_follower_writes_on_the_loop_and_a_leader_on_the_thread(tmp_path: Path) -> None:
+def test_a_follower_and_a_one_at_a_time_leader_write_on_the_loop(tmp_path: Path) -> None:
     async def main() -> None:
         node = _node(tmp_path)
         try:
@@ -82,12 +84,17 @@ def test_a_follower_writes_on_the_loop_and_a_leader_on_the_thread(tmp_path: Path
             node.log_store.save = save  # type: ignore[method-assign]
             assert [e.data for e in _stored(node, 1, 4)] == [e.data for e in w.entries]
 
+            # A leader whose proposals come one at a time writes on its loop
+            # too; once one came while another was unanswered, on the thread.
             node.core.role = Role.LEADER
-            w = _write(4, 2)
+            assert node._write_log(_write(4, 1)) is True
+            assert node._log_io._handed == handed
+            node._proposals_overlap = True
+            w = _write(5, 2)
             assert node._write_log(w) is False  # on the thread, reported later
             await _reported(node, w)
             assert node._log_io._handed == handed + 1
-            assert node.log_store.last_index() == 5
+            assert node.log_store.last_index() == 6
         finally:
             _close(node)
 
@@ -123,9 +130,56 @@ def test_the_thread_when_the_loop_runs_a_leader_is_busy_or_the_write_is_big(
             assert node._write_log(w) is False
             await _reported(node, w)
             assert node._write_log(_write(4, 1, size=500)) is True
-            assert [e.index for e in _stored(node, 1, 5)] == [1, 2, 3, 4]
+
+            # A leader: beyond LEADER_INLINE_BYTES, or with another group on
+            # its loop (a follower there would wait on its write), the thread.
+            node.core.role = Role.LEADER
+            monkeypatch.setattr(node_module, "LEADER_INLINE_BYTES", 1000)
+            w = _write(5, 1, size=2000)
+            assert node._write_log(w) is False
+            await _reported(node, w)
+            w = _write(6, 1, size=500)
+            assert node._write_log(w) is False
+            await _reported(node, w)
+            node.loop_mates = [node]
+            assert node._write_log(_write(7, 1, size=500)) is True
+            assert [e.index for e in _stored(node, 1, 8)] == [1, 2, 3, 4, 5, 6, 7]
         finally:
             _close(node)
             _close(mate)
+
+    asyncio.run(main())
+
+
+def test_a_leader_learns_whether_its_proposals_overlap(tmp_path: Path) -> None:
+    """A proposal made while an earlier one is unanswered marks them as
+    overlapping (the leader's writes go to the thread); one made when all
+    were answered clears it."""
+
+    async def main() -> None:
+        addr = f"127.0.0.1:{free_port()}"
+        cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr})
+        node = RaftNode(cfg)
+        node._loop = asyncio.get_running_loop()
+        try:
+            node.core.campaign()  # the only voter: leader at once
+            assert node.is_leader
+            loop = asyncio.get_running_loop()
+
+            def propose() -> asyncio.Future[Any]:
+                fut: asyncio.Future[Any] = loop.create_future()
+                node._ops.append((command_pb2.Op(), fut, None))
+                node._propose_ops()
+                return fut
+
+            propose()
+            assert not node._proposals_overlap  # nothing else was unanswered
+            propose()
+            assert node._proposals_overlap  # the first is still unanswered
+            node._fail_lost(node._pending.drain())  # both answered (as lost)
+            propose()
+            assert not node._proposals_overlap
+        finally:
+            _close(node)
 
     asyncio.run(main())
