@@ -308,12 +308,22 @@ class Admin:
         return self.conn.call("DescribeGroup", req)  # type: ignore[no-any-return]
 
     def heatmap(
-        self, topic: str, client: str | None = None, window_start_ms: int = 0
+        self,
+        topic: str,
+        client: str | None = None,
+        window_start_ms: int = 0,
+        min_applied_index: int = 0,
     ) -> client_pb2.GetHeatmapResponse:
         """The latest heat map (or that of one window) for a contributor:
-        PermissionDenied unless ``client`` published to the topic lately."""
+        PermissionDenied unless ``client`` published to the topic lately.
+        ``min_applied_index``: read your writes (a ``put_heatmap``'s index);
+        without it, any node's current state, which may not hold a map
+        stored a moment ago."""
         req = client_pb2.GetHeatmapRequest(
-            topic=topic, client_id=client or client_id(), window_start_ms=window_start_ms
+            topic=topic,
+            client_id=client or client_id(),
+            window_start_ms=window_start_ms,
+            min_applied_index=min_applied_index,
         )
         return self.conn.call("GetHeatmap", req)  # type: ignore[no-any-return]
 
