@@ -90,6 +90,7 @@ from node_daemon.snapshots import Snapshots
 from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
 from node_daemon.transport import GroupEndpoint, PeerTransport
+from roadlog import round_trace
 from roadlog.errors import Code, RoadlogError
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
 from roadlog.protowire import varint
@@ -681,6 +682,7 @@ class RaftNode:
             self._propose_ops()
 
     def _propose_ops(self) -> None:
+        round_trace.mark("propose")
         ops, self._ops = self._ops, []
         self._ops_taken.set()
         core = self.core
@@ -811,6 +813,7 @@ class RaftNode:
         )
 
     def _written(self, w: LogWrite) -> None:
+        round_trace.mark("written")
         self.disk.write_succeeded()
         self.driver.write_done(w)
 
@@ -836,7 +839,9 @@ class RaftNode:
             # with it (bench/profiles/write-path.md, session 25).
             self.transport.flush()
             try:
+                round_trace.mark("apply0")
                 self._resolve(entries, self.sm.apply(entries, wanted))
+                round_trace.mark("apply1")
                 return True
             except StorageFullError as e:  # nothing of it applied: again, on the thread
                 self._out_of_space(e, "apply", lambda: self._apply_on_thread(job))

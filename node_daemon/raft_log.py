@@ -70,6 +70,7 @@ from node_daemon.raft.types import (
     Snapshot,
     SnapshotMeta,
 )
+from roadlog import round_trace
 
 _KEY = struct.Struct(">Q")
 _HDR = struct.Struct(">QB")
@@ -384,7 +385,9 @@ class LmdbLogStorage:
         if not self.writes(entries, snapshot, sync):
             self._hard = hard  # only the commit index moved: written with the next sync
             return
+        round_trace.mark("log0")
         self._write(lambda txn: self._save_txn(txn, hard, entries, snapshot))
+        round_trace.mark("log1")
         self._hard = hard
 
     def _save_txn(

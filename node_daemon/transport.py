@@ -61,6 +61,7 @@ from node_daemon.peer_frames import FramesLink, FramesServer
 from node_daemon.raft import Message, MessageType
 from node_daemon.snapshots import received_path
 from node_daemon.wire import message_from_pb, message_to_pb
+from roadlog import round_trace
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
@@ -159,6 +160,7 @@ class _Peer:
         link = self._idle_link
         if link is not None and link.writable:
             self._mark_up("frames")
+            round_trace.mark("peer_out")
             link.write_parts(encode_batch(self.t.cluster, self.t.node_id, self._next_messages()))
             if not self.pending:
                 return
@@ -593,6 +595,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         """Hand a batch's messages to their groups' Raft (a SNAPSHOT once its
         file is here). A message of a group this node does not run is
         dropped and counted (Raft resends; the group may be starting)."""
+        round_trace.mark("peer_in")
         groups = self.groups
         for pb in batch.messages:
             g = groups.get(pb.group)

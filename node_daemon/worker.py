@@ -38,7 +38,7 @@ from node_daemon.state.machine import (
     normalized_spec,
 )
 from node_daemon.status import node_status
-from roadlog import columnar
+from roadlog import columnar, round_trace
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, parse_region
 from roadlog.limits import (
@@ -512,7 +512,9 @@ class WorkHandler:
                 requests, owners, clients
             )
             await self._topics_placed(topics)
+        round_trace.mark("validate0")
         prepared, errors = await self._prepared(requests, clients)
+        round_trace.mark("validate1")
         if self.node.group != 0:
             prepared, errors = await self._own_partitions(prepared, errors, requests, clients)
         _VALIDATE_SECONDS.observe(time.perf_counter() - t0)
@@ -1226,6 +1228,7 @@ class QueueServerLink:
         host = self.address.rpartition(":")[0].strip("[]")
 
         def receive(data: bytes) -> None:
+            round_trace.mark("work_in")
             self._take(work_pb2.WorkItems.FromString(data), inflight)
 
         conn = await frames.connect(
@@ -1254,6 +1257,7 @@ class QueueServerLink:
 
     async def _send_frames(self, conn: frames.ClientConn) -> None:
         async for msg in self._messages():
+            round_trace.mark("answer_out")
             await conn.send(msg.SerializeToString())
 
     def _take(self, batch: work_pb2.WorkItems, inflight: set[asyncio.Task[None]]) -> None:
@@ -1269,6 +1273,7 @@ class QueueServerLink:
 
     async def _do(self, item: work_pb2.WorkItem) -> None:
         res = await self.executor.run(item)
+        round_trace.mark("result")
         credit = work_pb2.Credit(
             writes=1 if item.kind == work_pb2.WORK_KIND_WRITE else 0,
             reads=1 if item.kind == work_pb2.WORK_KIND_READ else 0,

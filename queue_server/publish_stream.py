@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from roadlog import round_trace
 from roadlog.errors import RoadlogError
 from roadlog.v1 import client_pb2
 
@@ -67,6 +68,7 @@ def publish_stream_handler(
             try:
                 async for raw in requests:
                     try:
+                        round_trace.mark("q_req_in")
                         req = client_pb2.PublishStreamRequest.FromString(raw)
                     except DecodeError:
                         bad.append("malformed PublishStreamRequest")
@@ -82,6 +84,7 @@ def publish_stream_handler(
         reader = asyncio.get_running_loop().create_task(read())
         try:
             while (msg := await out.get()) is not None:
+                round_trace.mark("q_answer_out")
                 yield msg
         finally:
             reader.cancel()

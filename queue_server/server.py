@@ -39,6 +39,7 @@ from queue_server.parts import merge as merge_parts
 from queue_server.publish_stream import SERVICE as PUBLISH_STREAM
 from queue_server.publish_stream import publish_stream_handler
 from queue_server.queues import Item, QueueFull, WorkQueues
+from roadlog import round_trace
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES, WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
@@ -496,6 +497,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         async def pump() -> None:
             try:
                 async for parts in self._batches(wid):
+                    round_trace.mark("q_work_out")
                     await conn.send_parts(parts)
             except ConnectionError:
                 pass
@@ -508,6 +510,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         task.add_done_callback(self._pumps.discard)
 
         def receive(data: bytes) -> None:
+            round_trace.mark("q_result_in")
             self._worker_message(wid, work_pb2.WorkerMessage.FromString(data))
 
         return receive

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from roadlog import round_trace
 from roadlog.errors import Code
 from roadlog.grpc_status import from_grpc
 from roadlog.v1 import client_pb2
@@ -128,6 +129,7 @@ class BatchStream:
         try:
             try:
                 async with self._write:
+                    round_trace.mark("c_write")
                     await op.call.write(req.SerializeToString())
             except Exception as e:  # the stream is gone: its reader says why
                 try:
@@ -151,6 +153,7 @@ class BatchStream:
         failure: Exception = BatchFailed(Code.UNAVAILABLE, "the publish stream ended")
         try:
             async for raw in op.call:
+                round_trace.mark("c_answer_in")
                 resp = client_pb2.PublishStreamResponse.FromString(raw)
                 fut = self._waiting.pop(resp.id, None)
                 if fut is not None and not fut.done():
