@@ -161,7 +161,7 @@ class _Peer:
         if link is not None and link.writable:
             self._mark_up("frames")
             round_trace.mark("peer_out")
-            link.write_parts(encode_batch(self.t.cluster, self.t.node_id, self._next_messages()))
+            link.write_parts(self._next_frame())
             if not self.pending:
                 return
         self.ready.set()
@@ -187,6 +187,10 @@ class _Peer:
             _SENT_BY_TYPE[gm[1].type].inc()
         metrics.PEER_STREAM_WRITES.inc()
         return out
+
+    def _next_frame(self) -> list[bytes]:
+        """The pending messages as one framed link frame's parts."""
+        return encode_batch(self.t.cluster, self.t.node_id, self._next_messages())
 
     def _next_batch(self) -> raft_pb2.RaftBatch:
         """The pending messages as one RaftBatch (for the gRPC stream)."""
@@ -248,9 +252,7 @@ class _Peer:
                 if link.closed:
                     raise ConnectionError("frames link is down")
                 self._mark_up("frames")
-                await link.send_parts(
-                    encode_batch(self.t.cluster, self.t.node_id, self._next_messages())
-                )
+                await link.send_parts(self._next_frame())
         finally:
             broke.cancel()
             link.close()

@@ -289,9 +289,7 @@ class _Conn(asyncio.BufferedProtocol):
         (a writev; nothing is joined or copied here). Waits while the
         socket's buffer is over its high mark; raises ConnectionError once
         the link is down."""
-        if self.lost.done() or self.transport is None:
-            raise ConnectionError("framed link is down")
-        self.transport.writelines([LEN.pack(sum(len(p) for p in parts)), *parts])
+        self.write_parts(parts)
         if not self.can_write.is_set():
             await self.can_write.wait()
             if self.lost.done():
