@@ -45,13 +45,10 @@ def leading_varint(data: bytes, field: int) -> int:
     head = data[:11]
     if not head or head[0] != tag or tag >= 0x80:
         return 0
-    value, shift = 0, 0
-    for b in head[1:]:
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value
-        shift += 7
-    return 0  # not a varint within 10 bytes: no hint
+    try:
+        return read_varint(head, 1, len(head))[0]
+    except ValueError:
+        return 0  # not a varint within 10 bytes: no hint
 
 
 def with_leading_varint(data: bytes, field: int, value: int) -> bytes:
