@@ -61,7 +61,7 @@ class StateReplicaView:
     def current(self) -> StateMachine:
         """The replica as it is now, opened read-only (UNAVAILABLE while it
         is not there, or is behind what this view saw before)."""
-        ident = self._identity()
+        ident = data_file_identity(self.path)
         if ident is None:
             raise self._unavailable("not there yet")
         if self._sm is None or ident != self._file:
@@ -69,7 +69,7 @@ class StateReplicaView:
                 sm = StateMachine(self.path, group=self.group, readonly=True, entries=self._log)
             except (lmdb.Error, FileNotFoundError) as e:  # replaced as it was opened
                 raise self._unavailable(f"being replaced ({e})") from None
-            if self._identity() != ident:
+            if data_file_identity(self.path) != ident:
                 # Replaced between the look and the opening: which file this
                 # is, is not known; the next call opens the new one.
                 sm.close()
@@ -80,10 +80,6 @@ class StateReplicaView:
         if self.applied(self._sm) < self._highest:
             raise self._unavailable("rebuilding")
         return self._sm
-
-    def _identity(self) -> tuple[int, int] | None:
-        """(device, inode) of the replica's data file now (None: none)."""
-        return data_file_identity(self.path)
 
     def applied(self, sm: StateMachine) -> int:
         """``sm``'s applied index as its writer last committed it (also set
