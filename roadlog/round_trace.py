@@ -25,6 +25,7 @@ DUMP_EVERY = 2_000
 
 _dir: Path | None = None
 _marks: list[tuple[int, str]] = []
+_written = 0  # the marks already in the file
 
 
 def start(directory: str | Path) -> None:
@@ -44,12 +45,15 @@ def mark(tag: str) -> None:
 
 
 def dump() -> None:
-    """Write this process's marks so far (one ``<ns> <tag>`` line each)."""
-    if _dir is None or not _marks:
+    """Append this process's marks not written yet to its file (one
+    ``<ns> <tag>`` line each)."""
+    global _written
+    if _dir is None or _written >= len(_marks):
         return
     try:
-        path = _dir / f"{os.getpid()}.marks"
-        path.write_text("".join(f"{t} {tag}\n" for t, tag in _marks))
+        with open(_dir / f"{os.getpid()}.marks", "a") as f:
+            f.writelines(f"{t} {tag}\n" for t, tag in _marks[_written:])
+        _written = len(_marks)
     except OSError:
         pass
 
