@@ -87,8 +87,13 @@ def test_a_follower_and_a_one_at_a_time_leader_write_on_the_loop(tmp_path: Path)
             # A leader whose proposals come one at a time writes on its loop
             # too; once one came while another was unanswered, on the thread.
             node.core.role = Role.LEADER
-            assert node._write_log(_write(4, 1)) is True
+            node.log_store.save = recorded  # type: ignore[method-assign,assignment]
+            w = _write(4, 1)
+            assert node._write_log(w) is True  # durable when it returns
             assert node._log_io._handed == handed
+            assert synced == [True, True]  # fsynced before it is reported
+            node.log_store.save = save  # type: ignore[method-assign]
+            assert [e.data for e in _stored(node, 4, 5)] == [e.data for e in w.entries]
             node._proposals_overlap = True
             w = _write(5, 2)
             assert node._write_log(w) is False  # on the thread, reported later
