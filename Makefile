@@ -80,6 +80,7 @@ bench: setup
 	$(PY) -m bench.front_door
 	$(PY) -m bench.discovery
 	$(PY) -m bench.spark_heatmap
+	$(PY) -m bench.plot_groups
 	$(PY) -m bench.report
 
 demo:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from bench.cpu import CpuMeter, cpu_seconds, spawned_children
 from bench.ingest import compare, cpu_ratio, median_case
+from bench.plot_groups import curve
 from bench.report import _ingest_tls, _spread
 
 pytestmark = pytest.mark.unit
@@ -148,3 +151,18 @@ def test_a_nodes_worker_processes_are_found_and_other_children_are_not() -> None
         other.kill()
         other.wait(10)
     assert spawned_children(os.getpid()) == []
+
+
+def test_the_groups_curve_takes_each_groups_file_and_its_jetstream_figure(tmp_path: Path) -> None:
+    def case(system: str, pings: int, pps: float) -> dict[str, object]:
+        return {"system": system, "pings_per_message": pings, "pings_per_s": pps}
+
+    for g, pps in ((1, 10.0), (3, 7.0), (2, 8.0)):
+        cases = [case("roadlog", 100, pps), case("roadlog", 1000, pps * 3)]
+        if g != 2:
+            cases.append(case("jetstream", 100, 20.0 + g))
+        (tmp_path / f"ingest-groups-{g}.json").write_text(json.dumps({"cases": cases}))
+    other = [case("roadlog", 100, 99.0)]  # another setup: not on the curve
+    (tmp_path / "ingest-groups-3-workers-2.json").write_text(json.dumps({"cases": other}))
+    assert curve(tmp_path, 100) == [(1, 10.0, 21.0), (2, 8.0, None), (3, 7.0, 23.0)]
+    assert curve(tmp_path, 1000) == [(1, 30.0, None), (2, 24.0, None), (3, 21.0, None)]
