@@ -314,13 +314,14 @@ class LmdbLogStorage:
         return out
 
     def verify(self) -> int:
-        """Read every entry after the snapshot from LMDB and check it (and
-        each configuration's copy in ``conf``): the first index that is
-        corrupt or missing, 0 when all are sound."""
-        expect = self._snap_meta.index + 1
+        """Read every entry the log keeps from LMDB and check it (and each
+        configuration's copy in ``conf``): the first index that is corrupt
+        or missing, 0 when all are sound. Entries kept below the snapshot
+        are checked too: the state reads its batches from them."""
+        expect = self.retained_from()
+        first_raft = self._snap_meta.index + 1  # below: kept for the state only
         with self.env.begin(db=self._log) as txn:
             cur = txn.cursor()
-            # Entries kept below it are the state's, not Raft's.
             for k, v in cur.iternext() if cur.set_range(_key(expect)) else ():
                 index: int = _KEY.unpack(k)[0]
                 if index != expect:
@@ -331,7 +332,11 @@ class LmdbLogStorage:
                     return index
                 # A configuration is read back from ``conf``: it must be the
                 # checked entry's (that table carries no checksum of its own).
-                if e.type == EntryType.CONFIG and txn.get(k, db=self._conf) != e.data:
+                if (
+                    index >= first_raft
+                    and e.type == EntryType.CONFIG
+                    and txn.get(k, db=self._conf) != e.data
+                ):
                     return index
                 expect += 1
         return 0 if expect == self._last + 1 else expect
