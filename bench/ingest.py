@@ -31,6 +31,7 @@ from roadlog.cli.cluster import raft_groups
 from roadlog.client import Admin, Connection
 from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
+from roadlog.errors import NotFound
 from roadlog.partitioning import partition_of
 from roadlog.publisher import Publisher
 from roadlog.runtime import eventloop
@@ -280,6 +281,21 @@ def wait_spread(lc: LocalCluster, groups: int, timeout: float = 60.0) -> None:
     print(f"the data groups' leaders did not spread within {timeout} s", file=sys.stderr)
 
 
+def topic_groups(lc: LocalCluster, name: str = "bench", timeout: float = 30.0) -> list[int]:
+    """The data group of each of topic ``name``'s partitions. A fresh
+    connection reads without a fence, so a node that has not applied the
+    topic yet may answer NOT_FOUND: asked again until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    with Connection(lc.servers, tls=lc.tls()) as conn:
+        while True:
+            try:
+                return list(Admin(conn).describe(name).topic.partition_groups)
+            except NotFound:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
 def median_case(system: str, pings: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One case from several rounds: the round with the median pings/s (its
     latencies with it), and every round's pings/s to show the spread."""
@@ -387,8 +403,7 @@ def run_systems(
             if args.data_groups > 1:
                 wait_spread(lc, args.data_groups)
                 if not args.split:
-                    with Connection(lc.servers, tls=lc.tls()) as conn:
-                        groups = list(Admin(conn).describe("bench").topic.partition_groups)
+                    groups = topic_groups(lc)
             corked = system != "roadlog-unary"
             cases += run_rounds(
                 system,

@@ -29,9 +29,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench.ingest import SYSTEMS, roadlog_case, roadlog_meter, wait_spread
+from bench.ingest import SYSTEMS, roadlog_case, roadlog_meter, topic_groups, wait_spread
 from bench.peers import roadlog_cluster
-from roadlog.client import Admin, Connection
 from roadlog.runtime import eventloop
 
 _LINE = re.compile(r" \((.*?):\d+\)")
@@ -108,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         groups: list[int] = []
         if args.groups > 1:
             wait_spread(lc, args.groups)
-            with Connection(lc.servers, tls=lc.tls()) as conn:
-                groups = list(Admin(conn).describe("bench").topic.partition_groups)
+            groups = topic_groups(lc)
             pids.update({f"n{n.id}": n.pid for n in lc.nodes})  # each leads its share
         else:
             for n in lc.nodes:

@@ -164,6 +164,9 @@ def _durable_touch(path: Path) -> None:
     fsync_dir(path.parent)
 
 
+_REPLICATE_SECONDS = metrics.STAGE_SECONDS.labels("replicate")
+
+
 class NotLeader(Exception):
     def __init__(self, leader: int, reason: str = "not the leader") -> None:
         super().__init__(reason)
@@ -358,6 +361,15 @@ class RaftNode:
         self.state_listeners: list[Callable[[], None]] = []
         self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
         self._last_soft = (0, Role.FOLLOWER, 0)
+        # This group's gauges, looked up once: _observe runs whenever the
+        # driver goes idle, several times a round.
+        g = str(group)
+        self._gauges = (
+            metrics.GROUP_ROLE.labels(g),
+            metrics.GROUP_TERM.labels(g),
+            metrics.GROUP_COMMIT_INDEX.labels(g),
+            metrics.GROUP_APPLIED_INDEX.labels(g),
+        )
         self._next_trim = 0.0  # set at the first tick
 
     # --------------------------------------------------------------- inputs
@@ -393,23 +405,31 @@ class RaftNode:
         self._inbox.append(fn)
         self._wakeup.set()
 
-    async def propose_op(self, op: command_pb2.Op, deadline: float | None = None) -> OpResult:
-        """Replicate one operation; its result once applied here. Raises
-        NotLeader when this node cannot take it (the client retries).
-        ``deadline`` (monotonic): if the op has not entered the log by then
-        (the loop was paused, or busy), it never does: DEADLINE_EXCEEDED."""
-        if self.core.role != Role.LEADER:
-            raise NotLeader(self.core.lead)
-        self.disk.refuse(op.WhichOneof("op"), self.id)
+    def propose_op(
+        self, op: command_pb2.Op, deadline: float | None = None
+    ) -> asyncio.Future[OpResult]:
+        """Replicate one operation: a future of its result once applied here
+        (await it), or of NotLeader when this node cannot take it (the
+        client retries). ``deadline`` (monotonic): if the op has not entered
+        the log by then (the loop was paused, or busy), it never does:
+        DEADLINE_EXCEEDED. A future, not a coroutine: a caller that hangs a
+        callback on it (the merged publishes) runs in the loop turn after
+        the apply, with no task between (bench/profiles/write-path.md,
+        session 26)."""
         fut: asyncio.Future[OpResult] = asyncio.get_running_loop().create_future()
+        try:
+            if self.core.role != Role.LEADER:
+                raise NotLeader(self.core.lead)
+            self.disk.refuse(op.WhichOneof("op"), self.id)
+        except Exception as e:
+            fut.set_exception(e)
+            return fut
         self._ops.append((op, fut, deadline))
         self._ops_taken.clear()
         self._wakeup.set()
         t0 = time.perf_counter()
-        try:
-            return await fut
-        finally:
-            metrics.STAGE_SECONDS.labels("replicate").observe(time.perf_counter() - t0)
+        fut.add_done_callback(lambda _: _REPLICATE_SECONDS.observe(time.perf_counter() - t0))
+        return fut
 
     async def proposals_taken(self) -> None:
         """Wait until the driver has taken every proposal made so far into
@@ -985,11 +1005,11 @@ class RaftNode:
 
     def _observe(self) -> None:
         core = self.core
-        g = str(self.group)
-        metrics.GROUP_ROLE.labels(g).set(int(core.role))
-        metrics.GROUP_TERM.labels(g).set(core.term)
-        metrics.GROUP_COMMIT_INDEX.labels(g).set(core.log.committed)
-        metrics.GROUP_APPLIED_INDEX.labels(g).set(self.sm.applied_index)
+        role, term, commit, applied = self._gauges
+        role.set(int(core.role))
+        term.set(core.term)
+        commit.set(core.log.committed)
+        applied.set(self.sm.applied_index)
         if self.group == 0:
             self._observe_node()
         soft = (core.lead, core.role, self.sm.applied_index)

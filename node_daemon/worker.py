@@ -186,7 +186,7 @@ def _in_time(calls: list[_Call], now: float) -> list[_Call]:
     return kept
 
 
-def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Task[OpResult]) -> None:
+def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Future[OpResult]) -> None:
     """Give each publish its share (its span) of a merged append op's result;
     ``owners[span]`` is the call and position of that span's publish."""
     if proposal.cancelled():
@@ -386,9 +386,7 @@ class WorkHandler:
             topic = self.node.sm.topic(op.topic)
             positions = [owners[m][1] for m in p.members]
             if not topic.partition_groups:  # a topic of group 0 (made before placement)
-                proposal = asyncio.get_running_loop().create_task(
-                    self.node.propose_op(p.op, deadline=call.deadline)
-                )
+                proposal = asyncio.ensure_future(self.node.propose_op(p.op, deadline=call.deadline))
                 proposal.add_done_callback(
                     functools.partial(_settle_spans, [owners[m] for m in p.members])
                 )
@@ -495,7 +493,6 @@ class WorkHandler:
                         call.settle_rest(e)
 
     async def _propose_publishes(self, calls: list[_Call]) -> None:
-        loop = asyncio.get_running_loop()
         if not self.node.is_leader:
             err = NotLeader(self.node.core.lead)
             for call in calls:
@@ -525,7 +522,9 @@ class WorkHandler:
         for p in prepared:
             members = [owners[i] for i in p.members]
             deadlines = [c.deadline for c, _ in members if c.deadline is not None]
-            proposal = loop.create_task(
+            # The node's future itself (a stub's coroutine wrapped): its
+            # callback answers the spans in the turn after the apply.
+            proposal = asyncio.ensure_future(
                 self.node.propose_op(p.op, deadline=min(deadlines, default=None))
             )
             proposal.add_done_callback(functools.partial(_settle_spans, members))
