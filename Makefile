@@ -75,6 +75,7 @@ bench: setup
 	$(PY) -m bench.core_commits
 	$(PY) -m bench.ingest
 	$(PY) -m bench.round_timeline
+	$(PY) -m bench.round_cost
 	$(PY) -m bench.transport_hop
 	$(PY) -m bench.failover
 	$(PY) -m bench.front_door

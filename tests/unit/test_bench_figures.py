@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -16,6 +17,7 @@ from bench.cpu import CpuMeter, cpu_seconds, spawned_children
 from bench.ingest import compare, cpu_ratio, median_case
 from bench.plot_groups import curve
 from bench.report import _ingest_tls, _spread
+from bench.round_cost import parse_case, per_round
 
 pytestmark = pytest.mark.unit
 
@@ -166,3 +168,25 @@ def test_the_groups_curve_takes_each_groups_file_and_its_jetstream_figure(tmp_pa
     (tmp_path / "ingest-groups-3-workers-2.json").write_text(json.dumps({"cases": other}))
     assert curve(tmp_path, 100) == [(1, 10.0, 21.0), (2, 8.0, None), (3, 7.0, 23.0)]
     assert curve(tmp_path, 1000) == [(1, 30.0, None), (2, 24.0, None), (3, 21.0, None)]
+
+
+def test_a_rounds_cpu_is_each_processs_user_and_system_time_over_the_rounds() -> None:
+    before = {"leader": (10.0, 2.0), "queue": (1.0, 0.5)}
+    after = {"leader": (11.5, 2.25), "queue": (1.25, 0.75)}
+    procs = per_round(before, after, seconds=5.0, rounds=500)
+    assert procs["leader"] == {
+        "user_cores": 0.3,
+        "sys_cores": 0.05,
+        "user_ms_per_round": 3.0,
+        "sys_ms_per_round": 0.5,
+        "ms_per_round": 3.5,
+    }
+    assert procs["queue"]["ms_per_round"] == 1.0
+    assert per_round(before, after, 5.0, rounds=0)["queue"]["ms_per_round"] == 500.0  # no /0
+
+
+def test_a_round_cost_case_is_groups_by_publishers() -> None:
+    assert parse_case("6x32") == (6, 32)
+    for bad in ("6", "x32", "0x32", "6x0", "6y32", "a x b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_case(bad)
