@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from bench.cpu import CpuMeter, cpu_seconds, spawned_children
 from bench.ingest import compare, cpu_ratio, median_case
+from bench.log_envs import separate, shared
 from bench.plot_groups import curve
 from bench.report import _ingest_tls, _spread
 from bench.round_cost import parse_case, per_round
@@ -190,3 +192,18 @@ def test_a_round_cost_case_is_groups_by_publishers() -> None:
     for bad in ("6", "x32", "0x32", "6x0", "6y32", "a x b"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_case(bad)
+
+
+def test_both_log_layouts_store_every_groups_entries(tmp_path: Path) -> None:
+    separate(tmp_path, groups=2, rounds=3, entry=b"x" * 100)
+    shared(tmp_path, groups=2, rounds=3, entry=b"y" * 100)
+    for g in range(2):
+        env = lmdb.open(str(tmp_path / f"sep{g}"), max_dbs=4, readonly=True)
+        with env.begin(db=env.open_db(b"log", create=False)) as txn:
+            assert [v for _, v in txn.cursor()] == [b"x" * 100] * 3
+        env.close()
+    env = lmdb.open(str(tmp_path / "shared"), max_dbs=8, readonly=True)
+    for g in range(2):
+        with env.begin(db=env.open_db(b"log%d" % g, create=False)) as txn:
+            assert [v for _, v in txn.cursor()] == [b"y" * 100] * 3
+    env.close()
