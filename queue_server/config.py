@@ -33,6 +33,11 @@ class QueueConfig:
     work_frames_port: int = key(
         7501, "TCP port of the framed Work link for nodes (0: any free port, -1: off)"
     )
+    # Clients publish over a lean framed link on this port of the listen host
+    # (roadlog/publish_link.py) where they can; the PublishStream offers it.
+    publish_link_port: int = key(
+        7502, "TCP port of the framed publish link for clients (0: any free port, -1: off)"
+    )
     secret_file: Path | None = key(None, "the file holding the shared cluster secret")
     # TLS on every port (roadlog/runtime/tls.py): ca.crt, queue.crt, queue.key
     # (made by `roadlog ca create-queue`; the key 0600). Clients check the
@@ -97,6 +102,8 @@ class QueueConfig:
                 "work_frames_port: with TLS nodes pull work only over the framed Work link "
                 "(mutual TLS); give it a port (0: any)"
             )
+        if not -1 <= self.publish_link_port <= 65535:
+            raise ConfigError("publish_link_port: must be in -1..65535 (-1: off, 0: any)")
         if self.client_auth not in CLIENT_AUTH_MODES:
             raise ConfigError(
                 f"client_auth: one of {', '.join(CLIENT_AUTH_MODES)}, not {self.client_auth!r}"

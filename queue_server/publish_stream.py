@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from roadlog import round_trace
 from roadlog.errors import RoadlogError
+from roadlog.publish_link import PORT_METADATA
 from roadlog.v1 import client_pb2
 
 if TYPE_CHECKING:
@@ -40,14 +41,21 @@ OnAnswer = Callable[[str], None]  # the answer's code name, for the metrics
 
 
 def publish_stream_handler(
-    call: Call, caller_of: Callable[[Any], Caller], on_answer: OnAnswer
+    call: Call,
+    caller_of: Callable[[Any], Caller],
+    on_answer: OnAnswer,
+    link_port: Callable[[], int] = lambda: 0,
 ) -> grpc.GenericRpcHandler:
-    """The PublishStream service, its messages kept as bytes."""
+    """The PublishStream service, its messages kept as bytes. ``link_port``:
+    the port of this queue server's publish link now (0: none), offered to
+    each stream's client in its initial metadata."""
 
     async def batches(
         requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
-        await context.send_initial_metadata(())  # "taken": the client may write
+        port = link_port()
+        # "Taken": the client may write; and where it may publish instead.
+        await context.send_initial_metadata(((PORT_METADATA, str(port)),) if port else ())
         client = caller_of(context)
         out: asyncio.Queue[bytes | None] = asyncio.Queue()
         answering: set[asyncio.Task[None]] = set()

@@ -36,6 +36,7 @@ from queue_server.config import QueueConfig
 from queue_server.dashboard import DashboardSettings
 from queue_server.http_api import HttpApi
 from queue_server.parts import merge as merge_parts
+from queue_server.publish_link import PublishLinkServer
 from queue_server.publish_stream import SERVICE as PUBLISH_STREAM
 from queue_server.publish_stream import publish_stream_handler
 from queue_server.queues import Item, QueueFull, WorkQueues
@@ -82,6 +83,10 @@ FRAMES_REJECTED = Counter(
     "roadlog_queue_frames_rejected_total",
     "framed Work links refused (bad hello) or cut (bad input)",
 )
+PUBLISH_LINKS_REJECTED = Counter(
+    "roadlog_queue_publish_links_rejected_total",
+    "clients' publish links cut for bad input (a bad hello or envelope, a frame too big)",
+)
 ANSWERED = Histogram(
     "roadlog_queue_answer_seconds",
     "time from a client request's arrival (gRPC or HTTP) to its answer, by method and outcome "
@@ -89,6 +94,12 @@ ANSWERED = Histogram(
     ["method", "outcome"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30),
 )
+
+
+def count_publish_batch(code: str) -> None:
+    """A PublishBatch over a stream or a publish link was answered with ``code``."""
+    REQUESTS.labels("PublishBatch", code).inc()
+
 
 _ITEMS_ITEMS = 1  # WorkItems.items
 _ITEMS_FENCE_WAIT = 2  # WorkItems.fence_wait
@@ -160,6 +171,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self._session_node: dict[int, int] = {}  # per worker: the node its link authenticated
         self._pumps: set[asyncio.Task[None]] = set()  # the framed links' senders
         self.frames: frames.FramedServer | None = None  # the framed Work link, when offered
+        self.publish_link: PublishLinkServer | None = None  # clients' framed link, when offered
         self.frames_rejected = 0  # framed links refused or cut for bad input
         self.gate = Gate(Authenticator(self._authenticate), enabled=cfg.client_auth != "none")
         self.registrations = RateLimit(cfg.registrations_per_minute)
@@ -656,6 +668,25 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self.frames_rejected += 1
         FRAMES_REJECTED.inc()
 
+    async def start_publish_link(self, host: str, port: int) -> int:
+        """Offer clients the publish link on (host, port) (0: any free
+        port), in TLS with this server's certificate (no client
+        certificate). Returns the port, or 0 when it could not bind:
+        clients then publish over gRPC, as before."""
+        server = PublishLinkServer(
+            self.client_call,
+            count_publish_batch,
+            PUBLISH_LINKS_REJECTED.inc,
+            tls.current().server_ssl(mutual=False),
+        )
+        if await server.offer(host, port):
+            self.publish_link = server
+        return self.publish_link_port()
+
+    def publish_link_port(self) -> int:
+        """The publish link's port (0: none)."""
+        return self.publish_link.port if self.publish_link is not None else 0
+
     # -------------------------------------------------------------- status
 
     def status(self) -> client_pb2.ClusterStatus:
@@ -765,7 +796,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         (
             client_handler(qs),
             publish_stream_handler(
-                qs.client_call, caller_of, lambda code: REQUESTS.labels("PublishBatch", code).inc()
+                qs.client_call, caller_of, count_publish_batch, qs.publish_link_port
             ),
         )
     )
@@ -787,6 +818,8 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         raise RuntimeError(f"cannot bind {cfg.listen}")
     if cfg.work_frames_port >= 0:
         await qs.start_frames(cfg.listen.rpartition(":")[0], cfg.work_frames_port)
+    if cfg.publish_link_port >= 0:
+        await qs.start_publish_link(cfg.listen.rpartition(":")[0], cfg.publish_link_port)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if cfg.metrics_port:
@@ -857,7 +890,10 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         await agent.stop()
     if http_runner is not None:
         await http_runner.cleanup()
-    await server.stop(grace=1.0)
+    link_closed = (
+        qs.publish_link.close(grace=1.0) if qs.publish_link is not None else asyncio.sleep(0)
+    )
+    await asyncio.gather(server.stop(grace=1.0), link_closed)
     if qs.frames is not None:
         await qs.frames.close()
     log.info("stopped")

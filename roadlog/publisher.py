@@ -24,6 +24,7 @@ publishes were made, retries first.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -31,12 +32,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from roadlog.batch_stream import BatchFailed, BatchStream
+from roadlog.batch_stream import BatchFailed, BatchStream, Dial
 from roadlog.client import RETRYABLE, client_id, first_server
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code, RoadlogError, error
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.protowire import with_leading_varint
+from roadlog.publish_link import OnFrame, PublishLink, open_link
 from roadlog.v1 import client_pb2
 
 MAX_BATCH_REQUESTS = 4096  # what a node takes in one PublishBatch
@@ -76,13 +78,17 @@ class Publisher:
         tls: ClientTLS | None = None,
         token: str | None = None,
         group: int = 0,
+        publish_link: bool = True,
     ) -> None:
-        """``group``: every publish's pings lie in this data group's
-        partitions (a topic placed in data groups: ``partitioning.ping_groups``
-        tells each ping's); the calls say so, and the queue server hands them
-        to that group's leader, which refuses a ping of another group's
-        partition. 0: no such promise (group 0's leader takes them and splits
-        them by group if it must)."""
+        """``publish_link``: send the calls over a queue server's publish
+        link (``roadlog.publish_link``) where it offers one; False, or
+        ROADLOG_PUBLISH_LINK=0: over gRPC only. ``group``: every publish's
+        pings lie in this data group's partitions (a topic placed in data
+        groups: ``partitioning.ping_groups`` tells each ping's); the calls
+        say so, and the queue server hands them to that group's leader,
+        which refuses a ping of another group's partition. 0: no such
+        promise (group 0's leader takes them and splits them by group if it
+        must)."""
         if not servers:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
         if not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
@@ -97,7 +103,9 @@ class Publisher:
         self.max_full_in_flight = max(max_full_in_flight, max_in_flight)
         self._queued_bytes = 0
         self.timeout = timeout
-        self.metadata = (("roadlog-client", client or client_id()), *self.tls.metadata())
+        self.client = client or client_id()
+        self.metadata = (("roadlog-client", self.client), *self.tls.metadata())
+        self.publish_link = publish_link and os.environ.get("ROADLOG_PUBLISH_LINK", "") != "0"
         self.fence = 0  # the highest applied index of any answer (read your writes)
         self.group_fences: dict[int, int] = {}  # the same per data group
         self.stats = PublisherStats()
@@ -115,6 +123,11 @@ class Publisher:
         self._idle = asyncio.Event()  # nothing queued, nothing out
         self._idle.set()
 
+    @property
+    def linked(self) -> int:
+        """Calls answered over a publish link so far (the rest: gRPC)."""
+        return sum(c.linked for c in self._calls)
+
     async def __aenter__(self) -> Publisher:
         return self
 
@@ -129,7 +142,22 @@ class Publisher:
         for s in self.servers:
             ch = self.tls.aio_channel(s, options=opts)
             self._channels.append(ch)
-            self._calls.append(BatchStream(ch, self.metadata))
+            dial = self._dialer(s) if self.publish_link else None
+            self._calls.append(BatchStream(ch, self.metadata, dial))
+
+    def _dialer(self, target: str) -> Dial:
+        """How to open the publish link of the queue server at ``target``
+        (its host, the port it offers), as this publisher's identity."""
+        host = target.rpartition(":")[0].strip("[]") or target
+        credential = f"Bearer {self.tls.token}" if self.tls.token else None
+
+        async def dial(port: int, on_frame: OnFrame) -> PublishLink:
+            ctx = self.tls.ssl_context()
+            return await open_link(
+                host, port, ctx, self.client, credential, on_frame, CLIENT_MESSAGE_BYTES + 1024
+            )
+
+        return dial
 
     async def close(self) -> None:
         """Wait until every publish made is answered, then close the channels."""

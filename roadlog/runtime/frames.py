@@ -50,13 +50,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from roadlog.framing import LEN, FrameReader
 from roadlog.limits import WORK_MESSAGE_BYTES
 from roadlog.runtime import tls
 
 log = logging.getLogger("roadlog.frames")
 
 NONCE_BYTES = 16
-LEN = struct.Struct("<I")
 HELLO = struct.Struct("<Q32s")
 # Notice a dead peer: idle probes after 2 s, 1 s apart, 2 missed; and data
 # unacknowledged for 4 s drops the connection (TCP would retry for minutes).
@@ -104,89 +104,6 @@ def tune_socket(sock: socket.socket | None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
-
-
-class FrameReader:
-    """Splits a byte stream into frames (sans-I/O), reading in place: the
-    caller fills ``get_buffer()`` (a socket's ``recv_into``) and reports how
-    much came with ``updated``, which returns the frames it completed.
-
-    Small frames are read many at a time into a scratch buffer and copied
-    out once each; a frame over ``BIG_FRAME`` gets a buffer of its own,
-    which the socket fills directly and which is handed on as it is (no copy
-    at all). Raises ValueError on a frame longer than ``max_frame``."""
-
-    SCRATCH = 256 << 10
-    BIG_FRAME = 64 << 10
-
-    def __init__(self, max_frame: int) -> None:
-        self._max = max_frame
-        self._scratch = bytearray(self.SCRATCH)
-        self._view = memoryview(self._scratch)
-        self._start = 0  # unread data in the scratch: [_start, _end)
-        self._end = 0
-        self._big: bytearray | None = None  # a big frame being filled
-        self._big_have = 0
-
-    def get_buffer(self) -> memoryview:
-        """Where the next bytes go (never past the frame being filled)."""
-        if self._big is not None:
-            return memoryview(self._big)[self._big_have :]
-        return self._view[self._end :]
-
-    def updated(self, n: int) -> list[bytes]:
-        """``n`` bytes were written at ``get_buffer()``: the frames completed."""
-        if self._big is not None:
-            self._big_have += n
-            if self._big_have < len(self._big):
-                return []
-            done, self._big = self._big, None
-            return [cast(bytes, done)]  # see OnFrame
-        self._end += n
-        frames: list[bytes] = []
-        buf, view = self._scratch, self._view
-        while self._end - self._start >= 4:
-            (size,) = LEN.unpack_from(buf, self._start)
-            if size > self._max:
-                raise ValueError(f"frame of {size} bytes is over the limit of {self._max}")
-            have = self._end - self._start - 4
-            if have >= size:
-                first = self._start + 4
-                frames.append(bytes(view[first : first + size]))
-                self._start = first + size
-            elif size > self.BIG_FRAME:  # its own buffer, the socket fills it
-                self._big = bytearray(size)
-                self._big[:have] = view[self._start + 4 : self._end]
-                self._big_have = have
-                self._start = self._end = 0
-                break
-            else:
-                break
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif len(buf) - self._start < 4 + self.BIG_FRAME:  # make room for a whole small frame
-            rest = self._end - self._start
-            buf[:rest] = view[self._start : self._end]
-            self._start, self._end = 0, rest
-        return frames
-
-    def feed(self, data: bytes) -> list[bytes]:
-        """The frames completed by ``data`` (copied in as a socket would)."""
-        frames: list[bytes] = []
-        pos = 0
-        while pos < len(data):
-            room = self.get_buffer()
-            n = min(len(room), len(data) - pos)
-            room[:n] = data[pos : pos + n]
-            pos += n
-            frames += self.updated(n)
-        return frames
-
-    @property
-    def buffered(self) -> int:
-        if self._big is not None:
-            return self._big_have
-        return self._end - self._start
 
 
 class _Conn(asyncio.BufferedProtocol):

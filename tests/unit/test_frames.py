@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from roadlog.runtime.frames import FrameReader
+from roadlog.framing import FrameReader
 
 pytestmark = pytest.mark.unit
 

@@ -1,8 +1,9 @@
 """The corked publisher against a scripted PublishBatch server (in-process
 gRPC on loopback): per-publish retries, deadlines, fail-over, corking. Each
-test twice: batches over the queue server's PublishStream service (its real
-handler in front of the script) and, against a server without it, over
-unary PublishBatch calls."""
+test three times: batches over the queue server's PublishStream service (its
+real handler in front of the script); over its publish link (the real
+``PublishLinkServer`` in front of the same script, offered by the stream);
+and, against a server without either, over unary PublishBatch calls."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import grpc
 import pytest
 
 from queue_server.auth import Caller
+from queue_server.publish_link import PublishLinkServer
 from queue_server.publish_stream import publish_stream_handler
 from roadlog.client import Connection, InvalidArgument, Unavailable, first_server
 from roadlog.client_tls import ClientTLS
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.unit
 def plaintext(monkeypatch: pytest.MonkeyPatch) -> None:
     """The scripted servers here are plaintext (TLS is tests/unit/test_tls*.py's)."""
     monkeypatch.setenv("ROADLOG_INSECURE", "1")
+    monkeypatch.setenv("ROADLOG_CLIENT_ID", "c1")  # what the link's hello declares
 
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -70,11 +73,13 @@ class Scripted:
 
 
 STREAMED = {"on": True}  # the servers offer PublishStream (see the fixture)
+LINKED = {"on": False}  # ... and a publish link
 
 
-@pytest.fixture(autouse=True, params=["stream", "unary"])
+@pytest.fixture(autouse=True, params=["stream", "link", "unary"])
 def transport(request: pytest.FixtureRequest) -> str:
-    STREAMED["on"] = request.param == "stream"
+    STREAMED["on"] = request.param in ("stream", "link")
+    LINKED["on"] = request.param == "link"
     return str(request.param)
 
 
@@ -86,16 +91,28 @@ class _Aborted:
         raise RoadlogError(from_grpc(code), details)
 
 
-def _streamed(handler: Scripted) -> grpc.GenericRpcHandler:
+def _call(handler: Scripted) -> Callable[[str, bytes, float | None, Caller], Any]:
     async def call(method: str, body: bytes, timeout: float | None, client: Caller) -> bytes:
         assert method == "PublishBatch" and timeout and client.declared == "c1"
         return await handler.handle(body, _Aborted())
 
-    answers: list[str] = []
-    return publish_stream_handler(call, lambda ctx: Caller(None, "", "c1"), answers.append)
+    return call
 
 
-async def serve(handler: Scripted) -> tuple[grpc.aio.Server, str]:
+class Served:
+    """A scripted queue server: gRPC, and its publish link where offered."""
+
+    def __init__(self, grpc_server: grpc.aio.Server, link: PublishLinkServer | None) -> None:
+        self.grpc = grpc_server
+        self.link = link
+
+    async def stop(self, grace: float | None) -> None:
+        if self.link is not None:
+            await self.link.close()  # its links break, as the stream does
+        await self.grpc.stop(grace)
+
+
+async def serve(handler: Scripted) -> tuple[Served, str]:
     server = grpc.aio.server()
     handlers = [
         grpc.method_handlers_generic_handler(
@@ -103,13 +120,22 @@ async def serve(handler: Scripted) -> tuple[grpc.aio.Server, str]:
             {"PublishBatch": grpc.unary_unary_rpc_method_handler(handler.handle)},
         )
     ]
+    link: PublishLinkServer | None = None
+    if LINKED["on"]:
+        link = PublishLinkServer(_call(handler), lambda code: None, lambda: None, None)
+        await link.start("127.0.0.1", 0)
     if STREAMED["on"]:
-        handlers.append(_streamed(handler))
+        port = link.port if link is not None else 0
+        handlers.append(
+            publish_stream_handler(
+                _call(handler), lambda ctx: Caller(None, "", "c1"), lambda code: None, lambda: port
+            )
+        )
     server.add_generic_rpc_handlers(tuple(handlers))
     addr = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(addr)
     await server.start()
-    return server, addr
+    return Served(server, link), addr
 
 
 def req(i: int) -> bytes:
@@ -376,3 +402,41 @@ def test_new_connections_spread_over_the_queue_servers() -> None:
         conn.close()
     assert firsts == {0, 1, 2}
     assert {Publisher(servers, tls=tls)._current for _ in range(60)} == {0, 1, 2}
+
+
+def test_calls_go_over_the_offered_publish_link_and_back_to_the_stream_when_it_breaks(
+    transport: str,
+) -> None:
+    """Once the stream offered a link and it is up, calls go over it; when
+    the link is cut, calls in flight there are sent again and the next go
+    over the stream until the link is dialled again; every publish is
+    answered once."""
+    if transport != "link":
+        pytest.skip("the publish link's own test")
+
+    async def run() -> None:
+        h = Scripted(lambda r, n: 0)
+        server, addr = await serve(h)
+        assert server.link is not None
+        try:
+            async with Publisher([addr], timeout=20) as pub:
+                for i in range(10):
+                    await pub.publish(req(i))
+                stream = pub._calls[0]
+                assert stream._link is not None and pub.linked >= 7, pub.linked
+                # The link's server cuts every link (and takes no new one).
+                server.link._server.close()  # type: ignore[union-attr]
+                for c in list(server.link.connections):
+                    c.abort()
+                linked = pub.linked
+                out = await asyncio.gather(*(pub.publish(req(i)) for i in range(10, 30)))
+                assert all(isinstance(o, client_pb2.PublishResponse) for o in out)
+                assert pub.linked == linked  # the stream served them
+                assert not stream._link  # and no link is up
+            assert pub.stats.failed == 0
+            sent = [r for call in h.calls for r in call]
+            assert {req(i) for i in range(30)} <= set(sent)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
