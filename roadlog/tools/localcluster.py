@@ -228,6 +228,8 @@ class LocalCluster:
                         "0",
                         "--work-frames-port",
                         str(free_port()),
+                        "--publish-link-port",
+                        str(free_port()),
                         "--secret-file",
                         str(secret),
                         *qtls,

@@ -75,13 +75,17 @@ def make_cluster(
     made: list[LocalCluster] = []
 
     def make(
-        nodes: int = 3, queue_servers: int = 1, extra: list[str] | None = None
+        nodes: int = 3,
+        queue_servers: int = 1,
+        extra: list[str] | None = None,
+        queue_extra: list[str] | None = None,
     ) -> LocalCluster:
         lc = LocalCluster.create(
             tmp_path / f"c{len(made)}",
             nodes,
             queue_servers,
             extra,
+            queue_extra,
             ca=(test_ca.ca_dir, test_ca.ca_key),
         )
         made.append(lc)

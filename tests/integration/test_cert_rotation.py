@@ -157,6 +157,7 @@ def tls_ports(p: NodeInfo | QueueInfo) -> dict[str, int]:
     return {
         "gRPC": int(p.grpc.rpartition(":")[2]),
         "work frames": flag("--work-frames-port"),
+        "publish link": flag("--publish-link-port"),
         "HTTP": int(p.http.rpartition(":")[2]),
         "metrics": p.metrics_port,
     }
