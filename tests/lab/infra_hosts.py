@@ -120,7 +120,8 @@ def test_ports_listen(host: Any) -> None:
         if workers > 1:
             expected += [f"tcp://0.0.0.0:{base + p}" for p in range(2 * workers)]
     if "queue_servers" in g:
-        expected += ["tcp://0.0.0.0:7500", "tcp://0.0.0.0:8080"]
+        # gRPC, the publish link (clients' framed publishes), HTTP.
+        expected += ["tcp://0.0.0.0:7500", "tcp://0.0.0.0:7502", "tcp://0.0.0.0:8080"]
         metrics += ["9500"]
     for spec in expected:
         assert host.socket(spec).is_listening, spec
