@@ -40,7 +40,8 @@ from roadlog.v1 import client_pb2
 STREAM_METHOD = "/roadlog.v1.PublishStream/PublishBatches"
 UNARY_METHOD = "/roadlog.v1.Roadlog/PublishBatch"
 ANSWER_GRACE_S = 1.0  # the server answers before the deadline; this is its slack
-LINK_RETRY_S = 2.0  # after a publish link failed to open or broke, before dialling again
+LINK_RETRY_S = 2.0  # after a publish link broke, or first failed to open, before dialling again
+LINK_RETRY_MAX_S = 60.0  # failed dials back off, doubling up to this (a port a firewall drops)
 
 # Dials a queue server's publish link on that port; its answers go to the OnFrame.
 Dial = Callable[[int, OnFrame], Awaitable[PublishLink]]
@@ -87,6 +88,7 @@ class BatchStream:
         self._link_port = 0  # offered by the queue server (0: none)
         self._dialing: asyncio.Task[None] | None = None
         self._dial_after = 0.0  # monotonic
+        self._dial_failures = 0  # in a row
         self._link_waiting: dict[int, asyncio.Future[client_pb2.PublishStreamResponse]] = {}
         self.linked = 0  # batches answered over the publish link
         self._open: _Open | None = None
@@ -203,8 +205,11 @@ class BatchStream:
         try:
             link = await self._dial(port, self._link_answer)
         except Exception:  # none there, refused, not one: the stream serves
-            self._dial_after = time.monotonic() + LINK_RETRY_S
+            wait = min(LINK_RETRY_S * 2**self._dial_failures, LINK_RETRY_MAX_S)
+            self._dial_failures += 1
+            self._dial_after = time.monotonic() + wait
             return
+        self._dial_failures = 0
         link.lost.add_done_callback(lambda _: self._link_down(link))
         self._link = link
 

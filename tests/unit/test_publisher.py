@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -436,6 +437,37 @@ def test_calls_go_over_the_offered_publish_link_and_back_to_the_stream_when_it_b
             assert pub.stats.failed == 0
             sent = [r for call in h.calls for r in call]
             assert {req(i) for i in range(30)} <= set(sent)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_a_link_that_cannot_be_dialled_is_tried_again_later_and_later(transport: str) -> None:
+    """A queue server that offers a link no client can reach (a firewall):
+    every publish goes over the stream, and the dials back off."""
+    if transport != "link":
+        pytest.skip("the publish link's own test")
+
+    async def run() -> None:
+        h = Scripted(lambda r, n: 0)
+        server, addr = await serve(h)
+        assert server.link is not None
+        await server.link.close()  # offered, but nobody answers there
+        try:
+            async with Publisher([addr], timeout=20) as pub:
+                waits = []
+                for i in range(3):
+                    await pub.publish(req(i))  # learns the port; dials in the background
+                    await pub.publish(req(100 + i))
+                    stream = pub._calls[0]
+                    dialing = stream._dialing
+                    assert dialing is not None
+                    await asyncio.wait_for(asyncio.shield(dialing), 10)
+                    waits.append(stream._dial_after - time.monotonic())
+                    stream._dial_after = 0.0  # let the next publish dial again
+                assert pub.linked == 0 and pub.stats.failed == 0
+                assert waits[0] < waits[1] < waits[2], waits  # 2, 4, 8 s
         finally:
             await server.stop(None)
 
