@@ -151,22 +151,41 @@ class BatchStream:
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
 
-    async def _streamed(self, batch: bytes, timeout: float) -> bytes:
-        op = await self._stream(timeout)
+    def _request(
+        self,
+        batch: bytes,
+        timeout: float,
+        waiting: dict[int, asyncio.Future[client_pb2.PublishStreamResponse]],
+    ) -> tuple[int, asyncio.Future[client_pb2.PublishStreamResponse], bytes]:
+        """A new id, the future its answer will set (kept in ``waiting``),
+        and the serialized request that carries ``batch``."""
         rid = next(self._ids)
         fut: asyncio.Future[client_pb2.PublishStreamResponse] = (
             asyncio.get_running_loop().create_future()
         )
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # may go unread
-        self._waiting[rid] = fut
+        waiting[rid] = fut
         req = client_pb2.PublishStreamRequest(
             id=rid, timeout_ms=max(int(timeout * 1000), 1), batch=batch
         )
+        return rid, fut, req.SerializeToString()
+
+    @staticmethod
+    def _batch_of(resp: client_pb2.PublishStreamResponse) -> bytes:
+        """The answer's PublishBatchResponse bytes, or its failure raised."""
+        if resp.code:
+            code = Code.of(resp.code)
+            raise BatchFailed(code, resp.message or code.name)
+        return resp.batch
+
+    async def _streamed(self, batch: bytes, timeout: float) -> bytes:
+        op = await self._stream(timeout)
+        rid, fut, req = self._request(batch, timeout, self._waiting)
         try:
             try:
                 async with self._write:
                     round_trace.mark("c_write")
-                    await op.call.write(req.SerializeToString())
+                    await op.call.write(req)
             except Exception as e:  # the stream is gone: its reader says why
                 try:
                     failure = await asyncio.wait_for(asyncio.shield(op.ended), ANSWER_GRACE_S)
@@ -180,10 +199,7 @@ class BatchStream:
                 raise BatchFailed(Code.DEADLINE_EXCEEDED, "no answer before the deadline") from None
         finally:
             self._waiting.pop(rid, None)
-        if resp.code:
-            code = Code.of(resp.code)
-            raise BatchFailed(code, resp.message or code.name)
-        return resp.batch
+        return self._batch_of(resp)
 
     # -- the publish link ----------------------------------------------------
 
@@ -231,18 +247,10 @@ class BatchStream:
         self._link_waiting.clear()
 
     async def _linked(self, link: PublishLink, batch: bytes, timeout: float) -> bytes:
-        rid = next(self._ids)
-        fut: asyncio.Future[client_pb2.PublishStreamResponse] = (
-            asyncio.get_running_loop().create_future()
-        )
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # may go unread
-        self._link_waiting[rid] = fut
-        req = client_pb2.PublishStreamRequest(
-            id=rid, timeout_ms=max(int(timeout * 1000), 1), batch=batch
-        )
+        rid, fut, req = self._request(batch, timeout, self._link_waiting)
         try:
             round_trace.mark("c_write")
-            link.send(req.SerializeToString())
+            link.send(req)
             await link.drain()
             resp = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
         except ConnectionError:
@@ -252,10 +260,7 @@ class BatchStream:
         finally:
             self._link_waiting.pop(rid, None)
         self.linked += 1
-        if resp.code:
-            code = Code.of(resp.code)
-            raise BatchFailed(code, resp.message or code.name)
-        return resp.batch
+        return self._batch_of(resp)
 
     async def _read(self, op: _Open) -> None:
         failure: Exception = BatchFailed(Code.UNAVAILABLE, "the publish stream ended")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import ssl
 import threading
 import time
 import urllib.request
@@ -98,6 +100,19 @@ def make_cluster(
     yield make
     for lc in made:
         lc.down(grace=3)
+
+
+def framed_greeting(port: int, ctx: ssl.SSLContext | None, size: int = 8) -> bytes:
+    """What a framed link's server on 127.0.0.1 says first to this caller
+    (its first ``size`` bytes; b"": nothing)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        try:
+            sock = ctx.wrap_socket(raw, server_hostname="127.0.0.1") if ctx else raw
+            if ctx is None:
+                sock.sendall(b"\x00" * 64)  # not a TLS hello
+            return sock.recv(size)
+        except (ssl.SSLError, ConnectionError, TimeoutError):
+            return b""
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

@@ -9,8 +9,6 @@ publishes going over gRPC."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import ssl
 from collections.abc import Callable
 
 import pytest
@@ -25,7 +23,7 @@ from roadlog.runtime import eventloop
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, pings_pb2
 from tests.certs import ClusterCA
-from tests.integration.conftest import create_topic, make_pings, read_topic
+from tests.integration.conftest import create_topic, framed_greeting, make_pings, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -49,18 +47,6 @@ def _link_port(lc: LocalCluster) -> int:
     q = lc.queue_servers[0]
     flags = [i for i, a in enumerate(q.argv) if a == "--publish-link-port"]
     return int(q.argv[flags[-1] + 1])
-
-
-def _greeting(port: int, ctx: ssl.SSLContext | None) -> bytes:
-    """What the publish link says first to this caller (b"": nothing)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-        try:
-            sock = ctx.wrap_socket(raw, server_hostname="127.0.0.1") if ctx else raw
-            if ctx is None:
-                sock.sendall(b"\x00" * 64)  # not a TLS hello
-            return sock.recv(len(MAGIC))
-        except (ssl.SSLError, ConnectionError, TimeoutError):
-            return b""
 
 
 async def _publish_all(
@@ -87,10 +73,10 @@ def test_publishes_go_over_the_link_in_tls_and_each_ping_is_stored_once(
     lc = make_cluster(3, 1)
     ours = lc.tls()
     port = _link_port(lc)
-    assert _greeting(port, ours.ssl_context()) == MAGIC
-    assert _greeting(port, None) == b""  # plaintext: no
+    assert framed_greeting(port, ours.ssl_context()) == MAGIC
+    assert framed_greeting(port, None) == b""  # plaintext: no
     d = foreign_ca.client()
-    assert _greeting(port, ClientTLS(d / "ca.crt").ssl_context()) == b""  # not our server
+    assert framed_greeting(port, ClientTLS(d / "ca.crt").ssl_context()) == b""  # not our server
     with Connection(lc.servers, tls=ours) as conn:
         create_topic(conn)
     sent: list[tuple[str, int]] = []

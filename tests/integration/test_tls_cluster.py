@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import socket
 import ssl
 import urllib.error
 import urllib.request
@@ -35,7 +34,7 @@ from roadlog.v1 import (
     work_pb2_grpc,
 )
 from tests.certs import ClusterCA
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import framed_greeting, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -54,18 +53,6 @@ def _grpc_status(address: str, creds: ClientTLS, node: bool) -> grpc.StatusCode:
         except grpc.RpcError as e:
             return e.code()
     return grpc.StatusCode.OK
-
-
-def _framed_greeting(port: int, ctx: ssl.SSLContext | None) -> bytes:
-    """What a framed link's server says first to this caller (b"": nothing)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-        try:
-            sock = ctx.wrap_socket(raw, server_hostname="127.0.0.1") if ctx else raw
-            if ctx is None:
-                sock.sendall(b"\x00" * 64)  # not a TLS hello
-            return sock.recv(8)
-        except (ssl.SSLError, ConnectionError, TimeoutError):
-            return b""
 
 
 def _http_status(url: str, ctx: ssl.SSLContext | None) -> int | str:
@@ -109,9 +96,9 @@ def test_every_port_refuses_plaintext_and_a_foreign_ca(
     for port in [_flag(n, "--peer-frames-port") for n in lc.nodes] + [
         _flag(q, "--work-frames-port")
     ]:
-        assert _framed_greeting(port, good).startswith(b"RL"), port
-        assert _framed_greeting(port, None) == b"", port
-        assert _framed_greeting(port, bad) == b"", port
+        assert framed_greeting(port, good).startswith(b"RL"), port
+        assert framed_greeting(port, None) == b"", port
+        assert framed_greeting(port, bad) == b"", port
 
     # HTTP: the HTTP API (and dashboard) and every metrics/health port are
     # HTTPS with the process's certificate; only clients of our CA get an answer.

@@ -15,6 +15,7 @@ from node_daemon.node import NotLeader, RaftNode
 from node_daemon.state.machine import OpResult
 from roadlog.runtime.processes import free_port
 from roadlog.v1 import command_pb2
+from tests.unit.test_follower_inline_io import _close
 
 pytestmark = pytest.mark.unit
 
@@ -25,13 +26,6 @@ def _node(tmp_path: Path, peers: int) -> RaftNode:
     node = RaftNode(cfg)
     node._loop = asyncio.get_running_loop()
     return node
-
-
-def _close(node: RaftNode) -> None:
-    node._log_io.shutdown()
-    node._apply_io.shutdown()
-    node.sm.close()
-    node.log_store.close()
 
 
 def test_a_follower_refuses_in_the_future_not_at_the_call(tmp_path: Path) -> None:
