@@ -348,7 +348,8 @@ def render() -> str:
             "length-prefixed frames on plain TCP for the Raft peer link and the queue "
             "server's Work link instead of gRPC streams (the system roadlog-grpc above is "
             "roadlog with both over gRPC, in the same run), frames read in place, one "
-            "long-lived PublishStream per client instead of a call per batch, the log's "
+            "long-lived PublishStream per client instead of a call per batch, then the "
+            "publish link (frames, not gRPC, between client and queue server), the log's "
             "latest entries applied from memory, snapshots as page copies, "
             "corking (publishes per call above), the leader validating a corked batch while "
             "its log write runs, merged publishes decoded together (one array per column), a "
@@ -525,8 +526,79 @@ def render() -> str:
     return "\n".join(lines)
 
 
+Section = tuple[str, str, list[tuple[str, str]]]  # title, text before its ###, its ### parts
+
+
+def _sections(doc: str) -> tuple[str, list[Section]]:
+    """A document's text before its first ``## `` heading, and its ``## ``
+    sections, each split into its text before its first ``### `` heading
+    and its ``### `` parts (title line, whole text)."""
+    head, *chunks = ("\n" + doc).split("\n## ")
+    out: list[Section] = []
+    for chunk in chunks:
+        title, _, body = chunk.partition("\n")
+        intro, *parts = ("\n" + body).split("\n### ")
+        out.append((title, intro, [(p.partition("\n")[0], "\n### " + p) for p in parts]))
+    return head.removeprefix("\n"), out
+
+
+def keep_written(generated: str, existing: str) -> str:
+    """``generated`` with what was written by hand in ``existing`` kept: the
+    ``### `` parts of a section that the report does not write (runs
+    recorded with their commit and what they showed), after the section's
+    own, and whole sections it does not write, after the section they
+    followed. What the report writes replaces its own older text."""
+    head, new = _sections(generated)
+    _, old = _sections(existing)
+    made = {title for title, _, _ in new}
+    old_parts = {title: parts for title, _, parts in old}
+    after: dict[str | None, list[Section]] = {}
+    previous: str | None = None
+    for sec in old:
+        if sec[0] in made:
+            previous = sec[0]
+        else:
+            after.setdefault(previous, []).append(sec)
+
+    def text(sec: Section) -> str:
+        title, intro, parts = sec
+        return "\n## " + title + intro + "".join(p for _, p in parts)
+
+    old_intros = {title: intro for title, intro, _ in old}
+    out = [head.rstrip("\n") + "\n"]
+    out += [text(s) for s in after.get(None, [])]
+    for title, intro, parts in new:
+        mine = {t for t, _ in parts}
+        kept = [(t, p) for t, p in old_parts.get(title, []) if t not in mine]
+        intro = _with_written(intro, old_intros.get(title, ""))
+        out.append(text((title, intro, parts + kept)))
+        out += [text(s) for s in after.get(title, [])]
+    return "".join(out).rstrip("\n") + "\n"
+
+
+def _kind(paragraph: str) -> str:
+    """What a paragraph is, for telling an older version of a generated one
+    (a "Machine:" line, a table, a ratios line) from one written by hand:
+    its first line's label up to a colon early in it, else the line's first
+    30 characters (a table: its header)."""
+    first = paragraph.strip().split("\n", 1)[0]
+    label, colon, _ = first[:40].partition(":")
+    return label if colon else first[:30]
+
+
+def _with_written(intro: str, old: str) -> str:
+    """A section's generated text, then the paragraphs of its ``old`` text
+    that are no version of a generated one (written by hand), in order."""
+    kinds = {_kind(p) for p in intro.split("\n\n") if p.strip()}
+    written = [p for p in old.split("\n\n") if p.strip() and _kind(p) not in kinds]
+    if not written:
+        return intro
+    return intro.rstrip("\n") + "\n\n" + "\n\n".join(w.strip("\n") for w in written) + "\n"
+
+
 def main() -> int:
-    OUT.write_text(render())
+    existing = OUT.read_text() if OUT.exists() else ""
+    OUT.write_text(keep_written(render(), existing))
     print(OUT)
     return 0
 

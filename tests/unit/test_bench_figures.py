@@ -18,7 +18,7 @@ from bench.cpu import CpuMeter, cpu_seconds, spawned_children
 from bench.ingest import compare, cpu_ratio, median_case
 from bench.log_envs import separate, shared
 from bench.plot_groups import curve
-from bench.report import _ingest_tls, _spread
+from bench.report import _ingest_tls, _spread, keep_written
 from bench.round_cost import parse_case, per_round
 
 pytestmark = pytest.mark.unit
@@ -207,3 +207,30 @@ def test_both_log_layouts_store_every_groups_entries(tmp_path: Path) -> None:
         with env.begin(db=env.open_db(b"log%d" % g, create=False)) as txn:
             assert [v for _, v in txn.cursor()] == [b"y" * 100] * 3
     env.close()
+
+
+def test_the_report_keeps_what_was_written_by_hand() -> None:
+    existing = (
+        "# Benchmarks\n\nold intro\n\n"
+        "## Ingest\n\nMachine: old box, 2026-01-01.\n\n| a | b |\n| 1 | 2 |\n\n"
+        "A note written by hand.\n\n"
+        "### Again at abc123\n\nA run recorded by hand.\n\n"
+        "## Hand only\n\nA section the report does not write.\n\n"
+        "## Failover\n\nMachine: old box.\n"
+    )
+    generated = (
+        "# Benchmarks\n\nnew intro\n\n"
+        "## Ingest\n\nMachine: new box, 2026-02-02.\n\n| a | b |\n| 3 | 4 |\n\n"
+        "## Failover\n\nMachine: new box.\n"
+    )
+    out = keep_written(generated, existing)
+    assert out == (
+        "# Benchmarks\n\nnew intro\n\n"
+        "## Ingest\n\nMachine: new box, 2026-02-02.\n\n| a | b |\n| 3 | 4 |\n\n"
+        "A note written by hand.\n\n"
+        "### Again at abc123\n\nA run recorded by hand.\n\n"
+        "## Hand only\n\nA section the report does not write.\n\n"
+        "## Failover\n\nMachine: new box.\n"
+    )
+    assert keep_written(generated, "") == generated
+    assert keep_written(out, out) == out  # rendering again changes nothing
