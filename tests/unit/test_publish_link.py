@@ -6,6 +6,7 @@ codes, and bad input cutting the connection (counted)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -16,7 +17,17 @@ from queue_server.auth import Caller
 from queue_server.publish_link import PublishLinkServer
 from roadlog.errors import Code, RoadlogError
 from roadlog.framing import LEN
-from roadlog.publish_link import MAGIC, MAX_HELLO_BYTES, decode_hello, encode_hello
+from roadlog.publish_link import (
+    KEEPALIVE_COUNT,
+    KEEPALIVE_IDLE_S,
+    KEEPALIVE_INTERVAL_S,
+    MAGIC,
+    MAX_HELLO_BYTES,
+    USER_TIMEOUT_MS,
+    decode_hello,
+    encode_hello,
+    open_link,
+)
 from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit
@@ -196,3 +207,39 @@ def test_a_connection_without_a_hello_in_time_is_cut(monkeypatch: pytest.MonkeyP
         return link.rejected
 
     assert asyncio.run(run()) == 1
+
+
+def test_both_ends_of_a_link_notice_a_dead_peer_within_seconds() -> None:
+    """Keepalive probes and a user timeout on the client's and the server's
+    socket: a peer that vanished is noticed without waiting for a deadline."""
+
+    async def answer(body: bytes, timeout: float | None) -> bytes:
+        return b"ok"
+
+    def timeouts(sock: socket.socket) -> tuple[int, int, int, int, int]:
+        return (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+        )
+
+    async def run() -> None:
+        link = Link(answer)
+        server = await link.start()
+        try:
+            client = await open_link(
+                "127.0.0.1", server.port, None, "c", None, lambda f: None, 1 << 20
+            )
+            assert client.transport is not None
+            want = (1, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
+            assert timeouts(client.transport.get_extra_info("socket")) == want
+            [served] = server.connections
+            assert served.transport is not None
+            assert timeouts(served.transport.get_extra_info("socket")) == want
+            client.abort()
+        finally:
+            await server.close()
+
+    asyncio.run(run())
