@@ -5,10 +5,29 @@ publish link (``roadlog.publish_link``)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import struct
-from typing import cast
+from typing import Any, cast
 
 LEN = struct.Struct("<I")
+
+
+def tune_link(sock: Any, idle_s: int, interval_s: int, count: int, user_timeout_ms: int) -> None:
+    """A framed link's socket: no Nagle delay (its messages wait for their
+    answers), and a dead peer noticed even when nothing is sent: keepalive
+    probes after ``idle_s``, ``interval_s`` apart, ``count`` missed; data
+    unacknowledged for ``user_timeout_ms`` drops it (TCP alone would retry
+    for minutes). None (no socket): nothing to do."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
 
 
 class FrameReader:

@@ -36,14 +36,12 @@ more is received.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import ssl
 import struct
 from collections.abc import Callable
 from typing import Any, cast
 
-from roadlog.framing import LEN, FrameReader
+from roadlog.framing import LEN, FrameReader, tune_link
 
 MAGIC = b"RLPUB\x00v1"
 HELLO_HEAD = struct.Struct("<HH")
@@ -91,17 +89,8 @@ USER_TIMEOUT_MS = 10_000
 
 
 def tune(sock: Any) -> None:
-    """No Nagle delay on a link whose messages wait for their answers, and
-    a dead peer noticed (see above)."""
-    if sock is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+    """No Nagle delay, and a dead peer noticed (see above)."""
+    tune_link(sock, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
 
 
 class FramedProtocol(asyncio.BufferedProtocol):

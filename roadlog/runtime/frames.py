@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from roadlog.framing import LEN, FrameReader
+from roadlog.framing import LEN, FrameReader, tune_link
 from roadlog.limits import WORK_MESSAGE_BYTES
 from roadlog.runtime import tls
 
@@ -95,15 +95,7 @@ WORK = Scheme(b"RLWORK01", b"roadlog work frames v1", WORK_MESSAGE_BYTES)
 
 def tune_socket(sock: socket.socket | None) -> None:
     """No Nagle delay; keepalive and a user timeout that notice a dead peer."""
-    if sock is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+    tune_link(sock, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
 
 
 class _Conn(asyncio.BufferedProtocol):

@@ -7,11 +7,13 @@ before any room is offered for it."""
 from __future__ import annotations
 
 import random
+import socket
 import struct
 
 import pytest
 
 from roadlog.framing import FrameReader
+from roadlog.runtime import frames
 
 pytestmark = pytest.mark.unit
 
@@ -70,3 +72,25 @@ def test_a_frame_over_the_limit_is_refused_before_room_is_offered_for_it() -> No
     assert reader.feed(struct.pack("<I", 100) + b"x" * 100) == [b"x" * 100]
     with pytest.raises(ValueError, match="over the limit"):
         reader.feed(struct.pack("<I", 101))
+
+
+def test_a_framed_links_socket_notices_a_dead_peer_within_seconds() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        frames.tune_socket(sock)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        got = [
+            sock.getsockopt(socket.IPPROTO_TCP, opt)
+            for opt in (
+                socket.TCP_KEEPIDLE,
+                socket.TCP_KEEPINTVL,
+                socket.TCP_KEEPCNT,
+                socket.TCP_USER_TIMEOUT,
+            )
+        ]
+        assert got == [
+            frames.KEEPALIVE_IDLE_S,
+            frames.KEEPALIVE_INTERVAL_S,
+            frames.KEEPALIVE_COUNT,
+            frames.USER_TIMEOUT_MS,
+        ]
