@@ -27,15 +27,15 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 
 from queue_server.auth import Caller
-from queue_server.publish_stream import Call, OnAnswer
+from queue_server.publish_stream import Call, OnAnswer, answer_batch
 from roadlog import round_trace
-from roadlog.errors import RoadlogError
+from roadlog.framing import FramedConn
 from roadlog.limits import WORK_MESSAGE_BYTES
 from roadlog.publish_link import (
     HANDSHAKE_TIMEOUT_S,
+    KEEPALIVE,
     MAGIC,
     MAX_HELLO_BYTES,
-    FramedProtocol,
     decode_hello,
 )
 from roadlog.v1 import client_pb2
@@ -112,11 +112,13 @@ class PublishLinkServer:
             await asyncio.wait_for(self._server.wait_closed(), 2.0)
 
 
-class _Served(FramedProtocol):
+class _Served(FramedConn):
     """One client's link."""
 
+    KEEPALIVE = KEEPALIVE
+
     def __init__(self, server: PublishLinkServer) -> None:
-        super().__init__(MAX_HELLO_BYTES)  # until the hello is answered
+        super().__init__(MAX_HELLO_BYTES, head_bytes=0)  # until the hello is answered
         self.server = server
         self.caller: Caller | None = None
         self.answering: set[asyncio.Task[None]] = set()
@@ -143,7 +145,7 @@ class _Served(FramedProtocol):
         self.caller = Caller(credential, self._source, declared)
         self.reader.max_frame = self.server.max_frame
         self.on_frame = self._request
-        self.send(b"")
+        self.write_parts([b""])
 
     def _request(self, frame: bytes) -> None:
         round_trace.mark("q_req_in")
@@ -158,17 +160,10 @@ class _Served(FramedProtocol):
 
     async def _answer(self, req: client_pb2.PublishStreamRequest) -> None:
         assert self.caller is not None
-        resp = client_pb2.PublishStreamResponse(id=req.id)
-        try:
-            timeout = req.timeout_ms / 1000 if req.timeout_ms else None
-            resp.batch = await self.server.call("PublishBatch", req.batch, timeout, self.caller)
-            self.server.on_answer("OK")
-        except RoadlogError as e:
-            resp.code, resp.message = int(e.code), e.message
-            self.server.on_answer(e.code.name)
-        if self.up:
+        resp = await answer_batch(self.server.call, req, self.caller, self.server.on_answer)
+        if not self.closed:
             round_trace.mark("q_answer_out")
-            self.send(resp.SerializeToString())
+            self.write_parts([resp])
             self._pace()
 
     def _answered(self, task: asyncio.Task[None]) -> None:
@@ -179,7 +174,7 @@ class _Served(FramedProtocol):
 
     def _pace(self) -> None:
         """Read while few batches wait and the client takes its answers."""
-        if self.transport is None or not self.up:
+        if self.transport is None or self.closed:
             return
         keep = len(self.answering) < MAX_IN_FLIGHT and self.can_write.is_set()
         if keep != self._reading:
@@ -198,7 +193,7 @@ class _Served(FramedProtocol):
         self._pace()
 
     def refuse(self, why: str) -> None:
-        if self.up:
+        if not self.closed:
             self.server.on_reject()
             log.warning("publish link cut", extra={"source": self._source, "why": why})
         self.abort()

@@ -40,6 +40,23 @@ Call = Callable[[str, bytes, float | None, "Caller"], Awaitable[bytes]]
 OnAnswer = Callable[[str], None]  # the answer's code name, for the metrics
 
 
+async def answer_batch(
+    call: Call, req: client_pb2.PublishStreamRequest, caller: Caller, on_answer: OnAnswer
+) -> bytes:
+    """The ``PublishStreamResponse`` bytes for ``req``: its batch answered
+    as a ``PublishBatch`` call by ``caller`` with its deadline would be, or
+    the refusal's code and message (on the stream and the publish link)."""
+    resp = client_pb2.PublishStreamResponse(id=req.id)
+    try:
+        timeout = req.timeout_ms / 1000 if req.timeout_ms else None
+        resp.batch = await call("PublishBatch", req.batch, timeout, caller)
+        on_answer("OK")
+    except RoadlogError as e:
+        resp.code, resp.message = int(e.code), e.message
+        on_answer(e.code.name)
+    return resp.SerializeToString()
+
+
 def publish_stream_handler(
     call: Call,
     caller_of: Callable[[Any], Caller],
@@ -62,15 +79,7 @@ def publish_stream_handler(
         bad: list[str] = []
 
         async def answer(req: client_pb2.PublishStreamRequest) -> None:
-            resp = client_pb2.PublishStreamResponse(id=req.id)
-            try:
-                timeout = req.timeout_ms / 1000 if req.timeout_ms else None
-                resp.batch = await call("PublishBatch", req.batch, timeout, client)
-                on_answer("OK")
-            except RoadlogError as e:
-                resp.code, resp.message = int(e.code), e.message
-                on_answer(e.code.name)
-            out.put_nowait(resp.SerializeToString())
+            out.put_nowait(await answer_batch(call, req, client, on_answer))
 
         async def read() -> None:
             try:

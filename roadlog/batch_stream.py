@@ -33,8 +33,9 @@ import grpc
 
 from roadlog import round_trace
 from roadlog.errors import Code
+from roadlog.framing import OnFrame
 from roadlog.grpc_status import from_grpc
-from roadlog.publish_link import PORT_METADATA, OnFrame, PublishLink
+from roadlog.publish_link import PORT_METADATA, PublishLink
 from roadlog.v1 import client_pb2
 
 STREAM_METHOD = "/roadlog.v1.PublishStream/PublishBatches"
@@ -100,7 +101,7 @@ class BatchStream:
     async def exchange(self, batch: bytes, timeout: float) -> bytes:
         """One serialized PublishBatchRequest in, its response's bytes out."""
         link = self._link
-        if link is not None and link.up:
+        if link is not None and not link.closed:
             return await self._linked(link, batch, timeout)
         self._maybe_dial()
         if not self.unary_only:
@@ -250,8 +251,7 @@ class BatchStream:
         rid, fut, req = self._request(batch, timeout, self._link_waiting)
         try:
             round_trace.mark("c_write")
-            link.send(req)
-            await link.drain()
+            await link.send(req)
             resp = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
         except ConnectionError:
             raise BatchFailed(Code.UNAVAILABLE, "the publish link broke") from None

@@ -1,16 +1,25 @@
-"""Length-prefixed frames over a byte stream, sans-I/O: a u32
-little-endian length and that many bytes. Shared by roadlog's framed links
-between its own processes (``roadlog.runtime.frames``) and the client SDK's
-publish link (``roadlog.publish_link``)."""
+"""Length-prefixed frames over a byte stream: a u32 little-endian length
+and that many bytes. ``FrameReader`` splits a stream into frames
+(sans-I/O); ``FramedConn`` is a connection of them on the event loop.
+Shared by roadlog's framed links between its own processes
+(``roadlog.runtime.frames``) and the client SDK's publish link
+(``roadlog.publish_link``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any, cast
 
 LEN = struct.Struct("<I")
+
+# A frame's bytes: a big frame is the bytearray it was read into, typed as
+# bytes (protobuf parses either; nobody may keep it and expect it immutable
+# but its receiver, who owns it).
+OnFrame = Callable[[bytes], None]
 
 
 def tune_link(sock: Any, idle_s: int, interval_s: int, count: int, user_timeout_ms: int) -> None:
@@ -111,3 +120,119 @@ class FrameReader:
         if self._big is not None:
             return self._big_have
         return self._end - self._start
+
+
+class FramedConn(asyncio.BufferedProtocol):
+    """What every framed link's ends share: frames in (to ``on_frame``),
+    frames out with backpressure (``send``), and the end of the connection
+    (``lost``).
+
+    Reading is in place (a buffered protocol): first the handshake's fixed
+    bytes (``head``, which ``_head_done`` checks; none when ``head_bytes``
+    is 0), then frames through a ``FrameReader``, whose big frames the
+    socket fills directly. Bad input (a frame over the limit, one the
+    receiver raises on) never kills the process: ``refuse`` drops the
+    connection. ``KEEPALIVE`` (``tune_link``'s idle s, interval s, count,
+    user timeout ms) is each kind of link's."""
+
+    KEEPALIVE: tuple[int, int, int, int]
+
+    def __init__(self, max_frame: int, head_bytes: int) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.reader = FrameReader(max_frame)
+        self.head = bytearray(head_bytes)  # the handshake's bytes, read before any frame
+        self.head_have = 0
+        self.on_frame: OnFrame | None = None  # set once the handshake is done
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.can_write = asyncio.Event()
+        self.can_write.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        tune_link(transport.get_extra_info("socket"), *self.KEEPALIVE)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.head_have < len(self.head):
+            return memoryview(self.head)[self.head_have :]
+        return self.reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
+        if self.head_have < len(self.head):
+            self.head_have += nbytes
+            if self.head_have == len(self.head):
+                self._head_done()
+            return
+        try:
+            for f in self.reader.updated(nbytes):
+                if self.on_frame is None:
+                    raise ValueError("a frame where none is taken")
+                self.on_frame(f)
+                if self.closed:
+                    return  # closed by the receiver: nothing more of it
+        except Exception as e:  # bad input never kills the process: drop the connection
+            self.refuse(str(e) or type(e).__name__)
+
+    def _head_done(self) -> None:
+        """The handshake's bytes are in (``head``)."""
+        raise NotImplementedError
+
+    def refuse(self, why: str) -> None:
+        """Bad input: close the connection at once (``why``: for a log)."""
+        self.abort()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        self._ended(ConnectionError("framed link closed"))
+
+    def pause_writing(self) -> None:
+        self.can_write.clear()
+
+    def resume_writing(self) -> None:
+        self.can_write.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended(exc)
+
+    def _ended(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.can_write.set()
+
+    @property
+    def closed(self) -> bool:
+        return self.lost.done()
+
+    async def send(self, payload: bytes) -> None:
+        """Queue one frame; waits while the socket's buffer is over its high
+        mark. Raises ConnectionError once the link is down."""
+        await self.send_parts([payload])
+
+    @property
+    def writable(self) -> bool:
+        """A frame written now goes out without waiting: the link is up and
+        the socket's buffer is under its high mark."""
+        return not self.lost.done() and self.transport is not None and self.can_write.is_set()
+
+    def write_parts(self, parts: list[bytes]) -> None:
+        """``send_parts`` without waiting, for a caller that saw ``writable``
+        in the same turn of the event loop (or takes no backpressure)."""
+        if self.transport is None or self.lost.done():
+            raise ConnectionError("framed link is down")
+        self.transport.writelines([LEN.pack(sum(len(p) for p in parts)), *parts])
+
+    async def send_parts(self, parts: list[bytes]) -> None:
+        """One frame whose payload is ``parts`` joined, written as they are
+        (a writev; nothing is joined or copied here). Waits while the
+        socket's buffer is over its high mark; raises ConnectionError once
+        the link is down."""
+        self.write_parts(parts)
+        if not self.can_write.is_set():
+            await self.can_write.wait()
+            if self.lost.done():
+                raise ConnectionError("framed link is down")
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self.lost)

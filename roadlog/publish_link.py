@@ -38,10 +38,9 @@ from __future__ import annotations
 import asyncio
 import ssl
 import struct
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from roadlog.framing import LEN, FrameReader, tune_link
+from roadlog.framing import FramedConn, OnFrame
 
 MAGIC = b"RLPUB\x00v1"
 HELLO_HEAD = struct.Struct("<HH")
@@ -49,8 +48,6 @@ MAX_HELLO_BYTES = 4096
 MAX_CLIENT_ID_BYTES = 128
 HANDSHAKE_TIMEOUT_S = 5.0
 PORT_METADATA = "roadlog-publish-link-port"
-
-OnFrame = Callable[[bytes], None]
 
 
 def encode_hello(client: str, credential: str | None) -> bytes:
@@ -86,108 +83,14 @@ def decode_hello(frame: bytes) -> tuple[str, str | None]:
 # (roadlog.runtime.frames), as clients sit on slower networks.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 5, 2, 3
 USER_TIMEOUT_MS = 10_000
+KEEPALIVE = (KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
 
 
-def tune(sock: Any) -> None:
-    """No Nagle delay, and a dead peer noticed (see above)."""
-    tune_link(sock, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
-
-
-class FramedProtocol(asyncio.BufferedProtocol):
-    """Either end of a publish link: an optional fixed greeting first
-    (``head_bytes``, checked by ``head_ok``), then frames to ``on_frame``."""
-
-    def __init__(self, max_frame: int, head_bytes: int = 0) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.reader = FrameReader(max_frame)
-        self.head = bytearray()
-        self._head_bytes = head_bytes
-        self._head_buf = bytearray(max(head_bytes, 1))
-        self.on_frame: OnFrame | None = None
-        loop = asyncio.get_running_loop()
-        self.lost: asyncio.Future[None] = loop.create_future()
-        self.can_write = asyncio.Event()
-        self.can_write.set()
-
-    # -- asyncio.BufferedProtocol ----------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        tune(transport.get_extra_info("socket"))
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if len(self.head) < self._head_bytes:
-            return memoryview(self._head_buf)[: self._head_bytes - len(self.head)]
-        return self.reader.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if len(self.head) < self._head_bytes:
-            self.head += self._head_buf[:nbytes]
-            if len(self.head) == self._head_bytes:
-                self.head_done()
-            return
-        try:
-            frames = self.reader.updated(nbytes)
-        except ValueError as e:
-            self.refuse(str(e))
-            return
-        for f in frames:
-            if self.lost.done() or self.on_frame is None:
-                return
-            try:
-                self.on_frame(f)
-            except Exception as e:  # a frame its receiver cannot take
-                self.refuse(f"bad frame: {e}")
-                return
-
-    def head_done(self) -> None:
-        """The greeting came (``self.head``)."""
-
-    def refuse(self, why: str) -> None:
-        """Bad input: close the link, at once."""
-        self.abort()
-
-    def pause_writing(self) -> None:
-        self.can_write.clear()
-
-    def resume_writing(self) -> None:
-        self.can_write.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.on_frame = None
-        self.can_write.set()  # a writer waiting for room finds the link down
-        if not self.lost.done():
-            self.lost.set_result(None)
-
-    # -- use -----------------------------------------------------------------
-
-    @property
-    def up(self) -> bool:
-        return self.transport is not None and not self.lost.done()
-
-    def send(self, payload: bytes) -> None:
-        """Queue one frame (never waits: see ``drain``). ConnectionError once
-        the link is down."""
-        if not self.up:
-            raise ConnectionError("the publish link is down")
-        assert self.transport is not None
-        self.transport.writelines([LEN.pack(len(payload)), payload])
-
-    async def drain(self) -> None:
-        """Wait while the socket's buffer is over its high mark."""
-        if not self.can_write.is_set():
-            await self.can_write.wait()
-
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
-        elif not self.lost.done():
-            self.lost.set_result(None)
-
-
-class PublishLink(FramedProtocol):
+class PublishLink(FramedConn):
     """The client's end: checks the server's greeting, then its answer to
     the hello (``ready``), then hands each answer frame to ``on_frame``."""
+
+    KEEPALIVE = KEEPALIVE
 
     def __init__(self, max_frame: int, on_frame: OnFrame) -> None:
         super().__init__(max_frame, head_bytes=len(MAGIC))
@@ -198,7 +101,7 @@ class PublishLink(FramedProtocol):
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._receiver = on_frame
 
-    def head_done(self) -> None:
+    def _head_done(self) -> None:
         if bytes(self.head) != MAGIC:
             self.greeted.set_exception(ConnectionError("not a publish link"))
             self.abort()
@@ -212,11 +115,11 @@ class PublishLink(FramedProtocol):
         self.on_frame = self._receiver
         self.ready.set_result(None)
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _ended(self, exc: Exception | None) -> None:
         for f in (self.greeted, self.ready):
             if not f.done():
                 f.set_exception(ConnectionError("the server closed the publish link"))
-        super().connection_lost(exc)
+        super()._ended(exc)
 
 
 async def open_link(
@@ -241,7 +144,7 @@ async def open_link(
     )
     try:
         await asyncio.wait_for(asyncio.shield(link.greeted), HANDSHAKE_TIMEOUT_S)
-        link.send(encode_hello(client, credential))
+        link.write_parts([encode_hello(client, credential)])
         await asyncio.wait_for(asyncio.shield(link.ready), HANDSHAKE_TIMEOUT_S)
     except BaseException:
         link.abort()

@@ -36,9 +36,10 @@ from roadlog.batch_stream import BatchFailed, BatchStream, Dial
 from roadlog.client import RETRYABLE, client_id, first_server
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code, RoadlogError, error
+from roadlog.framing import OnFrame
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.protowire import with_leading_varint
-from roadlog.publish_link import OnFrame, PublishLink, open_link
+from roadlog.publish_link import PublishLink, open_link
 from roadlog.v1 import client_pb2
 
 MAX_BATCH_REQUESTS = 4096  # what a node takes in one PublishBatch

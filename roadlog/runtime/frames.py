@@ -43,14 +43,14 @@ import hashlib
 import hmac
 import logging
 import os
-import socket
 import ssl
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from roadlog.framing import LEN, FrameReader, tune_link
+from roadlog.framing import FramedConn
+from roadlog.framing import OnFrame as OnFrame  # what a link's receiver is, here too
 from roadlog.limits import WORK_MESSAGE_BYTES
 from roadlog.runtime import tls
 
@@ -63,11 +63,6 @@ HELLO = struct.Struct("<Q32s")
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 2, 1, 2
 USER_TIMEOUT_MS = 4000
 HANDSHAKE_TIMEOUT_S = 5.0
-
-# A frame's bytes: a big frame is the bytearray it was read into, typed as
-# bytes (protobuf parses either; nobody may keep it and expect it immutable
-# but its receiver, who owns it).
-OnFrame = Callable[[bytes], None]
 
 
 @dataclass(frozen=True)
@@ -93,119 +88,19 @@ class Scheme:
 WORK = Scheme(b"RLWORK01", b"roadlog work frames v1", WORK_MESSAGE_BYTES)
 
 
-def tune_socket(sock: socket.socket | None) -> None:
-    """No Nagle delay; keepalive and a user timeout that notice a dead peer."""
-    tune_link(sock, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
+class _Conn(FramedConn):
+    """Either end of a link of one ``Scheme``: its frame limit, its
+    handshake's length, its keepalive; a refusal is logged."""
 
-
-class _Conn(asyncio.BufferedProtocol):
-    """What both ends share: frames in (to ``on_frame``), frames out with
-    backpressure (``send``), and the end of the connection (``lost``).
-
-    Reading is in place (a buffered protocol): first the handshake's fixed
-    bytes (``head``, which ``_head_done`` checks), then frames through a
-    ``FrameReader``, whose big frames the socket fills directly."""
+    KEEPALIVE = (KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
 
     def __init__(self, scheme: Scheme, head_bytes: int) -> None:
+        super().__init__(scheme.max_frame, head_bytes)
         self.scheme = scheme
-        self.transport: asyncio.Transport | None = None
-        self.reader = FrameReader(scheme.max_frame)
-        self.head = bytearray(head_bytes)  # the handshake's bytes, read before any frame
-        self.head_have = 0
-        self.on_frame: OnFrame | None = None  # set once the handshake is done
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.can_write = asyncio.Event()
-        self.can_write.set()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        tune_socket(transport.get_extra_info("socket"))
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.head_have < len(self.head):
-            return memoryview(self.head)[self.head_have :]
-        return self.reader.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.closed:
-            return
-        if self.head_have < len(self.head):
-            self.head_have += nbytes
-            if self.head_have == len(self.head):
-                self._head_done()
-            return
-        try:
-            for f in self.reader.updated(nbytes):
-                if self.on_frame is None:
-                    raise ValueError("a frame where none is taken")
-                self.on_frame(f)
-                if self.closed:
-                    return  # closed by the receiver: nothing more of it
-        except Exception as e:  # bad input never kills the process: drop the connection
-            self.refuse(str(e) or type(e).__name__)
-
-    def _head_done(self) -> None:
-        """The handshake's bytes are in (``head``)."""
-        raise NotImplementedError
 
     def refuse(self, why: str) -> None:
         log.warning("framed link cut", extra={"scheme": self.scheme.label.decode(), "reason": why})
         self.abort()
-
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
-        self._ended(ConnectionError("framed link closed"))
-
-    def pause_writing(self) -> None:
-        self.can_write.clear()
-
-    def resume_writing(self) -> None:
-        self.can_write.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._ended(exc)
-
-    def _ended(self, exc: Exception | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(None)
-        self.can_write.set()
-
-    @property
-    def closed(self) -> bool:
-        return self.lost.done()
-
-    async def send(self, payload: bytes) -> None:
-        """Queue one frame; waits while the socket's buffer is over its high
-        mark. Raises ConnectionError once the link is down."""
-        await self.send_parts([payload])
-
-    @property
-    def writable(self) -> bool:
-        """A frame written now goes out without waiting: the link is up and
-        the socket's buffer is under its high mark."""
-        return not self.lost.done() and self.transport is not None and self.can_write.is_set()
-
-    def write_parts(self, parts: list[bytes]) -> None:
-        """``send_parts`` without waiting, for a caller that saw ``writable``
-        in the same turn of the event loop."""
-        if self.transport is None or self.lost.done():
-            raise ConnectionError("framed link is down")
-        self.transport.writelines([LEN.pack(sum(len(p) for p in parts)), *parts])
-
-    async def send_parts(self, parts: list[bytes]) -> None:
-        """One frame whose payload is ``parts`` joined, written as they are
-        (a writev; nothing is joined or copied here). Waits while the
-        socket's buffer is over its high mark; raises ConnectionError once
-        the link is down."""
-        self.write_parts(parts)
-        if not self.can_write.is_set():
-            await self.can_write.wait()
-            if self.lost.done():
-                raise ConnectionError("framed link is down")
-
-    async def wait_closed(self) -> None:
-        await asyncio.shield(self.lost)
 
 
 class ServerConn(_Conn):

@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from roadlog.framing import FrameReader
+from roadlog.framing import FrameReader, tune_link
 from roadlog.runtime import frames
 
 pytestmark = pytest.mark.unit
@@ -76,7 +76,7 @@ def test_a_frame_over_the_limit_is_refused_before_room_is_offered_for_it() -> No
 
 def test_a_framed_links_socket_notices_a_dead_peer_within_seconds() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        frames.tune_socket(sock)
+        tune_link(sock, *frames._Conn.KEEPALIVE)  # as each link's socket is set up
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
         got = [
