@@ -18,8 +18,8 @@ from typing import Any
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU-seconds of a process so far (every thread).
+def user_sys(pid: int) -> tuple[float, float]:
+    """User and system CPU-seconds of a process so far (every thread).
 
     Raises ProcessLookupError when the process is gone: a benchmark whose
     server died must not report a figure for it."""
@@ -29,8 +29,13 @@ def cpu_seconds(pid: int) -> float:
         raise ProcessLookupError(pid) from None
     # The command name may hold spaces and parentheses: fields start after the last ')'.
     fields = stat.rsplit(")", 1)[1].split()
-    utime, stime = int(fields[11]), int(fields[12])
-    return (utime + stime) / CLOCK_TICKS
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU-seconds of a process so far (every thread);
+    ProcessLookupError when it is gone."""
+    return sum(user_sys(pid))
 
 
 def spawned_children(pid: int) -> list[int]:

@@ -18,20 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.common import write_result
-from bench.cpu import CLOCK_TICKS
+from bench.cpu import user_sys
 from bench.ingest import roadlog_case, topic_groups, wait_spread
 from bench.peers import roadlog_cluster
 from roadlog.runtime import eventloop
-
-
-def user_sys(pid: int) -> tuple[float, float]:
-    """User and system CPU-seconds of a process so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 def per_round(
