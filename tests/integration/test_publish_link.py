@@ -1,10 +1,11 @@
 """The publish link on a real cluster (TLS, client identities): a
 Publisher's calls go over it once it is up, every ping is stored exactly
-once; each batch on it is admitted as a gRPC call would be (a token without
-the topic's produce scope is refused, a revoked one stops working on the
-open link); only clients that trust the cluster's CA get its greeting; and
-a queue server run with ``publish_link_port = -1`` offers none, the
-publishes going over gRPC."""
+once, through the SIGKILL of the queue server it goes to too; each batch on
+it is admitted as a gRPC call would be (a token without the topic's produce
+scope is refused, a revoked one stops working on the open link); only
+clients that trust the cluster's CA get its greeting; and a queue server
+run with ``publish_link_port = -1`` offers none, the publishes going over
+gRPC."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ from roadlog.runtime import eventloop
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, pings_pb2
 from tests.certs import ClusterCA
-from tests.integration.conftest import create_topic, framed_greeting, make_pings, read_topic
+from tests.integration.conftest import (
+    assert_exactly_once_in_order,
+    create_topic,
+    framed_greeting,
+    make_pings,
+    read_topic,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -135,3 +142,65 @@ def test_a_queue_server_without_the_link_takes_publishes_over_grpc(
     linked, fence = eventloop.run(_publish_all(lc.tls(), lc.servers, requests))
     assert linked == 0
     assert _stored(lc, fence) == sorted(sent)
+
+
+def test_idempotent_publishes_through_a_queue_server_kill_on_its_link_are_stored_once(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """The queue server a publisher's link goes to is SIGKILLed under load:
+    the batches out on the link are sent again to the other queue server,
+    and each idempotent batch is stored exactly once."""
+    lc = make_cluster(3, 2)
+    with Connection(lc.servers, tls=lc.tls()) as conn:
+        create_topic(conn)
+        producers = [
+            int(
+                conn.call(
+                    "InitProducer", client_pb2.InitProducerRequest(client_id=f"van{i}")
+                ).producer_id
+            )
+            for i in range(4)
+        ]
+    acked: list[tuple[str, int]] = []
+    errors: list[str] = []
+    linked_at_kill: list[int] = []
+    halfway = asyncio.Event()
+
+    async def van(pub: Publisher, k: int, pid: int) -> None:
+        for seq in range(1, 41):  # one batch out per producer: sequences stay in order
+            pings = make_pings(f"van{k}", (seq - 1) * 20, 20)
+            req = client_pb2.PublishRequest(
+                topic="munich",
+                producer_id=pid,
+                sequence=seq,
+                batch=pings_pb2.PingBatch.FromString(columnar.encode(pings)),
+            )
+            try:
+                await pub.publish(req, timeout=60)
+            except RoadlogError as e:
+                errors.append(str(e))
+                return
+            acked.extend(zip(pings.device_of().tolist(), pings.ts_ms.tolist(), strict=True))
+            if k == 0 and seq == 15:
+                halfway.set()
+
+    async def run() -> int:
+        async with Publisher(lc.servers, tls=lc.tls()) as pub:
+            pub._current = 0  # it starts at the queue server that dies
+
+            async def killer() -> None:
+                await halfway.wait()
+                linked_at_kill.append(pub.linked)
+                await asyncio.get_running_loop().run_in_executor(None, lc.kill_queue_server, 0)
+
+            await asyncio.gather(killer(), *(van(pub, k, p) for k, p in enumerate(producers)))
+            return pub.fence
+
+    fence = eventloop.run(run())
+    assert not errors, errors[:3]
+    assert linked_at_kill[0] > 0  # the link was in use when its server died
+    assert len(acked) == 4 * 40 * 20
+    with Connection([lc.servers[1]], tls=lc.tls()) as conn:
+        conn.fence = fence
+        stored = read_topic(conn, "munich")
+    assert_exactly_once_in_order(stored, acked)
