@@ -38,22 +38,35 @@ def cpu_seconds(pid: int) -> float:
     return sum(user_sys(pid))
 
 
+def _parent(pid: int) -> int | None:
+    """The parent pid of a process, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def spawned_children(pid: int) -> list[int]:
     """The processes ``pid`` started with multiprocessing's spawn (a node's
-    worker processes), oldest first; not its other children."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
+    worker processes), oldest first; not its other children.
+
+    Children are found by each process's parent pid in /proc/*/stat, not by
+    /proc/PID/task/PID/children, which the kernel documents as unreliable
+    while children start and exit (an entry can be skipped). A child caught
+    between its fork and its exec still shows the parent's command line and
+    is not listed until it has exec'd."""
     out = []
-    for child in sorted(int(c) for c in text.split()):
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or _parent(int(entry.name)) != pid:
+            continue
         try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
         if b"multiprocessing.spawn" in cmdline and b"spawn_main" in cmdline:
-            out.append(child)
-    return out
+            out.append(int(entry.name))
+    return sorted(out)
 
 
 @dataclass

@@ -147,6 +147,11 @@ def test_a_nodes_worker_processes_are_found_and_other_children_are_not() -> None
     worker.start()
     other = subprocess.Popen(["sleep", "30"])
     try:
+        # start() can return between the fork and the exec, while the child
+        # still shows this process's command line: wait for the exec.
+        deadline = time.monotonic() + 20
+        while spawned_children(os.getpid()) != [worker.pid] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert spawned_children(os.getpid()) == [worker.pid]
         assert spawned_children(other.pid) == []
     finally:
