@@ -237,16 +237,24 @@ def decode(data: bytes) -> PingColumns:
     return join([parse(data)])
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class ColumnBytes:
     """A parsed PingBatch whose columns are still wire bytes (little-endian,
     ``_COLUMNS`` dtypes): what ``join`` needs to merge many batches with one
     ``np.frombuffer`` per column. Invariant: every column present holds
-    exactly ``n`` values; an absent column is an optional one, all unknown."""
+    exactly ``n`` values; an absent column is an optional one, all unknown.
+    Never changed once made (not frozen only because a frozen dataclass is
+    dearer to make, and one is made per publish)."""
 
     n: int
     device_ids: list[str]
     columns: dict[str, bytes]
+
+
+def _field_size(size: int) -> int:
+    """Wire bytes of a bytes field of ``size`` bytes written canonically (a
+    one-byte tag, the length as a varint, the payload); 0: left out."""
+    return 1 + len(varint(size)) + size if size else 0
 
 
 def parse(data: bytes) -> ColumnBytes:
@@ -256,43 +264,64 @@ def parse(data: bytes) -> ColumnBytes:
         view = pings_pb2.PingBatchView.FromString(data)
     except DecodeError:
         return _column_bytes(_decode_slow(data))
-    if view.ByteSize() != len(data):
-        return _column_bytes(_decode_slow(data))
     ts = view.ts_ms
     n, rem = divmod(len(ts), 8)
     index, lat, lon = view.device_index, view.lat, view.lon
     if rem or len(index) != 4 * n or len(lat) != 8 * n or len(lon) != 8 * n:
         return _column_bytes(_decode_slow(data))  # it decides, or names the column
     raw = {"device_index": index, "ts_ms": ts, "lat": lat, "lon": lon}
+    four = _field_size(4 * n)
+    tail = four + 3 * _field_size(8 * n)  # the columns' bytes, written canonically
     for attr in _OPTIONAL:
         b = getattr(view, attr)
         if len(b) == 4 * n:
             raw[attr] = b
+            tail += four
         elif b:
             return _column_bytes(_decode_slow(data))
-    return ColumnBytes(n, _dictionary(data, view, raw), raw)
+    ids = _known_dictionary(data, tail)
+    if ids is not None:
+        # The batch is a remembered dictionary and then exactly its columns,
+        # each once (see _known_dictionary): the view accounted for every byte.
+        return ColumnBytes(n, ids, raw)
+    if view.ByteSize() != len(data):
+        return _column_bytes(_decode_slow(data))
+    return ColumnBytes(n, _dictionary(data, view, tail), raw)
 
 
-def _dictionary(data: bytes, view: Any, columns: dict[str, bytes]) -> list[str]:
+def _known_dictionary(data: bytes, tail: int) -> list[str] | None:
+    """The ids of the remembered dictionary that ``data`` starts with, where
+    ``tail`` (the canonical size of the columns the batch's view shows) is
+    all that follows it; else None.
+
+    Such a batch needs no check that its view accounted for every byte: the
+    prefix is whole fields, none of them a column, so every column field
+    lies in the ``tail`` bytes after it, where each takes at least its
+    canonical size; as those sizes add up to ``tail``, the rest is each
+    column once, canonically written, and no other field or id."""
+    k = len(data) - tail
+    if k <= 0 or data[0] != 0x0A:
+        return None
+    return _DICTIONARIES.get(data[:k])
+
+
+def _dictionary(data: bytes, view: Any, tail: int) -> list[str]:
     """The device ids of a parsed batch whose fields the view accounted for
-    byte for byte. A producer's batches mostly repeat one dictionary, and
-    ``encode`` writes it first: its wire bytes are then the batch's prefix
-    up to the columns, so the ids decoded once for those bytes are shared
-    by every batch that starts with them (``MEMO_DICTIONARY_BYTES`` in all).
-    A prefix is remembered only once it parsed as nothing but whole
-    ``device_ids`` fields; then a batch with that prefix and columns of the
-    rest's length has exactly those ids. The list returned is shared: it
-    is never to be changed."""
+    byte for byte, none remembered for it (``_known_dictionary``);
+    ``tail``: the canonical size of its columns. A producer's batches
+    mostly repeat one dictionary, and ``encode`` writes it first: its wire
+    bytes are then the batch's prefix up to the columns, so the ids decoded
+    once for those bytes are shared by every batch that starts with them
+    (``MEMO_DICTIONARY_BYTES`` in all). A prefix is remembered only once it
+    parsed as nothing but whole ``device_ids`` fields; then a batch with
+    that prefix and columns of the rest's length has exactly those ids. The
+    list returned is shared: it is never to be changed."""
     global _memo_bytes
-    tail = sum(len(b) + len(varint(len(b))) + 1 for b in columns.values() if b)
+    ids = list(view.device_ids)
     k = len(data) - tail
     if k <= 0 or data[0] != 0x0A:  # no ids, or not written ids first
-        return list(view.device_ids)
-    prefix = data[:k]
-    ids = _DICTIONARIES.get(prefix)
-    if ids is not None:
         return ids
-    ids = list(view.device_ids)
+    prefix = data[:k]
     if _memo_bytes + k <= MEMO_DICTIONARY_BYTES:
         try:
             only = pings_pb2.PingBatchView.FromString(prefix)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -64,3 +66,60 @@ def test_a_full_memo_remembers_no_more_and_still_decodes_every_batch(
         assert columnar.parse(_batch(ids)).device_ids == ids
     assert 0 < columnar._memo_bytes <= 64
     assert len(columnar._DICTIONARIES) < 20
+
+
+def _same(a: columnar.ColumnBytes, b: columnar.ColumnBytes) -> bool:
+    return a.n == b.n and a.device_ids == b.device_ids and a.columns == b.columns
+
+
+def _parsed(data: bytes) -> columnar.ColumnBytes | str:
+    try:
+        return columnar.parse(data)
+    except columnar.BatchDecodeError:
+        return "refused"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 5),
+    extra=st.lists(
+        st.sampled_from(
+            [
+                b"\x0a\x00",  # an empty id
+                b"\x0a\x05dev-z",  # one more id
+                b"\x1a\x00",  # an empty ts_ms
+                b"\x32\x00",  # an empty speed_mps
+                b"\x48\x01",  # an unknown varint field
+                b"\x92\x00\x00",  # device_index with a longer tag than canonical
+                b"\x12\x80\x00",  # a length written in two bytes
+            ]
+        ),
+        max_size=3,
+    ),
+    where=st.integers(0, 1_000),
+    cut=st.integers(0, 40),
+)
+def test_a_remembered_dictionary_never_changes_what_a_batch_parses_to(
+    n: int, extra: list[bytes], where: int, cut: int
+) -> None:
+    """Whatever follows or is spliced into a batch that starts with a
+    remembered dictionary (which the memo lets skip the check that the
+    view read every byte), the batch parses to what it parses to with no
+    dictionary remembered, or is refused by both."""
+    ids = ["dev-a", "dev-b"]
+    good = _batch(ids, n=max(n, 1))
+    columnar._DICTIONARIES.clear()  # each example afresh
+    columnar.parse(good)  # remembers the dictionary of a and b
+    assert len(columnar._DICTIONARIES) == 1
+    at = where % (len(good) + 1)
+    data = good[:at] + b"".join(extra) + good[at:]
+    data = data[: len(data) - cut % 3] if cut >= 37 else data  # sometimes a cut end
+    with_memo = _parsed(data)
+    remembered = dict(columnar._DICTIONARIES)
+    columnar._DICTIONARIES.clear()
+    without = _parsed(data)
+    columnar._DICTIONARIES.update(remembered)
+    if isinstance(with_memo, str) or isinstance(without, str):
+        assert with_memo == without
+    else:
+        assert _same(with_memo, without)
