@@ -10,7 +10,8 @@ Processes: ``L`` the leader, ``F0``/``F1`` the followers, ``q_`` the queue
 server, ``c_`` this client. Hops: ``validate0/1`` the leader's validation of
 the call's publishes; ``propose``; ``peer_out``/``peer_in`` Raft frames out
 and in; ``log0/1`` a log write (``written``: a thread's write reported on
-the loop); ``apply0/1`` an inline apply; ``result``/``answer_out`` the
+the loop); ``apply0/1`` an inline apply; ``store0/1`` the store of
+entries answered as they committed (after the answer); ``result``/``answer_out`` the
 call's answer made and sent; ``q_result_in``, ``q_answer_out``,
 ``q_req_in``, ``q_work_out`` the queue server's; ``c_answer_in``,
 ``c_write`` the client's. Writes bench/results/round_timeline.json.

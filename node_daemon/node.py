@@ -108,6 +108,11 @@ FOLLOWER_INLINE_BYTES = 4 << 20
 # A leader alone on its loop whose proposals come one at a time writes up to
 # this size on the loop too (see _writes_inline).
 LEADER_INLINE_BYTES = 256 << 10
+# Entries answered as they commit are stored this many turns of the event
+# loop later: their answers reach the queue server's link in the third turn
+# (the proposal's callbacks, the call's task, the link's writer), so the
+# store is off the write path (see _apply_job).
+STORE_AFTER_TURNS = 4
 # Kept in the Raft log's directory while the node catches up after starting
 # empty (see the module docstring); a wipe or a restore takes it along.
 CATCHING_UP_FILE = "catching-up"
@@ -858,6 +863,16 @@ class RaftNode:
             # first: it would otherwise wait for this apply, and the commit
             # with it (bench/profiles/write-path.md, session 25).
             self.transport.flush()
+            early = self.sm.answers(entries) if wanted else None
+            if early is not None:
+                # Committed, so stored on a majority: answered now, and
+                # stored here a few turns later, once the answers are out
+                # (the state is the same then: the driver hands out the
+                # next apply only after apply_done). Reads fenced at these
+                # entries wait for the store, as for any apply.
+                self._resolve(entries, early)
+                self._after_turns(STORE_AFTER_TURNS, lambda: self._store_answered(job))
+                return False
             try:
                 round_trace.mark("apply0")
                 self._resolve(entries, self.sm.apply(entries, wanted))
@@ -868,6 +883,31 @@ class RaftNode:
                 return False
         self._apply_on_thread(job)
         return False
+
+    def _after_turns(self, turns: int, fn: Callable[[], None]) -> None:
+        """Call ``fn`` ``turns`` turns of the event loop from now."""
+        if turns <= 0:
+            fn()
+        else:
+            self._loop.call_soon(self._after_turns, turns - 1, fn)
+
+    def _store_answered(self, job: ApplyJob) -> None:
+        """Apply entries whose answers were sent at commit (``_apply_job``);
+        on the apply thread after a backoff while there is no room."""
+        if self._stopping:
+            return  # committed: applied from the log when the node starts again
+        try:
+            round_trace.mark("store0")
+            self.sm.apply(job.entries, False)
+            round_trace.mark("store1")
+        except StorageFullError as e:  # nothing of it applied
+            self._out_of_space(e, "apply", lambda: self._apply_on_thread(job))
+            return
+        except Exception as e:
+            self._failure = e
+        else:
+            self.driver.apply_done(job)
+        self._wakeup.set()
 
     def _apply_on_thread(self, job: ApplyJob) -> None:
         if self._stopping:

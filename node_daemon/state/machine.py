@@ -366,6 +366,72 @@ class StateMachine:
         skipped: list[list[OpResult]] = [[] for _ in range(len(entries) - len(todo))]
         return skipped + out
 
+    def answers(self, entries: Sequence[Entry]) -> list[list[OpResult]] | None:
+        """What ``apply(entries)`` will answer, found without storing or
+        reading anything, where what appends remember (``_topics`` and
+        ``_states``) is enough: every entry not yet applied holds only
+        appends without idempotent producers, to topics and partitions
+        remembered. Else None (then only ``apply`` can tell).
+
+        Nothing changes the state between this and the ``apply`` of the
+        same entries: entries are applied in order, one call at a time, and
+        what appends remember always mirrors what is stored. So ``apply``
+        answers the same (tested), and a leader can send these as soon as
+        the entries commit and store them after (``RaftNode._apply_job``)."""
+        out: list[list[OpResult]] = []
+        tails: dict[tuple[int, int], int] = {}  # next offsets after the entries before
+        for e in entries:
+            if e.index <= self.applied_index or e.type != EntryType.NORMAL or not e.data:
+                out.append([])
+                continue
+            try:
+                cmd = command_pb2.Command.FromString(e.data)
+            except Exception:
+                return None
+            results = []
+            for op in cmd.ops:
+                if op.WhichOneof("op") != "append":
+                    return None
+                try:
+                    spans = self._plain_answers(op.append, e.index, tails)
+                except RoadlogError as err:
+                    results.append(OpResult(err.code, err.message))
+                    continue
+                if spans is None:
+                    return None
+                results.append(OpResult(spans=spans))
+            out.append(results)
+        return out
+
+    def _plain_answers(
+        self, op: command_pb2.AppendOp, index: int, tails: dict[tuple[int, int], int]
+    ) -> tuple[OpResult, ...] | None:
+        """``_append``'s answers to an append without idempotent producers,
+        from what appends remember (None: not all of it is remembered, or
+        the op names producers), raising as ``_append`` does before it
+        stores anything; ``tails`` are moved past the op's pings."""
+        topic = self._topics.get(op.topic)
+        if topic is None or any(span.producer_id for span in op.spans):
+            return None
+        _check_topic_id(op, topic)
+        tid = topic.id
+        counts = [list(span.counts) for span in op.spans]
+        _check_layout(op, counts, topic.spec.partitions)
+        partitions = [part.partition for part in op.parts]
+        bases = []
+        for p in partitions:
+            base = tails.get((tid, p))
+            if base is None:
+                st = self._states.get((tid, p))
+                if st is None:
+                    return None
+                base = st.next_offset
+            bases.append(base)
+        answers = publish_responses(partitions, bases, counts, index, self.group)
+        for p, base, part in zip(partitions, bases, op.parts, strict=True):
+            tails[tid, p] = base + part.count
+        return tuple(OpResult(response=r) for r in answers)
+
     def _storage_error(self, e: lmdb.Error) -> None:
         if isinstance(e, lmdb.MapFullError):
             raise StorageFullError(
@@ -652,11 +718,7 @@ class StateMachine:
         topic = self._topics.get(op.topic)
         if topic is None:
             topic = self._topics[op.topic] = self._topic(txn, op.topic)
-        if op.topic_id and op.topic_id != topic.id:
-            raise RoadlogError(
-                Code.UNAVAILABLE,
-                f"topic {op.topic!r} here is not the one group 0 holds now: try again",
-            )
+        _check_topic_id(op, topic)
         tid, nparts = topic.id, topic.spec.partitions
         counts = [list(span.counts) for span in op.spans]
         _check_layout(op, counts, nparts)
@@ -1515,6 +1577,16 @@ def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
     while cur.key().startswith(prefix):
         if not cur.delete():
             break
+
+
+def _check_topic_id(op: command_pb2.AppendOp, topic: topics_pb2.Topic) -> None:
+    """Refuse an op made for another topic of the same name (a data group's
+    part, made for the topic group 0 holds now)."""
+    if op.topic_id and op.topic_id != topic.id:
+        raise RoadlogError(
+            Code.UNAVAILABLE,
+            f"topic {op.topic!r} here is not the one group 0 holds now: try again",
+        )
 
 
 def _check_layout(op: command_pb2.AppendOp, counts: list[list[int]], nparts: int) -> None:
