@@ -346,6 +346,9 @@ class RaftNode:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: BaseException | None = None  # of a write or an apply: fatal
+        # Answers told for entries being written: (index and term of each,
+        # the state's generation, the answers); see _predict.
+        self._predicted: tuple[list[tuple[int, int]], int, list[list[OpResult]]] | None = None
         # Out of space is not fatal: the write or apply is retried until it
         # goes through, and growing proposals are refused meanwhile.
         self.disk = DiskGuard(str(data), cfg.min_free_bytes, time.monotonic)
@@ -743,6 +746,12 @@ class RaftNode:
         for i, g in enumerate(groups):
             self._pending.add(first + i, core.term, [fut for _, fut, _ in g])
         metrics.PROPOSED_OPS.inc(len(ops))
+        if self.sm.applied_index == first - 1:
+            # Nothing before them is left to apply: their answers can be
+            # told now, off the write path (the next turn of the loop, once
+            # the APPENDs are out), and sent the moment they commit.
+            entries = [Entry(core.term, first + i, data=d) for i, d in enumerate(datas)]
+            self._loop.call_soon(self._predict, entries)
 
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
@@ -863,7 +872,13 @@ class RaftNode:
             # first: it would otherwise wait for this apply, and the commit
             # with it (bench/profiles/write-path.md, session 25).
             self.transport.flush()
-            early = self.sm.answers(entries) if wanted else None
+            early = None
+            if wanted:
+                round_trace.mark("answers0")
+                early = self._told_for(entries)
+                if early is None:
+                    early = self.sm.answers(entries)
+                round_trace.mark("answers1")
             if early is not None:
                 # Committed, so stored on a majority: answered now, and
                 # stored here a few turns later, once the answers are out
@@ -883,6 +898,31 @@ class RaftNode:
                 return False
         self._apply_on_thread(job)
         return False
+
+    def _predict(self, entries: list[Entry]) -> None:
+        """Tell the answers of entries just proposed (``StateMachine.answers``)
+        while they are written and replicated; ``_apply_job`` sends them if
+        the entries that commit are these and the state is still the one
+        they were told from."""
+        if self._stopping or self.sm.applied_index != entries[0].index - 1:
+            return
+        round_trace.mark("predict0")
+        told = self.sm.answers(entries)
+        round_trace.mark("predict1")
+        if told is not None:
+            keys = [(e.index, e.term) for e in entries]
+            self._predicted = (keys, self.sm.generation, told)
+
+    def _told_for(self, entries: list[Entry]) -> list[list[OpResult]] | None:
+        """The answers ``_predict`` told for exactly ``entries``, if they
+        still hold (the same entries, by index and term; the same state)."""
+        told, self._predicted = self._predicted, None
+        if told is None:
+            return None
+        keys, generation, answers = told
+        if generation != self.sm.generation or keys != [(e.index, e.term) for e in entries]:
+            return None
+        return answers
 
     def _after_turns(self, turns: int, fn: Callable[[], None]) -> None:
         """Call ``fn`` ``turns`` turns of the event loop from now."""

@@ -252,6 +252,9 @@ class StateMachine:
         # references: the log may let their entries go at its next
         # compaction, which is then due (``Snapshots``); cleared by it.
         self.refs_released = False
+        # Moved by every apply and by every _forget (a snapshot installed, a
+        # failed transaction): answers told at one generation hold at it.
+        self.generation = 0
         self._open()
 
     def _open(self) -> None:
@@ -302,6 +305,7 @@ class StateMachine:
 
     def _forget(self) -> None:
         """Drop what appends remember between applies (see ``_append``)."""
+        self.generation += 1
         # Only the applying thread reads or writes these, always mirroring
         # what its transactions wrote: a topic record by name, and a
         # partition's state by (topic id, partition). Whatever else writes
@@ -344,6 +348,7 @@ class StateMachine:
         todo = [e for e in entries if e.index > self.applied_index]
         if not todo:
             return [[] for _ in entries]
+        self.generation += 1  # what answers() told before this is stale now
         self._log_ms = self.log_ms
         try:
             with self.env.begin(write=True) as txn:
@@ -377,9 +382,15 @@ class StateMachine:
         same entries: entries are applied in order, one call at a time, and
         what appends remember always mirrors what is stored. So ``apply``
         answers the same (tested), and a leader can send these as soon as
-        the entries commit and store them after (``RaftNode._apply_job``)."""
+        the entries commit and store them after (``RaftNode._apply_job``),
+        or tell them while the entries are being written, valid while
+        ``generation`` (moved by every apply and every ``_forget``) stays
+        what it was when they were told."""
         out: list[list[OpResult]] = []
         tails: dict[tuple[int, int], int] = {}  # next offsets after the entries before
+        todo = [e.index for e in entries if e.index > self.applied_index]
+        if todo and todo[0] != self.applied_index + 1:
+            return None  # entries missing in between: their effect is unknown here
         for e in entries:
             if e.index <= self.applied_index or e.type != EntryType.NORMAL or not e.data:
                 out.append([])

@@ -15,6 +15,7 @@ import pytest
 
 from node_daemon.config import NodeConfig
 from node_daemon.node import RaftNode
+from node_daemon.raft import Entry
 from node_daemon.state.machine import OpResult, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -95,6 +96,36 @@ def test_plain_publishes_are_answered_at_commit_and_stored_right_after(tmp_path:
                 assert sorted(_stored(node, 0) + _stored(node, 1)) == sent
             offsets = client_pb2.PublishResponse.FromString(res.spans[0].response).offsets
             assert [(o.partition, o.base_offset, o.count) for o in offsets] == [(1, 20, 10)]
+        finally:
+            await node.stop()
+
+    asyncio.run(main())
+
+
+def test_answers_told_ahead_are_dropped_once_the_state_moved(tmp_path: Path) -> None:
+    """Answers told for entries being written are sent only for those very
+    entries (index and term) and only while the state is the one they were
+    told from: an apply or a forgetting in between drops them."""
+
+    async def main() -> None:
+        node = await _leader(tmp_path)
+        try:
+            for k in range(2):  # each partition's state remembered
+                res, _ = await _publish(node, append_op("munich", [(k, _pings(3, 3 * k))]))
+                await node.wait_applied(_fence(res), timeout=10)
+            nxt = node.sm.applied_index + 1
+            op = command_pb2.Command(ops=[append_op("munich", [(0, _pings(2, 50))])])
+            entries = [Entry(node.core.term, nxt, data=op.SerializeToString())]
+            node._predict(entries)
+            assert node._told_for(entries) is not None
+            node._predict(entries)
+            other = [Entry(node.core.term + 1, nxt, data=entries[0].data)]
+            assert node._told_for(other) is None  # another entry at that index
+            node._predict(entries)
+            node.sm._forget()
+            assert node._told_for(entries) is None
+            node._predict([Entry(node.core.term, nxt + 1, data=entries[0].data)])
+            assert node._predicted is None  # an entry before it is not applied
         finally:
             await node.stop()
 
