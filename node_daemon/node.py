@@ -347,8 +347,11 @@ class RaftNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: BaseException | None = None  # of a write or an apply: fatal
         # Answers told for entries being written: (index and term of each,
-        # the state's generation, the answers); see _predict.
-        self._predicted: tuple[list[tuple[int, int]], int, list[list[OpResult]]] | None = None
+        # the state's generation, the answers or None where only their apply
+        # can tell); see _predict.
+        self._predicted: tuple[list[tuple[int, int]], int, list[list[OpResult]] | None] | None = (
+            None
+        )
         # Out of space is not fatal: the write or apply is retried until it
         # goes through, and growing proposals are refused meanwhile.
         self.disk = DiskGuard(str(data), cfg.min_free_bytes, time.monotonic)
@@ -875,8 +878,8 @@ class RaftNode:
             early = None
             if wanted:
                 round_trace.mark("answers0")
-                early = self._told_for(entries)
-                if early is None:
+                told, early = self._told_for(entries)
+                if not told:
                     early = self.sm.answers(entries)
                 round_trace.mark("answers1")
             if early is not None:
@@ -909,20 +912,21 @@ class RaftNode:
         round_trace.mark("predict0")
         told = self.sm.answers(entries)
         round_trace.mark("predict1")
-        if told is not None:
-            keys = [(e.index, e.term) for e in entries]
-            self._predicted = (keys, self.sm.generation, told)
+        # None is kept too: at commit the apply answers them, unasked again.
+        keys = [(e.index, e.term) for e in entries]
+        self._predicted = (keys, self.sm.generation, told)
 
-    def _told_for(self, entries: list[Entry]) -> list[list[OpResult]] | None:
-        """The answers ``_predict`` told for exactly ``entries``, if they
-        still hold (the same entries, by index and term; the same state)."""
+    def _told_for(self, entries: list[Entry]) -> tuple[bool, list[list[OpResult]] | None]:
+        """Whether ``_predict`` told for exactly ``entries`` and it still
+        holds (the same entries, by index and term; the same state), and
+        what it told: their answers, or None where only the apply can tell."""
         told, self._predicted = self._predicted, None
         if told is None:
-            return None
+            return False, None
         keys, generation, answers = told
         if generation != self.sm.generation or keys != [(e.index, e.term) for e in entries]:
-            return None
-        return answers
+            return False, None
+        return True, answers
 
     def _after_turns(self, turns: int, fn: Callable[[], None]) -> None:
         """Call ``fn`` ``turns`` turns of the event loop from now."""

@@ -117,21 +117,31 @@ def test_answers_told_ahead_are_dropped_once_the_state_moved(tmp_path: Path) -> 
             op = command_pb2.Command(ops=[append_op("munich", [(0, _pings(2, 50))])])
             entries = [Entry(node.core.term, nxt, data=op.SerializeToString())]
             node._predict(entries)
-            told = node._told_for(entries)
+            known, told = node._told_for(entries)
             # What apply would answer: the next offsets of partition 0.
-            assert told is not None and told == node.sm.answers(entries)
+            assert known and told is not None and told == node.sm.answers(entries)
             [[res]] = told
             assert _fence(res) == nxt
             offsets = client_pb2.PublishResponse.FromString(res.spans[0].response).offsets
             assert [(o.partition, o.base_offset, o.count) for o in offsets] == [(0, 3, 2)]
             node._predict(entries)
             other = [Entry(node.core.term + 1, nxt, data=entries[0].data)]
-            assert node._told_for(other) is None  # another entry at that index
+            assert node._told_for(other) == (False, None)  # another entry at that index
             node._predict(entries)
             node.sm._forget()
-            assert node._told_for(entries) is None
+            assert node._told_for(entries) == (False, None)
             node._predict([Entry(node.core.term, nxt + 1, data=entries[0].data)])
             assert node._predicted is None  # an entry before it is not applied
+            # An idempotent producer's append: told that only its apply can
+            # tell, so the commit does not work it out a second time.
+            dup = command_pb2.Command(
+                ops=[append_op("munich", [(0, _pings(2, 60))], producer_id=7, sequence=1)]
+            )
+            node._predict([Entry(node.core.term, nxt, data=dup.SerializeToString())])
+            assert node._told_for([Entry(node.core.term, nxt, data=dup.SerializeToString())]) == (
+                True,
+                None,
+            )
         finally:
             await node.stop()
 
