@@ -18,17 +18,23 @@ from typing import Any
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, parent
+    pid, ...); ProcessLookupError when the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessLookupError(pid) from None
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    return stat.rsplit(")", 1)[1].split()
+
+
 def user_sys(pid: int) -> tuple[float, float]:
     """User and system CPU-seconds of a process so far (every thread).
 
     Raises ProcessLookupError when the process is gone: a benchmark whose
     server died must not report a figure for it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        raise ProcessLookupError(pid) from None
-    # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = stat.rsplit(")", 1)[1].split()
+    fields = _stat_fields(pid)
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
@@ -41,10 +47,9 @@ def cpu_seconds(pid: int) -> float:
 def _parent(pid: int) -> int | None:
     """The parent pid of a process, or None when it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return int(_stat_fields(pid)[1])
+    except ProcessLookupError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def spawned_children(pid: int) -> list[int]:
