@@ -299,10 +299,15 @@ def _known_dictionary(data: bytes, tail: int) -> list[str] | None:
     lies in the ``tail`` bytes after it, where each takes at least its
     canonical size; as those sizes add up to ``tail``, the rest is each
     column once, canonically written, and no other field or id."""
+    k = _ids_end(data, tail)
+    return _DICTIONARIES.get(data[:k]) if k else None
+
+
+def _ids_end(data: bytes, tail: int) -> int:
+    """Where the ids of a batch written ids first end (its length less the
+    columns' ``tail``); 0 when it does not start with an id or has none."""
     k = len(data) - tail
-    if k <= 0 or data[0] != 0x0A:
-        return None
-    return _DICTIONARIES.get(data[:k])
+    return k if k > 0 and data[0] == 0x0A else 0
 
 
 def _dictionary(data: bytes, view: Any, tail: int) -> list[str]:
@@ -318,8 +323,8 @@ def _dictionary(data: bytes, view: Any, tail: int) -> list[str]:
     list returned is shared: it is never to be changed."""
     global _memo_bytes
     ids = list(view.device_ids)
-    k = len(data) - tail
-    if k <= 0 or data[0] != 0x0A:  # no ids, or not written ids first
+    k = _ids_end(data, tail)
+    if not k:  # no ids, or not written ids first
         return ids
     prefix = data[:k]
     if _memo_bytes + k <= MEMO_DICTIONARY_BYTES:
