@@ -39,6 +39,8 @@ from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, pings_pb2
 
 PING_BYTES = 36
+# The standard load: 32 publishers, as issue 17's and 18's figures are stated.
+DEFAULT_CONCURRENCY = 32
 
 
 def batch_request(pings: int, devices: list[str] | None = None) -> bytes:
@@ -428,7 +430,13 @@ def run_systems(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=6.0, help="per case and round")
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        help="publishers (async tasks) per system; another figure than "
+        f"{DEFAULT_CONCURRENCY} adds -cN to the results' file name",
+    )
     ap.add_argument("--batches", default="1,100,1000")
     ap.add_argument("--rounds", type=int, default=3, help="figures are the median round")
     ap.add_argument(
@@ -536,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
             name += f"-workers-{args.workers or 'auto'}"
     if args.queue_servers > 1:
         name += f"-qs-{args.queue_servers}"
+    if args.concurrency != DEFAULT_CONCURRENCY:  # another load: beside the standard figures
+        name += f"-c{args.concurrency}"
     if args.node_flags:  # an experiment: never in place of the standard figures
         name += "-flags"
     print(write_result(name, figures))

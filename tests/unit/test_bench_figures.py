@@ -17,7 +17,7 @@ import pytest
 from bench.cpu import CpuMeter, cpu_seconds, spawned_children
 from bench.ingest import compare, cpu_ratio, median_case
 from bench.log_envs import separate, shared
-from bench.plot_groups import curve
+from bench.plot_groups import curve, one_group_at
 from bench.report import _ingest_tls, _spread, keep_written
 from bench.round_cost import parse_case, per_round
 
@@ -175,6 +175,36 @@ def test_the_groups_curve_takes_each_groups_file_and_its_jetstream_figure(tmp_pa
     (tmp_path / "ingest-groups-3-workers-2.json").write_text(json.dumps({"cases": other}))
     assert curve(tmp_path, 100) == [(1, 10.0, 21.0), (2, 8.0, None), (3, 7.0, 23.0)]
     assert curve(tmp_path, 1000) == [(1, 30.0, None), (2, 24.0, None), (3, 21.0, None)]
+
+
+def test_the_per_group_curve_takes_the_runs_whose_publishers_grew_with_the_groups(
+    tmp_path: Path,
+) -> None:
+    def doc(pps: float, js: float | None = None) -> str:
+        cases: list[dict[str, object]] = [
+            {"system": "roadlog", "pings_per_message": 100, "pings_per_s": pps}
+        ]
+        if js is not None:
+            cases.append({"system": "jetstream", "pings_per_message": 100, "pings_per_s": js})
+        return json.dumps({"cases": cases})
+
+    files = {
+        "ingest-groups-1.json": doc(10.0, 20.0),  # 32 publishers: on both curves
+        "ingest-groups-2.json": doc(7.0),  # 32 in all: the standard curve only
+        "ingest-groups-2-c64.json": doc(12.0, 22.0),
+        "ingest-groups-3-c96.json": doc(14.0),
+        "ingest-groups-3-c64.json": doc(99.0),  # neither 32 in all nor 32 a group
+        "ingest-groups-1-c64.json": doc(11.0),
+        "ingest-groups-1-c96.json": doc(13.0),
+        "ingest-groups-1-c50.json": doc(98.0),  # not a multiple of 32
+        "ingest-groups-3-workers-2-c96.json": doc(97.0),  # another setup
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert curve(tmp_path, 100) == [(1, 10.0, 20.0), (2, 7.0, None)]
+    assert curve(tmp_path, 100, per_group=32) == [(1, 10.0, 20.0), (2, 12.0, 22.0), (3, 14.0, None)]
+    assert one_group_at(tmp_path, 100, 32) == [(1, 10.0), (2, 11.0), (3, 13.0)]
+    assert one_group_at(tmp_path, 1000, 32) == []
 
 
 def test_a_rounds_cpu_is_each_processs_user_and_system_time_over_the_rounds() -> None:
