@@ -98,19 +98,23 @@ class NodeConfig:
         help="HOST:PORT,... to send HELLOs to by unicast", factory=list
     )
     bootstrap_expect: int = key(0, "found a new cluster of this many nodes (0..15)")
-    # Multi-raft (issue 18, being built; docs/multiraft.md): with more than
-    # one, the node runs data groups 1..G beside group 0, in this process
-    # and over the same peer links. Until writes are routed to them (step
-    # 3), topics are still placed in group 0 (``placement_groups``), so the
-    # data groups elect and replicate but hold no pings.
-    data_groups: int = key(1, "Raft groups for pings (1: all in group 0; 1..64)")
-    # Publishes, fetches, topic offsets, give-to-get, consumer commits,
-    # Spark and backups follow the data groups (docs/multiraft.md); this
-    # stays off by default until the simulation covers several groups.
+    # Multi-raft (issue 18; docs/multiraft.md): the node runs data groups 1..G
+    # beside group 0, over the same peer links, and new topics' partitions are
+    # placed in them (place_topics). G is fixed when the cluster is founded:
+    # 0 resolves once, at the node's first start, to one group per voter
+    # (``founding_data_groups``), and a data directory that exists keeps what
+    # it was founded with (one group for one made before groups).
+    data_groups: int = key(
+        0,
+        "Raft groups for pings, fixed when the cluster is founded (0: one per voter; "
+        "1: every ping in group 0; 1..64)",
+    )
+    # Publishes, fetches, topic offsets, give-to-get, consumer commits, Spark
+    # and backups follow the data groups (docs/multiraft.md).
     place_topics: bool = key(
-        False,
+        True,
         "with data_groups above 1, place new topics' partitions in the data groups "
-        "(being built: every read and write follows them; not yet the default)",
+        "(--no-place-topics: keep them in group 0; the data groups then hold no pings)",
     )
     # Worker processes (docs/multiraft.md step 5): with data_groups above 1,
     # the node runs group 0 in its main process and the data groups in
@@ -153,7 +157,7 @@ class NodeConfig:
         """The data groups a new topic's partitions are placed in
         (``CreateTopicOp.data_groups``): 1, so group 0, unless
         ``place_topics`` (docs/multiraft.md, step 3)."""
-        return self.data_groups if self.place_topics else 1
+        return max(1, self.data_groups) if self.place_topics else 1
 
     def validate(self) -> None:
         if self.node_id < 0 or (self.node_id == 0 and self.peers):
@@ -162,8 +166,8 @@ class NodeConfig:
             raise ConfigError("give peers, or discovery (discovery_port and bootstrap_expect)")
         if not 0 <= self.bootstrap_expect <= 15:
             raise ConfigError("bootstrap_expect: must be in 0..15")
-        if not 1 <= self.data_groups <= MAX_DATA_GROUPS:
-            raise ConfigError(f"data_groups: must be in 1..{MAX_DATA_GROUPS}")
+        if not 0 <= self.data_groups <= MAX_DATA_GROUPS:
+            raise ConfigError(f"data_groups: must be in 0..{MAX_DATA_GROUPS} (0: one per voter)")
         if not 0 <= self.workers <= MAX_DATA_GROUPS:
             raise ConfigError(f"workers: must be in 0..{MAX_DATA_GROUPS}")
         if not 0 <= self.worker_ports <= 65535 - 2 * self.worker_processes:
@@ -202,6 +206,14 @@ class NodeConfig:
     @property
     def target_voters(self) -> int:
         return self.voters or self.bootstrap_expect or 3
+
+    @property
+    def voters_at_founding(self) -> int:
+        """The voters the cluster is founded with: the static peer list's
+        (at most ``target_voters``), or ``target_voters`` with discovery."""
+        if self.peers:
+            return max(1, min(len(self.peers), self.target_voters))
+        return self.target_voters
 
     def secret(self) -> bytes:
         return configfile.read_secret(self.secret_file)

@@ -22,6 +22,7 @@ from node_daemon.admin import (
     AdminService,
 )
 from node_daemon.config import ConfigError, NodeConfig
+from node_daemon.founded_groups import founded_data_groups
 from node_daemon.group_workers import GroupWorkers, remote_groups, with_workers
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
@@ -109,6 +110,12 @@ async def serve(cfg: NodeConfig) -> None:
             log.warning("discovery off: cannot bind its port", extra={"error": str(e)})
             agent = None
     discovered_peers = cfg.discovery
+    # Before discovery narrows the peers to this node: the voters it founds with.
+    try:
+        cfg = replace(cfg, data_groups=founded_data_groups(cfg))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data_groups: {e}") from None
+    log.info("data groups", extra={"data_groups": cfg.data_groups, "place": cfg.place_topics})
     if cfg.discovery and not _has_raft_state(cfg):
         cfg = await _discover(cfg, agent)
     # Group 0 (``node``) and the data groups, if any: here, or in worker

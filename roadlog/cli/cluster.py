@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,12 @@ from roadlog.cli.common import (
 )
 from roadlog.client import Admin
 from roadlog.client_tls import ClientTLS
-from roadlog.placement import MAX_DATA_GROUPS, METADATA_GROUP, worker_processes
+from roadlog.placement import (
+    DATA_GROUPS_RECORD,
+    MAX_DATA_GROUPS,
+    METADATA_GROUP,
+    worker_processes,
+)
 from roadlog.runtime.processes import alive
 from roadlog.status import DOWN
 from roadlog.tools.localcluster import LocalCluster, gather_status
@@ -44,19 +50,19 @@ def cluster() -> None:
     "--groups",
     "data_groups",
     type=click.IntRange(1, MAX_DATA_GROUPS),
-    default=1,
-    show_default=True,
+    default=None,
     help="data groups (multi-raft): above 1, every topic's partitions are placed in "
-    "them and their leaders spread over the nodes (1: every ping in group 0)",
+    "them and their leaders spread over the nodes (1: every ping in group 0) "
+    "[default: one per voter, the nodes' default]",
 )
 @click.option(
     "--workers",
     type=click.IntRange(0, MAX_DATA_GROUPS),
     default=0,
     show_default=True,
-    help="with --groups above 1: worker processes per node for the data groups, each on "
-    "a core of its own (0: one per core, at most one per group; 1: every group in the "
-    "node's main process)",
+    help="with more than one data group: worker processes per node for the data groups, "
+    "each on a core of its own (0: one per core, at most one per group; 1: every group "
+    "in the node's main process)",
 )
 @click.option(
     "--insecure",
@@ -68,7 +74,7 @@ def cluster_up(
     queue_servers: int,
     directory: Path,
     timeout: float,
-    data_groups: int,
+    data_groups: int | None,
     workers: int,
     insecure: bool,
 ) -> None:
@@ -77,9 +83,7 @@ def cluster_up(
     each process's certificate in DIR/certs, the tools' in DIR/certs/client."""
     if nodes < 1 or queue_servers < 1:
         raise click.BadParameter("need at least one node and one queue server")
-    node_args = ["--data-groups", str(data_groups), "--place-topics"] if data_groups > 1 else []
-    if data_groups > 1:
-        node_args += ["--workers", str(workers)]
+    node_args = ["--workers", str(workers)]
     if insecure:
         err.print(
             "[bold red]INSECURE: --insecure turns TLS off: every port of this cluster is "
@@ -87,7 +91,12 @@ def cluster_up(
         )
     try:
         lc = LocalCluster.create(
-            directory, nodes, queue_servers, extra_node_args=node_args, insecure=insecure
+            directory,
+            nodes,
+            queue_servers,
+            extra_node_args=node_args,
+            insecure=insecure,
+            data_groups=data_groups,  # None: the nodes' default, one per voter
         )
     except FileExistsError as e:
         raise click.ClickException(str(e)) from None
@@ -98,9 +107,12 @@ def cluster_up(
         except TimeoutError as e:
             lc.down()
             raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
-    procs = worker_processes(data_groups, workers)
+        founded = data_groups or _recorded_data_groups(lc)
+        if founded > 1:  # every data group led before a first topic is placed in them
+            status = _wait_groups_led(lc, founded, timeout, st)
+    procs = worker_processes(founded, workers)
     err.print(
-        f"cluster up: {nodes} nodes, {data_groups} data group(s)"
+        f"cluster up: {nodes} nodes, {founded} data group(s)"
         + (f" in {procs} worker processes a node" if procs > 1 else "")
         + f", leader {status['leader']} "
         f"(term {status['term']}); "
@@ -108,6 +120,33 @@ def cluster_up(
         f"{lc.token_file} (--cluster {directory} uses it)"
     )
     out.print(",".join(lc.servers))
+
+
+def _recorded_data_groups(lc: LocalCluster) -> int:
+    """The data groups the first node recorded at its start (1 if none)."""
+    try:
+        return int((Path(lc.nodes[0].data_dir) / DATA_GROUPS_RECORD).read_text().strip())
+    except (OSError, ValueError, IndexError):
+        return 1
+
+
+def _wait_groups_led(lc: LocalCluster, groups: int, timeout: float, st: Any) -> dict[str, Any]:
+    """The status once group 0 and data groups 1..``groups`` each have a
+    leader; ClickException (the cluster taken down) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = lc.status()
+        led = {int(g["id"]) for g in raft_groups(status, None) if g["leader"]}
+        if led >= set(range(groups + 1)):
+            return status
+        if time.monotonic() > deadline:
+            lc.down()
+            raise click.ClickException(
+                f"data groups not all led after {timeout:.0f} s (led: {sorted(led)}); "
+                f"logs in {lc.dir / 'logs'}"
+            )
+        st.update(f"waiting for the data groups' leaders: {len(led)}/{groups + 1} led")
+        time.sleep(0.2)
 
 
 @cluster.command("status")

@@ -182,9 +182,16 @@ class LocalCluster:
         extra_queue_args: list[str] | None = None,
         insecure: bool = False,
         ca: tuple[Path, Path] | None = None,
+        data_groups: int | None = 1,
     ) -> LocalCluster:
         """``ca``: (a dir with ca.crt, the CA's key) to sign with; None: a
-        new CA in DIR/ca. ``insecure``: no TLS (loudly)."""
+        new CA in DIR/ca. ``insecure``: no TLS (loudly). ``data_groups``:
+        the nodes' ``--data-groups`` unless ``extra_node_args`` say it (1: every
+        ping in group 0, what most tests and the one-group benchmarks are
+        about); None: the nodes' default, one data group per voter."""
+        extra_node_args = list(extra_node_args or [])
+        if data_groups is not None and "--data-groups" not in extra_node_args:
+            extra_node_args += ["--data-groups", str(data_groups)]
         directory = directory.resolve()
         if (directory / "cluster.json").exists():
             raise FileExistsError(f"{directory} already holds a cluster; `cluster down` first")

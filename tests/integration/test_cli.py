@@ -155,13 +155,18 @@ def test_the_cli_end_to_end(cluster_dir: Path, tmp_path: Path) -> None:
         "the produced pings described",
     )
     assert desc["pings"] == 42 and desc["partitions"] == 4
-    # One Raft group runs (README "Raft groups"): every partition in group 0,
-    # and `cluster status` lists that group with the topic's partitions.
-    assert [o["group"] for o in desc["offsets"]] == [0, 0, 0, 0]
+    # The default (README "Raft groups"): one data group per voter, the
+    # topic's partitions placed in them, and `cluster status` lists group 0
+    # and every data group, each with its partitions.
+    by_partition = {o["partition"]: o["group"] for o in desc["offsets"]}
+    assert sorted(by_partition) == [0, 1, 2, 3]
+    assert set(by_partition.values()) <= {1, 2, 3} and len(set(by_partition.values())) > 1
     groups = json.loads(roadlog("cluster", "status", "--cluster", d, "--json").stdout)["groups"]
-    assert [g["id"] for g in groups] == [0]
-    assert groups[0]["partitions"] == [["munich", p] for p in range(4)]
-    assert groups[0]["leader"] in {1, 2, 3} and groups[0]["commit_index"] >= 1
+    assert [g["id"] for g in groups] == [0, 1, 2, 3]
+    assert {("munich", p): g["id"] for g in groups for _, p in g["partitions"]} == {
+        ("munich", p): g for p, g in by_partition.items()
+    }
+    assert all(g["leader"] in {1, 2, 3} and g["commit_index"] >= 1 for g in groups)
 
     def consumed() -> list[Any]:
         out = roadlog(
@@ -250,18 +255,29 @@ def test_cli_errors_are_clear(tmp_path: Path) -> None:
     assert json.loads(unreached.stdout)["leader"] == 0
 
 
-@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "2-workers"])
-def test_cluster_up_with_data_groups_places_a_topic_in_them(tmp_path: Path, workers: int) -> None:
+@pytest.mark.parametrize(
+    "flags", [[], ["--groups", "3", "--workers", "1"], ["--groups", "3", "--workers", "2"]],
+    ids=["default", "one-process", "2-workers"],
+)  # fmt: skip
+def test_cluster_up_with_data_groups_places_a_topic_in_them(
+    tmp_path: Path, flags: list[str]
+) -> None:
     """`roadlog cluster up --groups G --workers W` (issue 18's contract): G
     data groups, every topic's partitions placed in them, run in W worker
     processes a node (1: in the node's main process); `topic describe
     --json` names each partition's group and `cluster status --json` lists
-    every group with its leader, term, commit index and partitions."""
+    every group with its leader, term, commit index and partitions. With
+    neither flag: the defaults, one data group per voter (3) in one worker
+    process per core (at most one per group)."""
     d = tmp_path / "cluster"
-    up = roadlog("cluster", "up", "--groups", "3", "--workers", str(workers), "--dir", str(d))
+    up = roadlog("cluster", "up", *flags, "--dir", str(d))
+    workers = int(flags[-1]) if flags else min(len(os.sched_getaffinity(0)), 3)
     try:
         assert "3 data group(s)" in up.stderr
-        assert ("in 2 worker processes a node" in up.stderr) == (workers == 2)
+        assert (f"in {workers} worker processes a node" in up.stderr) == (workers > 1)
+        if not flags:  # the founding decision, kept in each node's data directory
+            for n in range(1, 4):
+                assert (d / f"node{n}" / "data_groups").read_text() == "3\n"
         roadlog("topic", "create", "munich", "--bbox", "11.3,48.0,11.8,48.3",
                 "--partitions", "6", "--cluster", str(d))  # fmt: skip
         csv, _, _ = write_inputs(tmp_path, int(time.time() * 1000))

@@ -80,7 +80,9 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
 ) -> None:
     """Run with the data groups in the node's main process, and in two
     worker processes a node (multi-raft step 5): the same behaviour."""
-    lc = make_cluster(nodes=3, extra=["--data-groups", "3", "--workers", str(workers)])
+    lc = make_cluster(
+        nodes=3, extra=["--data-groups", "3", "--no-place-topics", "--workers", str(workers)]
+    )
     ids = [n.id for n in lc.nodes]
     wait_for(lambda: every_group_led_and_agreed(lc, ids), 60, "every group led, everywhere")
 

@@ -210,7 +210,7 @@ def test_data_groups_follow_a_discovered_cluster_and_a_late_node(net: Net, worke
     groups in worker processes (step 5: they learn group 0's members and
     addresses from their main process)."""
     groups = [0, 1, 2]
-    extra = ["--data-groups", "2", "--workers", str(workers)]
+    extra = ["--data-groups", "2", "--no-place-topics", "--workers", str(workers)]
     hosts = [net.host(i) for i in range(1, 4)]
     for h in hosts:
         h.node(expect=3, extra=extra)

@@ -91,13 +91,17 @@ def test_data_groups_are_checked() -> None:
     peers = {1: "127.0.0.1:7400"}
     NodeConfig(node_id=1, peers=peers).validate()
     NodeConfig(node_id=1, peers=peers, data_groups=3).validate()
-    with pytest.raises(ConfigError, match=r"data_groups: must be in 1\.\.64"):
+    NodeConfig(node_id=1, peers=peers, data_groups=0).validate()  # 0: one per voter
+    with pytest.raises(ConfigError, match=r"data_groups: must be in 0\.\.64"):
         NodeConfig(node_id=1, peers=peers, data_groups=65).validate()
-    with pytest.raises(ConfigError, match=r"data_groups: must be in 1\.\.64"):
-        NodeConfig(node_id=1, peers=peers, data_groups=0).validate()
+    with pytest.raises(ConfigError, match=r"data_groups: must be in 0\.\.64"):
+        NodeConfig(node_id=1, peers=peers, data_groups=-1).validate()
     NodeConfig(node_id=0, bootstrap_expect=3, data_groups=2).validate()  # with discovery too
-    # topics stay in group 0 until publishes are routed to the data groups
-    assert NodeConfig(node_id=1, peers=peers, data_groups=3).placement_groups == 1
+    # topics are placed in the data groups, unless told to stay in group 0
+    assert NodeConfig(node_id=1, peers=peers, data_groups=3).placement_groups == 3
+    assert (
+        NodeConfig(node_id=1, peers=peers, data_groups=3, place_topics=False).placement_groups == 1
+    )
 
 
 def test_cluster_status_lists_each_group_with_its_partitions() -> None:
