@@ -6,7 +6,10 @@ Invariants: a node runs the same number of data groups at every start (the
 number is written, atomically and fsynced, before any group is made); a data
 directory made before this default (a Raft log and no record) keeps the one
 group it was founded with, so an upgraded cluster behaves as before; a
-configured number (1..64) is the operator's and is used as it is.
+configured number (1..64) is the operator's and is used as it is. A node
+whose decided number differs from the one the cluster's first topic
+recorded (a node that joined with other voters in its configuration) takes
+the cluster's: ``to_adopt`` says so, and the node records it and restarts.
 """
 
 from __future__ import annotations
@@ -49,3 +52,19 @@ def _data_groups_made(data: Path) -> int:
     if not groups.is_dir():
         return 0
     return max((int(p.name) for p in groups.iterdir() if p.name.isdigit()), default=0)
+
+
+def to_adopt(decided_here: bool, running: int, founded: int | None) -> int | None:
+    """The number of data groups this node should record and restart with:
+    the cluster's (``founded``, from group 0's state; None while no topic
+    decided it) where it differs from the ``running`` one and this node
+    decided its own (``decided_here``: ``data_groups`` was left at 0). A
+    configured number is never overridden."""
+    if not decided_here or founded is None or founded == running:
+        return None
+    return founded
+
+
+def record_data_groups(cfg: NodeConfig, count: int) -> None:
+    """Write ``count`` as the data groups this node runs from its next start."""
+    write_durably(Path(cfg.data_dir) / DATA_GROUPS_RECORD, f"{count}\n")

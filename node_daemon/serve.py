@@ -22,7 +22,7 @@ from node_daemon.admin import (
     AdminService,
 )
 from node_daemon.config import ConfigError, NodeConfig
-from node_daemon.founded_groups import founded_data_groups
+from node_daemon.founded_groups import founded_data_groups, record_data_groups, to_adopt
 from node_daemon.group_workers import GroupWorkers, remote_groups, with_workers
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
@@ -83,6 +83,10 @@ async def _discover(cfg: NodeConfig, agent: DiscoveryAgent | None) -> NodeConfig
         await asyncio.sleep(0.1)
 
 
+# How often a node compares its data groups with the ones the cluster was founded with.
+FOUNDED_CHECK_S = 1.0
+
+
 class NodeFailed(RuntimeError):
     """The node stopped because its Raft driver failed (systemd restarts it)."""
 
@@ -111,6 +115,7 @@ async def serve(cfg: NodeConfig) -> None:
             agent = None
     discovered_peers = cfg.discovery
     # Before discovery narrows the peers to this node: the voters it founds with.
+    decided_here = cfg.data_groups == 0
     try:
         cfg = replace(cfg, data_groups=founded_data_groups(cfg))
     except (OSError, ValueError) as e:
@@ -247,6 +252,27 @@ async def serve(cfg: NodeConfig) -> None:
         agent.listeners.append(on_discovery_step)
     membership.start()
     readiness = asyncio.get_running_loop().create_task(tell_systemd_when_ready())
+
+    async def keep_to_the_founded_groups() -> None:
+        """A node that decided its data groups itself and finds, once group
+        0's state says, that the cluster was founded with another number
+        records that one and stops as failed: systemd starts it again
+        running the cluster's groups."""
+        while True:
+            await asyncio.sleep(FOUNDED_CHECK_S)
+            adopt = to_adopt(decided_here, cfg.data_groups, node.sm.founded_data_groups())
+            if adopt is None:
+                continue
+            log.error(
+                "the cluster was founded with other data groups: recorded, restarting",
+                extra={"running": cfg.data_groups, "founded": adopt},
+            )
+            record_data_groups(cfg, adopt)
+            failed.append(RuntimeError(f"runs {cfg.data_groups} data groups, not {adopt}"))
+            stop.set()
+            return
+
+    founded_check = asyncio.get_running_loop().create_task(keep_to_the_founded_groups())
     log.info(
         "node started",
         extra={
@@ -268,6 +294,7 @@ async def serve(cfg: NodeConfig) -> None:
         )
     await stop.wait()
     readiness.cancel()
+    founded_check.cancel()
     notify("STOPPING=1")
     log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
     if workers is not None:  # each hands its groups over and stops, meanwhile
@@ -287,5 +314,5 @@ async def serve(cfg: NodeConfig) -> None:
     await server.stop(grace=1.0)
     await groups.stop()
     if failed:
-        raise NodeFailed(f"the Raft driver failed: {failed[0]!r}")
+        raise NodeFailed(f"stopped on a failure: {failed[0]!r}")
     log.info("stopped")

@@ -654,6 +654,16 @@ class StateMachine:
         txn.put(b"data_groups", _U64.pack(recorded), db=self.meta)
         return recorded
 
+    def founded_data_groups(self) -> int | None:
+        """The data groups the cluster was founded with, as its first topic
+        recorded them (1 for a cluster whose topics came before groups);
+        None before the first topic, when that is not decided yet."""
+        with self.env.begin() as txn:
+            recorded = self._meta_int(txn, b"data_groups")
+            if recorded:
+                return recorded
+            return 1 if self._meta_int(txn, b"next_topic_id") else None
+
     def data_groups(self) -> int:
         """The recorded number of data groups (1 before the first topic)."""
         if not self._groups_recorded:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from node_daemon.config import NodeConfig
-from node_daemon.founded_groups import founded_data_groups
+from node_daemon.founded_groups import founded_data_groups, record_data_groups, to_adopt
 from roadlog.placement import DATA_GROUPS_RECORD
 
 pytestmark = pytest.mark.unit
@@ -78,3 +78,15 @@ def test_a_damaged_record_is_refused_not_guessed(tmp_path: Path) -> None:
     (tmp_path / DATA_GROUPS_RECORD).write_text("three\n")
     with pytest.raises(ValueError):
         founded_data_groups(config(tmp_path))
+
+
+def test_a_node_that_decided_its_own_number_takes_the_clusters(tmp_path: Path) -> None:
+    assert to_adopt(True, 5, 3) == 3  # joined with 5 voters configured; founded with 3
+    assert to_adopt(True, 3, 3) is None
+    assert to_adopt(True, 5, None) is None  # no topic yet: nothing decided
+    assert to_adopt(False, 2, 3) is None  # a configured number is the operator's
+    five = {i: f"127.0.0.1:{7400 + i}" for i in range(1, 6)}
+    cfg = config(tmp_path, voters=5, peers=five)
+    assert founded_data_groups(cfg) == 5
+    record_data_groups(cfg, 3)
+    assert founded_data_groups(cfg) == 3  # the next start runs the cluster's groups

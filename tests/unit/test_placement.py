@@ -65,7 +65,9 @@ def create(sm: StateMachine, name: str, partitions: int, data_groups: int) -> to
 
 
 def test_the_first_topic_fixes_the_clusters_data_groups(sm: StateMachine) -> None:
+    assert sm.founded_data_groups() is None  # not decided before the first topic
     first = create(sm, "munich", 4, data_groups=3)
+    assert sm.founded_data_groups() == 3
     assert list(first.partition_groups) == partition_groups(first.id, 4, 3)
     later = create(sm, "berlin", 4, data_groups=5)  # a leader configured otherwise
     assert list(later.partition_groups) == partition_groups(later.id, 4, 3)
@@ -83,8 +85,10 @@ def test_one_data_group_places_everything_in_group_0(sm: StateMachine) -> None:
 def test_a_cluster_with_topics_from_before_groups_keeps_one_group(sm: StateMachine) -> None:
     with sm.env.begin(write=True) as txn:  # as if a topic had been made before groups
         txn.put(b"next_topic_id", (1).to_bytes(8, "big"), db=sm.meta)
+    assert sm.founded_data_groups() == 1  # decided: the topic before groups is in group 0
     topic = create(sm, "munich", 4, data_groups=3)
     assert not topic.partition_groups and sm.data_groups() == 1
+    assert sm.founded_data_groups() == 1
 
 
 def test_data_groups_are_checked() -> None:
