@@ -101,6 +101,24 @@ def test_units_are_enabled_and_running(host: Any) -> None:
     assert node_type == "notify"
 
 
+def test_a_node_runs_the_data_groups_it_was_founded_with(host: Any) -> None:
+    """With ``roadlog_node_data_groups`` at the role's default (0: one per
+    voter; issue 18), each node decided three at its first start, recorded
+    them in its data directory, and runs a directory per data group."""
+    if "nodes" not in groups(host):
+        pytest.skip("not a node")
+    v = host.ansible.get_variables()
+    configured = int(v.get("roadlog_node_data_groups", 0))
+    data = "/var/lib/roadlog/node"
+    record = host.file(f"{data}/data_groups")
+    if configured:
+        assert not record.exists
+        return
+    assert record.exists and record.content_string.strip() == "3"
+    for g in (1, 2, 3):
+        assert host.file(f"{data}/groups/{g}/raft").is_directory, g
+
+
 def test_ports_listen(host: Any) -> None:
     """The client-facing and cluster ports on every address; the metrics
     ports (/metrics, /healthz, /readyz) on the host's address on the lab's
