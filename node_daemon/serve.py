@@ -22,7 +22,12 @@ from node_daemon.admin import (
     AdminService,
 )
 from node_daemon.config import ConfigError, NodeConfig
-from node_daemon.founded_groups import founded_data_groups, record_data_groups, to_adopt
+from node_daemon.founded_groups import (
+    cluster_data_groups,
+    decide_data_groups,
+    kept_data_groups,
+    to_adopt,
+)
 from node_daemon.group_workers import GroupWorkers, remote_groups, with_workers
 from node_daemon.grouped_work import GroupedWork
 from node_daemon.grpc_server import node_grpc_server
@@ -63,9 +68,12 @@ def _has_raft_state(cfg: NodeConfig) -> bool:
         store.close()
 
 
-async def _discover(cfg: NodeConfig, agent: DiscoveryAgent | None) -> NodeConfig:
+async def _discover(
+    cfg: NodeConfig, agent: DiscoveryAgent | None
+) -> tuple[NodeConfig, Join | None]:
     """For a node with no state and no peer list: found a cluster (this node
-    its only voter) or wait to join one, as discovery decides."""
+    its only voter) or wait to join one, as discovery decides (the Join
+    then: the cluster's leader as discovery heard it)."""
     if agent is None:
         raise ConfigError("no peers and no discovery: nothing to start from")
     log.info(
@@ -76,10 +84,10 @@ async def _discover(cfg: NodeConfig, agent: DiscoveryAgent | None) -> NodeConfig
         d = agent.core.decide(now_ms())
         if isinstance(d, Found):
             log.info("founding the cluster", extra={"with": list(d.others)})
-            return replace(cfg, peers={cfg.node_id: cfg.address})
+            return replace(cfg, peers={cfg.node_id: cfg.address}), None
         if isinstance(d, Join):
             log.info("found a cluster to join", extra={"leader": d.leader})
-            return cfg
+            return cfg, d
         await asyncio.sleep(0.1)
 
 
@@ -114,15 +122,24 @@ async def serve(cfg: NodeConfig) -> None:
             log.warning("discovery off: cannot bind its port", extra={"error": str(e)})
             agent = None
     discovered_peers = cfg.discovery
-    # Before discovery narrows the peers to this node: the voters it founds with.
+    # The data groups (0: one per voter, decided at the first start and kept).
+    # The voters are counted before discovery narrows the peers to this node.
     decided_here = cfg.data_groups == 0
+    voters = cfg.voters_at_founding
     try:
-        cfg = replace(cfg, data_groups=founded_data_groups(cfg))
+        kept = kept_data_groups(cfg)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data_groups: {e}") from None
-    log.info("data groups", extra={"data_groups": cfg.data_groups, "place": cfg.place_topics})
+    join: Join | None = None
     if cfg.discovery and not _has_raft_state(cfg):
-        cfg = await _discover(cfg, agent)
+        cfg, join = await _discover(cfg, agent)
+    if kept is None:
+        # A node joining a running cluster runs what its leader runs; a
+        # founder, or a joiner that could not ask, one group per voter.
+        told = await cluster_data_groups(join, token) if join is not None else None
+        kept = decide_data_groups(cfg, told or voters)
+    cfg = replace(cfg, data_groups=kept)
+    log.info("data groups", extra={"data_groups": cfg.data_groups, "place": cfg.place_topics})
     # Group 0 (``node``) and the data groups, if any: here, or in worker
     # processes (``workers``), read from here as RemoteGroups.
     remote = remote_groups(cfg) if with_workers(cfg) else {}
@@ -267,7 +284,7 @@ async def serve(cfg: NodeConfig) -> None:
                 "the cluster was founded with other data groups: recorded, restarting",
                 extra={"running": cfg.data_groups, "founded": adopt},
             )
-            record_data_groups(cfg, adopt)
+            decide_data_groups(cfg, adopt)
             failed.append(RuntimeError(f"runs {cfg.data_groups} data groups, not {adopt}"))
             stop.set()
             return

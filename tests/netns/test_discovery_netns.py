@@ -201,16 +201,27 @@ def test_a_node_leaves_gracefully_even_as_leader(net: Net) -> None:
     assert views(rest)[rest[0].index].leader != lead_id
 
 
-@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "2-workers"])
-def test_data_groups_follow_a_discovered_cluster_and_a_late_node(net: Net, workers: int) -> None:
+@pytest.mark.parametrize(
+    ("workers", "data_groups"),
+    [(1, 2), (2, 2), (2, 0)],
+    ids=["one-process", "2-workers", "default-groups"],
+)
+def test_data_groups_follow_a_discovered_cluster_and_a_late_node(
+    net: Net, workers: int, data_groups: int
+) -> None:
     """With data groups, nodes that found a cluster by discovery run every
     group with every voter (a founder bootstraps them alone; the others join
     each group as group 0 takes them in), and a node that joins later joins
     every group too (docs/multiraft.md, step 6); the same with the data
     groups in worker processes (step 5: they learn group 0's members and
-    addresses from their main process)."""
-    groups = [0, 1, 2]
-    extra = ["--data-groups", "2", "--no-place-topics", "--workers", str(workers)]
+    addresses from their main process). With the default (0: one per voter)
+    the founders decide 3, and the late node, started as a deploy starts it
+    (bootstrap_expect counting itself: 4), asks the cluster's leader and
+    runs the cluster's 3, not 4, and is never restarted for it."""
+    groups = [0, 1, 2] if data_groups else [0, 1, 2, 3]
+    extra = ["--data-groups", str(data_groups), "--workers", str(workers)]
+    if data_groups:
+        extra.append("--no-place-topics")
     hosts = [net.host(i) for i in range(1, 4)]
     for h in hosts:
         h.node(expect=3, extra=extra)
@@ -236,6 +247,7 @@ def test_data_groups_follow_a_discovered_cluster_and_a_late_node(net: Net, worke
 
     wait_for(lambda: every_group_has(3, 3), 120, "three voters in every group")
     late = net.host(4)
-    late.node(expect=3, extra=extra)
+    late_node = late.node(expect=3 if data_groups else 4, extra=extra)
     hosts.append(late)
     wait_for(lambda: every_group_has(3, 4), 120, "the late node in every group")
+    assert late_node.popen.poll() is None  # the first process: never restarted

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from node_daemon.config import NodeConfig
-from node_daemon.founded_groups import founded_data_groups, record_data_groups, to_adopt
+from node_daemon.founded_groups import decide_data_groups, founded_data_groups, to_adopt
 from roadlog.placement import DATA_GROUPS_RECORD
 
 pytestmark = pytest.mark.unit
@@ -88,5 +88,5 @@ def test_a_node_that_decided_its_own_number_takes_the_clusters(tmp_path: Path) -
     five = {i: f"127.0.0.1:{7400 + i}" for i in range(1, 6)}
     cfg = config(tmp_path, voters=5, peers=five)
     assert founded_data_groups(cfg) == 5
-    record_data_groups(cfg, 3)
+    decide_data_groups(cfg, 3)
     assert founded_data_groups(cfg) == 3  # the next start runs the cluster's groups
