@@ -184,6 +184,9 @@ class NemesisCluster:
                     "--snapshot-entries", str(self.snapshot_entries),
                     "--snapshot-mib-per-s", str(self.snapshot_mib_per_s),
                     "--boot-id-file", str(boot),
+                    # One group: the checker reads fences as group 0's
+                    # indexes (a run over data groups is a follow-up).
+                    "--data-groups", "1",
                 ], self.dir / "logs" / f"n{k}.log", data, disk, clock, boot)
             )  # fmt: skip
 
