@@ -101,9 +101,10 @@ class NodeConfig:
     # Multi-raft (issue 18; docs/multiraft.md): the node runs data groups 1..G
     # beside group 0, over the same peer links, and new topics' partitions are
     # placed in them (place_topics). G is fixed when the cluster is founded:
-    # 0 resolves once, at the node's first start, to one group per voter
-    # (``founding_data_groups``), and a data directory that exists keeps what
-    # it was founded with (one group for one made before groups).
+    # 0 resolves once, at the node's first start, to one group per voter (or,
+    # for a node joining a running cluster, to what its leader runs), and a
+    # data directory that exists keeps what it was founded with (one group
+    # for one made before groups): node_daemon/founded_groups.py.
     data_groups: int = key(
         0,
         "Raft groups for pings, fixed when the cluster is founded (0: one per voter; "

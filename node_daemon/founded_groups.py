@@ -31,7 +31,7 @@ from roadlog.v1 import admin_pb2_grpc, client_pb2
 
 log = logging.getLogger("roadlog.node")
 
-# How often a joining node tries to ask the cluster's leader for its data groups.
+# How many times, a second apart, a joining node asks the cluster's leader for its data groups.
 ASK_ATTEMPTS = 10
 
 
@@ -111,8 +111,10 @@ def to_adopt(decided_here: bool, running: int, founded: int | None) -> int | Non
     """The number of data groups this node should record and restart with:
     the cluster's (``founded``, from group 0's state; None while no topic
     decided it) where it differs from the ``running`` one and this node
-    decided its own (``decided_here``: ``data_groups`` was left at 0). A
-    configured number is never overridden."""
+    decided its own (``decided_here``: ``data_groups`` was left at 0 and
+    topics are placed in the data groups; without ``place_topics`` the
+    first topic records 1 by design). A configured number is never
+    overridden."""
     if not decided_here or founded is None or founded == running:
         return None
     return founded

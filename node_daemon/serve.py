@@ -96,7 +96,8 @@ FOUNDED_CHECK_S = 1.0
 
 
 class NodeFailed(RuntimeError):
-    """The node stopped because its Raft driver failed (systemd restarts it)."""
+    """The node stopped because its Raft driver failed, or to run the data
+    groups the cluster was founded with (systemd restarts it)."""
 
 
 async def serve(cfg: NodeConfig) -> None:
@@ -124,7 +125,7 @@ async def serve(cfg: NodeConfig) -> None:
     discovered_peers = cfg.discovery
     # The data groups (0: one per voter, decided at the first start and kept).
     # The voters are counted before discovery narrows the peers to this node.
-    decided_here = cfg.data_groups == 0
+    decided_here = cfg.data_groups == 0 and cfg.place_topics
     voters = cfg.voters_at_founding
     try:
         kept = kept_data_groups(cfg)
