@@ -16,11 +16,31 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from bench.common import RESULTS
 
 _FILE = re.compile(r"ingest-groups-(\d+)(?:-c(\d+))?\.json$")
 STANDARD_PUBLISHERS = 32  # bench/ingest.py's default load
+
+
+def _runs(results: Path) -> list[tuple[int, int, list[dict[str, Any]]]]:
+    """(groups, publishers, cases) of each ``ingest-groups-G[-cN].json`` in
+    ``results`` (without ``-cN``: the standard 32 publishers)."""
+    out = []
+    for f in results.glob("ingest-groups-*.json"):
+        m = _FILE.search(f.name)
+        if not m:
+            continue  # ingest-groups-G-workers-W and the like: another setup
+        publishers = int(m[2]) if m[2] else STANDARD_PUBLISHERS
+        out.append((int(m[1]), publishers, json.loads(f.read_text())["cases"]))
+    return out
+
+
+def _pings_per_s(cases: list[dict[str, Any]], system: str, pings: int) -> float | None:
+    """``system``'s pings/s at ``pings`` pings per message in a run's cases."""
+    found = [c for c in cases if c["system"] == system and c["pings_per_message"] == pings]
+    return found[0]["pings_per_s"] if found else None
 
 
 def curve(
@@ -32,23 +52,11 @@ def curve(
     ``per_group`` x G instead (``ingest-groups-G-cN.json``; the file without
     ``-cN`` had the standard 32)."""
     out = []
-    for f in results.glob("ingest-groups-*.json"):
-        m = _FILE.search(f.name)
-        if not m:
-            continue  # ingest-groups-G-workers-W and the like: another setup
-        groups = int(m[1])
-        publishers = int(m[2]) if m[2] else STANDARD_PUBLISHERS
+    for groups, publishers, cases in _runs(results):
         wanted = STANDARD_PUBLISHERS if per_group is None else per_group * groups
-        if publishers != wanted:
-            continue
-        cases = json.loads(f.read_text())["cases"]
-        ours = [c for c in cases if c["system"] == "roadlog" and c["pings_per_message"] == pings]
-        theirs = [
-            c for c in cases if c["system"] == "jetstream" and c["pings_per_message"] == pings
-        ]
-        if ours:
-            js = theirs[0]["pings_per_s"] if theirs else None
-            out.append((groups, ours[0]["pings_per_s"], js))
+        ours = _pings_per_s(cases, "roadlog", pings)
+        if publishers == wanted and ours is not None:
+            out.append((groups, ours, _pings_per_s(cases, "jetstream", pings)))
     return sorted(out)
 
 
@@ -57,17 +65,10 @@ def one_group_at(results: Path, pings: int, per_group: int) -> list[tuple[int, f
     ``ingest-groups-1[-cN].json`` whose publishers are a multiple of
     ``per_group``: one group under the load the G-group point had."""
     out = []
-    for f in results.glob("ingest-groups-1*.json"):
-        m = _FILE.search(f.name)
-        if not m or m[1] != "1":
-            continue
-        publishers = int(m[2]) if m[2] else STANDARD_PUBLISHERS
-        if publishers % per_group:
-            continue
-        cases = json.loads(f.read_text())["cases"]
-        ours = [c for c in cases if c["system"] == "roadlog" and c["pings_per_message"] == pings]
-        if ours:
-            out.append((publishers // per_group, ours[0]["pings_per_s"]))
+    for groups, publishers, cases in _runs(results):
+        ours = _pings_per_s(cases, "roadlog", pings)
+        if groups == 1 and publishers % per_group == 0 and ours is not None:
+            out.append((publishers // per_group, ours))
     return sorted(out)
 
 
