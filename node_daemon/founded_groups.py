@@ -90,11 +90,9 @@ async def cluster_data_groups(join: Join, token: str, attempts: int = ASK_ATTEMP
             )
             await asyncio.sleep(1.0)
             continue
-        own = next((n for n in status.nodes if n.id == join.leader), None)
-        if own is None and status.nodes:
-            own = status.nodes[0]  # the node that answered tells its own figures first
-        if own is None:
+        if not status.nodes:
             return None
+        own = status.nodes[0]  # the node that answered tells its own figures first
         return max(1, len({g.id for g in own.groups if g.id}))
     return None
 
