@@ -8,6 +8,21 @@ the same bytes, deadline and ``authorization`` would be
 (``QueueServer.client_call``: credential, scope, rate, fairness lane), and
 answered as it comes, by id, as on the stream. The batches stay bytes.
 
+The hello's credential is checked before anything else is read
+(``authenticate``, as every call's): a hello without a good one is answered
+with the reason (a frame that is not empty) and the link closed, so a
+stranger never gets past the hello; batches on an open link are still each
+admitted on their own, so a token revoked meanwhile stops working at the
+next batch.
+
+What anyone may hold here is bounded (``LIMITS``, kept by a
+``roadlog.link_limits.LinkGuard``): connections in all and per source
+address, counted before TLS; strangers (not past their hello) read into a
+buffer of the hello's size only, within ``HANDSHAKE_TIMEOUT_S`` of the
+accept; partial frames of every link together within one byte budget; a
+frame begun must arrive within its deadline, and a link idle for
+``idle_s`` is closed.
+
 Invariants: nothing but a hello (at most ``MAX_HELLO_BYTES``, within
 ``HANDSHAKE_TIMEOUT_S``) is read before the hello is answered; a malformed
 hello, envelope or an oversized frame closes the connection (counted as
@@ -22,15 +37,17 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from google.protobuf.message import DecodeError
 
 from queue_server.auth import Caller
 from queue_server.publish_stream import Call, OnAnswer, answer_batch
 from roadlog import round_trace
-from roadlog.framing import FramedConn
+from roadlog.errors import RoadlogError
+from roadlog.framing import FramedConn, FrameReader
 from roadlog.limits import WORK_MESSAGE_BYTES
+from roadlog.link_limits import LinkGuard, LinkLimits
 from roadlog.publish_link import (
     HANDSHAKE_TIMEOUT_S,
     KEEPALIVE,
@@ -38,11 +55,32 @@ from roadlog.publish_link import (
     MAX_HELLO_BYTES,
     decode_hello,
 )
+from roadlog.runtime.frames import LINKS_CUT
 from roadlog.v1 import client_pb2
 
 log = logging.getLogger("roadlog.queue.publish_link")
 
 MAX_IN_FLIGHT = 256  # unanswered batches per connection before it stops reading
+
+# Who may hold what on the publish link's port (roadlog.link_limits). Phones
+# behind a carrier's NAT share an address, and a benchmark's publishers
+# dial at once from one: the per-source caps are wide; the stranger caps
+# bound what the credential-less can hold (each one a TLS handshake's state
+# and a hello's buffer) and the budget what partial frames hold.
+LIMITS = LinkLimits(
+    max_links=4096,
+    max_links_per_source=1024,
+    max_strangers=256,
+    max_strangers_per_source=64,
+    handshake_s=HANDSHAKE_TIMEOUT_S,
+    idle_s=300.0,
+    frame_s=10.0,
+    min_rate=64 << 10,
+    buffer_bytes=256 << 20,
+)
+
+# Checks a hello's credential: the identity (anything) or RoadlogError.
+Authenticate = Callable[[Caller], Awaitable[object]]
 
 
 class PublishLinkServer:
@@ -57,12 +95,19 @@ class PublishLinkServer:
         on_reject: Callable[[], None],
         ssl_context: ssl.SSLContext | None,
         max_frame: int = WORK_MESSAGE_BYTES,
+        authenticate: Authenticate | None = None,
+        limits: LinkLimits = LIMITS,
     ) -> None:
+        """``authenticate``: checks each hello's credential before anything
+        more is read (None: every hello is taken, each batch still admitted
+        on its own)."""
         self.call = call
         self.on_answer = on_answer
         self.on_reject = on_reject
         self.ssl = ssl_context
         self.max_frame = max_frame
+        self.authenticate = authenticate
+        self.guard = LinkGuard(limits, lambda why: LINKS_CUT.labels("publish", why).inc())
         self.port = 0
         self.connections: set[_Served] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -70,12 +115,9 @@ class PublishLinkServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port), 0: any free port. Returns the port."""
         loop = asyncio.get_running_loop()
+        # TLS starts on each connection once the guard has admitted it.
         self._server = await loop.create_server(
-            lambda: _Served(self),
-            host.strip("[]") or None,
-            port,
-            ssl=self.ssl,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self.ssl is not None else None,
+            lambda: _Served(self), host.strip("[]") or None, port
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
@@ -118,19 +160,25 @@ class _Served(FramedConn):
     KEEPALIVE = KEEPALIVE
 
     def __init__(self, server: PublishLinkServer) -> None:
-        super().__init__(MAX_HELLO_BYTES, head_bytes=0)  # until the hello is answered
+        # Until the hello is answered: a hello's worth of buffer, no budget drawn.
+        super().__init__(
+            MAX_HELLO_BYTES,
+            head_bytes=0,
+            guard=server.guard,
+            server_tls=server.ssl,
+            scratch=MAX_HELLO_BYTES + 4,
+        )
         self.server = server
         self.caller: Caller | None = None
         self.answering: set[asyncio.Task[None]] = set()
-        self._reading = True
         self._hello_timer: asyncio.TimerHandle | None = None
-        self._source = ""  # the client's host
+        self._checking: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
         self.server.connections.add(self)
-        peer = transport.get_extra_info("peername")
-        self._source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        super().connection_made(transport)
+
+    def _opened(self) -> None:
         self.on_frame = self._hello
         self._hello_timer = asyncio.get_running_loop().call_later(
             HANDSHAKE_TIMEOUT_S, self.refuse, "no hello in time"
@@ -140,12 +188,51 @@ class _Served(FramedConn):
 
     def _hello(self, frame: bytes) -> None:
         declared, credential = decode_hello(frame)  # ValueError: refused
+        self.caller = Caller(credential, self.source, declared)
+        self.on_frame = self._after_hello
+        self.pause(True)  # nothing more is read until the credential checks out
+        self._checking = asyncio.get_running_loop().create_task(self._check_hello())
+
+    def _after_hello(self, frame: bytes) -> None:
+        raise ValueError("a frame before the hello was answered")
+
+    async def _check_hello(self) -> None:
+        assert self.caller is not None
+        if self.server.authenticate is not None:
+            try:
+                await self.server.authenticate(self.caller)
+            except RoadlogError as e:
+                self._refuse_hello(f"{e.code.name}: {e.message}")
+                return
+            except Exception as e:  # the cluster could not say: the client tries gRPC
+                self._refuse_hello(f"UNAVAILABLE: the credential could not be checked ({e})")
+                return
+        if self.closed:
+            return
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        self.caller = Caller(credential, self._source, declared)
-        self.reader.max_frame = self.server.max_frame
+        self.known()
         self.on_frame = self._request
         self.write_parts([b""])
+        try:
+            self.deliver(self.reader.widen(self.server.max_frame, FrameReader.SCRATCH))
+        except Exception as e:
+            self.refuse(str(e) or type(e).__name__)
+            return
+        self.pause(False)
+        self._pace()
+
+    def _refuse_hello(self, why: str) -> None:
+        """Tell the client why (a frame that is not empty), then close."""
+        if self.closed:
+            return
+        self.server.on_reject()
+        log.info("publish link hello refused", extra={"source": self.source, "why": why})
+        with contextlib.suppress(ConnectionError):
+            self.write_parts([why.encode()[:512]])
+        assert self.transport is not None
+        self.transport.close()  # what was written goes out first
+        self._ended(ConnectionError("hello refused"))
 
     def _request(self, frame: bytes) -> None:
         round_trace.mark("q_req_in")
@@ -174,15 +261,11 @@ class _Served(FramedConn):
 
     def _pace(self) -> None:
         """Read while few batches wait and the client takes its answers."""
-        if self.transport is None or self.closed:
+        if self.transport is None or self.closed or not self.authenticated:
             return
         keep = len(self.answering) < MAX_IN_FLIGHT and self.can_write.is_set()
-        if keep != self._reading:
-            self._reading = keep
-            if keep:
-                self.transport.resume_reading()
-            else:
-                self.transport.pause_reading()
+        if keep == self._paused:
+            self.pause(not keep)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -195,12 +278,14 @@ class _Served(FramedConn):
     def refuse(self, why: str) -> None:
         if not self.closed:
             self.server.on_reject()
-            log.warning("publish link cut", extra={"source": self._source, "why": why})
+            log.warning("publish link cut", extra={"source": self.source, "why": why})
         self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        if self._checking is not None:
+            self._checking.cancel()
         for task in list(self.answering):
             task.cancel()
         self.server.connections.discard(self)

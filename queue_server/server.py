@@ -678,6 +678,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
             count_publish_batch,
             PUBLISH_LINKS_REJECTED.inc,
             tls.current().server_ssl(mutual=False),
+            authenticate=self.authenticate,
         )
         if await server.offer(host, port):
             self.publish_link = server

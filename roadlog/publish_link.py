@@ -16,16 +16,17 @@ Wire format (integers little-endian):
 - The client's hello, one frame: a u16 length of its declared client id and
   a u16 length of its credential (the ``authorization`` value it would send
   gRPC: ``Bearer TOKEN``, or empty), then both, UTF-8; at most
-  ``MAX_HELLO_BYTES``. The server answers it with an empty frame, and the
-  client sends nothing else before that answer (anything that comes with
-  the hello is held to the hello's limit).
+  ``MAX_HELLO_BYTES``. The server checks the credential and answers with an
+  empty frame; or, refusing it, with a frame saying why (UTF-8, starting
+  with the gRPC code's name) and closes the link. The client sends nothing
+  else before that answer (anything that does closes the link).
 - Then frames both ways, a u32 length and that many bytes: the client's
   ``PublishStreamRequest`` messages, the server's ``PublishStreamResponse``.
 
-The hello says who asks; it opens nothing: the queue server admits every
-batch on its own (credential, scope and rate checked), exactly as a gRPC
-``PublishBatch`` with the same metadata, so a token revoked while the link is
-open stops working at the next batch.
+The hello says who asks, and only a good credential opens the link; the
+queue server still admits every batch on its own (credential, scope and
+rate checked), exactly as a gRPC ``PublishBatch`` with the same metadata, so
+a token revoked while the link is open stops working at the next batch.
 
 Invariants: frames arrive in the order sent, each once, on the event loop;
 a frame longer than the receiver's limit, or a greeting or hello that is
@@ -86,6 +87,11 @@ USER_TIMEOUT_MS = 10_000
 KEEPALIVE = (KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
 
 
+class HelloRefused(ConnectionError):
+    """The queue server refused the hello (its reason: the message); the
+    client publishes over gRPC, where the same credential gets its status."""
+
+
 class PublishLink(FramedConn):
     """The client's end: checks the server's greeting, then its answer to
     the hello (``ready``), then hands each answer frame to ``on_frame``."""
@@ -110,8 +116,11 @@ class PublishLink(FramedConn):
         self.greeted.set_result(None)
 
     def _hello_answered(self, frame: bytes) -> None:
-        if frame:
-            raise ValueError("the hello's answer is not empty")
+        if frame:  # refused: the server says why and closes the link
+            why = bytes(frame).decode(errors="replace")
+            self.ready.set_exception(HelloRefused(why))
+            self.abort()
+            return
         self.on_frame = self._receiver
         self.ready.set_result(None)
 

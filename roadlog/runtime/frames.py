@@ -49,12 +49,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
+
 from roadlog.framing import FramedConn
 from roadlog.framing import OnFrame as OnFrame  # what a link's receiver is, here too
 from roadlog.limits import WORK_MESSAGE_BYTES
+from roadlog.link_limits import LinkGuard, LinkLimits
 from roadlog.runtime import tls
 
 log = logging.getLogger("roadlog.frames")
+
+LINKS_CUT = Counter(
+    "roadlog_framed_links_cut_total",
+    "Framed links refused as they were accepted (a cap) or cut by a clock (idle, a frame "
+    "or a hello not in time), by link and why",
+    ["link", "why"],
+)
 
 NONCE_BYTES = 16
 HELLO = struct.Struct("<Q32s")
@@ -65,14 +75,34 @@ USER_TIMEOUT_MS = 4000
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
+# What a link between roadlog's own processes may hold on its server's port
+# (roadlog.link_limits): its peers have the cluster's certificates and
+# secret, so the caps are for mistakes and for whoever reaches the port
+# without them (who never gets past TLS or the hello). On loopback every
+# process of a host shares one source address: the per-source caps are wide.
+INTERNAL_LIMITS = LinkLimits(
+    max_links=1024,
+    max_links_per_source=512,
+    max_strangers=128,
+    max_strangers_per_source=64,
+    handshake_s=HANDSHAKE_TIMEOUT_S,
+    idle_s=300.0,
+    frame_s=10.0,
+    min_rate=256 << 10,
+    buffer_bytes=256 << 20,
+)
+
+
 @dataclass(frozen=True)
 class Scheme:
     """One use of framed links: the server's greeting, the label the hello
-    and the key are made with, and the largest frame either side takes."""
+    and the key are made with, the largest frame either side takes, and
+    what a server's port allows."""
 
     magic: bytes  # 8 bytes
     label: bytes
     max_frame: int
+    limits: LinkLimits = INTERNAL_LIMITS
 
     def key(self, secret: bytes, cluster: str) -> bytes:
         """The key that authenticates this scheme's links (derived from the
@@ -94,8 +124,14 @@ class _Conn(FramedConn):
 
     KEEPALIVE = (KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS)
 
-    def __init__(self, scheme: Scheme, head_bytes: int) -> None:
-        super().__init__(scheme.max_frame, head_bytes)
+    def __init__(
+        self,
+        scheme: Scheme,
+        head_bytes: int,
+        guard: LinkGuard | None = None,
+        server_tls: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(scheme.max_frame, head_bytes, guard=guard, server_tls=server_tls)
         self.scheme = scheme
 
     def refuse(self, why: str) -> None:
@@ -109,18 +145,17 @@ class ServerConn(_Conn):
     authenticated (0 until then)."""
 
     def __init__(self, server: FramedServer) -> None:
-        super().__init__(server.scheme, HELLO.size)
+        super().__init__(server.scheme, HELLO.size, server.guard, server.ssl)
         self.server = server
         self.nonce = os.urandom(NONCE_BYTES)
         self.peer_id = 0
         self.cert_node = 0  # the node id the client's certificate names (with TLS)
         self.timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+    def _opened(self) -> None:
         assert self.transport is not None
         if self.server.ssl is not None:
-            ident = tls.ssl_identity(transport.get_extra_info("peercert"))
+            ident = tls.ssl_identity(self.transport.get_extra_info("peercert"))
             self.cert_node = ident.node_id if ident is not None else 0
         self.transport.write(self.scheme.magic + self.nonce)
         self.timer = asyncio.get_running_loop().call_later(
@@ -144,6 +179,7 @@ class ServerConn(_Conn):
             self.refuse(f"hello as node {node_id} with a certificate of node {self.cert_node}")
             return
         self.peer_id = node_id
+        self.known()
         try:
             self.on_frame = self.server.on_open(self)
         except Exception as e:
@@ -182,9 +218,18 @@ class FramedServer:
         self.key = scheme.key(secret, cluster)
         self.on_open = on_open
         self.on_reject = on_reject
+        self.guard = LinkGuard(scheme.limits, self._cut)
         self.port = 0
         self.connections: set[ServerConn] = set()
         self._server: asyncio.AbstractServer | None = None
+
+    def _cut(self, why: str) -> None:
+        LINKS_CUT.labels(self.name, why).inc()
+
+    @property
+    def name(self) -> str:
+        """The link's name for logs and metrics ("work frames", "peer frames")."""
+        return self.scheme.label.decode().removeprefix("roadlog ").removesuffix(" v1")
 
     def _protocol(self) -> ServerConn:
         p = ServerConn(self)
@@ -194,13 +239,8 @@ class FramedServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port); port 0 takes any free one. Returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            self._protocol,
-            host.strip("[]") or None,
-            port,
-            ssl=self.ssl,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self.ssl is not None else None,
-        )
+        # TLS starts on each connection once its guard has admitted it.
+        self._server = await loop.create_server(self._protocol, host.strip("[]") or None, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -208,7 +248,7 @@ class FramedServer:
         """``start``, but a port that cannot be bound is a warning, not an
         error: returns 0, and the process goes on ``without`` the framed
         link (the gRPC stream serves instead). Logs where it listens."""
-        name = self.scheme.label.decode().removeprefix("roadlog ").removesuffix(" v1")
+        name = self.name
         try:
             bound = await self.start(host, port)
         except OSError as e:
