@@ -45,7 +45,7 @@ from queue_server.auth import Caller
 from queue_server.publish_stream import Call, OnAnswer, answer_batch
 from roadlog import round_trace
 from roadlog.errors import RoadlogError
-from roadlog.framing import FramedConn, FrameReader
+from roadlog.framing import FramedConn, FrameReader, GuardedListener
 from roadlog.limits import WORK_MESSAGE_BYTES
 from roadlog.link_limits import LinkGuard, LinkLimits
 from roadlog.publish_link import (
@@ -107,19 +107,23 @@ class PublishLinkServer:
         self.ssl = ssl_context
         self.max_frame = max_frame
         self.authenticate = authenticate
+        if max_frame > limits.buffer_bytes:
+            raise ValueError("publish link: a frame may not be longer than the budget")
         self.guard = LinkGuard(limits, lambda why: LINKS_CUT.labels("publish", why).inc())
+        self._listener = GuardedListener(
+            self.guard, lambda source: _Served(self, source), ssl_context
+        )
         self.port = 0
-        self.connections: set[_Served] = set()
-        self._server: asyncio.AbstractServer | None = None
+        self.connections: set[_Served] = set()  # up (past TLS), until they end
+        self._listening = False
+
+    def _served(self, source: str) -> _Served:
+        return _Served(self, source)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port), 0: any free port. Returns the port."""
-        loop = asyncio.get_running_loop()
-        # TLS starts on each connection once the guard has admitted it.
-        self._server = await loop.create_server(
-            lambda: _Served(self), host.strip("[]") or None, port
-        )
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self.port = self._listener.start(host, port)
+        self._listening = True
         return self.port
 
     async def offer(self, host: str, port: int) -> int:
@@ -140,9 +144,10 @@ class PublishLinkServer:
         """Take no more connections; let the batches taken be answered for
         up to ``grace`` seconds, then cut every link (a client sends what
         is still unanswered again, elsewhere)."""
-        if self._server is None:
+        if not self._listening:
             return
-        self._server.close()
+        self._listening = False
+        self._listener.close()
         deadline = asyncio.get_running_loop().time() + grace
         while any(c.answering for c in self.connections):
             if asyncio.get_running_loop().time() >= deadline:
@@ -150,8 +155,6 @@ class PublishLinkServer:
             await asyncio.sleep(0.02)
         for c in list(self.connections):
             c.abort()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), 2.0)
 
 
 class _Served(FramedConn):
@@ -159,26 +162,21 @@ class _Served(FramedConn):
 
     KEEPALIVE = KEEPALIVE
 
-    def __init__(self, server: PublishLinkServer) -> None:
+    def __init__(self, server: PublishLinkServer, source: str) -> None:
         # Until the hello is answered: a hello's worth of buffer, no budget drawn.
         super().__init__(
-            MAX_HELLO_BYTES,
-            head_bytes=0,
-            guard=server.guard,
-            server_tls=server.ssl,
-            scratch=MAX_HELLO_BYTES + 4,
+            MAX_HELLO_BYTES, head_bytes=0, guard=server.guard, scratch=MAX_HELLO_BYTES + 4
         )
         self.server = server
+        self.source = source
         self.caller: Caller | None = None
         self.answering: set[asyncio.Task[None]] = set()
         self._hello_timer: asyncio.TimerHandle | None = None
         self._checking: asyncio.Task[None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.server.connections.add(self)
-        super().connection_made(transport)
+        self._early: list[bytes] = []  # frames that came with the hello
 
     def _opened(self) -> None:
+        self.server.connections.add(self)
         self.on_frame = self._hello
         self._hello_timer = asyncio.get_running_loop().call_later(
             HANDSHAKE_TIMEOUT_S, self.refuse, "no hello in time"
@@ -194,7 +192,9 @@ class _Served(FramedConn):
         self._checking = asyncio.get_running_loop().create_task(self._check_hello())
 
     def _after_hello(self, frame: bytes) -> None:
-        raise ValueError("a frame before the hello was answered")
+        """A frame sent with the hello, before its answer: kept for after it
+        (what fits the hello's buffer, a few KiB), dropped if it is refused."""
+        self._early.append(frame)
 
     async def _check_hello(self) -> None:
         assert self.caller is not None
@@ -214,8 +214,9 @@ class _Served(FramedConn):
         self.known()
         self.on_frame = self._request
         self.write_parts([b""])
+        early, self._early = self._early, []
         try:
-            self.deliver(self.reader.widen(self.server.max_frame, FrameReader.SCRATCH))
+            self.deliver(early + self.reader.widen(self.server.max_frame, FrameReader.SCRATCH))
         except Exception as e:
             self.refuse(str(e) or type(e).__name__)
             return
@@ -281,12 +282,12 @@ class _Served(FramedConn):
             log.warning("publish link cut", extra={"source": self.source, "why": why})
         self.abort()
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _ended(self, exc: Exception | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        if self._checking is not None:
+        if self._checking is not None and self._checking is not asyncio.current_task():
             self._checking.cancel()
         for task in list(self.answering):
             task.cancel()
         self.server.connections.discard(self)
-        super().connection_lost(exc)
+        super()._ended(exc)

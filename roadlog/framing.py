@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -21,7 +22,7 @@ from roadlog.link_limits import LinkGuard, source_key
 log = logging.getLogger("roadlog.framing")
 
 LEN = struct.Struct("<I")
-_HANDSHAKES: set[asyncio.Task[None]] = set()  # TLS handshakes under way (kept from the GC)
+_HANDSHAKES: set[asyncio.Task[Any]] = set()  # TLS handshakes under way (kept from the GC)
 
 # A frame's bytes: a big frame is the bytearray it was read into, typed as
 # bytes (protobuf parses either; nobody may keep it and expect it immutable
@@ -60,18 +61,19 @@ class FrameReader:
     length and never from its header's claim alone. Raises ValueError on a
     frame longer than ``max_frame``.
 
-    With a ``budget``, a big frame's buffer is taken from it and given back
-    when the frame is handed on or the reader is released (``release``). When the budget
-    cannot cover the next growth the reader is ``starved``: its owner stops
-    reading and calls ``retry`` once bytes come back. If the socket still
-    offers bytes meanwhile, the buffer grows by ``STEP`` beyond the budget
-    (a bounded overdraft: at most what the scratch held plus ``STEP``)."""
+    With a ``budget`` (Kafka's memory pool is the anchor), a big frame
+    begins only once the budget grants its whole length, given back when
+    the frame is handed on or the reader is released (``release``); its
+    buffer still grows as above. Until then the reader is ``starved``: its
+    owner stops reading and calls ``retry`` once bytes come back. A frame
+    begun never needs more of the budget, so readers on one budget never
+    wait for each other in a circle; frames longer than the whole budget
+    are refused (set ``max_frame`` within it)."""
 
     SCRATCH = 256 << 10
     BIG_FRAME = 64 << 10
     FIRST_BIG = 256 << 10
     GROWTH = 4
-    STEP = 64 << 10
 
     def __init__(self, max_frame: int, scratch: int = SCRATCH, budget: Any = None) -> None:
         """``budget``: a ``roadlog.link_limits.FrameBudget`` (None: none)."""
@@ -94,13 +96,15 @@ class FrameReader:
         """Where the next bytes go (never past the frame being filled)."""
         big = self._big
         if big is not None:
-            if self._big_have == len(big):  # starved, and bytes still come
-                self._grow(force=True)
-                big = cast(bytearray, self._big)
             return memoryview(big)[self._big_have :]
         if not self._scratch:
             self._scratch = bytearray(self._scratch_size)
             self._view = memoryview(self._scratch)
+        if self._end == len(self._scratch) and self.starved:
+            # Bytes offered past the pause a starved reader asked for (no
+            # loop does so): the frame is begun on credit, not refused.
+            self._begin_big(force=True)
+            return memoryview(cast(bytearray, self._big))[self._big_have :]
         return self._view[self._end :]
 
     def updated(self, n: int) -> list[bytes]:
@@ -109,7 +113,7 @@ class FrameReader:
             self._big_have += n
             if self._big_have < self._big_size:
                 if self._big_have == len(self._big):
-                    self._grow(force=False)
+                    self._grow()
                 return []
             done = self._big
             self._drop_big()
@@ -128,13 +132,14 @@ class FrameReader:
                 frames.append(bytes(view[first : first + size]))
                 self._start = first + size
             elif size > self._big_at:  # its own buffer, the socket fills it
-                self._begin_big(size, view[self._start + 4 : self._end])
-                self._start = self._end = 0
+                self._begin_big(force=False)
                 break
             else:
                 break
         self.frames += len(frames)
-        if self._start == self._end:
+        if self._big is not None:
+            pass
+        elif self._start == self._end:
             self._start = self._end = 0
         elif len(buf) - self._start < 4 + self._big_at:  # make room for a whole small frame
             rest = self._end - self._start
@@ -142,58 +147,50 @@ class FrameReader:
             self._start, self._end = 0, rest
         return frames
 
-    def _begin_big(self, size: int, have: memoryview) -> None:
-        cap = min(size, max(self.FIRST_BIG, self.GROWTH * len(have)))
-        if self.budget is not None and not self.budget.take(cap):
-            cap = min(size, len(have) + self.STEP)
-            self.budget.force(cap)
-            self.starved = True
-        self._held = cap if self.budget is not None else 0
-        self._big = bytearray(cap)
+    def _begin_big(self, force: bool) -> None:
+        """Move the big frame at the scratch's start into a buffer of its own,
+        once the budget grants its length (else ``starved``)."""
+        (size,) = LEN.unpack_from(self._scratch, self._start)
+        if self.budget is not None:
+            if size > self.budget.total:
+                raise ValueError(f"frame of {size} bytes is over the link's whole budget")
+            if force:
+                self.budget.force(size)
+            elif not self.budget.take(size):
+                self.starved = True
+                return
+            self._held = size
+        self.starved = False
+        have = self._view[self._start + 4 : self._end]
+        self._big = bytearray(min(size, max(self.FIRST_BIG, self.GROWTH * len(have))))
         self._big[: len(have)] = have
         self._big_have, self._big_size = len(have), size
+        self._start = self._end = 0
 
-    def _grow(self, force: bool) -> bool:
-        """A fuller buffer for the big frame (it is full); False: the budget
-        could not cover it (``starved``; ``force``: grown by STEP anyway)."""
-        old = self._big
-        assert old is not None
-        cap = min(self._big_size, len(old) * self.GROWTH)
-        if self.budget is not None and not self.budget.take(cap - len(old)):
-            self.starved = True
-            if not force:
-                return False
-            cap = min(self._big_size, len(old) + self.STEP)
-            self.budget.force(cap - len(old))
-        else:
-            self.starved = False
-        if self.budget is not None:
-            self._held += cap - len(old)
-        new = bytearray(cap)
+    def _grow(self) -> None:
+        """A fuller buffer for the big frame (it is full, the frame is not)."""
+        old = cast(bytearray, self._big)
+        new = bytearray(min(self._big_size, len(old) * self.GROWTH))
         new[: self._big_have] = memoryview(old)[: self._big_have]
         self._big = new
-        return not self.starved
 
     def retry(self) -> bool:
-        """After ``starved``: take the growth from the budget now; True when
-        the reader may read again."""
-        if not self.starved:
-            return True
-        if self._big is None or self._big_have < len(self._big):
-            self.starved = False  # room left (the overdraft's, or none needed any more)
-            return True
-        return self._grow(force=False)
+        """After ``starved``: ask the budget again for the frame waiting to
+        begin; True when the reader may read again."""
+        if self.starved and self._big is None:
+            self._begin_big(force=False)
+        return not self.starved
 
     def _drop_big(self) -> None:
         self._big = None
         self._big_have = self._big_size = 0
-        self.starved = False
         if self._held:
             held, self._held = self._held, 0
             self.budget.give(held)
 
     def release(self) -> None:
         """Give back what the reader holds of the budget (its link is gone)."""
+        self.starved = False
         self._drop_big()
 
     def widen(self, max_frame: int, scratch: int) -> list[bytes]:
@@ -257,9 +254,9 @@ class FramedConn(asyncio.BufferedProtocol):
     user timeout ms) is each kind of link's.
 
     A server's end is ``guarded`` (``roadlog.link_limits``): the guard
-    admits it as it is accepted, before any TLS (``server_tls``: the
-    handshake is started here, once admitted), its reader draws on the
-    guard's budget, and ``_opened`` runs once the link is up."""
+    admitted it as its socket was accepted (``GuardedListener``), before
+    any TLS, and its reader draws on the guard's budget. ``_opened`` runs
+    once the link is up (after TLS, when there is TLS)."""
 
     KEEPALIVE: tuple[int, int, int, int]
 
@@ -269,12 +266,10 @@ class FramedConn(asyncio.BufferedProtocol):
         head_bytes: int,
         *,
         guard: LinkGuard | None = None,
-        server_tls: ssl.SSLContext | None = None,
         scratch: int = FrameReader.SCRATCH,
     ) -> None:
         self.transport: asyncio.Transport | None = None
         self.guard = guard
-        self.server_tls = server_tls
         self.reader = FrameReader(max_frame, scratch, guard.budget if guard is not None else None)
         self.head = bytearray(head_bytes)  # the handshake's bytes, read before any frame
         self.head_have = 0
@@ -285,51 +280,11 @@ class FramedConn(asyncio.BufferedProtocol):
         self.source = ""  # the peer's address (a guarded end's)
         self.authenticated = False  # past its hello (the guard's word: no longer a stranger)
         self.received = 0  # bytes, ever
-        self._raw: asyncio.Transport | None = None  # the TCP transport under TLS
         self._starved = False  # not reading: waiting for the budget
         self._paused = False  # not reading: the receiver's choice (``pause``)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self.guard is None:
-            self._open(transport)
-            return
-        self._raw = raw = cast(asyncio.Transport, transport)
-        peer = raw.get_extra_info("peername")
-        self.source = source_key(str(peer[0])) if isinstance(peer, tuple) and peer else ""
-        why = self.guard.admit(self)
-        if why:
-            log.debug("framed link refused at accept", extra={"source": self.source, "cap": why})
-            raw.abort()
-            self._ended(ConnectionRefusedError(why))
-            return
-        if self.server_tls is None:
-            self._open(raw)
-            return
-        raw.pause_reading()  # nothing is read until the TLS handshake reads it
-        task = asyncio.get_running_loop().create_task(self._start_tls(raw))
-        _HANDSHAKES.add(task)
-        task.add_done_callback(_HANDSHAKES.discard)
-
-    async def _start_tls(self, raw: asyncio.Transport) -> None:
-        assert self.guard is not None and self.server_tls is not None
-        loop = asyncio.get_running_loop()
-        try:
-            wrapped = await loop.start_tls(
-                raw,
-                self,
-                self.server_tls,
-                server_side=True,
-                ssl_handshake_timeout=self.guard.limits.handshake_s,
-            )
-        except (OSError, ssl.SSLError, ConnectionError, TimeoutError, RuntimeError) as e:
-            raw.abort()
-            self._ended(e)
-            return
-        if wrapped is None or self.closed:
-            if wrapped is not None:
-                wrapped.abort()
-            return
-        self._open(wrapped)
+        self._open(transport)
 
     def _open(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -381,12 +336,11 @@ class FramedConn(asyncio.BufferedProtocol):
         self.guard.budget.wait(self._fed)
 
     def _fed(self) -> bool:
+        """The budget gave bytes back: begin the frame now, if they suffice."""
         if self.closed:
             return True  # nothing more to take for it
         if not self.reader.retry():
-            assert self.guard is not None
-            self.guard.budget.wait(self._fed)
-            return False
+            return False  # it stays first in line
         self._starved = False
         self._set_reading()
         return True
@@ -433,8 +387,6 @@ class FramedConn(asyncio.BufferedProtocol):
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
-        elif self._raw is not None:  # still in its TLS handshake
-            self._raw.abort()
         self._ended(ConnectionError("framed link closed"))
 
     def pause_writing(self) -> None:
@@ -489,3 +441,97 @@ class FramedConn(asyncio.BufferedProtocol):
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self.lost)
+
+
+class GuardedListener:
+    """A listening TCP socket whose connections a ``LinkGuard`` admits as
+    they are accepted, before asyncio makes a transport of them: one over a
+    cap is reset at once (no TLS handshake, no buffer); the others get
+    their protocol from ``factory`` (which is handed the source address)
+    and TLS with ``ssl_context`` (None: plaintext), within the guard's
+    handshake time. A protocol whose handshake fails hears ``_ended``."""
+
+    ACCEPTS_PER_WAKE = 64  # then the loop's other work before more
+
+    def __init__(
+        self,
+        guard: LinkGuard,
+        factory: Callable[[str], FramedConn],
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        self.guard = guard
+        self.factory = factory
+        self.ssl = ssl_context
+        self.port = 0
+        self._sock: socket.socket | None = None
+
+    def start(self, host: str, port: int, backlog: int = 1024) -> int:
+        """Listen on (host, port) (host "": every address; port 0: any free
+        one). Returns the port; OSError if it cannot be bound."""
+        h = host.strip("[]")
+        if not h and socket.has_dualstack_ipv6():
+            sock = socket.create_server(
+                ("", port), family=socket.AF_INET6, backlog=backlog, dualstack_ipv6=True
+            )
+        else:
+            family = socket.AF_INET6 if ":" in h else socket.AF_INET
+            sock = socket.create_server((h, port), family=family, backlog=backlog)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = int(sock.getsockname()[1])
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+        return self.port
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        for _ in range(self.ACCEPTS_PER_WAKE):
+            try:
+                conn_sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors, say: the backlog waits
+                log.warning("framed link accept failed", extra={"error": str(e)})
+                return
+            conn = self.factory(source_key(str(addr[0])))
+            why = self.guard.admit(conn)
+            if why:
+                log.debug(
+                    "framed link refused at accept", extra={"source": conn.source, "cap": why}
+                )
+                with contextlib.suppress(OSError):  # a reset: no FIN_WAIT, no TIME_WAIT
+                    conn_sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                conn_sock.close()
+                conn._ended(ConnectionRefusedError(why))
+                continue
+            conn_sock.setblocking(False)
+            task = loop.create_task(
+                loop.connect_accepted_socket(
+                    lambda c=conn: c,  # type: ignore[misc]
+                    conn_sock,
+                    ssl=self.ssl,
+                    ssl_handshake_timeout=self.guard.limits.handshake_s if self.ssl else None,
+                )
+            )
+            _HANDSHAKES.add(task)
+            task.add_done_callback(functools.partial(_handshake_done, conn=conn, sock=conn_sock))
+
+    def close(self) -> None:
+        """Take no more connections (those open stay: their owner closes them)."""
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+
+
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s
+
+
+def _handshake_done(task: asyncio.Task[Any], *, conn: FramedConn, sock: socket.socket) -> None:
+    _HANDSHAKES.discard(task)
+    if task.cancelled() or task.exception() is not None:
+        with contextlib.suppress(OSError):
+            sock.close()
+        exc = None if task.cancelled() else task.exception()
+        conn._ended(exc if isinstance(exc, Exception) else ConnectionError("TLS handshake failed"))

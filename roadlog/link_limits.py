@@ -17,10 +17,11 @@ Invariants:
   its own buffer of a few KiB (the hello's limit), so strangers together
   hold at most ``max_strangers`` times that (and the TLS state of as many
   handshakes).
-- The partial frames of all connections together hold at most
-  ``buffer_bytes`` (plus one ``FrameReader.STEP`` per connection that was
-  reading when the budget ran out); a connection that would go over stops
-  reading until others give bytes back.
+- The frames being read on all connections together claim at most
+  ``buffer_bytes``: a big frame begins only once the budget grants its
+  whole length (a connection whose frame does not fit stops reading until
+  others give bytes back, first come first served), so what they hold is
+  less still.
 - A buffer grows as bytes arrive (to at most ``GROWTH`` times what came),
   never from a frame header's claim alone.
 """
@@ -65,19 +66,23 @@ class LinkLimits:
 
 
 class FrameBudget:
-    """Bytes that partial frames may hold, shared by one port's connections.
-    ``take`` never lets ``used`` pass ``total``; ``force`` does (a bounded
-    overdraft, see the module's invariants); ``give`` hands bytes back and
-    wakes the connections waiting for them, first come first served."""
+    """Bytes that frames being read may claim, shared by one port's
+    connections. ``take`` never lets ``used`` pass ``total``; ``force``
+    does (only for a loop that reads past a pause); ``give`` hands bytes
+    back and wakes the connections waiting for them, first come first
+    served: one that still does not fit keeps its place, and those behind
+    it wait (a big frame is not starved by small ones)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.used = 0
         self.peak = 0
         self._waiting: deque[Callable[[], bool]] = deque()
+        self._granting = False  # the first in line is being asked
 
     def take(self, n: int) -> bool:
-        if self.used + n > self.total:
+        """``n`` bytes, if they fit and nobody waits before the asker."""
+        if self.used + n > self.total or (self._waiting and not self._granting):
             return False
         self.force(n)
         return True
@@ -88,13 +93,19 @@ class FrameBudget:
 
     def give(self, n: int) -> None:
         self.used -= n
-        while self._waiting and self.used < self.total:
-            if not self._waiting.popleft()():
-                break  # it still did not fit: it waits again (at the back), the rest too
+        while self._waiting and self.used < self.total and not self._granting:
+            self._granting = True
+            try:
+                granted = self._waiting[0]()
+            finally:
+                self._granting = False
+            if not granted:
+                break  # it still does not fit: it keeps its place, the rest wait too
+            self._waiting.popleft()
 
     def wait(self, retry: Callable[[], bool]) -> None:
-        """Call ``retry`` once bytes come back; it returns whether it got
-        what it needed (if not, it must ``wait`` again)."""
+        """Call ``retry`` as bytes come back until it returns True (it got
+        what it needed, or needs nothing any more)."""
         self._waiting.append(retry)
 
     @property

@@ -38,7 +38,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -51,7 +50,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from roadlog.framing import FramedConn
+from roadlog.framing import FramedConn, GuardedListener
 from roadlog.framing import OnFrame as OnFrame  # what a link's receiver is, here too
 from roadlog.limits import WORK_MESSAGE_BYTES
 from roadlog.link_limits import LinkGuard, LinkLimits
@@ -129,9 +128,8 @@ class _Conn(FramedConn):
         scheme: Scheme,
         head_bytes: int,
         guard: LinkGuard | None = None,
-        server_tls: ssl.SSLContext | None = None,
     ) -> None:
-        super().__init__(scheme.max_frame, head_bytes, guard=guard, server_tls=server_tls)
+        super().__init__(scheme.max_frame, head_bytes, guard=guard)
         self.scheme = scheme
 
     def refuse(self, why: str) -> None:
@@ -145,7 +143,7 @@ class ServerConn(_Conn):
     authenticated (0 until then)."""
 
     def __init__(self, server: FramedServer) -> None:
-        super().__init__(server.scheme, HELLO.size, server.guard, server.ssl)
+        super().__init__(server.scheme, HELLO.size, server.guard)
         self.server = server
         self.nonce = os.urandom(NONCE_BYTES)
         self.peer_id = 0
@@ -154,6 +152,7 @@ class ServerConn(_Conn):
 
     def _opened(self) -> None:
         assert self.transport is not None
+        self.server.connections.add(self)
         if self.server.ssl is not None:
             ident = tls.ssl_identity(self.transport.get_extra_info("peercert"))
             self.cert_node = ident.node_id if ident is not None else 0
@@ -185,11 +184,11 @@ class ServerConn(_Conn):
         except Exception as e:
             self.refuse(str(e) or type(e).__name__)
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _ended(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
         self.server.connections.discard(self)
-        super().connection_lost(exc)
+        super()._ended(exc)
 
 
 class FramedServer:
@@ -218,10 +217,12 @@ class FramedServer:
         self.key = scheme.key(secret, cluster)
         self.on_open = on_open
         self.on_reject = on_reject
+        if scheme.max_frame > scheme.limits.buffer_bytes:
+            raise ValueError(f"{scheme.label!r}: a frame may not be longer than the budget")
         self.guard = LinkGuard(scheme.limits, self._cut)
+        self._listener = GuardedListener(self.guard, self._protocol, self.ssl)
         self.port = 0
-        self.connections: set[ServerConn] = set()
-        self._server: asyncio.AbstractServer | None = None
+        self.connections: set[ServerConn] = set()  # up (past TLS), until they end
 
     def _cut(self, why: str) -> None:
         LINKS_CUT.labels(self.name, why).inc()
@@ -231,17 +232,14 @@ class FramedServer:
         """The link's name for logs and metrics ("work frames", "peer frames")."""
         return self.scheme.label.decode().removeprefix("roadlog ").removesuffix(" v1")
 
-    def _protocol(self) -> ServerConn:
+    def _protocol(self, source: str) -> ServerConn:
         p = ServerConn(self)
-        self.connections.add(p)
+        p.source = source
         return p
 
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port); port 0 takes any free one. Returns the port."""
-        loop = asyncio.get_running_loop()
-        # TLS starts on each connection once its guard has admitted it.
-        self._server = await loop.create_server(self._protocol, host.strip("[]") or None, port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = self._listener.start(host, port)
         return self.port
 
     async def offer(self, host: str, port: int, without: str) -> int:
@@ -261,12 +259,9 @@ class FramedServer:
         return bound
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for c in list(self.connections):
-                c.abort()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        self._listener.close()
+        for c in list(self.connections):
+            c.abort()
 
 
 class ClientConn(_Conn):
