@@ -415,7 +415,7 @@ def backup(
 
     The manifest carries an HMAC under the backup key (restore checks it);
     the key reaches the node on stdin, never its disk. The copy here is 0600."""
-    from node_daemon.backup import BackupError, read_backup_key
+    from node_daemon.process.backup import BackupError, read_backup_key
 
     key_path = key_file or os.environ.get("ROADLOG_BACKUP_KEY_FILE")
     try:

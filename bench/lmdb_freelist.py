@@ -117,7 +117,7 @@ def _append_entries() -> tuple[bytes, bytes]:
     1000 pings each over 8 partitions (about 1000 pings, 23 KB, a part)."""
     import numpy as np
 
-    from node_daemon.appends import prepare_appends
+    from node_daemon.work.appends import prepare_appends
     from roadlog import columnar
     from roadlog.columnar import PingColumns
     from roadlog.geo import bbox_region

@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.common import write_result
 from node_daemon.raft import Entry, HardState
-from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.storage.raft_log import LmdbLogStorage
 
 PING_BYTES = 40
 

@@ -104,7 +104,7 @@ class NodeConfig:
     # 0 resolves once, at the node's first start, to one group per voter (or,
     # for a node joining a running cluster, to what its leader runs), and a
     # data directory that exists keeps what it was founded with (one group
-    # for one made before groups): node_daemon/founded_groups.py.
+    # for one made before groups): node_daemon/store/founded_data_groups.py.
     data_groups: int = key(
         0,
         "Raft groups for pings, fixed when the cluster is founded (0: one per voter; "
@@ -141,7 +141,7 @@ class NodeConfig:
     # reads and takes deletes; a snapshot needs about the state's size.
     min_free_bytes: int = key(512 << 20, "below this many free bytes, refuse growing writes")
     log_level: str = key("info", "debug, info, warning or error")
-    # What tells this boot of the host from the last one (see node_daemon/boot.py).
+    # What tells this boot of the host from the last one (see node_daemon/storage/boot.py).
     boot_id_file: Path = key(
         Path("/proc/sys/kernel/random/boot_id"), "a file naming this boot of the host"
     )

@@ -20,7 +20,7 @@ from roadlog.v1 import topics_pb2
 METADATA_GROUP = 0
 MAX_DATA_GROUPS = 64
 # The file in a node's data directory recording the data groups it was
-# founded with when none were configured (node_daemon/founded_groups.py).
+# founded with when none were configured (node_daemon/store/founded_data_groups.py).
 DATA_GROUPS_RECORD = "data_groups"
 
 

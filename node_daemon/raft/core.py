@@ -92,7 +92,7 @@ class Config:
     catching_up: bool = False
     # What a granted vote (not a pre-vote) carries for the candidate, opaque
     # to Raft (``Message.context``): the caller's, read as the vote is cast
-    # (the node's log clock reading: node_daemon/log_clock.py).
+    # (the node's log clock reading: node_daemon/replica/log_clock.py).
     vote_context: Callable[[], bytes] | None = None
 
     def validate(self) -> None:

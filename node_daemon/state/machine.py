@@ -43,15 +43,12 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from node_daemon import kept_log
-from node_daemon.disk import fsync_dir, full_disk_error, open_lmdb
 from node_daemon.raft import Entry, EntryType, StorageFullError
 from node_daemon.raft.errors import MissingEntryError
-from node_daemon.responses import publish_responses
 from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.batch_refs import EntrySource
 from node_daemon.state.clients import ClientTables
-from node_daemon.state.groups import GROUP_RETENTION_MS, GroupTables
+from node_daemon.state.consumer_groups import GROUP_RETENTION_MS, GroupTables
 from node_daemon.state.heatmaps import (
     DEFAULT_CONTRIBUTION_WINDOW_MS,
     HEATMAP_KEEP_NEWEST,
@@ -59,6 +56,9 @@ from node_daemon.state.heatmaps import (
 )
 from node_daemon.state.keys import count_prefix
 from node_daemon.state.paced_copy import copy_paced
+from node_daemon.state.responses import publish_responses
+from node_daemon.storage import kept_log
+from node_daemon.storage.disk import fsync_dir, full_disk_error, open_lmdb
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
@@ -750,7 +750,7 @@ class StateMachine:
         out: list[OpResult] = []
         if not any(span.producer_id for span in op.spans):
             # No idempotent producer: every span is stored, in order; the
-            # answers are written as bytes at once (node_daemon.responses).
+            # answers are written as bytes at once (node_daemon.state.responses).
             if results:
                 out = [
                     OpResult(response=r)

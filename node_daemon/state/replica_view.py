@@ -27,9 +27,9 @@ from pathlib import Path
 
 import lmdb
 
-from node_daemon.disk import data_file_identity
-from node_daemon.raft_log import LogReader
 from node_daemon.state.machine import StateMachine
+from node_daemon.storage.disk import data_file_identity
+from node_daemon.storage.raft_log import LogReader
 from roadlog.errors import Code, RoadlogError
 
 POLL_FIRST_S = 0.001  # waiting for an index: first look again after this,

@@ -19,7 +19,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from node_daemon.disk import fsync_dir, write_durably
+from node_daemon.storage.disk import fsync_dir, write_durably
 
 log = logging.getLogger("roadlog.node.state")
 

@@ -261,7 +261,7 @@ class LocalCluster:
                     argv=[
                         py,
                         "-m",
-                        "node_daemon.main",
+                        "node_daemon.process.main",
                         "run",
                         "--node-id",
                         str(i),

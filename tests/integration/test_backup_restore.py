@@ -26,7 +26,7 @@ MakeCluster = Callable[..., LocalCluster]
 
 def node_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node_daemon.main", *args],
+        [sys.executable, "-m", "node_daemon.process.main", *args],
         capture_output=True,
         text=True,
         timeout=120,

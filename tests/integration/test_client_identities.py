@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from node_daemon.state.groups import MAX_GROUPS_PER_CLIENT
+from node_daemon.state.consumer_groups import MAX_GROUPS_PER_CLIENT
 from roadlog.client import Admin, Connection, PermissionDenied, Producer, RoadlogError
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code

@@ -54,7 +54,7 @@ def one_node_with_a_clock(
 def _on_a_clock(node: NodeInfo, clock: Path) -> None:
     """Run ``node`` with its wall clock offset by what ``clock`` says
     (``tests.nemesis.clockshim``, as the nemesis does)."""
-    assert node.argv[1:3] == ["-m", "node_daemon.main"]
+    assert node.argv[1:3] == ["-m", "node_daemon.process.main"]
     node.argv = [node.argv[0], "-m", "tests.nemesis.clockshim", str(clock), *node.argv[2:]]
 
 
@@ -114,7 +114,7 @@ def test_a_contributor_is_not_refused_because_the_leader_s_clock_jumped_ahead(
     knows of time), a contribution made a second before the step would
     look 3 h old and its client be refused until it published again. The
     leader stamps its entries with its wall clock bounded by the monotonic
-    time since its last stamp (node_daemon/log_clock.py), so a step of its
+    time since its last stamp (node_daemon/replica/log_clock.py), so a step of its
     wall clock is not a jump of the log's."""
     lc, clock = one_node_with_a_clock
     with contributors(lc, "c", "d") as (conn, d):

@@ -9,7 +9,7 @@ leader loses its leadership before the change commits, the next leader's
 entries take that index, and the admin call (AddNode, RemoveNode, Leave)
 answers ok for a change that never happened. Proposals of operations do
 not have this problem (``PendingProposals`` tells a lost entry from an
-applied one). Fixed in node_daemon/node.py: the change waits for the entry
+applied one). Fixed in node_daemon/replica/replica.py: the change waits for the entry
 itself (its term at its index, in the pending proposals) and answers
 "not the leader" when another took its place.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog.client import Connection, Producer
 from roadlog.tools.localcluster import LocalCluster, NodeInfo
 from tests.integration.conftest import create_topic, make_pings, read_topic, wait_for

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.disk import free_bytes
+from node_daemon.storage.disk import free_bytes
 from roadlog.client import Connection, Consumer, Producer, RoadlogError
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster, NodeInfo

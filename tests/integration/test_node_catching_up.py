@@ -1,6 +1,6 @@
 """A node that starts with an empty log among static peers catches up
 before it votes, and keeps doing so across restarts until that is over
-(node_daemon/node.py; issue 21, nemesis finding 2). In this process, LMDB
+(node_daemon/replica/replica.py; issue 21, nemesis finding 2). In this process, LMDB
 on disk; the peer it would ask never answers."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from node_daemon.config import NodeConfig
-from node_daemon.node import CATCHING_UP_FILE, RaftNode
 from node_daemon.raft import Role
+from node_daemon.replica.replica import CATCHING_UP_FILE, RaftNode
 from roadlog.runtime.processes import free_port
 
 pytestmark = pytest.mark.integration

@@ -14,11 +14,11 @@ import lmdb
 import pytest
 from prometheus_client import REGISTRY
 
-from node_daemon import kept_log
 from node_daemon.config import NodeConfig
-from node_daemon.node import RaftNode
+from node_daemon.replica.replica import RaftNode
 from node_daemon.state import batch_refs, batch_store, unsynced
 from node_daemon.state.machine import append_op, trim_op
+from node_daemon.storage import kept_log
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region

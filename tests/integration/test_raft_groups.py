@@ -159,7 +159,7 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
     wait_for(spread, 60, "node 2 leading its data group again")
     lead0 = leaders(views(lc))[0]
     r = subprocess.run(
-        [sys.executable, "-m", "node_daemon.main", "transfer-leader",
+        [sys.executable, "-m", "node_daemon.process.main", "transfer-leader",
          "--address", lc.node(lead0).address, "--secret-file", lc.secret_file,
          "--certs-dir", lc.node(lead0).certs_dir],
         capture_output=True, text=True, timeout=90,

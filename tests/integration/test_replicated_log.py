@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from node_daemon import kept_log
+from node_daemon.storage import kept_log
 from roadlog.client import Admin, Connection, Producer, Unavailable
 from roadlog.client_tls import ClientTLS
 from roadlog.runtime.processes import alive

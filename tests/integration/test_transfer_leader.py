@@ -23,7 +23,7 @@ def transfer(lc: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "node_daemon.main",
+            "node_daemon.process.main",
             "transfer-leader",
             "--address",
             lc.nodes[0].address,
@@ -59,14 +59,14 @@ def test_leadership_moves_to_the_chosen_or_most_caught_up_voter(
     # credential: issue 19, finding 4), so another cluster name changes nothing.
     other = make_test_ca(tmp_path / "other-ca")
     bad = subprocess.run(
-        [sys.executable, "-m", "node_daemon.main", "transfer-leader",
+        [sys.executable, "-m", "node_daemon.process.main", "transfer-leader",
          "--address", lc.nodes[0].address, "--secret-file", lc.secret_file,
          "--certs-dir", str(other.node(1))],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "no node answers" in bad.stderr, bad.stderr
     renamed = subprocess.run(
-        [sys.executable, "-m", "node_daemon.main", "transfer-leader",
+        [sys.executable, "-m", "node_daemon.process.main", "transfer-leader",
          "--address", lc.nodes[0].address, "--cluster-name", "other",
          "--secret-file", lc.secret_file, "--certs-dir", lc.nodes[0].certs_dir],
         capture_output=True, text=True, timeout=60,

@@ -15,7 +15,7 @@ pings later lost and a replica whose state differs for good; here the new
 leader also stops, "index 5 is not in the log", when the old one returns
 with a longer log).
 
-The fix (node_daemon/node.py, ``Config.catching_up`` in the Raft core): a
+The fix (node_daemon/replica/replica.py, ``Config.catching_up`` in the Raft core): a
 node that starts with an empty log neither votes nor campaigns until every
 other static peer says it is new too (a brand-new cluster), or a leader has
 caught it up; meanwhile leaders count it in no commit quorum. Here b learns from

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from node_daemon.backup import backup_files
+from node_daemon.process.backup import backup_files
 from roadlog.client import Admin, Connection, RoadlogError
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code

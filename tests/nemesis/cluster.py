@@ -170,7 +170,7 @@ class NemesisCluster:
             self._add(
                 Service(f"n{k}", "node", k, h, [
                     py, "-m", "tests.nemesis.clockshim", str(clock),
-                    "node_daemon.main", "run",
+                    "node_daemon.process.main", "run",
                     "--node-id", str(k),
                     "--data-dir", str(data),
                     "--listen", f"{h.ip}:{NODE_PORT}",

@@ -101,7 +101,7 @@ class Host:
         return self.spawn(
             f"node-{self.index}-{len(self.procs)}",
             [
-                sys.executable, "-m", "node_daemon.main", "run",
+                sys.executable, "-m", "node_daemon.process.main", "run",
                 "--cluster-name", "netns",
                 "--data-dir", str(data),
                 "--listen", self.node_address,

@@ -103,7 +103,7 @@ def test_a_late_node_joins_catches_up_and_a_queue_server_is_found(net: Net) -> N
     # ... and a client on the network finds the queue server by its
     # announcements, holding the discovery key only (not the secret).
     key = subprocess.check_output(
-        [sys.executable, "-m", "node_daemon.main", "discovery-key", "--secret-file",
+        [sys.executable, "-m", "node_daemon.process.main", "discovery-key", "--secret-file",
          str(net.secret)],
         timeout=60, text=True,
     ).strip()  # fmt: skip
@@ -187,8 +187,9 @@ def test_a_node_leaves_gracefully_even_as_leader(net: Net) -> None:
     lead_id = next(iter(v.values())).leader
     leader = next(h for h in hosts if v[h.index].id == lead_id)
     out = subprocess.run(
-        [sys.executable, "-m", "node_daemon.main", "leave", "--address", leader.node_address,
-         "--secret-file", str(net.secret), "--cluster-name", "netns", "--insecure"],
+        [sys.executable, "-m", "node_daemon.process.main", "leave",
+         "--address", leader.node_address, "--secret-file", str(net.secret),
+         "--cluster-name", "netns", "--insecure"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

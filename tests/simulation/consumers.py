@@ -65,11 +65,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from node_daemon.group_coordinator import _end_of
 from node_daemon.raft import ProposalDropped
-from node_daemon.remote_group import Replica
-from node_daemon.state.groups import default_quotas
+from node_daemon.replica.remote import Replica
+from node_daemon.state.consumer_groups import default_quotas
 from node_daemon.state.machine import OpResult
+from node_daemon.work.consumer_group_coordinator import _end_of
 from queue_server.queues import Item
 from roadlog.errors import Code, RoadlogError
 from roadlog.placement import group_of
@@ -79,7 +79,7 @@ from tests.simulation.split import REGION, SPLIT_PARTITIONS, SPLIT_TOPIC, drive_
 if TYPE_CHECKING:
     from tests.simulation.harness import DataGroup, SimNode, Simulation
 
-# As group_coordinator.COMMIT_CATCH_UP_S (1 s), in the simulation's time
+# As consumer_group_coordinator.COMMIT_CATCH_UP_S (1 s), in the simulation's time
 # units (front.FENCE_WAIT is 1 s too).
 COMMIT_CATCH_UP = 1000
 GENERATION = 1  # a lone member's, after its join (``GroupTables._rebalance`` bumps it once)
@@ -106,7 +106,7 @@ def parse_toy_commit(key: bytes) -> tuple[str, int, int]:
 
 def partition_end(sm: object, partition: int) -> int:
     """The split topic's partition's next offset on a data group's replica
-    (as the leader reads it: ``group_coordinator._end_of``)."""
+    (as the leader reads it: ``consumer_group_coordinator._end_of``)."""
     from tests.simulation.harness import RealStateMachine, StateMachine
 
     if isinstance(sm, StateMachine):

@@ -9,7 +9,7 @@ crash past its deadline, expired), an UNAVAILABLE answer after too many
 retries, or its own deadline (it cancels the item). A client is
 acknowledged only when the node that proposed its write applied it and the
 worker's answer reached the queue server, as in queue_server/server.py and
-node_daemon/worker.py: a node connects as a worker when it starts and
+node_daemon/work/handler.py: a node connects as a worker when it starts and
 disconnects when it crashes (what it held goes back to the queue), tells
 its role and indexes (every tick, and with every answer), grants credit
 and gets one credit back per answer; only the leader takes writes; a node
@@ -69,12 +69,12 @@ if TYPE_CHECKING:
     from tests.simulation.harness import SimNode, Simulation
 
 TOPIC = "q"
-# Write credit a worker grants when it connects: node_daemon.worker's
+# Write credit a worker grants when it connects: node_daemon.work.handler's
 # WRITE_CREDIT, or a few, so that a proposal that is never answered (its
 # entry overwritten or cut away and nothing else ever applied at its index)
 # starves the queue and fails the run.
 CREDITS = (4, 256)
-# Read credit: node_daemon.worker's READ_CREDIT, or a couple (reads waiting
+# Read credit: node_daemon.work.handler's READ_CREDIT, or a couple (reads waiting
 # for their fence on a node then hold all of it).
 READ_CREDITS = (2, 64)
 MAX_ATTEMPTS = 50  # as queue_server.server: UNAVAILABLE answers before the client hears one
@@ -82,7 +82,7 @@ TS_BASE = 1 << 20  # a stored ping's ts_ms is producer * TS_BASE + sequence
 # As queue_server.server's FENCE_GRACE_S: a read fenced beyond every
 # connected node's commit index waits this long before it is refused.
 FENCE_GRACE = 200
-# As node_daemon.worker (wait_applied's timeout): how long a node holding a
+# As node_daemon.work.handler (wait_applied's timeout): how long a node holding a
 # read waits to apply its fence before it answers with a failure.
 FENCE_WAIT = 1000
 FENCE_TIMEOUT = "TimeoutError: the fence was not applied in time"
@@ -223,7 +223,7 @@ class Front:
         return Read(fence, req.SerializeToString())
 
     def read_fence(self, it: Item) -> int:
-        """The fence the node waits for, as node_daemon.worker: the item's
+        """The fence the node waits for, as node_daemon.work.handler: the item's
         or the request's, the higher."""
         if not self.sim.opts.real_sm:
             return max(it.fence, int(it.request[1:]))
@@ -568,7 +568,7 @@ class Front:
 
     def _result(self, wid: int, item_id: int, r: OpResult | None) -> None:
         """The worker's answer reaches the queue server, with one credit
-        and the node's state (as node_daemon.worker: a read fenced at this
+        and the node's state (as node_daemon.work.handler: a read fenced at this
         write's index can go to this node at once)."""
         w = self.q.workers.get(wid)
         if w is None:

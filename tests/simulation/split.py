@@ -11,7 +11,7 @@ product's map (``roadlog.placement.partition_groups``). As in the product:
   (``roadlog.validation.check_batch``: a ping outside the region refuses
   it whole, INVALID_ARGUMENT), splits it by partition and regroups the
   partitions by group (``roadlog.partitioning.split_by_partition``, then
-  ``node_daemon.appends.split_by_group``) and answers at once with the
+  ``node_daemon.work.appends.split_by_group``) and answers at once with the
   parts (``WorkResult.parts``), proposing nothing itself;
 - the queue server hands each part to its group's leader as an internal
   ``AppendPart`` write (the parent's deadline; the item goes into that
@@ -56,8 +56,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from node_daemon.appends import split_by_group
 from node_daemon.state.machine import OpResult, append_op
+from node_daemon.work.appends import split_by_group
 from queue_server import parts as queue_parts
 from roadlog import columnar, validation
 from roadlog.columnar import PingColumns
@@ -462,7 +462,7 @@ class SplitFront:
 
 def split_publish(node: object, it: object) -> OpResult:
     """Group 0's leader's answer to a publish of the split topic (as
-    node_daemon.worker's ``_split``): validated, split by partition, the
+    node_daemon.work.handler's ``_split``): validated, split by partition, the
     partitions regrouped by group; the parts to hand out, or a refusal."""
     from queue_server.queues import Item
     from tests.simulation.harness import SimNode

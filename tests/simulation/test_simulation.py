@@ -77,7 +77,7 @@ def test_faults_are_exercised_across_seeds() -> None:
 def test_a_share_of_seeds_runs_on_real_lmdb() -> None:
     """One seed in eight keeps its Raft log in LMDB files (the chunks run
     them); a simulation built and not run leaves no files behind."""
-    from node_daemon.raft_log import LmdbLogStorage
+    from node_daemon.storage.raft_log import LmdbLogStorage
 
     lmdb_seeds = [s for s in range(64) if options_of(s).lmdb]
     assert 4 <= len(lmdb_seeds) <= 16

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
-from node_daemon.appends import MalformedRequest, PreparedAppend, TopicLookup
+from node_daemon.work.appends import MalformedRequest, PreparedAppend, TopicLookup
 from roadlog.columnar import (
     _COLUMNS,
     _OPTIONAL,

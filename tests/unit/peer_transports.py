@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from node_daemon.raft import Message
-from node_daemon.transport import PeerTransport
+from node_daemon.transport.peer_transport import PeerTransport
 
 
 async def no_snapshot(index: int, term: int) -> Path | None:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from node_daemon.config import NodeConfig
-from node_daemon.node import RaftNode
 from node_daemon.raft import Entry
+from node_daemon.replica.replica import RaftNode
 from node_daemon.state.machine import OpResult, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns

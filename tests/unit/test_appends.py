@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from node_daemon.appends import MalformedRequest, prepare_appends
 from node_daemon.raft import Entry, EntryType
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import OpResult, StateMachine
+from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.work.appends import MalformedRequest, prepare_appends
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from node_daemon.appends import prepare_appends
-from node_daemon.node import command_bytes
 from node_daemon.raft import Entry, EntryType
+from node_daemon.replica.replica import command_bytes
 from node_daemon.state.machine import StateMachine
+from node_daemon.work.appends import prepare_appends
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError

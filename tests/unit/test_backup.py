@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from node_daemon.backup import (
+from node_daemon.process.backup import (
     MANIFEST,
     STATE_FILE,
     BackupError,
@@ -27,10 +27,10 @@ from node_daemon.backup import (
     take_backup,
     verify_backup,
 )
-from node_daemon.main import cli
+from node_daemon.process.main import cli
 from node_daemon.raft import Entry, EntryType
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
+from node_daemon.storage.raft_log import LmdbLogStorage
 
 pytestmark = pytest.mark.unit
 
@@ -284,8 +284,8 @@ def referring_data_dir(tmp_path: Path) -> Path:
 def test_a_backup_carries_the_log_entries_its_state_refers_to(
     referring_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from node_daemon import kept_log
     from node_daemon.raft.errors import MissingEntryError
+    from node_daemon.storage import kept_log
 
     real = kept_log.bundle_from_log_dir
     calls = []

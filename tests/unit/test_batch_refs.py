@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.appends import prepare_appends
 from node_daemon.raft import CompactedError, ConfState, Entry, EntryType, Snapshot, SnapshotMeta
 from node_daemon.raft.errors import MissingEntryError
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.machine import StateMachine, append_op
+from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.work.appends import prepare_appends
 from roadlog import columnar
 from roadlog.errors import Code, RoadlogError
 from roadlog.partitioning import split_by_partition

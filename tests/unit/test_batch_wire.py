@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node_daemon.batch_wire import encode_batch
 from node_daemon.raft import ConfState, Entry, EntryType, Message, MessageType, Snapshot
 from node_daemon.raft.types import SnapshotMeta
-from node_daemon.wire import message_to_pb
+from node_daemon.transport.batch_wire import encode_batch
+from node_daemon.transport.wire import message_to_pb
 from roadlog.protowire import varint
 from roadlog.v1 import raft_pb2
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from node_daemon.config import NodeConfig
-from node_daemon.main import cli as node_cli
+from node_daemon.process.main import cli as node_cli
 from queue_server.config import QueueConfig
 from queue_server.main import cli as queue_cli
 from roadlog.runtime.config import keys

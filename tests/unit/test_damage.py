@@ -1,4 +1,4 @@
-"""A group's files as a damaged disk leaves them (``node_daemon.damage``):
+"""A group's files as a damaged disk leaves them (``node_daemon.storage.damage``):
 a truncated LMDB file is found before LMDB maps it (a SIGBUS otherwise), a
 log with a corrupt entry is set aside whole and an empty one opened (the
 node then catches up as a wiped one), a sound log is kept as it is."""
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon import damage
 from node_daemon.raft import Entry, HardState
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
+from node_daemon.storage import damage
+from node_daemon.storage.raft_log import LmdbLogStorage
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ def test_a_truncated_log_is_found_before_lmdb_maps_it(tmp_path: Path) -> None:
     # Mapped as it is, reading it kills the process (what the check spares a node).
     child = subprocess.run(
         [sys.executable, "-c",
-         "import sys; from node_daemon.raft_log import LmdbLogStorage as L; "
+         "import sys; from node_daemon.storage.raft_log import LmdbLogStorage as L; "
          "print(L(sys.argv[1]).verify())", str(tmp_path / "raft")],
         capture_output=True, timeout=60,
     )  # fmt: skip
@@ -176,7 +176,7 @@ def test_a_damaged_log_on_a_disk_with_no_room_for_its_copy_is_removed(tmp_path: 
 WRITE_AFTER_OPEN = """
 import os, sys
 from pathlib import Path
-from node_daemon import damage
+from node_daemon.storage import damage
 from node_daemon.raft import Entry, HardState
 store, why, _ = damage.open_log(Path(sys.argv[1]))
 last = store.last_index()

@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.group_topics import next_topic_op
-from node_daemon.node import NotLeader
 from node_daemon.raft import Entry, EntryType
+from node_daemon.replica.replica import NotLeader
 from node_daemon.state.machine import OpResult, StateMachine
-from node_daemon.worker import WorkHandler
+from node_daemon.store.data_group_topics import next_topic_op
+from node_daemon.work.handler import WorkHandler
 from roadlog.columnar import PingColumns, encode
 from roadlog.v1 import client_pb2, command_pb2, pings_pb2, work_pb2
 from tests.unit.test_state_machine import Log

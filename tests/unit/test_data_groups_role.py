@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from node_daemon.config import load_config
-from node_daemon.founded_groups import founded_data_groups
+from node_daemon.store.founded_data_groups import founded_data_groups
 from tests.unit.test_metrics_host_role import ROOT, render
 
 pytestmark = pytest.mark.unit

@@ -20,7 +20,7 @@ from discovery.agent import DiscoveryAgent
 from discovery.core import DiscoveryCore
 from discovery.listen import find_queue_servers
 from discovery.protocol import Hello, Rejected, ReplayGuard, decode, discovery_key, encode
-from node_daemon.main import cli as node_cli
+from node_daemon.process.main import cli as node_cli
 from roadlog.cli.common import _discovery_key
 from roadlog.runtime.processes import free_port
 

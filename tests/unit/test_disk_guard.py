@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_daemon.disk import LOOK_EVERY_S, RETRY_FIRST_S, RETRY_MAX_S, DiskGuard
+from node_daemon.storage.disk import LOOK_EVERY_S, RETRY_FIRST_S, RETRY_MAX_S, DiskGuard
 from roadlog.errors import Code, RoadlogError
 
 pytestmark = pytest.mark.unit

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from node_daemon import worker
-from node_daemon.worker import INDEX_IDLE_S, QueueServerLink
+from node_daemon.work import handler as worker
+from node_daemon.work.handler import INDEX_IDLE_S, QueueServerLink
 from queue_server.config import QueueConfig
 from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
 from queue_server.server import Outgoing, QueueServer

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from node_daemon import node as node_module
 from node_daemon.config import NodeConfig
-from node_daemon.node import RaftNode
 from node_daemon.raft import Entry, HardState, LogWrite
 from node_daemon.raft.types import Role
+from node_daemon.replica import replica as node_module
+from node_daemon.replica.replica import RaftNode
 from roadlog.runtime.processes import free_port
 from roadlog.v1 import command_pb2
 

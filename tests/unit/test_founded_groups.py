@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from node_daemon.config import NodeConfig
-from node_daemon.founded_groups import decide_data_groups, founded_data_groups, to_adopt
+from node_daemon.store.founded_data_groups import decide_data_groups, founded_data_groups, to_adopt
 from roadlog.placement import DATA_GROUPS_RECORD
 
 pytestmark = pytest.mark.unit

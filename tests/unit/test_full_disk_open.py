@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 OPEN = """
 import sys
 from node_daemon.raft import StorageFullError
-from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
 cls = {"log": LmdbLogStorage, "state": StateMachine}[sys.argv[1]]
 try:

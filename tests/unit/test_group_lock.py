@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.group_lock import GroupBusyError, lock_groups
+from node_daemon.store.data_group_lock import GroupBusyError, lock_groups
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Data groups follow group 0's membership (node_daemon/group_membership.py):
+"""Data groups follow group 0's membership (node_daemon/store/data_group_membership.py):
 from any configuration, the changes it proposes are each allowed (one
 server at a time, never the last voter, never the leader itself) and lead
 to group 0's configuration."""
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_daemon.group_membership import must_hand_over, next_change
 from node_daemon.raft import ConfChange, ConfChangeType, ConfState
 from node_daemon.raft.confchange import apply_change
+from node_daemon.store.data_group_membership import must_hand_over, next_change
 
 pytestmark = pytest.mark.unit
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from node_daemon import worker
-from node_daemon.state import groups
-from node_daemon.state.groups import GROUP_RETENTION_MS
+from node_daemon.state import consumer_groups
+from node_daemon.state.consumer_groups import GROUP_RETENTION_MS
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
+from node_daemon.work import handler as worker
 from roadlog.errors import Code
 from roadlog.v1 import client_pb2, command_pb2, work_pb2
 from tests.unit.test_heatmap_retention import HOUR, T0, create_op, entry
@@ -249,7 +249,7 @@ def test_the_leader_refuses_a_join_past_a_quota_before_proposing(
 ) -> None:
     """Through the WorkHandler: the identity at its quota is answered
     RESOURCE_EXHAUSTED and nothing is proposed; another identity joins."""
-    monkeypatch.setattr(groups, "MAX_GROUPS_PER_CLIENT", 1)
+    monkeypatch.setattr(consumer_groups, "MAX_GROUPS_PER_CLIENT", 1)
     proposed: list[command_pb2.Op] = []
 
     class Leader:

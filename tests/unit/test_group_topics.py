@@ -1,4 +1,4 @@
-"""Data groups follow group 0's topics (node_daemon/group_topics.py): the
+"""Data groups follow group 0's topics (node_daemon/store/data_group_topics.py): the
 ops a data group's leader proposes, and a data group's state machine (real
 LMDB) taking a placed topic's appends and reads, and dropping it."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.group_topics import next_topic_op
 from node_daemon.state.machine import StateMachine
+from node_daemon.store.data_group_topics import next_topic_op
 from roadlog.errors import Code
 from roadlog.v1 import command_pb2, topics_pb2
 from tests.unit.test_state_machine import Log, pings, read_all

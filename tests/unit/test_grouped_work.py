@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.grouped_work import GroupedWork
+from node_daemon.work.routing import GroupedWork
 from roadlog.v1 import work_pb2
 from tests.unit.test_fence_wait import _link, _Node, _sent, _settle
 

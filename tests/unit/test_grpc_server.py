@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_daemon.grpc_server import node_grpc_server
+from node_daemon.process.grpc_server import node_grpc_server
 from roadlog.runtime.processes import free_port
 from tests.unit.loops import run_bounded
 

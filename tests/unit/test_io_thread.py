@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from node_daemon.io_thread import IoThread
+from node_daemon.storage.io_thread import IoThread
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_daemon.leader_balance import (
+from node_daemon.store.leader_balance import (
     CAUGHT_UP_SLACK,
     GroupView,
     LeaderBalancer,

@@ -1,5 +1,5 @@
 """A leader's stamps follow its wall clock but never a step of it
-(node_daemon/log_clock.py; issue 21, nemesis finding 4)."""
+(node_daemon/replica/log_clock.py; issue 21, nemesis finding 4)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.log_clock import (
+from node_daemon.replica.log_clock import (
     CATCH_UP,
     SAVE_EVERY_S,
     LogClock,

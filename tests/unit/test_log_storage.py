@@ -30,7 +30,7 @@ from node_daemon.raft import (
     UnavailableError,
     bootstrap,
 )
-from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.storage.raft_log import LmdbLogStorage
 from tests.conftest import small_tmpfs
 
 pytestmark = pytest.mark.unit
@@ -240,7 +240,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from node_daemon.raft import Entry, HardState
-    from node_daemon.raft_log import LmdbLogStorage
+    from node_daemon.storage.raft_log import LmdbLogStorage
     s = LmdbLogStorage(sys.argv[1])
     i = s.last_index() + 1
     term = int(sys.argv[2])

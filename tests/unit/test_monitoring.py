@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from node_daemon.state_metrics import StateCollector
+from node_daemon.process.state_metrics import StateCollector
 from queue_server.config import QueueConfig
 from queue_server.server import QueueServer
 from roadlog.errors import RoadlogError

@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from node_daemon import metrics
-from node_daemon.peer_frames import (
+from node_daemon.raft import Entry, Message, MessageType
+from node_daemon.transport.peer_frames import (
     _HELLO,
     MAGIC,
     NONCE_BYTES,
@@ -23,8 +24,7 @@ from node_daemon.peer_frames import (
     frames_key,
     hello_mac,
 )
-from node_daemon.raft import Entry, Message, MessageType
-from node_daemon.transport import GroupEndpoint, PeerTransport
+from node_daemon.transport.peer_transport import GroupEndpoint, PeerTransport
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 from tests.unit.loops import LOOPS, run_bounded, until, use_loop
 from tests.unit.peer_transports import peer_transport

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from node_daemon.raft import Message
-from node_daemon.transport import GroupEndpoint, PeerTransport, with_port
+from node_daemon.transport.peer_transport import GroupEndpoint, PeerTransport, with_port
 from roadlog.v1 import raft_pb2_grpc
 from tests.unit.loops import run_bounded, until
 from tests.unit.peer_transports import peer_transport

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from node_daemon.identity import node_id_for
-from node_daemon.main import cli as node_cli
+from node_daemon.process.identity import node_id_for
+from node_daemon.process.main import cli as node_cli
 from queue_server.main import cli as queue_cli
 from roadlog.runtime import config as rconfig
 from roadlog.runtime.config import (

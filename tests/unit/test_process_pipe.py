@@ -10,8 +10,8 @@ import multiprocessing
 
 import pytest
 
-from node_daemon import process_pipe
-from node_daemon.process_pipe import HIGH_WATER, ProcessPipe
+from node_daemon.process import pipe as process_pipe
+from node_daemon.process.pipe import HIGH_WATER, ProcessPipe
 from tests.unit.loops import run_bounded
 
 pytestmark = pytest.mark.unit

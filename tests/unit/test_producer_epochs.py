@@ -22,7 +22,7 @@ from node_daemon.state.machine import (
     append_op,
     trim_op,
 )
-from node_daemon.worker import WorkHandler
+from node_daemon.work.handler import WorkHandler
 from roadlog import columnar
 from roadlog.errors import Code
 from roadlog.partitioning import split_by_partition

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from node_daemon.config import NodeConfig
-from node_daemon.node import NotLeader, RaftNode
+from node_daemon.replica.replica import NotLeader, RaftNode
 from node_daemon.state.machine import OpResult
 from roadlog.runtime.processes import free_port
 from roadlog.v1 import command_pb2

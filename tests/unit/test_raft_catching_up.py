@@ -22,7 +22,7 @@ from node_daemon.raft import (
     bootstrap,
 )
 from node_daemon.raft.storage import MemoryStorage
-from node_daemon.wire import message_from_pb, message_to_pb
+from node_daemon.transport.wire import message_from_pb, message_to_pb
 from tests.unit.raftkit import Net, new_core, persist
 
 pytestmark = pytest.mark.unit

@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from node_daemon import worker
 from node_daemon.state.machine import (
     PRODUCER_ID_LIFETIME_MS,
     OpResult,
@@ -23,6 +22,7 @@ from node_daemon.state.machine import (
     append_op,
     trim_op,
 )
+from node_daemon.work import handler as worker
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code
 from roadlog.partitioning import split_by_partition

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from node_daemon.responses import publish_batch_response, publish_responses
+from node_daemon.state.responses import publish_batch_response, publish_responses
 from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit

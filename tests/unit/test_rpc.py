@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from node_daemon.worker import WorkHandler
+from node_daemon.work.handler import WorkHandler
 from queue_server.http_api import HttpApi
 from queue_server.openapi import OPENAPI
 from queue_server.server import client_handler

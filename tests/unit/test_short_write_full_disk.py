@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from node_daemon.raft import Entry, HardState, StorageFullError
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
+from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog.v1 import command_pb2
 from tests.conftest import small_tmpfs
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from node_daemon.raft import ConfState, HardState, Snapshot, SnapshotMeta
-from node_daemon.raft_log import LmdbLogStorage
-from node_daemon.snapshots import Snapshots
+from node_daemon.replica.snapshots import Snapshots
 from node_daemon.state.machine import StateMachine
+from node_daemon.storage.raft_log import LmdbLogStorage
 
 pytestmark = pytest.mark.unit
 

@@ -1,10 +1,10 @@
-"""When a node compacts its log into a snapshot (node_daemon.snapshots.snapshot_due)."""
+"""When a node compacts its log into a snapshot (node_daemon.replica.snapshots.snapshot_due)."""
 
 from __future__ import annotations
 
 import pytest
 
-from node_daemon.snapshots import snapshot_due
+from node_daemon.replica.snapshots import snapshot_due
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.transport import CHUNK, PeerTransport, file_sha256
+from node_daemon.transport.peer_transport import CHUNK, PeerTransport, file_sha256
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
 
 pytestmark = pytest.mark.unit

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_daemon.appends import split_by_group
-from node_daemon.responses import publish_batch_response
+from node_daemon.state.responses import publish_batch_response
+from node_daemon.work.appends import split_by_group
 from queue_server.parts import merge, replayable_part
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, work_pb2

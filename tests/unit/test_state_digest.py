@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from node_daemon.admin import AdminService
+from node_daemon.process.admin import AdminService
 from node_daemon.raft import Entry, EntryType
 from node_daemon.state.machine import StateMachine
 from roadlog.v1 import admin_pb2

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from node_daemon import snapshots
 from node_daemon.raft import ConfState, Entry, HardState, SnapshotMeta, StorageError
-from node_daemon.raft_log import LmdbLogStorage
-from node_daemon.snapshots import Snapshots
+from node_daemon.replica import snapshots
+from node_daemon.replica.snapshots import Snapshots
 from node_daemon.state.machine import StateMachine
 from node_daemon.state.paced_copy import CopyCancelled
+from node_daemon.storage.raft_log import LmdbLogStorage
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import OpResult, StateMachine, append_op
+from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code

@@ -18,10 +18,17 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
-from node_daemon import main as node_main
-from node_daemon.peer_frames import _HELLO, MAGIC, NONCE_BYTES, FramesLink, frames_key, hello_mac
+from node_daemon.process import main as node_main
 from node_daemon.raft import Message, MessageType
-from node_daemon.transport import PeerTransport
+from node_daemon.transport.peer_frames import (
+    _HELLO,
+    MAGIC,
+    NONCE_BYTES,
+    FramesLink,
+    frames_key,
+    hello_mac,
+)
+from node_daemon.transport.peer_transport import PeerTransport
 from queue_server import main as queue_main
 from roadlog.runtime import frames, tls
 from roadlog.v1 import raft_pb2, raft_pb2_grpc
@@ -64,7 +71,7 @@ def _transport(node_id: int, tmp: Path, got: list[Message]) -> PeerTransport:
 async def _serving(
     t: PeerTransport, security: tls.Security, frames_on: bool
 ) -> tuple[grpc.aio.Server, str]:
-    from node_daemon.admin import node_callers
+    from node_daemon.process.admin import node_callers
 
     server = grpc.aio.server(interceptors=[tls.CertAuth(node_callers)])
     raft_pb2_grpc.add_RaftPeerServicer_to_server(t, server)

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon import worker
-from node_daemon.worker import QueueServerLink
+from node_daemon.work import handler as worker
+from node_daemon.work.handler import QueueServerLink
 from queue_server.config import QueueConfig
 from queue_server.queues import Item, Kind
 from queue_server.server import Outgoing, QueueServer

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_daemon.worker_metrics import WorkerMetrics, merged_registry
+from node_daemon.process.worker_metrics import WorkerMetrics, merged_registry
 
 pytestmark = pytest.mark.unit
 

@@ -10,9 +10,9 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon import worker
 from node_daemon.state.machine import OpResult
-from node_daemon.worker import WorkHandler
+from node_daemon.work import handler as worker
+from node_daemon.work.handler import WorkHandler
 from roadlog.columnar import PingColumns, encode
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import bbox_region

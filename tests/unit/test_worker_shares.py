@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from node_daemon.worker_process import shares, worker_of
+from node_daemon.process.worker_process import shares, worker_of
 from roadlog.placement import MAX_DATA_GROUPS, worker_processes
 
 pytestmark = pytest.mark.unit

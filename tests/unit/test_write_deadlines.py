@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon import node as node_mod
-from node_daemon import worker as worker_mod
+from node_daemon.replica import replica as node_mod
 from node_daemon.state.machine import OpResult
-from node_daemon.worker import MAX_WORK_LAG_S, WorkHandler, item_deadline
+from node_daemon.work import handler as worker_mod
+from node_daemon.work.handler import MAX_WORK_LAG_S, WorkHandler, item_deadline
 from queue_server.http_api import request_timeout
 from queue_server.queues import Item, Kind
 from queue_server.server import Outgoing

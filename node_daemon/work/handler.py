@@ -20,24 +20,24 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from node_daemon import metrics
-from node_daemon.appends import (
-    MalformedRequest,
-    PreparedAppend,
-    prepare_appends,
-    split_by_group,
-)
-from node_daemon.group_coordinator import GroupCoordinator
-from node_daemon.grouped_work import Executor, group_states
-from node_daemon.node import PAST_DEADLINE, NotLeader, RaftNode
-from node_daemon.remote_group import Replica
-from node_daemon.responses import publish_batch_response
+from node_daemon.replica.remote import Replica
+from node_daemon.replica.replica import PAST_DEADLINE, NotLeader, RaftNode
+from node_daemon.replica.status import node_status
 from node_daemon.state.machine import (
     MAX_PRODUCER_IDS_PER_CLIENT,
     PRODUCER_ID_LIFETIME_MS,
     OpResult,
     normalized_spec,
 )
-from node_daemon.status import node_status
+from node_daemon.state.responses import publish_batch_response
+from node_daemon.work.appends import (
+    MalformedRequest,
+    PreparedAppend,
+    prepare_appends,
+    split_by_group,
+)
+from node_daemon.work.consumer_group_coordinator import GroupCoordinator
+from node_daemon.work.routing import Executor, group_states
 from roadlog import columnar, round_trace
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, parse_region

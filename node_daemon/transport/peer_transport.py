@@ -55,12 +55,11 @@ from typing import Any
 import grpc
 
 from node_daemon import metrics
-from node_daemon.batch_wire import encode_batch
-from node_daemon.disk import fsync_dir
-from node_daemon.peer_frames import FramesLink, FramesServer
 from node_daemon.raft import Message, MessageType
-from node_daemon.snapshots import received_path
-from node_daemon.wire import message_from_pb, message_to_pb
+from node_daemon.storage.disk import fsync_dir
+from node_daemon.transport.batch_wire import encode_batch
+from node_daemon.transport.peer_frames import FramesLink, FramesServer
+from node_daemon.transport.wire import message_from_pb, message_to_pb
 from roadlog import round_trace
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token, token_metadata
@@ -84,6 +83,12 @@ BATCH_BYTES = 8 << 20  # entry bytes per stream message (the receiver takes up t
 
 # Counter children made once: labels() on every message would cost more than the count.
 _SENT_BY_TYPE = {t: metrics.PEER_MESSAGES_SENT.labels(t.name.lower()) for t in MessageType}
+
+
+def received_path(directory: Path, index: int, term: int) -> Path:
+    """Where a snapshot pulled from the leader is kept (the transport
+    writes it; the log names it once installed)."""
+    return directory / f"recv-{index}-{term}.mdb"
 
 
 def _payload(m: Message) -> int:

@@ -49,12 +49,12 @@ from typing import Any
 
 import lmdb
 
-from node_daemon import kept_log
-from node_daemon.disk import fsync_dir
 from node_daemon.raft.errors import MissingEntryError
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import _U64, StateMachine, oldest_ref_in_snapshot
+from node_daemon.storage import kept_log
+from node_daemon.storage.disk import fsync_dir
+from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog.runtime.config import ConfigError, check_secret, check_secret_value
 
 STATE_FILE = "state.mdb"

@@ -59,12 +59,8 @@ from typing import Any
 
 import grpc
 
-from node_daemon import damage, metrics
-from node_daemon.boot import boot_id
+from node_daemon import metrics
 from node_daemon.config import NodeConfig
-from node_daemon.disk import DiskGuard, fsync_dir
-from node_daemon.io_thread import IoThread
-from node_daemon.log_clock import ANCHOR_FILE, LogClock, Reading, decode_reading, encode_reading
 from node_daemon.raft import (
     ApplyJob,
     ConfChange,
@@ -85,11 +81,22 @@ from node_daemon.raft import (
     StorageFullError,
     bootstrap,
 )
-from node_daemon.remote_group import Replica
-from node_daemon.snapshots import Snapshots
+from node_daemon.replica.log_clock import (
+    ANCHOR_FILE,
+    LogClock,
+    Reading,
+    decode_reading,
+    encode_reading,
+)
+from node_daemon.replica.remote import Replica
+from node_daemon.replica.snapshots import Snapshots
 from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
-from node_daemon.transport import GroupEndpoint, PeerTransport
+from node_daemon.storage import damage
+from node_daemon.storage.boot import boot_id
+from node_daemon.storage.disk import DiskGuard, fsync_dir
+from node_daemon.storage.io_thread import IoThread
+from node_daemon.transport.peer_transport import GroupEndpoint, PeerTransport
 from roadlog import round_trace
 from roadlog.errors import Code, RoadlogError
 from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
@@ -562,7 +569,7 @@ class RaftNode:
         return self.addresses.get(node, "")
 
     # What another group of this node reads of this one (the same calls as a
-    # replica run by another process answers: ``group_workers.RemoteGroup``).
+    # replica run by another process answers: ``remote.RemoteGroup``).
 
     def committed_index(self) -> int:
         """The commit index this replica knows of."""

@@ -16,7 +16,7 @@ from it: it is moved aside (the damaged log kept for the operator, under
 ``corrupt-<time>/``, the newest two such copies; the state and snapshots
 made from it are dropped) and the node starts that group with an empty
 log, as a wiped node does: catching up, voting only once a leader has
-caught it up (see ``node.py``). A damaged state is rebuilt from the
+caught it up (see ``replica/replica.py``). A damaged state is rebuilt from the
 snapshot and the log instead. Invariants: nothing is deleted before it is
 out of the group's way; what is set aside is durable (its directory
 fsynced) before the empty log is made.
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import lmdb
 
-from node_daemon.disk import fsync_dir
 from node_daemon.raft import HardState
-from node_daemon.raft_log import LmdbLogStorage
+from node_daemon.storage.disk import fsync_dir
+from node_daemon.storage.raft_log import LmdbLogStorage
 
 log = logging.getLogger("roadlog.node.damage")
 
@@ -107,7 +107,7 @@ def read_in_child(raft: Path) -> str:
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from node_daemon.raft_log import LmdbLogStorage\n"
+        "from node_daemon.storage.raft_log import LmdbLogStorage\n"
         "s = LmdbLogStorage(sys.argv[1])\n"
         "bad = s.verify()\n"
         "if not bad:\n"

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from node_daemon.admin import NODE_CHANGES, NODE_PROTECTED, node_callers, refused_by_cert
+from node_daemon.process.admin import NODE_CHANGES, NODE_PROTECTED, node_callers, refused_by_cert
 from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.runtime import tls
 from roadlog.runtime.auth import ClusterAuth

@@ -52,8 +52,6 @@ from typing import Any
 import lmdb
 from xxhash import xxh3_64_intdigest
 
-from node_daemon import kept_log
-from node_daemon.disk import data_file_identity, full_disk_error, open_lmdb
 from node_daemon.raft.errors import (
     CompactedError,
     CorruptLogError,
@@ -70,6 +68,8 @@ from node_daemon.raft.types import (
     Snapshot,
     SnapshotMeta,
 )
+from node_daemon.storage import kept_log
+from node_daemon.storage.disk import data_file_identity, full_disk_error, open_lmdb
 from roadlog import round_trace
 
 _KEY = struct.Struct(">Q")

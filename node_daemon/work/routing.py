@@ -23,8 +23,8 @@ from roadlog.errors import Code
 from roadlog.v1 import work_pb2
 
 if TYPE_CHECKING:
-    from node_daemon.node import RaftNode
-    from node_daemon.worker import WorkHandler
+    from node_daemon.replica.replica import RaftNode
+    from node_daemon.work.handler import WorkHandler
 
 
 class Executor(Protocol):

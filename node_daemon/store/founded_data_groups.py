@@ -23,7 +23,7 @@ import grpc
 
 from discovery.core import Join
 from node_daemon.config import NodeConfig
-from node_daemon.disk import write_durably
+from node_daemon.storage.disk import write_durably
 from roadlog.placement import DATA_GROUPS_RECORD, MAX_DATA_GROUPS
 from roadlog.runtime import tls
 from roadlog.runtime.auth import token_metadata

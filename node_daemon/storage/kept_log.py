@@ -31,8 +31,8 @@ from typing import Any
 
 import lmdb
 
-from node_daemon.disk import fsync_dir
 from node_daemon.raft.errors import MissingEntryError
+from node_daemon.storage.disk import fsync_dir
 
 KEPT_DB = b"keptlog"
 STATE_DBS = 16  # the state environment's max_dbs (and one for keptlog)

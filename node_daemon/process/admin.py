@@ -13,12 +13,12 @@ from typing import Any
 import grpc
 from prometheus_client import Counter
 
-from node_daemon.leader_balance import successor
-from node_daemon.membership import Membership
-from node_daemon.node import NotLeader, RaftNode
 from node_daemon.raft import ConfChange, ConfChangeType
-from node_daemon.status import node_status
-from node_daemon.worker import propose_client
+from node_daemon.replica.replica import NotLeader, RaftNode
+from node_daemon.replica.status import node_status
+from node_daemon.store.cluster_membership import Membership
+from node_daemon.store.leader_balance import successor
+from node_daemon.work.handler import propose_client
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.runtime.auth import protects

@@ -18,29 +18,29 @@ from grpc_reflection.v1alpha import reflection
 
 from discovery.agent import DiscoveryAgent, now_ms
 from discovery.core import DiscoveryCore, Found, Join
-from node_daemon.admin import (
+from node_daemon.config import ConfigError, NodeConfig
+from node_daemon.process.admin import (
     AdminService,
 )
-from node_daemon.config import ConfigError, NodeConfig
-from node_daemon.founded_groups import (
+from node_daemon.process.grpc_server import node_grpc_server
+from node_daemon.process.identity import node_id_for
+from node_daemon.process.state_metrics import STATE
+from node_daemon.process.worker_metrics import WorkerMetrics, merged_registry
+from node_daemon.process.worker_pool import GroupWorkers, remote_groups, with_workers
+from node_daemon.raft import Role
+from node_daemon.replica.status import node_readiness
+from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.store.cluster_membership import Membership
+from node_daemon.store.founded_data_groups import (
     cluster_data_groups,
     decide_data_groups,
     kept_data_groups,
     to_adopt,
 )
-from node_daemon.group_workers import GroupWorkers, remote_groups, with_workers
-from node_daemon.grouped_work import GroupedWork
-from node_daemon.grpc_server import node_grpc_server
-from node_daemon.identity import node_id_for
-from node_daemon.membership import Membership
-from node_daemon.node_read import NodeReadService
-from node_daemon.raft import Role
-from node_daemon.raft_groups import RaftGroups
-from node_daemon.raft_log import LmdbLogStorage
-from node_daemon.state_metrics import STATE
-from node_daemon.status import node_readiness
-from node_daemon.worker import QueueServerLink, WorkHandler
-from node_daemon.worker_metrics import WorkerMetrics, merged_registry
+from node_daemon.store.store import RaftGroups
+from node_daemon.work.handler import QueueServerLink, WorkHandler
+from node_daemon.work.node_read import NodeReadService
+from node_daemon.work.routing import GroupedWork
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.health import serve_metrics_and_health

@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from node_daemon.disk import write_durably
+from node_daemon.storage.disk import write_durably
 
 MAX_ID = (1 << 53) - 1  # exact in JSON and in every language's numbers
 

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from node_daemon.boot import boot_id
+from node_daemon.storage.boot import boot_id
 
 # How much faster than time passes the stamps may catch up with a wall clock
 # ahead of them (1.0: at most one extra millisecond per millisecond).

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from node_daemon.raft.types import Message
-from node_daemon.wire import message_to_pb
+from node_daemon.transport.wire import message_to_pb
 from roadlog.protowire import length_delimited
 from roadlog.v1 import raft_pb2
 

@@ -17,7 +17,8 @@ import grpc
 import lmdb
 
 from discovery.protocol import discovery_key
-from node_daemon.backup import (
+from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
+from node_daemon.process.backup import (
     BackupError,
     backup_files,
     check_backup_key,
@@ -26,10 +27,9 @@ from node_daemon.backup import (
     take_backup,
     verify_backup,
 )
-from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
-from node_daemon.damage import DamagedLogError
+from node_daemon.process.serve import NodeFailed, serve
 from node_daemon.raft import StorageFullError
-from node_daemon.serve import NodeFailed, serve
+from node_daemon.storage.damage import DamagedLogError
 from roadlog.client_tls import ClientTLS
 from roadlog.leadership import HostView, leader_host, transfer_target
 from roadlog.runtime import config as configfile

@@ -24,8 +24,8 @@ Invariants:
   process's replica, read-only, and the figures it tells), and its groups
   have a transport of their own.
 - Each data group's leader makes its group's membership follow group 0's
-  (``group_membership``): a node that joins or leaves the cluster joins or
-  leaves every group; and its topics too (``group_topics``): a topic with
+  (``data_group_membership``): a node that joins or leaves the cluster joins or
+  leaves every group; and its topics too (``data_group_topics``): a topic with
   partitions in the group is placed there, and dropped when group 0 drops it.
 """
 
@@ -42,14 +42,14 @@ from typing import Any
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
-from node_daemon.group_lock import lock_groups
-from node_daemon.group_membership import must_hand_over, next_change
-from node_daemon.group_topics import next_topic_op
-from node_daemon.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
-from node_daemon.membership import CATCH_UP_LAG, STEP_S
-from node_daemon.node import NotLeader, RaftNode, group_data_dir
-from node_daemon.remote_group import Replica
-from node_daemon.transport import PeerTransport
+from node_daemon.replica.remote import Replica
+from node_daemon.replica.replica import NotLeader, RaftNode, group_data_dir
+from node_daemon.store.cluster_membership import CATCH_UP_LAG, STEP_S
+from node_daemon.store.data_group_lock import lock_groups
+from node_daemon.store.data_group_membership import must_hand_over, next_change
+from node_daemon.store.data_group_topics import next_topic_op
+from node_daemon.store.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
+from node_daemon.transport.peer_transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
 
 log = logging.getLogger("roadlog.node")

@@ -31,13 +31,15 @@ from typing import Any
 
 import lmdb
 
-from node_daemon import kept_log, metrics
-from node_daemon.disk import fsync_dir
+from node_daemon import metrics
 from node_daemon.raft import Snapshot, SnapshotMeta, StorageError
 from node_daemon.raft.errors import MissingEntryError
-from node_daemon.raft_log import LmdbLogStorage
 from node_daemon.state.machine import StateMachine
 from node_daemon.state.paced_copy import CopyCancelled
+from node_daemon.storage import kept_log
+from node_daemon.storage.disk import fsync_dir
+from node_daemon.storage.raft_log import LmdbLogStorage
+from node_daemon.transport.peer_transport import received_path
 
 log = logging.getLogger("roadlog.node")
 
@@ -54,12 +56,6 @@ STATE_FLUSH_S = 0.25
 # At most this often a snapshot is taken only to let the log release entries
 # that retention no longer needs (the state is small: a copy costs little).
 RELEASE_EVERY_S = 10.0
-
-
-def received_path(directory: Path, index: int, term: int) -> Path:
-    """Where a snapshot pulled from the leader is kept (the transport
-    writes it; the log names it once installed)."""
-    return directory / f"recv-{index}-{term}.mdb"
 
 
 def snapshot_due(

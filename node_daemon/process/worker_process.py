@@ -1,7 +1,7 @@
 """A worker process: a share of this node's data groups, on a core of its
 own (docs/multiraft.md step 5).
 
-The node's main process (``group_workers``) starts one per ``workers``,
+The node's main process (``worker_pool``) starts one per ``workers``,
 with ``multiprocessing``'s spawn (gRPC and LMDB handles do not survive a
 fork), and tells it which groups are its (group g in worker (g-1) mod W).
 A worker runs each of its groups as a ``RaftNode``, with its own event
@@ -45,18 +45,18 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from node_daemon import worker_metrics
 from node_daemon.config import NodeConfig
-from node_daemon.grouped_work import GroupedWork
-from node_daemon.grpc_server import node_grpc_server
-from node_daemon.leader_balance import successor
-from node_daemon.node import NotLeader, RaftNode, group_data_dir
-from node_daemon.process_pipe import BarrierAsks, ProcessPipe
-from node_daemon.raft_groups import RaftGroups
-from node_daemon.remote_group import RemoteGroup
-from node_daemon.status import group_status
-from node_daemon.transport import PeerTransport
-from node_daemon.worker import QueueServerLink, WorkHandler
+from node_daemon.process import worker_metrics
+from node_daemon.process.grpc_server import node_grpc_server
+from node_daemon.process.pipe import BarrierAsks, ProcessPipe
+from node_daemon.replica.remote import RemoteGroup
+from node_daemon.replica.replica import NotLeader, RaftNode, group_data_dir
+from node_daemon.replica.status import group_status
+from node_daemon.store.leader_balance import successor
+from node_daemon.store.store import RaftGroups
+from node_daemon.transport.peer_transport import PeerTransport
+from node_daemon.work.handler import QueueServerLink, WorkHandler
+from node_daemon.work.routing import GroupedWork
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.logs import setup_logging

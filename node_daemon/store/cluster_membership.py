@@ -26,8 +26,8 @@ import grpc
 
 from discovery.core import Join
 from discovery.protocol import Member
-from node_daemon.node import NotLeader, RaftNode
 from node_daemon.raft import ConfChange, ConfChangeType, Role
+from node_daemon.replica.replica import NotLeader, RaftNode
 from roadlog.runtime import tls
 from roadlog.runtime.auth import token_metadata
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, command_pb2

@@ -18,9 +18,9 @@ import logging
 import time
 import uuid
 
-from node_daemon.node import NotLeader, RaftNode
-from node_daemon.remote_group import Replica
-from node_daemon.state.groups import check_group_name, default_quotas, session_timeout
+from node_daemon.replica.remote import Replica
+from node_daemon.replica.replica import NotLeader, RaftNode
+from node_daemon.state.consumer_groups import check_group_name, default_quotas, session_timeout
 from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
 from roadlog.placement import group_of

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from node_daemon.node import RaftNode
+from node_daemon.replica.replica import RaftNode
 from node_daemon.state.machine import StateMachine
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc

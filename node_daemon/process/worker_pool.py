@@ -11,8 +11,8 @@ so peers send each group's messages to its worker), and starts a worker
 again when it dies (its groups' followers elsewhere carry on meanwhile).
 
 Invariants: a worker is started again only after the last one of its
-share exited (its locks on the groups are gone with it, ``group_lock``);
-the pipes never block the main process's event loop (``process_pipe``); a
+share exited (its locks on the groups are gone with it, ``store.data_group_lock``);
+the pipes never block the main process's event loop (``pipe``); a
 stop asks every worker to hand over the groups it leads and stop (workers
 ignore the unit's SIGTERM: the main process decides), starts none again,
 and kills what has not stopped within STOP_WAIT_S.
@@ -33,14 +33,14 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from node_daemon import worker_process
 from node_daemon.config import NodeConfig
-from node_daemon.node import RaftNode, group_data_dir
-from node_daemon.process_pipe import BarrierAsks, ProcessPipe
-from node_daemon.remote_group import RemoteGroup
-from node_daemon.transport import PeerTransport
-from node_daemon.worker_metrics import WorkerMetrics
-from node_daemon.worker_process import WorkerSpec, barrier_answer, shares
+from node_daemon.process import worker_process
+from node_daemon.process.pipe import BarrierAsks, ProcessPipe
+from node_daemon.process.worker_metrics import WorkerMetrics
+from node_daemon.process.worker_process import WorkerSpec, barrier_answer, shares
+from node_daemon.replica.remote import RemoteGroup
+from node_daemon.replica.replica import RaftNode, group_data_dir
+from node_daemon.transport.peer_transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
 
 log = logging.getLogger("roadlog.node")

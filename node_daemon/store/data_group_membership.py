@@ -1,6 +1,6 @@
 """Data groups follow group 0's membership (docs/multiraft.md, step 6).
 
-Group 0 decides who is in the cluster (``membership.Membership``: joins by
+Group 0 decides who is in the cluster (``cluster_membership.Membership``: joins by
 discovery, promotions, dead voters replaced, AddNode, RemoveNode, Leave).
 Each data group's leader brings its own group's configuration toward group
 0's latest one, one single-server change at a time (``next_change``), as

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from node_daemon.node import RaftNode
-from node_daemon.remote_group import Replica
+from node_daemon.replica.remote import Replica
+from node_daemon.replica.replica import RaftNode
 from roadlog.status import role_name
 from roadlog.v1 import client_pb2
 
