@@ -372,3 +372,60 @@ def test_links_over_the_caps_are_closed_before_their_tls_handshake(
             await server.close()
 
     run_bounded(body)
+
+
+# ------------------------------------------- the links between roadlog's processes
+
+
+def test_a_framed_servers_guard_cuts_a_stalled_frame_and_refuses_over_its_caps(
+    loop_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Work and peer links' server (``roadlog.runtime.frames``) under its
+    scheme's limits: a second stranger is reset at accept, and an
+    authenticated link whose frame stalls is cut by its clock while
+    another link's frames flow."""
+    from roadlog.runtime import frames
+
+    monkeypatch.setattr(link_limits, "SWEEP_S", 0.05)
+    scheme = frames.Scheme(
+        b"RLTEST01",
+        b"roadlog test frames v1",
+        1 << 20,
+        LinkLimits(max_strangers=1, frame_s=0.3, min_rate=1 << 30, buffer_bytes=4 * MiB),
+    )
+    secret = b"s" * 32
+    got: list[bytes] = []
+
+    async def body() -> None:
+        server = frames.FramedServer(
+            scheme, "c", secret, lambda conn: got.append, lambda: None, ssl_context=None
+        )
+        port = await server.start("127.0.0.1", 0)
+        try:
+            silent = await asyncio.open_connection("127.0.0.1", port)  # the one stranger
+            await until(lambda: server.guard.strangers == 1, "the stranger counted")
+            try:  # reset at accept: the connect or the first read fails, no greeting
+                r, _ = await asyncio.open_connection("127.0.0.1", port)
+                assert await asyncio.wait_for(r.read(), 5) == b""
+            except ConnectionResetError:
+                pass
+            assert server.guard.refused == 1
+            silent[1].close()
+            await until(lambda: server.guard.strangers == 0, "the stranger gone")
+            good = await frames.connect(scheme, "127.0.0.1", port, "c", secret, 1, ssl_context=None)
+            stalled = await frames.connect(
+                scheme, "127.0.0.1", port, "c", secret, 2, ssl_context=None
+            )
+            assert stalled.transport is not None
+            stalled.transport.write(LEN.pack(500_000) + b"x" * 100)  # and no byte more
+            await good.send(b"first")
+            await until(lambda: stalled.closed, "the stalled frame's link cut", timeout=5)
+            await good.send(b"second")
+            await until(lambda: got == [b"first", b"second"], "the good link's frames")
+            assert not good.closed
+            assert server.guard.budget.used == 0  # the stalled frame's grant given back
+            good.abort()
+        finally:
+            await server.close()
+
+    run_bounded(body)
