@@ -55,6 +55,18 @@ class QueueConfig:
     registrations_per_minute: int = key(
         10, "self-registrations allowed per source address and minute (a burst of as many)"
     )
+    # Every HTTP request body has a total deadline and a minimum rate, and a
+    # cap on bodies read at once (issue 39, finding 4; queue_server/http_api.py).
+    http_body_timeout_s: float = key(30.0, "an HTTP request body is whole within this, or 408")
+    http_body_min_rate: int = key(
+        1024, "bytes a second an HTTP request body must keep up (judged after 5 s), or 408"
+    )
+    http_bodies_per_source: int = key(
+        64, "HTTP request bodies read at once from one address, more get 429"
+    )
+    http_bodies_per_identity: int = key(
+        8, "HTTP request bodies read at once for one identity, more get 429"
+    )
     # gRPC server reflection on the client port lists every service to
     # anyone who reaches it (issue 19, finding 15): off unless debugging.
     grpc_reflection: bool = key(False, "answer gRPC server reflection on the client port")
@@ -108,6 +120,10 @@ class QueueConfig:
             raise ConfigError(
                 f"client_auth: one of {', '.join(CLIENT_AUTH_MODES)}, not {self.client_auth!r}"
             )
+        if self.http_body_timeout_s <= 0 or self.http_body_min_rate < 0:
+            raise ConfigError("http_body_timeout_s: positive; http_body_min_rate: not negative")
+        if min(self.http_bodies_per_source, self.http_bodies_per_identity) <= 0:
+            raise ConfigError("http_bodies_per_source, http_bodies_per_identity: positive")
         if self.registrations_per_minute <= 0:
             raise ConfigError("registrations_per_minute must be positive")
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:

@@ -15,9 +15,15 @@ request still incomplete: aiohttp has no separate header-read timeout), and requ
 lines, header fields and the number of headers are limited
 (``max_line_size``, ``max_field_size``, ``max_headers``). aiohttp has no
 body-read timeout either: a body that stops arriving (no byte of it for
-``BODY_IDLE_S``, as nginx's ``client_body_timeout``) is answered 408 here,
-and the connection is closed after at most ``LINGER_S`` (``lingering_time``:
-how long aiohttp reads and drops the rest of a body it did not use).
+``BODY_IDLE_S``, as nginx's ``client_body_timeout``), that is not whole
+within ``BodyLimits.timeout_s`` of its first read however it trickles, or
+that arrives slower than ``BodyLimits.min_rate`` bytes a second once
+``RATE_GRACE_S`` have passed, is answered 408 here, and the connection is
+closed after at most ``LINGER_S`` (``lingering_time``: how long aiohttp
+reads and drops the rest of a body it did not use). At most
+``BodyLimits.per_source`` bodies are read at once from one address and
+``per_identity`` for one identity: one more is answered 429 with
+Retry-After, unread.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,6 +74,7 @@ DEADLINE_HEADER = "X-Deadline-Unix-Ms"
 MAX_TIMEOUT_S = 600.0  # the longest deadline either header may set
 IDLE_TIMEOUT_S = 10.0  # no complete request (line + headers) for this long: closed
 BODY_IDLE_S = 10.0  # no byte of a request body for this long: 408
+RATE_GRACE_S = 5.0  # a body's rate is judged once it has been read this long
 LINGER_S = 2.0  # the unread rest of a body (after 408, 413, 404 ...) is drained this long at most
 MAX_LINE_BYTES = 8190  # the request line (aiohttp's default, stated)
 MAX_FIELD_BYTES = 8190  # one header field
@@ -86,6 +96,18 @@ HTTP_STATUS = {
 }
 
 Call = Callable[[str, bytes, float | None, Caller], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """How long a request body may take, how slowly it may come, and how
+    many may be read at once (the queue server's ``http_body_*`` keys)."""
+
+    timeout_s: float = 30.0  # a body is whole within this of its first read
+    min_rate: int = 1024  # bytes a second, judged after RATE_GRACE_S
+    per_source: int = 64  # bodies read at once from one address (phones behind a NAT share one)
+    per_identity: int = 8  # ... for one identity
+
 
 # What each HTTP route that is not an rpc's (roadlog.rpc) needs: "public",
 # or "rpc:NAME", the rules of the rpc it calls (roadlog.rpc's needs).
@@ -149,8 +171,11 @@ async def errors_as_json(
             405: "METHOD_NOT_ALLOWED",
             408: "REQUEST_TIMEOUT",
             413: "PAYLOAD_TOO_LARGE",
+            429: "RESOURCE_EXHAUSTED",
         }.get(e.status, "INVALID_ARGUMENT")
         resp = error_response(e.status, code, e.reason or e.text or "")
+        if e.status == 429:
+            resp.headers["Retry-After"] = e.headers.get("Retry-After", RETRY_AFTER_S)
         if e.status == 408:
             resp.force_close()  # the rest of a slow body is not waited for
         return resp
@@ -167,6 +192,7 @@ class HttpApi:
         body_idle_s: float = BODY_IDLE_S,
         dashboard: DashboardSettings | None = None,
         authenticate: Callable[[Caller], Awaitable[Principal | None]] | None = None,
+        bodies: BodyLimits | None = None,
     ) -> None:
         self._call = call
         # Checks a caller's credential before its body is read or parsed
@@ -174,6 +200,8 @@ class HttpApi:
         self._authenticate = authenticate
         self._status = status
         self.body_idle_s = body_idle_s
+        self.bodies = bodies or BodyLimits()
+        self._reading: Counter[str] = Counter()  # bodies being read, by "source:.." and "id:.."
         self.dashboard = Dashboard(self, dashboard)
         # topic -> (when read, its partition -> data group map): to route a
         # publish whose pings lie in one data group straight to its leader.
@@ -224,6 +252,7 @@ class HttpApi:
         if self._authenticate is not None and rule != PUBLIC:
             caller = Caller(request.headers.get("Authorization"), request.remote or "")
             principal = await self._authenticate(caller)
+            request["principal"] = principal
             rpc = BY_NAME.get(rule.removeprefix("rpc:"))
             needs = rpc.needs if rpc is not None else rule
             topic = request.match_info.get("name") or request.query.get("topic", "")
@@ -275,6 +304,40 @@ class HttpApi:
         per_ping = ping_groups(cols, groups)
         return int(per_ping[0]) if bool((per_ping == per_ping[0]).all()) else 0
 
+    @contextmanager
+    def _body_slot(self, request: web.Request) -> Iterator[None]:
+        """One of the bodies read at once for the request's source and
+        identity, or 429 with Retry-After (the body left unread)."""
+        principal = request.get("principal")
+        keys = ["source:" + (request.remote or "")]
+        if isinstance(principal, Principal) and principal.client_id:
+            keys.append("id:" + principal.client_id)
+        caps = [self.bodies.per_source, self.bodies.per_identity]
+        for key, cap in zip(keys, caps, strict=False):
+            if self._reading[key] >= cap:
+                who = "this address" if key.startswith("source:") else "this identity"
+                raise web.HTTPTooManyRequests(
+                    reason=f"{cap} request bodies are being read for {who} already: retry",
+                    headers={"Retry-After": RETRY_AFTER_S},
+                )
+        for key in keys:
+            self._reading[key] += 1
+        try:
+            yield
+        finally:
+            for key in keys:
+                self._reading[key] -= 1
+                if not self._reading[key]:
+                    del self._reading[key]
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The request's body, read under the body limits (the module's doc)."""
+        with self._body_slot(request):
+            return await _read_body(request, self.body_idle_s, self.bodies)
+
+    async def _json_object(self, request: web.Request) -> dict[str, Any]:
+        return await _json_object_of(await self._body(request))
+
     # -------------------------------------------------------------- handlers
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -296,7 +359,7 @@ class HttpApi:
         )
 
     async def create_topic(self, request: web.Request) -> web.Response:
-        body = await _json_object(request, self.body_idle_s)
+        body = await self._json_object(request)
         name = _str(body, "name", required=True, max_len=63)
         region = body.get("region")
         bbox = body.get("bbox")
@@ -364,7 +427,7 @@ class HttpApi:
         once however often it is sent again. With the ``producer_id`` of an
         id this client holds: that id under its next epoch (publishes under
         older epochs are refused from then on)."""
-        body = await _json_object(request, self.body_idle_s)
+        body = await self._json_object(request)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
         resume = _int(body, "producer_id", 0, 0, 2**64 - 1)
         init = client_pb2.InitProducerRequest(client_id=client, producer_id=resume)
@@ -372,7 +435,7 @@ class HttpApi:
         return web.json_response({"producer_id": resp.producer_id, "epoch": resp.epoch}, status=201)
 
     async def publish(self, request: web.Request) -> web.Response:
-        body = await _json_object(request, self.body_idle_s)
+        body = await self._json_object(request)
         client = _str(body, "client_id", required=True, max_len=MAX_CLIENT_ID)
         producer_id = _int(body, "producer_id", 0, 0, 2**64 - 1)
         sequence = _int(body, "sequence", 0, 0, 2**63 - 1)
@@ -446,7 +509,7 @@ class HttpApi:
         """A phone's own identity (open self-registration): its client id and
         token, with the scopes produce:* and heatmap:*. The body, if any, is
         an empty JSON object."""
-        raw = await _read_body(request, self.body_idle_s)
+        raw = await self._body(request)
         if raw.strip():
             try:
                 body = json.loads(raw)
@@ -488,27 +551,43 @@ class HttpApi:
 INLINE_JSON_BYTES = 64 << 10
 
 
-async def _read_body(request: web.Request, idle_s: float) -> bytes:
+async def _read_body(request: web.Request, idle_s: float, limits: BodyLimits) -> bytes:
     """The whole body (``request.read``, with its size limit), or 408 once
-    no byte of it arrived for ``idle_s``."""
+    no byte of it arrived for ``idle_s``, it is not whole within
+    ``limits.timeout_s``, or it comes slower than ``limits.min_rate``."""
     read = asyncio.ensure_future(request.read())
-    received = request.content.total_bytes
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    received = first = request.content.total_bytes
+    last_byte = start
     try:
         while True:
-            done, _ = await asyncio.wait([read], timeout=idle_s)
+            done, _ = await asyncio.wait([read], timeout=min(1.0, idle_s))
             if done:
                 return read.result()
-            if request.content.total_bytes == received:
+            now = loop.time()
+            total = request.content.total_bytes
+            if total != received:
+                received, last_byte = total, now
+            if now - last_byte >= idle_s:
                 raise web.HTTPRequestTimeout(
                     reason=f"no byte of the request body arrived for {idle_s:g} s"
                 )
-            received = request.content.total_bytes
+            if now - start >= limits.timeout_s:
+                raise web.HTTPRequestTimeout(
+                    reason=f"the request body was not whole within {limits.timeout_s:g} s"
+                )
+            rate = (received - first) / (now - start)
+            if now - start >= RATE_GRACE_S and rate < limits.min_rate:
+                raise web.HTTPRequestTimeout(
+                    reason=f"the request body came at {rate:.0f} bytes/s, under the "
+                    f"minimum of {limits.min_rate}"
+                )
     finally:
         read.cancel()
 
 
-async def _json_object(request: web.Request, body_idle_s: float) -> dict[str, Any]:
-    raw = await _read_body(request, body_idle_s)
+async def _json_object_of(raw: bytes) -> dict[str, Any]:
     try:
         if len(raw) <= INLINE_JSON_BYTES:
             body = json.loads(raw)

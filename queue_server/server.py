@@ -34,7 +34,7 @@ from discovery.core import DiscoveryCore
 from queue_server.auth import Authenticator, Caller, Gate, Principal, RateLimit
 from queue_server.config import QueueConfig
 from queue_server.dashboard import DashboardSettings
-from queue_server.http_api import HttpApi
+from queue_server.http_api import BodyLimits, HttpApi
 from queue_server.parts import merge as merge_parts
 from queue_server.publish_link import PublishLinkServer
 from queue_server.publish_stream import SERVICE as PUBLISH_STREAM
@@ -843,8 +843,18 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             client_auth=cfg.client_auth,
             registration=cfg.open_registration,
         )
+        bodies = BodyLimits(
+            timeout_s=cfg.http_body_timeout_s,
+            min_rate=cfg.http_body_min_rate,
+            per_source=cfg.http_bodies_per_source,
+            per_identity=cfg.http_bodies_per_identity,
+        )
         http_runner = HttpApi(  # bounded (see HttpApi.runner)
-            qs.client_call, qs.status, dashboard=settings, authenticate=qs.authenticate
+            qs.client_call,
+            qs.status,
+            dashboard=settings,
+            authenticate=qs.authenticate,
+            bodies=bodies,
         ).runner()
         await http_runner.setup()
         # HTTPS with the queue server's certificate (clients have none); plaintext when insecure

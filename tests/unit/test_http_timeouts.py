@@ -2,7 +2,10 @@
 a half-sent request is cut after the idle timeout (a byte now and then does
 not keep it), so is an idle keep-alive connection; a body that does not
 arrive in time gets 408 and the connection closes; an over-long request line
-is refused. A real aiohttp server on loopback, raw sockets as clients."""
+is refused; a body that trickles (a byte now and then) is cut by its total
+deadline or its minimum rate (issue 39, finding 4), and bodies read at once
+are capped per source. A real aiohttp server on loopback, raw sockets as
+clients."""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from queue_server import http_api
 from queue_server.auth import Caller
-from queue_server.http_api import MAX_LINE_BYTES, HttpApi
+from queue_server.http_api import MAX_LINE_BYTES, BodyLimits, HttpApi
 from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit
@@ -38,9 +42,15 @@ def status() -> client_pb2.ClusterStatus:
 Scenario = Callable[[int], Awaitable[None]]
 
 
-def serve(scenario: Scenario) -> None:
+def serve(
+    scenario: Scenario, bodies: BodyLimits | None = None, apis: list[HttpApi] | None = None
+) -> None:
+    """Run ``scenario`` against a server on loopback (``apis`` gets its HttpApi)."""
+
     async def main() -> None:
-        api = HttpApi(never_called, status, body_idle_s=BODY_S)
+        api = HttpApi(never_called, status, body_idle_s=BODY_S, bodies=bodies)
+        if apis is not None:
+            apis.append(api)
         runner = api.runner(idle_timeout_s=IDLE_S, linger_s=LINGER_S)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -161,3 +171,82 @@ def test_a_body_that_keeps_coming_is_read_even_past_the_idle_timeout() -> None:
         writer.close()
 
     serve(scenario)
+
+
+async def _trickle(port: int, every_s: float) -> tuple[bytes, float]:
+    """A 1 MB body sent a byte every ``every_s`` (so the idle timer never
+    fires): what the server answers, and when it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.monotonic()
+    writer.write(
+        b"POST /v1/topics HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000\r\n\r\n{"
+    )
+    eof = asyncio.ensure_future(reader.read())
+    while not eof.done() and time.monotonic() - t0 < DEADLINE_S:
+        writer.write(b" ")
+        await asyncio.wait([eof], timeout=every_s)
+    data = await asyncio.wait_for(eof, DEADLINE_S)
+    writer.close()
+    return data, time.monotonic() - t0
+
+
+def _error(data: bytes) -> tuple[bytes, dict[str, Any]]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, json.loads(body)["error"]
+
+
+def test_a_body_that_trickles_under_the_minimum_rate_gets_408(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(http_api, "RATE_GRACE_S", 0.3)
+
+    async def scenario(port: int) -> None:
+        data, took = await _trickle(port, every_s=0.05)  # 20 bytes a second
+        head, error = _error(data)
+        assert head.startswith(b"HTTP/1.1 408"), data
+        assert "under the minimum of 1024" in error["reason"], error
+        assert took < DEADLINE_S
+
+    serve(scenario, BodyLimits(timeout_s=30, min_rate=1024))
+
+
+def test_a_body_not_whole_within_its_total_deadline_gets_408() -> None:
+    async def scenario(port: int) -> None:
+        data, took = await _trickle(port, every_s=0.05)  # never idle, never whole
+        head, error = _error(data)
+        assert head.startswith(b"HTTP/1.1 408"), data
+        assert "not whole within 1.2 s" in error["reason"], error
+        assert took < DEADLINE_S
+
+    serve(scenario, BodyLimits(timeout_s=1.2, min_rate=0))
+
+
+def test_bodies_read_at_once_from_one_address_are_capped_with_429() -> None:
+    apis: list[HttpApi] = []
+
+    async def scenario(port: int) -> None:
+        head = (
+            b"POST /v1/topics HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        slow = []
+        for _ in range(2):  # two bodies being read: the cap
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(head)
+            slow.append((r, w))
+        deadline = time.monotonic() + DEADLINE_S  # until the server reads both (unfinished)
+        while sum(apis[0]._reading.values()) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(head)
+        data, _ = await closed_within(r, DEADLINE_S)
+        status, error = _error(data)
+        assert status.startswith(b"HTTP/1.1 429"), data
+        assert b"Retry-After: 1" in status and error["code"] == "RESOURCE_EXHAUSTED", data
+        assert "2 request bodies" in error["reason"], error
+        w.close()
+        for _, sw in slow:
+            sw.close()
+
+    serve(scenario, BodyLimits(per_source=2), apis)
