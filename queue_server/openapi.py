@@ -213,9 +213,15 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
         "requestBody": _json_body(
             {
                 "type": "object",
-                "required": ["client_id", "pings"],
+                "required": ["pings"],
                 "properties": {
-                    "client_id": {"type": "string", "minLength": 1},
+                    "client_id": {
+                        "type": "string",
+                        "minLength": 1,
+                        "description": "with a token, not needed: the token's identity "
+                        "publishes (what this says is not believed); needed only where "
+                        "the cluster runs without client identities (client_auth none)",
+                    },
                     "pings": {"type": "array", "items": _PING, "minItems": 1},
                     "producer_id": {
                         "type": "integer",
