@@ -14,7 +14,7 @@ import grpc
 from prometheus_client import Counter
 
 from node_daemon.raft import ConfChange, ConfChangeType
-from node_daemon.replica.replica import NotLeader, RaftNode
+from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.replica.status import node_status
 from node_daemon.store.cluster_membership import Membership
 from node_daemon.store.leader_balance import successor
@@ -88,7 +88,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     """Operators' calls. Changing calls need the cluster's credentials."""
 
     def __init__(
-        self, node: RaftNode, membership: Membership, token: str, stop: asyncio.Event
+        self, node: Replica, membership: Membership, token: str, stop: asyncio.Event
     ) -> None:
         self.node = node
         self.membership = membership
@@ -171,7 +171,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         """Every data group this node leads to ``target`` where it is a voter
         of the group, else to the group's best follower (none: it stays)."""
         for g, n in sorted(self.node.raft_groups.items()):
-            if g == 0 or not n.is_leader or not isinstance(n, RaftNode):
+            if g == 0 or not n.is_leader or not isinstance(n, Replica):
                 continue  # a group another process runs: handed over there
             to = target if target in n.core.conf.voters and target != n.id else successor(n.core)
             if to:

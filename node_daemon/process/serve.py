@@ -26,7 +26,7 @@ from node_daemon.process.grpc_server import node_grpc_server
 from node_daemon.process.identity import node_id_for
 from node_daemon.process.state_metrics import STATE
 from node_daemon.process.worker_metrics import WorkerMetrics, merged_registry
-from node_daemon.process.worker_pool import GroupWorkers, remote_groups, with_workers
+from node_daemon.process.worker_pool import WorkerPool, remote_replicas, with_workers
 from node_daemon.raft import Role
 from node_daemon.replica.status import node_readiness
 from node_daemon.storage.raft_log import LmdbLogStorage
@@ -37,10 +37,11 @@ from node_daemon.store.founded_data_groups import (
     kept_data_groups,
     to_adopt,
 )
-from node_daemon.store.store import RaftGroups
-from node_daemon.work.handler import QueueServerLink, WorkHandler
+from node_daemon.store.store import Store
+from node_daemon.work.handler import WorkHandler
 from node_daemon.work.node_read import NodeReadService
-from node_daemon.work.routing import GroupedWork
+from node_daemon.work.queue_link import QueueServerLink
+from node_daemon.work.routing import WorkRouter
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.health import serve_metrics_and_health
@@ -143,16 +144,14 @@ async def serve(cfg: NodeConfig) -> None:
     log.info("data groups", extra={"data_groups": cfg.data_groups, "place": cfg.place_topics})
     # Group 0 (``node``) and the data groups, if any: here, or in worker
     # processes (``workers``), read from here as RemoteGroups.
-    remote = remote_groups(cfg) if with_workers(cfg) else {}
-    groups = RaftGroups(cfg, local=[0], remote=remote) if remote else RaftGroups(cfg)
+    remote = remote_replicas(cfg) if with_workers(cfg) else {}
+    groups = Store(cfg, local=[0], remote=remote) if remote else Store(cfg)
     node = groups.meta
     links: dict[str, QueueServerLink] = {}
     worker_metrics = WorkerMetrics() if remote else None
     # The worker processes: made (their groups' ports told as "not listening
     # yet") before any peer can ask, started once the links are.
-    workers = (
-        GroupWorkers(cfg, node, remote, lambda: list(links), worker_metrics) if remote else None
-    )
+    workers = WorkerPool(cfg, node, remote, lambda: list(links), worker_metrics) if remote else None
     STATE.watch(node.sm)  # topics, group lag, heat-map age on /metrics
     membership = Membership(node, token, sync_addresses=discovered_peers)
     stop = asyncio.Event()
@@ -204,7 +203,7 @@ async def serve(cfg: NodeConfig) -> None:
 
     await groups.start(driver_failed)
     # A handler per Raft group the node runs; items go by WorkItem.group.
-    executor = GroupedWork(
+    executor = WorkRouter(
         {0: WorkHandler(node)} | {g: WorkHandler(n) for g, n in groups.data.items()}
     )
     executor.meta.groups.start()  # consumer groups live in group 0

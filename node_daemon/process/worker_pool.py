@@ -3,9 +3,9 @@
 that many worker processes (``worker_process``), each on a core of its
 own, group g in worker (g-1) mod W.
 
-``GroupWorkers`` starts them, tells each group 0's figures as they move
+``WorkerPool`` starts them, tells each group 0's figures as they move
 (commit index, configuration, addresses, queue servers), keeps what each
-tells of its groups (``RemoteGroup``: what group 0's handlers read, and the
+tells of its groups (``RemoteReplica``: what group 0's handlers read, and the
 node's status shows) and its ports (the peer transport's ``group_ports``,
 so peers send each group's messages to its worker), and starts a worker
 again when it dies (its groups' followers elsewhere carry on meanwhile).
@@ -38,8 +38,8 @@ from node_daemon.process import worker_process
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
 from node_daemon.process.worker_metrics import WorkerMetrics
 from node_daemon.process.worker_process import WorkerSpec, barrier_answer, shares
-from node_daemon.replica.remote import RemoteGroup
-from node_daemon.replica.replica import RaftNode, group_data_dir
+from node_daemon.replica.remote import RemoteReplica
+from node_daemon.replica.replica import Replica, group_data_dir
 from node_daemon.transport.peer_transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
 
@@ -52,11 +52,12 @@ STEADY_S = 60.0  # a worker up this long starts its backoff over
 STOP_WAIT_S = 15.0
 
 
-def remote_groups(cfg: NodeConfig) -> dict[int, RemoteGroup]:
+def remote_replicas(cfg: NodeConfig) -> dict[int, RemoteReplica]:
     """Each data group, as the main process reads it."""
     data = Path(cfg.data_dir)
     return {
-        g: RemoteGroup(g, group_data_dir(data, g) / "state") for g in range(1, cfg.data_groups + 1)
+        g: RemoteReplica(g, group_data_dir(data, g) / "state")
+        for g in range(1, cfg.data_groups + 1)
     }
 
 
@@ -79,12 +80,12 @@ class _Worker:
     asks: BarrierAsks = field(default_factory=BarrierAsks)  # its groups' ReadIndexes asked
 
 
-class GroupWorkers:
+class WorkerPool:
     def __init__(
         self,
         cfg: NodeConfig,
-        meta: RaftNode,
-        remote: dict[int, RemoteGroup],
+        meta: Replica,
+        remote: dict[int, RemoteReplica],
         queue_servers: Callable[[], list[str]],
         metrics: WorkerMetrics | None = None,
     ) -> None:

@@ -4,11 +4,11 @@ own (docs/multiraft.md step 5).
 The node's main process (``worker_pool``) starts one per ``workers``,
 with ``multiprocessing``'s spawn (gRPC and LMDB handles do not survive a
 fork), and tells it which groups are its (group g in worker (g-1) mod W).
-A worker runs each of its groups as a ``RaftNode``, with its own event
+A worker runs each of its groups as a ``Replica``, with its own event
 loop, LMDB environments (``groups/<g>/``), peer transport (its own gRPC and
 framed ports, which the main process tells peers: ``group_ports``) and
 Work links to every queue server (``data_groups_only``). It reads group 0
-as a ``RemoteGroup``: the main process's replica, read-only, and group 0's
+as a ``RemoteReplica``: the main process's replica, read-only, and group 0's
 commit index, configuration, addresses and queue servers as the main
 process tells them over the pipe.
 
@@ -49,14 +49,15 @@ from node_daemon.config import NodeConfig
 from node_daemon.process import worker_metrics
 from node_daemon.process.grpc_server import node_grpc_server
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
-from node_daemon.replica.remote import RemoteGroup
-from node_daemon.replica.replica import NotLeader, RaftNode, group_data_dir
+from node_daemon.replica.remote import RemoteReplica
+from node_daemon.replica.replica import NotLeader, Replica, group_data_dir
 from node_daemon.replica.status import group_status
 from node_daemon.store.leader_balance import successor
-from node_daemon.store.store import RaftGroups
+from node_daemon.store.store import Store
 from node_daemon.transport.peer_transport import PeerTransport
-from node_daemon.work.handler import QueueServerLink, WorkHandler
-from node_daemon.work.routing import GroupedWork
+from node_daemon.work.handler import WorkHandler
+from node_daemon.work.queue_link import QueueServerLink
+from node_daemon.work.routing import WorkRouter
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.auth import cluster_token
 from roadlog.runtime.logs import setup_logging
@@ -138,13 +139,13 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     reading = asyncio.get_running_loop().create_task(read_pipe())
     secret = cfg.secret()
     token = cluster_token(secret, cfg.cluster_name)
-    group0 = RemoteGroup(0, group_data_dir(Path(cfg.data_dir), 0) / "state")
+    group0 = RemoteReplica(0, group_data_dir(Path(cfg.data_dir), 0) / "state")
     first = await inbox.get()
     if first.get("kind") != "group0":
         return  # the main process went away before it said anything
     _take_group0(group0, first)
     transport = PeerTransport.bare(cfg.node_id, cfg.cluster_name, secret)
-    groups = RaftGroups(cfg, local=spec.groups, group0=group0, transport=transport)
+    groups = Store(cfg, local=spec.groups, group0=group0, transport=transport)
     groups.update_addresses(first["addresses"])
     server = node_grpc_server(token)
     raft_pb2_grpc.add_RaftPeerServicer_to_server(transport, server)
@@ -178,7 +179,7 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
         stop.set()
 
     await groups.start(driver_failed)
-    executor = GroupedWork({g: WorkHandler(n) for g, n in groups.data.items()})
+    executor = WorkRouter({g: WorkHandler(n) for g, n in groups.data.items()})
     any_node = next(iter(groups.data.values()))
     links: dict[str, QueueServerLink] = {}
 
@@ -271,12 +272,12 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     log.info("worker stopped", extra={"worker": spec.index})
 
 
-async def _barrier(groups: RaftGroups, pipe: ProcessPipe, msg: dict[str, Any]) -> None:
+async def _barrier(groups: Store, pipe: ProcessPipe, msg: dict[str, Any]) -> None:
     """A ReadIndex of one of this worker's groups, for the main process."""
     pipe.send(await barrier_answer(groups.nodes.get(int(msg["group"])), msg))
 
 
-async def barrier_answer(node: RaftNode | None, msg: dict[str, Any]) -> dict[str, Any]:
+async def barrier_answer(node: Replica | None, msg: dict[str, Any]) -> dict[str, Any]:
     """The answer to a "read_barrier" ask: a ReadIndex of ``node``'s group
     (None: this process runs no such group), or why there is none."""
     answer: dict[str, Any] = {"kind": "barrier", "id": msg["id"]}
@@ -289,11 +290,11 @@ async def barrier_answer(node: RaftNode | None, msg: dict[str, Any]) -> dict[str
     return answer
 
 
-def _take_group0(group0: RemoteGroup, msg: dict[str, Any]) -> None:
+def _take_group0(group0: RemoteReplica, msg: dict[str, Any]) -> None:
     group0.told(msg["committed"], msg["voters"], msg["learners"], leader=False)
 
 
-async def _hand_to(groups: RaftGroups, target: int) -> None:
+async def _hand_to(groups: Store, target: int) -> None:
     """Every group this worker leads to ``target`` where it is a voter of the
     group, else to the group's best follower (none: it stays)."""
     for _, n in sorted(groups.data.items()):
@@ -309,7 +310,7 @@ class _Teller:
     """Tells the main process each group's figures as they move, at most
     every TELL_EVERY_S."""
 
-    def __init__(self, pipe: ProcessPipe, nodes: dict[int, RaftNode]) -> None:
+    def __init__(self, pipe: ProcessPipe, nodes: dict[int, Replica]) -> None:
         self.pipe = pipe
         self.nodes = nodes
         self._told: dict[int, tuple[Any, ...]] = {}

@@ -3,13 +3,13 @@
 Groups of one node read each other: group 0's handlers serve fetches, topic
 offsets and give-to-get from the data groups' replicas, and a data group's
 leader checks producer ids and follows topics and membership in group 0's.
-``Replica`` is what they read; a ``RaftNode`` in the same process is one,
-and so is a ``RemoteGroup``: a group that another process of this node
+``ReplicaView`` is what they read; a ``Replica`` in the same process is one,
+and so is a ``RemoteReplica``: a group that another process of this node
 runs (worker processes, step 5), read through a read-only view of its
 state (``StateReplicaView``) and the live figures (commit index,
 configuration, role, status) that process last told.
 
-Invariants: a ``RemoteGroup`` never writes; its state is never older than
+Invariants: a ``RemoteReplica`` never writes; its state is never older than
 one it showed before; its figures are the last told, so a reader that
 needs an index waits for the state to apply it (``wait_applied``), never
 for the figures alone.
@@ -28,7 +28,7 @@ from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2
 
 
-class Replica(Protocol):
+class ReplicaView(Protocol):
     """What one group of a node reads of another."""
 
     group: int
@@ -51,7 +51,7 @@ class Replica(Protocol):
 WAIT_FOREVER_S = 3600.0  # a wait without a timeout, bounded all the same
 
 
-class RemoteGroup:
+class RemoteReplica:
     """Group ``group``, run by another process of this node; ``state_dir``
     is its state's directory (``groups/<g>/state``, or ``state`` for 0)."""
 
@@ -82,7 +82,7 @@ class RemoteGroup:
 
     async def wait_applied(self, index: int, timeout: float | None = None) -> None:
         """Until the state applied ``index``; TimeoutError after ``timeout``
-        (as ``RaftNode.wait_applied``)."""
+        (as ``Replica.wait_applied``)."""
         try:
             await self.view.wait_applied(index, WAIT_FOREVER_S if timeout is None else timeout)
         except RoadlogError as e:

@@ -1,4 +1,4 @@
-"""RaftNode: the Raft core driven by asyncio, a leader's LMDB off the event loop.
+"""Replica: the Raft core driven by asyncio, a leader's LMDB off the event loop.
 
 One driver task owns the core. Everything else (peer messages, proposals,
 timer ticks, admin requests) reaches it as a callable in the inbox. The
@@ -88,7 +88,7 @@ from node_daemon.replica.log_clock import (
     decode_reading,
     encode_reading,
 )
-from node_daemon.replica.remote import Replica
+from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.snapshots import Snapshots
 from node_daemon.state import unsynced
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
@@ -188,7 +188,7 @@ class NotLeader(Exception):
 _Futures = list[asyncio.Future[OpResult]]  # one per op of a proposed entry
 
 
-class RaftNode:
+class Replica:
     """One Raft group's replica on this node. ``group`` 0 (the default) is
     the metadata group, which owns the peer transport unless one is given;
     a data group is given group 0's ``transport`` and shares its links."""
@@ -199,12 +199,12 @@ class RaftNode:
         self.cfg = cfg
         self.id = cfg.node_id
         self.group = group
-        # Every group this node runs, by number (RaftGroups fills it in; a
+        # Every group this node runs, by number (Store fills it in; a
         # node run alone runs its own group only).
-        self.raft_groups: dict[int, Replica] = {group: self}
-        # The groups whose I/O shares this node's event loop (RaftGroups
+        self.raft_groups: dict[int, ReplicaView] = {group: self}
+        # The groups whose I/O shares this node's event loop (Store
         # sets them; see _writes_inline).
-        self.loop_mates: list[RaftNode] = [self]
+        self.loop_mates: list[Replica] = [self]
         data = group_data_dir(Path(cfg.data_dir), group)
         # A log the disk damaged is set aside: this group then starts empty
         # and catches up (a node with no peer to catch it up refuses to start).
@@ -569,7 +569,7 @@ class RaftNode:
         return self.addresses.get(node, "")
 
     # What another group of this node reads of this one (the same calls as a
-    # replica run by another process answers: ``remote.RemoteGroup``).
+    # replica run by another process answers: ``remote.RemoteReplica``).
 
     def committed_index(self) -> int:
         """The commit index this replica knows of."""
@@ -591,7 +591,7 @@ class RaftNode:
         so the process stops instead of living on with a dead Raft loop.
         ``own_ticker`` False: whoever runs this node's groups calls
         ``tick()`` for all of them at once (their heartbeats then leave
-        together, RaftGroups)."""
+        together, Store)."""
         loop = self._loop = asyncio.get_running_loop()
         drive = loop.create_task(self._drive())
         self._tasks = [drive]

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from node_daemon.replica.remote import Replica
-from node_daemon.replica.replica import RaftNode
+from node_daemon.replica.remote import ReplicaView
+from node_daemon.replica.replica import Replica
 from roadlog.status import role_name
 from roadlog.v1 import client_pb2
 
 
-def group_status(node: Replica) -> client_pb2.GroupStatus:
+def group_status(node: ReplicaView) -> client_pb2.GroupStatus:
     """One Raft group's figures on this node (a group another process of the
     node runs: as that process last told them)."""
-    if not isinstance(node, RaftNode):
+    if not isinstance(node, Replica):
         told = getattr(node, "status", None)
         return told if told is not None else client_pb2.GroupStatus(id=node.group)
     core = node.core
@@ -32,7 +32,7 @@ def group_status(node: Replica) -> client_pb2.GroupStatus:
     )
 
 
-def node_status(node: RaftNode) -> client_pb2.NodeStatus:
+def node_status(node: Replica) -> client_pb2.NodeStatus:
     """The node's status: group 0's figures, and each group's in ``groups``."""
     core = node.core
     return client_pb2.NodeStatus(
@@ -52,7 +52,7 @@ def node_status(node: RaftNode) -> client_pb2.NodeStatus:
     )
 
 
-def node_readiness(node: RaftNode, member: bool) -> tuple[bool, dict[str, Any]]:
+def node_readiness(node: Replica, member: bool) -> tuple[bool, dict[str, Any]]:
     """/readyz: ready once the node knows a leader and is a member; the
     detail is its status (``node_id`` names it, as operators' tools expect)."""
     ns = node_status(node)

@@ -112,7 +112,7 @@ def _offset_key(group: str, partition: int) -> bytes:
     return group.encode() + b"\x00" + struct.pack(">I", partition)
 
 
-class GroupTables:
+class ConsumerGroupTables:
     """The ``groups`` (name -> Group) and ``offsets`` (name, partition ->
     offset, ms) databases."""
 

@@ -48,7 +48,7 @@ from node_daemon.raft.errors import MissingEntryError
 from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.batch_refs import EntrySource
 from node_daemon.state.clients import ClientTables
-from node_daemon.state.consumer_groups import GROUP_RETENTION_MS, GroupTables
+from node_daemon.state.consumer_groups import GROUP_RETENTION_MS, ConsumerGroupTables
 from node_daemon.state.heatmaps import (
     DEFAULT_CONTRIBUTION_WINDOW_MS,
     HEATMAP_KEEP_NEWEST,
@@ -284,7 +284,7 @@ class StateMachine:
         self._more: Any = None
         self._open_pieces()
         self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
-        self.groups = GroupTables(db(b"groups"), db(b"offsets"), self.meta)
+        self.consumer_groups = ConsumerGroupTables(db(b"groups"), db(b"offsets"), self.meta)
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         self.clients = ClientTables(db(b"clients"), self.meta)
         with self.env.begin() as txn:
@@ -382,7 +382,7 @@ class StateMachine:
         same entries: entries are applied in order, one call at a time, and
         what appends remember always mirrors what is stored. So ``apply``
         answers the same (tested), and a leader can send these as soon as
-        the entries commit and store them after (``RaftNode._apply_job``),
+        the entries commit and store them after (``Replica._apply_job``),
         or tell them while the entries are being written, valid while
         ``generation`` (moved by every apply and every ``_forget``) stays
         what it was when they were told."""
@@ -523,7 +523,7 @@ class StateMachine:
             for pid in op.trim.expired_producers:
                 self._forget_producer(txn, pid)
             if op.trim.group_retention_ms:  # 0: an entry from before group expiry
-                self.groups.expire(txn, self._log_ms - op.trim.group_retention_ms)
+                self.consumer_groups.expire(txn, self._log_ms - op.trim.group_retention_ms)
             return b""
         if kind == "add_peer":
             ap = op.add_peer
@@ -534,20 +534,20 @@ class StateMachine:
         if kind == "join_group":
             req = op.join_group.request
             topic = self._topic(txn, req.topic)
-            resp = self.groups.join(
+            resp = self.consumer_groups.join(
                 txn, req, topic.spec.partitions, leader_ms, index, op.join_group
             )
             return resp.SerializeToString()
         if kind == "leave_group":
-            g = self.groups.get(txn, op.leave_group.group)
+            g = self.consumer_groups.get(txn, op.leave_group.group)
             nparts = self._topic(txn, g.topic).spec.partitions if g is not None else 0
-            gen = self.groups.leave(
+            gen = self.consumer_groups.leave(
                 txn, op.leave_group.group, list(op.leave_group.member_ids), nparts, self._log_ms
             )
             return client_pb2.LeaveGroupResponse(generation=gen).SerializeToString()
         if kind == "commit_offsets":
             commit = op.commit_offsets.request
-            g = self.groups.get(txn, commit.group)
+            g = self.consumer_groups.get(txn, commit.group)
             if g is None:
                 raise RoadlogError(Code.NOT_FOUND, f"no group {commit.group!r}")
             topic = self._topic(txn, g.topic)
@@ -563,17 +563,19 @@ class StateMachine:
                     if o.partition < topic.spec.partitions
                 }
             )
-            self.groups.commit(txn, commit, ends, leader_ms, topic.spec.partitions)
+            self.consumer_groups.commit(txn, commit, ends, leader_ms, topic.spec.partitions)
             return client_pb2.CommitOffsetsResponse(applied_index=index).SerializeToString()
         if kind == "release_partitions":
             rel = op.release_partitions
-            g = self.groups.get(txn, rel.group)
+            g = self.consumer_groups.get(txn, rel.group)
             if g is not None:
                 nparts = self._topic(txn, g.topic).spec.partitions
-                self.groups.release(txn, rel.group, rel.member_id, list(rel.partitions), nparts)
+                self.consumer_groups.release(
+                    txn, rel.group, rel.member_id, list(rel.partitions), nparts
+                )
             return b""
         if kind == "delete_group":
-            self.groups.delete(txn, op.delete_group.group)
+            self.consumer_groups.delete(txn, op.delete_group.group)
             return client_pb2.DeleteGroupResponse(
                 deleted=True, applied_index=index
             ).SerializeToString()
@@ -685,7 +687,7 @@ class StateMachine:
         for key in [k for k, _ in cur if k[8:12] == prefix]:
             txn.delete(key, db=self.producers)
         self.heat.drop_topic(txn, topic.id)
-        self.groups.drop_topic(txn, name)
+        self.consumer_groups.drop_topic(txn, name)
         txn.delete(name.encode(), db=self.topics)
 
     def _topic(self, txn: Any, name: str) -> topics_pb2.Topic:
@@ -1171,21 +1173,21 @@ class StateMachine:
 
     def describe_group(self, name: str) -> groups_pb2.GroupDescription:
         with self.env.begin() as txn:
-            return self.groups.describe(txn, name)
+            return self.consumer_groups.describe(txn, name)
 
     def list_groups(self) -> list[groups_pb2.GroupDescription]:
         with self.env.begin() as txn:
-            return [self.groups.describe(txn, n) for n in self.groups.names(txn)]
+            return [self.consumer_groups.describe(txn, n) for n in self.consumer_groups.names(txn)]
 
     def group_records(self) -> list[groups_pb2.Group]:
         """Every consumer group without its offsets (the leader's scan)."""
         with self.env.begin() as txn:
-            return self.groups.records(txn)
+            return self.consumer_groups.records(txn)
 
     def group_join_refusal(self, op: command_pb2.JoinGroupOp) -> RoadlogError | None:
         """Why the join would pass a group quota (the leader asks first)."""
         with self.env.begin() as txn:
-            return self.groups.quota_refusal(txn, op)
+            return self.consumer_groups.quota_refusal(txn, op)
 
     def monitoring_figures(self) -> tuple[list[TopicFigures], list[GroupFigures]]:
         """Per topic and per consumer group, what a node exports for
@@ -1209,8 +1211,8 @@ class StateMachine:
                         heatmap_window_end_ms=hm.window_end_ms if hm else 0,
                     )
                 )
-            for name in self.groups.names(txn):
-                d = self.groups.describe(txn, name)
+            for name in self.consumer_groups.names(txn):
+                d = self.consumer_groups.describe(txn, name)
                 if d.group.topic not in topics:
                     continue
                 committed = {o.partition: o.offset for o in d.offsets}
@@ -1427,8 +1429,8 @@ class StateMachine:
                 (b"timeidx", self.timeidx),
                 (b"producers", self.producers),
                 (b"meta", self.meta),
-                (b"groups", self.groups.groups),
-                (b"offsets", self.groups.offsets),
+                (b"groups", self.consumer_groups.groups),
+                (b"offsets", self.consumer_groups.offsets),
                 (b"contrib", self.heat.contrib),
                 (b"heatmaps", self.heat.heatmaps),
                 (b"clients", self.clients.clients),

@@ -6,7 +6,7 @@ Two signals say the disk is low: a periodic look at the filesystem (free
 bytes below ``min_free_bytes``), and a write that failed for want of space
 (``StorageFullError``: the disk, or the LMDB map at its maximum size). A
 failed log write or apply is retried, with backoff, until it goes through
-(see ``RaftNode``); it is never given up, since Raft cannot skip a write.
+(see ``Replica``); it is never given up, since Raft cannot skip a write.
 
 Invariant: ``low`` is True from a failed write until a retry of it goes
 through, and whenever the last look found less than ``min_free_bytes``.

@@ -27,7 +27,7 @@ import grpc
 from discovery.core import Join
 from discovery.protocol import Member
 from node_daemon.raft import ConfChange, ConfChangeType, Role
-from node_daemon.replica.replica import NotLeader, RaftNode
+from node_daemon.replica.replica import NotLeader, Replica
 from roadlog.runtime import tls
 from roadlog.runtime.auth import token_metadata
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, command_pb2
@@ -39,7 +39,7 @@ CATCH_UP_LAG = 64  # a learner within this many entries of the leader is caught 
 
 
 class Membership:
-    def __init__(self, node: RaftNode, token: str, sync_addresses: bool = True) -> None:
+    def __init__(self, node: Replica, token: str, sync_addresses: bool = True) -> None:
         self.node = node
         self.token = token
         self.sync_addresses = sync_addresses  # off for a static peer list

@@ -20,11 +20,11 @@ LOCK_FILE = "worker.lock"
 LOCK_WAIT_S = 30.0  # a group's lock still held (its last process exiting): wait this long
 
 
-class GroupBusyError(RuntimeError):
+class DataGroupBusyError(RuntimeError):
     """Another process still runs the group."""
 
 
-def lock_groups(directories: Iterable[Path], wait_s: float = LOCK_WAIT_S) -> list[int]:
+def lock_data_groups(directories: Iterable[Path], wait_s: float = LOCK_WAIT_S) -> list[int]:
     """Lock each group directory (made if missing); returns the open
     descriptors that hold the locks (closing one releases its lock)."""
     fds: list[int] = []
@@ -40,7 +40,7 @@ def lock_groups(directories: Iterable[Path], wait_s: float = LOCK_WAIT_S) -> lis
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise GroupBusyError(f"{d} is still run by another process") from None
+                        raise DataGroupBusyError(f"{d} is still run by another process") from None
                     time.sleep(0.1)
     except BaseException:
         for fd in fds:

@@ -2,7 +2,7 @@
 
 Group 0, the metadata group, is the node as it always was: its log, state
 and snapshots in the data directory, and the peer transport. Data groups
-1..G (``data_groups`` above 1) each run a ``RaftNode`` of their own, with
+1..G (``data_groups`` above 1) each run a ``Replica`` of their own, with
 their own log, state machine and snapshots under ``groups/<g>``, and share
 group 0's links to the peers (every message says its group).
 
@@ -20,7 +20,7 @@ Invariants:
 - A graceful stop first hands every group the node leads to another voter
   (``hand_over``), so no group waits out an election timeout for it.
 - A worker process (docs/multiraft.md step 5) runs a share of the data
-  groups and not group 0: it reads group 0 as a ``RemoteGroup`` (the main
+  groups and not group 0: it reads group 0 as a ``RemoteReplica`` (the main
   process's replica, read-only, and the figures it tells), and its groups
   have a transport of their own.
 - Each data group's leader makes its group's membership follow group 0's
@@ -42,10 +42,10 @@ from typing import Any
 
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
-from node_daemon.replica.remote import Replica
-from node_daemon.replica.replica import NotLeader, RaftNode, group_data_dir
+from node_daemon.replica.remote import ReplicaView
+from node_daemon.replica.replica import NotLeader, Replica, group_data_dir
 from node_daemon.store.cluster_membership import CATCH_UP_LAG, STEP_S
-from node_daemon.store.data_group_lock import lock_groups
+from node_daemon.store.data_group_lock import lock_data_groups
 from node_daemon.store.data_group_membership import must_hand_over, next_change
 from node_daemon.store.data_group_topics import next_topic_op
 from node_daemon.store.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
@@ -55,7 +55,7 @@ from roadlog.errors import Code, RoadlogError
 log = logging.getLogger("roadlog.node")
 
 
-class RaftGroups:
+class Store:
     """The groups this process runs. ``local``: which (default: group 0 and
     every data group); without group 0 (a worker process), ``group0`` is
     group 0 as read from here and ``transport`` the process's own.
@@ -66,32 +66,32 @@ class RaftGroups:
         self,
         cfg: NodeConfig,
         local: Iterable[int] | None = None,
-        group0: Replica | None = None,
+        group0: ReplicaView | None = None,
         transport: PeerTransport | None = None,
-        remote: Mapping[int, Replica] | None = None,
+        remote: Mapping[int, ReplicaView] | None = None,
     ) -> None:
         self.cfg = cfg
         if local is None:
             local = range(cfg.data_groups + 1) if cfg.data_groups > 1 else [0]
         groups = sorted(set(local))
-        self.nodes: dict[int, RaftNode] = {}
+        self.nodes: dict[int, Replica] = {}
         if 0 in groups:
-            self.nodes[0] = RaftNode(cfg)
+            self.nodes[0] = Replica(cfg)
             transport = self.nodes[0].transport
         elif group0 is None or transport is None:
             raise ValueError("a process without group 0 reads it from elsewhere, on its own links")
         assert transport is not None
         self.transport = transport
-        here: Replica | None = self.nodes.get(0)
-        self.group0: Replica = here if here is not None else group0  # type: ignore[assignment]
+        here: ReplicaView | None = self.nodes.get(0)
+        self.group0: ReplicaView = here if here is not None else group0  # type: ignore[assignment]
         # No other process of this node runs these groups meanwhile.
         data_dir = Path(cfg.data_dir)
-        self._locks = lock_groups(group_data_dir(data_dir, g) for g in groups if g)
+        self._locks = lock_data_groups(group_data_dir(data_dir, g) for g in groups if g)
         for g in groups:
             if g:
-                self.nodes[g] = RaftNode(cfg, g, transport)
+                self.nodes[g] = Replica(cfg, g, transport)
         # What the groups read of each other: every group of the node.
-        reads: dict[int, Replica] = {0: self.group0, **(remote or {}), **self.nodes}
+        reads: dict[int, ReplicaView] = {0: self.group0, **(remote or {}), **self.nodes}
         for node in self.nodes.values():
             node.raft_groups = reads
             node.loop_mates = list(self.nodes.values())
@@ -99,12 +99,12 @@ class RaftGroups:
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
-    def meta(self) -> RaftNode:
+    def meta(self) -> Replica:
         """Group 0, run here (the main process)."""
         return self.nodes[0]
 
     @property
-    def data(self) -> dict[int, RaftNode]:
+    def data(self) -> dict[int, Replica]:
         """The data groups run here (none when every partition is in group 0)."""
         return {g: n for g, n in self.nodes.items() if g != 0}
 
@@ -218,7 +218,7 @@ class RaftGroups:
             )
         return done
 
-    async def _follow_topics(self, g: int, node: RaftNode, meta_topics: dict[str, Any]) -> None:
+    async def _follow_topics(self, g: int, node: Replica, meta_topics: dict[str, Any]) -> None:
         op = next_topic_op(meta_topics, node.sm.topic_records(), g)
         if op is None:
             return

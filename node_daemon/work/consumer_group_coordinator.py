@@ -18,8 +18,8 @@ import logging
 import time
 import uuid
 
-from node_daemon.replica.remote import Replica
-from node_daemon.replica.replica import NotLeader, RaftNode
+from node_daemon.replica.remote import ReplicaView
+from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.state.consumer_groups import check_group_name, default_quotas, session_timeout
 from node_daemon.state.machine import OpResult
 from roadlog.errors import Code, RoadlogError
@@ -32,7 +32,7 @@ EXPIRY_CHECK_S = 0.25
 COMMIT_CATCH_UP_S = 1.0  # how long a commit waits for a data group's replica here
 
 
-def _end_of(data: Replica, topic: str, partition: int) -> int:
+def _end_of(data: ReplicaView, topic: str, partition: int) -> int:
     """The partition's next offset in ``data``'s replica (0: not placed
     there yet, nothing stored); UNAVAILABLE while the replica (run by
     another process) cannot be read."""
@@ -45,8 +45,8 @@ def _end_of(data: Replica, topic: str, partition: int) -> int:
         return 0
 
 
-class GroupCoordinator:
-    def __init__(self, node: RaftNode) -> None:
+class ConsumerGroupCoordinator:
+    def __init__(self, node: Replica) -> None:
         self.node = node
         self.last_seen: dict[tuple[str, str], float] = {}
         # (group, member) -> (its revoking partitions, when first seen so)

@@ -1,7 +1,7 @@
-"""The node's side of the work protocol: pull work from every queue server,
-do it, answer. Writes are validated here (on the leader, before they enter
-the log) and proposed; reads are answered from this node's own LMDB once it
-has applied the read's fence.
+"""The node's side of the work protocol: do a work item of a queue server
+(``queue_link`` pulls them) and answer it. Writes are validated here (on the
+leader, before they enter the log) and proposed; reads are answered from this
+node's own LMDB once it has applied the read's fence.
 """
 
 from __future__ import annotations
@@ -12,17 +12,15 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from node_daemon import metrics
-from node_daemon.replica.remote import Replica
-from node_daemon.replica.replica import PAST_DEADLINE, NotLeader, RaftNode
-from node_daemon.replica.status import node_status
+from node_daemon.replica.remote import ReplicaView
+from node_daemon.replica.replica import PAST_DEADLINE, NotLeader, Replica
 from node_daemon.state.machine import (
     MAX_PRODUCER_IDS_PER_CLIENT,
     PRODUCER_ID_LIFETIME_MS,
@@ -36,8 +34,7 @@ from node_daemon.work.appends import (
     prepare_appends,
     split_by_group,
 )
-from node_daemon.work.consumer_group_coordinator import GroupCoordinator
-from node_daemon.work.routing import Executor, group_states
+from node_daemon.work.consumer_group_coordinator import ConsumerGroupCoordinator
 from roadlog import columnar, round_trace
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, parse_region
@@ -46,30 +43,21 @@ from roadlog.limits import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     PAGE_BYTES,
-    WORK_BATCH_BYTES,
-    WORK_MESSAGE_BYTES,
-    grpc_options,
 )
 from roadlog.placement import group_of
 from roadlog.rpc import ROUTED
-from roadlog.runtime import frames, tls
-from roadlog.runtime.auth import token_metadata
 from roadlog.scopes import PHONE_SCOPES, ScopeError, check_client_name, check_scopes
 from roadlog.v1 import (
     client_pb2,
     clients_pb2,
     command_pb2,
-    raft_pb2,
     topics_pb2,
     work_pb2,
-    work_pb2_grpc,
 )
 from roadlog.validation import BatchRejected
 
 log = logging.getLogger("roadlog.worker")
 
-WRITE_CREDIT = 256
-READ_CREDIT = 64
 RETRY_ELSEWHERE = Code.UNAVAILABLE  # the queue server gives it to another node
 MAX_BATCH_REQUESTS = 4096  # requests in one PublishBatch
 EAGER_PUBLISHES = 8  # this many waiting publishes are validated without waiting for the log
@@ -78,23 +66,11 @@ EAGER_PUBLISHES = 8  # this many waiting publishes are validated without waiting
 # 19-24% more ingest with 1000-ping messages); beyond it (about 15 ms of
 # work) a thread keeps the loop free for heartbeats.
 INLINE_VALIDATE_BYTES = 4 << 20
-# How often at most a node tells a queue server its indexes: while fenced
-# reads need them there (FenceWait: they wait for an index this node has not
-# told, or came in lately; always for a queue server that never says), and
-# otherwise (then with its full NodeStatus, which rides on a message at most
-# that often). Role and leader moves go at once; the indexes ride on every
-# result.
-INDEX_EVERY_S = 0.005
-INDEX_IDLE_S = 0.1
 
 
 # Metric children bound once: labels() per work item costs more than the count.
 _WORK_DONE = {True: metrics.WORK_DONE.labels("write"), False: metrics.WORK_DONE.labels("read")}
 _VALIDATE_SECONDS = metrics.STAGE_SECONDS.labels("validate")
-
-# When a queue-server link last told what (a module attribute: tests
-# replace it to drive the telling periods without real time passing).
-_clock = time.monotonic
 
 Outcome = OpResult | BaseException  # a publish's result, or why it has none
 
@@ -208,7 +184,7 @@ def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Future[OpRe
             call.settle(i, res)
 
 
-async def _placed(node: Replica, name: str, topic_id: int) -> None:
+async def _placed(node: ReplicaView, name: str, topic_id: int) -> None:
     """Until data group replica ``node`` holds topic ``name`` with
     ``topic_id`` (placed by its leader as it follows group 0), up to
     PLACEMENT_WAIT_S: then UNAVAILABLE (the queue server tries again)."""
@@ -246,11 +222,11 @@ def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
 
 
 class WorkHandler:
-    """Turns work items into results against one RaftNode. A work item's
+    """Turns work items into results against one Replica. A work item's
     method is an rpc of ``roadlog.rpc``; the method of this class named by
     its ``handler`` does it (``PublishBatch``: ``publish_batch``)."""
 
-    def __init__(self, node: RaftNode) -> None:
+    def __init__(self, node: Replica) -> None:
         self.node = node
         self.cpu = ThreadPoolExecutor(2, thread_name_prefix="work")
         self._regions: dict[tuple[str, int], Region] = {}
@@ -258,7 +234,7 @@ class WorkHandler:
         self._waiting = 0  # publishes in self._publishes
         self._publish_wakeup = asyncio.Event()
         self._merger: asyncio.Task[None] | None = None
-        self.groups = GroupCoordinator(node)
+        self.groups = ConsumerGroupCoordinator(node)
         self._read_links: set[object] = set()  # queue servers where fenced reads come in
         self._placed_topics: set[str] = set()  # a data group's: topics seen placed here
         # Write items being done, by the item object (ids are per queue server,
@@ -756,7 +732,7 @@ class WorkHandler:
         req = client_pb2.FetchRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
         sm = self.node.sm
-        group = self._group_of(req.topic, req.partition)
+        group = self._data_group_of(req.topic, req.partition)
         if group:  # a placed topic: its pings are in that group's replica here
             sm = (await self._data_replica(group, req.topic, req.group_fences)).sm
         loop = asyncio.get_running_loop()
@@ -768,7 +744,7 @@ class WorkHandler:
         req = client_pb2.DescribeTopicRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
         d = self.node.sm.describe(req.name)
-        await self._group_offsets([d], req.group_fences)
+        await self._data_group_offsets([d], req.group_fences)
         return OpResult(response=d.SerializeToString())
 
     async def list_topics(self, item: work_pb2.WorkItem) -> OpResult:
@@ -776,11 +752,11 @@ class WorkHandler:
         await self._fenced(max(item.fence, req.min_applied_index))
         size = min(req.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         topics, token = self.node.sm.topics_page(req.page_token, size, PAGE_BYTES)
-        await self._group_offsets(topics, req.group_fences)
+        await self._data_group_offsets(topics, req.group_fences)
         resp = client_pb2.ListTopicsResponse(topics=topics, next_page_token=token)
         return OpResult(response=resp.SerializeToString())
 
-    def _group_of(self, topic: str, partition: int) -> int:
+    def _data_group_of(self, topic: str, partition: int) -> int:
         """The data group holding a partition (0: this group's own state
         holds it: one group, a topic from before placement, or this is a
         data group)."""
@@ -796,7 +772,7 @@ class WorkHandler:
 
     async def _data_replica(
         self, group: int, topic: str, fences: Iterable[client_pb2.GroupFence]
-    ) -> Replica:
+    ) -> ReplicaView:
         """This node's replica of data group ``group`` once it applied the
         read's fence in that group and placed ``topic`` (up to
         PLACEMENT_WAIT_S, then UNAVAILABLE: another node may be further)."""
@@ -814,7 +790,7 @@ class WorkHandler:
         await _placed(node, topic, self.node.sm.topic(topic).id)
         return node
 
-    async def _group_offsets(
+    async def _data_group_offsets(
         self, topics: Iterable[topics_pb2.TopicDescription], fences: Iterable[client_pb2.GroupFence]
     ) -> None:
         """Fill the partitions of placed topics with their offsets as their
@@ -921,7 +897,7 @@ class WorkHandler:
 
 
 async def propose_client(
-    node: RaftNode, name: str, scopes: list[str], token_hash: bytes, registered: bool = False
+    node: Replica, name: str, scopes: list[str], token_hash: bytes, registered: bool = False
 ) -> OpResult:
     """Propose a new identity (leader only: else NotLeader), its client id
     drawn here at random (96 bits); ``name`` "": the client id. A
@@ -941,342 +917,3 @@ async def propose_client(
     )
     op = command_pb2.CreateClientOp(identity=ident, token_hash=token_hash)
     return await node.propose_op(command_pb2.Op(create_client=op))
-
-
-# A node's role as told to a queue server: leads group 0, its leader, term,
-# the leader's address, and (group, leads it, term) of each data group.
-_Role = tuple[bool, int, int, str, tuple[tuple[int, bool, int], ...]]
-
-
-class QueueServerLink:
-    """One long-lived Pull stream to one queue server, re-opened when it breaks.
-
-    What it tells the queue server about this node: the role, leader and
-    term at once when they move (with the full NodeStatus); the applied and
-    commit indexes with every result, promptly (every INDEX_EVERY_S at most,
-    at once when it reaches the fence) while the queue server holds reads
-    waiting for an index this node has not told or fenced reads came in
-    there lately (``FenceWait``), and otherwise every INDEX_IDLE_S at most,
-    with the full status (which is built only for the messages that carry
-    it). A queue server that never sends ``FenceWait`` (an older one) is
-    told every index move promptly."""
-
-    def __init__(
-        self,
-        address: str,
-        node: RaftNode,
-        executor: Executor,
-        token: str,
-        secret: bytes | None = None,
-        data_groups: Mapping[int, RaftNode] | None = None,
-        data_groups_only: bool = False,
-    ) -> None:
-        """``data_groups_only``: a worker process's link, for its data groups
-        alone (``node`` is one of them, for the node's id and config)."""
-        self.address = address
-        self.node = node
-        self.data_groups_only = data_groups_only
-        self.executor = executor
-        self.data_groups = data_groups if data_groups is not None else {}  # told with its state
-        self.token = token
-        self.secret = secret  # dial the framed Work link where offered (None: gRPC only)
-        self.link_kind = ""  # "frames" or "grpc" while connected
-        self.outbox: asyncio.Queue[work_pb2.WorkerMessage] = asyncio.Queue()
-        self.task: asyncio.Task[None] | None = None
-        self.connected = False
-        self._told: _Role | None = None  # the role it last told
-        self._told_group_applied: dict[int, int] = {}  # each data group's, last told
-        self._told_applied = 0  # the indexes it last told
-        self._told_commit = 0
-        self._told_at = 0.0  # when it last told a state
-        self._status_at = float("-inf")  # when it last told a full status
-        self._index_timer: asyncio.TimerHandle | None = None
-        self._timer_due = 0.0
-        self._fences_told = False  # the queue server sends FenceWait (on this stream)
-        self._fence_wait = 0  # reads there wait for this applied index
-        self._fence_reads = False  # fenced reads come in there lately
-
-    def state(self, with_status: bool = True) -> work_pb2.WorkerState:
-        """What routing needs (role, term, indexes), and unless told not to
-        (the state riding on every result) the node's full status."""
-        n = self.node
-        if self.data_groups_only:
-            return work_pb2.WorkerState(
-                node_id=n.id,
-                address=n.cfg.address,
-                data_groups_only=True,
-                groups=group_states(self.data_groups),
-            )
-        core = n.core
-        st = work_pb2.WorkerState(
-            node_id=n.id,
-            address=n.cfg.address,
-            is_leader=n.is_leader,
-            leader=core.lead,
-            term=core.term,
-            applied_index=n.sm.applied_index,
-            commit_index=core.log.committed,
-            leader_address=n.address_of(core.lead),
-        )
-        if self.data_groups:
-            st.groups.extend(group_states(self.data_groups))
-        if with_status:
-            st.status.CopyFrom(node_status(n))
-        return st
-
-    def _role(self) -> _Role:
-        n = self.node
-        groups = tuple((g, d.is_leader, d.core.term) for g, d in sorted(self.data_groups.items()))
-        if self.data_groups_only:
-            return (False, 0, 0, "", groups)
-        lead = n.core.lead
-        return (n.is_leader, lead, n.core.term, n.address_of(lead), groups)
-
-    def state_changed(self) -> None:
-        """The node's role or indexes moved: tell the queue server now, later
-        (a timer) or not at all yet (see the class docstring)."""
-        if not self.connected:
-            return
-        if self._role() != self._told:
-            self._tell_state(with_status=True)
-        else:
-            self._indexes_moved()
-
-    def fence_wait(self, index: int, reads: bool) -> None:
-        """The queue server's FenceWait: reads there wait for ``index`` (0:
-        none does); fenced reads come in there lately (``reads``)."""
-        self._fences_told = True
-        self._fence_wait = index
-        if reads != self._fence_reads:
-            self._fence_reads = reads
-            self.executor.reads_flowing(self, reads)
-        if self.connected and (reads or index > self._told_applied):
-            self._indexes_moved()
-
-    def fence_wait_ended(self) -> None:
-        """The stream broke or starts over: no word from the queue server."""
-        if self._fence_reads:
-            self._fence_reads = False
-            self.executor.reads_flowing(self, False)
-
-    def _prompt(self) -> bool:
-        """Tell index moves promptly (see the class docstring)."""
-        return not self._fences_told or self._fence_reads or self._fence_wait > self._told_applied
-
-    def _indexes_moved(self) -> None:
-        n = self.node
-        if self.data_groups_only:  # group 0's fields stay unset
-            applied = committed = 0
-        else:
-            applied, committed = n.sm.applied_index, n.core.log.committed
-        moved = applied > self._told_applied or committed > self._told_commit
-        moved = moved or any(
-            d.sm.applied_index > self._told_group_applied.get(g, 0)
-            for g, d in self.data_groups.items()
-        )
-        if moved and self._prompt():
-            if self._told_applied < self._fence_wait <= applied:
-                self._tell_state()  # reads wait for just this: at once
-                return
-            due = self._told_at + INDEX_EVERY_S
-        else:
-            # Now and then, with the full status: indexes no read waits for,
-            # and whatever else moved (a member added, ready again).
-            due = self._status_at + INDEX_IDLE_S
-        now = _clock()
-        if due <= now:
-            self._tell_state()
-        elif self._index_timer is None or due < self._timer_due:
-            if self._index_timer is not None:
-                self._index_timer.cancel()
-            self._timer_due = due
-            self._index_timer = asyncio.get_running_loop().call_later(due - now, self._tell_indexes)
-
-    def _tell_indexes(self) -> None:
-        self._index_timer = None
-        if self.connected:
-            self._tell_state()
-
-    def _tell_state(self, with_status: bool = False) -> None:
-        """A state message; it carries the full status when asked to, or when
-        the last one told is INDEX_IDLE_S old."""
-        if self._index_timer is not None:
-            self._index_timer.cancel()
-            self._index_timer = None
-        with_status = with_status or _clock() - self._status_at >= INDEX_IDLE_S
-        self._tell(work_pb2.WorkerMessage(state=self.state(with_status)))
-
-    def _tell(self, msg: work_pb2.WorkerMessage) -> None:
-        if msg.HasField("state"):
-            self._told_state(msg.state)
-        self.outbox.put_nowait(msg)
-
-    def _told_state(self, s: work_pb2.WorkerState) -> None:
-        groups = tuple((g.group, g.is_leader, g.term) for g in s.groups)
-        self._told = (s.is_leader, s.leader, s.term, s.leader_address, groups)
-        self._told_group_applied = {g.group: g.applied_index for g in s.groups}
-        self._told_applied = s.applied_index
-        self._told_commit = s.commit_index
-        self._told_at = _clock()
-        if s.HasField("status"):
-            self._status_at = self._told_at
-
-    def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-
-    async def _messages(self) -> AsyncIterator[work_pb2.WorkerMessage]:
-        first = work_pb2.WorkerMessage(
-            state=self.state(), credit=work_pb2.Credit(writes=WRITE_CREDIT, reads=READ_CREDIT)
-        )
-        self._told_state(first.state)  # a new stream's first word
-        yield first
-        carried: work_pb2.WorkerMessage | None = None  # did not fit the last message
-        while True:
-            msg = carried if carried is not None else await self.outbox.get()
-            carried = None
-            size = msg.ByteSize()
-            # Merge what piled up into one message, up to WORK_BATCH_BYTES of
-            # results (a bigger result goes alone).
-            while not self.outbox.empty():
-                more = self.outbox.get_nowait()
-                extra = sum(len(r.response) for r in more.results)
-                if extra and size + extra > WORK_BATCH_BYTES:
-                    carried = more
-                    break
-                if more.HasField("state"):
-                    status = msg.state.status if msg.state.HasField("status") else None
-                    msg.state.CopyFrom(more.state)
-                    if status is not None and not more.state.HasField("status"):
-                        msg.state.status.CopyFrom(status)  # the newest status stays
-                msg.credit.writes += more.credit.writes
-                msg.credit.reads += more.credit.reads
-                msg.results.extend(more.results)
-                size += extra
-            yield msg
-
-    async def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            inflight: set[asyncio.Task[None]] = set()
-            try:
-                opts = grpc_options(WORK_MESSAGE_BYTES)
-                async with tls.current().channel(self.address, options=opts) as ch:
-                    stub = work_pb2_grpc.WorkStub(ch)
-                    self.outbox = asyncio.Queue()
-                    self._fences_told, self._fence_wait = False, 0  # until this server says
-                    self.fence_wait_ended()
-                    port = await self._frames_port(stub)
-                    if port:
-                        await self._pull_frames(port, inflight)
-                    else:
-                        call = stub.Pull(self._messages(), metadata=token_metadata(self.token))
-                        self._up("grpc")
-                        async for batch in call:
-                            self._take(batch, inflight)
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as e:
-                log.debug("work stream broke", extra={"queue": self.address, "code": e.code().name})
-            except OSError as e:  # ConnectionError and TimeoutError too
-                log.debug("work link broke", extra={"queue": self.address, "error": repr(e)})
-            except Exception:
-                log.exception("work stream failed", extra={"queue": self.address})
-            finally:
-                if self.connected:
-                    backoff = 0.05  # it was working: retry soon
-                self.connected, self.link_kind = False, ""
-                self.fence_wait_ended()
-                if self._index_timer is not None:
-                    self._index_timer.cancel()
-                    self._index_timer = None
-                for t in inflight:
-                    t.cancel()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
-
-    def _up(self, kind: str) -> None:
-        self.connected, self.link_kind = True, kind
-        log.info("work link up", extra={"queue": self.address, "link": kind})
-
-    async def _frames_port(self, stub: work_pb2_grpc.WorkAsyncStub) -> int:
-        """The queue server's framed Work link port (0: it offers none)."""
-        if self.secret is None:
-            return 0
-        try:
-            reply = await stub.FramesEndpoint(
-                raft_pb2.FramesEndpointRequest(cluster=self.node.cfg.cluster_name),
-                metadata=token_metadata(self.token),
-                wait_for_ready=True,
-                timeout=10.0,
-            )
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return 0  # a queue server of an older version: gRPC Pull
-            raise
-        return int(reply.port)
-
-    async def _pull_frames(self, port: int, inflight: set[asyncio.Task[None]]) -> None:
-        """Work over the framed link until it breaks (then raises)."""
-        assert self.secret is not None
-        host = self.address.rpartition(":")[0].strip("[]")
-
-        def receive(data: bytes) -> None:
-            round_trace.mark("work_in")
-            self._take(work_pb2.WorkItems.FromString(data), inflight)
-
-        conn = await frames.connect(
-            frames.WORK,
-            host,
-            port,
-            self.node.cfg.cluster_name,
-            self.secret,
-            self.node.id,
-            receive,
-        )
-        self._up("frames")
-        writer = asyncio.get_running_loop().create_task(self._send_frames(conn))
-        lost = asyncio.ensure_future(conn.wait_closed())
-        try:
-            await asyncio.wait({writer, lost}, return_when=asyncio.FIRST_COMPLETED)
-            if writer.done():
-                writer.result()  # its error, if any
-            raise ConnectionError("work frames link is down")
-        finally:
-            writer.cancel()
-            lost.cancel()
-            conn.abort()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await writer
-
-    async def _send_frames(self, conn: frames.ClientConn) -> None:
-        async for msg in self._messages():
-            round_trace.mark("answer_out")
-            await conn.send(msg.SerializeToString())
-
-    def _take(self, batch: work_pb2.WorkItems, inflight: set[asyncio.Task[None]]) -> None:
-        """Work from the queue server: each item runs as its own task."""
-        if batch.HasField("fence_wait"):
-            fw = batch.fence_wait
-            self.fence_wait(fw.index, fw.reads)
-        loop = asyncio.get_running_loop()
-        for it in batch.items:
-            t = loop.create_task(self._do(it))
-            inflight.add(t)
-            t.add_done_callback(inflight.discard)
-
-    async def _do(self, item: work_pb2.WorkItem) -> None:
-        res = await self.executor.run(item)
-        round_trace.mark("result")
-        credit = work_pb2.Credit(
-            writes=1 if item.kind == work_pb2.WORK_KIND_WRITE else 0,
-            reads=1 if item.kind == work_pb2.WORK_KIND_READ else 0,
-        )
-        # The state rides along: a read fenced at this write's index can be
-        # handed to this node as soon as its answer arrives.
-        self._tell(work_pb2.WorkerMessage(results=[res], credit=credit, state=self.state(False)))

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from node_daemon.replica.replica import RaftNode
+from node_daemon.replica.replica import Replica
 from node_daemon.state.machine import StateMachine
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
@@ -26,7 +26,7 @@ FENCE_WAIT_S = 30.0
 
 
 class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
-    def __init__(self, node: RaftNode, token: str) -> None:
+    def __init__(self, node: Replica, token: str) -> None:
         self.node = node
         self.token = token
 

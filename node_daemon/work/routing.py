@@ -1,11 +1,11 @@
 """A node's work, routed by Raft group (multi-raft, docs/multiraft.md).
 
 Each group the node runs has its own ``WorkHandler`` (against that group's
-``RaftNode``); a work item goes to the handler of its ``WorkItem.group``.
+``Replica``); a work item goes to the handler of its ``WorkItem.group``.
 Group 0, the metadata group, takes topics, consumer groups, clients and heat
 maps; data groups take the appends and reads of their partitions. What the
 queue server must know of the data groups to route (role, term, indexes)
-rides in ``WorkerState.groups`` (``group_states``).
+rides in ``WorkerState.groups`` (``data_group_states``).
 
 A worker process (docs/multiraft.md step 5) runs data groups only: its
 handlers have no group 0, and its links say so (``data_groups_only``).
@@ -23,7 +23,7 @@ from roadlog.errors import Code
 from roadlog.v1 import work_pb2
 
 if TYPE_CHECKING:
-    from node_daemon.replica.replica import RaftNode
+    from node_daemon.replica.replica import Replica
     from node_daemon.work.handler import WorkHandler
 
 
@@ -35,7 +35,7 @@ class Executor(Protocol):
     def reads_flowing(self, link: object, on: bool) -> None: ...
 
 
-class GroupedWork:
+class WorkRouter:
     """The work handlers of the groups this process runs."""
 
     def __init__(self, handlers: Mapping[int, WorkHandler]) -> None:
@@ -66,7 +66,7 @@ class GroupedWork:
             handler.reads_flowing(link, on)
 
 
-def group_states(data: Mapping[int, RaftNode]) -> list[work_pb2.GroupState]:
+def data_group_states(data: Mapping[int, Replica]) -> list[work_pb2.GroupState]:
     """What the queue server routes a node's data groups by, in group order."""
     return [
         work_pb2.GroupState(

@@ -4,6 +4,7 @@ the cluster secret, and the checks every daemon's config shares."""
 from __future__ import annotations
 
 import grp
+import math
 import os
 import shlex
 import sys
@@ -177,7 +178,35 @@ def check_secret_value(
             f"{where}: the secret is a placeholder (like CHANGE-ME), not a random value; "
             f"fix: {MAKE_SECRET} > {into}"
         )
+    weak = weakness(secret)
+    if weak:
+        raise ConfigError(
+            f"{where}: the secret is {weak}, not a random value; fix: {MAKE_SECRET} > {into}"
+        )
     return secret
+
+
+MIN_DISTINCT_BYTES = 8
+MIN_ENTROPY_BITS = (
+    64  # what its own byte frequencies say it holds (a random hex secret of 32: ~115)
+)
+
+
+def weakness(secret: bytes) -> str:
+    """Why ``secret`` is guessable ("" when it does not look so): a pattern
+    repeated, too few distinct bytes, or too little entropy by its own byte
+    frequencies (a check for mistakes, not a proof of randomness)."""
+    n = len(secret)
+    for period in range(1, n // 2 + 1):
+        if n % period == 0 and secret[:period] * (n // period) == secret:
+            return f"one pattern of {period} byte(s) repeated"
+    counts = [secret.count(b) for b in set(secret)]
+    if len(counts) < MIN_DISTINCT_BYTES:
+        return f"made of {len(counts)} distinct bytes (at least {MIN_DISTINCT_BYTES})"
+    bits = -sum(c * math.log2(c / n) for c in counts)
+    if bits < MIN_ENTROPY_BITS:
+        return f"about {bits:.0f} bits by its byte frequencies (at least {MIN_ENTROPY_BITS})"
+    return ""
 
 
 def refuse_to_start(program: str, error: ConfigError) -> NoReturn:

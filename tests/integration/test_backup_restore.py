@@ -36,7 +36,7 @@ def node_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def backup_key(tmp_path: Path) -> list[str]:
     """--backup-key-file with a private key (issue 19, finding 14)."""
     key = tmp_path / "backup.key"
-    key.write_text("0123456789abcdef0123456789abcdef\n")
+    key.write_text("0123456789abcdef2b7e151628aed2a6\n")
     key.chmod(0o600)
     return ["--backup-key-file", str(key)]
 

@@ -3,7 +3,7 @@ found by the nemesis: seed 8, 60 s, with membership changes; a node
 re-added as a learner, acknowledged, was never in the configuration and
 never caught up, and the replicas differed at the end).
 
-``RaftNode.conf_change`` waits until the applied index reaches the index
+``Replica.conf_change`` waits until the applied index reaches the index
 its entry was appended at, not until that entry is applied: when the
 leader loses its leadership before the change commits, the next leader's
 entries take that index, and the admin call (AddNode, RemoveNode, Leave)

@@ -13,7 +13,7 @@ import pytest
 
 from node_daemon.config import NodeConfig
 from node_daemon.raft import Role
-from node_daemon.replica.replica import CATCHING_UP_FILE, RaftNode
+from node_daemon.replica.replica import CATCHING_UP_FILE, Replica
 from roadlog.runtime.processes import free_port
 
 pytestmark = pytest.mark.integration
@@ -24,7 +24,7 @@ def _started_and_stopped(cfg: NodeConfig) -> tuple[bool, Role]:
     has ticked through four of the longest election timeouts."""
 
     async def main() -> tuple[bool, Role]:
-        node = RaftNode(cfg)
+        node = Replica(cfg)
         ticks = [0]
         tick = node.core.tick
 

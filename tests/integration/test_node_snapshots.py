@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from node_daemon.config import NodeConfig
-from node_daemon.replica.replica import RaftNode
+from node_daemon.replica.replica import Replica
 from node_daemon.state import batch_refs, batch_store, unsynced
 from node_daemon.state.machine import append_op, trim_op
 from node_daemon.storage import kept_log
@@ -60,7 +60,7 @@ def test_writes_go_on_while_a_snapshot_is_taken(tmp_path: Path) -> None:
     )
 
     async def main() -> None:
-        node = RaftNode(cfg)
+        node = Replica(cfg)
         taking, release = threading.Event(), threading.Event()
         real = node.sm.write_snapshot
 
@@ -125,7 +125,7 @@ def test_a_log_of_big_entries_is_snapshotted_by_its_bytes(tmp_path: Path) -> Non
     )
 
     async def main() -> None:
-        node = RaftNode(cfg)
+        node = Replica(cfg)
         before = REGISTRY.get_sample_value("roadlog_snapshot_seconds_count") or 0
         await node.start()
         try:
@@ -152,7 +152,7 @@ def test_a_failed_log_write_stops_the_node_instead_of_leaving_it_half_alive(
     cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr})
 
     async def main() -> None:
-        node = RaftNode(cfg)
+        node = Replica(cfg)
         failures: list[BaseException] = []
         await node.start(failures.append)
         try:
@@ -179,7 +179,7 @@ def test_a_failed_log_write_stops_the_node_instead_of_leaving_it_half_alive(
 
 
 async def _leader_with_pings(
-    node: RaftNode, create: command_pb2.Op, appends: list[command_pb2.Op]
+    node: Replica, create: command_pb2.Op, appends: list[command_pb2.Op]
 ) -> tuple[int, int]:
     """Start ``node`` (one voter), make a topic and append to it; the index
     of the first append and of the last."""
@@ -213,7 +213,7 @@ def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_pat
     create = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
     sent = [pings(30, start=k * 30, devices=5) for k in range(12)]
 
-    def read_all(node: RaftNode) -> list[int]:
+    def read_all(node: Replica) -> list[int]:
         out: list[int] = []
         for p in range(4):
             resp = node.sm.fetch(client_pb2.FetchRequest(topic="munich", partition=p))
@@ -224,7 +224,7 @@ def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_pat
     want = sorted(t for cols in sent for t in cols.ts_ms.tolist())
 
     async def main() -> None:
-        node = RaftNode(cfg)
+        node = Replica(cfg)
         appends = [append_op("munich", split_by_partition(c, 4), 0, 0) for c in sent]
         try:
             first_append, _ = await _leader_with_pings(node, create, appends)
@@ -242,7 +242,7 @@ def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_pat
             assert await node.snapshots.shipped(index, term) == ship  # made once
         finally:
             await node.stop()
-        again = RaftNode(cfg)
+        again = Replica(cfg)
         await again.start()
         try:
             await _until(lambda: again.is_leader, "a leader again")
@@ -254,7 +254,7 @@ def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_pat
         (tmp_path / "n1" / unsynced.MARKER).write_text("boot-1\n")
         boot.write_text("boot-2\n")
         rebuilt = REGISTRY.get_sample_value("roadlog_states_rebuilt_total", {"group": "0"}) or 0
-        after = RaftNode(cfg)
+        after = Replica(cfg)
         await after.start()
         try:
             await _until(lambda: after.is_leader, "a leader after the power loss")
@@ -276,11 +276,11 @@ def test_entries_retention_let_go_leave_the_log(tmp_path: Path) -> None:
     spec = topics_pb2.TopicSpec(name="brief", region_geojson=REGION, partitions=2, retention_ms=300)
     create = command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
 
-    def kept(node: RaftNode) -> int:
+    def kept(node: Replica) -> int:
         return sum(p.next_offset - p.first_offset for p in node.sm.describe("brief").partitions)
 
     async def main() -> None:
-        node = RaftNode(cfg)
+        node = Replica(cfg)
         appends = [
             append_op("brief", split_by_partition(pings(20, k * 20, 3), 2), 0, 0) for k in range(5)
         ]

@@ -23,7 +23,7 @@ through group 0, as ``roadlog consume --group`` does:
   commits ahead of what it read, which the leader must refuse unless the
   group committed that far) as a ``CommitOffsets`` write into group 0's
   queue (the real ``WorkQueues`` of group 0's ``Front``). Group 0's leader
-  judges it first, as ``GroupCoordinator._within_data_groups`` does
+  judges it first, as ``ConsumerGroupCoordinator._within_data_groups`` does
   (``Judging``): the partition's group (``group_of`` on group 0's record
   on the real state machine, the split map on the toy), then this node's
   replica of that group, once it applied the commit index it knows (or
@@ -40,7 +40,7 @@ through group 0, as ``roadlog consume --group`` does:
 - a commit whose outcome is unknown is sent again (the same request)
   until it is answered; so is one refused NOT_FOUND ("no group") by a
   new group 0 leader whose replica has not applied the join yet (it has
-  not committed in its term): the product's ``GroupCoordinator.commit``
+  not committed in its term): the product's ``ConsumerGroupCoordinator.commit``
   reads its replica without waiting for it, so a consumer can be told
   that too (checked: only while that replica lags the join).
 
@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from node_daemon.raft import ProposalDropped
-from node_daemon.replica.remote import Replica
+from node_daemon.replica.remote import ReplicaView
 from node_daemon.state.consumer_groups import default_quotas
 from node_daemon.state.machine import OpResult
 from node_daemon.work.consumer_group_coordinator import _end_of
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 # As consumer_group_coordinator.COMMIT_CATCH_UP_S (1 s), in the simulation's time
 # units (front.FENCE_WAIT is 1 s too).
 COMMIT_CATCH_UP = 1000
-GENERATION = 1  # a lone member's, after its join (``GroupTables._rebalance`` bumps it once)
+GENERATION = 1  # a lone member's, after its join (``ConsumerGroupTables._rebalance`` bumps it once)
 # Group 0's record of the split topic: an id no topic group 0 creates has
 # (they count from 1), the split map given as is.
 G0_SPLIT_TOPIC_ID = 1 << 31
@@ -112,7 +112,7 @@ def partition_end(sm: object, partition: int) -> int:
     if isinstance(sm, StateMachine):
         return len(sm.split.get(partition, []))
     assert isinstance(sm, RealStateMachine)
-    return _end_of(cast(Replica, sm), SPLIT_TOPIC, partition)
+    return _end_of(cast(ReplicaView, sm), SPLIT_TOPIC, partition)
 
 
 def read_to(sm: object, partition: int, offset: int, max_pings: int) -> int:
@@ -240,7 +240,7 @@ class Consumer:
 @dataclass
 class Judging:
     """Group 0's leader judging a commit before proposing it
-    (``GroupCoordinator._within_data_groups``), one phase at a time:
+    (``ConsumerGroupCoordinator._within_data_groups``), one phase at a time:
     ``catch_up`` (its replica of the data group applies the commit index
     it knows, or COMMIT_CATCH_UP passes), ``read`` (a ReadIndex of the
     data group is under way), ``apply`` (the replica applies its index)."""

@@ -543,7 +543,7 @@ class Front:
                 self._result(wid, it.id, r)
 
     def on_applied(self, node: SimNode, e: Entry, results: Callable[[], OpResult]) -> None:
-        """As RaftNode._resolve: the proposer's pending write at ``e.index``
+        """As Replica._resolve: the proposer's pending write at ``e.index``
         is answered, or failed when another entry took its place."""
         pend = self.pending.get(node.id)
         if not pend:
@@ -555,7 +555,7 @@ class Front:
             self._result(wid, item, None)
 
     def on_log_written(self, node: SimNode, rd: Ready) -> None:
-        """As RaftNode._ready_done: writes whose entry left the node's log
+        """As Replica._ready_done: writes whose entry left the node's log
         (overwritten, cut away, under a snapshot) are failed at once."""
         pend = self.pending.get(node.id)
         core = node.core

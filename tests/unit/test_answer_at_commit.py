@@ -15,7 +15,7 @@ import pytest
 
 from node_daemon.config import NodeConfig
 from node_daemon.raft import Entry
-from node_daemon.replica.replica import RaftNode
+from node_daemon.replica.replica import Replica
 from node_daemon.state.machine import OpResult, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -38,10 +38,10 @@ def _pings(n: int, first: int) -> PingColumns:
     )
 
 
-async def _leader(tmp_path: Path) -> RaftNode:
+async def _leader(tmp_path: Path) -> Replica:
     addr = f"127.0.0.1:{free_port()}"
     cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr})
-    node = RaftNode(cfg)
+    node = Replica(cfg)
     await node.start()
     node.submit(lambda core: core.campaign())  # the only voter
     deadline = asyncio.get_running_loop().time() + 10
@@ -54,7 +54,7 @@ async def _leader(tmp_path: Path) -> RaftNode:
     return node
 
 
-async def _publish(node: RaftNode, op: command_pb2.Op) -> tuple[OpResult, int]:
+async def _publish(node: Replica, op: command_pb2.Op) -> tuple[OpResult, int]:
     """The op's result, and the state's applied index when it came."""
     fut = node.propose_op(op)
     seen: list[int] = []
@@ -69,7 +69,7 @@ def _fence(res: OpResult) -> int:
     return client_pb2.PublishResponse.FromString(span.response).applied_index
 
 
-def _stored(node: RaftNode, partition: int) -> list[int]:
+def _stored(node: Replica, partition: int) -> list[int]:
     resp = node.sm.fetch(client_pb2.FetchRequest(topic="munich", partition=partition))
     out: list[int] = []
     for b in resp.batches:

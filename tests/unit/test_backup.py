@@ -34,7 +34,7 @@ from node_daemon.storage.raft_log import LmdbLogStorage
 
 pytestmark = pytest.mark.unit
 
-KEY = b"0123456789abcdef0123456789abcdef"
+KEY = b"0123456789abcdef2b7e151628aed2a6"  # not one pattern repeated: a key passes its check
 
 
 @pytest.fixture

@@ -101,6 +101,13 @@ def test_a_daemon_refuses_a_missing_short_placeholder_or_world_readable_secret(
         check_secret(secret("short-secret\n"))
     with pytest.raises(ConfigError, match="placeholder"):
         check_secret(secret("CHANGE-ME-to-32-random-hex-characters\n"))
+    # Issue 39, finding 6: 64 identical characters were taken.
+    with pytest.raises(ConfigError, match="one pattern of 1 byte"):
+        check_secret(secret("s" * 64 + "\n"))
+    with pytest.raises(ConfigError, match="one pattern of 4 byte"):
+        check_secret(secret("abcd" * 8 + "\n"))
+    with pytest.raises(ConfigError, match="distinct bytes"):
+        check_secret(secret("a" * 40 + "b" + "\n"))
     with pytest.raises(ConfigError, match="open to others"):
         check_secret(secret("9f1c2a7e4b8d6f3a0c5e7b9d1f3a5c7e\n", 0o644))
     check_secret(secret("9f1c2a7e4b8d6f3a0c5e7b9d1f3a5c7e\n", 0o640))  # root:roadlog, as deployed

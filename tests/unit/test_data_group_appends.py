@@ -55,18 +55,18 @@ class Group:
         return None
 
     def committed_index(self) -> int:
-        """As RaftNode's: the commit index this replica knows of."""
+        """As Replica's: the commit index this replica knows of."""
         return int(self.core.log.committed)
 
     async def read_barrier(self) -> int:
-        """As RaftNode's: a linearizable read point (here the commit index
+        """As Replica's: a linearizable read point (here the commit index
         this replica knows), once applied."""
         index = self.committed_index()
         await self.wait_applied(index, 10)
         return index
 
     async def wait_applied(self, index: int, timeout: float) -> None:
-        """As RaftNode's: until this replica applied ``index``."""
+        """As Replica's: until this replica applied ``index``."""
         deadline = time.monotonic() + timeout
         while self.sm.applied_index < index:
             if time.monotonic() > deadline:

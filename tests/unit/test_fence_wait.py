@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from node_daemon.work import handler as worker
-from node_daemon.work.handler import INDEX_IDLE_S, QueueServerLink
+from node_daemon.work import queue_link
+from node_daemon.work.handler import WorkHandler
+from node_daemon.work.queue_link import INDEX_IDLE_S, QueueServerLink
 from queue_server.config import QueueConfig
 from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
 from queue_server.server import Outgoing, QueueServer
@@ -172,7 +173,7 @@ def test_while_fenced_reads_come_in_every_node_is_asked_to_hurry(tmp_path: Path)
 
 
 class _Node:
-    """What QueueServerLink reads of a RaftNode."""
+    """What QueueServerLink reads of a Replica."""
 
     def __init__(self) -> None:
         self.id = 1
@@ -217,14 +218,14 @@ _CLOCK = _Clock()
 
 def _link(monkeypatch: pytest.MonkeyPatch) -> tuple[QueueServerLink, _Node, list[int]]:
     monkeypatch.setattr(_CLOCK, "now", 1000.0)
-    monkeypatch.setattr(worker, "_clock", _CLOCK)
+    monkeypatch.setattr(queue_link, "_clock", _CLOCK)
     built: list[int] = []
 
     def status(n: Any) -> client_pb2.NodeStatus:
         built.append(n.sm.applied_index)
         return client_pb2.NodeStatus(id=n.id)
 
-    monkeypatch.setattr(worker, "node_status", status)
+    monkeypatch.setattr(queue_link, "node_status", status)
     node = _Node()
     link = QueueServerLink("q:1", node, _Handler(), "t")  # type: ignore[arg-type]
     link.connected = True
@@ -271,7 +272,7 @@ def test_a_waiting_read_makes_the_node_tell_its_fence_at_once(
         link.state_changed()
         assert not _sent(link)
         link.fence_wait(7, False)  # a read waits for 7: what we have goes promptly
-        await _settle(worker.INDEX_EVERY_S + 0.02)
+        await _settle(queue_link.INDEX_EVERY_S + 0.02)
         [st] = _sent(link)
         assert st.applied_index == 3
         built.clear()
@@ -298,7 +299,7 @@ def test_a_queue_server_that_never_tells_fences_hears_every_move_promptly(
         node.apply(2)
         link.state_changed()  # within INDEX_EVERY_S of the last word: a timer
         assert not _sent(link)
-        await _settle(worker.INDEX_EVERY_S + 0.02)
+        await _settle(queue_link.INDEX_EVERY_S + 0.02)
         assert [s.applied_index for s in _sent(link)] == [2]
 
     asyncio.run(main())
@@ -349,14 +350,14 @@ def test_while_fenced_reads_come_in_the_node_tells_every_move_promptly(
         assert [s.applied_index for s in _sent(link)] == [1]  # at once: no read waits,
         node.apply(2)  # but followers can take the next one only if told
         link.state_changed()
-        await _settle(worker.INDEX_EVERY_S + 0.02)
+        await _settle(queue_link.INDEX_EVERY_S + 0.02)
         assert [s.applied_index for s in _sent(link)] == [2]
         link.fence_wait(0, False)
         link.fence_wait(0, False)
         assert handler.flowing == [True, False]  # type: ignore[attr-defined]
         node.apply(3)
         link.state_changed()
-        await _settle(worker.INDEX_EVERY_S + 0.02)
+        await _settle(queue_link.INDEX_EVERY_S + 0.02)
         assert not _sent(link)  # now and then again
         link.fence_wait(0, True)
         link.fence_wait_ended()  # the stream broke: no word any more
@@ -373,7 +374,7 @@ def test_the_leader_tells_commits_at_once_while_any_queue_server_has_fenced_read
             submitted.append(on)
 
     node = SimpleNamespace(submit=lambda fn: fn(_Core()))
-    handler = worker.WorkHandler.__new__(worker.WorkHandler)
+    handler = WorkHandler.__new__(WorkHandler)
     handler.node = node  # type: ignore[assignment]
     handler._read_links = set()
     a, b = object(), object()

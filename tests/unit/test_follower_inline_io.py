@@ -17,24 +17,24 @@ import pytest
 from node_daemon.config import NodeConfig
 from node_daemon.raft import Entry, HardState, LogWrite
 from node_daemon.raft.types import Role
-from node_daemon.replica import replica as node_module
-from node_daemon.replica.replica import RaftNode
+from node_daemon.replica import replica as replica_module
+from node_daemon.replica.replica import Replica
 from roadlog.runtime.processes import free_port
 from roadlog.v1 import command_pb2
 
 pytestmark = pytest.mark.unit
 
 
-def _node(tmp_path: Path, name: str = "n1") -> RaftNode:
+def _node(tmp_path: Path, name: str = "n1") -> Replica:
     addr = f"127.0.0.1:{free_port()}"
     other = f"127.0.0.1:{free_port()}"
     cfg = NodeConfig(node_id=1, data_dir=tmp_path / name, listen=addr, peers={1: addr, 2: other})
-    node = RaftNode(cfg)
+    node = Replica(cfg)
     node._loop = asyncio.get_running_loop()
     return node
 
 
-def _close(node: RaftNode) -> None:
+def _close(node: Replica) -> None:
     node._log_io.shutdown()
     node._apply_io.shutdown()
     node.sm.close()
@@ -46,13 +46,13 @@ def _write(first: int, n: int, size: int = 100) -> LogWrite:
     return LogWrite(HardState(1, 0, 0), entries, None, True)
 
 
-def _stored(node: RaftNode, lo: int, hi: int) -> list[Entry]:
+def _stored(node: Replica, lo: int, hi: int) -> list[Entry]:
     with node.log_store.env.begin() as txn:  # read from LMDB, not the recent cache
         assert txn.stat(node.log_store._log)["entries"] >= hi - lo
     return node.log_store.entries(lo, hi)
 
 
-async def _reported(node: RaftNode, write: LogWrite) -> None:
+async def _reported(node: Replica, write: LogWrite) -> None:
     done = asyncio.Event()
 
     def write_done(w: LogWrite) -> None:
@@ -130,7 +130,7 @@ def test_the_thread_when_the_loop_runs_a_leader_is_busy_or_the_write_is_big(
             await _reported(node, w)
 
             # Too big to hold the loop for.
-            monkeypatch.setattr(node_module, "FOLLOWER_INLINE_BYTES", 1000)
+            monkeypatch.setattr(replica_module, "FOLLOWER_INLINE_BYTES", 1000)
             w = _write(3, 1, size=2000)
             assert node._write_log(w) is False
             await _reported(node, w)
@@ -139,7 +139,7 @@ def test_the_thread_when_the_loop_runs_a_leader_is_busy_or_the_write_is_big(
             # A leader: beyond LEADER_INLINE_BYTES, or with another group on
             # its loop (a follower there would wait on its write), the thread.
             node.core.role = Role.LEADER
-            monkeypatch.setattr(node_module, "LEADER_INLINE_BYTES", 1000)
+            monkeypatch.setattr(replica_module, "LEADER_INLINE_BYTES", 1000)
             w = _write(5, 1, size=2000)
             assert node._write_log(w) is False
             await _reported(node, w)
@@ -164,7 +164,7 @@ def test_a_leader_learns_whether_its_proposals_overlap(tmp_path: Path) -> None:
     async def main() -> None:
         addr = f"127.0.0.1:{free_port()}"
         cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr})
-        node = RaftNode(cfg)
+        node = Replica(cfg)
         node._loop = asyncio.get_running_loop()
         try:
             node.core.campaign()  # the only voter: leader at once

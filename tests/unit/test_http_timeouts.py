@@ -250,3 +250,28 @@ def test_bodies_read_at_once_from_one_address_are_capped_with_429() -> None:
             sw.close()
 
     serve(scenario, BodyLimits(per_source=2), apis)
+
+
+def test_a_body_abandoned_by_its_client_is_counted_not_logged_as_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anyone can abandon a body at will: no error-level traceback for it
+    (issue 39, finding 6), a metric instead."""
+    before = http_api.ABANDONED._value.get()
+
+    async def scenario(port: int) -> None:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/topics HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n" + b'{"name": '
+        )
+        await writer.drain()
+        writer.close()
+        deadline = time.monotonic() + DEADLINE_S
+        while http_api.ABANDONED._value.get() == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    with caplog.at_level("WARNING", logger="roadlog.http"):
+        serve(scenario)
+    assert http_api.ABANDONED._value.get() == before + 1
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text

@@ -31,7 +31,7 @@ from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.runtime.health import serve_metrics_and_health
 from roadlog.v1 import client_pb2, command_pb2, heatmaps_pb2, work_pb2
 from spark.jobs.heatmap_stream import Metrics
-from tests.unit.test_groups_and_heatmaps import T0, Cluster
+from tests.unit.test_consumer_groups_and_heatmaps import T0, Cluster
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""``RaftNode.propose_op`` hands back a future, not a coroutine: a refusal
+"""``Replica.propose_op`` hands back a future, not a coroutine: a refusal
 (not the leader) is in the future, never raised at the call; a taken op's
 future is the one its apply answers, so a callback hung on it runs with no
 task between."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from node_daemon.config import NodeConfig
-from node_daemon.replica.replica import NotLeader, RaftNode
+from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.state.machine import OpResult
 from roadlog.runtime.processes import free_port
 from roadlog.v1 import command_pb2
@@ -20,10 +20,10 @@ from tests.unit.test_follower_inline_io import _close
 pytestmark = pytest.mark.unit
 
 
-def _node(tmp_path: Path, peers: int) -> RaftNode:
+def _node(tmp_path: Path, peers: int) -> Replica:
     addrs = {i: f"127.0.0.1:{free_port()}" for i in range(1, peers + 1)}
     cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addrs[1], peers=addrs)
-    node = RaftNode(cfg)
+    node = Replica(cfg)
     node._loop = asyncio.get_running_loop()
     return node
 

@@ -22,7 +22,7 @@ from node_daemon.state.machine import (
     append_op,
     trim_op,
 )
-from node_daemon.work import handler as worker
+from node_daemon.work.handler import WorkHandler
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code
 from roadlog.partitioning import split_by_partition
@@ -156,7 +156,7 @@ def test_an_identity_gets_no_more_producer_ids_than_its_quota(
 ) -> None:
     """The leader refuses InitProducer for an identity at its quota with
     RESOURCE_EXHAUSTED, before proposing; another identity is not affected."""
-    monkeypatch.setattr(worker, "MAX_PRODUCER_IDS_PER_CLIENT", 2)
+    monkeypatch.setattr("node_daemon.work.handler.MAX_PRODUCER_IDS_PER_CLIENT", 2)
     proposed: list[command_pb2.Op] = []
 
     class Leader:
@@ -170,7 +170,7 @@ def test_an_identity_gets_no_more_producer_ids_than_its_quota(
             return OpResult()
 
     async def init(principal: str, resume: int = 0) -> work_pb2.WorkResult:
-        handler = worker.WorkHandler(Leader())  # type: ignore[arg-type]
+        handler = WorkHandler(Leader())  # type: ignore[arg-type]
         req = client_pb2.InitProducerRequest(client_id="declared", producer_id=resume)
         item = work_pb2.WorkItem(
             id=1, method="InitProducer", request=req.SerializeToString(), principal=principal

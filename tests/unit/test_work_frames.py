@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.work import handler as worker
-from node_daemon.work.handler import QueueServerLink
+from node_daemon.work import queue_link
+from node_daemon.work.queue_link import QueueServerLink
 from queue_server.config import QueueConfig
 from queue_server.queues import Item, Kind
 from queue_server.server import Outgoing, QueueServer
@@ -35,12 +35,12 @@ CLUSTER = "roadlog"  # QueueConfig's default cluster name
 
 @pytest.fixture(autouse=True, params=LOOPS)
 def event_loop_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(worker, "node_status", lambda n: client_pb2.NodeStatus(id=n.id))
+    monkeypatch.setattr(queue_link, "node_status", lambda n: client_pb2.NodeStatus(id=n.id))
     return use_loop(request, monkeypatch)
 
 
 class _Node:
-    """What QueueServerLink reads of a RaftNode: a leader that applied 5."""
+    """What QueueServerLink reads of a Replica: a leader that applied 5."""
 
     def __init__(self, node_id: int) -> None:
         self.id = node_id

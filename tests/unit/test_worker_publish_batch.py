@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from node_daemon.state.machine import OpResult
-from node_daemon.work import handler as worker
+from node_daemon.work import handler
 from node_daemon.work.handler import WorkHandler
 from roadlog.columnar import PingColumns, encode
 from roadlog.errors import Code, RoadlogError
@@ -255,7 +255,7 @@ def test_a_new_leader_takes_a_write_in_only_once_it_caught_up() -> None:
 def test_a_leader_that_does_not_catch_up_in_time_answers_try_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(worker, "LEADER_CATCH_UP_S", 0.05)
+    monkeypatch.setattr(handler, "LEADER_CATCH_UP_S", 0.05)
 
     async def go() -> work_pb2.WorkResult:
         node = CatchingUpNode()

@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.replica import replica as node_mod
+from node_daemon.replica import replica as replica_mod
 from node_daemon.state.machine import OpResult
-from node_daemon.work import handler as worker_mod
+from node_daemon.work import handler as handler_mod
 from node_daemon.work.handler import MAX_WORK_LAG_S, WorkHandler, item_deadline
 from queue_server.http_api import request_timeout
 from queue_server.queues import Item, Kind
@@ -65,7 +65,7 @@ def run_publish(
     pause_s: float, budget_ms: int, monkeypatch: pytest.MonkeyPatch, deadline_unix_ms: int = 0
 ) -> tuple[work_pb2.WorkResult, PausedNode, Clock]:
     clock = Clock()
-    monkeypatch.setattr(worker_mod, "_monotonic", clock)  # the worker's receipt and checks
+    monkeypatch.setattr(handler_mod, "_monotonic", clock)  # the worker's receipt and checks
     node = PausedNode(clock, pause_s)
 
     async def go() -> work_pb2.WorkResult:
@@ -116,7 +116,7 @@ def test_the_leader_drops_proposals_whose_deadline_passed_before_the_log() -> No
             (command_pb2.Op(), futs[1], 11.0),  # in time
             (command_pb2.Op(), futs[2], None),  # none
         ]
-        return node_mod._in_time(ops, 10.0), futs
+        return replica_mod._in_time(ops, 10.0), futs
 
     kept, futs = asyncio.run(go())
     assert [p[1] for p in kept] == futs[1:]
@@ -137,7 +137,7 @@ def test_a_publish_batch_past_its_deadline_stores_none_of_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = Clock()
-    monkeypatch.setattr(worker_mod, "_monotonic", clock)  # the worker's receipt and checks
+    monkeypatch.setattr(handler_mod, "_monotonic", clock)  # the worker's receipt and checks
     node = PausedNode(clock, pause_s=5.0)
 
     async def go() -> work_pb2.WorkResult:

@@ -10,7 +10,7 @@ import pytest
 
 from node_daemon.replica.replica import NotLeader
 from node_daemon.state.machine import OpResult
-from node_daemon.work.consumer_group_coordinator import GroupCoordinator
+from node_daemon.work.consumer_group_coordinator import ConsumerGroupCoordinator
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2
 
@@ -37,7 +37,7 @@ def group(revoking: list[int]) -> groups_pb2.Group:
 
 def test_revoking_partitions_held_past_the_session_timeout_are_taken_back() -> None:
     node = ProposalLog()
-    coord = GroupCoordinator(node)  # type: ignore[arg-type]
+    coord = ConsumerGroupCoordinator(node)  # type: ignore[arg-type]
 
     def at(now: float, revoking: list[int]) -> list[command_pb2.Op]:
         before = len(node.ops)
@@ -81,7 +81,7 @@ def test_a_commit_checked_against_an_unreadable_replica_is_unavailable_not_refus
     described = groups_pb2.GroupDescription(group=group([]))
     sm = SimpleNamespace(describe_group=lambda name: described, topic=lambda name: topic)
     node = SimpleNamespace(sm=sm, raft_groups={1: _Unreadable()})
-    coord = GroupCoordinator(node)  # type: ignore[arg-type]
+    coord = ConsumerGroupCoordinator(node)  # type: ignore[arg-type]
     req = client_pb2.CommitOffsetsRequest(group="dash", member_id="a", generation=2)
     req.offsets.add(partition=0, offset=7)
     with pytest.raises(RoadlogError) as e:
@@ -126,7 +126,7 @@ def _commit_against(data: object, offset: int) -> None:
     topic.spec.name, topic.spec.partitions = "munich", 2
     described = groups_pb2.GroupDescription(group=group([]))
     sm = SimpleNamespace(describe_group=lambda name: described, topic=lambda name: topic)
-    coord = GroupCoordinator(SimpleNamespace(sm=sm, raft_groups={1: data}))  # type: ignore[arg-type]
+    coord = ConsumerGroupCoordinator(SimpleNamespace(sm=sm, raft_groups={1: data}))  # type: ignore[arg-type]
     req = client_pb2.CommitOffsetsRequest(group="dash", member_id="a", generation=2)
     req.offsets.add(partition=0, offset=offset)
     asyncio.run(coord._within_data_groups(req))

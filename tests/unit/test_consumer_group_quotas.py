@@ -21,7 +21,7 @@ import pytest
 from node_daemon.state import consumer_groups
 from node_daemon.state.consumer_groups import GROUP_RETENTION_MS
 from node_daemon.state.machine import OpResult, StateMachine, trim_op
-from node_daemon.work import handler as worker
+from node_daemon.work.handler import WorkHandler
 from roadlog.errors import Code
 from roadlog.v1 import client_pb2, command_pb2, work_pb2
 from tests.unit.test_heatmap_retention import HOUR, T0, create_op, entry
@@ -97,11 +97,13 @@ class Replica:
     def held(self, client: str) -> tuple[int, int]:
         """(groups owned, members) of ``client``, as the quotas count them."""
         with self.sm.env.begin() as txn:
-            return self.sm.groups.owned(txn, client), self.sm.groups.joined(txn, client)
+            return self.sm.consumer_groups.owned(txn, client), self.sm.consumer_groups.joined(
+                txn, client
+            )
 
     def members(self) -> int:
         with self.sm.env.begin() as txn:
-            return self.sm.groups.member_count(txn)
+            return self.sm.consumer_groups.member_count(txn)
 
 
 @pytest.fixture
@@ -261,7 +263,7 @@ def test_the_leader_refuses_a_join_past_a_quota_before_proposing(
             return res
 
     async def join(principal: str, group: str) -> work_pb2.WorkResult:
-        handler = worker.WorkHandler(Leader())  # type: ignore[arg-type]
+        handler = WorkHandler(Leader())  # type: ignore[arg-type]
         req = client_pb2.JoinGroupRequest(group=group, topic="munich", client_id="declared")
         item = work_pb2.WorkItem(
             id=1, method="JoinGroup", request=req.SerializeToString(), principal=principal

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.work.routing import GroupedWork
+from node_daemon.work.routing import WorkRouter
 from roadlog.v1 import work_pb2
 from tests.unit.test_fence_wait import _link, _Node, _sent, _settle
 
@@ -32,7 +32,7 @@ class _Handler:
 
 def test_items_go_to_their_groups_handler_and_no_other() -> None:
     handlers: dict[int, Any] = {0: _Handler("meta"), 2: _Handler("two")}
-    work = GroupedWork(handlers)
+    work = WorkRouter(handlers)
 
     async def run(group: int) -> work_pb2.WorkResult:
         return await work.run(work_pb2.WorkItem(id=9, method="Fetch", group=group))
@@ -44,9 +44,9 @@ def test_items_go_to_their_groups_handler_and_no_other() -> None:
     work.reads_flowing(object(), True)
     assert handlers[0].flowing == handlers[2].flowing == [True]
     with pytest.raises(ValueError):
-        GroupedWork({})
+        WorkRouter({})
     # A worker process's: data groups only; group 0's items are refused there.
-    worker = GroupedWork({1: _Handler("one")})  # type: ignore[dict-item]
+    worker = WorkRouter({1: _Handler("one")})  # type: ignore[dict-item]
     zero = asyncio.run(worker.run(work_pb2.WorkItem(id=4, method="Fetch", group=0)))
     assert zero.code == grpc.StatusCode.UNAVAILABLE.value[0] and "runs no group 0" in zero.message
 

@@ -205,7 +205,7 @@ def test_bad_group_requests_change_nothing(c: Cluster) -> None:
         res = c.apply(command_pb2.Op(join_group=command_pb2.JoinGroupOp(request=req)))
         assert res.code != Code.OK
     with c.sm.env.begin() as txn:  # everything but the applied index is as it was
-        assert c.sm.groups.describe(txn, "dash").group.generation == 1
+        assert c.sm.consumer_groups.describe(txn, "dash").group.generation == 1
     assert before != c.sm.digest()  # the applied index moved on ...
     assert c.assignment() == {"a": list(range(PARTS))}  # ... nothing else
 
