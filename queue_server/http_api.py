@@ -33,7 +33,6 @@ import json
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 from google.protobuf.message import Message
+from prometheus_client import Counter
 
 from queue_server.auth import Caller, Principal, check_need, route_need
 from queue_server.dashboard import Dashboard, DashboardSettings
@@ -59,6 +59,11 @@ from roadlog.v1 import client_pb2, clients_pb2, topics_pb2
 from roadlog.validation import MAX_BATCH_PINGS
 
 log = logging.getLogger("roadlog.http")
+
+ABANDONED = Counter(
+    "roadlog_http_requests_abandoned_total",
+    "HTTP requests whose client closed the connection before they were whole (a body abandoned)",
+)
 
 MAX_FETCH_PINGS = 100_000
 MAX_GROUP_FENCES = 64  # one per data group at most
@@ -229,6 +234,9 @@ async def errors_as_json(
         if e.status == 408:
             resp.force_close()  # the rest of a slow body is not waited for
         return resp
+    except ConnectionError:  # the client went away mid-request (a body abandoned, say)
+        ABANDONED.inc()  # counted, not logged: anyone can cause it at will
+        return error_response(400, "CANCELLED", "the client closed the connection")
     except Exception as e:  # a bug: say so in JSON, keep serving
         log.exception("HTTP request failed", extra={"path": request.path})
         return error_response(500, "INTERNAL", f"{type(e).__name__}: {e}")
@@ -251,7 +259,7 @@ class HttpApi:
         self._status = status
         self.body_idle_s = body_idle_s
         self.bodies = bodies or BodyLimits()
-        self._reading: Counter[str] = Counter()  # bodies being read, by "source:.." and "id:.."
+        self._reading: dict[str, int] = {}  # bodies being read, by "source:.." and "id:.."
         self.dashboard = Dashboard(self, dashboard)
         # topic -> (when read, its partition -> data group map): to route a
         # publish whose pings lie in one data group straight to its leader.
@@ -369,14 +377,14 @@ class HttpApi:
             keys.append("id:" + principal.client_id)
         caps = [self.bodies.per_source, self.bodies.per_identity]
         for key, cap in zip(keys, caps, strict=False):
-            if self._reading[key] >= cap:
+            if self._reading.get(key, 0) >= cap:
                 who = "this address" if key.startswith("source:") else "this identity"
                 raise web.HTTPTooManyRequests(
                     reason=f"{cap} request bodies are being read for {who} already: retry",
                     headers={"Retry-After": RETRY_AFTER_S},
                 )
         for key in keys:
-            self._reading[key] += 1
+            self._reading[key] = self._reading.get(key, 0) + 1
         try:
             yield
         finally:
