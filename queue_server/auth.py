@@ -21,11 +21,13 @@ cause one lookup.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from google.protobuf.message import DecodeError
 
@@ -252,10 +254,84 @@ class Authenticator:
             del self.cache[h]
 
 
+# ------------------------------------------------------------ who is where
+
+V4_PREFIX = 24  # a registration's rate is counted per /24 (IPv4) ...
+V6_PREFIX = 64  # ... and per /64 (IPv6): a host's or a subscriber's block
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer ("ipv4:10.1.2.3:5555", "ipv6:[::1]:5555",
+    percent-encoded or not) or of an HTTP remote ("10.1.2.3"), plain:
+    both APIs name a caller alike."""
+    text = unquote(peer)
+    for scheme in ("ipv4:", "ipv6:"):
+        if text.startswith(scheme):
+            text = text[len(scheme) :]
+            if text.startswith("["):  # [v6]:port
+                return text[1:].partition("]")[0]
+            if scheme == "ipv4:":
+                return text.rpartition(":")[0] or text
+            return text  # a v6 address without brackets has no port here
+    return text.strip("[]")
+
+
+def rate_key(host: str) -> str:
+    """What a per-source rate counts ``host`` under: its /24 (IPv4, an
+    IPv4-mapped IPv6 address as its IPv4 one) or its /64 (IPv6); the host
+    itself when it is no address."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    bits = V4_PREFIX if ip.version == 4 else V6_PREFIX
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+
+
+class TrustedProxies:
+    """Whose word on a caller's address is believed: a request from one of
+    ``cidrs`` (a load balancer in front of the queue servers) is from the
+    address its ``X-Forwarded-For`` names last that is not itself a trusted
+    proxy; from anyone else the header is ignored (anyone could send it)."""
+
+    def __init__(self, cidrs: Iterable[str] = ()) -> None:
+        self.networks = [ipaddress.ip_network(c.strip(), strict=False) for c in cidrs]
+
+    def _trusted(self, host: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:
+            return False
+        return any(ip in n for n in self.networks if n.version == ip.version)
+
+    def client(self, host: str, forwarded_for: str | None) -> str:
+        """The caller's address: ``host`` unless it is a trusted proxy that
+        forwarded the request."""
+        if not forwarded_for or not self.networks or not self._trusted(host):
+            return host
+        hops = [h.strip() for h in forwarded_for.split(",") if h.strip()]
+        for hop in reversed(hops):
+            hop = peer_host(hop)
+            if not self._trusted(hop):
+                return hop
+        return peer_host(hops[0]) if hops else host
+
+
+class RateLimited(RoadlogError):
+    """RESOURCE_EXHAUSTED because a rate ran out: the HTTP API answers it
+    429 with ``Retry-After`` (whole seconds, at least 1)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(Code.RESOURCE_EXHAUSTED, message)
+        self.retry_after_s = retry_after_s
+
+
 class RateLimit:
-    """A token bucket per source address: ``per_minute`` a minute, a burst
-    of as many; at most ``max_sources`` addresses remembered (the oldest
-    forgotten first)."""
+    """A token bucket per source: ``per_minute`` a minute, a burst of as
+    many; at most ``max_sources`` sources remembered (the oldest forgotten
+    first). ``retry_after`` says when the next would be taken."""
 
     def __init__(
         self,
@@ -278,6 +354,12 @@ class RateLimit:
         while len(self.buckets) > self.max_sources:
             self.buckets.popitem(last=False)
         return ok
+
+    def retry_after(self, source: str) -> float:
+        """Seconds until ``source`` may take one again (0: now)."""
+        level, at = self.buckets.get(source, (self.capacity, self.clock()))
+        level = min(self.capacity, level + (self.clock() - at) * self.rate)
+        return 0.0 if level >= 1.0 else (1.0 - level) / self.rate
 
 
 class Gate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,18 @@ class QueueConfig:
     open_registration: bool = key(
         True, "POST /v1/clients issues phone identities (produce:*, heatmap:*) to anyone"
     )
+    # Counted per /24 (IPv4) or /64 (IPv6), over HTTP and gRPC alike: a
+    # carrier's NAT puts thousands of phones behind a few addresses, but a
+    # phone registers once, when its app is installed.
     registrations_per_minute: int = key(
-        10, "self-registrations allowed per source address and minute (a burst of as many)"
+        30,
+        "self-registrations allowed per /24 (IPv4) or /64 (IPv6) and minute (a burst of as many)",
+    )
+    # Load balancers in front of the queue servers: a request from one of
+    # these is from the address its X-Forwarded-For (HTTP header, gRPC
+    # metadata) names last that is not itself one of them.
+    trusted_proxies: list[str] = key(
+        help="CIDRs,... of proxies whose X-Forwarded-For is believed", factory=list
     )
     # Every HTTP request body has a total deadline and a minimum rate, and a
     # cap on bodies read at once (issue 39, finding 4; queue_server/http_api.py).
@@ -124,6 +135,13 @@ class QueueConfig:
             raise ConfigError("http_body_timeout_s: positive; http_body_min_rate: not negative")
         if min(self.http_bodies_per_source, self.http_bodies_per_identity) <= 0:
             raise ConfigError("http_bodies_per_source, http_bodies_per_identity: positive")
+        for cidr in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"trusted_proxies: {cidr!r} is no CIDR (10.0.0.0/8, ::1/128)"
+                ) from None
         if self.registrations_per_minute <= 0:
             raise ConfigError("registrations_per_minute must be positive")
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:
@@ -144,5 +162,10 @@ def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConf
         QueueConfig,
         path,
         overrides,
-        {"secret_file": Path, "certs_dir": Path, "discovery_seeds": _list},
+        {
+            "secret_file": Path,
+            "certs_dir": Path,
+            "discovery_seeds": _list,
+            "trusted_proxies": _list,
+        },
     )

@@ -140,7 +140,7 @@ class Dashboard:
         authenticate = self.api._authenticate
         if authenticate is None:  # client_auth none: nobody in particular
             return web.json_response({"client_auth": "none"})
-        caller = Caller(request.headers.get("Authorization"), request.remote or "")
+        caller = Caller(request.headers.get("Authorization"), self.api.source(request))
         p = await authenticate(caller)
         if p is None:
             return web.json_response({"client_auth": "none"})

@@ -43,7 +43,14 @@ from aiohttp import web
 from google.protobuf.message import Message
 from prometheus_client import Counter
 
-from queue_server.auth import Caller, Principal, check_need, route_need
+from queue_server.auth import (
+    Caller,
+    Principal,
+    RateLimited,
+    TrustedProxies,
+    check_need,
+    route_need,
+)
 from queue_server.dashboard import Dashboard, DashboardSettings
 from queue_server.openapi import OPENAPI
 from roadlog import columnar
@@ -216,6 +223,10 @@ async def errors_as_json(
 ) -> web.StreamResponse:
     try:
         return await handler(request)
+    except RateLimited as e:  # a rate ran out: 429, and when to come back
+        resp = error_response(429, e.code.name, e.message)
+        resp.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+        return resp
     except RoadlogError as e:  # roadlog's one error type, mapped at this edge
         return error_response(HTTP_STATUS.get(e.code, 500), e.code.name, e.message)
     except web.HTTPException as e:  # 404 for unknown paths, 405, 413 ...
@@ -251,6 +262,7 @@ class HttpApi:
         dashboard: DashboardSettings | None = None,
         authenticate: Callable[[Caller], Awaitable[Principal | None]] | None = None,
         bodies: BodyLimits | None = None,
+        proxies: TrustedProxies | None = None,
     ) -> None:
         self._call = call
         # Checks a caller's credential before its body is read or parsed
@@ -259,6 +271,7 @@ class HttpApi:
         self._status = status
         self.body_idle_s = body_idle_s
         self.bodies = bodies or BodyLimits()
+        self.proxies = proxies or TrustedProxies()
         self._reading: dict[str, int] = {}  # bodies being read, by "source:.." and "id:.."
         self.dashboard = Dashboard(self, dashboard)
         # topic -> (when read, its partition -> data group map): to route a
@@ -313,7 +326,7 @@ class HttpApi:
         again, from the cache, against the request it makes)."""
         rule = route_rule(request)
         if self._authenticate is not None and rule != PUBLIC:
-            caller = Caller(request.headers.get("Authorization"), request.remote or "")
+            caller = Caller(request.headers.get("Authorization"), self.source(request))
             principal = await self._authenticate(caller)
             request["principal"] = principal
             rpc = BY_NAME.get(rule.removeprefix("rpc:"))
@@ -337,7 +350,7 @@ class HttpApi:
         (else the queue server's default). The answer is the rpc's response
         message (or ``response``, a view of it)."""
         timeout = request_timeout(request.headers, time.time())
-        caller = Caller(request.headers.get("Authorization"), request.remote or "", client)
+        caller = Caller(request.headers.get("Authorization"), self.source(request), client)
         wire = req if isinstance(req, bytes) else req.SerializeToString()
         raw = await self._call(method, wire, timeout, caller)
         return (response or BY_NAME[method].response).FromString(raw)
@@ -367,12 +380,17 @@ class HttpApi:
         per_ping = ping_groups(cols, groups)
         return int(per_ping[0]) if bool((per_ping == per_ping[0]).all()) else 0
 
+    def source(self, request: web.Request) -> str:
+        """The caller's address: the peer's, or from a trusted proxy the one
+        its ``X-Forwarded-For`` names (``TrustedProxies``)."""
+        return self.proxies.client(request.remote or "", request.headers.get("X-Forwarded-For"))
+
     @contextmanager
     def _body_slot(self, request: web.Request) -> Iterator[None]:
         """One of the bodies read at once for the request's source and
         identity, or 429 with Retry-After (the body left unread)."""
         principal = request.get("principal")
-        keys = ["source:" + (request.remote or "")]
+        keys = ["source:" + self.source(request)]
         if isinstance(principal, Principal) and principal.client_id:
             keys.append("id:" + principal.client_id)
         caps = [self.bodies.per_source, self.bodies.per_identity]

@@ -31,7 +31,19 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from discovery.agent import DiscoveryAgent
 from discovery.core import DiscoveryCore
-from queue_server.auth import Authenticator, Caller, Gate, Principal, RateLimit
+from queue_server.auth import (
+    V4_PREFIX,
+    V6_PREFIX,
+    Authenticator,
+    Caller,
+    Gate,
+    Principal,
+    RateLimit,
+    RateLimited,
+    TrustedProxies,
+    peer_host,
+    rate_key,
+)
 from queue_server.config import QueueConfig
 from queue_server.dashboard import DashboardSettings
 from queue_server.http_api import BodyLimits, HttpApi
@@ -175,6 +187,7 @@ class QueueServer(work_pb2_grpc.WorkServicer):
         self.frames_rejected = 0  # framed links refused or cut for bad input
         self.gate = Gate(Authenticator(self._authenticate), enabled=cfg.client_auth != "none")
         self.registrations = RateLimit(cfg.registrations_per_minute)
+        self.proxies = TrustedProxies(cfg.trusted_proxies)
 
     # ------------------------------------------------------------- clients
 
@@ -220,11 +233,13 @@ class QueueServer(work_pb2_grpc.WorkServicer):
                     "self-registration is off on this queue server (open_registration = false): "
                     "ask an operator for a token",
                 )
-            if not self.registrations.take(caller.source):
-                raise RoadlogError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"too many registrations from {caller.source}: at most "
-                    f"{self.cfg.registrations_per_minute} a minute",
+            block = rate_key(caller.source)  # one bucket per /24 or /64, HTTP and gRPC alike
+            if not self.registrations.take(block):
+                raise RateLimited(
+                    f"too many registrations from {block}: at most "
+                    f"{self.cfg.registrations_per_minute} a minute per /{V4_PREFIX} "
+                    f"(IPv4) or /{V6_PREFIX} (IPv6)",
+                    self.registrations.retry_after(block),
                 )
         token = new_token()
         if method == "RegisterClient":
@@ -723,20 +738,28 @@ class QueueServer(work_pb2_grpc.WorkServicer):
 
 CLIENT_METADATA = "roadlog-client"
 AUTHORIZATION = "authorization"
+FORWARDED_METADATA = "x-forwarded-for"
 
 
-def caller_of(context: Any) -> Caller:
+def caller_of(context: Any, proxies: TrustedProxies | None = None) -> Caller:
     """Who a gRPC request is from: its credential (``authorization``
-    metadata), its host, and the client id it declares in metadata."""
+    metadata), its host (plain, as HTTP names it; from a trusted proxy, the
+    address its ``x-forwarded-for`` names), and the client id it declares
+    in metadata."""
     credential: str | None = None
     declared = ""
+    forwarded: str | None = None
     for key, value in context.invocation_metadata() or ():
         if key == AUTHORIZATION:
             credential = str(value)
         elif key == CLIENT_METADATA and value:
             declared = str(value)[:128]
-    peer = str(context.peer() or "")
-    return Caller(credential, peer.rpartition(":")[0] or peer, declared)
+        elif key == FORWARDED_METADATA:
+            forwarded = str(value)
+    host = peer_host(str(context.peer() or ""))
+    if proxies is not None:
+        host = proxies.client(host, forwarded)
+    return Caller(credential, host, declared)
 
 
 def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
@@ -746,7 +769,8 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
         async def handle(request: bytes, context: Any) -> bytes:
             remaining = context.time_remaining()
             try:
-                out = await server.client_call(method, request, remaining, caller_of(context))
+                caller = caller_of(context, server.proxies)
+                out = await server.client_call(method, request, remaining, caller)
             except RoadlogError as e:
                 REQUESTS.labels(method, e.code.name).inc()
                 await context.abort(to_grpc(e.code), e.message)
@@ -757,7 +781,7 @@ def client_handler(server: QueueServer) -> grpc.GenericRpcHandler:
 
     async def status(request: bytes, context: Any) -> bytes:
         try:
-            await server.gate.admit("Status", request, caller_of(context))
+            await server.gate.admit("Status", request, caller_of(context, server.proxies))
         except RoadlogError as e:
             REQUESTS.labels("Status", e.code.name).inc()
             await context.abort(to_grpc(e.code), e.message)
@@ -797,7 +821,10 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         (
             client_handler(qs),
             publish_stream_handler(
-                qs.client_call, caller_of, count_publish_batch, qs.publish_link_port
+                qs.client_call,
+                lambda context: caller_of(context, qs.proxies),
+                count_publish_batch,
+                qs.publish_link_port,
             ),
         )
     )
@@ -855,6 +882,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             dashboard=settings,
             authenticate=qs.authenticate,
             bodies=bodies,
+            proxies=qs.proxies,
         ).runner()
         await http_runner.setup()
         # HTTPS with the queue server's certificate (clients have none); plaintext when insecure
