@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from queue_server.config import QueueConfig, load_queue_config
-from queue_server.server import serve
+from queue_server.serve import serve
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.config import (
     ConfigError,

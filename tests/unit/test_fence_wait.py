@@ -18,8 +18,9 @@ from node_daemon.work import queue_link
 from node_daemon.work.handler import WorkHandler
 from node_daemon.work.queue_link import INDEX_IDLE_S, QueueServerLink
 from queue_server.config import QueueConfig
+from queue_server.outgoing import Outgoing
 from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
-from queue_server.server import Outgoing, QueueServer
+from queue_server.server import QueueServer
 from roadlog.v1 import client_pb2, clients_pb2, work_pb2
 
 pytestmark = pytest.mark.unit

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from queue_server.config import QueueConfig
+from queue_server.node_sessions import MAX_ATTEMPTS
 from queue_server.queues import Item, Kind
-from queue_server.server import MAX_ATTEMPTS, QueueServer
+from queue_server.server import QueueServer
 from roadlog.errors import Code
 from roadlog.v1 import work_pb2
 

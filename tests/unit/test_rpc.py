@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from node_daemon.work.handler import WorkHandler
+from queue_server.client_front import client_handler
 from queue_server.http_api import HttpApi
 from queue_server.openapi import OPENAPI
-from queue_server.server import client_handler
 from roadlog.errors import Code
 from roadlog.rpc import BY_NAME, FENCE_FIELD, QUEUED, ROUTED, RPCS, SERVICE, Kind, Rpc
 from roadlog.v1 import client_pb2, work_pb2

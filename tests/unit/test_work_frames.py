@@ -19,8 +19,9 @@ import pytest
 from node_daemon.work import queue_link
 from node_daemon.work.queue_link import QueueServerLink
 from queue_server.config import QueueConfig
+from queue_server.outgoing import Outgoing
 from queue_server.queues import Item, Kind
-from queue_server.server import Outgoing, QueueServer
+from queue_server.server import QueueServer
 from roadlog.limits import WORK_BATCH_BYTES
 from roadlog.runtime import frames
 from roadlog.runtime.auth import ClusterAuth, protects

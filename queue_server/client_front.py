@@ -1,0 +1,232 @@
+"""The queue server's client front: a client's call admitted (who calls,
+may they, from where), self-registration and identities, the gRPC client
+service and the publish link. The queues behind it are ``QueueServer``'s
+(``queue_server.server``), of which ``ClientFront`` is a part."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from queue_server.auth import (
+    V4_PREFIX,
+    V6_PREFIX,
+    Caller,
+    Gate,
+    Principal,
+    RateLimit,
+    RateLimited,
+    TrustedProxies,
+    peer_host,
+    rate_key,
+)
+from queue_server.config import QueueConfig
+from queue_server.metrics import ANSWERED, PUBLISH_LINKS_REJECTED, REQUESTS, count_publish_batch
+from queue_server.publish_link import PublishLinkServer
+from roadlog.errors import Code, RoadlogError
+from roadlog.grpc_status import to_grpc
+from roadlog.rpc import BY_NAME, SERVICE
+from roadlog.runtime import tls
+from roadlog.scopes import new_token, token_hash
+from roadlog.v1 import client_pb2, clients_pb2, work_pb2
+
+
+class ClientFront:
+    """The part of ``QueueServer`` that faces clients (see the module doc)."""
+
+    cfg: QueueConfig
+    gate: Gate
+    registrations: RateLimit
+    proxies: TrustedProxies
+    states: dict[int, work_pb2.WorkerState]
+    publish_link: PublishLinkServer | None
+
+    if TYPE_CHECKING:  # the queues' side, in QueueServer
+
+        async def _call(
+            self,
+            method: str,
+            request: bytes,
+            timeout: float | None,
+            client: str,
+            principal: Principal | None,
+            own: bool = False,
+        ) -> bytes: ...
+
+        async def call(
+            self, method: str, request: bytes, timeout: float | None, client: str = ""
+        ) -> bytes: ...
+
+        def status(self) -> client_pb2.ClusterStatus: ...
+
+    async def client_call(
+        self, method: str, request: bytes, timeout: float | None, caller: Caller
+    ) -> bytes:
+        """A client's call (gRPC or HTTP): admitted by the gate (who calls,
+        may they), then queued for a node with the caller's identity."""
+        t0 = time.monotonic()
+        outcome = "error"
+        try:
+            principal = await self.gate.admit(method, request, caller)
+            if method in ("CreateClient", "RegisterClient"):
+                answer = await self._new_client(method, request, timeout, caller)
+            else:
+                # Fair between identities; without one, between declared ids or addresses.
+                lane = principal.client_id or caller.declared or caller.source
+                answer = await self._call(method, request, timeout, lane, principal)
+                if method == "RevokeClient":
+                    name = clients_pb2.RevokeClientRequest.FromString(request).name
+                    self.gate.auth.forget(name)  # here at once; elsewhere within the cache's TTL
+            outcome = "ok"
+            return answer
+        finally:
+            ANSWERED.labels(method, outcome).observe(time.monotonic() - t0)
+
+    async def authenticate(self, caller: Caller) -> Principal | None:
+        """The caller's identity (UNAUTHENTICATED without a good token);
+        None when client_auth is none."""
+        if not self.gate.enabled:
+            return None
+        return await self.gate.auth.principal(caller.credential, caller.source)
+
+    async def _new_client(
+        self, method: str, request: bytes, timeout: float | None, caller: Caller
+    ) -> bytes:
+        """A new identity: its token made here, only its hash sent on; the
+        answer carries the token, which nothing keeps."""
+        if method == "RegisterClient":
+            if not self.cfg.open_registration:
+                raise RoadlogError(
+                    Code.PERMISSION_DENIED,
+                    "self-registration is off on this queue server (open_registration = false): "
+                    "ask an operator for a token",
+                )
+            block = rate_key(caller.source)  # one bucket per /24 or /64, HTTP and gRPC alike
+            if not self.registrations.take(block):
+                raise RateLimited(
+                    f"too many registrations from {block}: at most "
+                    f"{self.cfg.registrations_per_minute} a minute per /{V4_PREFIX} "
+                    f"(IPv4) or /{V6_PREFIX} (IPv6)",
+                    self.registrations.retry_after(block),
+                )
+        token = new_token()
+        if method == "RegisterClient":
+            request = clients_pb2.RegisterClientRequest(
+                token_hash=token_hash(token)
+            ).SerializeToString()
+        else:
+            try:
+                req = clients_pb2.CreateClientRequest.FromString(request)
+            except Exception:
+                raise RoadlogError(Code.INVALID_ARGUMENT, "malformed CreateClientRequest") from None
+            req.token_hash = token_hash(token)  # a client's own is replaced
+            request = req.SerializeToString()
+        raw = await self._call(method, request, timeout, caller.source, None)
+        resp = clients_pb2.CreateClientResponse.FromString(raw)
+        resp.token = token
+        return resp.SerializeToString()
+
+    async def _authenticate(self, h: bytes, source: str) -> clients_pb2.AuthenticateResponse:
+        """Whose token has hash ``h``: a read any node answers, fenced at the
+        highest commit index a node told, then, if it found none, the
+        leader's (so an identity just made is found); queued in the
+        asker's lane."""
+        fence = max((s.commit_index for s in self.states.values()), default=0)
+        req = clients_pb2.AuthenticateRequest(token_hash=h, min_applied_index=fence)
+        raw = await self.call("Authenticate", req.SerializeToString(), 5.0, f"auth:{source}")
+        resp = clients_pb2.AuthenticateResponse.FromString(raw)
+        if not resp.found:
+            # The indexes nodes told may lag a creation just answered: the
+            # leader has applied it (a bad token costs one more read, then
+            # its refusal is cached).
+            at_leader = clients_pb2.AuthenticateRequest(token_hash=h)  # writes take no fence
+            raw = await self.call(
+                "AuthenticateAtLeader", at_leader.SerializeToString(), 5.0, f"auth:{source}"
+            )
+            resp = clients_pb2.AuthenticateResponse.FromString(raw)
+        return resp
+
+    async def start_publish_link(self, host: str, port: int) -> int:
+        """Offer clients the publish link on (host, port) (0: any free
+        port), in TLS with this server's certificate (no client
+        certificate). Returns the port, or 0 when it could not bind:
+        clients then publish over gRPC, as before."""
+        server = PublishLinkServer(
+            self.client_call,
+            count_publish_batch,
+            PUBLISH_LINKS_REJECTED.inc,
+            tls.current().server_ssl(mutual=False),
+            authenticate=self.authenticate,
+        )
+        if await server.offer(host, port):
+            self.publish_link = server
+        return self.publish_link_port()
+
+    def publish_link_port(self) -> int:
+        """The publish link's port (0: none)."""
+        return self.publish_link.port if self.publish_link is not None else 0
+
+
+CLIENT_METADATA = "roadlog-client"
+AUTHORIZATION = "authorization"
+FORWARDED_METADATA = "x-forwarded-for"
+
+
+def caller_of(context: Any, proxies: TrustedProxies | None = None) -> Caller:
+    """Who a gRPC request is from: its credential (``authorization``
+    metadata), its host (plain, as HTTP names it; from a trusted proxy, the
+    address its ``x-forwarded-for`` names), and the client id it declares
+    in metadata."""
+    credential: str | None = None
+    declared = ""
+    forwarded: str | None = None
+    for key, value in context.invocation_metadata() or ():
+        if key == AUTHORIZATION:
+            credential = str(value)
+        elif key == CLIENT_METADATA and value:
+            declared = str(value)[:128]
+        elif key == FORWARDED_METADATA:
+            forwarded = str(value)
+    host = peer_host(str(context.peer() or ""))
+    if proxies is not None:
+        host = proxies.client(host, forwarded)
+    return Caller(credential, host, declared)
+
+
+def client_handler(server: ClientFront) -> grpc.GenericRpcHandler:
+    """The Roadlog service with requests and responses kept as bytes."""
+
+    def unary(method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handle(request: bytes, context: Any) -> bytes:
+            remaining = context.time_remaining()
+            try:
+                caller = caller_of(context, server.proxies)
+                out = await server.client_call(method, request, remaining, caller)
+            except RoadlogError as e:
+                REQUESTS.labels(method, e.code.name).inc()
+                await context.abort(to_grpc(e.code), e.message)
+            REQUESTS.labels(method, "OK").inc()
+            return out
+
+        return handle
+
+    async def status(request: bytes, context: Any) -> bytes:
+        try:
+            await server.gate.admit("Status", request, caller_of(context, server.proxies))
+        except RoadlogError as e:
+            REQUESTS.labels("Status", e.code.name).inc()
+            await context.abort(to_grpc(e.code), e.message)
+        REQUESTS.labels("Status", "OK").inc()
+        return server.status().SerializeToString()
+
+    local: dict[str, Callable[[bytes, Any], Awaitable[bytes]]] = {"Status": status}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        name: grpc.unary_unary_rpc_method_handler(
+            unary(name) if rpc.kind is not None else local[name]
+        )
+        for name, rpc in BY_NAME.items()
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
