@@ -91,7 +91,8 @@ from node_daemon.replica.log_clock import (
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.snapshots import Snapshots
 from node_daemon.state import unsynced
-from node_daemon.state.machine import OpResult, StateMachine, trim_op
+from node_daemon.state.machine import StateMachine, trim_op
+from node_daemon.state.responses import OpResult
 from node_daemon.storage import damage
 from node_daemon.storage.boot import boot_id
 from node_daemon.storage.disk import DiskGuard, fsync_dir

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
+
+_U64 = struct.Struct(">Q")
+
+
+def meta_int(txn: Any, meta: Any, key: bytes) -> int:
+    """The integer stored under ``key`` in ``meta`` (0: none)."""
+    raw = txn.get(key, db=meta)
+    return int(_U64.unpack(raw)[0]) if raw else 0
 
 
 def count_prefix(txn: Any, db: Any, prefix: bytes, limit: int) -> int:

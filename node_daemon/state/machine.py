@@ -49,54 +49,35 @@ from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.batch_refs import EntrySource
 from node_daemon.state.clients import ClientTables
 from node_daemon.state.consumer_groups import GROUP_RETENTION_MS, ConsumerGroupTables
-from node_daemon.state.heatmaps import (
-    DEFAULT_CONTRIBUTION_WINDOW_MS,
-    HEATMAP_KEEP_NEWEST,
-    HeatmapTables,
-)
-from node_daemon.state.keys import count_prefix
+from node_daemon.state.heatmaps import HEATMAP_KEEP_NEWEST, HeatmapTables
+from node_daemon.state.keys import meta_int
 from node_daemon.state.paced_copy import copy_paced
-from node_daemon.state.responses import publish_responses
+from node_daemon.state.producers import (
+    EXPIRED_PRODUCERS_PER_TRIM,
+    MAX_PRODUCER_IDS_PER_CLIENT,
+    PRODUCER_ID_LIFETIME_MS,
+    ProducerTables,
+)
+from node_daemon.state.responses import OpResult, publish_responses
+from node_daemon.state.topics import PartitionState, TopicTables, check_topic_id
 from node_daemon.storage import kept_log
 from node_daemon.storage.disk import fsync_dir, full_disk_error, open_lmdb
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
-from roadlog.geo import RegionError, parse_region
-from roadlog.placement import MAX_DATA_GROUPS, group_of, partition_groups
 from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, topics_pb2
-from roadlog.validation import MAX_PARTITIONS, check_topic_name
 
 GiB = 1 << 30
-DEFAULT_PARTITIONS = 8
-DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000
-DEFAULT_H3_RESOLUTION = 9
-RECENT_SEQUENCES = 8  # per producer and partition, for retries of pipelined batches
 
 _PART = struct.Struct(">II")
 _BATCH = struct.Struct(">IIQ")
 _TIME = struct.Struct(">IIQQ")  # unsigned: keys must sort numerically
-_PROD = struct.Struct(">QII")
-_PART_VAL = struct.Struct(">QQq")
 _BATCH_HDR = batch_store.HEADER  # count, append ms
-_SEQ = struct.Struct(">QQI")
-_EPOCH = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 
-
-_Seq = tuple[int, int, int]  # a producer's sequence, its base offset and count in a partition
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 # Operations that write topic records or partition states other than by appending.
 _FORGETTING = frozenset({"create_topic", "delete_topic", "trim", "place_topic"})
-_ISSUED_AT, _BY_AGE, _HELD = b"pissued-at/", b"pissued-by-age/", b"pheld/"
-# A producer id with no record left is forgotten this long after it was
-# issued (a producer that stays away longer asks for a new one).
-PRODUCER_ID_LIFETIME_MS = DEFAULT_RETENTION_MS
-# Producer ids bound to one identity at once (issue 19's quotas): more is a
-# leak or a flood; each costs records on every replica.
-MAX_PRODUCER_IDS_PER_CLIENT = 1024
-EXPIRED_PRODUCERS_PER_TRIM = 1000  # keeps a trim entry small
-EXPIRY_SCAN_KEYS = 50_000  # producer ids a leader looks at per trim, oldest first
 # The state's on-disk layout: 1, batches stored whole; 2, in pieces of a page
 # (``batch_store``); 3, as references into the Raft log where the node's log
 # is open to it (``batch_refs``). Each reads the earlier ones' too. A state
@@ -107,95 +88,6 @@ _FORMAT_KEY = b"state_format"  # in meta; local to the replica, not in the diges
 
 class StateFormatError(Exception):
     """The state on disk was written by a newer release of roadlog."""
-
-
-def _issued_key(pid: int) -> bytes:
-    """The meta key of a producer id issued at random: its client id."""
-    return b"producer/" + _U64.pack(pid)
-
-
-def _issued_at_key(pid: int) -> bytes:
-    """The meta key of when (the log's clock) a producer id was issued."""
-    return _ISSUED_AT + _U64.pack(pid)
-
-
-def _by_age_key(issued_ms: int, pid: int) -> bytes:
-    """The meta key that lists producer ids by the time they were issued."""
-    return _BY_AGE + _U64.pack(max(issued_ms, 0)) + _U64.pack(pid)
-
-
-def _held_prefix(client_id: str) -> bytes:
-    """The meta keys' prefix of the producer ids bound to ``client_id``."""
-    raw = client_id.encode()[:255]
-    return _HELD + bytes([len(raw)]) + raw
-
-
-def _held_key(client_id: str, pid: int) -> bytes:
-    """The meta key listing ``pid`` among the producer ids bound to
-    ``client_id`` (counted against the identity's quota)."""
-    return _held_prefix(client_id) + _U64.pack(pid)
-
-
-def _epoch_key(pid: int) -> bytes:
-    """The meta key of a producer id's current epoch (absent: 0)."""
-    return b"pepoch/" + _U64.pack(pid)
-
-
-def _seq_record(epoch: int, recent: list[_Seq]) -> bytes:
-    """A producer's record in a partition: its latest sequences, under the
-    epoch they were sent with. Epoch 0 keeps the layout of before epochs (a
-    run of _SEQ); a later epoch leads with it (so the length is 4 past a
-    multiple of _SEQ.size, which tells the two apart)."""
-    seqs = b"".join(_SEQ.pack(*x) for x in recent[-RECENT_SEQUENCES:])
-    return _EPOCH.pack(epoch) + seqs if epoch else seqs
-
-
-def _parse_seq_record(raw: bytes) -> tuple[int, list[_Seq]]:
-    """``_seq_record``'s epoch and sequences."""
-    epoch, start = 0, 0
-    if len(raw) % _SEQ.size == _EPOCH.size:
-        epoch, start = _EPOCH.unpack_from(raw)[0], _EPOCH.size
-    return epoch, [_SEQ.unpack_from(raw, i) for i in range(start, len(raw), _SEQ.size)]
-
-
-def _fenced(pid: int, epoch: int, current: int) -> tuple[Code, str]:
-    """The refusal of an append under an epoch that is not producer ``pid``'s
-    current one."""
-    if epoch < current:
-        return (
-            Code.FAILED_PRECONDITION,
-            f"producer id {pid} is fenced: epoch {epoch} is older than its current "
-            f"epoch {current} (another instance took it over with InitProducer)",
-        )
-    return (
-        Code.FAILED_PRECONDITION,
-        f"producer id {pid} has no epoch {epoch} yet (its current epoch is {current})",
-    )
-
-
-def _bound_key(pid: int) -> bytes:
-    """The meta key marking a producer id issued to an authenticated
-    identity (its client id under ``_issued_key``): only it may use it."""
-    return b"pbound/" + _U64.pack(pid)
-
-
-@dataclass(slots=True)
-class OpResult:
-    """What the proposer tells the client about one operation."""
-
-    code: Code = Code.OK
-    message: str = ""
-    response: bytes = b""
-    # An append op's result per span (publish request), in span order; the
-    # op's own code is OK then, and each span says how it went.
-    spans: tuple[OpResult, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionState:
-    first_offset: int
-    next_offset: int
-    last_append_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,10 +172,13 @@ class StateMachine:
             # in the lock file, which would pin old pages for good.
             self.env.reader_check()
 
-        self.topics, self.parts, self.batches = db(b"topics"), db(b"parts"), db(b"batches")
+        self.batches, self.timeidx, self.meta = db(b"batches"), db(b"timeidx"), db(b"meta")
         self._more: Any = None
         self._open_pieces()
-        self.timeidx, self.producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
+        self.topics = TopicTables(db(b"topics"), db(b"parts"), self.meta)
+        self.producers = ProducerTables(
+            db(b"producers"), self.meta, self.issues_producers, self.group
+        )
         self.consumer_groups = ConsumerGroupTables(db(b"groups"), db(b"offsets"), self.meta)
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         self.clients = ClientTables(db(b"clients"), self.meta)
@@ -313,12 +208,10 @@ class StateMachine:
         # failed transaction, a snapshot installed) forgets them all.
         self._topics: dict[str, topics_pb2.Topic] = {}
         self._states: dict[tuple[int, int], PartitionState] = {}
-        self._issued: set[int] = set()  # producer ids known to be issued
+        self.producers.forget_cached()  # which ids are issued, and to whom
         # The cluster's data groups once recorded (it never changes after: the
         # write path asks on every call); 0: not recorded yet.
         self._groups_recorded = 0
-        # producer id -> the client id it is bound to ("": not bound), as stored
-        self._owners: dict[int, str] = {}
 
     def _open_pieces(self) -> None:
         """Open ``batchmore`` (creating it unless read-only). A read-only
@@ -330,8 +223,7 @@ class StateMachine:
                 self._more = self.env.open_db(batch_store.MORE_NAME, create=not self.readonly)
 
     def _meta_int(self, txn: Any, key: bytes) -> int:
-        raw = txn.get(key, db=self.meta)
-        return int(_U64.unpack(raw)[0]) if raw else 0
+        return meta_int(txn, self.meta, key)
 
     def close(self) -> None:
         self.env.close()
@@ -424,7 +316,7 @@ class StateMachine:
         topic = self._topics.get(op.topic)
         if topic is None or any(span.producer_id for span in op.spans):
             return None
-        _check_topic_id(op, topic)
+        check_topic_id(op, topic)
         tid = topic.id
         counts = [list(span.counts) for span in op.spans]
         _check_layout(op, counts, topic.spec.partitions)
@@ -483,7 +375,7 @@ class StateMachine:
     def _apply_op(self, txn: Any, op: command_pb2.Op, leader_ms: int, index: int) -> bytes:
         kind = op.WhichOneof("op")
         if kind == "create_topic":
-            desc = self._create_topic(
+            desc = self.topics.create(
                 txn, op.create_topic.spec, leader_ms, op.create_topic.data_groups
             )
             desc.applied_index = index  # read your writes: describe and list see it
@@ -494,26 +386,10 @@ class StateMachine:
                 deleted=True, applied_index=index
             ).SerializeToString()
         if kind == "place_topic":
-            self._place_topic(txn, op.place_topic.topic)
+            self.topics.place(txn, op.place_topic.topic)
             return b""
         if kind == "init_producer":
-            pid = op.init_producer.producer_id
-            if op.init_producer.next_epoch:
-                return self._next_epoch(txn, pid, op.init_producer.client_id)
-            if not pid:  # an entry from before random ids: the counter, as then
-                pid = self._meta_int(txn, b"next_producer_id") + 1
-                txn.put(b"next_producer_id", _U64.pack(pid), db=self.meta)
-                return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
-            if self.producer_issued(txn, pid):
-                raise RoadlogError(Code.ABORTED, f"producer id {pid} is taken: ask again")
-            txn.put(_issued_key(pid), op.init_producer.client_id.encode(), db=self.meta)
-            txn.put(_issued_at_key(pid), _U64.pack(max(self._log_ms, 0)), db=self.meta)
-            txn.put(_by_age_key(self._log_ms, pid), b"", db=self.meta)
-            if op.init_producer.bound:
-                txn.put(_bound_key(pid), b"", db=self.meta)
-                txn.put(_held_key(op.init_producer.client_id, pid), b"", db=self.meta)
-            self._issued.add(pid)
-            return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
+            return self.producers.init(txn, op.init_producer, self._log_ms)
         if kind == "trim":
             self._trim(txn, leader_ms)
             if op.trim.heatmap_keep_newest:  # 0: an entry from before heat-map retention
@@ -521,7 +397,7 @@ class StateMachine:
             if op.trim.expire_records:  # false: an entry from before record expiry
                 self._expire_records(txn, self._log_ms)
             for pid in op.trim.expired_producers:
-                self._forget_producer(txn, pid)
+                self.producers.drop(txn, pid)
             if op.trim.group_retention_ms:  # 0: an entry from before group expiry
                 self.consumer_groups.expire(txn, self._log_ms - op.trim.group_retention_ms)
             return b""
@@ -533,14 +409,14 @@ class StateMachine:
             return b""
         if kind == "join_group":
             req = op.join_group.request
-            topic = self._topic(txn, req.topic)
+            topic = self.topics.get(txn, req.topic)
             resp = self.consumer_groups.join(
                 txn, req, topic.spec.partitions, leader_ms, index, op.join_group
             )
             return resp.SerializeToString()
         if kind == "leave_group":
             g = self.consumer_groups.get(txn, op.leave_group.group)
-            nparts = self._topic(txn, g.topic).spec.partitions if g is not None else 0
+            nparts = self.topics.get(txn, g.topic).spec.partitions if g is not None else 0
             gen = self.consumer_groups.leave(
                 txn, op.leave_group.group, list(op.leave_group.member_ids), nparts, self._log_ms
             )
@@ -550,7 +426,7 @@ class StateMachine:
             g = self.consumer_groups.get(txn, commit.group)
             if g is None:
                 raise RoadlogError(Code.NOT_FOUND, f"no group {commit.group!r}")
-            topic = self._topic(txn, g.topic)
+            topic = self.topics.get(txn, g.topic)
             # A topic placed in data groups: its ends are theirs, which this
             # group's apply cannot read alike on every replica; its leader
             # checked the offsets against them before proposing.
@@ -558,7 +434,7 @@ class StateMachine:
                 None
                 if topic.partition_groups
                 else {
-                    o.partition: self._part_state(txn, topic.id, o.partition).next_offset
+                    o.partition: self.topics.part_state(txn, topic.id, o.partition).next_offset
                     for o in commit.offsets
                     if o.partition < topic.spec.partitions
                 }
@@ -569,7 +445,7 @@ class StateMachine:
             rel = op.release_partitions
             g = self.consumer_groups.get(txn, rel.group)
             if g is not None:
-                nparts = self._topic(txn, g.topic).spec.partitions
+                nparts = self.topics.get(txn, g.topic).spec.partitions
                 self.consumer_groups.release(
                     txn, rel.group, rel.member_id, list(rel.partitions), nparts
                 )
@@ -581,7 +457,7 @@ class StateMachine:
             ).SerializeToString()
         if kind == "put_heatmap":
             hm = op.put_heatmap.request.heatmap
-            self.heat.put(txn, self._topic(txn, hm.topic), hm)
+            self.heat.put(txn, self.topics.get(txn, hm.topic), hm)
             return client_pb2.PutHeatmapResponse(applied_index=index).SerializeToString()
         if kind == "create_client":
             cc = op.create_client
@@ -598,126 +474,33 @@ class StateMachine:
 
     # --------------------------------------------------------------- topics
 
-    def _create_topic(
-        self, txn: Any, spec: topics_pb2.TopicSpec, leader_ms: int, data_groups: int = 0
-    ) -> topics_pb2.TopicDescription:
-        spec = normalized_spec(spec)
-        existing = txn.get(spec.name.encode(), db=self.topics)
-        if existing is not None:
-            topic = topics_pb2.Topic.FromString(existing)
-            if topic.spec == spec:
-                return self._describe(txn, topic)  # the same request again
-            raise RoadlogError(Code.ALREADY_EXISTS, f"topic {spec.name!r} already exists")
-        tid = self._meta_int(txn, b"next_topic_id") + 1
-        groups = self._data_groups(txn, data_groups, first_topic=tid == 1)
-        txn.put(b"next_topic_id", _U64.pack(tid), db=self.meta)
-        region = parse_region(spec.region_geojson)
-        topic = topics_pb2.Topic(
-            spec=spec,
-            id=tid,
-            created_ms=leader_ms,
-            bbox=region.bbox,
-            partition_groups=partition_groups(tid, spec.partitions, groups),
-        )
-        txn.put(spec.name.encode(), topic.SerializeToString(), db=self.topics)
-        for p in range(spec.partitions):
-            txn.put(_PART.pack(tid, p), _PART_VAL.pack(0, 0, 0), db=self.parts)
-        return self._describe(txn, topic)
-
-    def _place_topic(self, txn: Any, topic: topics_pb2.Topic) -> None:
-        """In a data group: record group 0's topic as it is (its id kept),
-        with empty partitions; the same record again changes nothing. A
-        topic of the same name but another id (deleted and made again in
-        group 0) is refused: the group drops the old one first."""
-        if not topic.id or not topic.spec.name or topic.spec.partitions <= 0:
-            raise RoadlogError(Code.INVALID_ARGUMENT, "a placed topic needs its id and spec")
-        existing = txn.get(topic.spec.name.encode(), db=self.topics)
-        if existing is not None:
-            if topics_pb2.Topic.FromString(existing).id == topic.id:
-                return
-            raise RoadlogError(
-                Code.FAILED_PRECONDITION, f"topic {topic.spec.name!r} here has another id"
-            )
-        txn.put(topic.spec.name.encode(), topic.SerializeToString(), db=self.topics)
-        for p in range(topic.spec.partitions):
-            txn.put(_PART.pack(topic.id, p), _PART_VAL.pack(0, 0, 0), db=self.parts)
-
-    def _data_groups(self, txn: Any, proposed: int, first_topic: bool) -> int:
-        """The cluster's number of data groups. The first topic ever made
-        records the value its leader proposed (at least 1) and every later
-        topic is placed by it, whatever later leaders propose; a cluster
-        with topics from before groups has one."""
-        recorded = self._meta_int(txn, b"data_groups")
-        if recorded:
-            return recorded
-        if not first_topic:
-            return 1
-        recorded = min(max(proposed, 1), MAX_DATA_GROUPS)
-        txn.put(b"data_groups", _U64.pack(recorded), db=self.meta)
-        return recorded
-
     def founded_data_groups(self) -> int | None:
         """The data groups the cluster was founded with, as its first topic
         recorded them (1 for a cluster whose topics came before groups);
         None before the first topic, when that is not decided yet."""
         with self.env.begin() as txn:
-            recorded = self._meta_int(txn, b"data_groups")
-            if recorded:
-                return recorded
-            return 1 if self._meta_int(txn, b"next_topic_id") else None
+            return self.topics.founded_data_groups(txn)
 
     def data_groups(self) -> int:
         """The recorded number of data groups (1 before the first topic)."""
         if not self._groups_recorded:
             with self.env.begin() as txn:
-                self._groups_recorded = self._meta_int(txn, b"data_groups")
+                self._groups_recorded = self.topics.recorded_data_groups(txn)
         return self._groups_recorded or 1
 
     def _delete_topic(self, txn: Any, name: str) -> None:
-        raw = txn.get(name.encode(), db=self.topics)
-        if raw is None:
+        topic = self.topics.lookup(txn, name)
+        if topic is None:
             raise RoadlogError(Code.NOT_FOUND, f"no topic {name!r}")
-        topic = topics_pb2.Topic.FromString(raw)
         prefix = struct.pack(">I", topic.id)
         if self.entries is not None:
             self.refs_released = True  # its log entries may go (if nothing else refers to them)
-        for db in (self.parts, self.batches, self._more, self.timeidx):
+        for db in (self.topics.parts, self.batches, self._more, self.timeidx):
             _delete_prefix(txn, db, prefix)
-        cur = txn.cursor(db=self.producers)
-        for key in [k for k, _ in cur if k[8:12] == prefix]:
-            txn.delete(key, db=self.producers)
+        self.producers.drop_topic(txn, prefix)
         self.heat.drop_topic(txn, topic.id)
         self.consumer_groups.drop_topic(txn, name)
-        txn.delete(name.encode(), db=self.topics)
-
-    def _topic(self, txn: Any, name: str) -> topics_pb2.Topic:
-        try:
-            check_topic_name(name)  # also keeps LMDB from an empty or oversized key
-        except ValueError as e:
-            raise RoadlogError(Code.INVALID_ARGUMENT, str(e)) from None
-        raw = txn.get(name.encode(), db=self.topics)
-        if raw is None:
-            raise RoadlogError(Code.NOT_FOUND, f"no topic {name!r}")
-        return topics_pb2.Topic.FromString(raw)
-
-    def _part_state(self, txn: Any, tid: int, p: int) -> PartitionState:
-        raw = txn.get(_PART.pack(tid, p), db=self.parts)
-        if raw is None:
-            raise RoadlogError(Code.NOT_FOUND, f"no partition {p}")
-        return PartitionState(*_PART_VAL.unpack(raw))
-
-    def _describe(self, txn: Any, topic: topics_pb2.Topic) -> topics_pb2.TopicDescription:
-        d = topics_pb2.TopicDescription(topic=topic)
-        for p in range(topic.spec.partitions):
-            st = self._part_state(txn, topic.id, p)
-            d.partitions.add(
-                partition=p,
-                first_offset=st.first_offset,
-                next_offset=st.next_offset,
-                last_append_ms=st.last_append_ms,
-                group=group_of(topic, p),
-            )
-        return d
+        self.topics.drop(txn, name)
 
     # --------------------------------------------------------------- append
 
@@ -740,8 +523,8 @@ class StateMachine:
         from one append to the next (``_forget``)."""
         topic = self._topics.get(op.topic)
         if topic is None:
-            topic = self._topics[op.topic] = self._topic(txn, op.topic)
-        _check_topic_id(op, topic)
+            topic = self._topics[op.topic] = self.topics.get(txn, op.topic)
+        check_topic_id(op, topic)
         tid, nparts = topic.id, topic.spec.partitions
         counts = [list(span.counts) for span in op.spans]
         _check_layout(op, counts, nparts)
@@ -760,7 +543,7 @@ class StateMachine:
                 ]
             nxt = [base + part.count for base, part in zip(nxt, op.parts, strict=True)]
         else:
-            nxt = self._producer_spans(
+            nxt = self.producers.spans(
                 txn, op, tid, partitions, counts, nxt, index, results, kept, out
             )
         every = all(kept)
@@ -789,197 +572,22 @@ class StateMachine:
             else:
                 batch_store.put_batch(txn, self.batches, self._more, key, count, append_ms, batch)
             txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
-            txn.put(
-                _PART.pack(tid, p),
-                _PART_VAL.pack(st.first_offset, base + count, append_ms),
-                db=self.parts,
-            )
-            self._states[tid, p] = PartitionState(st.first_offset, base + count, append_ms)
+            st = PartitionState(st.first_offset, base + count, append_ms)
+            self.topics.put_state(txn, tid, p, st)
+            self._states[tid, p] = st
         return out if results else []
 
-    def _producer_spans(
-        self,
-        txn: Any,
-        op: command_pb2.AppendOp,
-        tid: int,
-        partitions: list[int],
-        counts: list[list[int]],
-        nxt: list[int],
-        index: int,
-        results: bool,
-        kept: list[bool],
-        out: list[OpResult],
-    ) -> list[int]:
-        """The spans of an append that names producers, one by one: a
-        retry of a stored (producer, sequence) is answered with its original
-        offsets and left out. Appends to ``kept`` and ``out`` (one each per
-        span); returns each part's next offset after the kept spans."""
-        for span, row in zip(op.spans, counts, strict=True):
-            pid, seq, epoch = span.producer_id, span.sequence, span.producer_epoch
-            if pid:
-                refused = (
-                    self._refusal(txn, pid, span.client_id, epoch=epoch)
-                    if self.issues_producers
-                    else None
-                )
-                seen: list[list[_Seq]] = []
-                for p, count in zip(partitions, row, strict=True):
-                    had, recent = self._sequences(txn, pid, tid, p) if count else (0, [])
-                    if had > epoch and refused is None:
-                        # A later epoch wrote here (what a data group, which
-                        # does not know the epochs, learns from its records).
-                        refused = _fenced(pid, epoch, had)
-                    seen.append(recent if had == epoch else [])  # a new epoch starts afresh
-                if refused is not None:
-                    kept.append(False)
-                    out.append(OpResult(*refused))
-                    continue
-                try:
-                    dup = _duplicate(pid, seq, partitions, row, seen)
-                except RoadlogError as err:
-                    kept.append(False)
-                    out.append(OpResult(err.code, err.message))
-                    continue
-                if dup is not None:
-                    kept.append(False)
-                    # A fence at this entry: it is past where the original was
-                    # stored, so a read at it sees the write (read your writes
-                    # holds for an answer that came from a retry too).
-                    if self.group:
-                        dup.group_fences.add(group=self.group, applied_index=index)
-                    else:
-                        dup.applied_index = index
-                    out.append(OpResult(response=dup.SerializeToString()))
-                    continue
-                for p, base, count, recent in zip(partitions, nxt, row, seen, strict=True):
-                    if count:
-                        recent.append((seq, base, count))
-                        txn.put(
-                            _PROD.pack(pid, tid, p), _seq_record(epoch, recent), db=self.producers
-                        )
-            kept.append(True)
-            if results:  # applied_index: a read fence
-                out.append(
-                    OpResult(
-                        response=publish_responses(partitions, nxt, [row], index, self.group)[0]
-                    )
-                )
-            nxt = [base + count for base, count in zip(nxt, row, strict=True)]
-        return nxt
-
-    def _next_epoch(self, txn: Any, pid: int, client_id: str) -> bytes:
-        """Keep issued producer id ``pid`` for ``client_id`` under its next
-        epoch: the InitProducerResponse. Counts as a use: its lifetime starts
-        again (``expirable_producers``)."""
-        issued = self._issued_in(txn, pid)
-        holder = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
-        if not issued or txn.get(_issued_at_key(pid), db=self.meta) is None:
-            raise RoadlogError(
-                Code.FAILED_PRECONDITION,
-                f"unknown producer id {pid}: get a new one with InitProducer",
-            )
-        if holder != client_id:
-            raise RoadlogError(
-                Code.PERMISSION_DENIED,
-                f"producer id {pid} was issued to another client: get your own with InitProducer",
-            )
-        epoch = self._epoch_in(txn, pid) + 1
-        if epoch >= 1 << 32:
-            raise RoadlogError(
-                Code.FAILED_PRECONDITION,
-                f"producer id {pid} has used every epoch: get a new one with InitProducer",
-            )
-        txn.put(_epoch_key(pid), _EPOCH.pack(epoch), db=self.meta)
-        at = _U64.unpack(txn.get(_issued_at_key(pid), db=self.meta))[0]
-        txn.delete(_by_age_key(at, pid), db=self.meta)
-        txn.put(_issued_at_key(pid), _U64.pack(max(self._log_ms, 0)), db=self.meta)
-        txn.put(_by_age_key(self._log_ms, pid), b"", db=self.meta)
-        return client_pb2.InitProducerResponse(producer_id=pid, epoch=epoch).SerializeToString()
-
-    def _epoch_in(self, txn: Any, pid: int) -> int:
-        """Producer id ``pid``'s current epoch as ``txn`` says (0: never renewed)."""
-        raw = txn.get(_epoch_key(pid), db=self.meta)
-        return int(_EPOCH.unpack(raw)[0]) if raw else 0
-
-    def _refusal(
-        self, txn: Any, pid: int, client_id: str, cached: bool = True, epoch: int = 0
-    ) -> tuple[Code, str] | None:
-        """Why ``client_id`` may not append with producer id ``pid`` under
-        ``epoch`` (None: it may). ``cached`` False: read from ``txn`` alone,
-        leaving the applying thread's caches alone (for a reader on another
-        thread)."""
-        # An owner is read (and, cached, remembered) only once the id is issued.
-        if cached:
-            issued = self.producer_issued(txn, pid)
-            owner = self._owner(txn, pid) if issued else ""
-        else:
-            issued = self._issued_in(txn, pid)
-            owner = self._owner_in(txn, pid) if issued else ""
-        if not issued:
-            return Code.FAILED_PRECONDITION, f"unknown producer id {pid}: get one with InitProducer"
-        if owner and owner != client_id:
-            return (
-                Code.PERMISSION_DENIED,
-                f"producer id {pid} was issued to another client: get your own with InitProducer",
-            )
-        current = self._epoch_in(txn, pid)
-        if epoch != current:
-            return _fenced(pid, epoch, current)
-        return None
-
-    def producer_refusal(self, pid: int, client_id: str, epoch: int = 0) -> tuple[Code, str] | None:
-        """``_refusal`` as of what this replica applied (a data group's
-        leader asks group 0's before proposing)."""
-        with self.env.begin() as txn:
-            return self._refusal(txn, pid, client_id, cached=False, epoch=epoch)
-
-    def producer_issued(self, txn: Any, pid: int) -> bool:
-        """Whether producer id ``pid`` was issued by InitProducer: one of the
-        counter's (entries from before random ids) or a registered one."""
-        if pid in self._issued:
-            return True
-        if self._issued_in(txn, pid):
-            self._issued.add(pid)
-            return True
-        return False
-
-    def _issued_in(self, txn: Any, pid: int) -> bool:
-        """``producer_issued`` as ``txn`` says, without the cache."""
-        return pid <= self._meta_int(txn, b"next_producer_id") or bool(
-            txn.get(_issued_key(pid), db=self.meta)
-        )
-
-    def _owner(self, txn: Any, pid: int) -> str:
-        """The client id an issued producer id is bound to ("": not bound,
-        any client may use it, as before identities)."""
-        owner = self._owners.get(pid)
-        if owner is None:
-            owner = self._owners[pid] = self._owner_in(txn, pid)
-        return owner
-
-    def _owner_in(self, txn: Any, pid: int) -> str:
-        """``_owner`` as ``txn`` says, without the cache."""
-        if txn.get(_bound_key(pid), db=self.meta) is None:
-            return ""
-        return bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
-
     def _state(self, txn: Any, tid: int, p: int) -> PartitionState:
-        """``_part_state`` for appends: remembered between them."""
+        """``TopicTables.part_state`` for appends: remembered between them."""
         st = self._states.get((tid, p))
         if st is None:
-            st = self._states[tid, p] = self._part_state(txn, tid, p)
+            st = self._states[tid, p] = self.topics.part_state(txn, tid, p)
         return st
-
-    def _sequences(self, txn: Any, pid: int, tid: int, p: int) -> tuple[int, list[_Seq]]:
-        """Producer ``pid``'s record in a partition: its epoch and latest sequences."""
-        raw = txn.get(_PROD.pack(pid, tid, p), db=self.producers)
-        return _parse_seq_record(raw) if raw else (0, [])
 
     # ------------------------------------------------------------ retention
 
     def _trim(self, txn: Any, leader_ms: int) -> None:
-        for _, raw in txn.cursor(db=self.topics):
-            topic = topics_pb2.Topic.FromString(raw)
+        for topic in self.topics.each(txn):
             cutoff = leader_ms - topic.spec.retention_ms
             for p in range(topic.spec.partitions):
                 self._trim_partition(txn, topic.id, p, cutoff)
@@ -989,8 +597,7 @@ class StateMachine:
         topic's retention go, but each topic's newest ``keep_newest`` stay
         (``HeatmapTables.trim``). On the log's clock, which never goes back,
         so a later trim drops at least what an earlier one did."""
-        for _, raw in txn.cursor(db=self.topics):
-            topic = topics_pb2.Topic.FromString(raw)
+        for topic in self.topics.each(txn):
             self.heat.trim(txn, topic.id, log_ms - topic.spec.retention_ms, keep_newest)
 
     def _expire_records(self, txn: Any, log_ms: int) -> None:
@@ -999,40 +606,17 @@ class StateMachine:
         partition none of whose batches is stored any more (a retry of
         those could only be of pings retention deleted)."""
         firsts: dict[tuple[int, int], int] = {}
-        for _, raw in txn.cursor(db=self.topics):
-            topic = topics_pb2.Topic.FromString(raw)
+        for topic in self.topics.each(txn):
             self.heat.expire_contributions(txn, topic.id, log_ms - topic.spec.retention_ms)
             for p in range(topic.spec.partitions):
-                firsts[topic.id, p] = self._part_state(txn, topic.id, p).first_offset
-        doomed = []
-        for key, raw in txn.cursor(db=self.producers):
-            _, tid, p = _PROD.unpack(key)
-            first = firsts.get((tid, p))
-            ends = [base + count for _, base, count in _parse_seq_record(raw)[1]]
-            if first is None or max(ends, default=0) <= first:
-                doomed.append(bytes(key))
-        for key in doomed:
-            txn.delete(key, db=self.producers)
+                firsts[topic.id, p] = self.topics.part_state(txn, topic.id, p).first_offset
+        self.producers.expire_records(txn, firsts)
 
-    def _has_records(self, txn: Any, pid: int) -> bool:
-        cur = txn.cursor(db=self.producers)
-        return bool(cur.set_range(_U64.pack(pid))) and cur.key()[:8] == _U64.pack(pid)
-
-    def _forget_producer(self, txn: Any, pid: int) -> None:
-        """Forget issued producer id ``pid`` unless a record of it is left."""
-        if self._has_records(txn, pid):
-            return
-        client = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
-        at = txn.get(_issued_at_key(pid), db=self.meta)
-        if at is None:
-            return  # not issued, forgotten already, or issued before expiry: kept
-        txn.delete(_by_age_key(_U64.unpack(at)[0], pid), db=self.meta)
-        for key in (_issued_key(pid), _issued_at_key(pid), _bound_key(pid), _epoch_key(pid)):
-            txn.delete(key, db=self.meta)
-        if client:
-            txn.delete(_held_key(client, pid), db=self.meta)
-        self._issued.discard(pid)
-        self._owners.pop(pid, None)
+    def producer_refusal(self, pid: int, client_id: str, epoch: int = 0) -> tuple[Code, str] | None:
+        """``ProducerTables.refusal`` as of what this replica applied (a data
+        group's leader asks group 0's before proposing)."""
+        with self.env.begin() as txn:
+            return self.producers.refusal(txn, pid, client_id, cached=False, epoch=epoch)
 
     def expirable_producers(
         self, lifetime_ms: int = PRODUCER_ID_LIFETIME_MS, limit: int = EXPIRED_PRODUCERS_PER_TRIM
@@ -1041,33 +625,17 @@ class StateMachine:
         ``lifetime_ms`` before the log's clock with no record left (at most
         ``limit``, the oldest first, looking at most at EXPIRY_SCAN_KEYS
         ids). A read: safe off the applying thread."""
-        out: list[int] = []
         with self.env.begin() as txn:
-            cutoff = self._meta_int(txn, b"log_ms") - lifetime_ms
-            cur = txn.cursor(db=self.meta)
-            if not cur.set_range(_BY_AGE):
-                return out
-            for seen, key in enumerate(cur.iternext(keys=True, values=False)):
-                if not key.startswith(_BY_AGE) or len(out) >= limit or seen >= EXPIRY_SCAN_KEYS:
-                    break
-                issued_ms, pid = (
-                    _U64.unpack_from(key, len(_BY_AGE))[0],
-                    _U64.unpack_from(key, len(_BY_AGE) + 8)[0],
-                )
-                if issued_ms >= cutoff:
-                    break  # the rest are younger
-                if not self._has_records(txn, pid):
-                    out.append(pid)
-        return out
+            return self.producers.expirable(txn, lifetime_ms, limit)
 
     def producer_ids_held(self, client_id: str, limit: int = MAX_PRODUCER_IDS_PER_CLIENT) -> int:
         """How many producer ids are bound to ``client_id`` (counted up to
         ``limit``: the quota check needs no more)."""
         with self.env.begin() as txn:
-            return count_prefix(txn, self.meta, _held_prefix(client_id), limit)
+            return self.producers.held(txn, client_id, limit)
 
     def _trim_partition(self, txn: Any, tid: int, p: int, cutoff_ms: int) -> None:
-        st = self._part_state(txn, tid, p)
+        st = self.topics.part_state(txn, tid, p)
         cur = txn.cursor(db=self.timeidx)
         first = st.first_offset
         if not cur.set_range(_TIME.pack(tid, p, 0, 0)):
@@ -1086,10 +654,8 @@ class StateMachine:
                     self.refs_released = True
             txn.delete(key, db=self.timeidx)
         if first != st.first_offset:
-            txn.put(
-                _PART.pack(tid, p),
-                _PART_VAL.pack(first, st.next_offset, st.last_append_ms),
-                db=self.parts,
+            self.topics.put_state(
+                txn, tid, p, PartitionState(first, st.next_offset, st.last_append_ms)
             )
 
     # ---------------------------------------------------------------- reads
@@ -1097,25 +663,20 @@ class StateMachine:
     def topic(self, name: str) -> topics_pb2.Topic:
         """The topic record alone (no partition states): for the write path."""
         with self.env.begin() as txn:
-            return self._topic(txn, name)
+            return self.topics.get(txn, name)
 
     def describe(self, name: str) -> topics_pb2.TopicDescription:
         with self.env.begin() as txn:
-            return self._describe(txn, self._topic(txn, name))
+            return self.topics.describe(txn, self.topics.get(txn, name))
 
     def topic_records(self) -> dict[str, topics_pb2.Topic]:
         """Every topic's record by name (no partition states: cheap)."""
         with self.env.begin() as txn:
-            return {
-                k.decode(): topics_pb2.Topic.FromString(v) for k, v in txn.cursor(db=self.topics)
-            }
+            return self.topics.by_name(txn)
 
     def list_topics(self) -> list[topics_pb2.TopicDescription]:
         with self.env.begin() as txn:
-            return [
-                self._describe(txn, topics_pb2.Topic.FromString(raw))
-                for _, raw in txn.cursor(db=self.topics)
-            ]
+            return [self.topics.describe(txn, topic) for topic in self.topics.each(txn)]
 
     def topics_page(
         self, after: str, limit: int, max_bytes: int
@@ -1123,22 +684,8 @@ class StateMachine:
         """Topics named after ``after``, in name order: at most ``limit``,
         and no more once ``max_bytes`` are reached (always one, if any is
         left). Returns them and the token of the next page ("": none)."""
-        out: list[topics_pb2.TopicDescription] = []
-        size = 0
         with self.env.begin() as txn:
-            cur = txn.cursor(db=self.topics)
-            key = after.encode()
-            if not cur.set_range(key):
-                return out, ""
-            for k, raw in cur:
-                if k == key:
-                    continue
-                if len(out) >= limit or (out and size >= max_bytes):
-                    return out, out[-1].topic.spec.name
-                d = self._describe(txn, topics_pb2.Topic.FromString(raw))
-                out.append(d)
-                size += d.ByteSize()
-        return out, ""
+            return self.topics.page(txn, after, limit, max_bytes)
 
     def peers(self) -> dict[int, str]:
         """The replicated address book: node id -> gRPC address."""
@@ -1196,9 +743,9 @@ class StateMachine:
         out_topics: list[TopicFigures] = []
         out_groups: list[GroupFigures] = []
         with self.env.begin() as txn:
-            for _, raw in txn.cursor(db=self.topics):
-                topic = topics_pb2.Topic.FromString(raw)
-                states = [self._part_state(txn, topic.id, p) for p in range(topic.spec.partitions)]
+            for topic in self.topics.each(txn):
+                parts = range(topic.spec.partitions)
+                states = [self.topics.part_state(txn, topic.id, p) for p in parts]
                 topics[topic.spec.name] = (topic, states)
                 windows = self.heat.windows(txn, topic.id)
                 hm = self.heat.get(txn, topic.id, windows[-1]) if windows else None
@@ -1231,7 +778,7 @@ class StateMachine:
         map (the latest window unless one is asked for). ``elsewhere``: the
         client's last contribution in the topic's data groups."""
         with self.env.begin() as txn:
-            topic = self._topic(txn, req.topic)
+            topic = self.topics.get(txn, req.topic)
             last = self.heat.allowed(txn, topic, req.client_id, now_ms, elsewhere)
             windows = self.heat.windows(txn, topic.id, req.max_windows)
             start = req.window_start_ms or (windows[-1] if windows else 0)
@@ -1248,11 +795,10 @@ class StateMachine:
         """When ``client_id`` last published to topic ``name`` here (None:
         not lately, or no such topic here)."""
         with self.env.begin() as txn:
-            raw = txn.get(name.encode(), db=self.topics)
-            if raw is None:
+            topic = self.topics.lookup(txn, name)
+            if topic is None:
                 return None
-            tid = topics_pb2.Topic.FromString(raw).id
-            return self.heat.last_contribution(txn, tid, client_id)
+            return self.heat.last_contribution(txn, topic.id, client_id)
 
     def read_range(
         self, name: str, partition: int, start: int, end: int, max_pings: int = 200_000
@@ -1297,11 +843,11 @@ class StateMachine:
         counts: list[int] = []
         self._open_pieces()
         with self.env.begin() as txn:
-            topic = self._topic(txn, req.topic)
+            topic = self.topics.get(txn, req.topic)
             if req.partition >= topic.spec.partitions:
                 raise RoadlogError(Code.INVALID_ARGUMENT, f"no partition {req.partition}")
             tid, p = topic.id, req.partition
-            st = self._part_state(txn, tid, p)
+            st = self.topics.part_state(txn, tid, p)
             resp = client_pb2.FetchResponseView(
                 end_offset=st.next_offset, first_offset=st.first_offset
             )
@@ -1373,9 +919,9 @@ class StateMachine:
     ) -> tuple[int, int]:
         """[first offset, end offset) of the batches appended in [start, end)."""
         with self.env.begin() as txn:
-            topic = self._topic(txn, name)
+            topic = self.topics.get(txn, name)
             tid = topic.id
-            st = self._part_state(txn, tid, partition)
+            st = self.topics.part_state(txn, tid, partition)
 
             def first_at(ms: int) -> int:
                 cur = txn.cursor(db=self.timeidx)
@@ -1393,7 +939,7 @@ class StateMachine:
         """The lowest log index a stored batch refers to (None: none does):
         the log must keep every entry from there on."""
         with self.env.begin() as txn:
-            return _oldest_ref(txn, self.parts, self.batches)
+            return _oldest_ref(txn, self.topics.parts, self.batches)
 
     def size_bytes(self) -> int:
         """The high-water mark of the state's LMDB pages: about what a
@@ -1423,11 +969,11 @@ class StateMachine:
         with self.env.begin() as txn:
             index = self._meta_int(txn, b"applied_index")
             for name, db in (
-                (b"topics", self.topics),
-                (b"parts", self.parts),
+                (b"topics", self.topics.records),
+                (b"parts", self.topics.parts),
                 (b"batches", self.batches),
                 (b"timeidx", self.timeidx),
-                (b"producers", self.producers),
+                (b"producers", self.producers.records),
                 (b"meta", self.meta),
                 (b"groups", self.consumer_groups.groups),
                 (b"offsets", self.consumer_groups.offsets),
@@ -1567,32 +1113,6 @@ def applied_of(directory: str | os.PathLike[str]) -> tuple[int, int]:
     return index, term
 
 
-def normalized_spec(spec: topics_pb2.TopicSpec) -> topics_pb2.TopicSpec:
-    """Defaults filled in and everything checked; RoadlogError when invalid."""
-    try:
-        check_topic_name(spec.name)
-        region = parse_region(spec.region_geojson)
-    except (ValueError, RegionError) as e:
-        raise RoadlogError(Code.INVALID_ARGUMENT, str(e)) from None
-    out = topics_pb2.TopicSpec(
-        name=spec.name,
-        region_geojson=region.geojson,
-        partitions=spec.partitions or DEFAULT_PARTITIONS,
-        retention_ms=spec.retention_ms or DEFAULT_RETENTION_MS,
-        h3_resolution=spec.h3_resolution or DEFAULT_H3_RESOLUTION,
-        contribution_window_ms=spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS,
-    )
-    if out.contribution_window_ms < 0:
-        raise RoadlogError(Code.INVALID_ARGUMENT, "the contribution window must be positive")
-    if not 1 <= out.partitions <= MAX_PARTITIONS:
-        raise RoadlogError(Code.INVALID_ARGUMENT, f"partitions must be in 1..{MAX_PARTITIONS}")
-    if out.retention_ms < 0:
-        raise RoadlogError(Code.INVALID_ARGUMENT, "retention must be positive")
-    if out.h3_resolution > 15:
-        raise RoadlogError(Code.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
-    return out
-
-
 def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
     cur = txn.cursor(db=db)
     if not cur.set_range(prefix):
@@ -1600,16 +1120,6 @@ def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
     while cur.key().startswith(prefix):
         if not cur.delete():
             break
-
-
-def _check_topic_id(op: command_pb2.AppendOp, topic: topics_pb2.Topic) -> None:
-    """Refuse an op made for another topic of the same name (a data group's
-    part, made for the topic group 0 holds now)."""
-    if op.topic_id and op.topic_id != topic.id:
-        raise RoadlogError(
-            Code.UNAVAILABLE,
-            f"topic {op.topic!r} here is not the one group 0 holds now: try again",
-        )
 
 
 def _check_layout(op: command_pb2.AppendOp, counts: list[list[int]], nparts: int) -> None:
@@ -1633,35 +1143,6 @@ def _check_layout(op: command_pb2.AppendOp, counts: list[list[int]], nparts: int
         seen.add(part.partition)
         if part.count == 0 or part.count != total:
             raise RoadlogError(Code.INVALID_ARGUMENT, "part counts disagree with spans")
-
-
-def _duplicate(
-    pid: int,
-    seq: int,
-    partitions: list[int],
-    row: list[int],
-    seen: list[list[tuple[int, int, int]]],
-) -> client_pb2.PublishResponse | None:
-    """The original answer if producer ``pid``'s ``seq`` (counts ``row`` in
-    ``partitions``) was stored before, given the recent sequences ``seen``
-    in each partition it has pings in; raises if it is older than those."""
-    resp = client_pb2.PublishResponse(duplicate=True)
-    for p, count, recent in zip(partitions, row, seen, strict=True):
-        if not count:
-            continue
-        match = [s for s in recent if s[0] == seq]
-        if match:
-            _, base, stored = match[0]
-            resp.offsets.add(partition=p, base_offset=base, count=stored)
-        elif recent and seq < recent[-1][0]:
-            raise RoadlogError(
-                Code.FAILED_PRECONDITION,
-                f"sequence {seq} of producer {pid} is older than "
-                f"the last {RECENT_SEQUENCES} it stored",
-            )
-        else:
-            return None
-    return resp
 
 
 def _oldest_ref(txn: Any, parts: Any, batches: Any) -> int | None:

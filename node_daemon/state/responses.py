@@ -1,4 +1,6 @@
-"""Answers to publishes written straight as protobuf wire bytes.
+"""The state machine's answers: ``OpResult``, what the proposer tells the
+client of one applied operation, and publishes' answers written straight as
+protobuf wire bytes.
 
 A call of many publishes gets one answer per publish, each with an offset
 range per partition; building them as protobuf message objects (one per
@@ -10,8 +12,22 @@ against protobuf's own serialization.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from roadlog.errors import Code
 from roadlog.protowire import SMALL_VARINTS, varint
+
+
+@dataclass(slots=True)
+class OpResult:
+    """What the proposer tells the client about one operation."""
+
+    code: Code = Code.OK
+    message: str = ""
+    response: bytes = b""
+    # An append op's result per span (publish request), in span order; the
+    # op's own code is OK then, and each span says how it went.
+    spans: tuple[OpResult, ...] = ()
 
 
 def publish_responses(

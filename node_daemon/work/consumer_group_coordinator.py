@@ -21,7 +21,7 @@ import uuid
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.state.consumer_groups import check_group_name, default_quotas, session_timeout
-from node_daemon.state.machine import OpResult
+from node_daemon.state.responses import OpResult
 from roadlog.errors import Code, RoadlogError
 from roadlog.placement import group_of
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2

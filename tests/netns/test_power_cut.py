@@ -18,7 +18,8 @@ import pytest
 
 from node_daemon.raft import Entry, EntryType
 from node_daemon.state import unsynced
-from node_daemon.state.machine import OpResult, StateMachine
+from node_daemon.state.machine import StateMachine
+from node_daemon.state.responses import OpResult
 from roadlog.v1 import command_pb2
 from tests.nemesis.disks import MIB, Disk, ImageStore, mounted
 from tests.netns.conftest import REPO

@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, cast
 from node_daemon.raft import ProposalDropped
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.state.consumer_groups import default_quotas
-from node_daemon.state.machine import OpResult
+from node_daemon.state.responses import OpResult
 from node_daemon.work.consumer_group_coordinator import _end_of
 from queue_server.queues import Item
 from roadlog.errors import Code, RoadlogError

@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from node_daemon.raft import Entry, PendingProposals, ProposalDropped, Ready, Role
-from node_daemon.state.machine import OpResult, append_op
+from node_daemon.state.machine import append_op
+from node_daemon.state.responses import OpResult
 from queue_server.queues import Item, Kind, QueueFull, WorkQueues
 from roadlog import columnar
 from roadlog.columnar import PingColumns

@@ -80,8 +80,9 @@ from node_daemon.raft import (
     Snapshot,
     bootstrap,
 )
-from node_daemon.state.machine import RECENT_SEQUENCES, OpResult
 from node_daemon.state.machine import StateMachine as NodeStateMachine
+from node_daemon.state.producers import RECENT_SEQUENCES
+from node_daemon.state.responses import OpResult
 from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog.errors import Code
 from roadlog.geo import bbox_region

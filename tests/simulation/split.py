@@ -56,7 +56,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from node_daemon.state.machine import OpResult, append_op
+from node_daemon.state.machine import append_op
+from node_daemon.state.responses import OpResult
 from node_daemon.work.appends import split_by_group
 from queue_server import parts as queue_parts
 from roadlog import columnar, validation

@@ -186,15 +186,15 @@ def test_a_nondeterministic_state_machine_is_caught(monkeypatch: pytest.MonkeyPa
     import itertools
     from typing import Any
 
-    from node_daemon.state.machine import StateMachine
+    from node_daemon.state.topics import TopicTables
 
-    original = StateMachine._create_topic
+    original = TopicTables.create
     clock = itertools.count()
 
-    def local_time(self: StateMachine, txn: Any, spec: Any, leader_ms: int, *rest: Any) -> Any:
+    def local_time(self: TopicTables, txn: Any, spec: Any, leader_ms: int, *rest: Any) -> Any:
         return original(self, txn, spec, leader_ms + next(clock), *rest)
 
-    monkeypatch.setattr(StateMachine, "_create_topic", local_time)
+    monkeypatch.setattr(TopicTables, "create", local_time)
     bad = [r for r in map(run_seed, REAL_SEEDS[:3]) if not r.ok]
     assert bad, "the simulator did not notice replicas whose state differs"
     assert all("state differs" in r.message for r in bad), [r.message for r in bad]

@@ -3,25 +3,18 @@ partition states and skipped unread answers (commit 5fa7681), kept verbatim
 as the reference ``test_apply_equivalence`` compares the current one with:
 ``ReferenceStateMachine`` is today's ``StateMachine`` with the old
 ``_append``, ``_check_layout`` and producer sequence bookkeeping, which
-read everything from the transaction every time. Not used outside the tests."""
+read everything from the transaction every time (its reads and writes of
+topics, partition states and producer records go through today's tables).
+Not used outside the tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from node_daemon.state.machine import (
-    _BATCH,
-    _BATCH_HDR,
-    _PART,
-    _PART_VAL,
-    _PROD,
-    _SEQ,
-    _TIME,
-    RECENT_SEQUENCES,
-    OpResult,
-    StateMachine,
-    _kept_rows,
-)
+from node_daemon.state.machine import _BATCH, _BATCH_HDR, _PART, _TIME, StateMachine, _kept_rows
+from node_daemon.state.producers import _PROD, _SEQ, RECENT_SEQUENCES
+from node_daemon.state.responses import OpResult
+from node_daemon.state.topics import _PART_VAL
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2
 
@@ -39,10 +32,10 @@ class ReferenceStateMachine(StateMachine):
         """Store the op's parts; one result per span. A span that is a retry
         of a stored (producer, sequence) is answered with its original
         offsets and its pings are left out of what is stored."""
-        topic = self._topic(txn, op.topic)
+        topic = self.topics.get(txn, op.topic)
         tid, nparts = topic.id, topic.spec.partitions
         _old_check_layout(op, nparts)
-        states = [self._part_state(txn, tid, part.partition) for part in op.parts]
+        states = [self.topics.part_state(txn, tid, part.partition) for part in op.parts]
         nxt = [st.next_offset for st in states]
         kept: list[bool] = []
         results: list[OpResult] = []
@@ -97,7 +90,7 @@ class ReferenceStateMachine(StateMachine):
             txn.put(
                 _PART.pack(tid, p),
                 _PART_VAL.pack(st.first_offset, base + count, append_ms),
-                db=self.parts,
+                db=self.topics.parts,
             )
         return results
 
@@ -127,7 +120,7 @@ class ReferenceStateMachine(StateMachine):
         return resp
 
     def _ref_sequences(self, txn: Any, pid: int, tid: int, p: int) -> list[tuple[int, int, int]]:
-        raw = txn.get(_PROD.pack(pid, tid, p), db=self.producers)
+        raw = txn.get(_PROD.pack(pid, tid, p), db=self.producers.records)
         if not raw:
             return []
         return [_SEQ.unpack_from(raw, i) for i in range(0, len(raw), _SEQ.size)]
@@ -136,7 +129,11 @@ class ReferenceStateMachine(StateMachine):
         self, txn: Any, pid: int, tid: int, p: int, seq: int, base: int, count: int
     ) -> None:
         recent = [*self._ref_sequences(txn, pid, tid, p), (seq, base, count)][-RECENT_SEQUENCES:]
-        txn.put(_PROD.pack(pid, tid, p), b"".join(_SEQ.pack(*s) for s in recent), db=self.producers)
+        txn.put(
+            _PROD.pack(pid, tid, p),
+            b"".join(_SEQ.pack(*s) for s in recent),
+            db=self.producers.records,
+        )
 
 
 def _old_check_layout(op: command_pb2.AppendOp, nparts: int) -> None:

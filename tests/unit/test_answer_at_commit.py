@@ -16,7 +16,8 @@ import pytest
 from node_daemon.config import NodeConfig
 from node_daemon.raft import Entry
 from node_daemon.replica.replica import Replica
-from node_daemon.state.machine import OpResult, append_op
+from node_daemon.state.machine import append_op
+from node_daemon.state.responses import OpResult
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region

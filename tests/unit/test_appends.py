@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state.machine import OpResult, StateMachine
+from node_daemon.state.machine import StateMachine
+from node_daemon.state.responses import OpResult
 from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.work.appends import MalformedRequest, prepare_appends
 from roadlog import columnar

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from node_daemon.replica.replica import NotLeader
-from node_daemon.state.machine import OpResult
+from node_daemon.state.responses import OpResult
 from node_daemon.work.consumer_group_coordinator import ConsumerGroupCoordinator
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, topics_pb2

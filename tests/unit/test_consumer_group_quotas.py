@@ -20,7 +20,8 @@ import pytest
 
 from node_daemon.state import consumer_groups
 from node_daemon.state.consumer_groups import GROUP_RETENTION_MS
-from node_daemon.state.machine import OpResult, StateMachine, trim_op
+from node_daemon.state.machine import StateMachine, trim_op
+from node_daemon.state.responses import OpResult
 from node_daemon.work.handler import WorkHandler
 from roadlog.errors import Code
 from roadlog.v1 import client_pb2, command_pb2, work_pb2

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state.machine import OpResult, StateMachine, append_op
+from node_daemon.state.machine import StateMachine, append_op
+from node_daemon.state.responses import OpResult
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import bbox_region

@@ -18,7 +18,8 @@ import pytest
 
 from node_daemon.raft import Entry, EntryType
 from node_daemon.replica.replica import NotLeader
-from node_daemon.state.machine import OpResult, StateMachine
+from node_daemon.state.machine import StateMachine
+from node_daemon.state.responses import OpResult
 from node_daemon.store.data_group_topics import next_topic_op
 from node_daemon.work.handler import WorkHandler
 from roadlog.columnar import PingColumns, encode

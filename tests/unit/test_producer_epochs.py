@@ -15,13 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from node_daemon.state.machine import (
-    StateMachine,
-    _parse_seq_record,
-    _seq_record,
-    append_op,
-    trim_op,
-)
+from node_daemon.state.machine import StateMachine, append_op, trim_op
+from node_daemon.state.producers import _parse_seq_record, _seq_record
 from node_daemon.work.handler import WorkHandler
 from roadlog import columnar
 from roadlog.errors import Code

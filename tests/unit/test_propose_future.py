@@ -12,7 +12,7 @@ import pytest
 
 from node_daemon.config import NodeConfig
 from node_daemon.replica.replica import NotLeader, Replica
-from node_daemon.state.machine import OpResult
+from node_daemon.state.responses import OpResult
 from roadlog.runtime.processes import free_port
 from roadlog.v1 import command_pb2
 from tests.unit.test_follower_inline_io import _close

@@ -15,13 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from node_daemon.state.machine import (
-    PRODUCER_ID_LIFETIME_MS,
-    OpResult,
-    StateMachine,
-    append_op,
-    trim_op,
-)
+from node_daemon.state.machine import StateMachine, append_op, trim_op
+from node_daemon.state.producers import PRODUCER_ID_LIFETIME_MS
+from node_daemon.state.responses import OpResult
 from node_daemon.work.handler import WorkHandler
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code
@@ -65,11 +61,11 @@ class Replica:
 
     def producer_records(self) -> int:
         with self.sm.env.begin() as txn:
-            return sum(1 for _ in txn.cursor(db=self.sm.producers))
+            return sum(1 for _ in txn.cursor(db=self.sm.producers.records))
 
     def issued(self, pid: int) -> bool:
         with self.sm.env.begin() as txn:
-            return self.sm.producer_issued(txn, pid)
+            return self.sm.producers.issued(txn, pid)
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state.machine import OpResult, StateMachine, append_op
+from node_daemon.state.machine import StateMachine, append_op
+from node_daemon.state.responses import OpResult
 from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog import columnar
 from roadlog.columnar import PingColumns
@@ -70,7 +71,7 @@ class Log:
 
     def issued(self, pid: int) -> bool:
         with self.sm.env.begin() as txn:
-            return self.sm.producer_issued(txn, pid)
+            return self.sm.producers.issued(txn, pid)
 
     def append(
         self,

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.state.machine import OpResult
+from node_daemon.state.responses import OpResult
 from node_daemon.work import handler
 from node_daemon.work.handler import WorkHandler
 from roadlog.columnar import PingColumns, encode

@@ -18,12 +18,12 @@ import grpc
 import pytest
 
 from node_daemon.replica import replica as replica_mod
-from node_daemon.state.machine import OpResult
+from node_daemon.state.responses import OpResult
 from node_daemon.work import handler as handler_mod
 from node_daemon.work.handler import MAX_WORK_LAG_S, WorkHandler, item_deadline
 from queue_server.http_api import request_timeout
-from queue_server.queues import Item, Kind
 from queue_server.outgoing import Outgoing
+from queue_server.queues import Item, Kind
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, work_pb2
 from tests.unit.test_worker_publish_batch import StubNode, publish
