@@ -51,7 +51,8 @@ import lmdb
 
 from node_daemon.raft.errors import MissingEntryError
 from node_daemon.raft.types import ConfState, HardState, Snapshot, SnapshotMeta
-from node_daemon.state.machine import _U64, StateMachine, oldest_ref_in_snapshot
+from node_daemon.state.machine import _U64, StateMachine
+from node_daemon.state.pings import oldest_ref_in_snapshot
 from node_daemon.storage import kept_log
 from node_daemon.storage.disk import fsync_dir
 from node_daemon.storage.raft_log import LmdbLogStorage

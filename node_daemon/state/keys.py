@@ -25,3 +25,13 @@ def count_prefix(txn: Any, db: Any, prefix: bytes, limit: int) -> int:
                 break
             n += 1
     return n
+
+
+def delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
+    """Delete every key of ``db`` that starts with ``prefix``."""
+    cur = txn.cursor(db=db)
+    if not cur.set_range(prefix):
+        return
+    while cur.key().startswith(prefix):
+        if not cur.delete():
+            break

@@ -1,4 +1,5 @@
-"""The replicated state machine: topics, ping batches, producers, in LMDB.
+"""The replicated state machine on LMDB: it applies committed Raft entries
+to its tables, answers reads from them, and copies itself into snapshots.
 
 Committed Raft entries are applied in one write transaction per call, which
 also records the applied index and term, so after a crash the state is
@@ -7,16 +8,17 @@ needed for a partial entry). The environment is opened without fsync on
 commit: ``checkpoint()`` makes it durable, and must be called before the
 Raft log is compacted past what is durable here.
 
-Named databases (keys big-endian, so LMDB orders them numerically):
+Named databases (keys big-endian, so LMDB orders them numerically), each
+with the module of its concern:
 
-- ``topics``: name -> Topic (protobuf)
-- ``parts``: topic id, partition -> first offset, next offset, last append ms
-- ``batches``: topic id, partition, base offset -> header + PingBatch bytes,
-  the bytes past a page in ``batchmore`` (``batch_store``)
-- ``timeidx``: topic id, partition, append ms, base offset -> b""
-- ``producers``: producer id, topic id, partition -> recent (seq, base, count)
-- ``meta``: applied index/term, id counters, the log's clock (``log_ms``)
-- ``clients``: client identities and their tokens' hashes (``clients.py``)
+- ``topics``, ``parts``: topics and their partitions' states (``topics``)
+- ``batches``, ``batchmore``, ``timeidx``: the partitions' pings (``pings``)
+- ``producers``: producers' recent sequences per partition (``producers``)
+- ``groups``, ``offsets``: consumer groups (``consumer_groups``)
+- ``contrib``, ``heatmaps``: contributions and heat maps (``heatmaps``)
+- ``clients``: client identities and their tokens' hashes (``clients``)
+- ``meta``: applied index/term, id counters, producer ids, the address
+  book, the log's clock (``log_ms``) and the state's format (``format``)
 
 Everything stored derives from the log alone (times come from the entry's
 ``leader_ms``), so replicas that applied the same entries are byte-identical
@@ -35,23 +37,30 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lmdb
-import numpy as np
 
 from node_daemon.raft import Entry, EntryType, StorageFullError
-from node_daemon.raft.errors import MissingEntryError
 from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.batch_refs import EntrySource
 from node_daemon.state.clients import ClientTables
 from node_daemon.state.consumer_groups import GROUP_RETENTION_MS, ConsumerGroupTables
+from node_daemon.state.format import (
+    FORMAT_KEY,
+    STATE_FORMAT,
+    StateFormatError,
+    applied_of,
+    check_format,
+    refuse_newer,
+)
 from node_daemon.state.heatmaps import HEATMAP_KEEP_NEWEST, HeatmapTables
-from node_daemon.state.keys import meta_int
+from node_daemon.state.keys import delete_prefix, meta_int
 from node_daemon.state.paced_copy import copy_paced
+from node_daemon.state.pings import PingTables, check_layout, kept_rows, oldest_ref, ref_to
 from node_daemon.state.producers import (
     EXPIRED_PRODUCERS_PER_TRIM,
     MAX_PRODUCER_IDS_PER_CLIENT,
@@ -69,25 +78,11 @@ from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, topics_
 
 GiB = 1 << 30
 
-_PART = struct.Struct(">II")
-_BATCH = struct.Struct(">IIQ")
-_TIME = struct.Struct(">IIQQ")  # unsigned: keys must sort numerically
-_BATCH_HDR = batch_store.HEADER  # count, append ms
 _U64 = struct.Struct(">Q")
 
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 # Operations that write topic records or partition states other than by appending.
 _FORGETTING = frozenset({"create_topic", "delete_topic", "trim", "place_topic"})
-# The state's on-disk layout: 1, batches stored whole; 2, in pieces of a page
-# (``batch_store``); 3, as references into the Raft log where the node's log
-# is open to it (``batch_refs``). Each reads the earlier ones' too. A state
-# of a later format (a newer release's) is refused, not misread.
-STATE_FORMAT = 3
-_FORMAT_KEY = b"state_format"  # in meta; local to the replica, not in the digest
-
-
-class StateFormatError(Exception):
-    """The state on disk was written by a newer release of roadlog."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +134,7 @@ class StateMachine:
         self.map_size = map_size
         self.issues_producers = issues_producers
         self.group = group
-        self.entries = entries
+        self._entries = entries
         # Set when retention or a topic's deletion removed batches stored as
         # references: the log may let their entries go at its next
         # compaction, which is then due (``Snapshots``); cleared by it.
@@ -172,31 +167,40 @@ class StateMachine:
             # in the lock file, which would pin old pages for good.
             self.env.reader_check()
 
-        self.batches, self.timeidx, self.meta = db(b"batches"), db(b"timeidx"), db(b"meta")
-        self._more: Any = None
-        self._open_pieces()
-        self.topics = TopicTables(db(b"topics"), db(b"parts"), self.meta)
-        self.producers = ProducerTables(
-            db(b"producers"), self.meta, self.issues_producers, self.group
-        )
+        topics, parts, batches = db(b"topics"), db(b"parts"), db(b"batches")
+        more = self._pieces()
+        timeidx, producers, self.meta = db(b"timeidx"), db(b"producers"), db(b"meta")
+        self.topics = TopicTables(topics, parts, self.meta)
+        self.pings = PingTables(batches, more, timeidx, self.topics, self._entries)
+        self.producers = ProducerTables(producers, self.meta, self.issues_producers, self.group)
         self.consumer_groups = ConsumerGroupTables(db(b"groups"), db(b"offsets"), self.meta)
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         self.clients = ClientTables(db(b"clients"), self.meta)
         with self.env.begin() as txn:
-            stored_format = self._meta_int(txn, _FORMAT_KEY)
+            stored_format = self._meta_int(txn, FORMAT_KEY)
             self.applied_index = self._meta_int(txn, b"applied_index")
             self.applied_term = self._meta_int(txn, b"applied_term")
             self.log_ms = self._meta_int(txn, b"log_ms")  # 0: nothing applied yet
         try:
-            _refuse_newer(self.path, stored_format)
+            refuse_newer(self.path, stored_format)
         except StateFormatError:
             self.env.close()
             raise
         if not self.readonly and stored_format < STATE_FORMAT:
             with self.env.begin(write=True) as txn:
-                txn.put(_FORMAT_KEY, _U64.pack(STATE_FORMAT), db=self.meta)
+                txn.put(FORMAT_KEY, _U64.pack(STATE_FORMAT), db=self.meta)
         self._log_ms = self.log_ms  # while an apply's transaction is open
         self._forget()
+
+    @property
+    def entries(self) -> EntrySource | None:
+        """The node's Raft log for this group, where batches stored as
+        references lie (None: a state opened alone)."""
+        return self._entries
+
+    @entries.setter
+    def entries(self, source: EntrySource | None) -> None:
+        self._entries = self.pings.entries = source
 
     def _forget(self) -> None:
         """Drop what appends remember between applies (see ``_append``)."""
@@ -218,9 +222,14 @@ class StateMachine:
         view of a replica whose writer has not created it yet tries again
         before each read transaction: a transaction can only use databases
         opened before it began (``batch_store.PiecesNotOpen``)."""
-        if self._more is None:
-            with contextlib.suppress(lmdb.NotFoundError):  # read-only, not there yet
-                self._more = self.env.open_db(batch_store.MORE_NAME, create=not self.readonly)
+        if self.pings.more is None:
+            self.pings.more = self._pieces()
+
+    def _pieces(self) -> Any:
+        """``batchmore``, None while a read-only view cannot open it yet."""
+        with contextlib.suppress(lmdb.NotFoundError):  # read-only, not there yet
+            return self.env.open_db(batch_store.MORE_NAME, create=not self.readonly)
+        return None
 
     def _meta_int(self, txn: Any, key: bytes) -> int:
         return meta_int(txn, self.meta, key)
@@ -319,7 +328,7 @@ class StateMachine:
         check_topic_id(op, topic)
         tid = topic.id
         counts = [list(span.counts) for span in op.spans]
-        _check_layout(op, counts, topic.spec.partitions)
+        check_layout(op, counts, topic.spec.partitions)
         partitions = [part.partition for part in op.parts]
         bases = []
         for p in partitions:
@@ -495,8 +504,8 @@ class StateMachine:
         prefix = struct.pack(">I", topic.id)
         if self.entries is not None:
             self.refs_released = True  # its log entries may go (if nothing else refers to them)
-        for db in (self.topics.parts, self.batches, self._more, self.timeidx):
-            _delete_prefix(txn, db, prefix)
+        for db in (self.topics.parts, self.pings.batches, self.pings.more, self.pings.timeidx):
+            delete_prefix(txn, db, prefix)
         self.producers.drop_topic(txn, prefix)
         self.heat.drop_topic(txn, topic.id)
         self.consumer_groups.drop_topic(txn, name)
@@ -527,7 +536,7 @@ class StateMachine:
         check_topic_id(op, topic)
         tid, nparts = topic.id, topic.spec.partitions
         counts = [list(span.counts) for span in op.spans]
-        _check_layout(op, counts, nparts)
+        check_layout(op, counts, nparts)
         partitions = [part.partition for part in op.parts]
         states = [self._state(txn, tid, p) for p in partitions]
         nxt = [st.next_offset for st in states]
@@ -562,19 +571,11 @@ class StateMachine:
                 continue
             batch = part.batch
             if not every:
-                batch = _kept_rows(batch, [row[i] for row in counts], kept)
-            p, base = part.partition, st.next_offset
+                batch = kept_rows(batch, [row[i] for row in counts], kept)
             append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
-            key = _BATCH.pack(tid, p, base)
-            ref = _ref_to(at, i, batch, index) if every else None
-            if ref is not None:
-                batch_store.put_ref(txn, self.batches, key, count, append_ms, ref)
-            else:
-                batch_store.put_batch(txn, self.batches, self._more, key, count, append_ms, batch)
-            txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
-            st = PartitionState(st.first_offset, base + count, append_ms)
-            self.topics.put_state(txn, tid, p, st)
-            self._states[tid, p] = st
+            ref = ref_to(at, i, batch, index) if every else None
+            p = part.partition
+            self._states[tid, p] = self.pings.store(txn, tid, p, st, count, append_ms, batch, ref)
         return out if results else []
 
     def _state(self, txn: Any, tid: int, p: int) -> PartitionState:
@@ -590,7 +591,8 @@ class StateMachine:
         for topic in self.topics.each(txn):
             cutoff = leader_ms - topic.spec.retention_ms
             for p in range(topic.spec.partitions):
-                self._trim_partition(txn, topic.id, p, cutoff)
+                if self.pings.trim_partition(txn, topic.id, p, cutoff):
+                    self.refs_released = True  # its log entries may go
 
     def _trim_heatmaps(self, txn: Any, log_ms: int, keep_newest: int) -> None:
         """Heat maps whose window ended before the log's clock minus their
@@ -633,30 +635,6 @@ class StateMachine:
         ``limit``: the quota check needs no more)."""
         with self.env.begin() as txn:
             return self.producers.held(txn, client_id, limit)
-
-    def _trim_partition(self, txn: Any, tid: int, p: int, cutoff_ms: int) -> None:
-        st = self.topics.part_state(txn, tid, p)
-        cur = txn.cursor(db=self.timeidx)
-        first = st.first_offset
-        if not cur.set_range(_TIME.pack(tid, p, 0, 0)):
-            return
-        doomed = []
-        for key, _ in cur:
-            t, q, append_ms, base = _TIME.unpack(key)
-            if (t, q) != (tid, p) or append_ms >= cutoff_ms:
-                break
-            doomed.append((key, base))
-        for key, base in doomed:
-            raw = batch_store.delete_batch(txn, self.batches, self._more, _BATCH.pack(tid, p, base))
-            if raw is not None:
-                first = max(first, base + _BATCH_HDR.unpack_from(raw)[0])
-                if batch_refs.is_ref(raw, _BATCH_HDR.size):
-                    self.refs_released = True
-            txn.delete(key, db=self.timeidx)
-        if first != st.first_offset:
-            self.topics.put_state(
-                txn, tid, p, PartitionState(first, st.next_offset, st.last_append_ms)
-            )
 
     # ---------------------------------------------------------------- reads
 
@@ -803,135 +781,26 @@ class StateMachine:
     def read_range(
         self, name: str, partition: int, start: int, end: int, max_pings: int = 200_000
     ) -> tuple[list[client_pb2.StoredBatchView], int]:
-        """Batches covering offsets [start, end) from ``start`` on, cut to
-        exactly that range, up to about ``max_pings``; and the offset to go on
-        from (``end`` when done). Offsets trimmed by retention are skipped."""
-        req = client_pb2.FetchRequest(
-            topic=name, partition=partition, offset=start, max_pings=max_pings
-        )
-        resp, counts = self._fetch(req)
-        out: list[client_pb2.StoredBatchView] = []
-        nxt = max(start, resp.first_offset)
-        for b, count in zip(resp.batches, counts, strict=True):
-            if b.base_offset >= end:
-                break
-            if b.base_offset + count > end:  # cut the last batch at the range's end
-                cols = columnar.decode(b.batch)
-                cols = cols.take(np.arange(end - b.base_offset))
-                b.batch = columnar.encode(cols)
-                count = end - b.base_offset
-            out.append(b)
-            nxt = b.base_offset + count
-        if not out or nxt >= resp.end_offset:
-            nxt = end
-        return out, min(nxt, end)
+        """``PingTables.read_range``: the batches covering offsets [start,
+        end) from ``start`` on, and the offset to go on from."""
+        self._open_pieces()
+        with self.env.begin() as txn:
+            return self.pings.read_range(txn, name, partition, start, end, max_pings)
 
     def fetch(
         self, req: client_pb2.FetchRequest, max_default: int = 10_000
     ) -> client_pb2.FetchResponseView:
-        """Pings of one partition from ``req.offset`` on, whole batches up to
-        ``max_pings`` (the first batch cut to start exactly at the offset).
-        Each batch is the PingBatch bytes as stored (only a cut one is
-        encoded anew)."""
-        return self._fetch(req, max_default)[0]
-
-    def _fetch(
-        self, req: client_pb2.FetchRequest, max_default: int = 10_000
-    ) -> tuple[client_pb2.FetchResponseView, list[int]]:
-        """``fetch``, and the number of pings of each batch."""
-        limit = req.max_pings or max_default
-        counts: list[int] = []
+        """Pings of one partition from ``req.offset`` on (``PingTables.fetch``)."""
         self._open_pieces()
         with self.env.begin() as txn:
-            topic = self.topics.get(txn, req.topic)
-            if req.partition >= topic.spec.partitions:
-                raise RoadlogError(Code.INVALID_ARGUMENT, f"no partition {req.partition}")
-            tid, p = topic.id, req.partition
-            st = self.topics.part_state(txn, tid, p)
-            resp = client_pb2.FetchResponseView(
-                end_offset=st.next_offset, first_offset=st.first_offset
-            )
-            offset = max(req.offset, st.first_offset)
-            if req.offset > st.next_offset:
-                raise RoadlogError(
-                    Code.OUT_OF_RANGE,
-                    f"offset {req.offset} is beyond the end {st.next_offset}",
-                )
-            total = 0
-            for base, append_ms, count, batch in self._batches_from(txn, tid, p, offset):
-                if total and total + count > limit:
-                    break
-                sb = resp.batches.add(append_ms=append_ms)
-                if base < offset:  # the first batch starts before the offset: cut it
-                    cols = columnar.decode(batch)
-                    skip = offset - base
-                    cols = cols.take(np.arange(skip, count))
-                    sb.base_offset, count = offset, count - skip
-                    sb.batch = columnar.encode(cols)
-                else:
-                    sb.base_offset = base
-                    sb.batch = batch
-                counts.append(count)
-                total += count
-                offset = sb.base_offset + count
-                if total >= limit:
-                    break
-            resp.next_offset = offset
-            return resp, counts
-
-    def _batches_from(
-        self, txn: Any, tid: int, p: int, offset: int
-    ) -> Iterator[tuple[int, int, int, bytes]]:
-        """(base, append ms, count, PingBatch bytes) of the partition's
-        batches from the one holding ``offset`` on."""
-        prefix = _PART.pack(tid, p)
-        start = _BATCH.pack(tid, p, offset)
-        cur = txn.cursor(db=self.batches)
-        found = cur.set_range(start)
-        if not found or cur.key() != start:
-            # The batch holding ``offset`` starts before it: step back one.
-            moved = cur.prev() if found else cur.last()
-            if (not moved or not cur.key().startswith(prefix)) and not cur.set_range(start):
-                return
-        for key, value in cur:
-            if not key.startswith(prefix):
-                return
-            base = _BATCH.unpack(key)[2]
-            count, append_ms = _BATCH_HDR.unpack_from(value)
-            if base + count <= offset:
-                continue
-            try:
-                data = batch_store.batch_bytes(txn, self._more, key, value, self.entries)
-            except batch_store.PiecesNotOpen:
-                raise RoadlogError(
-                    Code.UNAVAILABLE, "this replica's batches are not readable yet: try again"
-                ) from None
-            except MissingEntryError as e:
-                # Retention released it while this read was under way (or
-                # the log was replaced by a snapshot): read again.
-                raise RoadlogError(
-                    Code.UNAVAILABLE, f"a batch's log entry is no longer here ({e}): try again"
-                ) from None
-            yield base, append_ms, count, data
+            return self.pings.fetch(txn, req, max_default)[0]
 
     def offsets_for_window(
         self, name: str, partition: int, start_ms: int, end_ms: int
     ) -> tuple[int, int]:
         """[first offset, end offset) of the batches appended in [start, end)."""
         with self.env.begin() as txn:
-            topic = self.topics.get(txn, name)
-            tid = topic.id
-            st = self.topics.part_state(txn, tid, partition)
-
-            def first_at(ms: int) -> int:
-                cur = txn.cursor(db=self.timeidx)
-                if cur.set_range(_TIME.pack(tid, partition, max(ms, 0), 0)):
-                    t, q, _, base = _TIME.unpack(cur.key())
-                    if (t, q) == (tid, partition):
-                        return int(base)
-                return st.next_offset
-
-            return first_at(start_ms), first_at(end_ms)
+            return self.pings.offsets_for_window(txn, name, partition, start_ms, end_ms)
 
     # ----------------------------------------------------------- durability
 
@@ -939,7 +808,7 @@ class StateMachine:
         """The lowest log index a stored batch refers to (None: none does):
         the log must keep every entry from there on."""
         with self.env.begin() as txn:
-            return _oldest_ref(txn, self.topics.parts, self.batches)
+            return oldest_ref(txn, self.topics.parts, self.pings.batches)
 
     def size_bytes(self) -> int:
         """The high-water mark of the state's LMDB pages: about what a
@@ -971,8 +840,8 @@ class StateMachine:
             for name, db in (
                 (b"topics", self.topics.records),
                 (b"parts", self.topics.parts),
-                (b"batches", self.batches),
-                (b"timeidx", self.timeidx),
+                (b"batches", self.pings.batches),
+                (b"timeidx", self.pings.timeidx),
                 (b"producers", self.producers.records),
                 (b"meta", self.meta),
                 (b"groups", self.consumer_groups.groups),
@@ -983,9 +852,9 @@ class StateMachine:
             ):
                 h.update(name)
                 for k, v in txn.cursor(db=db):
-                    if db is self.batches:  # the batch whole, however it lies
-                        v = batch_store.whole_value(txn, self._more, k, v, self.entries)
-                    elif db is self.meta and k == _FORMAT_KEY:
+                    if db is self.pings.batches:  # the batch whole, however it lies
+                        v = batch_store.whole_value(txn, self.pings.more, k, v, self.entries)
+                    elif db is self.meta and k == FORMAT_KEY:
                         continue
                     h.update(struct.pack(">II", len(k), len(v)))
                     h.update(k)
@@ -1045,7 +914,7 @@ class StateMachine:
             with open(staging / "data.mdb", "rb+") as f:
                 os.fsync(f.fileno())
             fsync_dir(staging)
-            _check_format(staging)  # a newer release's state: refused, the old one kept
+            check_format(staging)  # a newer release's state: refused, the old one kept
         except (OSError, lmdb.Error) as e:
             # No room for the copy (finding 13): nothing changed; the caller
             # tries again later, or the node says it cannot start.
@@ -1067,141 +936,6 @@ class StateMachine:
         fsync_dir(self.path.parent)
         shutil.rmtree(old, ignore_errors=True)
         self._open()
-
-
-def _stored_meta(directory: str | os.PathLike[str], keys: Sequence[bytes]) -> list[int] | None:
-    """The integers under ``keys`` in the ``meta`` of the state environment
-    in ``directory`` (0 where absent), opened read-only and without a lock
-    file; None if it has no ``meta`` (nothing was ever applied)."""
-    env = lmdb.open(str(directory), readonly=True, lock=False, max_dbs=16)
-    try:
-        try:
-            meta = env.open_db(b"meta", create=False)
-        except lmdb.NotFoundError:
-            return None
-        with env.begin() as txn:
-            values = [txn.get(k, db=meta) for k in keys]
-    finally:
-        env.close()
-    return [int(_U64.unpack(v)[0]) if v else 0 for v in values]
-
-
-def _refuse_newer(directory: Path, stored: int) -> None:
-    """StateFormatError if ``stored`` is a format this release cannot read."""
-    if stored > STATE_FORMAT:
-        raise StateFormatError(
-            f"the state in {directory} has format {stored}, written by a newer release of "
-            f"roadlog; this one reads formats up to {STATE_FORMAT}"
-        )
-
-
-def _check_format(directory: Path) -> None:
-    """StateFormatError if the state environment in ``directory`` has a
-    format this release cannot read (one with nothing applied: any reads it)."""
-    stored = _stored_meta(directory, [_FORMAT_KEY])
-    if stored is not None:
-        _refuse_newer(directory, stored[0])
-
-
-def applied_of(directory: str | os.PathLike[str]) -> tuple[int, int]:
-    """The (applied index, applied term) recorded in a state environment's
-    copy, opened read-only and without a lock file."""
-    values = _stored_meta(directory, [b"applied_index", b"applied_term"])
-    if values is None:
-        raise lmdb.NotFoundError(f"no meta database in the state in {directory}")
-    index, term = values
-    return index, term
-
-
-def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> None:
-    cur = txn.cursor(db=db)
-    if not cur.set_range(prefix):
-        return
-    while cur.key().startswith(prefix):
-        if not cur.delete():
-            break
-
-
-def _check_layout(op: command_pb2.AppendOp, counts: list[list[int]], nparts: int) -> None:
-    """Refuse (on every replica alike) an op whose parts and spans disagree;
-    ``counts`` are the spans' counts."""
-    if not counts:
-        raise RoadlogError(Code.INVALID_ARGUMENT, "an append without spans")
-    width = len(op.parts)
-    for row in counts:
-        if len(row) != width:
-            raise RoadlogError(Code.INVALID_ARGUMENT, "a span without a count per part")
-        if not any(row):
-            raise RoadlogError(Code.INVALID_ARGUMENT, "an empty span")
-    sums = [sum(column) for column in zip(*counts, strict=True)] if width else []
-    seen = set()
-    for part, total in zip(op.parts, sums, strict=True):
-        if part.partition >= nparts:
-            raise RoadlogError(Code.INVALID_ARGUMENT, f"no partition {part.partition}")
-        if part.partition in seen:
-            raise RoadlogError(Code.INVALID_ARGUMENT, f"partition {part.partition} twice")
-        seen.add(part.partition)
-        if part.count == 0 or part.count != total:
-            raise RoadlogError(Code.INVALID_ARGUMENT, "part counts disagree with spans")
-
-
-def _oldest_ref(txn: Any, parts: Any, batches: Any) -> int | None:
-    """The lowest log index a batch in ``batches`` refers to, None if none
-    does. Batches lie in offset order within a partition, and so in log
-    order: each partition's first reference is its lowest."""
-    lowest: int | None = None
-    cur = txn.cursor(db=batches)
-    for key in txn.cursor(db=parts).iternext(values=False):
-        if not cur.set_range(key):
-            break
-        for k, v in cur:
-            if not k.startswith(key):
-                break
-            if batch_refs.is_ref(v, _BATCH_HDR.size):
-                index = batch_refs.decode_ref(v, _BATCH_HDR.size)[0]
-                lowest = index if lowest is None else min(lowest, index)
-                break
-    return lowest
-
-
-def oldest_ref_in_snapshot(snapshot_file: str | os.PathLike[str]) -> int | None:
-    """``StateMachine.oldest_entry_ref`` of a state snapshot file."""
-    env = kept_log.open_snapshot_file(snapshot_file)
-    try:
-        try:
-            parts, batches = (
-                env.open_db(b"parts", create=False),
-                env.open_db(b"batches", create=False),
-            )
-        except lmdb.NotFoundError:
-            return None
-        with env.begin() as txn:
-            return _oldest_ref(txn, parts, batches)
-    finally:
-        env.close()
-
-
-def _ref_to(
-    at: tuple[bytes, list[tuple[int, int]]] | None, part: int, batch: bytes, index: int
-) -> bytes | None:
-    """A reference to part ``part``'s batch in entry ``index``'s data, if
-    ``at`` says where it lies and those bytes are the batch; else None."""
-    if at is None:
-        return None
-    data, spans = at
-    if part >= len(spans):
-        return None
-    offset, length = spans[part]
-    if length != len(batch) or not length or not data.startswith(batch, offset):
-        return None
-    return batch_refs.encode_ref(index, offset, length)
-
-
-def _kept_rows(batch: bytes, counts: list[int], kept: list[bool]) -> bytes:
-    """The batch without the rows of spans not kept (spans are consecutive)."""
-    cols = columnar.decode(batch)
-    mask = np.repeat(np.array(kept, dtype=bool), counts)
-    return columnar.encode(cols.take(np.flatnonzero(mask)))
 
 
 def trim_op(

@@ -232,7 +232,7 @@ def test_pings_are_kept_once_in_the_log_through_compactions_and_restarts(tmp_pat
             assert node.log_store.first_index() == index + 1 > first_append
             assert node.log_store.retained_from() == first_append  # kept for the state
             with node.sm.env.begin() as txn:
-                values = [bytes(v) for _, v in txn.cursor(db=node.sm.batches)]
+                values = [bytes(v) for _, v in txn.cursor(db=node.sm.pings.batches)]
             assert values and all(batch_refs.is_ref(v, batch_store.HEADER.size) for v in values)
             assert read_all(node) == want
             term = node.log_store.snapshot().meta.term

@@ -280,12 +280,12 @@ def test_a_state_machine_storing_a_retry_twice_is_caught(monkeypatch: pytest.Mon
     again by its client is stored twice: the end-of-run read-back finds it."""
     from typing import Any
 
-    from node_daemon.state import machine
+    from node_daemon.state import producers
 
     def never(*args: Any) -> None:
         return None
 
-    monkeypatch.setattr(machine, "_duplicate", never)
+    monkeypatch.setattr(producers, "_duplicate", never)
     bad = [r for r in map(run_seed, REAL_SEEDS[:4]) if not r.ok]
     assert bad, "the simulator did not notice a retried write stored twice"
     assert all("more than once" in r.message for r in bad), [r.message for r in bad]

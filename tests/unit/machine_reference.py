@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from node_daemon.state.machine import _BATCH, _BATCH_HDR, _PART, _TIME, StateMachine, _kept_rows
+from node_daemon.state.machine import StateMachine
+from node_daemon.state.pings import _BATCH, _BATCH_HDR, _TIME, kept_rows
 from node_daemon.state.producers import _PROD, _SEQ, RECENT_SEQUENCES
 from node_daemon.state.responses import OpResult
-from node_daemon.state.topics import _PART_VAL
+from node_daemon.state.topics import _PART, _PART_VAL
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2
 
@@ -78,15 +79,15 @@ class ReferenceStateMachine(StateMachine):
                 continue
             batch = part.batch
             if not all(kept):
-                batch = _kept_rows(batch, [span.counts[i] for span in op.spans], kept)
+                batch = kept_rows(batch, [span.counts[i] for span in op.spans], kept)
             p, base = part.partition, st.next_offset
             append_ms = max(leader_ms, st.last_append_ms)  # monotonic per partition
             txn.put(
                 _BATCH.pack(tid, p, base),
                 _BATCH_HDR.pack(count, append_ms) + batch,
-                db=self.batches,
+                db=self.pings.batches,
             )
-            txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.timeidx)
+            txn.put(_TIME.pack(tid, p, append_ms, base), b"", db=self.pings.timeidx)
             txn.put(
                 _PART.pack(tid, p),
                 _PART_VAL.pack(st.first_offset, base + count, append_ms),

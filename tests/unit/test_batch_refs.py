@@ -39,7 +39,7 @@ def node(tmp_path: Path) -> Iterator[tuple[StateMachine, LmdbLogStorage]]:
 
 def stored_values(sm: StateMachine) -> list[bytes]:
     with sm.env.begin() as txn:
-        return [bytes(v) for _, v in txn.cursor(db=sm.batches)]
+        return [bytes(v) for _, v in txn.cursor(db=sm.pings.batches)]
 
 
 def fetch_all(sm: StateMachine, partitions: int = 4) -> list[bytes]:

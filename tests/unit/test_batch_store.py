@@ -17,7 +17,8 @@ import pytest
 from node_daemon.raft import Entry, EntryType
 from node_daemon.state import batch_store
 from node_daemon.state.batch_store import FIRST_FULL, HEADER, PIECE
-from node_daemon.state.machine import STATE_FORMAT, StateFormatError, StateMachine, append_op
+from node_daemon.state.format import STATE_FORMAT, StateFormatError
+from node_daemon.state.machine import StateMachine, append_op
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region

@@ -11,7 +11,8 @@ import pytest
 
 from node_daemon.raft import ConfState, Entry, EntryType, HardState, Snapshot, SnapshotMeta
 from node_daemon.raft.errors import MissingEntryError
-from node_daemon.state.machine import StateMachine, oldest_ref_in_snapshot
+from node_daemon.state.machine import StateMachine
+from node_daemon.state.pings import oldest_ref_in_snapshot
 from node_daemon.storage import kept_log
 from node_daemon.storage.raft_log import LmdbLogStorage, LogReader
 from tests.unit.test_batch_refs import fetch_all
