@@ -23,24 +23,8 @@ Callers wait for their proposals in ``raft.PendingProposals`` (answered when
 applied, or failed when their entry leaves the log); when to snapshot and
 compact the log is ``snapshots.Snapshots``.
 
-Starting with an empty log (a new node, or one whose disk was wiped or
-replaced: the two look the same) the node bootstraps the static peers'
-configuration as entry 1, as every founding node does, but it neither
-votes nor campaigns (``raft.Config.catching_up``) until either
-
-- every other static peer answers that it was never past its bootstrap
-  either (term <= 1, commit <= 1): the cluster is brand new, nothing was
-  ever acknowledged, there is nothing this node could have forgotten; or
-- a leader has caught it up: it holds the leader's catch-up mark, an
-  entry that enough of the other voters hold too (``RaftCore._caught_up``).
-
-So a wiped voter can never help elect a leader that lacks an entry it had
-acknowledged, nor vote twice in a term. A brand-new cluster with static
-peers therefore forms once every peer has been up at the same time. The
-state survives restarts as the file ``raft/catching-up`` (written before the
-bootstrap, removed once the vote that ended it is on disk). A node that
-joins by discovery starts the same way (and, a learner, counts nowhere
-anyway); one that founds a cluster alone, or a one-node cluster, does not.
+A replica that starts with an empty log (a new node, or one whose disk was
+wiped or replaced) catches up before it votes: ``catching_up``.
 """
 
 from __future__ import annotations
@@ -57,8 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.raft import (
@@ -67,7 +49,6 @@ from node_daemon.raft import (
     Config,
     ConfState,
     Entry,
-    HardState,
     LogWrite,
     Message,
     MessageType,
@@ -79,8 +60,9 @@ from node_daemon.raft import (
     Role,
     Snapshot,
     StorageFullError,
-    bootstrap,
 )
+from node_daemon.replica import catching_up
+from node_daemon.replica.commands import Proposal, in_time, packed
 from node_daemon.replica.log_clock import (
     ANCHOR_FILE,
     LogClock,
@@ -95,15 +77,12 @@ from node_daemon.state.machine import StateMachine, trim_op
 from node_daemon.state.responses import OpResult
 from node_daemon.storage import damage
 from node_daemon.storage.boot import boot_id
-from node_daemon.storage.disk import DiskGuard, fsync_dir
+from node_daemon.storage.disk import DiskGuard
 from node_daemon.storage.io_thread import IoThread
 from node_daemon.transport.peer_transport import GroupEndpoint, PeerTransport
 from roadlog import round_trace
 from roadlog.errors import Code, RoadlogError
-from roadlog.limits import ENTRY_BYTES, chunk_by_bytes
-from roadlog.protowire import varint
-from roadlog.runtime import tls
-from roadlog.v1 import admin_pb2_grpc, client_pb2, command_pb2
+from roadlog.v1 import command_pb2
 
 log = logging.getLogger("roadlog.node")
 
@@ -121,42 +100,6 @@ LEADER_INLINE_BYTES = 256 << 10
 # (the proposal's callbacks, the call's task, the link's writer), so the
 # store is off the write path (see _apply_job).
 STORE_AFTER_TURNS = 4
-# Kept in the Raft log's directory while the node catches up after starting
-# empty (see the module docstring); a wipe or a restore takes it along.
-CATCHING_UP_FILE = "catching-up"
-ASK_PEERS_EVERY_S = 0.5
-
-
-PAST_DEADLINE = (
-    "not stored: its deadline passed before the leader could put it in the log "
-    "(the client has stopped waiting, and may have sent its next request)"
-)
-
-_Proposal = tuple[command_pb2.Op, "asyncio.Future[OpResult]", float | None]  # op, answer, deadline
-
-
-def _in_time(ops: list[_Proposal], now: float) -> list[_Proposal]:
-    """The proposals whose deadline has not passed at ``now``; the others
-    are answered DEADLINE_EXCEEDED and never enter the log."""
-    kept = []
-    for p in ops:
-        deadline, fut = p[2], p[1]
-        if deadline is not None and deadline <= now:
-            if not fut.done():
-                fut.set_exception(RoadlogError(Code.DEADLINE_EXCEEDED, PAST_DEADLINE))
-        else:
-            kept.append(p)
-    return kept
-
-
-def command_bytes(leader_ms: int, ops: list[bytes]) -> bytes:
-    """``Command(leader_ms=leader_ms, ops=...).SerializeToString()`` from the
-    ops' own serializations, byte for byte: field 1 (a varint, left out when
-    0), then each op as field 2 (tag, length, bytes)."""
-    pieces = [b"\x08", varint(leader_ms % (1 << 64))] if leader_ms else []
-    for op in ops:
-        pieces += (b"\x12", varint(len(op)), op)
-    return b"".join(pieces)
 
 
 def group_data_dir(data_dir: Path, group: int) -> Path:
@@ -164,17 +107,6 @@ def group_data_dir(data_dir: Path, group: int) -> Path:
     (the metadata group) in the data directory itself, as a node with one
     group always did; data group g in ``groups/<g>`` under it."""
     return data_dir if group == 0 else data_dir / "groups" / str(group)
-
-
-def _durable_touch(path: Path) -> None:
-    """Create ``path`` (empty) and make it, and its name, durable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(path.parent)
 
 
 _REPLICATE_SECONDS = metrics.STAGE_SECONDS.labels("replicate")
@@ -230,37 +162,12 @@ class Replica:
         self.sm = StateMachine(
             data / "state", issues_producers=group == 0, group=group, entries=self.log_store
         )
-        marker = data / "raft" / CATCHING_UP_FILE
+        marker = data / "raft" / catching_up.CATCHING_UP_FILE
         self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new
-        empty = self.log_store.last_index() == 0 and self.log_store.initial_state().term == 0
-        if empty and (self._others or not cfg.peers):
-            # Maybe a wiped member of a cluster that ran: not a voter until
-            # it knows (first on disk, so that a crash cannot forget it).
-            _durable_touch(marker)
-        if empty and cfg.peers:
-            bootstrap(self.log_store, sorted(cfg.peers))
-            log.info(
-                "bootstrapped the static peers' cluster",
-                extra={"voters": sorted(cfg.peers), "group": group},
-            )
-        if self.log_set_aside:
-            # It held a copy: it keeps the term and vote it had (so no peer
-            # takes it for a new cluster's, and it votes twice in no term),
-            # and it catches up before it votes again.
-            _durable_touch(marker)
-            term = max(kept.term, 2, self.log_store.initial_state().term)
-            vote = kept.vote if kept.term == term else 0
-            commit = self.log_store.initial_state().commit
-            self.log_store.save(HardState(term=term, vote=vote, commit=commit), [])
-        catching_up = marker.exists()
+        set_aside = kept if self.log_set_aside else None
+        behind = catching_up.start(self.log_store, cfg.peers, self.id, group, marker, set_aside)
         # Set while catching up; None once that is over for good.
-        self._catching_up_file: Path | None = marker if catching_up else None
-        if catching_up:
-            log.info(
-                "started empty: neither voting nor campaigning until the cluster is known "
-                "new or a leader has caught this node up",
-                extra={"ask": self._others, "group": group},
-            )
+        self._catching_up_file: Path | None = marker if behind else None
         snap = self.log_store.snapshot()
         self._snapshot_gauge = (
             metrics.SNAPSHOT_INDEX
@@ -287,7 +194,7 @@ class Replica:
                 heartbeat_tick=cfg.heartbeat_ticks,
                 applied=self.sm.applied_index,
                 lazy_commit=True,
-                catching_up=catching_up,
+                catching_up=behind,
                 # A granted vote carries this node's log clock reading (what
                 # a leader without a measure takes up: log_clock.py).
                 vote_context=lambda: encode_reading(self.log_clock.reading()),
@@ -340,7 +247,7 @@ class Replica:
         self._inbox: deque[Callable[[RaftCore], None]] = deque()
         self._wakeup: asyncio.Event = asyncio.Event()
         # Proposals waiting for the driver: (op, its future, its deadline).
-        self._ops: list[_Proposal] = []
+        self._ops: list[Proposal] = []
         self._ops_taken = asyncio.Event()  # set while no proposal waits for the driver
         self._ops_taken.set()
         self._pending: PendingProposals[_Futures] = PendingProposals()
@@ -599,7 +506,10 @@ class Replica:
         if own_ticker:
             self._tasks.append(loop.create_task(self._ticker()))
         if self.core.catching_up and self._others:
-            self._tasks.append(loop.create_task(self._ask_if_new()))
+            ask = catching_up.ask_if_new(
+                self.core, self.cfg.peers, self._others, self.group, self.submit
+            )
+            self._tasks.append(loop.create_task(ask))
 
         def done(t: asyncio.Task[None]) -> None:
             if t.cancelled() or t.exception() is None:
@@ -633,52 +543,11 @@ class Replica:
         unsynced.synced(self.sm.path)
         self.log_store.close()
 
-    async def _ask_if_new(self) -> None:
-        """Started empty with static peers: ask the others (Admin.Status),
-        while this node is catching up, whether they ever got past their
-        bootstrap. Once every one answers that it did not, the cluster is
-        new (or every copy of it is gone): nothing was acknowledged that any
-        node still holds, so this node may vote. As long as one did, a
-        leader catches this node up."""
-        ran = False
-        while self.core.catching_up:
-            answers = await asyncio.gather(*(self._peer_is_new(p) for p in self._others))
-            if all(answers):
-                log.info("every peer is new: a new cluster", extra={"peers": self._others})
-                self.submit(lambda core: core.known_new_cluster())
-                return
-            if False in answers and not ran:
-                ran = True
-                log.info("the cluster ran before this node started empty: catching up first")
-            await asyncio.sleep(ASK_PEERS_EVERY_S)
-
-    async def _peer_is_new(self, peer: int) -> bool | None:
-        """True: ``peer`` never got past its bootstrap; False: it did;
-        None: no answer."""
-        try:
-            async with tls.current().channel(self.cfg.peers[peer]) as ch:
-                st = await admin_pb2_grpc.AdminStub(ch).Status(
-                    client_pb2.StatusRequest(), timeout=1.0
-                )
-        except grpc.aio.AioRpcError:
-            return None
-        if not st.nodes or st.nodes[0].id != peer:
-            return None  # someone else answers there
-        own: Any = st.nodes[0]
-        if self.group != 0:  # this group's figures there (none yet: no answer)
-            own = next((g for g in st.nodes[0].groups if g.id == self.group), None)
-            if own is None:
-                return None
-        return bool(own.term <= 1 and own.commit_index <= 1)
-
     def _caught_up(self) -> None:
         """Catching up ended and is on disk: forget it for good."""
         path, self._catching_up_file = self._catching_up_file, None
         assert path is not None
-        if path.exists():
-            path.unlink()
-            fsync_dir(path.parent)
-            log.info("no longer catching up: voting again", extra={"term": self.core.term})
+        catching_up.caught_up(path, self.core.term)
 
     async def _ticker(self) -> None:
         period = self.cfg.tick_ms / 1000
@@ -730,7 +599,7 @@ class Replica:
                 if not fut.done():
                     fut.set_exception(NotLeader(core.lead))
             return
-        ops = _in_time(ops, time.monotonic())
+        ops = in_time(ops, time.monotonic())
         if not ops:
             return
         if self._clock_led_term != core.term:
@@ -740,12 +609,7 @@ class Replica:
             readings = self._vote_readings if self._readings_term == core.term else {}
             self.log_clock.lead(readings.values())
         now_ms = self.log_clock.stamp()  # not time.time(): a step of it is not believed
-        # Each op serialized once and framed as a Command's ops field by
-        # hand: no copy of the ops into a Command message, no sizing pass.
-        serialized = [op.SerializeToString() for op, _, _ in ops]
-        runs = chunk_by_bytes([len(s) for s in serialized], self.cfg.max_ops_per_entry, ENTRY_BYTES)
-        groups = [ops[r.start : r.stop] for r in runs]
-        datas = [command_bytes(now_ms, serialized[r.start : r.stop]) for r in runs]
+        groups, datas = packed(ops, now_ms, self.cfg.max_ops_per_entry)
         self._proposals_overlap = len(self._pending) > 0
         try:
             first = core.propose_many(datas)

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError
 
 from node_daemon import metrics
+from node_daemon.replica.commands import PAST_DEADLINE
 from node_daemon.replica.remote import ReplicaView
-from node_daemon.replica.replica import PAST_DEADLINE, NotLeader, Replica
+from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.state.producers import MAX_PRODUCER_IDS_PER_CLIENT, PRODUCER_ID_LIFETIME_MS
 from node_daemon.state.responses import OpResult, publish_batch_response
 from node_daemon.state.topics import normalized_spec

@@ -13,7 +13,8 @@ import pytest
 
 from node_daemon.config import NodeConfig
 from node_daemon.raft import Role
-from node_daemon.replica.replica import CATCHING_UP_FILE, Replica
+from node_daemon.replica.catching_up import CATCHING_UP_FILE
+from node_daemon.replica.replica import Replica
 from roadlog.runtime.processes import free_port
 
 pytestmark = pytest.mark.integration

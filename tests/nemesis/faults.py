@@ -41,7 +41,7 @@ from tests.nemesis.schedule import (
 )
 
 log = logging.getLogger("nemesis.faults")
-# node_daemon.replica.replica.CATCHING_UP_FILE (the nemesis imports no daemon)
+# node_daemon.replica.catching_up.CATCHING_UP_FILE (the nemesis imports no daemon)
 CATCHING_UP_FILE = "catching-up"
 
 Heal = Callable[[], None]

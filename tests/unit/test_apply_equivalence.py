@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.replica.replica import command_bytes
+from node_daemon.replica.commands import command_bytes
 from node_daemon.state.machine import StateMachine
 from node_daemon.work.appends import prepare_appends
 from roadlog import columnar

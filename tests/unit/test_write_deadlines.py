@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from node_daemon.replica import replica as replica_mod
+from node_daemon.replica import commands
 from node_daemon.state.responses import OpResult
 from node_daemon.work import handler as handler_mod
 from node_daemon.work.handler import MAX_WORK_LAG_S, WorkHandler, item_deadline
@@ -116,7 +116,7 @@ def test_the_leader_drops_proposals_whose_deadline_passed_before_the_log() -> No
             (command_pb2.Op(), futs[1], 11.0),  # in time
             (command_pb2.Op(), futs[2], None),  # none
         ]
-        return replica_mod._in_time(ops, 10.0), futs
+        return commands.in_time(ops, 10.0), futs
 
     kept, futs = asyncio.run(go())
     assert [p[1] for p in kept] == futs[1:]
