@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from node_daemon.state.machine import GroupFigures, StateMachine, TopicFigures
+from node_daemon.state.machine import ConsumerGroupFigures, StateMachine, TopicFigures
 
 log = logging.getLogger("roadlog.node.metrics")
 
@@ -47,7 +47,7 @@ class StateCollector(Collector):
         return _families(topics, groups)
 
 
-def _families(topics: list[TopicFigures], groups: list[GroupFigures]) -> list[Metric]:
+def _families(topics: list[TopicFigures], groups: list[ConsumerGroupFigures]) -> list[Metric]:
     appended = CounterMetricFamily(
         "roadlog_topic_appended_pings",
         "pings ever appended to the topic (the sum of its partitions' next offsets)",

@@ -97,7 +97,7 @@ class TopicFigures:
 
 
 @dataclass(frozen=True, slots=True)
-class GroupFigures:
+class ConsumerGroupFigures:
     """A consumer group as monitoring sees it."""
 
     name: str
@@ -714,12 +714,12 @@ class StateMachine:
         with self.env.begin() as txn:
             return self.consumer_groups.quota_refusal(txn, op)
 
-    def monitoring_figures(self) -> tuple[list[TopicFigures], list[GroupFigures]]:
+    def monitoring_figures(self) -> tuple[list[TopicFigures], list[ConsumerGroupFigures]]:
         """Per topic and per consumer group, what a node exports for
         monitoring, from one read transaction (safe beside the applier)."""
         topics: dict[str, tuple[topics_pb2.Topic, list[PartitionState]]] = {}
         out_topics: list[TopicFigures] = []
-        out_groups: list[GroupFigures] = []
+        out_groups: list[ConsumerGroupFigures] = []
         with self.env.begin() as txn:
             for topic in self.topics.each(txn):
                 parts = range(topic.spec.partitions)
@@ -746,7 +746,7 @@ class StateMachine:
                     max(0, st.next_offset - max(committed.get(p, 0), st.first_offset))
                     for p, st in enumerate(states)
                 )
-                out_groups.append(GroupFigures(name=name, topic=d.group.topic, lag=lag))
+                out_groups.append(ConsumerGroupFigures(name=name, topic=d.group.topic, lag=lag))
         return out_topics, out_groups
 
     def heatmap(

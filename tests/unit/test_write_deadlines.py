@@ -26,7 +26,7 @@ from queue_server.outgoing import Outgoing
 from queue_server.queues import Item, Kind
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, command_pb2, work_pb2
-from tests.unit.test_worker_publish_batch import StubNode, publish
+from tests.unit.test_handler_publish_batch import StubNode, publish
 
 pytestmark = pytest.mark.unit
 
