@@ -96,7 +96,12 @@ def bearer(credential: str | None) -> str:
 
 # The field that names the topic, by rpc, for the rpcs whose scope is per
 # topic (Publish and PublishBatch: read off the wire, see ``_topics``).
-TOPIC_FIELD: dict[str, str] = {"Fetch": "topic", "GetHeatmap": "topic", "JoinGroup": "topic"}
+TOPIC_FIELD: dict[str, str] = {
+    "Fetch": "topic",
+    "ReadFences": "topic",
+    "GetHeatmap": "topic",
+    "JoinGroup": "topic",
+}
 
 
 def required(method: str, request: bytes) -> list[Need]:

@@ -5,6 +5,7 @@ service and the publish link. The queues behind it are ``QueueServer``'s
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from roadlog.grpc_status import to_grpc
 from roadlog.rpc import BY_NAME, SERVICE
 from roadlog.runtime import tls
 from roadlog.scopes import new_token, token_hash
-from roadlog.v1 import client_pb2, clients_pb2, work_pb2
+from roadlog.v1 import client_pb2, clients_pb2, topics_pb2, work_pb2
 
 
 class ClientFront:
@@ -54,6 +55,7 @@ class ClientFront:
             client: str,
             principal: Principal | None,
             own: bool = False,
+            group: int | None = None,
         ) -> bytes: ...
 
         async def call(
@@ -73,6 +75,9 @@ class ClientFront:
             principal = await self.gate.admit(method, request, caller)
             if method in ("CreateClient", "RegisterClient"):
                 answer = await self._new_client(method, request, timeout, caller)
+            elif method == "ReadFences":
+                lane = principal.client_id or caller.declared or caller.source
+                answer = await self._read_fences(request, timeout, lane, principal)
             else:
                 # Fair between identities; without one, between declared ids or addresses.
                 lane = principal.client_id or caller.declared or caller.source
@@ -84,6 +89,46 @@ class ClientFront:
             return answer
         finally:
             ANSWERED.labels(method, outcome).observe(time.monotonic() - t0)
+
+    async def _read_fences(
+        self, request: bytes, timeout: float | None, lane: str, principal: Principal
+    ) -> bytes:
+        """Each group holding the topic's partitions asked for its commit
+        index at its leader (a ``ReadIndex`` each, at once, in the caller's
+        lane): what a read fenced on them must reflect."""
+        try:
+            topic = client_pb2.ReadFencesRequest.FromString(request).topic
+        except Exception:
+            raise RoadlogError(Code.INVALID_ARGUMENT, "malformed ReadFencesRequest") from None
+        described = await self._call(
+            "DescribeTopic",
+            client_pb2.DescribeTopicRequest(name=topic).SerializeToString(),
+            timeout,
+            lane,
+            principal,
+        )
+        placed = topics_pb2.TopicDescription.FromString(described).topic.partition_groups
+        groups = sorted(set(placed)) or [0]  # a topic from before groups lies in group 0
+
+        async def index_of(group: int) -> int:
+            raw = await self._call(
+                "ReadIndex",
+                client_pb2.ReadIndexRequest(group=group).SerializeToString(),
+                timeout,
+                lane,
+                principal,
+                group=group,
+            )
+            return client_pb2.ReadIndexResponse.FromString(raw).index
+
+        indexes = await asyncio.gather(*(index_of(g) for g in groups))
+        resp = client_pb2.ReadFencesResponse()
+        for g, index in zip(groups, indexes, strict=True):
+            if g:
+                resp.group_fences.add(group=g, applied_index=index)
+            else:
+                resp.applied_index = index
+        return resp.SerializeToString()
 
     async def authenticate(self, caller: Caller) -> Principal | None:
         """The caller's identity (UNAUTHENTICATED without a good token);
@@ -222,11 +267,11 @@ def client_handler(server: ClientFront) -> grpc.GenericRpcHandler:
         REQUESTS.labels("Status", "OK").inc()
         return server.status().SerializeToString()
 
+    # Answered here (Status) or by the client front itself (ReadFences); the
+    # rest go through the queues.
     local: dict[str, Callable[[bytes, Any], Awaitable[bytes]]] = {"Status": status}
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-        name: grpc.unary_unary_rpc_method_handler(
-            unary(name) if rpc.kind is not None else local[name]
-        )
-        for name, rpc in BY_NAME.items()
+        name: grpc.unary_unary_rpc_method_handler(local.get(name) or unary(name))
+        for name in BY_NAME
     }
     return grpc.method_handlers_generic_handler(SERVICE, handlers)

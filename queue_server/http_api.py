@@ -108,6 +108,8 @@ HTTP_STATUS = {
 }
 
 Call = Callable[[str, bytes, float | None, Caller], Awaitable[bytes]]
+# The identity ``_credential_first`` found for a request (None: client_auth none).
+PRINCIPAL: web.RequestKey[Principal | None] = web.RequestKey("principal")
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,7 @@ class HttpApi:
         if self._authenticate is not None and rule != PUBLIC:
             caller = Caller(request.headers.get("Authorization"), self.source(request))
             principal = await self._authenticate(caller)
-            request["principal"] = principal
+            request[PRINCIPAL] = principal
             rpc = BY_NAME.get(rule.removeprefix("rpc:"))
             needs = rpc.needs if rpc is not None else rule
             topic = request.match_info.get("name") or request.query.get("topic", "")
@@ -389,7 +391,7 @@ class HttpApi:
     def _body_slot(self, request: web.Request) -> Iterator[None]:
         """One of the bodies read at once for the request's source and
         identity, or 429 with Retry-After (the body left unread)."""
-        principal = request.get("principal")
+        principal = request.get(PRINCIPAL)
         keys = ["source:" + self.source(request)]
         if isinstance(principal, Principal) and principal.client_id:
             keys.append("id:" + principal.client_id)
@@ -520,7 +522,7 @@ class HttpApi:
         # With a token, the identity it names publishes (what a body says
         # is not believed: the nodes store the token's identity): no
         # client_id needed. Without identities (client_auth none) it is.
-        principal = request.get("principal")
+        principal = request.get(PRINCIPAL)
         named = principal.client_id if isinstance(principal, Principal) else ""
         client = _str(body, "client_id", required=not named, max_len=MAX_CLIENT_ID) or named
         producer_id = _int(body, "producer_id", 0, 0, 2**64 - 1)
@@ -566,21 +568,40 @@ class HttpApi:
         )
 
     async def fetch(self, request: web.Request) -> web.Response:
+        """One partition's pings from an offset. A read that names no fence
+        starts as a read to the end does: fenced on the partition's group's
+        commit index at its leader (``ReadFences``), so no replica still
+        catching up answers with an end short of what was acknowledged. The
+        answer tells what its replica had applied (``group_fences``, also
+        as the ``X-Roadlog-Group-Fences`` header, ``GROUP:INDEX,...``, and
+        ``X-Roadlog-Applied-Index``): a reader that passes them back with
+        its next page is never shown an end before one it saw."""
         q = request.query
+        topic = request.match_info["name"]
         partition = _query_int(request.match_info["partition"], "partition", 0, 255)
+        fence, group_fences = _fence(request), _group_fences(request)
+        if not fence and not group_fences:
+            learned = await self.call(
+                request, "ReadFences", client_pb2.ReadFencesRequest(topic=topic)
+            )
+            fence, group_fences = learned.applied_index, list(learned.group_fences)
         req = client_pb2.FetchRequest(
-            topic=request.match_info["name"],
+            topic=topic,
             partition=partition,
             offset=_query_int(q.get("offset", "0"), "offset", 0, 2**63 - 1),
             max_pings=_query_int(q.get("limit", "1000"), "limit", 1, MAX_FETCH_PINGS),
-            min_applied_index=_fence(request),
-            group_fences=_group_fences(request),
+            min_applied_index=fence,
+            group_fences=group_fences,
         )
         resp = await self.call(request, "Fetch", req, response=client_pb2.FetchResponseView)
         pings: list[dict[str, Any]] = []
         for b in resp.batches:
             pings += pings_to_json(columnar.decode(b.batch), partition, b.base_offset)
         pings = pings[: req.max_pings]
+        served = {f.group: f.applied_index for f in group_fences}
+        for f in resp.group_fences:
+            served[f.group] = max(served.get(f.group, 0), f.applied_index)
+        applied = max(fence, resp.applied_index)
         return web.json_response(
             {
                 "pings": pings,
@@ -588,7 +609,25 @@ class HttpApi:
                 "end_offset": resp.end_offset,
                 "first_offset": resp.first_offset,
                 "served_by": resp.served_by,
-            }
+                "group_fences": {str(g): i for g, i in sorted(served.items())},
+                "applied_index": applied,
+            },
+            headers=_fence_headers(served, applied),
+        )
+
+    async def read_fences(self, request: web.Request) -> web.Response:
+        """What a read must start from to see every ping acknowledged before
+        it began: each group's commit index at its leader."""
+        resp = await self.call(
+            request, "ReadFences", client_pb2.ReadFencesRequest(topic=request.match_info["name"])
+        )
+        served = {f.group: f.applied_index for f in resp.group_fences}
+        return web.json_response(
+            {
+                "group_fences": {str(g): i for g, i in sorted(served.items())},
+                "applied_index": resp.applied_index,
+            },
+            headers=_fence_headers(served, resp.applied_index),
         )
 
     async def register_client(self, request: web.Request) -> web.Response:
@@ -798,6 +837,18 @@ def _fence(request: web.Request) -> int:
     return _query_int(
         request.query.get("min_applied_index", "0"), "min_applied_index", 0, 2**63 - 1
     )
+
+
+GROUP_FENCES_HEADER = "X-Roadlog-Group-Fences"
+APPLIED_INDEX_HEADER = "X-Roadlog-Applied-Index"
+
+
+def _fence_headers(group_fences: dict[int, int], applied: int) -> dict[str, str]:
+    """A read's fences as headers, in the form ``?group_fences=`` takes back."""
+    out = {APPLIED_INDEX_HEADER: str(applied)}
+    if group_fences:
+        out[GROUP_FENCES_HEADER] = ",".join(f"{g}:{i}" for g, i in sorted(group_fences.items()))
+    return out
 
 
 def _group_fences(request: web.Request) -> list[client_pb2.GroupFence]:

@@ -93,6 +93,12 @@ _PING = {
         "accuracy_m": {"type": "number", "nullable": True},
     },
 }
+_SERVED_GROUP_FENCES = {
+    "type": "object",
+    "additionalProperties": {"type": "integer"},
+    "description": "per data group, the index the read reflects (also the "
+    "X-Roadlog-Group-Fences header, GROUP:INDEX,...): pass it back as group_fences",
+}
 _STORED_PING = {
     "type": "object",
     "properties": {
@@ -330,6 +336,28 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                         "end_offset": {"type": "integer"},
                         "first_offset": {"type": "integer"},
                         "served_by": {"type": "string"},
+                        "group_fences": _SERVED_GROUP_FENCES,
+                        "applied_index": {"type": "integer"},
+                    },
+                },
+            ),
+            **_errors("400", "404", "503", "504"),
+        },
+    },
+    "ReadFences": {
+        "summary": "Where a read must start from to see every ping acknowledged before it "
+        "began: each group's commit index at its leader (a ReadIndex); pass them as "
+        "group_fences and min_applied_index to the reads that follow",
+        "parameters": [_NAME],
+        "responses": {
+            **_ok(
+                "the fences",
+                {
+                    "type": "object",
+                    "required": ["group_fences", "applied_index"],
+                    "properties": {
+                        "group_fences": _SERVED_GROUP_FENCES,
+                        "applied_index": {"type": "integer"},
                     },
                 },
             ),

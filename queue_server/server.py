@@ -94,9 +94,12 @@ class QueueServer(ClientFront, NodeSessions):
         client: str,
         principal: Principal | None,
         own: bool = False,
+        group: int | None = None,
     ) -> bytes:
         """Queue one request and wait for its answer; ``own``: the queue
-        server's own (see ``Item.own``)."""
+        server's own (see ``Item.own``); ``group``: the Raft group whose
+        leader (a write) or replica (a read) must take it (default: the
+        publish's routing hint, else group 0)."""
         rpc = ROUTED[method]
         kind = rpc.kind
         assert kind is not None  # QUEUED holds the rpcs that have a queue
@@ -128,7 +131,7 @@ class QueueServer(ClientFront, NodeSessions):
             fence,
             client=client,
             principal=principal.client_id if principal is not None else "",
-            group=self._group_hint(method, request),
+            group=self._group_hint(method, request) if group is None else group,
             own=own,
         )
         try:

@@ -617,7 +617,11 @@ class Consumer:
 
     def read_to_end(self, partition: int, limit: int | None = None) -> Iterator[Fetched]:
         """Every batch from the current position to the partition's end as it
-        was when each fetch was answered."""
+        was when each fetch was answered: at least every ping acknowledged
+        before this call began (its fetches are fenced on each group's
+        commit index at its leader, ``learn_read_fences``), and never an end
+        before one this connection was shown."""
+        learn_read_fences(self.conn, self.topic)
         got = 0
         while True:
             batches, resp = self.fetch(partition)
@@ -634,6 +638,20 @@ class Consumer:
                 yield b
             if not batches or resp.next_offset >= resp.end_offset:
                 return
+
+
+def learn_read_fences(conn: Connection, topic: str) -> None:
+    """Fence ``conn``'s reads of ``topic`` on each of its groups' commit
+    index at that group's leader (``ReadFences``, a ReadIndex each): a
+    replica still catching up does not answer them until it has applied
+    that far, so they see every ping acknowledged before this call. A queue
+    server from before ReadFences (UNIMPLEMENTED): the reads are fenced only
+    by what the connection wrote and was served, as they were."""
+    try:
+        conn.call("ReadFences", client_pb2.ReadFencesRequest(topic=topic))
+    except RoadlogError as e:
+        if e.code != Code.UNIMPLEMENTED:
+            raise
 
 
 class GroupConsumer:
@@ -732,6 +750,10 @@ class GroupConsumer:
                 self.error = e  # transient; the next beat tries again
 
     def _start_positions(self, partitions: list[int]) -> None:
+        """Where the partitions this member gained start: their committed
+        offsets; its reads of them from then on see every ping acknowledged
+        before (``learn_read_fences``)."""
+        learn_read_fences(self.conn, self.topic)
         d = Admin(self.conn).describe_group(self.group, min_applied_index=self._fence)
         committed = {o.partition: o.offset for o in d.offsets}
         with self._lock:

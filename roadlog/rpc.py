@@ -125,6 +125,15 @@ RPCS: tuple[Rpc, ...] = (
         "read",
         HttpRoute("GET", "/v1/topics/{name}/partitions/{partition}/pings"),
     ),
+    # Answered by the queue server from a ReadIndex of each group's leader.
+    Rpc(
+        "ReadFences",
+        None,
+        c.ReadFencesRequest,
+        c.ReadFencesResponse,
+        "read",
+        HttpRoute("GET", "/v1/topics/{name}/fences"),
+    ),
     # The cluster's layout (nodes, their addresses and roles): any identity
     # may see it, a stranger may not (issue 19, finding 15).
     Rpc(
@@ -174,11 +183,14 @@ INTERNAL: dict[str, Rpc] = {
     # A part of publishes split across data groups (multi-raft): an AppendOp
     # group 0's leader validated, for its group's leader; a result per span.
     "AppendPart": Rpc("AppendPart", W, command_pb2.AppendOp, c.PublishBatchResponse, "internal"),
+    # One group's commit index at its leader, for a ReadFences.
+    "ReadIndex": Rpc("ReadIndex", W, c.ReadIndexRequest, c.ReadIndexResponse, "internal"),
 }
 del W, R, c, g, t, k
 
 BY_NAME: dict[str, Rpc] = {r.name: r for r in RPCS}
-# The rpcs that go through the work queues to a node (all but Status).
+# The rpcs that go through the work queues to a node (all but Status and
+# ReadFences, which the queue server answers).
 QUEUED: dict[str, Rpc] = {r.name: r for r in RPCS if r.kind is not None}
 # What a node may be handed: the queued rpcs and the queue server's own reads.
 ROUTED: dict[str, Rpc] = {**QUEUED, **INTERNAL}

@@ -69,7 +69,7 @@ from roadlog.client_tls import ClientTLS
 from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import read_secret
-from roadlog.v1 import noderead_pb2, noderead_pb2_grpc
+from roadlog.v1 import client_pb2, noderead_pb2, noderead_pb2_grpc
 
 SCHEMA = (
     "partition int, offset long, device_id string, ts_ms long, lat double, lon double, "
@@ -150,6 +150,22 @@ def _nodes_and_topic(options: dict[str, str]) -> tuple[tuple[str, ...], str]:
     return nodes, topic
 
 
+def read_fences(options: dict[str, str]) -> tuple[int, list[tuple[int, int]]]:
+    """Where the plan must start from (options ``min_applied_index`` and
+    ``group_fences``, ``GROUP:INDEX,...``): the node that plans answers
+    once it applied them. A caller that learns them with ``ReadFences``
+    (the heat-map job does) gets a plan holding every ping acknowledged
+    before it; without them the plan is what the answering node applied."""
+    given = []
+    for f in options.get("group_fences", "").split(","):
+        if f:
+            g, _, i = f.partition(":")
+            if not (g.isdigit() and i.isdigit()):
+                raise ValueError(f"option group_fences: {f!r} is not GROUP:INDEX")
+            given.append((int(g), int(i)))
+    return _opt_int(options, "min_applied_index") or 0, given
+
+
 def ask_plan(
     nodes: tuple[str, ...], token: str, req: noderead_pb2.PlanRequest
 ) -> noderead_pb2.PlanResponse:
@@ -202,10 +218,13 @@ def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
     now = now_ms if now_ms is not None else int(time.time() * 1000)
     lead = _opt_int(options, "lead_ms") or DEFAULT_LEAD_MS
     late = _opt_int(options, "lateness_ms") or DEFAULT_LATENESS_MS
+    fence, group_fences = read_fences(options)
     req = noderead_pb2.PlanRequest(
         topic=topic,
         append_start_ms=max(0, start - lead) if start is not None else 0,
         append_end_ms=min(end + late, now) if end is not None else now,
+        min_applied_index=fence,
+        group_fences=[client_pb2.GroupFence(group=g, applied_index=i) for g, i in group_fences],
     )
     resp = ask_plan(nodes, token, req)
     every = tuple(dict.fromkeys([*resp.node_addresses, *nodes]))

@@ -735,7 +735,34 @@ class WorkHandler:
         loop = asyncio.get_running_loop()
         resp = await loop.run_in_executor(self.cpu, sm.fetch, req)
         resp.served_by = str(self.node.id)
+        # What this answer reflects, at most (the index applied once it was
+        # read): a reader fenced on it is never shown an end before this one.
+        if group:
+            resp.group_fences.add(group=group, applied_index=sm.applied_index)
+        else:
+            resp.applied_index = sm.applied_index
         return OpResult(response=resp.SerializeToString())
+
+    async def read_index(self, item: work_pb2.WorkItem) -> OpResult:
+        """This group's commit index at its leader, for a ReadFences: a
+        ReadIndex (the leader confirms with a heartbeat round that it still
+        leads, Raft's section 6.4), within the item's deadline."""
+        req = client_pb2.ReadIndexRequest.FromString(item.request)
+        if req.group != self.node.group:
+            raise RoadlogError(
+                Code.UNAVAILABLE, f"group {self.node.group} was asked for group {req.group}"
+            )
+        if not self.node.is_leader:
+            raise NotLeader(self.node.core.lead)
+        try:
+            index = await asyncio.wait_for(
+                self.node.read_barrier(), max(item.budget_ms / 1000, 0.05)
+            )
+        except TimeoutError:
+            raise RoadlogError(
+                Code.UNAVAILABLE, f"group {req.group}'s read index was not confirmed in time"
+            ) from None
+        return OpResult(response=client_pb2.ReadIndexResponse(index=index).SerializeToString())
 
     async def describe_topic(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.DescribeTopicRequest.FromString(item.request)

@@ -50,7 +50,13 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
             raise  # abort raises; for the type checker
 
     async def Plan(self, request: Any, context: Any) -> noderead_pb2.PlanResponse:
+        """The ranges of a window's pings, partition by partition, once this
+        node applied the plan's fences (group 0's and each data group's):
+        a node still catching up answers UNAVAILABLE, and the planner asks
+        the next."""
         await self._prepare(context, request.min_applied_index)
+        for f in request.group_fences:
+            await self._prepare(context, f.applied_index, f.group)
         sm = self.node.sm
         loop = asyncio.get_running_loop()
 

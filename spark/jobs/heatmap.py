@@ -31,7 +31,7 @@ from pyspark.sql.types import LongType, StructField, StructType
 
 from roadlog.client import RoadlogError
 from roadlog.geo import parse_region
-from roadlog.v1 import heatmaps_pb2
+from roadlog.v1 import client_pb2, heatmaps_pb2
 from spark.h3cells import cells_for
 
 log = logging.getLogger("roadlog.heatmap")
@@ -185,12 +185,20 @@ def run(
     t0 = time.monotonic()
     with Connection(servers) as conn:
         desc = Admin(conn).describe(topic)
+        # The plan holds every ping acknowledged before now, whichever node
+        # plans it: each group's commit index at its leader.
+        fences = conn.call("ReadFences", client_pb2.ReadFencesRequest(topic=topic), timeout=30)
     spec = desc.topic.spec
     spark = session(master)
     try:
         df = (
             spark.read.format("roadlog")
             .option("nodes", ",".join(nodes))
+            .option("min_applied_index", str(fences.applied_index))
+            .option(
+                "group_fences",
+                ",".join(f"{f.group}:{f.applied_index}" for f in fences.group_fences),
+            )
             .option("secret_file", str(secret_file or ""))
             .option("cluster_name", cluster_name)
             .option("topic", topic)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -41,7 +42,9 @@ class Fake:
         return ALICE if caller.credential == "Bearer good" else None
 
 
-def with_client(body: Callable[[TestClient, Fake], Awaitable[None]], tile_url: str = "") -> None:
+def with_client(
+    body: Callable[[TestClient[Any, Any], Fake], Awaitable[None]], tile_url: str = ""
+) -> None:
     fake = Fake()
 
     async def main() -> None:
@@ -72,7 +75,7 @@ SECURITY_HEADERS = ("Content-Security-Policy", "X-Content-Type-Options", "Referr
     ],
 )
 def test_every_answer_carries_the_security_headers(method: str, path: str) -> None:
-    async def body(client: TestClient, fake: Fake) -> None:
+    async def body(client: TestClient[Any, Any], fake: Fake) -> None:
         resp = await client.request(method, path, allow_redirects=False)
         missing = [h for h in SECURITY_HEADERS if h not in resp.headers]
         assert not missing, (resp.status, missing)
@@ -95,7 +98,7 @@ def test_the_csp_lets_images_come_from_the_tile_server_only() -> None:
 def test_a_publish_with_a_token_needs_no_client_id_and_publishes_as_the_token() -> None:
     ping = {"device_id": "d", "ts_ms": 1_700_000_000_000, "lat": 48.1, "lon": 11.5}
 
-    async def body(client: TestClient, fake: Fake) -> None:
+    async def body(client: TestClient[Any, Any], fake: Fake) -> None:
         auth = {"Authorization": "Bearer good"}
         for sent in ({"pings": [ping]}, {"client_id": "someone-else", "pings": [ping]}):
             resp = await client.post("/v1/topics/munich/pings", json=sent, headers=auth)

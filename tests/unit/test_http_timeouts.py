@@ -43,12 +43,15 @@ Scenario = Callable[[int], Awaitable[None]]
 
 
 def serve(
-    scenario: Scenario, bodies: BodyLimits | None = None, apis: list[HttpApi] | None = None
+    scenario: Scenario,
+    bodies: BodyLimits | None = None,
+    apis: list[HttpApi] | None = None,
+    body_idle_s: float = BODY_S,
 ) -> None:
     """Run ``scenario`` against a server on loopback (``apis`` gets its HttpApi)."""
 
     async def main() -> None:
-        api = HttpApi(never_called, status, body_idle_s=BODY_S, bodies=bodies)
+        api = HttpApi(never_called, status, body_idle_s=body_idle_s, bodies=bodies)
         if apis is not None:
             apis.append(api)
         runner = api.runner(idle_timeout_s=IDLE_S, linger_s=LINGER_S)
@@ -249,7 +252,8 @@ def test_bodies_read_at_once_from_one_address_are_capped_with_429() -> None:
         for _, sw in slow:
             sw.close()
 
-    serve(scenario, BodyLimits(per_source=2), apis)
+    # The slow bodies must stay unfinished until the third comes: no idle cut.
+    serve(scenario, BodyLimits(per_source=2), apis, body_idle_s=DEADLINE_S)
 
 
 def test_a_body_abandoned_by_its_client_is_counted_not_logged_as_an_error(

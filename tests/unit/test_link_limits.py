@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -110,10 +111,20 @@ def test_a_frame_waits_for_its_whole_length_and_its_turn() -> None:
     woken: list[str] = []
     assert first.feed(LEN.pack(3 * MiB) + b"a" * 1000) == [] and not first.starved
     assert second.feed(LEN.pack(2 * MiB) + b"b" * 1000) == [] and second.starved
-    budget.wait(lambda: second.retry() and not woken.append("second"))
+
+    def waiter(reader: FrameReader, name: str) -> Callable[[], bool]:
+        def retry() -> bool:
+            if reader.retry():
+                woken.append(name)
+                return True
+            return False
+
+        return retry
+
+    budget.wait(waiter(second, "second"))
     # It would fit, but the second is first in line: it waits behind it.
     assert third.feed(LEN.pack(100_000) + b"c" * 1000) == [] and third.starved
-    budget.wait(lambda: third.retry() and not woken.append("third"))
+    budget.wait(waiter(third, "third"))
     assert budget.waiting == 2 and budget.used == 3 * MiB
     assert first.feed(b"a" * (3 * MiB - 1000)) == [b"a" * (3 * MiB)]
     # 4 MiB free: the second begins, then the third (first come, first served)

@@ -426,7 +426,7 @@ def test_calls_go_over_the_offered_publish_link_and_back_to_the_stream_when_it_b
                 stream = pub._calls[0]
                 assert stream._link is not None and pub.linked >= 7, pub.linked
                 # The link's server cuts every link (and takes no new one).
-                server.link._server.close()  # type: ignore[union-attr]
+                server.link._listener.close()
                 for c in list(server.link.connections):
                     c.abort()
                 linked = pub.linked

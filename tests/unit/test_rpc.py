@@ -35,7 +35,8 @@ def test_the_table_is_the_protos_service() -> None:
 
 
 def test_kinds_and_fences() -> None:
-    assert {r.name for r in RPCS if r.kind is None} == {"Status"}
+    # Answered by the queue server itself: Status, and ReadFences (a ReadIndex per group).
+    assert {r.name for r in RPCS if r.kind is None} == {"Status", "ReadFences"}
     assert {r.name for r in RPCS if r.fenced} == {
         "Fetch",
         "DescribeTopic",
@@ -55,7 +56,7 @@ def test_kinds_and_fences() -> None:
         "GetHeatmap",
         "ListClients",
     }
-    assert set(QUEUED) == set(BY_NAME) - {"Status"}
+    assert set(QUEUED) == set(BY_NAME) - {"Status", "ReadFences"}
 
 
 def test_fenced_is_read_from_the_request() -> None:
