@@ -297,7 +297,7 @@ class QueueServer(ClientFront, NodeSessions):
                 continue
             seen.add(s.node_id)
             ns = st.nodes.add()
-            if wid in self.statuses:  # as the node built it (node_daemon/status.py)
+            if wid in self.statuses:  # as the node built it (node_daemon/replica/status.py)
                 ns.CopyFrom(self.statuses[wid])
             # the routing fields are newer: they ride on every result
             ns.id, ns.address, ns.term, ns.leader = s.node_id, s.address, s.term, s.leader
