@@ -91,7 +91,7 @@ class Deployed:
                  "-o", "python_files=infra_*.py", "tests/lab/infra_hosts.py"],
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}",
-                     "ANSIBLE_SSH_EXTRA_ARGS": TESTINFRA_SSH_ARGS},
+                     "ANSIBLE_SSH_EXTRA_ARGS": TESTINFRA_SSH_ARGS, CHECKS_ONLY: "1"},
             )  # fmt: skip
         self.testinfra_started = time.monotonic()
 
@@ -201,8 +201,15 @@ def recap(output: str) -> dict[str, dict[str, int]]:
     return out
 
 
+# Set in testinfra's run (start_testinfra): it checks the lab's hosts, and
+# must never make a lab of its own (that would first end the running one).
+CHECKS_ONLY = "ROADLOG_LAB_CHECKS_ONLY"
+
+
 @pytest.fixture(scope="session")
 def deployed() -> Iterator[Deployed]:
+    if os.environ.get(CHECKS_ONLY):
+        raise pytest.UsageError(f"{CHECKS_ONLY} is set: this run checks a lab, it makes none")
     count = int(os.environ.get("ROADLOG_LAB_HOSTS", "3"))
     lab = Lab(count + 1)
     d: Deployed | None = None
@@ -255,17 +262,6 @@ def cpu_seconds(lab: Lab) -> dict[str, float]:
         "cpu-s hosts": hosts,
         "cpu-s controller": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
     }
-
-
-@pytest.fixture(autouse=True)
-def cpu_of_each_test(request: pytest.FixtureRequest, deployed: Deployed) -> Iterator[None]:
-    """The CPU seconds each test cost, its hosts' and this machine's, in the
-    lab's timings: the lab's share of the suite's two cores."""
-    before = cpu_seconds(deployed.lab)
-    yield
-    after = cpu_seconds(deployed.lab)
-    name = request.node.name.removeprefix("test_")[:32]
-    deployed.timings[f"cpu-s {name}"] = sum(after.values()) - sum(before.values())
 
 
 # Where the lab's minutes went (boot, wheelhouse, each playbook, testinfra,

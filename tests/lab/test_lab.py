@@ -18,6 +18,7 @@ import ssl
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +29,17 @@ from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code
 from roadlog.geo import bbox_region
 from tests.integration.conftest import ProducerRun, assert_exactly_once_in_order, read_topic
-from tests.lab.conftest import BIN, PKI, REPO, TOKENS, Deployed, recap, tls_env, token
+from tests.lab.conftest import (
+    BIN,
+    PKI,
+    REPO,
+    TOKENS,
+    Deployed,
+    cpu_seconds,
+    recap,
+    tls_env,
+    token,
+)
 from tests.lab.hosts import BROADCAST, lab_inventory, wait_for
 
 # The first test also boots the lab, builds the wheelhouse and runs site.yml.
@@ -49,6 +60,17 @@ def tls_lab(deployed: Deployed) -> Any:
         for k, v in tls_env().items():
             mp.setenv(k, v)
         yield
+
+
+@pytest.fixture(autouse=True)
+def cpu_of_each_test(request: pytest.FixtureRequest, deployed: Deployed) -> Iterator[None]:
+    """The CPU seconds each test cost, its hosts' and this machine's, in the
+    lab's timings: the lab's share of the suite's two cores."""
+    before = cpu_seconds(deployed.lab)
+    yield
+    after = cpu_seconds(deployed.lab)
+    name = request.node.name.removeprefix("test_")[:32]
+    deployed.timings[f"cpu-s {name}"] = sum(after.values()) - sum(before.values())
 
 
 def prometheus(deployed: Deployed, path: str) -> Any:
