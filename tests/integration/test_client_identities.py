@@ -72,7 +72,7 @@ def cluster(
             Admin(conn).create_topic("berlin", REGION, 2)
         yield lc
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)
 
 
 def connect(lc: LocalCluster, token: str | None) -> Connection:

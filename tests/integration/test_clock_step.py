@@ -48,7 +48,7 @@ def one_node_with_a_clock(
         lc.wait_ready(60)
         yield lc, clock
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)
 
 
 def _on_a_clock(node: NodeInfo, clock: Path) -> None:
@@ -166,7 +166,7 @@ def three_nodes_with_clocks_and_boots(
         lc.wait_ready(60)
         yield lc, clocks, boots
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)
 
 
 def test_a_rebooted_leader_does_not_stamp_its_stepped_wall_clock(

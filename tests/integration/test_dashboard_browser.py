@@ -63,7 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Ite
             )
         yield lc
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)
 
 
 def cell(lat: float, lon: float) -> int:

@@ -77,4 +77,4 @@ def test_a_node_that_decided_other_data_groups_takes_the_founded_ones(
         )
         assert all(alive(lc.node(n).pid) for n in (1, 2, 3))
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)

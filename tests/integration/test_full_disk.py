@@ -58,7 +58,7 @@ def cluster_on_small_disks(
         monkeypatch.setenv("ROADLOG_TOKEN", lc.admin_token)  # the SDK's and urllib's calls
         yield lc
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)
         for d in mounted:
             unmount(d)
 

@@ -99,7 +99,7 @@ def traffic(
         start = end - 180_000 - 1000
         yield lc, start, end + 1, in_window
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)
 
 
 def build(

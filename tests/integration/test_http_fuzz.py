@@ -56,7 +56,7 @@ def api(
         assert lc.queue_servers[0].http.startswith("https://")
         yield lc, lc.queue_servers[0].http
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)
 
 
 def get(url: str) -> Any:

@@ -410,4 +410,4 @@ def test_a_process_that_dies_while_the_cluster_starts_is_reported_with_its_log(
             lc.wait_ready(60)
         assert "q1" in str(e.value) and "cannot bind, say" in str(e.value)
     finally:
-        lc.down(grace=3)
+        lc.down(grace=1)

@@ -41,6 +41,15 @@ BRIDGE = "rl-lab0"
 SUBNET = "10.77.0"
 CONTROLLER_IP = f"{SUBNET}.1"
 BROADCAST = f"{SUBNET}.255"
+# One SSH connection a host, kept open and shared by every command of the lab
+# (its own and testinfra's, see ``TESTINFRA_SSH_ARGS``): a new connection per
+# command costs a key exchange and a login on both sides, hundreds of times.
+# %C is a hash of the local and remote host, port and user.
+CONTROL_PATH = LAB_ROOT / "ssh-%C"
+# What testinfra's SSH backend is given (ANSIBLE_SSH_EXTRA_ARGS): ansible.cfg's
+# ssh_args turn ControlMaster on but name no path, and without one OpenSSH
+# shares nothing.
+TESTINFRA_SSH_ARGS = f"-o ControlPath={CONTROL_PATH}"
 
 # Units enabled on this machine that a lab host does not need (they would
 # only cost CPU, or fight over ports of the machine underneath).
@@ -259,7 +268,7 @@ class Lab:
         # Each host in its own cgroup: nspawn (--keep-unit) builds the
         # container's tree under the cgroup it runs in, and two hosts sharing
         # one would share (and fight over) their units' cgroups.
-        cgroups = _cgroup_dirs(host)
+        cgroups = cgroup_dirs(host)
         for d in cgroups:
             d.mkdir(parents=True, exist_ok=True)
 
@@ -337,6 +346,12 @@ class Lab:
             "BatchMode=yes",
             "-o",
             "ConnectTimeout=5",
+            "-o",
+            "ControlMaster=auto",
+            "-o",
+            f"ControlPath={CONTROL_PATH}",
+            "-o",
+            "ControlPersist=60",
             f"root@{host.ip}",
         ]
 
@@ -375,7 +390,7 @@ def _cgroup_roots() -> list[Path]:
     return [p for p in (base / "systemd", base / "unified") if (p / "cgroup.procs").exists()]
 
 
-def _cgroup_dirs(host: LabHost) -> list[Path]:
+def cgroup_dirs(host: LabHost) -> list[Path]:
     return [root / "roadlog-lab" / host.name for root in _cgroup_roots()]
 
 
@@ -405,6 +420,10 @@ def clear_leftovers(timeout: float = 60) -> None:
     shutdown, SIGKILL after `timeout`), unmount the overlays, delete the
     upper layers and the bridge. Safe to call when nothing is left."""
     if LAB_ROOT.exists():
+        # The shared SSH connections (CONTROL_PATH): their masters are ours.
+        for sock in LAB_ROOT.glob("ssh-*"):
+            _run("ssh", "-o", f"ControlPath={sock}", "-O", "exit", "lab", check=False, timeout=10)
+            sock.unlink(missing_ok=True)
         hosts = [LabHost(int(p.name[3:])) for p in LAB_ROOT.glob("lab*") if p.name[3:].isdigit()]
         pids = [pid for pid in (h.pid() for h in hosts) if pid is not None]
         running = [pid for pid in pids if _alive(pid) and _is_nspawn(pid)]

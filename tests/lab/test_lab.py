@@ -16,9 +16,9 @@ import os
 import shlex
 import ssl
 import subprocess
-import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +29,17 @@ from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code
 from roadlog.geo import bbox_region
 from tests.integration.conftest import ProducerRun, assert_exactly_once_in_order, read_topic
-from tests.lab.conftest import BIN, PKI, REPO, TOKENS, Deployed, recap, tls_env, token
+from tests.lab.conftest import (
+    BIN,
+    PKI,
+    REPO,
+    TOKENS,
+    Deployed,
+    cpu_seconds,
+    recap,
+    tls_env,
+    token,
+)
 from tests.lab.hosts import BROADCAST, lab_inventory, wait_for
 
 # The first test also boots the lab, builds the wheelhouse and runs site.yml.
@@ -50,6 +60,17 @@ def tls_lab(deployed: Deployed) -> Any:
         for k, v in tls_env().items():
             mp.setenv(k, v)
         yield
+
+
+@pytest.fixture(autouse=True)
+def cpu_of_each_test(request: pytest.FixtureRequest, deployed: Deployed) -> Iterator[None]:
+    """The CPU seconds each test cost, its hosts' and this machine's, in the
+    lab's timings: the lab's share of the suite's two cores."""
+    before = cpu_seconds(deployed.lab)
+    yield
+    after = cpu_seconds(deployed.lab)
+    name = request.node.name.removeprefix("test_")[:32]
+    deployed.timings[f"cpu-s {name}"] = sum(after.values()) - sum(before.values())
 
 
 def prometheus(deployed: Deployed, path: str) -> Any:
@@ -186,16 +207,11 @@ def test_the_ca_key_and_the_tokens_stay_on_the_controller_and_the_lab_runs_tls_a
 
 
 def test_hosts_pass_testinfra(deployed: Deployed) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "lab",
-         "--hosts=ansible://all", f"--ansible-inventory={deployed.inventory}",
-         "-o", "python_files=infra_*.py", "tests/lab/infra_hosts.py"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
-    passed = int(r.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
-    assert passed >= 6 * len(deployed.hosts), r.stdout[-1000:]
+    # Started when the deploy ended, beside the tests before this one (conftest.py).
+    rc, out = deployed.testinfra_result(timeout=900)
+    assert rc == 0, out[-8000:]
+    passed = int(out.strip().splitlines()[-1].split(" passed")[0].split()[-1])
+    assert passed >= 6 * len(deployed.hosts), out[-1000:]
 
 
 def test_the_nodes_formed_one_cluster_by_broadcast_discovery(deployed: Deployed) -> None:
@@ -282,6 +298,8 @@ def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_m
             return False
         return True
 
+    # cron (stopped since the deploy, conftest.py) runs the job again, every minute.
+    deployed.ssh(deployed.hosts[0], "systemctl start cron")
     # Meanwhile (cron's run goes on): an application submitted without the
     # Spark secret is refused by the master (spark.authenticate, finding 13).
     probe = f"/opt/roadlog/venv/bin/python -c {shlex.quote(UNAUTHENTICATED_SUBMIT)}"
@@ -297,7 +315,7 @@ def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_m
     envs = "".join(deployed.ssh(h, find, False) for h in deployed.hosts)
     assert "environment" in envs, "no executor (as roadlog-spark) unpacked the packed virtualenv"
     # Proven: stop the every-minute job so the next tests get the two cores.
-    deployed.ssh(deployed.hosts[0], "crontab -r -u roadlog")
+    deployed.ssh(deployed.hosts[0], "systemctl stop cron")
 
 
 # spark-submit to the lab's master without the Spark secret (as root on the
@@ -412,10 +430,10 @@ def test_a_revoked_job_identity_is_made_again_and_the_stream_runs_as_a_service(
     state = deployed.ssh(deployed.hosts[0], f"systemctl is-active {STREAM}; "
                          f"systemctl is-enabled {STREAM}", False).split()  # fmt: skip
     assert state[0] in ("inactive", "failed") and state[1] == "disabled", state
+    # (cron itself stays stopped since the drill: the next tests get the cores)
     assert "/opt/roadlog/bin/roadlog-heatmap" in deployed.ssh(
         deployed.hosts[0], "crontab -l -u roadlog"
     )
-    deployed.ssh(deployed.hosts[0], "crontab -r -u roadlog")  # the cores for the next tests
 
 
 def test_a_rolling_restart_with_producers_running_loses_nothing(deployed: Deployed) -> None:
