@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from tests.bridge_lock import bridge_subnet
 from tests.lab.hosts import (
     LAB_ROOT,
     TESTINFRA_SSH_ARGS,
@@ -210,6 +211,12 @@ CHECKS_ONLY = "ROADLOG_LAB_CHECKS_ONLY"
 def deployed() -> Iterator[Deployed]:
     if os.environ.get(CHECKS_ONLY):
         raise pytest.UsageError(f"{CHECKS_ONLY} is set: this run checks a lab, it makes none")
+    # The bridge subnet is the lab's alone while it runs (tests/bridge_lock.py).
+    with bridge_subnet("lab", say=lambda m: print(m, file=sys.__stderr__, flush=True)):
+        yield from _deployed()
+
+
+def _deployed() -> Iterator[Deployed]:
     count = int(os.environ.get("ROADLOG_LAB_HOSTS", "3"))
     lab = Lab(count + 1)
     d: Deployed | None = None

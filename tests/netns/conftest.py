@@ -23,6 +23,7 @@ import pytest
 
 from roadlog.runtime.processes import alive, wait_dead
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2
+from tests.bridge_lock import bridge_subnet
 
 SUBNET = "10.77.0"
 REPO = Path(__file__).resolve().parents[2]
@@ -177,6 +178,14 @@ class Net:
         for h in self.hosts.values():
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True, timeout=30)
         wait_for(lambda: not any(link_exists(link) for link in links), 30, "the test's links to go")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bridge_subnet_held() -> Iterator[None]:
+    """The bridge subnet is this tier's alone while it runs (a lab run on
+    this machine would end its hosts, and it the lab's: tests/bridge_lock.py)."""
+    with bridge_subnet("netns", say=lambda m: print(m, file=sys.__stderr__, flush=True)):
+        yield
 
 
 @pytest.fixture
