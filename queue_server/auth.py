@@ -6,7 +6,7 @@ identity the cluster issued (``Authenticator``: its SHA-256 looked up by a
 read any node answers, cached for a few seconds), and ``required`` says
 what the call needs, from the rpc table's ``needs`` (``roadlog.rpc``) and
 the topic the request names. One function for both APIs, so no route is
-left unchecked; ``tests/unit/test_client_auth.py`` checks every rpc and
+left unchecked; ``tests/unit/queue_server/test_client_auth.py`` checks every rpc and
 every HTTP route has a rule.
 
 No credential or an unknown one: UNAUTHENTICATED (HTTP 401). An identity

@@ -125,7 +125,7 @@ class BodyLimits:
 
 # What each HTTP route that is not an rpc's (roadlog.rpc) needs: "public",
 # or "rpc:NAME", the rules of the rpc it calls (roadlog.rpc's needs).
-# tests/unit/test_client_auth.py checks that every route has a rule.
+# tests/unit/queue_server/test_client_auth.py checks that every route has a rule.
 ROUTE_RULES: dict[str, str] = {
     "/openapi.json": "public",
     "/healthz": "public",

@@ -10,7 +10,7 @@ carries it, if any. A read is fenced (read your writes) when its request has
 Derived from it: the queue server's routing and gRPC handlers, the node's
 work dispatch (``WorkHandler.<rpc.handler>``), the HTTP routes
 (``HttpApi.<rpc.handler>``) and the paths of the OpenAPI document.
-``tests/unit/test_rpc.py`` checks the table against the proto's service
+``tests/unit/roadlog/test_rpc.py`` checks the table against the proto's service
 descriptor, so an rpc added to the proto cannot be forgotten here.
 
 ``needs`` says what a caller's identity must hold (issue 19; the queue

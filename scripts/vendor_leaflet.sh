@@ -2,7 +2,7 @@
 # Vendor Leaflet into queue_server/static/vendor/leaflet from the npm registry
 # (npm's configured one): the dashboard loads nothing from elsewhere at run
 # time. Run by hand to upgrade; the files and VENDORED.json (versions and
-# SHA-256 sums, checked by tests/unit/test_dashboard.py) are committed.
+# SHA-256 sums, checked by tests/unit/queue_server/test_dashboard.py) are committed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:-1.9.4}

@@ -31,7 +31,7 @@ After reporting a completion, or after stepping the core (a message, a
 tick, a proposal), the caller calls ``pump()``, which does every step the
 rules allow now and returns when the next one waits on a completion.
 
-Invariants (each has a test in tests/unit/test_ready_driver.py):
+Invariants (each has a test in tests/unit/node_daemon/raft/test_ready_driver.py):
 
 1. One Ready at a time, one write per Ready: ``ready()`` is not called again
    before the previous Ready is advanced, so whatever is proposed while a

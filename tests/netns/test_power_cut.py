@@ -23,7 +23,7 @@ from node_daemon.state.responses import OpResult
 from roadlog.v1 import command_pb2
 from tests.nemesis.disks import MIB, Disk, ImageStore, mounted
 from tests.netns.conftest import REPO
-from tests.unit.test_state_machine import Log, pings
+from tests.unit.node_daemon.state.test_state_machine import Log, pings
 
 pytestmark = pytest.mark.netns
 

@@ -1,0 +1,1 @@
+"""Unit tests of the sans-I/O Raft core (node_daemon.raft)."""

@@ -1,0 +1,1 @@
+"""Unit tests of one Raft group on a node (node_daemon.replica)."""

@@ -1,0 +1,1 @@
+"""Unit tests of the replicated state machine (node_daemon.state)."""

@@ -1,0 +1,1 @@
+"""Unit tests of a node's groups in one process (node_daemon.store)."""

@@ -1,0 +1,1 @@
+"""Unit tests of the work protocol with the queue servers (node_daemon.work)."""

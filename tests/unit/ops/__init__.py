@@ -1,0 +1,1 @@
+"""Unit tests of the deploy and operations: fabfile, Ansible roles, monitoring rules."""

@@ -1,0 +1,1 @@
+"""Unit tests of the queue server (queue_server)."""

@@ -1,0 +1,1 @@
+"""Unit tests of the Spark jobs' pieces that need no Spark (spark)."""
