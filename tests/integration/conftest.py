@@ -24,6 +24,7 @@ from roadlog.columnar import PingColumns
 from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
 from tests.certs import ClusterCA
+from tests.waiting import wait_for as wait_for  # the tier's tests import it from here
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 T = TypeVar("T")
@@ -119,17 +120,9 @@ def framed_greeting(port: int, ctx: ssl.SSLContext | None, size: int = 8) -> byt
             return b""
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def settled(read: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = 30.0) -> T:
-    """``read()`` again until ``ok`` holds of its answer; that answer. For
+    """``read()`` again until ``ok`` holds of its answer; that answer (a
+    ``wait_for``: WaitTimeout with the last answer, past ``timeout``). For
     reads that cannot be fenced at the write they must see (the ``roadlog``
     CLI has no fence option; a write made by another process leaves no index
     at hand): any node answers them, one that has not applied the write yet

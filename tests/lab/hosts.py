@@ -30,11 +30,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from tests import waiting
 from tests.bridge_lock import held_by_another
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,14 +104,9 @@ def _run(*argv: str, check: bool = True, timeout: float = 60) -> subprocess.Comp
     return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=timeout)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> None:
-    """Poll `cond` every `every` seconds until it holds; TimeoutError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(every)
-    raise TimeoutError(f"lab: timed out after {timeout:.0f} s waiting for {what}")
+# tests/waiting.py's wait_for, asking every 0.25 s unless told otherwise
+# (WaitTimeout past the deadline).
+wait_for = partial(waiting.wait_for, every=0.25)
 
 
 def _alive(pid: int) -> bool:

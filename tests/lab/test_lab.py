@@ -41,6 +41,7 @@ from tests.lab.conftest import (
     token,
 )
 from tests.lab.hosts import BROADCAST, lab_inventory, wait_for
+from tests.waiting import WaitTimeout
 
 # The first test also boots the lab, builds the wheelhouse and runs site.yml.
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
@@ -247,7 +248,7 @@ def test_prometheus_scrapes_every_node_and_queue_server_with_the_rules(deployed:
 
     try:
         wait_for(every_target_up, 60, "every scrape target up", every=1)
-    except TimeoutError:
+    except WaitTimeout:
         pytest.fail(f"scrape targets {health}, expected {sorted(expected)} all up")
     groups = prometheus(deployed, "/api/v1/rules?type=alert")["groups"]
     durations = {r["name"]: r["duration"] for g in groups for r in g["rules"]}
@@ -417,7 +418,7 @@ def test_a_revoked_job_identity_is_made_again_and_the_stream_runs_as_a_service(
 
     try:
         wait_for(committed, 300, "a heat map the stream committed", every=3)
-    except TimeoutError:
+    except WaitTimeout:
         log = deployed.ssh(deployed.hosts[0], f"journalctl -u {STREAM} --no-pager -n 60", False)
         pytest.fail(f"the stream committed nothing:\n{log[-5000:]}")
     last = commits[-1]

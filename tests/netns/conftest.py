@@ -12,9 +12,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import pytest
 
 from roadlog.runtime.processes import alive, wait_dead
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2
+from tests import waiting
 from tests.bridge_lock import bridge_subnet
 
 SUBNET = "10.77.0"
@@ -45,13 +46,9 @@ def link_exists(name: str) -> bool:
 _nets_made = 0
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+# tests/waiting.py's wait_for, asking every 0.2 s: the tier's conditions ask
+# each namespace's node over gRPC.
+wait_for = partial(waiting.wait_for, every=0.2)
 
 
 @dataclass

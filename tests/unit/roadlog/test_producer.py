@@ -4,7 +4,6 @@ network is not what these tests are about; integration tests use the real one)."
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ from roadlog import columnar
 from roadlog.client import Producer, Unavailable
 from roadlog.errors import Code
 from roadlog.v1 import client_pb2, topics_pb2
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -41,20 +41,11 @@ class FakeConnection:
         )
 
 
-def wait_until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
-
-
 def test_a_lone_ping_goes_out_after_linger_without_another_call() -> None:
     conn = FakeConnection()
     p = Producer(conn, "t", linger_s=0.05)  # type: ignore[arg-type]
     assert p.send("car", 1_800_000_000_000, 48.1, 11.5) is None
-    wait_until(lambda: len(conn.published) == 1)
+    wait_for(lambda: len(conn.published) == 1, 5, "the lone ping sent", every=0.01)
     req = conn.published[0]
     assert (req.producer_id, req.sequence, len(columnar.decode(req.batch))) == (7, 1, 1)
     p.close()
@@ -75,7 +66,7 @@ def test_a_background_failure_is_raised_by_the_next_call() -> None:
     conn = FakeConnection(fail=True)
     p = Producer(conn, "t", linger_s=0.02)  # type: ignore[arg-type]
     p.send("car", 1_800_000_000_000, 48.1, 11.5)
-    wait_until(lambda: p._error is not None)
+    wait_for(lambda: p._error is not None, 5, "the producer's error", every=0.01)
     with pytest.raises(Unavailable, match="no leader"):
         p.send("car", 1_800_000_000_001, 48.1, 11.5)
     conn.fail = False
