@@ -17,6 +17,9 @@ START  ?= 0
 JOBS   ?= $(shell nproc)
 SECONDS ?= 60
 SEED    ?= 1
+# The nemesis's cluster: 0 the product's default (one data group per voter, in
+# worker processes); 1 every ping in group 0 (the shape before data groups).
+DATA_GROUPS ?= 0
 
 .PHONY: proto setup lint typecheck test test-tiers test-bridge-tiers test-loopback-tiers test-unit test-simulation test-integration test-netns test-lab sim nemesis bench demo lock clean
 
@@ -78,9 +81,9 @@ sim: setup
 # Fault injection against a cluster in network namespaces (root): SECONDS of
 # faults drawn from SEED, a history in out/nemesis/, one line of verdicts at
 # the end; exits non-zero if a property fails. NEMESISFLAGS: --kinds K,...,
-# --replay DIR/schedule.json, --subnet A.B.C, --dir DIR.
+# --replay DIR/schedule.json, --subnet A.B.C, --dir DIR. DATA_GROUPS=1: one group.
 nemesis: setup
-	$(PY) -m tests.nemesis.run --seconds $(SECONDS) --seed $(SEED) $(NEMESISFLAGS)
+	$(PY) -m tests.nemesis.run --seconds $(SECONDS) --seed $(SEED) --data-groups $(DATA_GROUPS) $(NEMESISFLAGS)
 
 bench: setup
 	$(PY) -m bench.storage_ceiling

@@ -19,14 +19,20 @@ Properties (each a function below, over the same ``Facts``):
 - ``no_lost_reads``: every ping a read returned is in the final log at the
   offset it was read at (no read saw a ping that was later lost, or a log
   that was later rewritten).
-- ``fenced_reads``: a read fenced at index F saw every acknowledged
-  publish whose answer carried an index <= F.
+- ``fenced_reads``: a read of a partition fenced at index F of the
+  partition's Raft group saw every acknowledged publish whose answer gave
+  that partition's part an index <= F in that group (group 0's
+  ``applied_index``, or a data group's ``group_fences``: ``part_index``).
+- ``reads_to_end``: a read to the end (``read_end``: ``ReadFences`` on a
+  connection of its own, then a fetch fenced on them) saw the partition
+  end at or past every publish to it acknowledged before the read began.
 - ``group_offsets``: in log order (the commits' applied indexes), a
   group's committed offset of a partition never goes backwards, and no
   committed or observed offset points past the partition's end.
 - ``topics``: an acknowledged create exists at the end unless a delete of
   it was tried; an acknowledged delete stays deleted.
-- ``give_to_get``: a heat-map read (fenced past the client's publish) is
+- ``give_to_get``: a heat-map read (fenced past the client's publish in
+  some group the publish wrote) is
   refused to no client whose publish to the topic was acknowledged less
   than half the contribution window before (on the run's clock), and
   allowed to no client that never published to it.
@@ -34,7 +40,7 @@ Properties (each a function below, over the same ``Facts``):
   acknowledged add (or none) is in the configuration found at the end,
   and one whose last change was an acknowledged removal is not.
 - ``replicas_identical``: at the end every node reports the same state
-  digest at the same applied index.
+  digest at the same applied index, for group 0 and for each data group.
 - ``processes_alive``: every process that should run ran to the end.
 
 Pings of topics that saw a delete (acknowledged, of unknown outcome, or
@@ -58,6 +64,7 @@ PROPERTIES = (
     "producer_order",
     "no_lost_reads",
     "fenced_reads",
+    "reads_to_end",
     "group_offsets",
     "topics",
     "give_to_get",
@@ -335,8 +342,10 @@ def fenced_reads(fx: Facts) -> Verdict:
     for op in fx.ops:
         if op.f == "publish" and op.type == "ok":
             assert op.done is not None
-            idx = int(op.done.get("applied_index", 0))
+            applied = int(op.done.get("applied_index", 0))
+            part_index = op.done.get("part_index", {})
             for p, base, count in op.done.get("offsets", []):
+                idx = int(part_index.get(str(p), applied))
                 promises[(op.invoke["topic"], p)].append((idx, base + count))
     best: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
     for key, items in promises.items():
@@ -365,6 +374,41 @@ def fenced_reads(fx: Facts) -> Verdict:
                 f"a read of {key[0]}/{key[1]} fenced at index {op.invoke['fence']} saw the "
                 f"partition end at {seen_end}, but a publish acknowledged at or below that "
                 f"index ended at {ends[k]}",
+            )
+    return v
+
+
+def reads_to_end(fx: Facts) -> Verdict:
+    v = Verdict("reads_to_end")
+    # (topic, p) -> (times acknowledged, ascending; the furthest end by then)
+    acked: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)
+    for op, done in fx.ok("publish"):
+        for p, base, count in done.get("offsets", []):
+            acked[(op.invoke["topic"], int(p))].append((float(done["t"]), base + count))
+    best: dict[tuple[str, int], tuple[list[float], list[int]]] = {}
+    for key, items in acked.items():
+        items.sort()
+        running, ends = 0, []
+        for _, end in items:
+            running = max(running, end)
+            ends.append(running)
+        best[key] = ([t for t, _ in items], ends)
+    for op, done in fx.ok("read_end"):
+        key = (op.invoke["topic"], int(op.invoke["partition"]))
+        if key[0] in fx.deleted:
+            continue
+        times, ends = best.get(key, ([], []))
+        k = bisect.bisect_left(times, float(op.invoke["t"])) - 1  # acknowledged strictly before
+        if k < 0:
+            continue
+        v.checked += 1
+        end = int(done.get("end_offset", 0))
+        if end < ends[k]:
+            v.fail(
+                done,
+                f"a read to the end of {key[0]}/{key[1]} begun at t={op.invoke['t']:.3f} saw "
+                f"the end at {end} (fences {done.get('fences', {})}), but publishes "
+                f"acknowledged before it began ended at {ends[k]}",
             )
     return v
 
@@ -427,24 +471,33 @@ def topics(fx: Facts) -> Verdict:
 
 def give_to_get(fx: Facts) -> Verdict:
     v = Verdict("give_to_get")
-    acked: dict[tuple[str, str], list[tuple[float, int]]] = defaultdict(list)
+    # A publish's indexes: group 0's (``applied_index``) under "0", each data
+    # group's it wrote under its own; a read fenced at or past any one of
+    # them must see the contribution that group recorded.
+    acked: dict[tuple[str, str], list[tuple[float, dict[str, int]]]] = defaultdict(list)
     tried: set[tuple[str, str]] = set()
     for op in fx.ops:
         if op.f == "publish":
             key = (op.invoke["producer"], op.invoke["topic"])
             tried.add(key)
             if op.type == "ok" and op.done is not None:
-                acked[key].append((float(op.done["t"]), int(op.done.get("applied_index", 0))))
+                index = {"0": int(op.done.get("applied_index", 0)), **op.done.get("fences", {})}
+                acked[key].append((float(op.done["t"]), {g: int(i) for g, i in index.items() if i}))
     for op, done in fx.ok("heatmap"):
         key = (op.invoke["client"], op.invoke["topic"])
-        t, fence = float(op.invoke["t"]), int(op.invoke.get("fence", 0))
+        t = float(op.invoke["t"])
+        fence = {"0": int(op.invoke.get("fence", 0)), **op.invoke.get("fences", {})}
         half = op.invoke.get("window_ms", 900_000) / 2000
         v.checked += 1
         if done.get("allowed"):
             if key not in tried:
                 v.fail(done, f"{key[0]} never published to {key[1]}, yet read its heat map")
             continue
-        recent = [at for at, index in acked[key] if at <= t and index <= fence and t - at < half]
+        recent = [
+            at
+            for at, index in acked[key]
+            if at <= t and t - at < half and any(i <= fence.get(g, 0) for g, i in index.items())
+        ]
         if recent:
             v.fail(
                 done,
@@ -489,10 +542,10 @@ def replicas_identical(fx: Facts) -> Verdict:
         answered = {k: tuple(d) for k, d in nodes.items() if d}
         if len(answered) != len(nodes):
             silent = sorted(k for k, d in nodes.items() if not d)
-            v.fail(ev, f"node(s) {', '.join(silent)} gave no digest")
+            v.fail(ev, f"node(s) {', '.join(silent)} gave no digest of group {ev.get('group', 0)}")
         elif len(set(answered.values())) != 1:
             desc = ", ".join(f"n{k}: index {d[0]} {str(d[1])[:12]}" for k, d in answered.items())
-            v.fail(ev, f"replicas differ at the end: {desc}")
+            v.fail(ev, f"replicas of group {ev.get('group', 0)} differ at the end: {desc}")
     return v
 
 
@@ -515,6 +568,7 @@ CHECKS = {
     "producer_order": producer_order,
     "no_lost_reads": no_lost_reads,
     "fenced_reads": fenced_reads,
+    "reads_to_end": reads_to_end,
     "group_offsets": group_offsets,
     "topics": topics,
     "give_to_get": give_to_get,

@@ -11,6 +11,7 @@ have been reused by someone else's process.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,8 @@ from typing import Any
 import grpc
 import lmdb
 
+from node_daemon.state.replica_view import StateReplicaView
+from roadlog.errors import RoadlogError
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.status import ask_node
 from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, client_pb2_grpc
@@ -49,6 +53,42 @@ def in_netns(host: Host) -> list[str]:
     copy of the nodes' disk mounts would outlive their unmount (a disk that
     lost power would come back as the same shut-down filesystem)."""
     return ["nsenter", f"--net=/run/netns/{host.ns}", "--"]
+
+
+def _children(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s children now (every thread's), [] if it is gone."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    return sorted(set(out))
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    """Until each of ``pids`` has exited (gone, or a zombie: its files
+    closed), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        break
+            except OSError:
+                break
+            time.sleep(0.02)
+
+
+def proc_start(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot; 0 if it is gone): with
+    the PID, it names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 @dataclass
@@ -111,6 +151,10 @@ class NemesisCluster:
     min_free_bytes: int = 32 * MIB
     snapshot_entries: int = 2000
     snapshot_mib_per_s: int = 64
+    # The product's default (0): one data group per voter, run in worker
+    # processes (one per core), topics' partitions placed in them. 1: every
+    # ping in group 0, in the node's main process (the shape before groups).
+    data_groups: int = 0
     net: Net | None = None
     services: dict[str, Service] = field(default_factory=dict)
     disks: list[Disk] = field(default_factory=list)
@@ -184,9 +228,7 @@ class NemesisCluster:
                     "--snapshot-entries", str(self.snapshot_entries),
                     "--snapshot-mib-per-s", str(self.snapshot_mib_per_s),
                     "--boot-id-file", str(boot),
-                    # One group: the checker reads fences as group 0's
-                    # indexes (a run over data groups is a follow-up).
-                    "--data-groups", "1",
+                    "--data-groups", str(self.data_groups),
                 ], self.dir / "logs" / f"n{k}.log", data, disk, clock, boot)
             )  # fmt: skip
 
@@ -242,10 +284,14 @@ class NemesisCluster:
         log.info("started", extra={"service": svc.name, "pid": svc.pid, "starts": svc.starts})
 
     def kill(self, svc: Service) -> None:
-        """SIGKILL and reap (a stopped process dies too)."""
+        """SIGKILL and reap (a stopped process dies too); a node's worker
+        processes die with it (``PR_SET_PDEATHSIG``): waited for, so that
+        nothing of the node touches its disk once this returns."""
+        workers = list(self.workers(svc))
         if svc.signal(signal.SIGKILL):
             assert svc.popen is not None
             svc.popen.wait(20)
+        _wait_gone(workers, 20.0)
 
     def power_cut(self, svc: Service) -> int:
         """The node's machine loses power: the process stops at once, its
@@ -253,7 +299,10 @@ class NemesisCluster:
         the disk is mounted again as at boot (the process stays down).
         Returns the bytes in use the disk lost (unsynced data and metadata)."""
         assert svc.disk is not None
-        svc.signal(signal.SIGSTOP)  # the instant: the process does nothing more
+        workers = {pid: proc_start(pid) for pid in self.workers(svc)}
+        svc.signal(signal.SIGSTOP)  # the instant: the process does nothing more,
+        for pid, started in workers.items():  # nor do its workers
+            self.signal_worker(svc, pid, started, signal.SIGSTOP)
         before = svc.disk.used()
         svc.disk.cut_power()
         self.kill(svc)
@@ -262,39 +311,90 @@ class NemesisCluster:
         svc.boot_file.write_text(f"{uuid.uuid4()}\n")  # the host boots again
         return max(0, before - svc.disk.used())
 
-    def corrupt_log(self, svc: Service, how: str, at: float) -> dict[str, Any]:
-        """Damage a (killed) node's Raft log as a disk may: ``entry`` flips a
-        byte of the entry at fraction ``at`` of the log (its record stays
-        where it is: rot inside a record); ``truncate`` cuts the data file
-        to ``at`` of its length (at least its meta pages). What was done."""
+    def group_dirs(self, svc: Service) -> dict[int, Path]:
+        """The Raft groups whose copy lies on the node's disk: group 0 in
+        the data directory, each data group in ``groups/<g>/``
+        (``node_daemon.replica.replica.group_data_dir``)."""
+        assert svc.data_dir is not None
+        out = {0: svc.data_dir}
+        root = svc.data_dir / "groups"
+        with contextlib.suppress(OSError):
+            for d in root.iterdir():
+                if d.name.isdigit() and d.is_dir():
+                    out[int(d.name)] = d
+        return dict(sorted(out.items()))
+
+    def workers(self, svc: Service) -> dict[int, tuple[int, ...]]:
+        """The node's worker processes now: PID -> the data groups it runs,
+        told by the group directories' files it holds open (a worker locks
+        and opens its groups' environments for its whole life). Only the
+        node's own children count, and only while the node runs."""
+        if not svc.running() or svc.data_dir is None:
+            return {}
+        groups_root = str(svc.data_dir / "groups") + os.sep
+        out: dict[int, tuple[int, ...]] = {}
+        for pid in _children(svc.pid):
+            held: set[int] = set()
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                        if target.startswith(groups_root):
+                            head = target[len(groups_root) :].split(os.sep, 1)[0]
+                            if head.isdigit():
+                                held.add(int(head))
+            if held:
+                out[pid] = tuple(sorted(held))
+        return out
+
+    def signal_worker(self, svc: Service, pid: int, started: int, sig: int) -> bool:
+        """Send ``sig`` to worker ``pid`` of ``svc`` if it is still that
+        process: a child of the running node that started at ``started``
+        (clock ticks since boot, ``proc_start``), so a PID reused since is
+        never signalled. Whether it was sent."""
+        if not svc.running() or pid not in _children(svc.pid) or proc_start(pid) != started:
+            return False
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def corrupt_log(self, svc: Service, how: str, at: float, group: int = 0) -> dict[str, Any]:
+        """Damage a (killed) node's Raft log of ``group`` as a disk may:
+        ``entry`` flips a byte of the entry at fraction ``at`` of the log
+        (its record stays where it is: rot inside a record); ``truncate``
+        cuts the data file to ``at`` of its length (at least its meta
+        pages). What was done."""
         assert svc.data_dir is not None and not svc.running()
-        raft = svc.data_dir / "raft"
+        raft = self.group_dirs(svc).get(group, svc.data_dir) / "raft"
         if how == "truncate":
             data = raft / "data.mdb"
             size = data.stat().st_size
             keep = max(2 * 4096, int(size * at) // 4096 * 4096)
             os.truncate(data, keep)
-            return {"how": how, "bytes": size, "kept": keep}
+            return {"how": how, "group": group, "bytes": size, "kept": keep}
         try:
             env = lmdb.open(str(raft), max_dbs=4, map_size=1 << 40, sync=True)
         except lmdb.Error as e:
-            return {"how": how, "error": str(e)}
+            return {"how": how, "group": group, "error": str(e)}
         try:
             log_db = env.open_db(b"log")
             with env.begin(write=True, db=log_db) as txn:
                 keys = [bytes(k) for k in txn.cursor().iternext(values=False)]
                 if not keys:
-                    return {"how": how, "entries": 0}
+                    return {"how": how, "group": group, "entries": 0}
                 key = keys[min(len(keys) - 1, int(len(keys) * at))]
                 raw = bytearray(txn.get(key) or b"")
                 pos = int(at * 1_000_003) % len(raw)
                 raw[pos] ^= 0xFF
                 txn.put(key, bytes(raw))
         except lmdb.Error as e:  # a full disk (a disk fault at the same time): nothing done
-            return {"how": how, "error": str(e)}
+            return {"how": how, "group": group, "error": str(e)}
         finally:
             env.close()
-        return {"how": how, "index": int.from_bytes(key, "big"), "byte": pos, "entries": len(keys)}
+        return {"how": how, "group": group, "index": int.from_bytes(key, "big"), "byte": pos,
+                "entries": len(keys)}  # fmt: skip
 
     def wipe(self, svc: Service) -> None:
         """Remove everything in a (killed) node's data directory."""
@@ -334,28 +434,74 @@ class NemesisCluster:
             return False
         return bool(st.leader)
 
+    @staticmethod
+    def group_leaders(views: dict[int, dict[str, Any]]) -> dict[int, int]:
+        """Each data group -> the node that leads it in the highest term any
+        answer names (0: none known), from the nodes' views of their groups."""
+        best: dict[int, tuple[int, int]] = {}
+        for node, view in views.items():
+            for g in view.get("groups", []):
+                if g["id"] == 0:
+                    continue
+                term = best.get(g["id"], (-1, 0))[0]
+                if g["role"] == "leader" and g["term"] > term:
+                    best[g["id"]] = (g["term"], node)
+                else:
+                    best.setdefault(g["id"], (-1, 0))
+        return {g: lead for g, (_, lead) in sorted(best.items())}
+
     def healthy(self) -> bool:
-        """Every node answers, ready, under one leader; every queue server
-        answers and knows that leader."""
+        """Every node answers, ready, under one leader, and sees every data
+        group under the same leader (one its answer names); every queue
+        server answers and knows group 0's leader."""
         v = self.views()
         if len(v) != len(self.node_services) or not all(x["ready"] for x in v.values()):
             return False
         if len({x["leader"] for x in v.values()}) != 1 or not self.leader(v):
             return False
+        leads = self.group_leaders(v)
+        if not all(leads.values()):
+            return False
+        for view in v.values():
+            seen = {g["id"]: g["leader"] for g in view.get("groups", []) if g["id"]}
+            if seen != leads:
+                return False
         return all(self.queue_up(q) for q in self.queue_services)
 
-    def digests(self) -> dict[int, tuple[int, str] | None]:
-        """node id -> (applied index, state sha256 hex), None if silent."""
+    def groups(self) -> list[int]:
+        """Every Raft group some node's disk holds: 0 and the data groups."""
+        return sorted({g for s in self.node_services for g in self.group_dirs(s)})
+
+    def digests(self, group: int = 0) -> dict[int, tuple[int, str] | None]:
+        """node id -> (applied index, state sha256 hex) of ``group``'s
+        replica, None if silent. Group 0: the node's ``StateDigest``. A data
+        group (its replica in a worker process): read here, as the node's
+        main process reads it (``StateReplicaView``: read-only, with the
+        environment's lock file, the index and digest of one transaction)."""
 
         def one(svc: Service) -> tuple[int, str] | None:
-            try:
-                with grpc.insecure_channel(svc.address) as ch:
-                    r = admin_pb2_grpc.AdminStub(ch).StateDigest(
-                        admin_pb2.StateDigestRequest(), timeout=10
-                    )
-            except grpc.RpcError:
+            if group == 0:
+                try:
+                    with grpc.insecure_channel(svc.address) as ch:
+                        r = admin_pb2_grpc.AdminStub(ch).StateDigest(
+                            admin_pb2.StateDigestRequest(), timeout=10
+                        )
+                except grpc.RpcError:
+                    return None
+                return int(r.applied_index), r.sha256.hex()
+            d = self.group_dirs(svc).get(group)
+            if d is None or not svc.running():
                 return None
-            return int(r.applied_index), r.sha256.hex()
+            try:
+                sm = StateReplicaView(d / "state", group).current()
+                try:
+                    index, digest = sm.indexed_digest()
+                finally:
+                    sm.close()
+            except (RoadlogError, lmdb.Error, OSError) as e:
+                log.info("no digest", extra={"node": svc.name, "group": group, "why": str(e)})
+                return None
+            return index, digest.hex()
 
         nodes = self.node_services
         with ThreadPoolExecutor(len(nodes)) as pool:
@@ -374,10 +520,36 @@ class NemesisCluster:
         return st.nodes[0]
 
     def catching_up(self, svc: Service) -> bool | None:
-        """Whether the node says it is catching up after losing its copy
-        (None: it does not answer, say while it starts)."""
+        """Whether the node says it is catching up after losing its copy,
+        of group 0 or of any data group (None: it does not answer, say while
+        it starts, or has not heard from every group it runs yet: a worker
+        process tells its groups' figures once it has opened their logs,
+        and found any damage, so until then the node's answer for them is
+        empty, not "holds its copy")."""
         me = self._own_status(svc.address)
-        return None if me is None else bool(me.catching_up)
+        if me is None:
+            return None
+        told = {g.id for g in me.groups if g.role}
+        if not set(self.groups()) <= told | {0}:
+            return None
+        return bool(me.catching_up) or any(g.catching_up for g in me.groups)
+
+    def data_groups_settled(self, everyone: set[int]) -> bool:
+        """Every data group's leader (as the nodes tell it) has ``everyone``
+        as its voters, no learner, its configuration committed, and no node
+        catching up in it: a data group follows group 0's membership a
+        while after group 0 changed it. True in a cluster of one group."""
+        views = self.views()
+        for g, lead in self.group_leaders(views).items():
+            mine = [x for x in views.get(lead, {}).get("groups", []) if x["id"] == g]
+            if not lead or not mine:
+                return False
+            (x,) = mine
+            if set(x["voters"]) != everyone or x["learners"] or x["conf_index"] > x["commit_index"]:
+                return False
+            if any(y["catching_up"] for v in views.values() for y in v.get("groups", [])):
+                return False
+        return True
 
     def voters(self, leader: int, committed: bool = False) -> tuple[set[int], set[int]] | None:
         """(voters, learners) of the leader's configuration (None: no answer,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.nemesis.cluster import NemesisCluster, Service
+from tests.nemesis.cluster import NemesisCluster, Service, proc_start
 from tests.nemesis.history import Recorder
 from tests.nemesis.schedule import (
     CLOCK,
@@ -37,6 +37,8 @@ from tests.nemesis.schedule import (
     POWER,
     SLOW,
     WIPE,
+    WORKER_KILL,
+    WORKER_PAUSE,
     Fault,
 )
 
@@ -81,12 +83,16 @@ class Skip(Exception):
     """No target fits now (say, every follower is down already)."""
 
 
-def _holds_a_copy(svc: Service) -> bool:
-    """The node's disk holds its copy of the log: not wiped, or caught up
-    since (it keeps ``raft/catching-up`` while it is not)."""
-    assert svc.data_dir is not None
-    raft = svc.data_dir / "raft"
-    return raft.is_dir() and not (raft / CATCHING_UP_FILE).exists()
+def _holds_a_copy(cluster: NemesisCluster, svc: Service, groups: list[int]) -> bool:
+    """The node's disk holds its copy of every group's log (``groups``):
+    not wiped, or caught up since (a group keeps ``raft/catching-up`` while
+    it is not)."""
+    mine = cluster.group_dirs(svc)
+    for g in groups:
+        raft = mine[g] / "raft" if g in mine else None
+        if raft is None or not raft.is_dir() or (raft / CATCHING_UP_FILE).exists():
+            return False
+    return True
 
 
 @dataclass
@@ -99,6 +105,8 @@ class Nemesis:
     skip_known: bool = False  # leave out faults that trigger known, unfixed findings
     down: dict[str, str] = field(default_factory=dict)  # service -> the fault that killed it
     paused: dict[str, tuple[str, int]] = field(default_factory=dict)  # -> (fault, pid)
+    # Worker processes stopped by a worker-pause: fault -> (node, pid, start time).
+    paused_workers: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     crashed: set[str] = field(default_factory=set)
     removed: set[int] = field(default_factory=set)  # node ids taken out of the configuration
     held_out: set[int] = field(default_factory=set)  # of those, the ones whose fault lasts still
@@ -109,6 +117,7 @@ class Nemesis:
     _heals: dict[str, Heal] = field(default_factory=dict)
     _refused: dict[str, float] = field(default_factory=dict)  # node -> when its start was refused
     _leader_id: int = 0
+    _group_leaders: dict[int, int] = field(default_factory=dict)  # data group -> node
     _leader_at: float = float("-inf")
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -187,6 +196,8 @@ class Nemesis:
             MEMBER: self._member,
             POWER: self._power,
             CORRUPT: self._corrupt,
+            WORKER_KILL: self._worker_kill,
+            WORKER_PAUSE: self._worker_pause,
         }[f.kind]
         leader = self._leader()
         try:
@@ -210,9 +221,21 @@ class Nemesis:
         timeout when nodes are paused, and faults start several a second."""
         now = time.monotonic()
         if now - self._leader_at >= LEADER_TTL_S:
-            self._leader_id = self.cluster.leader()
+            views = self.cluster.views()
+            self._leader_id = self.cluster.leader(views)
+            self._group_leaders = self.cluster.group_leaders(views)
             self._leader_at = time.monotonic()
         return self._leader_id
+
+    def _group_leader(self, leader: int) -> tuple[int, int]:
+        """(a data group drawn now, the node leading it): among the groups
+        whose leader is known, as last asked (``_leader``); (0, group 0's
+        leader) in a cluster of one group or with none known."""
+        known = sorted(g for g, n in self._group_leaders.items() if n)
+        if not known:
+            return 0, leader
+        g = self.rng.choice(known)
+        return g, self._group_leaders[g]
 
     def heal(self, f: Fault) -> None:
         with self._lock:
@@ -232,6 +255,9 @@ class Nemesis:
             self.heal(f)
         c = self.cluster
         c.heal_partitions()
+        for fid, (name, pid, started) in list(self.paused_workers.items()):
+            c.signal_worker(c.services[name], pid, started, signal.SIGCONT)
+            del self.paused_workers[fid]
         for svc in c.services.values():
             c.heal_loss(svc.host)
             c.heal_slow(svc.host)
@@ -295,7 +321,9 @@ class Nemesis:
             for s in self.cluster.node_services
             if self._up(s) and (allow_paused or s.name not in self.paused)
         ]
-        if target == "leader":
+        if target in ("leader", "group-leader"):
+            if target == "group-leader":
+                leader = self._group_leader(leader)[1]
             pick = [s for s in nodes if s.ident == leader] or nodes[:0]
             if not pick and nodes:  # no leader known: any node
                 pick = [self.rng.choice(nodes)]
@@ -363,9 +391,65 @@ class Nemesis:
         return self._lose_a_copy(f, leader, wipe)
 
     def _corrupt(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
-        """A follower's Raft log damaged while it is down: it loses its copy."""
+        """A follower's Raft log of one group (drawn among those on its
+        disk) damaged while it is down: it loses its copy of that group."""
         how, at = f.params["how"], float(f.params["at"])
-        return self._lose_a_copy(f, leader, lambda svc: self.cluster.corrupt_log(svc, how, at))
+        draw = float(f.params.get("group_draw", 0.0))
+
+        def damage(svc: Service) -> dict[str, Any]:
+            groups = list(self.cluster.group_dirs(svc))
+            group = groups[min(len(groups) - 1, int(draw * len(groups)))]
+            return self.cluster.corrupt_log(svc, how, at, group)
+
+        return self._lose_a_copy(f, leader, damage)
+
+    def _worker(self, f: Fault, leader: int) -> tuple[Service, int, tuple[int, ...], int]:
+        """The worker process a worker fault names: (its node, PID, groups,
+        the data group aimed at or 0). ``group-leader``: the worker running
+        a data group drawn now on the node leading it; ``any``: a worker of
+        a node drawn among those up. Skip when there is none (a cluster of
+        one group has no workers; a worker being started again has none)."""
+        group = 0
+        if f.target == "group-leader":
+            group, ident = self._group_leader(leader)
+            nodes = [s for s in self.cluster.node_services if s.ident == ident and self._up(s)]
+        else:
+            nodes = [s for s in self.cluster.node_services if self._up(s)]
+            self.rng.shuffle(nodes)
+        busy = {pid for _, pid, _ in self.paused_workers.values()}
+        for svc in nodes:
+            workers = {p: g for p, g in self.cluster.workers(svc).items() if p not in busy}
+            if group:
+                workers = {p: g for p, g in workers.items() if group in g}
+            if workers:
+                pid = self.rng.choice(sorted(workers))
+                return svc, pid, workers[pid], group
+        raise Skip(f"no worker process for {f.target} (group {group})")
+
+    def _worker_kill(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        """SIGKILL one worker process; its node starts it again (after its
+        backoff): nothing to heal, the node's own supervision is the test."""
+        svc, pid, groups, group = self._worker(f, leader)
+        if not self.cluster.signal_worker(svc, pid, proc_start(pid), signal.SIGKILL):
+            raise Skip(f"worker {pid} of {svc.name} ended before its fault")
+        detail = {"services": [svc.name], "pid": pid, "groups": list(groups), "group": group}
+        return (lambda: None), detail
+
+    def _worker_pause(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
+        """SIGSTOP one worker process (its node and other workers run on);
+        SIGCONT at heal, if it is still that process."""
+        svc, pid, groups, group = self._worker(f, leader)
+        started = proc_start(pid)
+        if not self.cluster.signal_worker(svc, pid, started, signal.SIGSTOP):
+            raise Skip(f"worker {pid} of {svc.name} ended before its fault")
+        self.paused_workers[f.id] = (svc.name, pid, started)
+
+        def heal() -> None:
+            if self.paused_workers.pop(f.id, None) is not None:
+                self.cluster.signal_worker(svc, pid, started, signal.SIGCONT)
+
+        detail = {"services": [svc.name], "pid": pid, "groups": list(groups), "group": group}
+        return heal, detail
 
     def _lose_a_copy(
         self, f: Fault, leader: int, damage: Callable[[Service], dict[str, Any]]
@@ -420,9 +504,11 @@ class Nemesis:
         c = self.cluster
         nodes = c.node_services
         ip = {s.name: s.host.ip for s in c.services.values()}
+        if f.target == "group-leader-isolated":
+            leader = self._group_leader(leader)[1]
         lead = next((s for s in nodes if s.ident == leader), None) or self.rng.choice(nodes)
         others = [s for s in nodes if s is not lead]
-        if f.target == "leader-isolated":
+        if f.target in ("leader-isolated", "group-leader-isolated"):
             sides = [[lead], others]  # queue servers reach both sides
         elif f.target == "majority-minority":
             minority = self.rng.sample(nodes, (len(nodes) - 1) // 2)
@@ -505,6 +591,8 @@ class Nemesis:
         conf = self.cluster.voters(leader, committed=True) if leader else None
         if self.removed or conf != (everyone, set()):
             raise Skip("a member is out or not promoted yet (committed), or no leader answers")
+        if not self.cluster.data_groups_settled(everyone):
+            raise Skip("a data group has not followed the membership yet, or has no leader")
 
     def _all_hold_a_copy(self) -> None:
         """Skip unless every node holds its copy: none catching up since a
@@ -513,10 +601,11 @@ class Nemesis:
         for s in self.cluster.node_services:
             if s.name in self.lost and s.running() and self.cluster.catching_up(s) is False:
                 self.lost.discard(s.name)
+        groups = self.cluster.groups()
         unrepaired = [
             s.name
             for s in self.cluster.node_services
-            if not _holds_a_copy(s) or s.name in self.lost
+            if not _holds_a_copy(self.cluster, s, groups) or s.name in self.lost
         ]
         if unrepaired:
             raise Skip(f"{unrepaired} not caught up since a wipe or a damaged log")

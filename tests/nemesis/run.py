@@ -35,25 +35,11 @@ from tests.nemesis.cluster import NemesisCluster
 from tests.nemesis.faults import Nemesis
 from tests.nemesis.history import Recorder, load
 from tests.netns.conftest import SUBNET
+from tests.waiting import wait_until
 
 log = logging.getLogger("nemesis.run")
 
 SETUP_S, HEAL_S, AFTER_HEAL_S, FINAL_S, DIGEST_S = 90.0, 120.0, 15.0, 120.0, 90.0
-
-
-def wait_for(cond: Any, timeout: float, stop: threading.Event | None = None) -> bool:
-    """``cond()`` until true or ``timeout``; whether it became true."""
-    deadline = time.monotonic() + timeout
-    ev = stop or threading.Event()
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return True
-        except Exception:
-            pass
-        if ev.wait(0.3):
-            return False
-    return False
 
 
 def _logging(run_dir: Path) -> None:
@@ -90,6 +76,9 @@ def final_reads(rec: Recorder, ctx: workload.Ctx) -> bool:
     with Connection(ctx.servers, timeout=30, client="final") as conn:
         try:
             conn.raise_fence(fence)
+            for g, index in ctx.fences().items():
+                if g:
+                    conn.raise_group_fence(g, index)
             topics = Admin(conn).list_topics()
             out: list[tuple[str, int, int, list[list[Any]]]] = []
             for t in topics:
@@ -119,38 +108,45 @@ def final_reads(rec: Recorder, ctx: workload.Ctx) -> bool:
 
 
 def converged_digests(rec: Recorder, cluster: NemesisCluster) -> None:
-    """Wait until every node reports the same applied index, then record
-    the digests (the last ones seen, if that never happens)."""
-    last: dict[int, tuple[int, str] | None] = {}
+    """For group 0 and each data group: wait until every node reports the
+    same applied index of it, then record the digests (the last ones seen,
+    if that never happens), one ``digests`` event per group."""
+    deadline = time.monotonic() + DIGEST_S
+    for group in cluster.groups():
+        last: dict[int, tuple[int, str] | None] = {}
 
-    def same_index() -> bool:
-        nonlocal last
-        last = cluster.digests()
-        got = list(last.values())
-        return all(got) and len({d[0] for d in got if d}) == 1
+        def same_index(group: int = group) -> bool:
+            nonlocal last
+            last = cluster.digests(group)
+            got = list(last.values())
+            return all(got) and len({d[0] for d in got if d}) == 1
 
-    converged = wait_for(same_index, DIGEST_S)
-    rec.event("run", "ok" if converged else "info", "digests", converged=converged,
-              nodes={str(k): list(v) if v else None for k, v in last.items()})  # fmt: skip
-    if len({d[1] for d in last.values() if d}) > 1:
-        keep_states(cluster)
+        converged = wait_until(same_index, max(5.0, deadline - time.monotonic()))
+        rec.event("run", "ok" if converged else "info", "digests", group=group,
+                  converged=converged,
+                  nodes={str(k): list(v) if v else None for k, v in last.items()})  # fmt: skip
+        if len({d[1] for d in last.values() if d}) > 1:
+            keep_states(cluster, group)
 
 
-def keep_states(cluster: NemesisCluster) -> None:
-    """Replicas differ: copy each node's state (consistent LMDB copies, the
-    nodes keep running) out of its disk into the run directory, to compare."""
+def keep_states(cluster: NemesisCluster, group: int = 0) -> None:
+    """Replicas of ``group`` differ: copy each node's state of it (LMDB
+    copies with the lock file, the nodes keep running) out of its disk into
+    the run directory, to compare."""
     import lmdb
 
     for svc in cluster.node_services:
-        assert svc.data_dir is not None
-        dest = cluster.dir / "states" / svc.name
+        src = cluster.group_dirs(svc).get(group)
+        if src is None:
+            continue
+        dest = cluster.dir / "states" / f"group{group}" / svc.name
         dest.mkdir(parents=True, exist_ok=True)
         try:
-            env = lmdb.open(str(svc.data_dir / "state"), readonly=True, lock=False, max_dbs=16)
+            env = lmdb.open(str(src / "state"), readonly=True, max_dbs=16)
             env.copy(str(dest))
             env.close()
         except lmdb.Error as e:
-            log.error("state not copied", extra={"node": svc.name, "why": str(e)})
+            log.error("state not copied", extra={"node": svc.name, "group": group, "why": str(e)})
 
 
 def stop_on_signals(stop: threading.Event, rec: Recorder) -> None:
@@ -183,6 +179,7 @@ def run(
     max_batch: int = 200,
     snapshot_entries: int = 2000,
     snapshot_mib_per_s: int = 64,
+    data_groups: int = 0,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
@@ -196,12 +193,13 @@ def run(
               kinds=list(kinds), skip_known=skip_known, subnet=subnet, pace=pace,
               phases=list(phases) if phases else None, max_batch=max_batch,
               snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
-              pid=os.getpid())  # fmt: skip
+              data_groups=data_groups, pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
     cluster = NemesisCluster(
         run_dir, subnet, f"n{os.getpid() % 100000}", disk_bytes=disk_mib << 20,
         snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
+        data_groups=data_groups,
     )  # fmt: skip
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -210,7 +208,7 @@ def run(
     try:
         cluster.create()
         cluster.start_all()
-        if not wait_for(cluster.healthy, SETUP_S):
+        if not wait_until(cluster.healthy, SETUP_S):
             log.error("the cluster did not come up")
             return 2
         ctx = workload.Ctx(
@@ -226,7 +224,7 @@ def run(
             return 2
         made = True
         workers = workload.start_all(ctx)
-        wait_for(lambda: len(ctx.acks) >= 4, 30)  # the load is flowing
+        wait_until(lambda: len(ctx.acks) >= 4, 30)  # the load is flowing
         nem = Nemesis(cluster, rec, faults, seed, offset=rec.now(), skip_known=skip_known)
         threading.Thread(
             target=_progress, args=(rec, ctx, nem, stop), daemon=True, name="progress"
@@ -235,17 +233,17 @@ def run(
         nem.run(stop)
         nem.heal_all()
         nem.settle_membership()
-        healed = wait_for(cluster.healthy, HEAL_S)
+        healed = wait_until(cluster.healthy, HEAL_S)
         rec.event("run", "ok" if healed else "info", "healed", healthy=healed)
         log.info("healed", extra={"t": round(rec.now(), 1), "healthy": healed})
         # The workload goes on a while on the healed cluster: writes after
         # the faults must be taken again.
         fence0 = ctx.fence
-        wait_for(lambda: ctx.fence > fence0 + 20, AFTER_HEAL_S)
+        wait_until(lambda: ctx.fence > fence0 + 20, AFTER_HEAL_S)
         stuck = workload.stop_all(ctx, workers)
         if stuck:
             log.error("workers did not stop", extra={"workers": stuck})
-        wait_for(lambda: final_reads(rec, ctx), FINAL_S)
+        wait_until(lambda: final_reads(rec, ctx), FINAL_S)
         converged_digests(rec, cluster)
         nem.check_alive()
         rec.event("run", "ok", "alive", dead={s: "crashed during the run" for s in nem.crashed})
@@ -290,10 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapshot-entries", type=int, default=2000,
                     help="the nodes' snapshot_entries: fewer takes snapshots (and their "
                     "compactions, installs and catch-ups) more often under the faults")  # fmt: skip
+    ap.add_argument("--data-groups", type=int,
+                    default=int(os.environ.get("DATA_GROUPS", "0") or 0),
+                    help="the nodes' data_groups: 0 (the default cluster: one data group per "
+                    "voter, in worker processes), or 1 for every ping in group 0, the shape "
+                    "before data groups (default: $DATA_GROUPS, else 0)")  # fmt: skip
     ap.add_argument("--snapshot-mib-per-s", type=int, default=64,
                     help="the nodes' snapshot_mib_per_s: low, a snapshot's paced copy lasts "
                     "long enough for kills, power cuts and stops to land in it")  # fmt: skip
     a = ap.parse_args(argv)
+    if not 0 <= a.data_groups <= 64:
+        ap.error("--data-groups must be in 0..64")
     if a.snapshot_entries < 1 or a.snapshot_mib_per_s < 0:
         ap.error("--snapshot-entries must be at least 1, --snapshot-mib-per-s at least 0")
     if not 1 <= a.max_batch <= 10_000:
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     return run(
         a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
         a.disk_mib, a.pace, phases, a.max_batch, a.snapshot_entries, a.snapshot_mib_per_s,
+        a.data_groups,
     )  # fmt: skip
 
 

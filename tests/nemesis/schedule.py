@@ -33,7 +33,13 @@ KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER, CORRUPT = 
     "power",
     "corrupt",
 )
-KINDS = (KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER, CORRUPT)
+# One worker process of a node (data groups, issue 41): SIGKILLed (the node
+# starts it again), or stopped with SIGSTOP and continued at heal.
+WORKER_KILL, WORKER_PAUSE = "worker-kill", "worker-pause"
+KINDS = (
+    KILL, PAUSE, PARTITION, LOSS, SLOW, DISK, CLOCK, WIPE, MEMBER, POWER, CORRUPT,
+    WORKER_KILL, WORKER_PAUSE,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -49,22 +55,48 @@ class Lane:
 # The election timeout is 0.5-1 s (25-50 ticks of 20 ms): pauses last longer.
 # A lane's mean cycle (duration + gap) is 5-8 s: 30 minutes give about 300
 # faults of each kind or more.
+# "leader" is group 0's leader; "group-leader" the node leading a data group
+# drawn at the fault's start (with leaders spread, another node, most often;
+# in a cluster of one group, group 0's leader), and for the worker kinds the
+# worker process that runs that group there.
 LANES: dict[str, Lane] = {
     KILL: Lane(
         (0.5, 5.0),
         (1.0, 5.0),
-        (("leader", 3), ("follower", 3), ("minority", 1), ("all", 1), ("queue", 2), ("queues", 1)),
+        (
+            ("leader", 3),
+            ("group-leader", 2),
+            ("follower", 3),
+            ("minority", 1),
+            ("all", 1),
+            ("queue", 2),
+            ("queues", 1),
+        ),
     ),
-    PAUSE: Lane((1.2, 4.0), (1.0, 5.0), (("leader", 3), ("follower", 2), ("queue", 1))),
+    PAUSE: Lane(
+        (1.2, 4.0),
+        (1.0, 5.0),
+        (("leader", 3), ("group-leader", 2), ("follower", 2), ("queue", 1)),
+    ),
     PARTITION: Lane(
         (1.0, 4.0),
         (1.0, 4.0),
-        (("leader-isolated", 3), ("majority-minority", 2), ("bridge", 1), ("one-way", 2)),
+        (
+            ("leader-isolated", 3),
+            ("group-leader-isolated", 2),
+            ("majority-minority", 2),
+            ("bridge", 1),
+            ("one-way", 2),
+        ),
     ),
     LOSS: Lane((1.0, 4.0), (1.0, 4.0), (("node", 2), ("all", 1))),
     # This kernel has no netem (no fixed delay): a slow link instead, a token
     # bucket on the host's way out whose queue holds up to seconds of data.
-    SLOW: Lane((1.0, 4.0), (1.0, 4.0), (("leader", 2), ("follower", 1), ("queue", 1))),
+    SLOW: Lane(
+        (1.0, 4.0),
+        (1.0, 4.0),
+        (("leader", 2), ("group-leader", 1), ("follower", 1), ("queue", 1)),
+    ),
     DISK: Lane((1.5, 5.0), (1.0, 4.0), (("leader", 2), ("follower", 2))),
     CLOCK: Lane((2.0, 6.0), (0.5, 3.0), (("leader", 2), ("follower", 2))),
     # The kinds that take a copy or a member wait for a quiet cluster (every
@@ -77,12 +109,20 @@ LANES: dict[str, Lane] = {
     # Machines losing power (what they had not fsynced is gone; Jepsen's
     # coordinated power failures are "all"), back on after the duration.
     POWER: Lane(
-        (0.5, 5.0), (1.0, 5.0), (("leader", 3), ("follower", 3), ("minority", 1), ("all", 1))
+        (0.5, 5.0),
+        (1.0, 5.0),
+        (("leader", 3), ("group-leader", 2), ("follower", 3), ("minority", 1), ("all", 1)),
     ),
     # A follower's disk damages its Raft log while it is down (a minority's
     # copy, as a wipe: only when the others hold theirs): a byte of an entry
     # flipped, or the file cut short.
     CORRUPT: Lane((0.2, 1.0), (0.2, 1.5), (("follower", 1),)),
+    # A worker process: the one running a data group on that group's leader
+    # (its groups elect again elsewhere), or any node's. A killed one stays
+    # dead for its duration at most: the node starts it again after its
+    # backoff; a stopped one is continued at heal.
+    WORKER_KILL: Lane((0.5, 4.0), (1.0, 5.0), (("group-leader", 3), ("any", 2))),
+    WORKER_PAUSE: Lane((1.2, 4.0), (1.0, 5.0), (("group-leader", 3), ("any", 2))),
 }
 
 
@@ -115,7 +155,14 @@ def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
         sign = rng.choice((1, -1))
         return {"offset_s": sign * rng.choice((30, 300, 1800, 3600, 10_800))}
     if kind == CORRUPT:
-        return {"how": rng.choice(("entry", "entry", "truncate")), "at": rng.random()}
+        # The group whose log is damaged: a draw resolved at the start over
+        # the groups the node holds (0 is group 0; in a cluster of one group
+        # every draw is group 0).
+        return {
+            "how": rng.choice(("entry", "entry", "truncate")),
+            "at": rng.random(),
+            "group_draw": rng.random(),
+        }
     if kind == PARTITION and target == "one-way":
         return {"from_leader": rng.random() < 0.5}  # who stops hearing whom
     return {}
@@ -128,7 +175,7 @@ def _params(kind: str, target: str, rng: random.Random) -> dict[str, Any]:
 # that is under way (every node a voter holding its copy, a leader known):
 # a long run that must give 300 of those too spaces these out (``pace``),
 # or alternates storms and calms (``phases``).
-DISRUPTIVE = (KILL, PAUSE, PARTITION, LOSS, SLOW, POWER, DISK)
+DISRUPTIVE = (KILL, PAUSE, PARTITION, LOSS, SLOW, POWER, DISK, WORKER_KILL, WORKER_PAUSE)
 QUIET_KINDS = (WIPE, CORRUPT, MEMBER)
 
 

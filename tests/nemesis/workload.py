@@ -31,7 +31,15 @@ from typing import Any
 import numpy as np
 
 from roadlog import columnar
-from roadlog.client import Admin, Connection, GroupConsumer, Producer, RoadlogError
+from roadlog.client import (
+    Ack,
+    Admin,
+    Connection,
+    GroupConsumer,
+    Producer,
+    RoadlogError,
+    learn_read_fences,
+)
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code
 from roadlog.geo import bbox_region
@@ -61,8 +69,16 @@ class Ctx:
     deadline: float  # monotonic
     t0_ms: int = field(default_factory=lambda: int(time.time() * 1000) - 3_600_000)
     stop: threading.Event = field(default_factory=threading.Event)
-    acks: deque[tuple[str, int, int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
-    fence: int = 0  # the highest applied index any answer carried
+    # (topic, partition, base, count, index, group) of recent acknowledgements:
+    # the index is the one of the group that stored the partition's part.
+    acks: deque[tuple[str, int, int, int, int, int]] = field(
+        default_factory=lambda: deque(maxlen=64)
+    )
+    fence: int = 0  # the highest group 0 index any answer carried
+    group_fences: dict[int, int] = field(default_factory=dict)  # the same per data group
+    # topic -> each partition's Raft group (all 0: the topic is in group 0);
+    # fixed when the topic is made, so learnt once.
+    placement: dict[str, list[int]] = field(default_factory=dict)
     # Pings in a gRPC publish: 1..max_batch (HTTP: half as many). Long runs
     # may send fewer: the state grows slower, and the wiped and damaged
     # nodes that the quiet kinds of fault wait for catch up sooner.
@@ -75,9 +91,52 @@ class Ctx:
     def rng(self, name: str) -> random.Random:
         return random.Random(f"{self.seed}:{name}")
 
-    def saw(self, index: int) -> None:
+    def saw(self, index: int, fences: dict[int, int] | None = None) -> None:
+        """An answer carried ``index`` (group 0's) and ``fences`` (per data group)."""
         with self._lock:
             self.fence = max(self.fence, index)
+            for g, i in (fences or {}).items():
+                if i > self.group_fences.get(g, 0):
+                    self.group_fences[g] = i
+
+    def fences(self) -> dict[int, int]:
+        """Every group's highest index seen, group 0's under 0."""
+        with self._lock:
+            return {0: self.fence, **self.group_fences}
+
+    def groups_of(self, conn: Connection, topic: str) -> list[int]:
+        """``topic``'s partitions' groups, asked once (raises RoadlogError)."""
+        with self._lock:
+            known = self.placement.get(topic)
+        if known is None:
+            record = Admin(conn).describe(topic).topic
+            known = list(record.partition_groups) or [0] * record.spec.partitions
+            with self._lock:
+                self.placement[topic] = known
+        return known
+
+    def group_of(self, topic: str, p: int) -> int:
+        """The group of ``topic``'s partition ``p`` (0 when not learnt yet)."""
+        with self._lock:
+            known = self.placement.get(topic) or []
+        return known[p] if p < len(known) else 0
+
+    def acknowledged(
+        self, topic: str, offsets: list[list[int]], applied: int, fences: dict[int, int]
+    ) -> dict[str, int]:
+        """Take note of a publish's acknowledgement: each partition's index
+        (in the group that stored its part: ``applied`` for group 0),
+        returned as the ``part_index`` the history records. The topic's
+        placement is known (``groups_of``): a part's index is never guessed."""
+        assert topic in self.placement, f"{topic}'s placement was not learnt"
+        self.saw(applied, fences)
+        out: dict[str, int] = {}
+        for p, base, count in offsets:
+            g = self.group_of(topic, p)
+            index = applied if g == 0 else fences.get(g, 0)
+            out[str(p)] = index
+            self.acks.append((topic, p, base, count, index, g))
+        return out
 
     def pings(self, producer: str, n0: int, n1: int) -> PingColumns:
         n = np.arange(n0, n1)
@@ -123,6 +182,7 @@ class RecordingConnection(Connection):
         super().__init__(servers, timeout=timeout, client=proc)
         self.ctx = ctx
         self.proc = proc
+        self.published: list[Any] = []  # Publish answers since last cleared
 
     def call(
         self,
@@ -134,7 +194,10 @@ class RecordingConnection(Connection):
     ) -> Any:
         f = self.FS.get(method)
         if f is None:
-            return super().call(method, request, timeout, response, routing_group)
+            resp = super().call(method, request, timeout, response, routing_group)
+            if method == "Publish":  # the parts of one send_batch, gathered by its producer
+                self.published.append(resp)
+            return resp
         fields = self._invoke_fields(method, request)
         op = self.ctx.rec.invoke(self.proc, f, **fields)
         try:
@@ -158,12 +221,22 @@ class RecordingConnection(Connection):
 
     def _invoke_fields(self, method: str, req: Any) -> dict[str, Any]:
         if method == "Fetch":
-            fence = req.min_applied_index or self.fence
+            # The fence of the partition's group the read is served at: its
+            # own, or (none set) the one the connection adds (Connection.call).
+            group = self.ctx.group_of(req.topic, req.partition)
+            if group == 0:
+                fence = req.min_applied_index or self.fence
+            else:
+                own = {x.group: x.applied_index for x in req.group_fences}
+                with self._fence_lock:
+                    held = dict(self.group_fences)
+                fence = own.get(group, 0) if own else held.get(group, 0)
             return {
                 "api": "grpc",
                 "topic": req.topic,
                 "partition": req.partition,
                 "offset": req.offset,
+                "group": group,
                 "fence": fence,
             }
         if method == "CommitOffsets":
@@ -258,6 +331,10 @@ class GrpcProducer(Worker):
         self.servers = servers
         self.n = 0
         self.limit: int | None = None  # publishes, for one-shot producers
+        # "client": the SDK's Producer splits a batch by group (a part per
+        # group, each to its leader); "server": the batch goes whole and the
+        # queue server splits it.
+        self.split = "client"
 
     def body(self) -> None:
         conn = RecordingConnection(self.ctx, self.name, self.servers)
@@ -277,20 +354,52 @@ class GrpcProducer(Worker):
         rec, n0, n1 = self.ctx.rec, self.n, self.n + size
         self.n = n1  # never sent again, whatever happens
         cols = self.ctx.pings(self.name, n0, n1)
+        conn = producer.conn
+        assert isinstance(conn, RecordingConnection)
         op = rec.invoke(self.name, "publish", topic=self.topic, producer=self.name, api="grpc",
-                        n0=n0, n1=n1)  # fmt: skip
+                        split=self.split, n0=n0, n1=n1)  # fmt: skip
         try:
-            ack = producer.send_batch(cols)
+            self.ctx.groups_of(conn, self.topic)
+            conn.published.clear()
+            if self.split == "server":
+                ack = self.send_whole(producer, cols)
+            else:
+                ack = producer.send_batch(cols)
         except Exception as e:
             code = _code(e)
             rec.complete(self.name, op, "fail" if code in DEFINITE else "info", "publish",
                          code=code.name, reason=_why(e))  # fmt: skip
             return
-        rec.complete(self.name, op, "ok", "publish", offsets=ack.offsets,
-                     applied_index=ack.applied_index, duplicate=ack.duplicate)  # fmt: skip
-        self.ctx.saw(ack.applied_index)
-        for p, base, count in ack.offsets:
-            self.ctx.acks.append((self.topic, p, base, count, ack.applied_index))
+        # One answer per group a client-side split sent a part to (each of
+        # one group), or one for the whole (the queue server's split).
+        applied, fences = 0, dict[int, int]()
+        for resp in conn.published:
+            applied = max(applied, resp.applied_index)
+            for x in resp.group_fences:
+                fences[x.group] = max(fences.get(x.group, 0), x.applied_index)
+        offsets = [list(o) for o in ack.offsets]
+        part_index = self.ctx.acknowledged(self.topic, offsets, applied, fences)
+        rec.complete(self.name, op, "ok", "publish", offsets=offsets, applied_index=applied,
+                     fences={str(g): i for g, i in sorted(fences.items())},
+                     part_index=part_index, duplicate=ack.duplicate)  # fmt: skip
+
+    def send_whole(self, producer: Producer, cols: PingColumns) -> Ack:
+        """The batch as one publish, whatever partitions and groups its
+        devices fall in: the queue server splits it (a gateway's or
+        ``roadlog produce``'s publish), with the producer's id and next
+        sequence, so its retries are stored once in every group."""
+        producer.sequence += 1
+        req = client_pb2.PublishRequestView(
+            topic=self.topic, client_id=producer.client_id, producer_id=producer.producer_id,
+            sequence=producer.sequence, batch=columnar.encode(cols),
+            producer_epoch=producer.epoch,
+        )  # fmt: skip
+        resp = producer.conn.call("Publish", req, timeout=producer.deadline_s)
+        return Ack(
+            [(o.partition, o.base_offset, o.count) for o in resp.offsets],
+            resp.applied_index,
+            resp.duplicate,
+        )
 
 
 def _http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, Any]:
@@ -361,11 +470,12 @@ class HttpProducer(Worker):
             outcome = _http_outcome(status)
             if outcome == "ok":
                 offsets = [[o["partition"], o["base_offset"], o["count"]] for o in body["offsets"]]
+                applied = int(body["applied_index"])
+                fences = {int(g): int(i) for g, i in body.get("group_fences", {}).items()}
+                part_index = self.ctx.acknowledged(self.topic, offsets, applied, fences)
                 rec.complete(self.name, op, "ok", "publish", offsets=offsets,
-                             applied_index=body["applied_index"])  # fmt: skip
-                self.ctx.saw(int(body["applied_index"]))
-                for p, b, c in offsets:
-                    self.ctx.acks.append((self.topic, p, b, c, int(body["applied_index"])))
+                             applied_index=applied, part_index=part_index,
+                             fences={str(g): i for g, i in sorted(fences.items())})  # fmt: skip
             else:
                 err = body.get("error", {}) if isinstance(body, dict) else {}
                 rec.complete(self.name, op, outcome, "publish", code=f"HTTP {status}",
@@ -374,8 +484,11 @@ class HttpProducer(Worker):
 
 
 class Reader(Worker):
-    """Reads recently acknowledged batches back: fenced at their index (gRPC
-    or HTTP ``min_applied_index``), or unfenced (any node, maybe behind)."""
+    """Reads recently acknowledged batches back: fenced at their index in
+    the group that stored them (gRPC ``min_applied_index`` or
+    ``group_fences``, HTTP the same as query parameters), or unfenced (any
+    node, maybe behind); and now and then reads a partition to its end on
+    a new connection (``read_end``: the fences learnt by ``ReadFences``)."""
 
     def body(self) -> None:
         conns = [
@@ -386,28 +499,60 @@ class Reader(Worker):
             self.pause(0.05, 0.3)
             if not self.ctx.acks:
                 continue
-            topic, p, base, count, index = self.ctx.acks[-1]
+            topic, p, base, count, index, group = self.ctx.acks[-1]
+            if self.rng.random() < 0.15:
+                self.read_end(topic, p, base)
+                continue
             fence = index if self.rng.random() < 0.8 else 0
             if self.rng.random() < 0.5:
                 conn = self.rng.choice(conns)
                 req = client_pb2.FetchRequest(
                     topic=topic, partition=p, offset=base, max_pings=max(count, 1),
-                    min_applied_index=fence,
+                    min_applied_index=fence if group == 0 else 0,
                 )  # fmt: skip
+                if group and fence:
+                    req.group_fences.add(group=group, applied_index=fence)
                 # Recorded; Fetch answers carry no index, so the fence stays the read's own.
                 with contextlib.suppress(RoadlogError):
                     conn.call("Fetch", req, response=client_pb2.FetchResponseView)
             else:
-                self.http_read(topic, p, base, count, fence)
+                self.http_read(topic, p, base, count, fence, group)
 
-    def http_read(self, topic: str, p: int, offset: int, count: int, fence: int) -> None:
+    def read_end(self, topic: str, p: int, offset: int) -> None:
+        """Where partition ``p`` ends, read as a reader that starts now
+        (``Consumer.read_to_end``'s way: ``ReadFences``, then a fetch fenced
+        on them), on a connection of its own that holds no fence yet: the
+        end must cover every publish acknowledged before this began."""
+        rec = self.ctx.rec
+        servers = self.ctx.servers if self.rng.random() < 0.5 else self.ctx.servers[::-1]
+        op = rec.invoke(self.name, "read_end", topic=topic, partition=p, offset=offset)
+        conn = RecordingConnection(self.ctx, self.name, servers)
+        try:
+            learn_read_fences(conn, topic)
+            fences = dict(conn.group_fences)
+            req = client_pb2.FetchRequest(topic=topic, partition=p, offset=offset, max_pings=1)
+            resp = conn.call("Fetch", req, response=client_pb2.FetchResponseView)
+        except RoadlogError as e:
+            definite = e.code in READ_DEFINITE
+            rec.complete(self.name, op, "fail" if definite else "info", "read_end",
+                         code=e.code.name, reason=_why(e))  # fmt: skip
+            return
+        finally:
+            conn.close()
+        rec.complete(self.name, op, "ok", "read_end", end_offset=resp.end_offset,
+                     fences={str(g): i for g, i in sorted(fences.items())})  # fmt: skip
+
+    def http_read(
+        self, topic: str, p: int, offset: int, count: int, fence: int, group: int
+    ) -> None:
         rec = self.ctx.rec
         base = self.rng.choice(self.ctx.https)
         op = rec.invoke(self.name, "read", api="http", via=base, topic=topic, partition=p,
-                        offset=offset, fence=fence)  # fmt: skip
+                        offset=offset, group=group, fence=fence)  # fmt: skip
+        fenced = f"min_applied_index={fence}" if group == 0 else f"group_fences={group}:{fence}"
         url = (
             f"{base}/v1/topics/{topic}/partitions/{p}/pings?offset={offset}"
-            f"&limit={max(count, 1)}&min_applied_index={fence}"
+            f"&limit={max(count, 1)}&{fenced}"
         )
         status, body = _http("GET", url)
         outcome = _http_outcome(status)
@@ -518,12 +663,16 @@ class HeatmapReader(Worker):
                 self.ask_http(client)
 
     def ask_grpc(self, conn: RecordingConnection, client: str) -> None:
-        rec, fence = self.ctx.rec, self.ctx.fence
+        rec, fences = self.ctx.rec, self.ctx.fences()
+        fence = fences.pop(0)
         op = rec.invoke(self.name, "heatmap", api="grpc", topic=MAIN_TOPIC, client=client,
-                        fence=fence, window_ms=self.WINDOW_MS)  # fmt: skip
+                        fence=fence, fences={str(g): i for g, i in sorted(fences.items())},
+                        window_ms=self.WINDOW_MS)  # fmt: skip
         req = client_pb2.GetHeatmapRequest(
             topic=MAIN_TOPIC, client_id=client, min_applied_index=fence
         )
+        for g, i in sorted(fences.items()):
+            req.group_fences.add(group=g, applied_index=i)
         try:
             conn.call("GetHeatmap", req, timeout=10)
         except RoadlogError as e:
@@ -536,13 +685,18 @@ class HeatmapReader(Worker):
         rec.complete(self.name, op, "ok", "heatmap", allowed=True)
 
     def ask_http(self, client: str) -> None:
-        rec, fence = self.ctx.rec, self.ctx.fence
+        rec, fences = self.ctx.rec, self.ctx.fences()
+        fence = fences.pop(0)
         base = self.rng.choice(self.ctx.https)
         op = rec.invoke(self.name, "heatmap", api="http", via=base, topic=MAIN_TOPIC,
-                        client=client, fence=fence, window_ms=self.WINDOW_MS)  # fmt: skip
+                        client=client, fence=fence,
+                        fences={str(g): i for g, i in sorted(fences.items())},
+                        window_ms=self.WINDOW_MS)  # fmt: skip
+        groups = ",".join(f"{g}:{i}" for g, i in sorted(fences.items()) if i)
         status, body = _http(
             "GET",
-            f"{base}/v1/topics/{MAIN_TOPIC}/heatmap?client_id={client}&min_applied_index={fence}",
+            f"{base}/v1/topics/{MAIN_TOPIC}/heatmap?client_id={client}&min_applied_index={fence}"
+            + (f"&group_fences={groups}" if groups else ""),
         )
         err = body.get("error", {}) if isinstance(body, dict) else {}
         if status in (200, 403, 404):
@@ -606,7 +760,14 @@ def create_main_topic(ctx: Ctx) -> bool:
     conn = RecordingConnection(ctx, "setup", ctx.servers, timeout=30)
     try:
         made = _retry(ctx, lambda: Admin(conn).create_topic(MAIN_TOPIC, REGION, PARTITIONS))
-        return made is not None
+        if made is None:
+            return False
+        # Where its partitions went (the HTTP producer's answers say only
+        # each group's index), recorded for the history's reader.
+        groups = _retry(ctx, lambda: ctx.groups_of(conn, MAIN_TOPIC))
+        if groups is not None:
+            ctx.rec.event("setup", "ok", "placement", topic=MAIN_TOPIC, groups=groups)
+        return groups is not None
     finally:
         conn.close()
 
@@ -617,7 +778,9 @@ def start_all(ctx: Ctx, grpc_producers: int = 3, http_producers: int = 1) -> lis
     workers: list[Worker] = []
     for k in range(grpc_producers):
         order = servers if k % 2 == 0 else servers[::-1]  # both queue servers, first
-        workers.append(GrpcProducer(ctx, f"g{k}", MAIN_TOPIC, order))
+        producer = GrpcProducer(ctx, f"g{k}", MAIN_TOPIC, order)
+        producer.split = "server" if k % 2 else "client"  # mixed devices, split either side
+        workers.append(producer)
     for k in range(http_producers):
         workers.append(HttpProducer(ctx, f"h{k}", MAIN_TOPIC))
     contributors = [w.name for w in workers]

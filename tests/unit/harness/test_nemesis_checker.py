@@ -58,6 +58,10 @@ class H:
         done = {"first_offset": 0, "end_offset": end, "batches": [[offset, rows]] if rows else []}
         return self.op("reader", "read", "ok", inv, done)
 
+    def read_end(self, offset: int, end: int, partition: int = 0) -> Event:
+        inv = {"topic": "main", "partition": partition, "offset": offset}
+        return self.op("reader", "read_end", "ok", inv, {"end_offset": end, "fences": {}})
+
     def commit(self, offsets: dict[str, int], index: int, member: str = "m1") -> Event:
         inv = {"group": "g", "topic": "main", "member": member, "generation": 1,
                "offsets": offsets, "release": []}  # fmt: skip
@@ -75,7 +79,10 @@ class H:
         self, digests: dict[str, Any] | None = None, dead: dict[str, str] | None = None
     ) -> None:
         nodes = digests or {"1": [9, "aa"], "2": [9, "aa"], "3": [9, "aa"]}
-        self.ev("run", "ok", "digests", converged=True, nodes=nodes)
+        self.ev("run", "ok", "digests", group=0, converged=True, nodes=nodes)
+        # A data group's replicas, digested apart (their indexes are their own).
+        data = {"1": [4, "cc"], "2": [4, "cc"], "3": [4, "cc"]}
+        self.ev("run", "ok", "digests", group=1, converged=True, nodes=data)
         self.ev("run", "ok", "alive", dead=dead or {})
 
 
@@ -91,6 +98,7 @@ def good() -> H:
     h.publish(2, 4, "info")
     h.publish(4, 6, offsets=[[0, 2, 2]], index=7)
     h.read(2, [["P", 4], ["P", 5]], end=4, fence=7)
+    h.read_end(2, end=4)
     h.commit({"0": 2}, index=8)
     h.commit({"0": 4}, index=9, member="m2")
     h.op("observer", "describe_group", "ok", {"group": "g", "topic": "main", "fence": 9},
@@ -256,14 +264,26 @@ def removed_node_present() -> tuple[H, str, str]:
 
 def replicas_differ() -> tuple[H, str, str]:
     h = good()
-    h.events[-2]["nodes"]["2"] = [9, "bb"]
-    return h, "replicas_identical", "differ"
+    h.events[-3]["nodes"]["2"] = [9, "bb"]
+    return h, "replicas_identical", "replicas of group 0 differ"
+
+
+def data_group_replicas_differ() -> tuple[H, str, str]:
+    h = good()
+    h.events[-2]["nodes"]["3"] = [4, "dd"]
+    return h, "replicas_identical", "replicas of group 1 differ"
 
 
 def replica_silent() -> tuple[H, str, str]:
     h = good()
-    h.events[-2]["nodes"]["3"] = None
-    return h, "replicas_identical", "no digest"
+    h.events[-3]["nodes"]["3"] = None
+    return h, "replicas_identical", "no digest of group 0"
+
+
+def read_to_end_short() -> tuple[H, str, str]:
+    h = good()
+    h.read_end(0, end=2)  # begun after the publish that ended at 4 was acknowledged
+    return h, "reads_to_end", "acknowledged before it began ended at 4"
 
 
 def process_died() -> tuple[H, str, str]:
@@ -279,8 +299,8 @@ def process_died() -> tuple[H, str, str]:
         failed_yet_stored, stored_but_never_sent, out_of_order, read_then_lost,
         log_rewritten, fence_not_honoured, offsets_backwards, offset_past_the_end,
         created_topic_gone, deleted_topic_back, contributor_refused, stranger_let_in,
-        added_node_missing, removed_node_present,
-        replicas_differ, replica_silent, process_died,
+        added_node_missing, removed_node_present, read_to_end_short,
+        replicas_differ, data_group_replicas_differ, replica_silent, process_died,
     ],
 )  # fmt: skip
 def test_each_kind_of_bad_history_fails_its_property_and_names_the_event(bad: Bad) -> None:
@@ -343,3 +363,47 @@ def test_a_history_round_trips_through_the_recorder(tmp_path: Path) -> None:
     assert (
         report.verdicts["acked_exactly_once"].ok and report.verdicts["acked_exactly_once"].checked
     )
+
+
+def placed() -> H:
+    """A topic placed in data groups: P's pings [0, 2) acked at p0 offsets
+    0-1 by data group 1 at its index 5 (group 0's ``applied_index`` is 0:
+    nothing was written there), the final log holding them."""
+    h = H()
+    h.op("setup", "create_topic", "ok", {"topic": "main", "api": "grpc"}, {"applied_index": 2})
+    inv = {"topic": "main", "producer": "P", "api": "grpc", "n0": 0, "n1": 2}
+    done = {"offsets": [[0, 0, 2]], "applied_index": 0, "fences": {"1": 5},
+            "part_index": {"0": 5}}  # fmt: skip
+    h.op("P", "publish", "ok", inv, done)
+    return h
+
+
+def test_a_placed_partition_is_judged_by_the_index_of_its_own_group() -> None:
+    """A read fenced at data group 1's index 5 must see the part that group
+    stored at 5; at 4 it need not (group 0's index 0 says nothing)."""
+    short = placed()
+    short.read(0, [], end=0, fence=5)
+    short.final({0: [["P", 0], ["P", 1]]})
+    short.end()
+    failed = failing(short)
+    assert set(failed) == {"fenced_reads"}, failed
+    assert "fenced at index 5" in failed["fenced_reads"][0]
+    early = placed()
+    early.read(0, [], end=0, fence=4)
+    early.final({0: [["P", 0], ["P", 1]]})
+    early.end()
+    assert not failing(early)
+
+
+def test_give_to_get_holds_a_refusal_against_a_read_fenced_in_any_group_written() -> None:
+    """A heat-map read fenced past the publish's index in data group 1 must
+    see the contribution that group recorded; fenced below it (and at group
+    0's index only), the refusal is not held against the cluster."""
+    for fences, fails in (({"1": 5}, True), ({"1": 4}, False), ({}, False)):
+        h = placed()
+        h.op("heat", "heatmap", "ok", {"topic": "main", "client": "P", "fence": 9,
+             "fences": fences, "window_ms": 900_000}, {"allowed": False})  # fmt: skip
+        h.final({0: [["P", 0], ["P", 1]]})
+        h.end()
+        failed = failing(h)
+        assert (set(failed) == {"give_to_get"}) if fails else not failed, (fences, failed)
