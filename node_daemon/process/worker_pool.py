@@ -31,11 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
 
 from node_daemon.config import NodeConfig
 from node_daemon.process import worker_process
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
+from node_daemon.process.pipe_messages import (
+    Barrier,
+    Group0,
+    Groups,
+    HandOver,
+    Message,
+    Metrics,
+    Ports,
+    ReadBarrier,
+    Stop,
+)
 from node_daemon.process.worker_metrics import WorkerMetrics
 from node_daemon.process.worker_process import WorkerSpec, barrier_answer, shares
 from node_daemon.replica.remote import RemoteReplica
@@ -76,7 +86,7 @@ class _Worker:
     restarts: int = 0
     backoff: float = RESTART_FIRST_S
     due: float = 0.0  # when to start it again, once dead
-    told: str = ""  # group 0's figures as last told
+    told: Group0 | None = None  # group 0's figures as last told
     asks: BarrierAsks = field(default_factory=BarrierAsks)  # its groups' ReadIndexes asked
 
 
@@ -134,8 +144,8 @@ class WorkerPool:
         )
         p.start()
         there.close()
-        pipe = await ProcessPipe.open(here)
-        w.process, w.pipe, w.started, w.told = p, pipe, time.monotonic(), ""
+        pipe = await ProcessPipe.open(here, peer=f"worker {w.index}")
+        w.process, w.pipe, w.started, w.told = p, pipe, time.monotonic(), None
         w.reader = asyncio.get_running_loop().create_task(self._read(w, pipe))
         self._tell_group0(w)
         log.info(
@@ -144,13 +154,18 @@ class WorkerPool:
         )
 
     async def _read(self, w: _Worker, pipe: ProcessPipe) -> None:
-        try:
-            while True:
-                self._take(w, await pipe.recv())
-        except EOFError:
-            pass  # it exited (or is about to): _supervise sees to it
-        except Exception:
-            log.exception("a worker's message could not be taken", extra={"worker": w.index})
+        while True:
+            try:
+                msg = await pipe.recv()
+            except EOFError:
+                return  # it exited (or is about to): _supervise sees to it
+            try:
+                self._take(w, msg)
+            except Exception:  # one message's failure stops nothing else
+                log.exception(
+                    "a worker's message could not be taken",
+                    extra={"worker": w.index, "kind": type(msg).__name__},
+                )
 
     def _closed(self, w: _Worker) -> None:
         if w.reader is not None:
@@ -160,58 +175,57 @@ class WorkerPool:
             w.pipe.close()
             w.pipe = None
 
-    def _take(self, w: _Worker, msg: dict[str, Any]) -> None:
-        kind = msg.get("kind")
-        if kind == "ports":
-            w.grpc_port, w.frames_port = int(msg["grpc"]), int(msg["frames"])
-            w.last_grpc_port, w.last_frames_port = w.grpc_port, w.frames_port
-            self.tell_ports()
-            log.info(
-                "worker process listening",
-                extra={"worker": w.index, "grpc": w.grpc_port, "frames": w.frames_port},
-            )
-        elif kind == "read_barrier":  # a worker asks for group 0's ReadIndex
-            task = asyncio.get_running_loop().create_task(self._answer_barrier(w, msg))
-            self._answering.add(task)
-            task.add_done_callback(self._answering.discard)
-        elif kind == "barrier":
-            w.asks.answered(msg)
-        elif kind == "metrics":
-            if self.metrics is not None:
-                self.metrics.told(w.index, str(msg["text"]))
-        elif kind == "groups":
-            for g, fig in msg["groups"].items():
-                rg = self.remote.get(int(g))
-                if rg is not None:
-                    rg.told(
-                        fig["committed"],
-                        fig["voters"],
-                        fig["learners"],
-                        fig["leader"],
-                        fig["status"],
-                    )
+    def _take(self, w: _Worker, msg: Message) -> None:
+        match msg:
+            case Ports():
+                w.grpc_port, w.frames_port = msg.grpc, msg.frames
+                w.last_grpc_port, w.last_frames_port = w.grpc_port, w.frames_port
+                self.tell_ports()
+                log.info(
+                    "worker process listening",
+                    extra={"worker": w.index, "grpc": w.grpc_port, "frames": w.frames_port},
+                )
+            case ReadBarrier():  # a worker asks for group 0's ReadIndex
+                task = asyncio.get_running_loop().create_task(self._answer_barrier(w, msg))
+                self._answering.add(task)
+                task.add_done_callback(self._answering.discard)
+            case Barrier():
+                w.asks.answered(msg)
+            case Metrics():
+                if self.metrics is not None:
+                    self.metrics.told(w.index, msg.text)
+            case Groups():
+                for fig in msg.groups:
+                    rg = self.remote.get(fig.group)
+                    if rg is not None:
+                        rg.told(
+                            fig.commit_index, fig.voters, fig.learners, fig.is_leader, fig.status
+                        )
+            case _:
+                log.error(
+                    "a message a worker does not send: ignored",
+                    extra={"worker": w.index, "kind": type(msg).__name__},
+                )
 
-    def _send(self, w: _Worker, msg: dict[str, Any], droppable: bool = False) -> bool:
+    def _send(self, w: _Worker, msg: Message, droppable: bool = False) -> bool:
         return w.pipe is not None and w.pipe.send(msg, droppable)
 
-    def _group0(self) -> dict[str, Any]:
+    def _group0(self) -> Group0:
         core = self.meta.core
-        return {
-            "kind": "group0",
-            "committed": core.log.committed,
-            "voters": sorted(core.conf.voters),
-            "learners": sorted(core.conf.learners),
-            "addresses": dict(self.meta.addresses),
-            "queue_servers": list(self.queue_servers()),
-        }
+        return Group0(
+            commit_index=core.log.committed,
+            voters=tuple(sorted(core.conf.voters)),
+            learners=tuple(sorted(core.conf.learners)),
+            addresses=dict(self.meta.addresses),
+            queue_servers=tuple(self.queue_servers()),
+        )
 
-    def _tell_group0(self, w: _Worker, msg: dict[str, Any] | None = None) -> None:
+    def _tell_group0(self, w: _Worker, msg: Group0 | None = None) -> None:
         """Group 0's figures, if they moved since last told (and the worker
         keeps up: the latest are told at the next look otherwise)."""
         msg = msg or self._group0()
-        key = repr(sorted(msg.items()))
-        if key != w.told and self._send(w, msg, droppable=True):
-            w.told = key
+        if msg != w.told and self._send(w, msg, droppable=True):
+            w.told = msg
 
     async def _supervise(self) -> None:
         while not self._stopping:
@@ -237,8 +251,8 @@ class WorkerPool:
                 w.restarts += 1
                 await self._spawn(w)
 
-    async def _answer_barrier(self, w: _Worker, msg: dict[str, Any]) -> None:
-        answer = await barrier_answer(self.meta if int(msg["group"]) == 0 else None, msg)
+    async def _answer_barrier(self, w: _Worker, ask: ReadBarrier) -> None:
+        answer = await barrier_answer(self.meta if ask.group == 0 else None, ask)
         self._send(w, answer)
 
     async def _ask_barrier(self, group: int) -> int:
@@ -284,7 +298,7 @@ class WorkerPool:
         """Ask every worker to hand the groups it leads to ``target`` (0: to
         each group's best follower)."""
         for w in self.workers:
-            self._send(w, {"kind": "hand_over", "to": target})
+            self._send(w, HandOver(target))
 
     def begin_stop(self) -> None:
         """Start none again; ask every worker to hand over and stop."""
@@ -292,7 +306,7 @@ class WorkerPool:
         if self._task is not None:
             self._task.cancel()
         for w in self.workers:
-            self._send(w, {"kind": "stop"})
+            self._send(w, Stop())
 
     async def stop(self) -> None:
         """``begin_stop``, then wait for the workers; kill what does not stop."""

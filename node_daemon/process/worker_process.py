@@ -12,14 +12,14 @@ as a ``RemoteReplica``: the main process's replica, read-only, and group 0's
 commit index, configuration, addresses and queue servers as the main
 process tells them over the pipe.
 
-Over the pipe (``multiprocessing.Connection``, small pickled dicts):
-- main -> worker: ``{"kind": "group0", ...}`` group 0's figures (first
-  before anything starts, then as they move); ``{"kind": "hand_over",
-  "to": n}`` hand every group it leads to node n (0: each to its best
-  follower); ``{"kind": "stop"}`` hand over, then stop.
-- worker -> main: ``{"kind": "ports", "grpc": p, "frames": f}`` once
-  listening; ``{"kind": "groups", "groups": {g: {...}}}`` each group's
-  figures and status as they move (at most every ``TELL_EVERY_S``).
+Over the pipe (``pipe``; the messages are ``pipe_messages``'s dataclasses):
+- main -> worker: ``Group0``, group 0's figures (first before anything
+  starts, then as they move); ``HandOver(n)``, hand every group it leads
+  to node n (0: each to its best follower); ``Stop``, hand over, then stop.
+- worker -> main: ``Ports`` once listening; ``Groups``, each group's
+  figures and status as they move (at most every ``TELL_EVERY_S``);
+  ``Metrics``.
+- either way: ``ReadBarrier``, answered by a ``Barrier``.
 
 Invariants: a worker dies with its main process (``PR_SET_PDEATHSIG``),
 and holds an exclusive lock on each of its groups' directories for its
@@ -41,7 +41,6 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import generate_latest
 
@@ -49,6 +48,18 @@ from node_daemon.config import NodeConfig
 from node_daemon.process import worker_metrics
 from node_daemon.process.grpc_server import node_grpc_server
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
+from node_daemon.process.pipe_messages import (
+    Barrier,
+    Group0,
+    Groups,
+    GroupTold,
+    HandOver,
+    Message,
+    Metrics,
+    Ports,
+    ReadBarrier,
+    Stop,
+)
 from node_daemon.replica.remote import RemoteReplica
 from node_daemon.replica.replica import NotLeader, Replica, group_data_dir
 from node_daemon.replica.status import group_status
@@ -126,27 +137,32 @@ def main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
 
 async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     cfg = spec.cfg
-    pipe = await ProcessPipe.open(conn)
-    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    pipe = await ProcessPipe.open(conn, peer="main process")
+    inbox: asyncio.Queue[Message | None] = asyncio.Queue()  # None: the pipe closed
 
     async def read_pipe() -> None:
         try:
             while True:
                 inbox.put_nowait(await pipe.recv())
         except EOFError:
-            inbox.put_nowait({"kind": "gone"})
+            inbox.put_nowait(None)
 
     reading = asyncio.get_running_loop().create_task(read_pipe())
     secret = cfg.secret()
     token = cluster_token(secret, cfg.cluster_name)
     group0 = RemoteReplica(0, group_data_dir(Path(cfg.data_dir), 0) / "state")
     first = await inbox.get()
-    if first.get("kind") != "group0":
+    if not isinstance(first, Group0):
+        if first is not None:
+            log.error(
+                "the main process's first message is not group 0's figures: stopping",
+                extra={"worker": spec.index, "kind": type(first).__name__},
+            )
         return  # the main process went away before it said anything
     _take_group0(group0, first)
     transport = PeerTransport.bare(cfg.node_id, cfg.cluster_name, secret)
     groups = Store(cfg, local=spec.groups, group0=group0, transport=transport)
-    groups.update_addresses(first["addresses"])
+    groups.update_addresses(first.addresses)
     server = node_grpc_server(token)
     raft_pb2_grpc.add_RaftPeerServicer_to_server(transport, server)
     host = cfg.listen.rpartition(":")[0]
@@ -170,7 +186,7 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
         frames_port = await transport.start_frames(bare_host, spec.frames_port)
         if not frames_port and spec.frames_port:
             frames_port = await transport.start_frames(bare_host, 0)
-    pipe.send({"kind": "ports", "grpc": port, "frames": frames_port})
+    pipe.send(Ports(port, frames_port))
     failed: list[BaseException] = []
     stop = asyncio.Event()
 
@@ -183,7 +199,7 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     any_node = next(iter(groups.data.values()))
     links: dict[str, QueueServerLink] = {}
 
-    def link_queue_servers(addresses: list[str]) -> None:
+    def link_queue_servers(addresses: tuple[str, ...]) -> None:
         for q in addresses:
             if q not in links:
                 links[q] = QueueServerLink(
@@ -206,7 +222,7 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
 
     for node in groups.data.values():
         node.state_listeners.append(on_state)
-    link_queue_servers(first["queue_servers"])
+    link_queue_servers(first.queue_servers)
     teller.moved()
     loop = asyncio.get_running_loop()
     log.info(
@@ -223,32 +239,46 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     asked = BarrierAsks()  # group 0's ReadIndexes, asked of the main process
     group0.ask_barrier = functools.partial(asked.ask, pipe, 0)
 
-    async def listen() -> None:
-        while True:
-            msg = await inbox.get()
-            kind = msg.get("kind")
-            if kind == "group0":
+    def take(msg: Message) -> None:
+        match msg:
+            case Group0():
                 _take_group0(group0, msg)
-                groups.update_addresses(msg["addresses"])
-                link_queue_servers(msg["queue_servers"])
-            elif kind == "barrier":  # the main process's answer to an ask
+                groups.update_addresses(msg.addresses)
+                link_queue_servers(msg.queue_servers)
+            case Barrier():  # the main process's answer to an ask
                 asked.answered(msg)
-            elif kind == "read_barrier":  # a task too
+            case ReadBarrier():  # a task too
                 task = loop.create_task(_barrier(groups, pipe, msg))
                 handing.add(task)
                 task.add_done_callback(handing.discard)
-            elif kind == "hand_over":  # a task: the pipe is read on meanwhile
-                task = loop.create_task(_hand_to(groups, int(msg.get("to", 0))))
+            case HandOver():  # a task: the pipe is read on meanwhile
+                task = loop.create_task(_hand_to(groups, msg.to))
                 handing.add(task)
                 task.add_done_callback(handing.discard)
-            elif kind in ("stop", "gone"):
+            case _:
+                log.error(
+                    "a message the main process does not send: ignored",
+                    extra={"worker": spec.index, "kind": type(msg).__name__},
+                )
+
+    async def listen() -> None:
+        while True:
+            msg = await inbox.get()
+            if msg is None or isinstance(msg, Stop):
                 stop.set()
                 return
+            try:
+                take(msg)
+            except Exception:  # one message's failure stops nothing else
+                log.exception(
+                    "a message from the main process could not be taken",
+                    extra={"worker": spec.index, "kind": type(msg).__name__},
+                )
 
     async def send_metrics() -> None:
         while True:
             text = generate_latest().decode()
-            pipe.send({"kind": "metrics", "text": text}, droppable=True)
+            pipe.send(Metrics(text), droppable=True)
             await asyncio.sleep(worker_metrics.EVERY_S)
 
     listener = loop.create_task(listen())
@@ -272,26 +302,24 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
     log.info("worker stopped", extra={"worker": spec.index})
 
 
-async def _barrier(groups: Store, pipe: ProcessPipe, msg: dict[str, Any]) -> None:
+async def _barrier(groups: Store, pipe: ProcessPipe, ask: ReadBarrier) -> None:
     """A ReadIndex of one of this worker's groups, for the main process."""
-    pipe.send(await barrier_answer(groups.nodes.get(int(msg["group"])), msg))
+    pipe.send(await barrier_answer(groups.nodes.get(ask.group), ask))
 
 
-async def barrier_answer(node: Replica | None, msg: dict[str, Any]) -> dict[str, Any]:
-    """The answer to a "read_barrier" ask: a ReadIndex of ``node``'s group
-    (None: this process runs no such group), or why there is none."""
-    answer: dict[str, Any] = {"kind": "barrier", "id": msg["id"]}
+async def barrier_answer(node: Replica | None, ask: ReadBarrier) -> Barrier:
+    """The answer to ``ask``: a ReadIndex of ``node``'s group (None: this
+    process runs no such group), or why there is none."""
     try:
         if node is None:
-            raise ValueError(f"this process runs no group {msg['group']}")
-        answer["index"] = await asyncio.wait_for(node.read_barrier(), BARRIER_WAIT_S)
+            raise ValueError(f"this process runs no group {ask.group}")
+        return Barrier(ask.id, index=await asyncio.wait_for(node.read_barrier(), BARRIER_WAIT_S))
     except (TimeoutError, NotLeader, ValueError) as e:
-        answer["error"] = str(e) or type(e).__name__
-    return answer
+        return Barrier(ask.id, error=str(e) or type(e).__name__)
 
 
-def _take_group0(group0: RemoteReplica, msg: dict[str, Any]) -> None:
-    group0.told(msg["committed"], msg["voters"], msg["learners"], leader=False)
+def _take_group0(group0: RemoteReplica, msg: Group0) -> None:
+    group0.told(msg.commit_index, msg.voters, msg.learners, leader=False)
 
 
 async def _hand_to(groups: Store, target: int) -> None:
@@ -313,7 +341,7 @@ class _Teller:
     def __init__(self, pipe: ProcessPipe, nodes: dict[int, Replica]) -> None:
         self.pipe = pipe
         self.nodes = nodes
-        self._told: dict[int, tuple[Any, ...]] = {}
+        self._told: dict[int, tuple[object, ...]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0
 
@@ -326,8 +354,8 @@ class _Teller:
     def _tell(self) -> None:
         self._timer = None
         self._last = time.monotonic()
-        out: dict[int, dict[str, Any]] = {}
-        keys: dict[int, tuple[Any, ...]] = {}
+        out: list[GroupTold] = []
+        keys: dict[int, tuple[object, ...]] = {}
         for g, n in self.nodes.items():
             conf = n.core.conf
             key = (
@@ -343,16 +371,19 @@ class _Teller:
             if self._told.get(g) == key:
                 continue
             keys[g] = key
-            out[g] = {
-                "committed": n.core.log.committed,
-                "voters": sorted(conf.voters),
-                "learners": sorted(conf.learners),
-                "leader": n.is_leader,
-                "status": group_status(n).SerializeToString(),
-            }
+            out.append(
+                GroupTold(
+                    g,
+                    n.core.log.committed,
+                    tuple(sorted(conf.voters)),
+                    tuple(sorted(conf.learners)),
+                    n.is_leader,
+                    group_status(n).SerializeToString(),
+                )
+            )
         if not out:
             return
-        if self.pipe.send({"kind": "groups", "groups": out}, droppable=True):
+        if self.pipe.send(Groups(tuple(out)), droppable=True):
             self._told.update(keys)
         else:  # the main process is behind: the latest figures, a little later
             self.moved()

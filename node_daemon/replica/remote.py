@@ -17,7 +17,7 @@ for the figures alone.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -100,8 +100,8 @@ class RemoteReplica:
     def told(
         self,
         committed: int,
-        voters: list[int],
-        learners: list[int],
+        voters: Iterable[int],
+        learners: Iterable[int],
         leader: bool,
         status: bytes = b"",
     ) -> None:
