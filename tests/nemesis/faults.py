@@ -410,10 +410,10 @@ class Nemesis:
         a node drawn among those up. Skip when there is none (a cluster of
         one group has no workers; a worker being started again has none)."""
         group = 0
-        if f.target == "group-leader":
+        if f.target == "group-leader" and any(self._group_leaders.values()):
             group, ident = self._group_leader(leader)
             nodes = [s for s in self.cluster.node_services if s.ident == ident and self._up(s)]
-        else:
+        else:  # "any", or no data group's leader known (in a storm): any node's worker
             nodes = [s for s in self.cluster.node_services if self._up(s)]
             self.rng.shuffle(nodes)
         busy = {pid for _, pid, _ in self.paused_workers.values()}

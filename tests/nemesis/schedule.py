@@ -121,8 +121,11 @@ LANES: dict[str, Lane] = {
     # (its groups elect again elsewhere), or any node's. A killed one stays
     # dead for its duration at most: the node starts it again after its
     # backoff; a stopped one is continued at heal.
-    WORKER_KILL: Lane((0.5, 4.0), (1.0, 5.0), (("group-leader", 3), ("any", 2))),
-    WORKER_PAUSE: Lane((1.2, 4.0), (1.0, 5.0), (("group-leader", 3), ("any", 2))),
+    # Shorter cycles than a node's: a worker fault finds no target more
+    # often (no data group's leader known in a storm, a worker being started
+    # again), and a long run must still give 300 of each.
+    WORKER_KILL: Lane((0.3, 2.0), (0.5, 3.0), (("group-leader", 3), ("any", 2))),
+    WORKER_PAUSE: Lane((1.2, 3.0), (0.5, 3.0), (("group-leader", 3), ("any", 2))),
 }
 
 
