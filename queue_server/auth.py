@@ -94,14 +94,10 @@ def bearer(credential: str | None) -> str:
 
 # ------------------------------------------------------------ authorization
 
-# The field that names the topic, by rpc, for the rpcs whose scope is per
-# topic (Publish and PublishBatch: read off the wire, see ``_topics``).
-TOPIC_FIELD: dict[str, str] = {
-    "Fetch": "topic",
-    "ReadFences": "topic",
-    "GetHeatmap": "topic",
-    "JoinGroup": "topic",
-}
+# The rpcs whose topic is read off the wire (their pings are not parsed for
+# it); the others' requests are small and parsed whole. Where each request
+# names its topic is the RPC table's (``Rpc.topic_field``).
+_READ_RAW = frozenset({"Publish", "PublishBatch"})
 
 
 def required(method: str, request: bytes) -> list[Need]:
@@ -121,15 +117,16 @@ def required(method: str, request: bytes) -> list[Need]:
 
 def topics_of(method: str, request: bytes) -> list[str] | None:
     """The topics a request names (None: it names none)."""
+    rpc = BY_NAME[method]
+    path = rpc.topic_field
+    if not path:
+        return None
     try:
-        if method == "Publish":
-            return [_last_string(request, 1)]
-        if method == "PublishBatch":
-            return [_last_string(r, 1) for r in _fields(request, 1)]
-        field = TOPIC_FIELD.get(method)
-        if field is None:
-            return None
-        return [str(getattr(BY_NAME[method].request.FromString(request), field))]
+        if method in _READ_RAW:
+            return _strings_at(request, path)
+        (number,) = path
+        field = rpc.request.DESCRIPTOR.fields_by_number[number].name
+        return [str(getattr(rpc.request.FromString(request), field))]
     except (DecodeError, ValueError, UnicodeDecodeError):
         raise RoadlogError(Code.INVALID_ARGUMENT, f"malformed {method} request") from None
 
@@ -170,6 +167,16 @@ def _fields(raw: bytes | memoryview, number: int) -> Iterator[memoryview]:
     buf = memoryview(raw)
     for start, end in field_spans(buf, number):
         yield buf[start:end]
+
+
+def _strings_at(raw: bytes | memoryview, path: tuple[int, ...]) -> list[str]:
+    """The string at ``path`` (field numbers, ``Rpc.topic_field``) of a
+    message's wire bytes: one, or one per message of each repeated message
+    field on the way."""
+    number, *rest = path
+    if not rest:
+        return [_last_string(raw, number)]
+    return [s for sub in _fields(raw, number) for s in _strings_at(sub, tuple(rest))]
 
 
 def _last_string(raw: bytes | memoryview, number: int) -> str:

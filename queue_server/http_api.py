@@ -546,8 +546,9 @@ class HttpApi:
             producer_epoch=epoch,
         ).SerializeToString()
         group = await self._data_group(request, topic, cols, client)
+        wire = with_leading_varint(req, BY_NAME["Publish"].group_hint_field, group)
         try:
-            resp = await self.call(request, "Publish", with_leading_varint(req, 7, group), client)
+            resp = await self.call(request, "Publish", wire, client)
         except RoadlogError as e:
             if not group or e.code != Code.FAILED_PRECONDITION or "map changed" not in e.message:
                 raise

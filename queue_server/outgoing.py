@@ -11,9 +11,9 @@ from roadlog.protowire import length_delimited
 from roadlog.rpc import Kind
 from roadlog.v1 import work_pb2
 
-_ITEMS_ITEMS = 1  # WorkItems.items
-_ITEMS_FENCE_WAIT = 2  # WorkItems.fence_wait
-_ITEM_REQUEST = 4  # WorkItem.request
+_ITEMS_ITEMS = work_pb2.WorkItems.ITEMS_FIELD_NUMBER
+_ITEMS_FENCE_WAIT = work_pb2.WorkItems.FENCE_WAIT_FIELD_NUMBER
+_ITEM_REQUEST = work_pb2.WorkItem.REQUEST_FIELD_NUMBER
 _KIND = {Kind.WRITE: work_pb2.WORK_KIND_WRITE, Kind.READ: work_pb2.WORK_KIND_READ}
 
 

@@ -43,8 +43,6 @@ from roadlog.v1 import client_pb2, work_pb2
 # A read fenced beyond every node's commit index waits this long (the
 # nodes' state may lag the write's answer a little) before it is refused.
 FENCE_GRACE_S = 2.0
-# Where a publish's routing hint is (PublishRequest.group, PublishBatchRequest.group).
-_GROUP_HINT_FIELD = {"Publish": 7, "PublishBatch": 2}
 
 
 class QueueServer(ClientFront, NodeSessions):
@@ -150,8 +148,9 @@ class QueueServer(ClientFront, NodeSessions):
         writes it first: read without parsing), when some node runs that
         group; else 0 (group 0's leader takes it, and splits it if its
         topic is placed in data groups). The group's leader checks it."""
-        field = _GROUP_HINT_FIELD.get(method)
-        if field is None:
+        rpc = ROUTED.get(method)
+        field = rpc.group_hint_field if rpc is not None else 0
+        if not field:
             return 0
         g = leading_varint(request, field)
         return g if g and self.q.runs_group(g) else 0

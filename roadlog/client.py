@@ -57,9 +57,6 @@ from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if
 # server that stops cancels every call it holds); sending again is safe
 # (publishes are deduplicated by producer id and sequence, reads change nothing).
 RETRYABLE = {Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED, Code.CANCELLED}
-# Where a publish says which data group its pings lie in (PublishRequest.group,
-# PublishBatchRequest.group): written first, so the queue server reads it cheaply.
-_GROUP_HINT_FIELD = {"Publish": 7, "PublishBatch": 2}
 STALE_MAP = "the topic's map changed"  # a data group's refusal of another group's pings
 M = TypeVar("M", bound=Message)
 
@@ -196,7 +193,11 @@ class Connection:
             request = fenced
         wire = request.SerializeToString()
         if routing_group:
-            wire = with_leading_varint(wire, _GROUP_HINT_FIELD[method], routing_group)
+            # Written first, where the queue server reads it without parsing.
+            hint = BY_NAME[method].group_hint_field
+            if not hint:
+                raise ValueError(f"a {method} request has no routing hint")
+            wire = with_leading_varint(wire, hint, routing_group)
         raw = self._call(method, wire, timeout)
         resp: Any = (response or BY_NAME[method].response).FromString(raw)
         if "applied_index" in resp.DESCRIPTOR.fields_by_name:

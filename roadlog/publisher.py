@@ -40,10 +40,11 @@ from roadlog.framing import OnFrame
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.protowire import with_leading_varint
 from roadlog.publish_link import PublishLink, open_link
+from roadlog.rpc import BY_NAME
 from roadlog.v1 import client_pb2
 
 MAX_BATCH_REQUESTS = 4096  # what a node takes in one PublishBatch
-_BATCH_GROUP_FIELD = 2  # PublishBatchRequest.group
+_BATCH_GROUP_FIELD = BY_NAME["PublishBatch"].group_hint_field
 
 
 @dataclass(eq=False)

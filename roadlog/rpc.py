@@ -19,6 +19,14 @@ server checks it, ``queue_server/auth.py``): ``public`` (no token),
 ``read``, ``heatmap``) for the topic the request names (an rpc whose request
 names no topic, a group's say: a scope of that kind for some topic). Every
 row must say; a test checks every rpc and every HTTP route has a rule.
+
+The wire facts of an rpc that its users read off a request's bytes without
+parsing it are in its row too, taken from the generated ``*_FIELD_NUMBER``
+constants (``tests/unit/roadlog/test_rpc.py`` checks them against the
+descriptors): ``topic_field``, where the request names the topic its scope
+is checked against (``queue_server/auth.py``), and ``group_hint_field``,
+the varint a publish's data group is written in first
+(``roadlog/protowire.py``: the SDK writes it, the queue server reads it).
 """
 
 from __future__ import annotations
@@ -59,6 +67,13 @@ class Rpc:
     response: type[Message]
     needs: str
     http: HttpRoute | None = None
+    # The field numbers from the request down to the string that names its
+    # topic, a repeated message field on the way meaning each of its
+    # messages names one (PublishBatch: requests, then topic); (): none.
+    topic_field: tuple[int, ...] = ()
+    # The varint field of the request a publish's routing hint (the data
+    # group all its pings lie in) is written in, first; 0: it has none.
+    group_hint_field: int = 0
 
     @property
     def fenced(self) -> bool:
@@ -115,8 +130,21 @@ RPCS: tuple[Rpc, ...] = (
         c.PublishResponse,
         "produce",
         HttpRoute("POST", "/v1/topics/{name}/pings"),
+        topic_field=(c.PublishRequest.TOPIC_FIELD_NUMBER,),
+        group_hint_field=c.PublishRequest.GROUP_FIELD_NUMBER,
     ),
-    Rpc("PublishBatch", W, c.PublishBatchRequest, c.PublishBatchResponse, "produce"),
+    Rpc(
+        "PublishBatch",
+        W,
+        c.PublishBatchRequest,
+        c.PublishBatchResponse,
+        "produce",
+        topic_field=(
+            c.PublishBatchRequest.REQUESTS_FIELD_NUMBER,
+            c.PublishRequest.TOPIC_FIELD_NUMBER,
+        ),
+        group_hint_field=c.PublishBatchRequest.GROUP_FIELD_NUMBER,
+    ),
     Rpc(
         "Fetch",
         R,
@@ -124,6 +152,7 @@ RPCS: tuple[Rpc, ...] = (
         c.FetchResponse,
         "read",
         HttpRoute("GET", "/v1/topics/{name}/partitions/{partition}/pings"),
+        topic_field=(c.FetchRequest.TOPIC_FIELD_NUMBER,),
     ),
     # Answered by the queue server from a ReadIndex of each group's leader.
     Rpc(
@@ -133,13 +162,21 @@ RPCS: tuple[Rpc, ...] = (
         c.ReadFencesResponse,
         "read",
         HttpRoute("GET", "/v1/topics/{name}/fences"),
+        topic_field=(c.ReadFencesRequest.TOPIC_FIELD_NUMBER,),
     ),
     # The cluster's layout (nodes, their addresses and roles): any identity
     # may see it, a stranger may not (issue 19, finding 15).
     Rpc(
         "Status", None, c.StatusRequest, c.ClusterStatus, IDENTITY, HttpRoute("GET", "/v1/cluster")
     ),
-    Rpc("JoinGroup", W, c.JoinGroupRequest, c.JoinGroupResponse, "read"),
+    Rpc(
+        "JoinGroup",
+        W,
+        c.JoinGroupRequest,
+        c.JoinGroupResponse,
+        "read",
+        topic_field=(c.JoinGroupRequest.TOPIC_FIELD_NUMBER,),
+    ),
     Rpc("Heartbeat", W, c.HeartbeatRequest, c.HeartbeatResponse, "read"),
     Rpc("CommitOffsets", W, c.CommitOffsetsRequest, c.CommitOffsetsResponse, "read"),
     Rpc("LeaveGroup", W, c.LeaveGroupRequest, c.LeaveGroupResponse, "read"),
@@ -153,6 +190,7 @@ RPCS: tuple[Rpc, ...] = (
         c.GetHeatmapResponse,
         "heatmap",
         HttpRoute("GET", "/v1/topics/{name}/heatmap"),
+        topic_field=(c.GetHeatmapRequest.TOPIC_FIELD_NUMBER,),
     ),
     Rpc("PutHeatmap", W, c.PutHeatmapRequest, c.PutHeatmapResponse, ADMIN),
     Rpc("CreateClient", W, k.CreateClientRequest, k.CreateClientResponse, ADMIN),

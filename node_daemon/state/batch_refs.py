@@ -25,6 +25,7 @@ import struct
 from typing import Protocol
 
 from roadlog.protowire import field_spans
+from roadlog.v1 import command_pb2
 
 REF_MARK = 0  # the first byte of a reference (a PingBatch's never is)
 _REF = struct.Struct(">BQII")  # mark, entry index, offset, length
@@ -58,10 +59,10 @@ def decode_ref(value: bytes | memoryview, at: int) -> tuple[int, int, int]:
 # ------------------------------------------------------------ wire walking
 
 # Field numbers (proto/roadlog/v1/command.proto).
-_COMMAND_OPS = 2
-_OP_APPEND = 1
-_APPEND_PARTS = 5
-_PART_BATCH = 2
+_COMMAND_OPS = command_pb2.Command.OPS_FIELD_NUMBER
+_OP_APPEND = command_pb2.Op.APPEND_FIELD_NUMBER
+_APPEND_PARTS = command_pb2.AppendOp.PARTS_FIELD_NUMBER
+_PART_BATCH = command_pb2.PartitionBatch.BATCH_FIELD_NUMBER
 
 
 def append_batch_spans(data: bytes) -> list[list[tuple[int, int]]] | None:

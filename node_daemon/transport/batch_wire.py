@@ -24,9 +24,9 @@ from node_daemon.transport.wire import message_to_pb
 from roadlog.protowire import length_delimited
 from roadlog.v1 import raft_pb2
 
-_BATCH_MESSAGES = 3  # RaftBatch.messages
-_MESSAGE_ENTRIES = 7  # RaftMessage.entries
-_ENTRY_DATA = 4  # RaftEntry.data
+_BATCH_MESSAGES = raft_pb2.RaftBatch.MESSAGES_FIELD_NUMBER
+_MESSAGE_ENTRIES = raft_pb2.RaftMessage.ENTRIES_FIELD_NUMBER
+_ENTRY_DATA = raft_pb2.RaftEntry.DATA_FIELD_NUMBER
 
 
 def _message_parts(m: Message, group: int) -> list[bytes]:

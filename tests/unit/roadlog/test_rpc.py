@@ -1,6 +1,8 @@
 """The RPC surface declared once (roadlog.rpc): the table agrees with the
-proto's service, and the queue server, the node's worker, the HTTP routes
-and the OpenAPI document are made from it."""
+proto's service, its wire facts (where a request names its topic, where a
+publish's group hint is) with the messages' descriptors, and the queue
+server, the node's worker, the HTTP routes and the OpenAPI document are
+made from it."""
 
 from __future__ import annotations
 
@@ -9,13 +11,24 @@ import inspect
 from typing import Any
 
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
 
 from node_daemon.work.handler import WorkHandler
 from queue_server.client_front import client_handler
 from queue_server.http_api import HttpApi
 from queue_server.openapi import OPENAPI
 from roadlog.errors import Code
-from roadlog.rpc import BY_NAME, FENCE_FIELD, QUEUED, ROUTED, RPCS, SERVICE, Kind, Rpc
+from roadlog.rpc import (
+    BY_NAME,
+    FENCE_FIELD,
+    INTERNAL,
+    QUEUED,
+    ROUTED,
+    RPCS,
+    SERVICE,
+    Kind,
+    Rpc,
+)
 from roadlog.v1 import client_pb2, work_pb2
 
 pytestmark = pytest.mark.unit
@@ -57,6 +70,53 @@ def test_kinds_and_fences() -> None:
         "ListClients",
     }
     assert set(QUEUED) == set(BY_NAME) - {"Status", "ReadFences"}
+
+
+def test_each_rows_wire_facts_are_its_requests_fields() -> None:
+    """Every row's topic field is a path of field numbers down to a string
+    named topic (through message fields), and its group hint a uint32 named
+    group; each request that names a topic says where."""
+    for r in (*RPCS, *INTERNAL.values()):
+        msg = r.request.DESCRIPTOR
+        for number in r.topic_field[:-1]:
+            f = msg.fields_by_number[number]
+            assert f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type, r.name
+            msg = f.message_type
+        if r.topic_field:
+            f = msg.fields_by_number[r.topic_field[-1]]
+            assert (f.name, f.type) == ("topic", FieldDescriptor.TYPE_STRING), r.name
+        if r.group_hint_field:
+            f = r.request.DESCRIPTOR.fields_by_number[r.group_hint_field]
+            assert (f.name, f.type) == ("group", FieldDescriptor.TYPE_UINT32), r.name
+    for r in RPCS:
+        topic = r.request.DESCRIPTOR.fields_by_name.get("topic")
+        if topic is not None:
+            assert r.topic_field == (topic.number,), r.name
+
+
+def test_the_wire_facts_are_pinned_a_renumbered_field_fails_here() -> None:
+    """Deployed SDKs write the group hint, and the queue server reads topics
+    and hints off the wire: renumbering one of these fields breaks them, so
+    the numbers are written out here once more."""
+    facts = {r.name: (r.topic_field, r.group_hint_field) for r in RPCS}
+    assert {name: f for name, f in facts.items() if f != ((), 0)} == {
+        "Publish": ((1,), 7),
+        "PublishBatch": ((1, 1), 2),
+        "Fetch": ((1,), 0),
+        "ReadFences": ((1,), 0),
+        "JoinGroup": ((2,), 0),
+        "GetHeatmap": ((1,), 0),
+    }
+    assert all((r.topic_field, r.group_hint_field) == ((), 0) for r in INTERNAL.values())
+    # The views the SDK and the HTTP API write publishes with (their batch
+    # left as bytes) share those numbers.
+    views = [
+        (client_pb2.PublishRequest.DESCRIPTOR, client_pb2.PublishRequestView.DESCRIPTOR),
+        (client_pb2.PublishBatchRequest.DESCRIPTOR, client_pb2.PublishBatchRequestView.DESCRIPTOR),
+    ]
+    for msg, view in views:
+        for f in msg.fields:
+            assert view.fields_by_name[f.name].number == f.number, (msg.name, f.name)
 
 
 def test_fenced_is_read_from_the_request() -> None:
