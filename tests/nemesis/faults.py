@@ -77,6 +77,12 @@ RESTART_SEC = 2.0
 
 RETRIED = (WIPE, MEMBER, CORRUPT)
 FAIR_LEAD = 2  # how far one RETRIED kind may run ahead of the least started
+# Worker faults find no target while their node starts its workers again
+# (after a kill or a power cut of the node, or a worker kill): tried again
+# as the RETRIED kinds are, but only this long after their time, and with
+# no turns to take (they wait for no quiet cluster).
+TARGET_RETRIED = (WORKER_KILL, WORKER_PAUSE)
+TARGET_LATE_S = 6.0
 
 
 class Skip(Exception):
@@ -165,7 +171,9 @@ class Nemesis:
                 seq += 1
                 heapq.heappush(queue, (self.rec.now() + RETRY_S, seq, "start", f))
             elif what == "start":
-                last_try = f.kind not in RETRIED or self.rec.now() + RETRY_S - due > LATE_S
+                late = TARGET_LATE_S if f.kind in TARGET_RETRIED else LATE_S
+                retried = f.kind in RETRIED or f.kind in TARGET_RETRIED
+                last_try = not retried or self.rec.now() + RETRY_S - due > late
                 seq += 1
                 if self.start(f, record_skip=last_try):  # healed its duration after it began
                     if f.kind in started:
@@ -173,7 +181,8 @@ class Nemesis:
                     waiting.pop(f.kind, None)
                     heapq.heappush(queue, (self.rec.now() + f.duration, seq, "heal", f))
                 elif not last_try:
-                    waiting[f.kind] = f.id
+                    if f.kind in RETRIED:  # one at a time; target retries ask little
+                        waiting[f.kind] = f.id
                     heapq.heappush(queue, (self.rec.now() + RETRY_S, seq, "start", f))
                 else:
                     waiting.pop(f.kind, None)
