@@ -100,8 +100,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def Status(self, request: Any, context: Any) -> client_pb2.ClusterStatus:
         n = self.node
-        st = client_pb2.ClusterStatus(leader=n.core.lead, term=n.core.term)
-        st.nodes.append(node_status(n))
+        ns = node_status(n)
+        st = client_pb2.ClusterStatus(leader=ns.leader, term=ns.term)
+        st.nodes.append(ns)
         for m in self.membership.members():  # the others: where to ask them
             if m.node_id != n.id:
                 st.nodes.add(id=m.node_id, address=m.address)

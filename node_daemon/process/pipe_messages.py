@@ -10,9 +10,10 @@ encoding (``encode``, ``decode``).
   the group), answered by a ``Barrier`` with the same id.
 
 The wire form of a message is a pickled tuple of plain values: its kind (the
-class's name), then its fields in order; a nested dataclass (``GroupTold``)
-is a tuple of its own fields the same way. Nothing is per ping: these are
-figures, ids, ports and one metrics text. ``decode`` refuses anything else
+class's name), then its fields in order; a nested dataclass
+(``GroupFigures``) is a tuple of its own fields the same way, an enum (its
+``Role``) an int. Nothing is per ping: these are figures, ids, ports and
+one metrics text. ``decode`` refuses anything else
 (``MalformedMessage``: an unknown kind, a class or other global in the
 pickle, a field missing or of the wrong type, an invariant broken), so only
 these dataclasses ever come out of a pipe.
@@ -28,9 +29,18 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, get_args, get_origin, get_type_hints
 
+from node_daemon.replica.status import GroupFigures
+
 
 class MalformedMessage(ValueError):
     """Bytes from the pipe that are not one of the messages below."""
+
+
+def _check_conf(voters: tuple[int, ...], learners: tuple[int, ...]) -> None:
+    if list(voters) != sorted(voters) or list(learners) != sorted(learners):
+        raise ValueError("voters and learners come sorted")
+    if set(voters) & set(learners):
+        raise ValueError("a node is both voter and learner")
 
 
 # ------------------------------------------------------------- main -> worker
@@ -51,10 +61,7 @@ class Group0:
     queue_servers: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        if list(self.voters) != sorted(self.voters) or list(self.learners) != sorted(self.learners):
-            raise ValueError("voters and learners come sorted")
-        if set(self.voters) & set(self.learners):
-            raise ValueError("a node is both voter and learner")
+        _check_conf(self.voters, self.learners)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,36 +104,24 @@ class Ports:
 
 
 @dataclass(frozen=True, slots=True)
-class GroupTold:
-    """One of the worker's groups as the main process reads it: its commit
-    index, configuration and role, and its status (``GroupStatus`` bytes).
-
-    Invariant: ``group`` >= 1 (a worker runs no group 0); ``voters`` and
-    ``learners`` sorted."""
-
-    group: int
-    commit_index: int
-    voters: tuple[int, ...]
-    learners: tuple[int, ...]
-    is_leader: bool
-    status: bytes
-
-    def __post_init__(self) -> None:
-        if self.group < 1:
-            raise ValueError(f"a worker's group {self.group}")
-
-
-@dataclass(frozen=True, slots=True)
 class Groups:
-    """The worker's groups whose figures moved since last told.
+    """The figures of the worker's groups that moved since last told, each
+    group's once (``replica.status.group_figures``: its commit index,
+    configuration, role, term, leader, applied index; the main process's
+    status of the group is made from them).
 
-    Invariant: each group at most once."""
+    Invariant: each group at most once, and none is group 0 (a worker runs
+    data groups only); each one's voters and learners sorted and disjoint
+    (``GroupFigures``)."""
 
-    groups: tuple[GroupTold, ...]
+    figures: tuple[GroupFigures, ...]
 
     def __post_init__(self) -> None:
-        if len({g.group for g in self.groups}) != len(self.groups):
-            raise ValueError("a group told twice in one message")
+        groups = {f.group for f in self.figures}
+        if len(groups) != len(self.figures) or any(g < 1 for g in groups):
+            raise ValueError(f"groups {[f.group for f in self.figures]} in one message")
+        for f in self.figures:
+            _check_conf(f.voters, f.learners)
 
 
 @dataclass(frozen=True, slots=True)

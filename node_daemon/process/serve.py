@@ -27,8 +27,7 @@ from node_daemon.process.identity import node_id_for
 from node_daemon.process.state_metrics import STATE
 from node_daemon.process.worker_metrics import WorkerMetrics, merged_registry
 from node_daemon.process.worker_pool import WorkerPool, remote_replicas, with_workers
-from node_daemon.raft import Role
-from node_daemon.replica.status import node_readiness
+from node_daemon.replica.status import group_figures, node_readiness
 from node_daemon.storage.raft_log import LmdbLogStorage
 from node_daemon.store.cluster_membership import Membership
 from node_daemon.store.founded_data_groups import (
@@ -228,7 +227,7 @@ async def serve(cfg: NodeConfig) -> None:
             node.serving and membership.in_config() and (workers is None or workers.alive())
         ):
             await asyncio.sleep(0.2)
-        notify(f"READY=1\nSTATUS=member of the cluster, leader {node.core.lead}")
+        notify(f"READY=1\nSTATUS=member of the cluster, leader {group_figures(node).leader}")
 
     def on_state() -> None:
         for link in links.values():
@@ -261,9 +260,9 @@ async def serve(cfg: NodeConfig) -> None:
             groups.update_addresses({**node.sm.peers(), **discovered.core.addresses(now)})
             link_queue_servers(discovered.core.queue_servers(now))
             if membership.in_config():
-                core = node.core
+                f = group_figures(node)
                 discovered.core.set_member(
-                    core.lead, node.address_of(core.lead), core.term, membership.members()
+                    f.leader, node.address_of(f.leader), f.term, membership.members()
                 )
 
         agent.listeners.append(on_discovery_step)
@@ -313,7 +312,7 @@ async def serve(cfg: NodeConfig) -> None:
     readiness.cancel()
     founded_check.cancel()
     notify("STOPPING=1")
-    log.info("stopping", extra={"role": Role(node.core.role).name.lower()})
+    log.info("stopping", extra={"role": group_figures(node).role.name.lower()})
     if workers is not None:  # each hands its groups over and stops, meanwhile
         workers.begin_stop()
     if not failed:  # a graceful stop: no group waits out an election for this node

@@ -50,6 +50,7 @@ from node_daemon.process.worker_metrics import WorkerMetrics
 from node_daemon.process.worker_process import WorkerSpec, barrier_answer, shares
 from node_daemon.replica.remote import RemoteReplica
 from node_daemon.replica.replica import Replica, group_data_dir
+from node_daemon.replica.status import group_figures
 from node_daemon.transport.peer_transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
 
@@ -195,12 +196,10 @@ class WorkerPool:
                 if self.metrics is not None:
                     self.metrics.told(w.index, msg.text)
             case Groups():
-                for fig in msg.groups:
+                for fig in msg.figures:
                     rg = self.remote.get(fig.group)
                     if rg is not None:
-                        rg.told(
-                            fig.commit_index, fig.voters, fig.learners, fig.is_leader, fig.status
-                        )
+                        rg.told(fig)
             case _:
                 log.error(
                     "a message a worker does not send: ignored",
@@ -211,11 +210,11 @@ class WorkerPool:
         return w.pipe is not None and w.pipe.send(msg, droppable)
 
     def _group0(self) -> Group0:
-        core = self.meta.core
+        f = group_figures(self.meta)
         return Group0(
-            commit_index=core.log.committed,
-            voters=tuple(sorted(core.conf.voters)),
-            learners=tuple(sorted(core.conf.learners)),
+            commit_index=f.commit_index,
+            voters=f.voters,
+            learners=f.learners,
             addresses=dict(self.meta.addresses),
             queue_servers=tuple(self.queue_servers()),
         )

@@ -16,9 +16,9 @@ Over the pipe (``pipe``; the messages are ``pipe_messages``'s dataclasses):
 - main -> worker: ``Group0``, group 0's figures (first before anything
   starts, then as they move); ``HandOver(n)``, hand every group it leads
   to node n (0: each to its best follower); ``Stop``, hand over, then stop.
-- worker -> main: ``Ports`` once listening; ``Groups``, each group's
-  figures and status as they move (at most every ``TELL_EVERY_S``);
-  ``Metrics``.
+- worker -> main: ``Ports`` once listening; ``Groups``, the figures of
+  each group that moved, once (``GroupFigures``, at most every
+  ``TELL_EVERY_S``); ``Metrics``.
 - either way: ``ReadBarrier``, answered by a ``Barrier``.
 
 Invariants: a worker dies with its main process (``PR_SET_PDEATHSIG``),
@@ -52,7 +52,6 @@ from node_daemon.process.pipe_messages import (
     Barrier,
     Group0,
     Groups,
-    GroupTold,
     HandOver,
     Message,
     Metrics,
@@ -62,7 +61,7 @@ from node_daemon.process.pipe_messages import (
 )
 from node_daemon.replica.remote import RemoteReplica
 from node_daemon.replica.replica import NotLeader, Replica, group_data_dir
-from node_daemon.replica.status import group_status
+from node_daemon.replica.status import GroupFigures, group_figures
 from node_daemon.store.leader_balance import successor
 from node_daemon.store.store import Store
 from node_daemon.transport.peer_transport import PeerTransport
@@ -319,7 +318,7 @@ async def barrier_answer(node: Replica | None, ask: ReadBarrier) -> Barrier:
 
 
 def _take_group0(group0: RemoteReplica, msg: Group0) -> None:
-    group0.told(msg.commit_index, msg.voters, msg.learners, leader=False)
+    group0.told_conf(msg.commit_index, msg.voters, msg.learners)
 
 
 async def _hand_to(groups: Store, target: int) -> None:
@@ -336,12 +335,13 @@ async def _hand_to(groups: Store, target: int) -> None:
 
 class _Teller:
     """Tells the main process each group's figures as they move, at most
-    every TELL_EVERY_S."""
+    every TELL_EVERY_S: one ``GroupFigures`` a group that moved, in one
+    ``Groups`` message."""
 
     def __init__(self, pipe: ProcessPipe, nodes: dict[int, Replica]) -> None:
         self.pipe = pipe
         self.nodes = nodes
-        self._told: dict[int, tuple[object, ...]] = {}
+        self._told: dict[int, GroupFigures] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0
 
@@ -354,37 +354,11 @@ class _Teller:
     def _tell(self) -> None:
         self._timer = None
         self._last = time.monotonic()
-        out: list[GroupTold] = []
-        keys: dict[int, tuple[object, ...]] = {}
-        for g, n in self.nodes.items():
-            conf = n.core.conf
-            key = (
-                n.is_leader,
-                n.core.term,
-                n.core.lead,
-                n.core.log.committed,
-                n.sm.applied_index,
-                conf.voters,
-                conf.learners,
-                n.core.catching_up,
-            )
-            if self._told.get(g) == key:
-                continue
-            keys[g] = key
-            out.append(
-                GroupTold(
-                    g,
-                    n.core.log.committed,
-                    tuple(sorted(conf.voters)),
-                    tuple(sorted(conf.learners)),
-                    n.is_leader,
-                    group_status(n).SerializeToString(),
-                )
-            )
+        out = [f for g, n in self.nodes.items() if (f := group_figures(n)) != self._told.get(g)]
         if not out:
             return
         if self.pipe.send(Groups(tuple(out)), droppable=True):
-            self._told.update(keys)
+            self._told.update((f.group, f) for f in out)
         else:  # the main process is behind: the latest figures, a little later
             self.moved()
 

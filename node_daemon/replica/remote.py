@@ -6,8 +6,8 @@ leader checks producer ids and follows topics and membership in group 0's.
 ``ReplicaView`` is what they read; a ``Replica`` in the same process is one,
 and so is a ``RemoteReplica``: a group that another process of this node
 runs (worker processes, step 5), read through a read-only view of its
-state (``StateReplicaView``) and the live figures (commit index,
-configuration, role, status) that process last told.
+state (``StateReplicaView``) and the live figures (``GroupFigures``: commit
+index, configuration, role, term...) that process last told.
 
 Invariants: a ``RemoteReplica`` never writes; its state is never older than
 one it showed before; its figures are the last told, so a reader that
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from node_daemon.raft import ConfState
 from node_daemon.state.machine import StateMachine
 from node_daemon.state.replica_view import StateReplicaView
 from roadlog.errors import Code, RoadlogError
-from roadlog.v1 import client_pb2
+
+if TYPE_CHECKING:  # status.py reads ReplicaView from here
+    from node_daemon.replica.status import GroupFigures
 
 
 class ReplicaView(Protocol):
@@ -61,7 +63,7 @@ class RemoteReplica:
         self.committed = 0
         self.conf = ConfState()
         self.leader = False
-        self.status: client_pb2.GroupStatus | None = None  # as last told
+        self.figures: GroupFigures | None = None  # as last told (None: not yet)
         # Asks the group's process for a ReadIndex (set by its supervisor).
         self.ask_barrier: Callable[[], Awaitable[int]] | None = None
 
@@ -97,17 +99,15 @@ class RemoteReplica:
         await self.view.wait_applied(index, WAIT_FOREVER_S)
         return index
 
-    def told(
-        self,
-        committed: int,
-        voters: Iterable[int],
-        learners: Iterable[int],
-        leader: bool,
-        status: bytes = b"",
-    ) -> None:
-        """What its process told of it."""
+    def told(self, figures: GroupFigures) -> None:
+        """Its figures, as its process told them (a worker's group, read by
+        the main process)."""
+        self.figures = figures
+        self.told_conf(figures.commit_index, figures.voters, figures.learners)
+        self.leader = figures.is_leader
+
+    def told_conf(self, committed: int, voters: Iterable[int], learners: Iterable[int]) -> None:
+        """Its commit index and configuration alone (group 0, read by a
+        worker, which never leads it: ``is_leader`` stays False)."""
         self.committed = max(self.committed, committed)
         self.conf = ConfState(frozenset(voters), frozenset(learners))
-        self.leader = leader
-        if status:
-            self.status = client_pb2.GroupStatus.FromString(status)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 
 from node_daemon.replica.replica import Replica
-from node_daemon.replica.status import node_status
+from node_daemon.replica.status import group_figures, node_status
 from node_daemon.work.routing import Executor, data_group_states
 from roadlog import round_trace
 from roadlog.limits import WORK_BATCH_BYTES, WORK_MESSAGE_BYTES, grpc_options
@@ -106,21 +106,21 @@ class QueueServerLink:
                 data_groups_only=True,
                 groups=data_group_states(self.data_groups),
             )
-        core = n.core
+        f = group_figures(n)
         st = work_pb2.WorkerState(
             node_id=n.id,
             address=n.cfg.address,
-            is_leader=n.is_leader,
-            leader=core.lead,
-            term=core.term,
-            applied_index=n.sm.applied_index,
-            commit_index=core.log.committed,
-            leader_address=n.address_of(core.lead),
+            is_leader=f.is_leader,
+            leader=f.leader,
+            term=f.term,
+            applied_index=f.applied_index,
+            commit_index=f.commit_index,
+            leader_address=n.address_of(f.leader),
         )
         if self.data_groups:
             st.groups.extend(data_group_states(self.data_groups))
         if with_status:
-            st.status.CopyFrom(node_status(n))
+            st.status.CopyFrom(node_status(n, f))
         return st
 
     def _role(self) -> _Role:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from node_daemon.replica.status import group_figures
 from roadlog.errors import Code
 from roadlog.v1 import work_pb2
 
@@ -68,13 +69,16 @@ class WorkRouter:
 
 def data_group_states(data: Mapping[int, Replica]) -> list[work_pb2.GroupState]:
     """What the queue server routes a node's data groups by, in group order."""
-    return [
-        work_pb2.GroupState(
-            group=g,
-            is_leader=n.is_leader,
-            term=n.core.term,
-            applied_index=n.sm.applied_index,
-            commit_index=n.core.log.committed,
+    out = []
+    for g, n in sorted(data.items()):
+        f = group_figures(n)
+        out.append(
+            work_pb2.GroupState(
+                group=g,
+                is_leader=f.is_leader,
+                term=f.term,
+                applied_index=f.applied_index,
+                commit_index=f.commit_index,
+            )
         )
-        for g, n in sorted(data.items())
-    ]
+    return out

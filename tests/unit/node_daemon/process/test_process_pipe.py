@@ -17,11 +17,14 @@ import pytest
 from node_daemon.process import pipe as process_pipe
 from node_daemon.process import pipe_messages as pm
 from node_daemon.process.pipe import HIGH_WATER, BarrierAsks, ProcessPipe
+from node_daemon.raft import Role
+from node_daemon.replica.status import GroupFigures
 from roadlog.errors import RoadlogError
 from tests.unit.support.loops import run_bounded
 
 pytestmark = pytest.mark.unit
 
+FIGURES = GroupFigures(1, Role.LEADER, 3, 2, 40, 39, (1, 2, 3), (4,), 12, False)
 # One message of every kind, as each side sends it.
 EVERY_KIND: list[pm.Message] = [
     pm.Group0(12, (1, 2, 3), (4,), {1: "n1:7400", 2: "n2:7400"}, ("q1:7501",)),
@@ -30,7 +33,7 @@ EVERY_KIND: list[pm.Message] = [
     pm.Stop(),
     pm.Ports(7410, 7411),
     pm.Ports(7410, 0),
-    pm.Groups((pm.GroupTold(1, 40, (1, 2, 3), (), True, b"\x08\x01"),)),
+    pm.Groups((FIGURES, GroupFigures(3, Role.FOLLOWER, 3, 2, 40, 38, (1, 2), (), 12, True))),
     pm.Groups(()),
     pm.Metrics('roadlog_raft_group_term{group="1"} 3.0\n'),
     pm.ReadBarrier(7, 0),
@@ -46,8 +49,10 @@ def test_every_kind_comes_back_as_sent() -> None:
 
 
 def test_the_encoding_is_plain_values_no_class_named() -> None:
-    raw = pickle.loads(pm.encode(EVERY_KIND[6]))
-    assert raw == ("Groups", ((1, 40, (1, 2, 3), (), True, b"\x08\x01"),))
+    raw = pickle.loads(pm.encode(pm.Groups((FIGURES,))))
+    assert raw == ("Groups", ((1, 3, 3, 2, 40, 39, (1, 2, 3), (4,), 12, False),))
+    decoded = pm.decode(pm.encode(pm.Groups((FIGURES,))))
+    assert isinstance(decoded, pm.Groups) and decoded.figures[0].role is Role.LEADER
     assert len(pm.encode(EVERY_KIND[0])) < 100  # small: kind name and values only
 
 
@@ -67,8 +72,11 @@ def test_the_encoding_is_plain_values_no_class_named() -> None:
         pickle.dumps(("Group0", 1, (2, 1), (), {}, ())),  # voters not sorted
         pickle.dumps(("Group0", 1, (1,), (1,), {}, ())),  # both voter and learner
         pickle.dumps(("Group0", 1, (1,), (), {"1": "a"}, ())),  # a str node id
-        pickle.dumps(("Groups", ((0, 1, (), (), False, b""),))),  # a worker's group 0
-        pickle.dumps(("Groups", ((1, 1, (), (), False, b""), (1, 2, (), (), False, b"")))),
+        pickle.dumps(("Groups", ((0, 3, 3, 2, 40, 39, (1,), (), 1, False),))),  # group 0
+        pickle.dumps(("Groups", ((1, 9, 3, 2, 40, 39, (1,), (), 1, False),))),  # no such role
+        pickle.dumps(("Groups", ((1, 3, 3, 2, 40, 39, (1,), (), 1),))),  # a figure missing
+        pickle.dumps(("Groups", ((1, 3, 3, 2, 40, 39, (2, 1), (), 1, False),))),  # unsorted
+        pickle.dumps(("Groups", ((1, 3, 3, 2, 40, 39, (1,), (), 1, False),) * 2)),  # twice
         pickle.dumps(("Barrier", 1, 5, "and an error")),
     ],
 )

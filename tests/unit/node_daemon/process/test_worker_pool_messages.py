@@ -14,6 +14,8 @@ import pytest
 from node_daemon.process import pipe_messages as pm
 from node_daemon.process.worker_metrics import WorkerMetrics
 from node_daemon.process.worker_pool import WorkerPool, remote_replicas
+from node_daemon.raft import Role
+from node_daemon.replica.status import GroupFigures, group_status
 
 pytestmark = pytest.mark.unit
 
@@ -44,12 +46,21 @@ def test_each_kind_a_worker_sends_is_taken(tmp_path: Path) -> None:
     assert transport.group_ports == {1: 0, 2: 7412, 3: 0}
     pool._take(w, pm.Metrics("roadlog_x 1.0\n"))
     assert pool.metrics is not None and pool.metrics._texts == {1: "roadlog_x 1.0\n"}
-    status = b"\x08\x02"  # GroupStatus(id=2)
-    pool._take(w, pm.Groups((pm.GroupTold(2, 30, (1, 2, 3), (4,), True, status),)))
     rg = pool.remote[2]
+    assert group_status(rg).id == 2 and not group_status(rg).role  # not told yet: its id only
+    fig = GroupFigures(2, Role.LEADER, 5, 1, 30, 29, (1, 2, 3), (4,), 7, False)
+    pool._take(w, pm.Groups((fig,)))
     assert rg.committed_index() == 30 and rg.is_leader
     assert rg.conf_state().voters == {1, 2, 3} and rg.conf_state().learners == {4}
-    assert rg.status is not None and rg.status.id == 2
+    assert group_status(rg) == fig.status()  # the status is made of the figures told
+    st = group_status(rg)
+    assert (st.role, st.term, st.leader, st.applied_index, st.conf_index) == ("leader", 5, 1, 29, 7)
+    # Figures told again with a lower commit index (a restarted worker) never
+    # move the view's commit index back; the status is the latest told.
+    pool._take(
+        w, pm.Groups((GroupFigures(2, Role.FOLLOWER, 6, 3, 20, 20, (1, 2, 3), (), 7, True),))
+    )
+    assert rg.committed_index() == 30 and not rg.is_leader and group_status(rg).term == 6
 
 
 def test_a_kind_a_worker_never_sends_is_logged_and_left(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from node_daemon.raft import ConfState, Role
 from node_daemon.work import queue_link
 from node_daemon.work.handler import WorkHandler
 from node_daemon.work.queue_link import INDEX_IDLE_S, QueueServerLink
@@ -178,10 +179,26 @@ class _Node:
 
     def __init__(self) -> None:
         self.id = 1
+        self.group = 0
         self.cfg = SimpleNamespace(address="n1:1")
-        self.is_leader = False
-        self.core = SimpleNamespace(lead=2, term=3, log=SimpleNamespace(committed=0))
+        self.core = SimpleNamespace(
+            role=Role.FOLLOWER,
+            lead=2,
+            term=3,
+            log=SimpleNamespace(committed=0),
+            conf=ConfState(frozenset({1, 2, 3})),
+            conf_index=1,
+            catching_up=False,
+        )
         self.sm = SimpleNamespace(applied_index=0)
+
+    @property
+    def is_leader(self) -> bool:  # as a Replica's: its core's role
+        return bool(self.core.role == Role.LEADER)
+
+    @is_leader.setter
+    def is_leader(self, leads: bool) -> None:
+        self.core.role = Role.LEADER if leads else Role.FOLLOWER
 
     def address_of(self, node: int) -> str:
         return f"n{node}:1"
@@ -222,7 +239,7 @@ def _link(monkeypatch: pytest.MonkeyPatch) -> tuple[QueueServerLink, _Node, list
     monkeypatch.setattr(queue_link, "_clock", _CLOCK)
     built: list[int] = []
 
-    def status(n: Any) -> client_pb2.NodeStatus:
+    def status(n: Any, figures: Any = None) -> client_pb2.NodeStatus:
         built.append(n.sm.applied_index)
         return client_pb2.NodeStatus(id=n.id)
 

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from node_daemon.raft import ConfState, Role
 from node_daemon.work import queue_link
 from node_daemon.work.queue_link import QueueServerLink
 from queue_server.config import QueueConfig
@@ -36,7 +37,7 @@ CLUSTER = "roadlog"  # QueueConfig's default cluster name
 
 @pytest.fixture(autouse=True, params=LOOPS)
 def event_loop_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(queue_link, "node_status", lambda n: client_pb2.NodeStatus(id=n.id))
+    monkeypatch.setattr(queue_link, "node_status", lambda n, f=None: client_pb2.NodeStatus(id=n.id))
     return use_loop(request, monkeypatch)
 
 
@@ -47,7 +48,16 @@ class _Node:
         self.id = node_id
         self.cfg = SimpleNamespace(address=f"n{node_id}:1", cluster_name=CLUSTER)
         self.is_leader = True
-        self.core = SimpleNamespace(lead=node_id, term=3, log=SimpleNamespace(committed=5))
+        self.group = 0
+        self.core = SimpleNamespace(
+            role=Role.LEADER,
+            lead=node_id,
+            term=3,
+            log=SimpleNamespace(committed=5),
+            conf=ConfState(frozenset({node_id})),
+            conf_index=1,
+            catching_up=False,
+        )
         self.sm = SimpleNamespace(applied_index=5)
 
     def address_of(self, node: int) -> str:
