@@ -32,10 +32,14 @@ import grpc
 import lmdb
 
 from node_daemon.state.replica_view import StateReplicaView
+from roadlog.client import Admin, Connection
+from roadlog.client_tls import ClientTLS
 from roadlog.errors import RoadlogError
 from roadlog.runtime.auth import cluster_token, token_metadata
+from roadlog.runtime.tls import CA_CERT, Identity, cert_files
+from roadlog.scopes import ADMIN, new_token, token_hash
 from roadlog.status import ask_node
-from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, client_pb2_grpc
+from roadlog.v1 import admin_pb2, admin_pb2_grpc, client_pb2, client_pb2_grpc, clients_pb2
 from tests.nemesis.disks import Disk, ImageStore
 from tests.netns.conftest import REPO, Host, Net
 
@@ -107,6 +111,7 @@ class Service:
     boot_file: Path | None = None
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    https: bool = False  # a queue server's HTTP port speaks TLS
 
     @property
     def address(self) -> str:
@@ -114,7 +119,7 @@ class Service:
 
     @property
     def http(self) -> str:
-        return f"http://{self.host.ip}:{HTTP_PORT}"
+        return f"{'https' if self.https else 'http'}://{self.host.ip}:{HTTP_PORT}"
 
     @property
     def pid(self) -> int:
@@ -155,6 +160,11 @@ class NemesisCluster:
     # processes (one per core), topics' partitions placed in them. 1: every
     # ping in group 0, in the node's main process (the shape before groups).
     data_groups: int = 0
+    # TLS on every port and issued tokens, as the product runs (False: the
+    # plaintext, unauthenticated shape of runs before; ``--insecure``).
+    tls: bool = True
+    client_tls: ClientTLS = field(default_factory=lambda: ClientTLS(insecure=True))
+    admin_token: str = ""  # the first admin identity's (``issue_identities``)
     net: Net | None = None
     services: dict[str, Service] = field(default_factory=dict)
     disks: list[Disk] = field(default_factory=list)
@@ -179,7 +189,9 @@ class NemesisCluster:
         self.net = Net(self.dir / "net", self.tag, subnet=self.subnet)
         self.net.create()
         secret = str(self.net.secret)
-        os.environ["ROADLOG_INSECURE"] = "1"  # the workload's SDK: plaintext, as the daemons
+        certs = _HostCerts(self.dir) if self.tls else None
+        if certs is not None:
+            self.client_tls = certs.client()
         queues = [self.net.host(QUEUE_HOST0 + k) for k in range(1, self.queues + 1)]
         qlist = ",".join(f"{h.ip}:{QUEUE_PORT}" for h in queues)
         hosts = [self.net.host(NODE_HOST0 + k) for k in range(1, self.nodes + 1)]
@@ -194,8 +206,11 @@ class NemesisCluster:
                     "--metrics-port", "9500",
                     "--discovery-port", "0",
                     "--secret-file", secret,
-                    "--insecure",  # TLS here is a follow-up (certificates for the hosts' addresses)
-                    "--client-auth", "none",  # so are tokens (its workload declares client ids)
+                    # TLS with a certificate for the host's address, and
+                    # issued tokens (the default client_auth); plaintext and
+                    # no check at all without TLS, as runs before.
+                    *(certs.args("queue", f"q{k}", h.ip) if certs is not None
+                      else ["--insecure", "--client-auth", "none"]),
                 ], self.dir / "logs" / f"q{k}.log")
             )  # fmt: skip
         self.images = ImageStore(self.dir / "disks", self.nodes * self.disk_bytes + 16 * MIB)
@@ -223,7 +238,7 @@ class NemesisCluster:
                     "--queue-servers", qlist,
                     "--discovery-port", "0",
                     "--secret-file", secret,
-                    "--insecure",
+                    *(certs.args("node", str(k), h.ip) if certs is not None else ["--insecure"]),
                     "--min-free-bytes", str(self.min_free_bytes),
                     "--snapshot-entries", str(self.snapshot_entries),
                     "--snapshot-mib-per-s", str(self.snapshot_mib_per_s),
@@ -233,6 +248,7 @@ class NemesisCluster:
             )  # fmt: skip
 
     def _add(self, svc: Service) -> None:
+        svc.https = self.tls
         svc.log.parent.mkdir(parents=True, exist_ok=True)
         self.services[svc.name] = svc
 
@@ -415,7 +431,7 @@ class NemesisCluster:
         """Each answering node's own view (``ask_node``), asked at once."""
         nodes = self.node_services
         with ThreadPoolExecutor(len(nodes)) as pool:
-            answers = list(pool.map(lambda s: ask_node(s.address, timeout), nodes))
+            answers = list(pool.map(lambda s: ask_node(s.address, timeout, self.client_tls), nodes))
         return {s.ident: v for s, v in zip(nodes, answers, strict=True) if v is not None}
 
     def leader(self, views: dict[int, dict[str, Any]] | None = None) -> int:
@@ -425,13 +441,17 @@ class NemesisCluster:
         return max(leaders, key=lambda x: x["term"])["id"] if leaders else 0
 
     def queue_up(self, svc: Service, timeout: float = 1.0) -> bool:
+        """The queue server answers and knows group 0's leader (before the
+        first identity is made, with tokens on: it answers, and refuses the
+        caller who has none)."""
         try:
-            with grpc.insecure_channel(svc.address) as ch:
+            with self.client_tls.with_token(self.admin_token or None).channel(svc.address) as ch:
                 st = client_pb2_grpc.RoadlogStub(ch).Status(
                     client_pb2.StatusRequest(), timeout=timeout
                 )
-        except grpc.RpcError:
-            return False
+        except grpc.RpcError as e:
+            unauthenticated = e.code() == grpc.StatusCode.UNAUTHENTICATED
+            return self.tls and not self.admin_token and unauthenticated
         return bool(st.leader)
 
     @staticmethod
@@ -482,7 +502,7 @@ class NemesisCluster:
         def one(svc: Service) -> tuple[int, str] | None:
             if group == 0:
                 try:
-                    with grpc.insecure_channel(svc.address) as ch:
+                    with self.client_tls.channel(svc.address) as ch:
                         r = admin_pb2_grpc.AdminStub(ch).StateDigest(
                             admin_pb2.StateDigestRequest(), timeout=10
                         )
@@ -509,11 +529,10 @@ class NemesisCluster:
 
     # ---------------------------------------------------------- membership
 
-    @staticmethod
-    def _own_status(address: str) -> client_pb2.NodeStatus | None:
+    def _own_status(self, address: str) -> client_pb2.NodeStatus | None:
         """What the node at ``address`` says of itself (None: no answer)."""
         try:
-            with grpc.insecure_channel(address) as ch:
+            with self.client_tls.channel(address) as ch:
                 st = admin_pb2_grpc.AdminStub(ch).Status(client_pb2.StatusRequest(), timeout=2)
         except grpc.RpcError:
             return None
@@ -575,7 +594,7 @@ class NemesisCluster:
             if not svc.running():
                 continue
             try:
-                with grpc.insecure_channel(svc.address) as ch:
+                with self.client_tls.channel(svc.address) as ch:
                     call = getattr(admin_pb2_grpc.AdminStub(ch), method)
                     call(request, metadata=token_metadata(token), timeout=timeout)
                 return True
@@ -583,6 +602,41 @@ class NemesisCluster:
                 why = {"method": method, "node": svc.name, "why": e.details()}
                 log.info("admin call refused", extra=why)
         return False
+
+    def issue_identities(
+        self, wanted: dict[str, list[str]], timeout: float = 60.0
+    ) -> dict[str, str]:
+        """Client identities for the workload, as an operator makes them:
+        the first admin through a node's Admin service (the cluster's
+        credentials: a client certificate and the cluster token), then each
+        of ``wanted`` (name -> scopes) through a queue server with that
+        admin's token. name -> token ({} without TLS: no tokens are checked)."""
+        if not self.tls:
+            return {}
+        assert self.net is not None
+        deadline = time.monotonic() + timeout
+        admin = new_token()
+        request = clients_pb2.CreateClientRequest(
+            name="nemesis-admin", scopes=[ADMIN], token_hash=token_hash(admin)
+        )
+        while not self.admin("CreateClient", request, timeout=5.0):
+            if time.monotonic() > deadline:
+                raise RuntimeError("no node made the nemesis's admin identity in time")
+            time.sleep(0.5)
+        self.admin_token = admin
+        tokens: dict[str, str] = {}
+        servers = [q.address for q in self.queue_services]
+        with Connection(servers, timeout=10, client="setup", tls=self.client_tls,
+                        token=admin) as conn:  # fmt: skip
+            for name, scopes in wanted.items():
+                while name not in tokens:
+                    try:
+                        tokens[name] = Admin(conn).create_client(name, scopes).token
+                    except RoadlogError as e:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"identity {name}: {e}") from None
+                        time.sleep(0.5)
+        return tokens
 
     def remove_node(self, ident: int) -> bool:
         return self.admin("RemoveNode", admin_pb2.RemoveNodeRequest(node_id=ident))
@@ -709,6 +763,41 @@ class NemesisCluster:
         tmp = svc.clock_file.with_suffix(".tmp")
         tmp.write_text(f"{offset_s}\n")
         os.replace(tmp, svc.clock_file)
+
+
+class _HostCerts:
+    """The run's certificates: a CA in DIR/ca, a certs dir per process with
+    a certificate for its host's address (DIR/certs/<name>), and the
+    harness's client certificate (DIR/certs/harness: the nodes' ports are
+    mutual TLS)."""
+
+    def __init__(self, directory: Path) -> None:
+        from roadlog.tools import ca as calib  # cryptography: only where certificates are made
+
+        self.lib = calib
+        self.root = directory / "certs"
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.ca_dir = directory / "ca"
+        self.ca_dir.mkdir(mode=0o700, exist_ok=True)
+        self.ca_key = self.ca_dir / "ca.key"
+        calib.create_ca(self.ca_dir, self.ca_key)
+
+    def _dir(self, name: str) -> Path:
+        d = self.root / name
+        d.mkdir(mode=0o700, exist_ok=True)
+        self.lib.copy_ca(self.ca_dir, d)
+        return d
+
+    def args(self, kind: str, name: str, ip: str) -> list[str]:
+        d = self._dir(("n" if kind == "node" else "") + name)
+        self.lib.create_cert(d, self.ca_key, Identity(kind, name), [ip])
+        return ["--certs-dir", str(d)]
+
+    def client(self) -> ClientTLS:
+        d = self._dir("harness")
+        self.lib.create_cert(d, self.ca_key, Identity("client", "admin"))
+        crt, key = cert_files("client", "admin")
+        return ClientTLS(d / CA_CERT, d / crt, d / key)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from roadlog.client import Admin, Connection, Consumer, RoadlogError
+from roadlog.client_tls import ClientTLS
 from roadlog.runtime.logs import JsonFormatter
 from tests.nemesis import schedule, workload
 from tests.nemesis.checker import check
@@ -73,7 +74,9 @@ def final_reads(rec: Recorder, ctx: workload.Ctx) -> bool:
     """Every topic, every partition, read whole at the highest index any
     client was told; recorded as ``final_topics`` and ``final_read``."""
     fence = ctx.fence
-    with Connection(ctx.servers, timeout=30, client="final") as conn:
+    with Connection(
+        ctx.servers, timeout=30, client="final", tls=ctx.tls_for(workload.INFRA)
+    ) as conn:
         try:
             conn.raise_fence(fence)
             for g, index in ctx.fences().items():
@@ -180,6 +183,7 @@ def run(
     snapshot_entries: int = 2000,
     snapshot_mib_per_s: int = 64,
     data_groups: int = 0,
+    tls: bool = True,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
@@ -193,13 +197,13 @@ def run(
               kinds=list(kinds), skip_known=skip_known, subnet=subnet, pace=pace,
               phases=list(phases) if phases else None, max_batch=max_batch,
               snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
-              data_groups=data_groups, pid=os.getpid())  # fmt: skip
+              data_groups=data_groups, tls=tls, pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
     cluster = NemesisCluster(
         run_dir, subnet, f"n{os.getpid() % 100000}", disk_bytes=disk_mib << 20,
         snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
-        data_groups=data_groups,
+        data_groups=data_groups, tls=tls,
     )  # fmt: skip
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -211,6 +215,9 @@ def run(
         if not wait_until(cluster.healthy, SETUP_S):
             log.error("the cluster did not come up")
             return 2
+        # Tokens on: the identities an operator would issue (the admin first,
+        # through a node with the cluster's credentials), then the workload.
+        tokens = cluster.issue_identities(workload.identities())
         ctx = workload.Ctx(
             rec,
             [q.address for q in cluster.queue_services],
@@ -218,6 +225,8 @@ def run(
             seed,
             deadline=time.monotonic() + seconds + SETUP_S + HEAL_S + AFTER_HEAL_S,
             max_batch=max_batch,
+            tls=ClientTLS(cluster.client_tls.ca_file) if tls else ClientTLS(insecure=True),
+            tokens=tokens,
         )
         if not workload.create_main_topic(ctx):
             log.error("could not create the main topic")
@@ -293,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the nodes' data_groups: 0 (the default cluster: one data group per "
                     "voter, in worker processes), or 1 for every ping in group 0, the shape "
                     "before data groups (default: $DATA_GROUPS, else 0)")  # fmt: skip
+    ap.add_argument("--insecure", action="store_true",
+                    help="plaintext and no tokens, the shape of runs before (default: "
+                    "TLS on every port, certificates for the hosts' addresses, "
+                    "issued tokens)")  # fmt: skip
     ap.add_argument("--snapshot-mib-per-s", type=int, default=64,
                     help="the nodes' snapshot_mib_per_s: low, a snapshot's paced copy lasts "
                     "long enough for kills, power cuts and stops to land in it")  # fmt: skip
@@ -327,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     return run(
         a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
         a.disk_mib, a.pace, phases, a.max_batch, a.snapshot_entries, a.snapshot_mib_per_s,
-        a.data_groups,
+        a.data_groups, not a.insecure,
     )  # fmt: skip
 
 

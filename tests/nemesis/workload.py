@@ -40,9 +40,11 @@ from roadlog.client import (
     RoadlogError,
     learn_read_fences,
 )
+from roadlog.client_tls import ClientTLS
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code
 from roadlog.geo import bbox_region
+from roadlog.scopes import ADMIN, ANY_TOPIC, HEATMAP, PRODUCE, READ
 from roadlog.v1 import client_pb2, heatmaps_pb2
 from tests.nemesis.history import Recorder
 
@@ -50,6 +52,10 @@ log = logging.getLogger("nemesis.workload")
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 MAIN_TOPIC, GROUP = "main", "g1"
+# The identities a run with tokens issues (``identities``): each producer its
+# own (give-to-get is per identity), a stranger that never publishes, topic
+# churn, and INFRA for the rest (readers, consumers, observers, setup).
+INFRA, STRANGER, CHURN = "nemesis", "stranger", "churn"
 PARTITIONS = 4
 DEVICES = 8
 # Outcomes a client may take as certain: the request was refused before
@@ -79,6 +85,10 @@ class Ctx:
     # topic -> each partition's Raft group (all 0: the topic is in group 0);
     # fixed when the topic is made, so learnt once.
     placement: dict[str, list[int]] = field(default_factory=dict)
+    # The clients' TLS (the CA; insecure in a plaintext run) and the issued
+    # identities' tokens by name (none in a plaintext run: no check at all).
+    tls: ClientTLS = field(default_factory=lambda: ClientTLS(insecure=True))
+    tokens: dict[str, str] = field(default_factory=dict)
     # Pings in a gRPC publish: 1..max_batch (HTTP: half as many). Long runs
     # may send fewer: the state grows slower, and the wiped and damaged
     # nodes that the quiet kinds of fault wait for catch up sooner.
@@ -87,6 +97,11 @@ class Ctx:
 
     def going(self) -> bool:
         return not self.stop.is_set() and time.monotonic() < self.deadline
+
+    def tls_for(self, identity: str) -> ClientTLS:
+        """How ``identity`` dials the queue servers: with its own token (an
+        identity not issued one: the workload's own, INFRA's)."""
+        return self.tls.with_token(self.tokens.get(identity) or self.tokens.get(INFRA))
 
     def rng(self, name: str) -> random.Random:
         return random.Random(f"{self.seed}:{name}")
@@ -178,8 +193,15 @@ class RecordingConnection(Connection):
         "PutHeatmap": "put_heatmap",
     }
 
-    def __init__(self, ctx: Ctx, proc: str, servers: list[str], timeout: float = 10.0) -> None:
-        super().__init__(servers, timeout=timeout, client=proc)
+    def __init__(
+        self,
+        ctx: Ctx,
+        proc: str,
+        servers: list[str],
+        timeout: float = 10.0,
+        identity: str = INFRA,
+    ) -> None:
+        super().__init__(servers, timeout=timeout, client=proc, tls=ctx.tls_for(identity))
         self.ctx = ctx
         self.proc = proc
         self.published: list[Any] = []  # Publish answers since last cleared
@@ -335,9 +357,10 @@ class GrpcProducer(Worker):
         # group, each to its leader); "server": the batch goes whole and the
         # queue server splits it.
         self.split = "client"
+        self.identity = name  # whose token it publishes with
 
     def body(self) -> None:
-        conn = RecordingConnection(self.ctx, self.name, self.servers)
+        conn = RecordingConnection(self.ctx, self.name, self.servers, identity=self.identity)
         producer = _retry(
             self.ctx,
             lambda: Producer(conn, self.topic, client=self.name, deadline_s=8.0, linger_s=0),
@@ -402,8 +425,11 @@ class GrpcProducer(Worker):
         )
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, Any]:
-    """(status, JSON answer); status 0 when no answer came (raises nothing)."""
+def _http(
+    tls: ClientTLS, method: str, url: str, body: Any = None, timeout: float = 10.0
+) -> tuple[int, Any]:
+    """(status, JSON answer); status 0 when no answer came (raises nothing).
+    ``tls``: the CA to trust (https) and the identity's token."""
     data = json.dumps(body).encode() if body is not None else None
     # The server's deadline is 80% of the client's: it answers 504 before
     # the client stops waiting. Both forms: the wall-clock one also counts a
@@ -412,10 +438,12 @@ def _http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tup
         "Content-Type": "application/json",
         "X-Timeout-Ms": str(int(timeout * 800)),
         "X-Deadline-Unix-Ms": str(int((time.time() + timeout * 0.8) * 1000)),
+        **tls.headers(),
     }
     req = urllib.request.Request(url, data, headers, method=method)
+    context = None if tls.insecure else tls.ssl_context()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         try:
@@ -464,7 +492,7 @@ class HttpProducer(Worker):
             op = rec.invoke(self.name, "publish", topic=self.topic, producer=self.name,
                             api="http", via=base, n0=n0, n1=n1)  # fmt: skip
             status, body = _http(
-                "POST", f"{base}/v1/topics/{self.topic}/pings",
+                self.ctx.tls_for(self.name), "POST", f"{base}/v1/topics/{self.topic}/pings",
                 {"client_id": self.name, "pings": pings},
             )  # fmt: skip
             outcome = _http_outcome(status)
@@ -554,7 +582,7 @@ class Reader(Worker):
             f"{base}/v1/topics/{topic}/partitions/{p}/pings?offset={offset}"
             f"&limit={max(count, 1)}&{fenced}"
         )
-        status, body = _http("GET", url)
+        status, body = _http(self.ctx.tls_for(INFRA), "GET", url)
         outcome = _http_outcome(status)
         if outcome != "ok":
             err = body.get("error", {}) if isinstance(body, dict) else {}
@@ -600,7 +628,7 @@ class GroupMembers(Worker):
 
     def member(self, name: str) -> None:
         servers = self.ctx.servers if self.rng.random() < 0.5 else self.ctx.servers[::-1]
-        conn = RecordingConnection(self.ctx, name, servers)
+        conn = RecordingConnection(self.ctx, name, servers)  # INFRA's identity, every member
         gc = GroupConsumer(conn, MAIN_TOPIC, GROUP, client=name, session_timeout_ms=3000)
         life = time.monotonic() + self.rng.uniform(4, 15)
         try:
@@ -647,6 +675,12 @@ class HeatmapReader(Worker):
     def body(self) -> None:
         conn = RecordingConnection(self.ctx, self.name, self.ctx.servers)
         admin = Admin(conn)
+        # Each asks as itself: with tokens, its identity is who asks (the
+        # request's client_id is then not what counts).
+        asking = {
+            c: RecordingConnection(self.ctx, self.name, self.ctx.servers, identity=c)
+            for c in [*self.contributors, STRANGER]
+        }
         hm = heatmaps_pb2.HeatMap(
             topic=MAIN_TOPIC, window_start_ms=self.ctx.t0_ms,
             window_end_ms=self.ctx.t0_ms + self.WINDOW_MS, h3_resolution=8,
@@ -656,9 +690,9 @@ class HeatmapReader(Worker):
             return
         while self.ctx.going():
             self.pause(0.2, 0.6)
-            client = self.rng.choice([*self.contributors, "stranger"])
+            client = self.rng.choice([*self.contributors, STRANGER])
             if self.rng.random() < 0.5:
-                self.ask_grpc(conn, client)
+                self.ask_grpc(asking[client], client)
             else:
                 self.ask_http(client)
 
@@ -694,6 +728,7 @@ class HeatmapReader(Worker):
                         window_ms=self.WINDOW_MS)  # fmt: skip
         groups = ",".join(f"{g}:{i}" for g, i in sorted(fences.items()) if i)
         status, body = _http(
+            self.ctx.tls_for(client),
             "GET",
             f"{base}/v1/topics/{MAIN_TOPIC}/heatmap?client_id={client}&min_applied_index={fence}"
             + (f"&group_fences={groups}" if groups else ""),
@@ -712,7 +747,7 @@ class TopicChurn(Worker):
     back, and deletes most of them again."""
 
     def body(self) -> None:
-        conn = RecordingConnection(self.ctx, self.name, self.ctx.servers)
+        conn = RecordingConnection(self.ctx, self.name, self.ctx.servers, identity=CHURN)
         admin = Admin(conn)
         k = 0
         while self.ctx.going():
@@ -722,6 +757,7 @@ class TopicChurn(Worker):
             if not self.create(admin, topic):
                 continue
             prod = GrpcProducer(self.ctx, f"{self.name}-{k}", topic, self.ctx.servers)
+            prod.identity = CHURN
             prod.limit = 1
             prod.body()
             if self.rng.random() < 0.7 and self.ctx.going():
@@ -741,7 +777,7 @@ class TopicChurn(Worker):
         op = rec.invoke(self.name, "create_topic", api="http", via=base, topic=topic,
                         partitions=parts)  # fmt: skip
         status, body = _http(
-            "POST", f"{base}/v1/topics",
+            self.ctx.tls_for(CHURN), "POST", f"{base}/v1/topics",
             {"name": topic, "bbox": [11.4, 48.05, 11.75, 48.25], "partitions": parts},
         )  # fmt: skip
         outcome = _http_outcome(status)
@@ -772,7 +808,29 @@ def create_main_topic(ctx: Ctx) -> bool:
         conn.close()
 
 
-def start_all(ctx: Ctx, grpc_producers: int = 3, http_producers: int = 1) -> list[Worker]:
+GRPC_PRODUCERS, HTTP_PRODUCERS = 3, 1
+
+
+def identities(
+    grpc_producers: int = GRPC_PRODUCERS, http_producers: int = HTTP_PRODUCERS
+) -> dict[str, list[str]]:
+    """The identities a run with tokens issues (name -> scopes) before the
+    workload starts: each producer publishes and reads any topic and asks
+    for the main topic's heat map (give-to-get decides); the stranger may
+    ask too, and never publishes; topic churn and INFRA are admins."""
+    producer = [f"{PRODUCE}:{ANY_TOPIC}", f"{READ}:{ANY_TOPIC}", f"{HEATMAP}:{MAIN_TOPIC}"]
+    names = [f"g{k}" for k in range(grpc_producers)] + [f"h{k}" for k in range(http_producers)]
+    return {
+        INFRA: [ADMIN],
+        CHURN: [ADMIN],
+        STRANGER: [f"{READ}:{ANY_TOPIC}", f"{HEATMAP}:{MAIN_TOPIC}"],
+        **{n: producer for n in names},
+    }
+
+
+def start_all(
+    ctx: Ctx, grpc_producers: int = GRPC_PRODUCERS, http_producers: int = HTTP_PRODUCERS
+) -> list[Worker]:
     """The whole workload, started; each worker stops with the run."""
     servers = ctx.servers
     workers: list[Worker] = []
