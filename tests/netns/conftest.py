@@ -108,9 +108,8 @@ class Host:
                 "--metrics-port", "9400",
                 "--discovery-broadcast", f"{self.net.subnet}.255",
                 "--bootstrap-expect", str(expect),
-                # One group unless a test asks for data groups (as before
-                # their default became one per voter).
-                *([] if "--data-groups" in (extra or []) else ["--data-groups", "1"]),
+                # The product's default (one data group per voter, in worker
+                # processes) unless a test says otherwise (issue 41).
                 *(extra or []),
             ],
         )  # fmt: skip
