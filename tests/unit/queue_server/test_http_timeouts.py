@@ -101,7 +101,13 @@ def test_a_byte_now_and_then_does_not_keep_a_half_sent_request_alive() -> None:
                 break
             writer.write(bytes([b]))
             await asyncio.wait([eof], timeout=0.05)  # one byte every 50 ms
-        data = await asyncio.wait_for(eof, DEADLINE_S)
+        try:
+            data = await asyncio.wait_for(eof, DEADLINE_S)
+        except ConnectionResetError:
+            # The server closed with drip bytes unread (they came on after
+            # its cut): the kernel answers that with a reset, not a FIN.
+            # Closed either way; nothing was answered.
+            data = b""
         took = time.monotonic() - t0
         assert data == b"" and took < IDLE_S + 2, (data, took)
         writer.close()
