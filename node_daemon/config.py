@@ -140,6 +140,12 @@ class NodeConfig:
     # (as leader) refuses appends, topic creates and heat maps, but serves
     # reads and takes deletes; a snapshot needs about the state's size.
     min_free_bytes: int = key(512 << 20, "below this many free bytes, refuse growing writes")
+    # Producer ids one identity may hold (issue 19's quotas): the leader puts
+    # it in every InitProducer it proposes and the apply refuses past it, so
+    # one identity's concurrent calls cannot pass it (issue 39, finding 5).
+    producer_ids_per_identity: int = key(
+        1024, "producer ids one identity may hold at once (1..1000000; RESOURCE_EXHAUSTED beyond)"
+    )
     log_level: str = key("info", "debug, info, warning or error")
     # What tells this boot of the host from the last one (see node_daemon/storage/boot.py).
     boot_id_file: Path = key(
@@ -194,6 +200,8 @@ class NodeConfig:
             raise ConfigError("snapshot_mib_per_s: must be 0 (unpaced) or more")
         if self.election_ticks <= self.heartbeat_ticks:
             raise ConfigError("election_ticks: must exceed heartbeat_ticks")
+        if not 1 <= self.producer_ids_per_identity <= 1_000_000:
+            raise ConfigError("producer_ids_per_identity: must be in 1..1000000")
 
     @property
     def address(self) -> str:

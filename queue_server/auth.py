@@ -110,7 +110,10 @@ def required(method: str, request: bytes) -> list[Need]:
     if rpc.needs == ADMIN:
         return [NEEDS_ADMIN]
     topics = topics_of(method, request)
-    if topics is None:  # a request that names no topic (a group's): that kind for some topic
+    if topics is None:
+        # A request that names no topic: that kind for some topic. A group's
+        # (``Rpc.group_topic``): the node checks its own topic, with the
+        # scopes the work item carries (node_daemon/work/group_access.py).
         return [Need(rpc.needs)]
     return [Need(rpc.needs, t) for t in sorted(set(topics))]
 

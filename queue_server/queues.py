@@ -61,6 +61,9 @@ class Item:
     deliveries: int = 0  # times handed to a worker
     broken: int = 0  # times a worker holding it left (its stream broke)
     principal: str = ""  # the authenticated identity's client id ("": none), for the node
+    # Its scopes, for an rpc whose group's topic the node checks
+    # (``Rpc.group_topic``); () for every other.
+    scopes: tuple[str, ...] = ()
     group: int = 0  # its Raft group: 0, the metadata group, or a data group
     # The queue server's own request (a client's Authenticate when it
     # connects), not a client's: a fenced one does not make reads flowing.

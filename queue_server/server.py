@@ -119,6 +119,8 @@ class QueueServer(ClientFront, NodeSessions):
         wait = timeout if timeout is not None else self.cfg.default_timeout_ms / 1000
         # Answer a little before the client's deadline, so it hears the reason.
         wait = max(wait - min(0.2, wait / 4), 0.01)
+        # A group's topic is checked by the node, with the caller's scopes.
+        scopes = () if principal is None or not rpc.group_topic else tuple(sorted(principal.scopes))
         item = Item(
             next(self._ids),
             kind,
@@ -129,6 +131,7 @@ class QueueServer(ClientFront, NodeSessions):
             fence,
             client=client,
             principal=principal.client_id if principal is not None else "",
+            scopes=scopes,
             group=self._group_hint(method, request) if group is None else group,
             own=own,
         )

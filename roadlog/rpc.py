@@ -17,8 +17,19 @@ descriptor, so an rpc added to the proto cannot be forgotten here.
 server checks it, ``queue_server/auth.py``): ``public`` (no token),
 ``identity`` (any valid token), ``admin``, or a scope kind (``produce``,
 ``read``, ``heatmap``) for the topic the request names (an rpc whose request
-names no topic, a group's say: a scope of that kind for some topic). Every
-row must say; a test checks every rpc and every HTTP route has a rule.
+names no topic: a scope of that kind for some topic). Every row must say; a
+test checks every rpc and every HTTP route has a rule.
+
+``group_topic``: the request names a consumer group (or, ListGroups, all of
+them), whose topic only the node knows (issue 39, finding 5). The queue
+server checks ``needs`` for some topic, as above (a cheap refusal for an
+identity with no such scope at all), and hands the caller's scopes to the
+node with the work item (``WorkItem.scopes``); the node checks them against
+the group's own topic where it reads the group
+(``node_daemon/work/group_access.py``): a group of a topic the caller may
+not read is answered as one that does not exist, and ListGroups leaves it
+out. The check sits where the group is read, in the same moment, so no
+group can be deleted and made again for another topic in between.
 
 The wire facts of an rpc that its users read off a request's bytes without
 parsing it are in its row too, taken from the generated ``*_FIELD_NUMBER``
@@ -74,6 +85,10 @@ class Rpc:
     # The varint field of the request a publish's routing hint (the data
     # group all its pings lie in) is written in, first; 0: it has none.
     group_hint_field: int = 0
+    # The request names a consumer group: its scope is for the group's
+    # topic, checked by the node with the scopes the item carries (see the
+    # module's doc).
+    group_topic: bool = False
 
     @property
     def fenced(self) -> bool:
@@ -177,11 +192,22 @@ RPCS: tuple[Rpc, ...] = (
         "read",
         topic_field=(c.JoinGroupRequest.TOPIC_FIELD_NUMBER,),
     ),
-    Rpc("Heartbeat", W, c.HeartbeatRequest, c.HeartbeatResponse, "read"),
-    Rpc("CommitOffsets", W, c.CommitOffsetsRequest, c.CommitOffsetsResponse, "read"),
-    Rpc("LeaveGroup", W, c.LeaveGroupRequest, c.LeaveGroupResponse, "read"),
-    Rpc("DescribeGroup", R, c.DescribeGroupRequest, g.GroupDescription, "read"),
-    Rpc("ListGroups", R, c.ListGroupsRequest, c.ListGroupsResponse, "read"),
+    # read:TOPIC of the group's own topic, checked by the node (group_topic).
+    Rpc("Heartbeat", W, c.HeartbeatRequest, c.HeartbeatResponse, "read", group_topic=True),
+    Rpc(
+        "CommitOffsets",
+        W,
+        c.CommitOffsetsRequest,
+        c.CommitOffsetsResponse,
+        "read",
+        group_topic=True,
+    ),
+    Rpc("LeaveGroup", W, c.LeaveGroupRequest, c.LeaveGroupResponse, "read", group_topic=True),
+    Rpc("DescribeGroup", R, c.DescribeGroupRequest, g.GroupDescription, "read", group_topic=True),
+    Rpc("ListGroups", R, c.ListGroupsRequest, c.ListGroupsResponse, "read", group_topic=True),
+    # Admin (every topic's reader): a deletion throws away every member's
+    # committed offsets and frees its owner's quota, which no one reader of
+    # the topic should decide for the others.
     Rpc("DeleteGroup", W, c.DeleteGroupRequest, c.DeleteGroupResponse, ADMIN),
     Rpc(
         "GetHeatmap",

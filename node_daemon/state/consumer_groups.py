@@ -90,6 +90,24 @@ def _days(ms: int) -> str:
     return f"{ms / 86_400_000:g} days"
 
 
+def no_group(name: str) -> RoadlogError:
+    """The refusal for a group that is not there, word for word the same
+    for one whose topic the caller may not read (issue 39, finding 5:
+    ``node_daemon/work/group_access.py``), so neither tells the other."""
+    return RoadlogError(Code.NOT_FOUND, f"no group {name!r}")
+
+
+def name_taken(name: str, topic: str) -> RoadlogError:
+    """A join naming a group of another topic: a group's name is the
+    cluster's, whatever its topic. Its topic is not said (the caller may not
+    be allowed to read it), only that the name is taken."""
+    return RoadlogError(
+        Code.FAILED_PRECONDITION,
+        f"group {name!r} reads another topic than {topic!r}: a group's name is the "
+        "whole cluster's, choose another",
+    )
+
+
 def check_group_name(name: str) -> None:
     if not GROUP_NAME.match(name):
         raise RoadlogError(
@@ -132,7 +150,7 @@ class ConsumerGroupTables:
     def describe(self, txn: Any, name: str) -> groups_pb2.GroupDescription:
         g = self.get(txn, name)
         if g is None:
-            raise RoadlogError(Code.NOT_FOUND, f"no group {name!r}")
+            raise no_group(name)
         d = groups_pb2.GroupDescription(group=g)
         prefix = name.encode() + b"\x00"
         cur = txn.cursor(db=self.offsets)
@@ -260,10 +278,7 @@ class ConsumerGroupTables:
                 owner=req.client_id if bound else "",
             )
         elif g.topic != req.topic:
-            raise RoadlogError(
-                Code.FAILED_PRECONDITION,
-                f"group {req.group!r} reads topic {g.topic!r}, not {req.topic!r}",
-            )
+            raise name_taken(req.group, req.topic)
         if not any(m.member_id == req.member_id for m in g.members):
             if len(g.members) >= MAX_MEMBERS:
                 raise RoadlogError(Code.RESOURCE_EXHAUSTED, "the group is full")
@@ -298,7 +313,7 @@ class ConsumerGroupTables:
         ``log_ms``: the log's clock, recorded when the group empties."""
         g = self.get(txn, group)
         if g is None:
-            raise RoadlogError(Code.NOT_FOUND, f"no group {group!r}")
+            raise no_group(group)
         gone = set(member_ids)
         keep = [m for m in g.members if m.member_id not in gone]
         if len(keep) != len(g.members):
@@ -334,7 +349,7 @@ class ConsumerGroupTables:
         release the revoking partitions the request gives up."""
         g = self.get(txn, req.group)
         if g is None:
-            raise RoadlogError(Code.NOT_FOUND, f"no group {req.group!r}")
+            raise no_group(req.group)
         me = next((m for m in g.members if m.member_id == req.member_id), None)
         if me is None:
             raise RoadlogError(
@@ -393,7 +408,7 @@ class ConsumerGroupTables:
         """Delete a group that no member is in any more, with its offsets."""
         g = self.get(txn, name)
         if g is None:
-            raise RoadlogError(Code.NOT_FOUND, f"no group {name!r}")
+            raise no_group(name)
         if g.members:
             raise RoadlogError(
                 Code.FAILED_PRECONDITION,

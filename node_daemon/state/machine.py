@@ -37,7 +37,7 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -700,9 +700,17 @@ class StateMachine:
         with self.env.begin() as txn:
             return self.consumer_groups.describe(txn, name)
 
-    def list_groups(self) -> list[groups_pb2.GroupDescription]:
+    def list_groups(
+        self, of_topic: Callable[[str], bool] | None = None
+    ) -> list[groups_pb2.GroupDescription]:
+        """Every group with its offsets, by name; ``of_topic``: only those
+        whose topic it holds of (the others are not described)."""
         with self.env.begin() as txn:
-            return [self.consumer_groups.describe(txn, n) for n in self.consumer_groups.names(txn)]
+            return [
+                self.consumer_groups.describe(txn, g.name)
+                for g in self.consumer_groups.records(txn)
+                if of_topic is None or of_topic(g.topic)
+            ]
 
     def group_records(self) -> list[groups_pb2.Group]:
         """Every consumer group without its offsets (the leader's scan)."""

@@ -4,7 +4,9 @@ replica holds the same ids, epochs and sequences).
 A producer id is issued at random by InitProducer (its client id under
 ``producer/``, when under ``pissued-at/``, listed by age under
 ``pissued-by-age/``; bound to an authenticated identity under ``pbound/``
-and counted for its quota under ``pheld/``); a later InitProducer of the
+and counted for its quota under ``pheld/``, which the apply checks against
+the limit the op carries, so every replica refuses the same InitProducer
+past it, however many were proposed side by side); a later InitProducer of the
 same id takes its next epoch (``pepoch/``), which fences the instance
 before. Per partition, ``producers`` keeps each producer's latest
 RECENT_SEQUENCES sequences (sequence, base offset, count), so a retried
@@ -40,7 +42,9 @@ _ISSUED_AT, _BY_AGE, _HELD = b"pissued-at/", b"pissued-by-age/", b"pheld/"
 # issued (a producer that stays away longer asks for a new one).
 PRODUCER_ID_LIFETIME_MS = DEFAULT_RETENTION_MS
 # Producer ids bound to one identity at once (issue 19's quotas): more is a
-# leak or a flood; each costs records on every replica.
+# leak or a flood; each costs records on every replica. The default of the
+# node's ``producer_ids_per_identity``; the leader puts its own in each
+# InitProducerOp (``max_held``), which the apply enforces.
 MAX_PRODUCER_IDS_PER_CLIENT = 1024
 EXPIRED_PRODUCERS_PER_TRIM = 1000  # keeps a trim entry small
 EXPIRY_SCAN_KEYS = 50_000  # producer ids a leader looks at per trim, oldest first
@@ -71,6 +75,19 @@ def _held_key(client_id: str, pid: int) -> bytes:
     """The meta key listing ``pid`` among the producer ids bound to
     ``client_id`` (counted against the identity's quota)."""
     return _held_prefix(client_id) + _U64.pack(pid)
+
+
+def quota_refusal(held: int) -> RoadlogError:
+    """The refusal of a new producer id for an identity that holds ``held``,
+    its quota (the leader's, before proposing, and the apply's alike; the
+    SDK raises a message with ``quota:`` at once instead of retrying)."""
+    return RoadlogError(
+        Code.RESOURCE_EXHAUSTED,
+        f"producer id quota: this identity holds {held} producer ids, the most one may: "
+        f"resume one under its next epoch (InitProducer with its producer_id; an id with "
+        f"no pings left is forgotten {PRODUCER_ID_LIFETIME_MS // 86_400_000} days after "
+        f"it was issued)",
+    )
 
 
 def _epoch_key(pid: int) -> bytes:
@@ -148,6 +165,13 @@ class ProducerTables:
             pid = meta_int(txn, self.meta, b"next_producer_id") + 1
             txn.put(b"next_producer_id", _U64.pack(pid), db=self.meta)
             return client_pb2.InitProducerResponse(producer_id=pid).SerializeToString()
+        if op.bound and op.max_held:
+            # The quota where the id is issued (issue 39, finding 5): the
+            # leader's check before proposing sees none of the InitProducers
+            # still in flight, this one sees every one applied before it.
+            held = self.held(txn, op.client_id, op.max_held)
+            if held >= op.max_held:
+                raise quota_refusal(held)
         if self.issued(txn, pid):
             raise RoadlogError(Code.ABORTED, f"producer id {pid} is taken: ask again")
         txn.put(_issued_key(pid), op.client_id.encode(), db=self.meta)

@@ -22,7 +22,8 @@ from node_daemon import metrics
 from node_daemon.replica.commands import PAST_DEADLINE
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.replica import NotLeader, Replica
-from node_daemon.state.producers import MAX_PRODUCER_IDS_PER_CLIENT, PRODUCER_ID_LIFETIME_MS
+from node_daemon.state.consumer_groups import name_taken
+from node_daemon.state.producers import quota_refusal
 from node_daemon.state.responses import OpResult, publish_batch_response
 from node_daemon.state.topics import normalized_spec
 from node_daemon.work.appends import (
@@ -32,6 +33,7 @@ from node_daemon.work.appends import (
     split_by_group,
 )
 from node_daemon.work.consumer_group_coordinator import ConsumerGroupCoordinator
+from node_daemon.work.group_access import readable_group, readable_groups
 from roadlog import columnar, round_trace
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import Region, parse_region
@@ -48,6 +50,7 @@ from roadlog.v1 import (
     client_pb2,
     clients_pb2,
     command_pb2,
+    groups_pb2,
     topics_pb2,
     work_pb2,
 )
@@ -634,7 +637,10 @@ class WorkHandler:
     async def init_producer(self, item: work_pb2.WorkItem) -> OpResult:
         """Issue a producer id chosen at random (63 bits): a publish can name
         only an id it was given, not guess the next one. A clash with an id
-        issued meanwhile is refused by the state machine (ABORTED: ask again)."""
+        issued meanwhile is refused by the state machine (ABORTED: ask again).
+        An identity's quota (``producer_ids_per_identity``) is checked here,
+        before proposing, and again where the op is applied (``max_held``),
+        where the ones proposed beside it are counted too."""
         req = client_pb2.InitProducerRequest.FromString(item.request)
         if req.producer_id:  # an id the caller holds, kept under its next epoch
             renew = command_pb2.InitProducerOp(
@@ -644,23 +650,22 @@ class WorkHandler:
                 next_epoch=True,
             )
             return await self.node.propose_op(command_pb2.Op(init_producer=renew))
+        limit = self.node.cfg.producer_ids_per_identity
         if item.principal:  # a quota per identity (an id unused for long is forgotten)
-            held = self.node.sm.producer_ids_held(item.principal)
-            if held >= MAX_PRODUCER_IDS_PER_CLIENT:
-                raise RoadlogError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"producer id quota: this identity holds {held} producer ids, the most one "
-                    f"may: resume one under its next epoch (InitProducer with its producer_id; "
-                    f"an id with no pings left is forgotten "
-                    f"{PRODUCER_ID_LIFETIME_MS // 86_400_000} days after it was issued)",
-                )
+            # A fast refusal that costs no log entry; the apply checks again
+            # (max_held), counting the ones proposed beside this one.
+            held = self.node.sm.producer_ids_held(item.principal, limit)
+            if held >= limit:
+                raise quota_refusal(held)
         pid = secrets.randbits(63) or 1
         # Issued to an authenticated identity, the id is bound to it: only
-        # its appends may name it (the state machine refuses the others').
+        # its appends may name it (the state machine refuses the others'),
+        # and it counts against that identity's quota.
         op = command_pb2.InitProducerOp(
             client_id=item.principal or req.client_id,
             producer_id=pid,
             bound=bool(item.principal),
+            max_held=limit if item.principal else 0,
         )
         return await self.node.propose_op(command_pb2.Op(init_producer=op))
 
@@ -668,8 +673,16 @@ class WorkHandler:
         request = item.request
         if item.principal:  # the member is the identity's, whatever it declares
             req = client_pb2.JoinGroupRequest.FromString(request)
-            if req.member_id:
-                self._own_member(req.group, req.member_id, item.principal, missing_ok=True)
+            try:
+                g: groups_pb2.Group | None = self.node.sm.describe_group(req.group).group
+            except RoadlogError:
+                g = None  # none yet (the join makes it), or a bad name the join refuses
+            if g is not None and g.topic != req.topic:
+                # Another topic's group (the queue server checked req.topic):
+                # refused as the apply would, before its members are looked at.
+                raise name_taken(req.group, req.topic)
+            if g is not None and req.member_id:
+                self._own_member(g, req.member_id, item.principal)
             req.client_id = item.principal
             request = req.SerializeToString()
         return await self.groups.join(request, item.principal)
@@ -677,39 +690,36 @@ class WorkHandler:
     async def heartbeat(self, item: work_pb2.WorkItem) -> OpResult:
         if item.principal:
             req = client_pb2.HeartbeatRequest.FromString(item.request)
-            self._own_member(req.group, req.member_id, item.principal)
+            g = readable_group(self.node.sm, item, req.group).group
+            self._own_member(g, req.member_id, item.principal)
         return await self.groups.heartbeat(item.request)
 
     async def commit_offsets(self, item: work_pb2.WorkItem) -> OpResult:
         if item.principal:
             req = client_pb2.CommitOffsetsRequest.FromString(item.request)
-            self._own_member(req.group, req.member_id, item.principal)
+            g = readable_group(self.node.sm, item, req.group).group
+            self._own_member(g, req.member_id, item.principal)
         return await self.groups.commit(item.request)
 
     async def leave_group(self, item: work_pb2.WorkItem) -> OpResult:
         if item.principal:
             req = client_pb2.LeaveGroupRequest.FromString(item.request)
-            self._own_member(req.group, req.member_id, item.principal)
+            g = readable_group(self.node.sm, item, req.group).group
+            self._own_member(g, req.member_id, item.principal)
         return await self.groups.leave(item.request)
 
-    def _own_member(
-        self, group: str, member_id: str, principal: str, missing_ok: bool = False
-    ) -> None:
-        """PERMISSION_DENIED unless ``member_id`` of ``group`` joined as
+    @staticmethod
+    def _own_member(g: groups_pb2.Group, member_id: str, principal: str) -> None:
+        """PERMISSION_DENIED unless ``member_id`` of group ``g`` joined as
         ``principal`` (a member is its identity's alone: nobody else may
         heartbeat, commit or leave for it). A member that is not there is
-        left to the call to refuse."""
-        try:
-            g = self.node.sm.describe_group(group).group
-        except RoadlogError:
-            if missing_ok:
-                return
-            raise
+        left to the call to refuse. Asked only once the caller may see the
+        group (``group_access``)."""
         me = next((m for m in g.members if m.member_id == member_id), None)
         if me is not None and me.client_id != principal:
             raise RoadlogError(
                 Code.PERMISSION_DENIED,
-                f"member {member_id!r} of group {group!r} belongs to another client",
+                f"member {member_id!r} of group {g.name!r} belongs to another client",
             )
 
     async def delete_group(self, item: work_pb2.WorkItem) -> OpResult:
@@ -832,13 +842,17 @@ class WorkHandler:
                         p.last_append_ms = src.last_append_ms
 
     async def describe_group(self, item: work_pb2.WorkItem) -> OpResult:
+        """The group, if the caller may read its topic (else NOT_FOUND, as
+        for none: ``group_access``)."""
         req = client_pb2.DescribeGroupRequest.FromString(item.request)
         await self._fenced(max(item.fence, req.min_applied_index))
-        return OpResult(response=self.node.sm.describe_group(req.group).SerializeToString())
+        d = readable_group(self.node.sm, item, req.group)
+        return OpResult(response=d.SerializeToString())
 
     async def list_groups(self, item: work_pb2.WorkItem) -> OpResult:
+        """The groups of the topics the caller may read (``group_access``)."""
         await self._fenced(item.fence)
-        resp = client_pb2.ListGroupsResponse(groups=self.node.sm.list_groups())
+        resp = client_pb2.ListGroupsResponse(groups=readable_groups(self.node.sm, item))
         return OpResult(response=resp.SerializeToString())
 
     async def get_heatmap(self, item: work_pb2.WorkItem) -> OpResult:

@@ -3,7 +3,9 @@ and HTTP route refuses a caller without a token (UNAUTHENTICATED / 401)
 and one without the scope (PERMISSION_DENIED / 403, naming it);
 give-to-get, producer ids and group members follow the token's identity,
 not a declared client id; an identity at its consumer-group quota does not
-stop another; a revoked token stops working; the CLI makes,
+stop another; a consumer group is seen only by readers of its own topic
+and an identity's concurrent InitProducers stop at its quota (issue 39,
+finding 5); a revoked token stops working; the CLI makes,
 lists and revokes identities; phones register themselves over HTTP."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -25,11 +28,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from node_daemon.state.consumer_groups import MAX_GROUPS_PER_CLIENT
 from roadlog.client import Admin, Connection, PermissionDenied, Producer, RoadlogError
 from roadlog.client_tls import ClientTLS
-from roadlog.errors import Code
+from roadlog.errors import Code, NotFound
 from roadlog.rpc import BY_NAME, PUBLIC, RPCS, SERVICE
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, heatmaps_pb2
-from tests.integration.conftest import REGION, make_pings
+from tests.integration.conftest import REGION, make_pings, settled
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +56,12 @@ def http(
         return e.code, dict(e.headers), json.loads(e.read())
 
 
+# The nodes' producer-id quota here (1,024 by default): small, so that 64
+# concurrent calls of one identity would pass it many times over without
+# the check at apply.
+PRODUCER_QUOTA = 8
+
+
 @pytest.fixture(scope="module")
 def cluster(
     tmp_path_factory: pytest.TempPathFactory, test_ca: Any, cluster_tls: Any
@@ -62,6 +71,7 @@ def cluster(
         3,
         1,
         ca=(test_ca.ca_dir, test_ca.ca_key),
+        extra_node_args=["--producer-ids-per-identity", str(PRODUCER_QUOTA)],
         extra_queue_args=["--registrations-per-minute", "1000"],
     )
     lc.start_all()
@@ -299,6 +309,89 @@ def test_an_identity_at_its_group_quota_is_refused_and_another_is_served(
         with Connection(cluster.servers, tls=cluster.tls()) as admin:
             Admin(admin).delete_group("quota-a-0")
         assert join(ca, "quota-a-more").member_id
+
+
+def test_a_consumer_group_is_seen_only_by_readers_of_its_topic(cluster: LocalCluster) -> None:
+    """Issue 39, finding 5: an identity with read:berlin lists only berlin's
+    groups, and a munich group is to it what a group that does not exist
+    is (NOT_FOUND, the same words), describing it and naming its member
+    alike; a join that collides with its name does not tell its topic. A
+    munich reader and an admin see it whole."""
+    mo = make(cluster, "munich-fleet", "read:munich")
+    eve = make(cluster, "berlin-fleet", "read:berlin")
+    with connect(cluster, mo) as cm, connect(cluster, eve) as ce:
+        hidden = cm.call("JoinGroup", client_pb2.JoinGroupRequest(
+            group="depot-7", topic="munich", session_timeout_ms=120_000))  # fmt: skip
+        # Joined after depot-7: a replica that shows it has applied depot-7 too.
+        mine = ce.call("JoinGroup", client_pb2.JoinGroupRequest(
+            group="depot-8", topic="berlin", session_timeout_ms=120_000))  # fmt: skip
+        fence = mine.applied_index
+
+        def names(conn: Connection) -> set[str]:
+            return {d.group.name for d in Admin(conn).list_groups()}
+
+        seen = settled(lambda: names(ce), lambda n: "depot-8" in n, "eve's group listed")
+        assert "depot-7" not in seen and all(
+            Admin(ce).describe_group(n, fence).group.topic == "berlin" for n in seen
+        )
+        with pytest.raises(NotFound) as hid:
+            Admin(ce).describe_group("depot-7", min_applied_index=fence)
+        with pytest.raises(NotFound) as absent:
+            Admin(ce).describe_group("depot-0", min_applied_index=fence)
+        assert hid.value.message.replace("depot-7", "G") == absent.value.message.replace(
+            "depot-0", "G"
+        )
+        member, gen = hidden.member_id, hidden.generation
+        for method, req in (
+            ("Heartbeat", client_pb2.HeartbeatRequest(
+                group="depot-7", member_id=member, generation=gen)),
+            ("CommitOffsets", client_pb2.CommitOffsetsRequest(
+                group="depot-7", member_id=member, generation=gen)),
+            ("LeaveGroup", client_pb2.LeaveGroupRequest(group="depot-7", member_id=member)),
+        ):  # fmt: skip
+            with pytest.raises(NotFound, match="no group 'depot-7'"):
+                ce.call(method, req)
+        with pytest.raises(RoadlogError) as taken:
+            ce.call("JoinGroup", client_pb2.JoinGroupRequest(group="depot-7", topic="berlin"))
+        assert taken.value.code == Code.FAILED_PRECONDITION and "munich" not in taken.value.message
+        # Its own reader still sees it whole, member and all; so does an admin.
+        d = Admin(cm).describe_group("depot-7", min_applied_index=fence).group
+        assert [m.member_id for m in d.members] == [member] and d.generation == gen
+        assert "depot-7" in names(cm) and "depot-8" not in names(cm)
+        with Connection(cluster.servers, tls=cluster.tls()) as admin:
+            assert {"depot-7", "depot-8"} <= settled(
+                lambda: names(admin), lambda n: {"depot-7", "depot-8"} <= n, "both listed"
+            )
+
+
+def test_concurrent_init_producers_of_one_identity_stop_at_its_quota(
+    cluster: LocalCluster,
+) -> None:
+    """Issue 39, finding 5: 64 InitProducer calls of one identity at once
+    (they all pass the leader's check before proposing, which sees none of
+    the others) get at most its quota of ids; the rest are refused
+    RESOURCE_EXHAUSTED, at once, saying why. Another identity is served."""
+    token = make(cluster, "burst-fleet", "produce:munich")
+    calls = 64
+    with connect(cluster, token) as conn:
+
+        def init(_: int) -> int | RoadlogError:
+            try:
+                return int(conn.call("InitProducer", client_pb2.InitProducerRequest()).producer_id)
+            except RoadlogError as e:
+                return e
+
+        with ThreadPoolExecutor(calls) as pool:
+            results = list(pool.map(init, range(calls)))
+    ids = [r for r in results if isinstance(r, int)]
+    refused = [r for r in results if isinstance(r, RoadlogError)]
+    assert len(ids) <= PRODUCER_QUOTA, f"{len(ids)} producer ids against {PRODUCER_QUOTA}"
+    assert len(set(ids)) == len(ids) == PRODUCER_QUOTA, [str(r) for r in refused][:3]
+    assert all(
+        r.code == Code.RESOURCE_EXHAUSTED and "producer id quota" in r.message for r in refused
+    ), [str(r) for r in refused][:3]
+    with connect(cluster, make(cluster, "calm-fleet", "produce:munich")) as other:
+        assert other.call("InitProducer", client_pb2.InitProducerRequest()).producer_id
 
 
 def test_a_revoked_token_stops_working(cluster: LocalCluster) -> None:

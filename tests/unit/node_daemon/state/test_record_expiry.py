@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from node_daemon.config import NodeConfig
 from node_daemon.state.machine import StateMachine, append_op, trim_op
 from node_daemon.state.producers import PRODUCER_ID_LIFETIME_MS
 from node_daemon.state.responses import OpResult
@@ -147,16 +148,16 @@ def test_a_replica_that_missed_an_expiry_is_identical_after_its_next_one(tmp_pat
         b.sm.close()
 
 
-def test_an_identity_gets_no_more_producer_ids_than_its_quota(
-    r: Replica, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The leader refuses InitProducer for an identity at its quota with
-    RESOURCE_EXHAUSTED, before proposing; another identity is not affected."""
-    monkeypatch.setattr("node_daemon.work.handler.MAX_PRODUCER_IDS_PER_CLIENT", 2)
+def test_an_identity_gets_no_more_producer_ids_than_its_quota(r: Replica) -> None:
+    """The leader refuses InitProducer for an identity at its quota
+    (``producer_ids_per_identity``) with RESOURCE_EXHAUSTED, before
+    proposing; another identity is not affected; each op it proposes
+    carries the quota for the apply to check again."""
     proposed: list[command_pb2.Op] = []
 
     class Leader:
         sm = r.sm
+        cfg = NodeConfig(producer_ids_per_identity=2)
 
         async def propose_op(self, op: command_pb2.Op, deadline: float | None = None) -> OpResult:
             proposed.append(op)
@@ -180,6 +181,7 @@ def test_an_identity_gets_no_more_producer_ids_than_its_quota(
     assert "producer id quota: this identity holds 2 producer ids" in refused.message
     assert asyncio.run(init("bob")).code == 0
     assert [op.init_producer.client_id for op in proposed] == ["alice", "alice", "bob"]
+    assert [op.init_producer.max_held for op in proposed] == [2, 2, 2]
     # Resuming an id it holds (its next epoch) takes no new one: not refused.
     held = proposed[0].init_producer.producer_id
     assert asyncio.run(init("alice", resume=held)).code == 0
