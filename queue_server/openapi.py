@@ -44,6 +44,14 @@ def _errors(*statuses: str) -> dict[str, Any]:
             }[s],
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
         }
+        if s == "400":
+            # A request line or header field over 8190 bytes is refused by the
+            # HTTP parser (aiohttp) before it reaches the API, in plain text.
+            out[s]["description"] += (
+                "; a request line or header field over 8190 bytes is refused before the "
+                "API sees it, in plain text"
+            )
+            out[s]["content"]["text/plain"] = {"schema": {"type": "string"}}
     return out
 
 

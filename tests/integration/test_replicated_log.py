@@ -264,7 +264,10 @@ def test_retention_trims_old_pings_on_every_node(make_cluster: MakeCluster) -> N
     lc = make_cluster(nodes=3, extra=["--trim-interval-s", "1"])
     with Connection(lc.servers) as conn:
         admin = Admin(conn)
-        admin.create_topic("shortlived", admin_region(), partitions=1, retention_ms=1500)
+        retention_s = 4.0
+        admin.create_topic(
+            "shortlived", admin_region(), partitions=1, retention_ms=int(retention_s * 1000)
+        )
         p = Producer(conn, "shortlived")
         for k in range(3):
             p.send_batch(make_pings("p", k * 10, 10))
@@ -273,9 +276,17 @@ def test_retention_trims_old_pings_on_every_node(make_cluster: MakeCluster) -> N
             return bool(admin.describe("shortlived").partitions[0].first_offset == 30)
 
         wait_for(trimmed, 30, "retention to trim the old pings")
+        sent = time.monotonic()
         p.send_batch(make_pings("p", 100, 10))
         d = admin.describe("shortlived").partitions[0]
-        assert (d.first_offset, d.next_offset) == (30, 40)
+        assert d.next_offset == 40, d
+        # The new batch is kept for its retention (timed from its append, on
+        # the leader's clock): gone only if the ask came back later than that
+        # (a machine under heavy load; CI's once came past 1.5 s).
+        if time.monotonic() - sent < retention_s:
+            assert d.first_offset == 30, d
+        else:
+            assert d.first_offset in (30, 40), d
         # A trim goes through the log every second, so the applied index
         # moves while the nodes are asked: the replicas are identical when
         # every node told the same digest at one index (over several polls).

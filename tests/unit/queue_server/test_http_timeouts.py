@@ -22,6 +22,7 @@ from aiohttp import web
 from queue_server import http_api
 from queue_server.auth import Caller
 from queue_server.http_api import MAX_LINE_BYTES, BodyLimits, HttpApi
+from queue_server.openapi import OPENAPI
 from roadlog.v1 import client_pb2
 
 pytestmark = pytest.mark.unit
@@ -156,6 +157,13 @@ def test_an_over_long_request_line_is_refused() -> None:
         await writer.drain()
         data, _ = await closed_within(reader, DEADLINE_S)
         assert data.split(b" ", 2)[1] in (b"400", b"414"), data[:200]
+        # The parser's answer is plain text, and the OpenAPI document says so
+        # (a fuzzer holds the server to it).
+        head = data.partition(b"\r\n\r\n")[0].decode().lower()
+        content_type = head.split("content-type:", 1)[1].split(";", 1)[0].strip()
+        status = data.split(b" ", 2)[1].decode()
+        documented = OPENAPI["paths"]["/v1/topics/{name}"]["get"]["responses"][status]["content"]
+        assert content_type in documented, (content_type, list(documented))
         writer.close()
 
     serve(scenario)
