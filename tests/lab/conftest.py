@@ -148,14 +148,24 @@ class Deployed:
     def playbook(self, name: str, *args: str, inventory: Path | None = None) -> str:
         """Run a playbook; returns its output (fails the test on failure)."""
         t0 = time.monotonic()
+        runs = sum(1 for k in self.timings if k.split(" #")[0] == name)
+        run = f"{name} #{runs + 1}" if runs else name
+        task_times = self.lab.inventory.with_name(f"task-times-{len(TASK_TIMES)}.json")
+        task_times.unlink(missing_ok=True)
         r = subprocess.run(
             [str(BIN / "ansible-playbook"), "-i", str(inventory or self.inventory),
              f"playbooks/{name}", *args],
             cwd=REPO, capture_output=True, text=True, timeout=1500,
-            env={**os.environ, "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"},
+            env={**os.environ, "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1",
+                 "ANSIBLE_CALLBACK_PLUGINS": str(CALLBACKS),
+                 "ANSIBLE_CALLBACKS_ENABLED": "roadlog_task_times",
+                 "ROADLOG_ANSIBLE_TASK_TIMES": str(task_times)},
         )  # fmt: skip
-        runs = sum(1 for k in self.timings if k.split(" #")[0] == name)
-        self.timings[f"{name} #{runs + 1}" if runs else name] = time.monotonic() - t0
+        self.timings[run] = time.monotonic() - t0
+        with contextlib.suppress(OSError, ValueError):
+            times = json.loads(task_times.read_text())
+            slowest = sorted(times.items(), key=lambda kv: -kv[1][0])[:SLOWEST_TASKS]
+            TASK_TIMES[run] = {k: round(v[0], 1) for k, v in slowest}
         assert r.returncode == 0, f"{name} failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
         return r.stdout
 
@@ -274,9 +284,16 @@ def cpu_seconds(lab: Lab) -> dict[str, float]:
 # Where the lab's minutes went (boot, wheelhouse, each playbook, testinfra,
 # teardown), printed at the end of the session's report.
 LAB_TIMINGS: dict[str, float] = {}
+# Each playbook run's slowest tasks (seconds summed over its hosts), from the
+# callback in callback_plugins/: printed with the timings.
+CALLBACKS = Path(__file__).with_name("callback_plugins")
+SLOWEST_TASKS = 8
+TASK_TIMES: dict[str, dict[str, float]] = {}
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if LAB_TIMINGS:
         timings = {k: round(v, 1) for k, v in LAB_TIMINGS.items()}
         terminalreporter.write_line(f"lab timings (s): {json.dumps(timings)}")
+    for run, tasks in TASK_TIMES.items():
+        terminalreporter.write_line(f"lab slowest tasks of {run} (s): {json.dumps(tasks)}")
