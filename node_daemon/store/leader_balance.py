@@ -32,14 +32,23 @@ Invariants:
   is not handed its group back while it is low. A leader that is low
   and finds no voter with room keeps the group (every node low: writes
   stay refused, and leadership does not move round the nodes).
-- A group is handed over at most once per ``min_interval_s``, and a node
-  starts at most one transfer per decision round: a preferred node that
-  keeps failing makes its group's leadership move at most that often.
-  Gaining a group's leadership (an election, or a transfer such as
-  ``roadlog-node transfer-leader``'s, or a low node's hand-over) counts as
-  a move: the new leader keeps it for ``min_interval_s`` first, so a node
-  drained on purpose is not handed its groups back at once, and a low node
-  that wins an election hands the group on only after that.
+- A group is handed to its preferred leader at most once per
+  ``min_interval_s``, and a node starts at most one transfer per decision
+  round: a preferred node that keeps failing makes its group's leadership
+  move at most that often. Gaining a group's leadership (an election, or a
+  transfer such as ``roadlog-node transfer-leader``'s, or a low node's
+  hand-over) counts as a move: the new leader keeps it for
+  ``min_interval_s`` first, so a node drained on purpose is not handed its
+  groups back at once.
+- A low node hands a group off at most once per ``min_interval_s`` (its
+  own last hand-over of that group), but does not wait for a group it
+  just gained: the group's writes are refused while it leads. Low nodes
+  do not toss a group between them: the node it goes to is not known to
+  be low, a node known low is never handed a group, and with every node
+  low nothing moves. (Only news gone stale, unknown, could let two low
+  nodes hand it to each other, each at most once per interval; a voter
+  healthy enough to be a candidate was heard from well within
+  ``peer_disk.STALE_S``.)
 - Sans-I/O: ``LeaderBalancer.decide`` takes each group's view and the time
   and returns the transfers to start; the caller starts them.
 """
@@ -119,6 +128,8 @@ class LeaderBalancer:
     node_id: int
     min_interval_s: float = MIN_INTERVAL_S
     last: dict[int, float] = field(default_factory=dict)  # group -> last move
+    # group -> when this node last handed it off for its low disk
+    last_disk: dict[int, float] = field(default_factory=dict)
     transfers: int = 0
     disk_transfers: int = 0  # of those, off this node's low disk
     leading: set[int] = field(default_factory=set)  # the groups it led at the last round
@@ -133,11 +144,15 @@ class LeaderBalancer:
         for v in views:
             if not v.leads or v.transferring:
                 continue
-            if now - self.last.get(v.group, float("-inf")) < self.min_interval_s:
-                continue
             if v.low:
+                # Off a low disk: at once, even a group just gained (its
+                # writes are refused here), but once per interval per group.
+                if now - self.last_disk.get(v.group, float("-inf")) < self.min_interval_s:
+                    continue
                 move = Transfer(v.group, room_for(v, self.node_id), "disk_low")
             else:
+                if now - self.last.get(v.group, float("-inf")) < self.min_interval_s:
+                    continue
                 move = Transfer(v.group, preferred_leader(v.group, v.voters), "preferred")
                 if v.disk_low.get(move.to) is True:
                     continue  # its disk is low: it would refuse the group's writes
@@ -146,6 +161,7 @@ class LeaderBalancer:
             self.last[v.group] = now
             self.transfers += 1
             if move.why == "disk_low":
+                self.last_disk[v.group] = now
                 self.disk_transfers += 1
             return [move]
         return []

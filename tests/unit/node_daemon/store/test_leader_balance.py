@@ -119,76 +119,88 @@ def low_view(
     )
 
 
-def led_since_0(b: LeaderBalancer, v: GroupView) -> list[Transfer]:
-    """What ``b`` decides about ``v`` once it has led the group a while."""
-    assert b.decide(0.0, [v]) == []  # just gained: kept a while
-    return b.decide(10.0, [v])
+def leading(node_id: int, *groups: int) -> LeaderBalancer:
+    """A balancer of a node that has led ``groups`` a long while."""
+    return LeaderBalancer(node_id=node_id, min_interval_s=10, leading=set(groups))
 
 
 def test_a_low_leader_hands_its_groups_to_a_caught_up_voter_with_room() -> None:
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
     # Group 1 is node 1's own (the preferred leader is itself): it goes to
     # a voter that said it has room, the one holding the most of the log.
+    b = leading(1, 1)
     v = low_view(1, disk_low={2: False, 3: False}, match={2: 40, 3: 60})
-    assert led_since_0(b, v) == [Transfer(1, 3, "disk_low")]
+    assert b.decide(0.0, [v]) == [Transfer(1, 3, "disk_low")]
     assert b.transfers == 1 and b.disk_transfers == 1
     # Group 0 (no preferred leader) too.
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
-    assert led_since_0(b, low_view(0, disk_low={2: False, 3: None})) == [
+    v = low_view(0, disk_low={2: False, 3: None})
+    assert leading(1, 0).decide(0.0, [v]) == [
         Transfer(0, 2, "disk_low")  # said it has room: before one not heard of
     ]
     # A group whose preferred leader has room goes there.
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
-    assert led_since_0(b, low_view(3, match={2: 90, 3: 10})) == [Transfer(3, 3, "disk_low")]
+    v = low_view(3, match={2: 90, 3: 10})
+    assert leading(1, 3).decide(0.0, [v]) == [Transfer(3, 3, "disk_low")]
     # Unknown counts as not low.
+    v = low_view(1, disk_low={2: None, 3: None})
+    assert leading(1, 1).decide(0.0, [v]) == [Transfer(1, 2, "disk_low")]
+
+
+def test_a_low_leader_hands_a_group_it_just_gained_on_at_once() -> None:
+    """Its writes are refused while it leads: it does not keep the group
+    the interval that a node with room keeps one it just gained."""
     b = LeaderBalancer(node_id=1, min_interval_s=10)
-    assert led_since_0(b, low_view(1, disk_low={2: None, 3: None})) == [Transfer(1, 2, "disk_low")]
+    assert b.decide(0.0, [low_view(1, leads=False)]) == []
+    assert b.decide(1.0, [low_view(1)]) == [Transfer(1, 2, "disk_low")]  # just elected
+    # With room, a group just gained is kept a while (test_a_group_just_gained...).
+    b = LeaderBalancer(node_id=1, min_interval_s=10)
+    assert b.decide(0.0, [view(2, leads=False)]) == []
+    assert b.decide(1.0, [view(2)]) == []
 
 
 def test_a_low_leader_never_hands_a_group_to_a_low_or_unhealthy_voter() -> None:
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
     # Node 3 holds more of the log, but its disk is low too.
     v = low_view(1, disk_low={2: False, 3: True}, match={2: 10, 3: 90})
-    assert led_since_0(b, v) == [Transfer(1, 2, "disk_low")]
+    assert leading(1, 1).decide(0.0, [v]) == [Transfer(1, 2, "disk_low")]
     # Node 2 has room but is behind (not healthy): node 3 is low: nobody.
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
     v = low_view(1, healthy={2: False, 3: True}, disk_low={2: False, 3: True})
-    assert led_since_0(b, v) == []
+    assert leading(1, 1).decide(0.0, [v]) == []
     # Not its preferred leader either, when that one is low.
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
     v = low_view(3, disk_low={2: False, 3: True})
-    assert led_since_0(b, v) == [Transfer(3, 2, "disk_low")]
+    assert leading(1, 3).decide(0.0, [v]) == [Transfer(3, 2, "disk_low")]
 
 
 def test_every_node_low_moves_nothing() -> None:
     """Writes stay refused everywhere, and leadership does not go round."""
     b = LeaderBalancer(node_id=1, min_interval_s=10)
     views = [low_view(g, disk_low={2: True, 3: True}) for g in (0, 1, 2, 3)]
-    assert b.decide(0.0, views) == []
-    for t in range(10, 100, 1):
+    for t in range(100):
         assert b.decide(float(t), views) == []
     assert b.transfers == 0
 
 
 def test_a_low_leader_hands_each_group_at_most_once_per_interval() -> None:
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
+    b = leading(1, 0, 1)
     views = [low_view(g) for g in (0, 1)]
-    assert b.decide(0.0, views) == []
-    assert b.decide(10.0, views) == [Transfer(0, 2, "disk_low")]  # one per round
-    assert b.decide(11.0, views) == [Transfer(1, 2, "disk_low")]
+    assert b.decide(0.0, views) == [Transfer(0, 2, "disk_low")]  # one per round
+    assert b.decide(1.0, views) == [Transfer(1, 2, "disk_low")]
     # The transfers did not take (it still leads both): not again before 10 s.
-    assert b.decide(12.0, views) == []
-    assert b.decide(19.9, views) == []
-    assert b.decide(20.0, views) == [Transfer(0, 2, "disk_low")]
+    assert b.decide(2.0, views) == []
+    assert b.decide(9.9, views) == []
+    assert b.decide(10.0, views) == [Transfer(0, 2, "disk_low")]
+    assert b.decide(11.0, views) == [Transfer(1, 2, "disk_low")]
+    # Lost and gained again within the interval: still not again before it.
+    assert b.decide(12.0, [low_view(0, leads=False)]) == []
+    assert b.decide(13.0, [low_view(0)]) == []
+    assert b.decide(20.0, [low_view(0)]) == [Transfer(0, 2, "disk_low")]
     # Not while a transfer is under way.
     moving = GroupView(1, True, True, VOTERS, {2: True, 3: True}, True)
     assert b.decide(30.0, [moving]) == []
+    assert b.disk_transfers == b.transfers == 5
 
 
 def test_the_preferred_leader_is_not_handed_its_group_back_while_it_is_low() -> None:
     """Node 2 took group 1 off node 1, whose disk is low: it keeps the group
-    while node 1 is low (or, unknown, once node 1 is heard of again as not
-    low it goes back)."""
+    while node 1 is low; once node 1 says it has room again (or nothing
+    lately: unknown counts as not low) the group goes back."""
     b = LeaderBalancer(node_id=2, min_interval_s=10)
 
     def held(one: bool | None) -> GroupView:
@@ -199,18 +211,14 @@ def test_the_preferred_leader_is_not_handed_its_group_back_while_it_is_low() -> 
         assert b.decide(float(t), [held(True)]) == []
     assert b.decide(60.0, [held(False)]) == [Transfer(1, 1, "preferred")]  # room again
     assert b.transfers == 1 and b.disk_transfers == 0
-    # News gone stale (unknown) counts as not low.
-    b = LeaderBalancer(node_id=2, min_interval_s=10)
-    assert led_since_0(b, held(None)) == [Transfer(1, 1, "preferred")]
+    assert leading(2, 1).decide(0.0, [held(None)]) == [Transfer(1, 1, "preferred")]
 
 
 def test_a_leader_with_room_and_a_healthy_preferred_ignores_the_others_disks() -> None:
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
     v = GroupView(2, True, False, VOTERS, {2: True, 3: True}, False, {2: False, 3: True})
-    assert led_since_0(b, v) == [Transfer(2, 2, "preferred")]
+    assert leading(1, 2).decide(0.0, [v]) == [Transfer(2, 2, "preferred")]
     # Not low itself: it keeps a group whose preferred leader is itself.
-    b = LeaderBalancer(node_id=1, min_interval_s=10)
-    assert led_since_0(b, low_view(1, low=False)) == []
+    assert leading(1, 1).decide(0.0, [low_view(1, low=False)]) == []
 
 
 def test_room_for_picks_among_healthy_voters_not_known_low() -> None:
