@@ -34,6 +34,12 @@ LEADER_HANDOVERS = Counter(
     "data groups this node handed to their preferred leader (leaders spread)",
     ["group"],
 )
+LEADER_DISK_HANDOVERS = Counter(
+    "roadlog_raft_group_leader_disk_handovers_total",
+    "groups (group 0 too) this node handed to a voter with room because its own disk was low "
+    "(it refuses growing writes)",
+    ["group"],
+)
 APPENDED_ENTRIES = Counter("roadlog_raft_appended_entries_total", "entries persisted to the log")
 PROPOSED_OPS = Counter("roadlog_proposed_ops_total", "operations proposed by this node as leader")
 FSYNC_SECONDS = Histogram(

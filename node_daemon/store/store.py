@@ -17,6 +17,11 @@ Invariants:
 - With data groups, each node hands the data groups it leads to their
   preferred leaders once those are healthy (``leader_balance``), so the
   groups' leaders, and their write load, spread over the nodes.
+- A leader whose disk is low hands each group it leads, group 0 too, to a
+  healthy voter whose disk is not known to be low (``leader_balance``); no
+  leader hands a group to a voter whose disk is known to be low. What this
+  node says of its disk to its peers (``transport.disk_low``, on every
+  batch) is set every tick from its groups' disk guards: low if any is.
 - A graceful stop first hands every group the node leads to another voter
   (``hand_over``), so no group waits out an election timeout for it.
 - A worker process (docs/multiraft.md step 5) runs a share of the data
@@ -49,6 +54,7 @@ from node_daemon.store.data_group_lock import lock_data_groups
 from node_daemon.store.data_group_membership import must_hand_over, next_change
 from node_daemon.store.data_group_topics import next_topic_op
 from node_daemon.store.leader_balance import ROUND_S, LeaderBalancer, successor, view_of
+from node_daemon.transport.peer_disk import stale_after
 from node_daemon.transport.peer_transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
 
@@ -96,6 +102,9 @@ class Store:
             node.raft_groups = reads
             node.loop_mates = list(self.nodes.values())
         self.balancer = LeaderBalancer(cfg.node_id)
+        self.transport.peer_disks.stale_s = stale_after(
+            cfg.tick_ms, cfg.heartbeat_ticks, cfg.election_ticks
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -121,8 +130,8 @@ class Store:
             await node.start(on_failure, own_ticker=False)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._tick_all())]
+        self._tasks.append(loop.create_task(self._balance_leaders()))
         if self.data:
-            self._tasks.append(loop.create_task(self._balance_leaders()))
             self._tasks.append(loop.create_task(self._follow_group_0()))
 
     async def _follow_group_0(self) -> None:
@@ -173,19 +182,43 @@ class Store:
                     log.info("membership change not made", extra={"group": g, "error": str(e)})
 
     async def _balance_leaders(self) -> None:
-        """Every ROUND_S: hand a data group this node leads to its preferred
-        leader, if one is due (at most one per round)."""
+        """Every ROUND_S: hand a group this node leads off it if its disk is
+        low, or a data group to its preferred leader, if one is due (at most
+        one per round; ``leader_balance``)."""
         while True:
             await asyncio.sleep(ROUND_S)
-            views = [view_of(g, n.core) for g, n in sorted(self.data.items())]
-            for group, target in self.balancer.decide(time.monotonic(), views):
-                log.info(
-                    "handing a data group to its preferred leader",
-                    extra={"group": group, "to": target},
+            now = time.monotonic()
+            disks = self.transport.peer_disks
+            views = [
+                view_of(
+                    g,
+                    n.core,
+                    n.disk.low,
+                    {p: disks.low(p, now) for p in n.core.conf.voters if p != self.cfg.node_id},
                 )
-                metrics.LEADER_HANDOVERS.labels(str(group)).inc()
+                for g, n in sorted(self.nodes.items())
+            ]
+            for group, target, why in self.balancer.decide(now, views):
+                node = self.nodes[group]
+                if why == "disk_low":
+                    log.warning(
+                        "handing a group off this node: its disk is low",
+                        extra={
+                            "group": group,
+                            "to": target,
+                            "free_bytes": node.disk.free_now,
+                            "min_free_bytes": node.disk.min_free_bytes,
+                        },
+                    )
+                    metrics.LEADER_DISK_HANDOVERS.labels(str(group)).inc()
+                else:
+                    log.info(
+                        "handing a data group to its preferred leader",
+                        extra={"group": group, "to": target},
+                    )
+                    metrics.LEADER_HANDOVERS.labels(str(group)).inc()
                 with contextlib.suppress(NotLeader):  # lost it meanwhile: nothing to hand
-                    await self.nodes[group].transfer_leader(target)
+                    await node.transfer_leader(target)
 
     async def hand_over(self, timeout: float = 5.0) -> dict[int, int]:
         """Before a graceful stop: hand every group this node leads to its
@@ -239,9 +272,13 @@ class Store:
         period = self.cfg.tick_ms / 1000
         nxt = time.monotonic()
         nodes = list(self.nodes.values())
+        transport = self.transport
         while True:
             nxt += period
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+            # What every batch to the peers says of this node's disk (each
+            # guard looks at most every LOOK_EVERY_S).
+            transport.disk_low = any(node.disk.low for node in nodes)
             for node in nodes:
                 node.tick()
 

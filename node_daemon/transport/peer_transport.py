@@ -19,6 +19,10 @@ message to its group. All groups' messages to one peer share its queue, so
 what the groups send in one turn of the event loop (their heartbeats of one
 tick, above all) leaves in one batch: one frame, one write.
 
+Every batch also says whether its sender's disk is low (``disk_low``, set
+by the process's groups); the receiver keeps what each peer said last, with
+when (``peer_disks``, ``node_daemon.transport.peer_disk``).
+
 A node may run some groups in other processes (worker processes,
 docs/multiraft.md step 5), each with its own gRPC and framed ports. Its
 main process says which in ``FramesEndpointReply.group_ports`` (group ->
@@ -58,6 +62,7 @@ from node_daemon import metrics
 from node_daemon.raft import Message, MessageType
 from node_daemon.storage.disk import fsync_dir
 from node_daemon.transport.batch_wire import encode_batch
+from node_daemon.transport.peer_disk import PeerDisks
 from node_daemon.transport.peer_frames import FramesLink, FramesServer
 from node_daemon.transport.wire import message_from_pb, message_to_pb
 from roadlog import round_trace
@@ -195,13 +200,14 @@ class _Peer:
 
     def _next_frame(self) -> list[bytes]:
         """The pending messages as one framed link frame's parts."""
-        return encode_batch(self.t.cluster, self.t.node_id, self._next_messages())
+        return encode_batch(self.t.cluster, self.t.node_id, self._next_messages(), self.t.disk_low)
 
     def _next_batch(self) -> raft_pb2.RaftBatch:
         """The pending messages as one RaftBatch (for the gRPC stream)."""
         batch = raft_pb2.RaftBatch(
             cluster=self.t.cluster,
             messages=[message_to_pb(m, g) for g, m in self._next_messages()],
+            disk_low=self.t.disk_low,
         )
         setattr(batch, "from", self.t.node_id)
         return batch
@@ -383,6 +389,10 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         self._fetching: set[tuple[int, int, int]] = set()  # (group, index, term)
         self._sha_cache: dict[tuple[Path, int, int], bytes] = {}
         self._missing_said: set[tuple[int, int, int]] = set()  # (group, index, term) warned of
+        # This node's disk is low: said on every batch sent (the process's
+        # groups set it, see ``Store``); and what the peers' batches said.
+        self.disk_low = False
+        self.peer_disks = PeerDisks()
 
     @classmethod
     def bare(cls, node_id: int, cluster: str, secret: bytes) -> PeerTransport:
@@ -603,6 +613,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         file is here). A message of a group this node does not run is
         dropped and counted (Raft resends; the group may be starting)."""
         round_trace.mark("peer_in")
+        self.peer_disks.heard(getattr(batch, "from"), batch.disk_low, time.monotonic())
         groups = self.groups
         for pb in batch.messages:
             g = groups.get(pb.group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,6 +94,38 @@ def test_messages_flow_in_order_over_frames_or_the_grpc_stream(
             assert got_b == sent  # every field, in order
             assert bool(b.frames and b.frames.connections) == frames
             assert b.rejected == 0
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(None)
+
+    run_bounded(body)
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc-fallback"])
+def test_every_batch_tells_the_receiver_whether_the_senders_disk_is_low(
+    tmp_path: Path, frames: bool
+) -> None:
+    """The disk bit (``peer_disk``) rides on both links, per sending node."""
+
+    async def body() -> None:
+        got_b: list[Message] = []
+        b = _transport(2, tmp_path, got_b)
+        server, addr = await _serving(b, frames)
+        a = _transport(1, tmp_path, [])
+        a.set_addresses({2: addr})
+        try:
+            assert b.peer_disks.low(1, time.monotonic()) is None  # not heard of yet
+            a.send([_append(1, 2, 1)])
+            await until(lambda: len(got_b) == 1, "the first message")
+            assert b.peer_disks.low(1, time.monotonic()) is False
+            a.disk_low = True
+            a.send([_append(1, 2, 2)], group=0)
+            await until(lambda: b.peer_disks.low(1, time.monotonic()) is True, "low said")
+            a.disk_low = False
+            a.send([_append(1, 2, 3)])
+            await until(lambda: b.peer_disks.low(1, time.monotonic()) is False, "room again")
+            assert len(got_b) == 3 and b.rejected == 0
         finally:
             await a.close()
             await b.close()
