@@ -112,9 +112,11 @@ async def _stranger(n: int, port: int, ctx: ssl.SSLContext, hold: float) -> str:
                 w.write(LEN.pack(16 << 20) + b"\x00" * 1000)
         with contextlib.suppress(TimeoutError):
             got = await asyncio.wait_for(r.read(), hold)  # the server's answer, then its close
-            if kind in (2, 3):  # the hello refused, saying why
+            if kind in (2, 3) and got:  # the hello refused, saying why
                 why = got[LEN.size :].decode(errors="replace")
                 return "refused hello" if why.startswith("UNAUTHENTICATED") else f"answered {got!r}"
+            # Closed unanswered: a hello cut at its deadline or past a cap
+            # before it was read (CI's loaded machine: 1 of 1,500 hellos).
             return "closed" if got in (b"", MAGIC) else f"answered {got!r}"
         return "held"
     except (OSError, ssl.SSLError, asyncio.IncompleteReadError, TimeoutError):
