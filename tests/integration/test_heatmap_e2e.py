@@ -118,6 +118,19 @@ def build(
     )
 
 
+@pytest.fixture(scope="module")
+def first_map(
+    traffic: tuple[LocalCluster, int, int, int], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, object]:
+    """The window's heat map, built once (with the cluster's Spark identity)
+    for the tests that look at a build's result, not at building again."""
+    lc, start, end, _ = traffic
+    assert lc.spark_token
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROADLOG_TOKEN", lc.spark_token)
+        return build(lc, start, end, tmp_path_factory.mktemp("first-map"))
+
+
 def test_the_data_source_reads_committed_data_the_same_twice(
     traffic: tuple[LocalCluster, int, int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -157,10 +170,13 @@ def test_the_data_source_reads_committed_data_the_same_twice(
 
 
 def test_the_jam_shows_up_where_it_is_and_only_contributors_see_it(
-    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path, spark_identity: None
+    traffic: tuple[LocalCluster, int, int, int],
+    first_map: dict[str, object],
+    tmp_path: Path,
+    spark_identity: None,
 ) -> None:
     lc, start, end, n = traffic
-    summary = build(lc, start, end, tmp_path)
+    summary = first_map
     assert summary["pings"] == n  # the old burst is outside the window
     with as_(lc, "alice") as conn:
         conn.fence = int(str(summary["applied_index"]))  # read at the map's store, not before
@@ -229,10 +245,9 @@ def test_the_same_job_runs_on_a_standalone_cluster(
 
 
 def test_the_html_page_draws_in_headless_chromium(
-    traffic: tuple[LocalCluster, int, int, int], tmp_path: Path, spark_identity: None
+    first_map: dict[str, object], tmp_path: Path
 ) -> None:
-    lc, start, end, _ = traffic
-    summary = build(lc, start, end, tmp_path)
+    summary = first_map
     page = Path(str(summary["dir"])) / "heatmap.html"
     with headless_chromium(1200, 1000) as driver:
         driver.get(page.as_uri())
