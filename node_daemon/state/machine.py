@@ -145,6 +145,19 @@ class StateMachine:
         self._open()
 
     def _open(self) -> None:
+        """Open the environment and its tables; a disk too full for the
+        tables' first commit (creating one commits) is StorageFullError,
+        which the node reports as "cannot start: the disk is full"."""
+        try:
+            self._open_tables()
+        except lmdb.Error as e:
+            if isinstance(e, lmdb.DiskError) or full_disk_error(e, self.path):
+                with contextlib.suppress(Exception):
+                    self.env.close()
+                raise StorageFullError(f"disk full opening the state in {self.path}: {e}") from e
+            raise
+
+    def _open_tables(self) -> None:
         if not self.readonly:
             self.path.mkdir(parents=True, exist_ok=True)
         self.env = open_lmdb(  # a full disk: StorageFullError, not a SIGBUS

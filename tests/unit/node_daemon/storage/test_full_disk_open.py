@@ -7,6 +7,7 @@ killing the test run."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -46,6 +47,24 @@ def test_opening_on_a_full_disk_is_a_storage_full_error(tmp_path: Path, what: st
     assert child.returncode != -signal.SIGBUS, "killed by SIGBUS"
     assert child.returncode == 3, (child.returncode, child.stdout, child.stderr)
     assert "disk full opening the" in child.stdout and "No space left" in child.stdout
+
+
+def test_room_for_the_files_but_not_the_tables_is_a_storage_full_error(tmp_path: Path) -> None:
+    """The state's files open, but creating its tables commits, and that
+    commit finds no room (the nemesis: a node's disk filled while it started
+    after a power cut, and it died with a raw lmdb.DiskError)."""
+    with small_tmpfs(tmp_path / "tiny", "1m", "the full-disk open test") as mnt:
+        fill = mnt / "fill"
+        fill_up(fill)
+        os.truncate(fill, fill.stat().st_size - 76 * 1024)  # the lock's 64 KiB and a little
+        child = subprocess.run(
+            [sys.executable, "-c", OPEN, "state", str(mnt / "state")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert child.returncode == 3, (child.returncode, child.stdout, child.stderr)
+    assert "disk full opening the state" in child.stdout, child.stdout
 
 
 def test_with_room_it_opens(tmp_path: Path) -> None:
