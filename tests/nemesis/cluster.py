@@ -244,6 +244,9 @@ class NemesisCluster:
                     "--snapshot-mib-per-s", str(self.snapshot_mib_per_s),
                     "--boot-id-file", str(boot),
                     "--data-groups", str(self.data_groups),
+                    # Every node a voter, as an operator of 5 sets it (the
+                    # default keeps 3, the rest standby learners).
+                    *(["--voters", str(self.nodes)] if self.nodes != 3 else []),
                 ], self.dir / "logs" / f"n{k}.log", data, disk, clock, boot)
             )  # fmt: skip
 

@@ -139,6 +139,7 @@ class Nemesis:
     # the damage, and a fault in between would take a second copy (finding 12).
     lost: set[str] = field(default_factory=set)
     _heals: dict[str, Heal] = field(default_factory=dict)
+    _waits_on: dict[str, str] = field(default_factory=dict)  # kind -> why its last try skipped
     _refused: dict[str, float] = field(default_factory=dict)  # node -> when its start was refused
     _leader_id: int = 0
     _group_leaders: dict[int, int] = field(default_factory=dict)  # data group -> node
@@ -235,9 +236,13 @@ class Nemesis:
             if record_skip:
                 self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
                                kind=f.kind, target=f.target, reason=str(e))  # fmt: skip
+            elif self._waits_on.get(f.kind) != str(e):  # what a retried kind waits on, as it moves
+                log.info("waiting", extra={"fault": f.id, "kind": f.kind, "why": str(e)})
+            self._waits_on[f.kind] = str(e)
             return False
         with self._lock:
             self._heals[f.id] = heal
+        self._waits_on.pop(f.kind, None)
         self.rec.event("nemesis", "info", "nemesis", phase="start", fault=f.id, kind=f.kind,
                        target=f.target, leader=leader, **detail)  # fmt: skip
         log.info("fault", extra={"fault": f.id, "target": f.target, "leader": leader, **detail})
@@ -639,8 +644,13 @@ class Nemesis:
         none catching up in it but the nodes in ``lost``."""
         voters = {s.ident for s in self.cluster.node_services} - self.removed
         conf = self.cluster.voters(leader, committed=True) if leader else None
+        if conf is None:
+            raise Skip("no leader answers, or its configuration is not committed")
         if conf != (voters, set()):
-            raise Skip("a member is out or not promoted yet (committed), or no leader answers")
+            raise Skip(
+                f"a member is out or not promoted yet: voters {sorted(conf[0])}, learners "
+                f"{sorted(conf[1])}, not {sorted(voters)}"
+            )
         if not self.cluster.data_groups_settled(voters, lost):
             raise Skip("a data group has not followed the membership yet, or has no leader")
 
