@@ -634,7 +634,11 @@ class Nemesis:
         everyone = {s.ident for s in self.cluster.node_services}
         if not keeps_a_majority(everyone, self.removed, lost, svc.ident, remove):
             names = sorted(f"n{k}" for k in lost)
-            raise Skip(f"{names} not caught up since a wipe or a damaged log")
+            out = sorted(f"n{k}" for k in self.removed)
+            raise Skip(
+                f"{names} not caught up since a wipe or a damaged log, {out} out of the "
+                "configuration: a majority would not keep its copy"
+            )
         return svc
 
     def _configuration_settled(self, leader: int, lost: set[int]) -> None:
