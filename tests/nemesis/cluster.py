@@ -244,6 +244,9 @@ class NemesisCluster:
                     "--snapshot-mib-per-s", str(self.snapshot_mib_per_s),
                     "--boot-id-file", str(boot),
                     "--data-groups", str(self.data_groups),
+                    # Every node a voter, as an operator of 5 sets it (the
+                    # default keeps 3, the rest standby learners).
+                    *(["--voters", str(self.nodes)] if self.nodes != 3 else []),
                 ], self.dir / "logs" / f"n{k}.log", data, disk, clock, boot)
             )  # fmt: skip
 
@@ -553,20 +556,27 @@ class NemesisCluster:
             return None
         return bool(me.catching_up) or any(g.catching_up for g in me.groups)
 
-    def data_groups_settled(self, everyone: set[int]) -> bool:
-        """Every data group's leader (as the nodes tell it) has ``everyone``
+    def data_groups_settled(self, voters: set[int], catching_up: set[int] | None = None) -> bool:
+        """Every data group's leader (as the nodes tell it) has ``voters``
         as its voters, no learner, its configuration committed, and no node
-        catching up in it: a data group follows group 0's membership a
-        while after group 0 changed it. True in a cluster of one group."""
+        catching up in it but those in ``catching_up`` (node ids): a data
+        group follows group 0's membership a while after group 0 changed it.
+        True in a cluster of one group."""
+        allowed = catching_up or set()
         views = self.views()
         for g, lead in self.group_leaders(views).items():
             mine = [x for x in views.get(lead, {}).get("groups", []) if x["id"] == g]
             if not lead or not mine:
                 return False
             (x,) = mine
-            if set(x["voters"]) != everyone or x["learners"] or x["conf_index"] > x["commit_index"]:
+            if set(x["voters"]) != voters or x["learners"] or x["conf_index"] > x["commit_index"]:
                 return False
-            if any(y["catching_up"] for v in views.values() for y in v.get("groups", [])):
+            if any(
+                y["catching_up"]
+                for n, v in views.items()
+                if n not in allowed
+                for y in v.get("groups", [])
+            ):
                 return False
         return True
 

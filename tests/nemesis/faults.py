@@ -101,6 +101,24 @@ def _holds_a_copy(cluster: NemesisCluster, svc: Service, groups: list[int]) -> b
     return True
 
 
+def keeps_a_majority(
+    nodes: set[int], removed: set[int], lost: set[int], take: int, remove: bool
+) -> bool:
+    """Whether a quiet fault may take node ``take``'s copy (or, ``remove``,
+    its place in the configuration) while the nodes in ``removed`` are out of
+    the configuration and those in ``lost`` hold no copy: ``take`` is a voter
+    holding its copy, and after the fault more than half the voters still
+    hold theirs; one member out at a time. With 3 nodes that is: every node
+    a voter holding its copy; with 5, two copies may be gone at once, or one
+    copy and one member."""
+    voters = nodes - removed
+    if take not in voters or take in lost or (remove and removed):
+        return False
+    after = voters - {take} if remove else voters
+    holding = after - lost - {take}
+    return len(holding) > len(after) // 2
+
+
 @dataclass
 class Nemesis:
     cluster: NemesisCluster
@@ -121,6 +139,7 @@ class Nemesis:
     # the damage, and a fault in between would take a second copy (finding 12).
     lost: set[str] = field(default_factory=set)
     _heals: dict[str, Heal] = field(default_factory=dict)
+    _waits_on: dict[str, str] = field(default_factory=dict)  # kind -> why its last try skipped
     _refused: dict[str, float] = field(default_factory=dict)  # node -> when its start was refused
     _leader_id: int = 0
     _group_leaders: dict[int, int] = field(default_factory=dict)  # data group -> node
@@ -217,9 +236,13 @@ class Nemesis:
             if record_skip:
                 self.rec.event("nemesis", "info", "nemesis", phase="skip", fault=f.id,
                                kind=f.kind, target=f.target, reason=str(e))  # fmt: skip
+            elif self._waits_on.get(f.kind) != str(e):  # what a retried kind waits on, as it moves
+                log.info("waiting", extra={"fault": f.id, "kind": f.kind, "why": str(e)})
+            self._waits_on[f.kind] = str(e)
             return False
         with self._lock:
             self._heals[f.id] = heal
+        self._waits_on.pop(f.kind, None)
         self.rec.event("nemesis", "info", "nemesis", phase="start", fault=f.id, kind=f.kind,
                        target=f.target, leader=leader, **detail)  # fmt: skip
         log.info("fault", extra={"fault": f.id, "target": f.target, "leader": leader, **detail})
@@ -322,19 +345,22 @@ class Nemesis:
         leader: int,
         *,
         allow_paused: bool = True,
+        exclude: set[int] | None = None,
     ) -> list[Service]:
         """The nodes a target names, among those up (and not paused unless
-        allowed); raises Skip when none fits."""
+        allowed) and not in ``exclude`` (node ids; a leader excluded is no
+        pick); raises Skip when none fits."""
+        out = exclude or set()
         nodes = [
             s
             for s in self.cluster.node_services
-            if self._up(s) and (allow_paused or s.name not in self.paused)
+            if self._up(s) and (allow_paused or s.name not in self.paused) and s.ident not in out
         ]
         if target in ("leader", "group-leader"):
             if target == "group-leader":
                 leader = self._group_leader(leader)[1]
             pick = [s for s in nodes if s.ident == leader] or nodes[:0]
-            if not pick and nodes:  # no leader known: any node
+            if not pick and nodes and leader not in out:  # no leader known: any node
                 pick = [self.rng.choice(nodes)]
         elif target == "follower":
             others = [s for s in nodes if s.ident != leader]
@@ -464,16 +490,19 @@ class Nemesis:
         self, f: Fault, leader: int, damage: Callable[[Service], dict[str, Any]]
     ) -> tuple[Heal, dict[str, Any]]:
         """Kill one follower of a known leader, ``damage`` its disk, start it
-        at heal: only while every node is a voter holding its copy (a node
-        still empty or catching up holds none), or the run would take a
-        majority's copies of acknowledged writes, which nothing survives.
-        (With two voters, one wiped before it has learned that configuration
-        cannot vote for the other: see RELIABILITY.md, finding 2.)"""
+        at heal: only while the leader's configuration is settled and a
+        majority of its voters keeps its copy without this one (a node still
+        empty or catching up holds none), or the run would take a majority's
+        copies of acknowledged writes, which nothing survives. With 3 nodes:
+        every node a voter holding its copy; with 5, two may lose theirs at
+        once (``keeps_a_majority``). (With two voters, one wiped before it
+        has learned that configuration cannot vote for the other: see
+        RELIABILITY.md, finding 2.)"""
         if not leader:
             raise Skip("no leader known: any node may hold the only copies")
-        self._all_hold_a_copy()
-        self._every_node_a_voter(leader)
-        (svc,) = self._nodes(f.target, leader)
+        lost = self._lost_copies()
+        self._configuration_settled(leader, lost)
+        svc = self._quiet_target(f.target, leader, lost, remove=False)
         self.cluster.kill(svc)
         self.down[svc.name] = f.id
         self.paused.pop(svc.name, None)
@@ -574,12 +603,16 @@ class Nemesis:
 
     def _member(self, f: Fault, leader: int) -> tuple[Heal, dict[str, Any]]:
         """Remove a voter (it keeps running, outside the configuration); at
-        heal, add it back as a learner for the leader to promote."""
+        heal, add it back as a learner for the leader to promote. One
+        member out at a time, and only while a majority of the voters left
+        holds its copy (with 3 nodes: none catching up)."""
         c = self.cluster
         self._add_back(tries=1)  # one left out by a heal that found no leader
-        self._all_hold_a_copy()  # no voter removed while one catches up
-        self._every_node_a_voter(leader)
-        (svc,) = self._nodes(f.target, leader)
+        if self.removed:
+            raise Skip("a member is out or not promoted yet")
+        lost = self._lost_copies()
+        self._configuration_settled(leader, lost)
+        svc = self._quiet_target(f.target, leader, lost, remove=True)
         # Whatever the answer (a timeout may come after the change), the node
         # may be out now: it is added back at heal (adding a member is a no-op).
         self.removed.add(svc.ident)
@@ -592,32 +625,52 @@ class Nemesis:
 
         return heal, {"services": [svc.name], "acked": acked}
 
-    def _every_node_a_voter(self, leader: int) -> None:
-        """Skip unless the leader's configuration has every node a voter,
-        no learner, and is committed (a newer leader may lack one that is
-        not), and no node is out by a membership fault."""
+    def _quiet_target(self, target: str, leader: int, lost: set[int], remove: bool) -> Service:
+        """The node a quiet fault takes (its copy, or with ``remove`` its
+        place): among those neither out of the configuration nor without
+        their copy; Skip unless a majority of the voters keeps its copy
+        after (``keeps_a_majority``)."""
+        (svc,) = self._nodes(target, leader, exclude=lost | self.removed)
         everyone = {s.ident for s in self.cluster.node_services}
+        if not keeps_a_majority(everyone, self.removed, lost, svc.ident, remove):
+            names = sorted(f"n{k}" for k in lost)
+            out = sorted(f"n{k}" for k in self.removed)
+            raise Skip(
+                f"{names} not caught up since a wipe or a damaged log, {out} out of the "
+                "configuration: a majority would not keep its copy"
+            )
+        return svc
+
+    def _configuration_settled(self, leader: int, lost: set[int]) -> None:
+        """Skip unless the leader's configuration is every node but those
+        out by a membership fault, no learner, and committed (a newer leader
+        may lack one that is not), and every data group has followed it with
+        none catching up in it but the nodes in ``lost``."""
+        voters = {s.ident for s in self.cluster.node_services} - self.removed
         conf = self.cluster.voters(leader, committed=True) if leader else None
-        if self.removed or conf != (everyone, set()):
-            raise Skip("a member is out or not promoted yet (committed), or no leader answers")
-        if not self.cluster.data_groups_settled(everyone):
+        if conf is None:
+            raise Skip("no leader answers, or its configuration is not committed")
+        if conf != (voters, set()):
+            raise Skip(
+                f"a member is out or not promoted yet: voters {sorted(conf[0])}, learners "
+                f"{sorted(conf[1])}, not {sorted(voters)}"
+            )
+        if not self.cluster.data_groups_settled(voters, lost):
             raise Skip("a data group has not followed the membership yet, or has no leader")
 
-    def _all_hold_a_copy(self) -> None:
-        """Skip unless every node holds its copy: none catching up since a
-        wipe or a damaged log, and none that lost its copy and has not said
-        since that it caught up (down, starting, or not asked yet)."""
+    def _lost_copies(self) -> set[int]:
+        """The nodes without their copy: catching up since a wipe or a
+        damaged log, or having lost it and not said since that they caught
+        up (down, starting, or not asked yet)."""
         for s in self.cluster.node_services:
             if s.name in self.lost and s.running() and self.cluster.catching_up(s) is False:
                 self.lost.discard(s.name)
         groups = self.cluster.groups()
-        unrepaired = [
-            s.name
+        return {
+            s.ident
             for s in self.cluster.node_services
             if not _holds_a_copy(self.cluster, s, groups) or s.name in self.lost
-        ]
-        if unrepaired:
-            raise Skip(f"{unrepaired} not caught up since a wipe or a damaged log")
+        }
 
     def _admin_op(self, f: str, ident: int, call: Callable[[int], bool]) -> bool:
         """A membership change, recorded as an operation (ok when the

@@ -1,6 +1,6 @@
 """``python -m tests.nemesis.run --seconds N --seed S``: one nemesis run.
 
-Builds a cluster of 3 nodes and 2 queue servers as hosts in network
+Builds a cluster of 3 nodes (``--nodes``) and 2 queue servers as hosts in network
 namespaces, starts the workload, injects the seed's schedule of faults
 for N seconds, heals everything, lets the workload see the healed
 cluster, stops it, reads everything back, takes the replicas' digests and
@@ -30,6 +30,7 @@ from typing import Any
 from roadlog.client import Admin, Connection, Consumer, RoadlogError
 from roadlog.client_tls import ClientTLS
 from roadlog.runtime.logs import JsonFormatter
+from tests.bridge_lock import bridge_subnet
 from tests.nemesis import schedule, workload
 from tests.nemesis.checker import check
 from tests.nemesis.cluster import NemesisCluster
@@ -184,6 +185,7 @@ def run(
     snapshot_mib_per_s: int = 64,
     data_groups: int = 0,
     tls: bool = True,
+    nodes: int = 3,
 ) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _logging(run_dir)
@@ -197,13 +199,13 @@ def run(
               kinds=list(kinds), skip_known=skip_known, subnet=subnet, pace=pace,
               phases=list(phases) if phases else None, max_batch=max_batch,
               snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
-              data_groups=data_groups, tls=tls, pid=os.getpid())  # fmt: skip
+              data_groups=data_groups, tls=tls, nodes=nodes, pid=os.getpid())  # fmt: skip
     log.info("starting", extra={"seed": seed, "seconds": seconds, "faults": len(faults),
                                 "dir": str(run_dir)})  # fmt: skip
     cluster = NemesisCluster(
         run_dir, subnet, f"n{os.getpid() % 100000}", disk_bytes=disk_mib << 20,
         snapshot_entries=snapshot_entries, snapshot_mib_per_s=snapshot_mib_per_s,
-        data_groups=data_groups, tls=tls,
+        data_groups=data_groups, tls=tls, nodes=nodes,
     )  # fmt: skip
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -267,6 +269,10 @@ def run(
     return 0 if (report.ok and made) else 1
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="how long faults go on")
@@ -306,10 +312,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="plaintext and no tokens, the shape of runs before (default: "
                     "TLS on every port, certificates for the hosts' addresses, "
                     "issued tokens)")  # fmt: skip
+    ap.add_argument("--nodes", type=int, default=3,
+                    help="node daemons, odd, 3..7 (default 3): with 5, two of them may lose "
+                    "their copy, or one its copy and one its place, at once (a majority of "
+                    "every group keeps its copy): the quiet kinds overlap, long runs get "
+                    "more of them")  # fmt: skip
     ap.add_argument("--snapshot-mib-per-s", type=int, default=64,
                     help="the nodes' snapshot_mib_per_s: low, a snapshot's paced copy lasts "
                     "long enough for kills, power cuts and stops to land in it")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.nodes not in (3, 5, 7):
+        ap.error("--nodes must be 3, 5 or 7")
     if not 0 <= a.data_groups <= 64:
         ap.error("--data-groups must be in 0..64")
     if a.snapshot_entries < 1 or a.snapshot_mib_per_s < 0:
@@ -337,11 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kinds) - set(schedule.KINDS)
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {','.join(schedule.KINDS)}")
-    return run(
-        a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
-        a.disk_mib, a.pace, phases, a.max_batch, a.snapshot_entries, a.snapshot_mib_per_s,
-        a.data_groups, not a.insecure,
-    )  # fmt: skip
+    # The bridge subnet is shared with the netns and lab tiers (each clears
+    # what it finds there): one user at a time (tests/bridge_lock.py).
+    with bridge_subnet("nemesis", say=_say):
+        return run(
+            a.seconds, a.seed, run_dir.resolve(), a.subnet, a.replay, kinds, a.skip_known,
+            a.disk_mib, a.pace, phases, a.max_batch, a.snapshot_entries, a.snapshot_mib_per_s,
+            a.data_groups, not a.insecure, a.nodes,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ def test_the_first_signal_stops_the_faults_and_the_second_aborts(tmp_path: Path)
 
 @pytest.mark.parametrize(
     "args",
-    [["--max-batch", "0"], ["--max-batch", "10001"], ["--pace", "0"], ["--phases", "5"]],
+    [
+        ["--max-batch", "0"],
+        ["--max-batch", "10001"],
+        ["--pace", "0"],
+        ["--phases", "5"],
+        ["--nodes", "4"],
+    ],
 )
 def test_the_runs_knobs_out_of_range_are_refused_before_anything_starts(
     args: list[str], capsys: pytest.CaptureFixture[str]
