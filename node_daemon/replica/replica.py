@@ -63,6 +63,7 @@ from node_daemon.raft import (
 )
 from node_daemon.replica import catching_up
 from node_daemon.replica.commands import Proposal, in_time, packed
+from node_daemon.replica.held_back import answer_held_back
 from node_daemon.replica.log_clock import (
     ANCHOR_FILE,
     LogClock,
@@ -882,6 +883,9 @@ class Replica:
         again after a backoff (Raft cannot skip it); refuse growing writes
         meanwhile (DiskGuard). Logged at most every 10 s."""
         wait = self.disk.write_failed()
+        answer_held_back(
+            self.core.role == Role.LEADER, self.disk, self._pending, self.id, self.group
+        )
         metrics.STORAGE_FULL_RETRIES.labels(what.split()[0]).inc()
         # Post-mortem copies of damaged logs go first: data must not wait on them.
         damage.drop_set_aside(Path(self.cfg.data_dir))
@@ -956,6 +960,7 @@ class Replica:
             for _, fut, _ in ops:
                 if not fut.done():
                     fut.set_exception(NotLeader(core.lead))
+            answer_held_back(False, self.disk, self._pending, self.id, self.group)
         for fn in self.state_listeners:
             fn()
 

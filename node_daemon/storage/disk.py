@@ -161,6 +161,11 @@ class DiskGuard:
         self.look()
         return self._failed or 0 <= self.free_now < self.min_free_bytes
 
+    @property
+    def failing(self) -> bool:
+        """A write failed for want of space and none went through since."""
+        return self._failed
+
     def write_failed(self) -> float:
         """A write failed for want of space: low from now on; the seconds to
         wait before trying it again (doubling, up to RETRY_MAX_S)."""
