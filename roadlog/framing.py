@@ -22,6 +22,41 @@ from roadlog.link_limits import LinkGuard, source_key
 log = logging.getLogger("roadlog.framing")
 
 LEN = struct.Struct("<I")
+# Over TLS, the parts of a frame are joined into chunks of up to this many
+# bytes before they are written (``tls_chunks``).
+TLS_CHUNK = 256 << 10
+
+
+def tls_chunks(parts: list[bytes], limit: int = TLS_CHUNK) -> list[bytes]:
+    """``parts`` (a frame's length prefix and payload) as few pieces for a
+    TLS transport: runs of parts joined into chunks of at most ``limit``
+    bytes; a part of ``limit`` bytes or more goes as it is, alone.
+
+    Invariant: ``b"".join(tls_chunks(p)) == b"".join(p)``. A TLS transport
+    (uvloop's, asyncio's) encrypts each piece it is handed as one TLS record
+    at least, so a frame written as its parts (a 4-byte length, a header, a
+    message: a heartbeat is four) cost a record, its AES-GCM pass and its
+    decryption on the far side per part; joined, a small frame is one record.
+    TLS copies every byte anyway, so the join costs little; the limit keeps
+    a big frame from being copied whole once more."""
+    out: list[bytes] = []
+    run: list[bytes] = []
+    size = 0
+    for p in parts:
+        n = len(p)
+        if run and size + n > limit:
+            out.append(run[0] if len(run) == 1 else b"".join(run))
+            run, size = [], 0
+        if n >= limit:
+            out.append(p)
+            continue
+        run.append(p)
+        size += n
+    if run:
+        out.append(run[0] if len(run) == 1 else b"".join(run))
+    return out
+
+
 _HANDSHAKES: set[asyncio.Task[Any]] = set()  # TLS handshakes under way (kept from the GC)
 
 # A frame's bytes: a big frame is the bytearray it was read into, typed as
@@ -282,12 +317,14 @@ class FramedConn(asyncio.BufferedProtocol):
         self.received = 0  # bytes, ever
         self._starved = False  # not reading: waiting for the budget
         self._paused = False  # not reading: the receiver's choice (``pause``)
+        self._tls = False  # a TLS transport: a frame's parts are joined (``tls_chunks``)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._open(transport)
 
     def _open(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._tls = transport.get_extra_info("ssl_object") is not None
         tune_link(transport.get_extra_info("socket"), *self.KEEPALIVE)
         self._opened()
 
@@ -426,7 +463,8 @@ class FramedConn(asyncio.BufferedProtocol):
         in the same turn of the event loop (or takes no backpressure)."""
         if self.transport is None or self.lost.done():
             raise ConnectionError("framed link is down")
-        self.transport.writelines([LEN.pack(sum(len(p) for p in parts)), *parts])
+        out = [LEN.pack(sum(len(p) for p in parts)), *parts]
+        self.transport.writelines(tls_chunks(out) if self._tls else out)
 
     async def send_parts(self, parts: list[bytes]) -> None:
         """One frame whose payload is ``parts`` joined, written as they are

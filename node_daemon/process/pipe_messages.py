@@ -3,9 +3,9 @@ processes (``pipe``): one frozen dataclass a kind of message, and their one
 encoding (``encode``, ``decode``).
 
 - main -> worker: ``Group0`` (first, before anything else, then as it
-  moves), ``HandOver``, ``Stop``.
+  moves), ``HandOver``, ``Stop``, ``AskMetrics`` (for a scrape).
 - worker -> main: ``Ports`` (once listening), ``Groups`` (as they move),
-  ``Metrics`` (every ``worker_metrics.EVERY_S``).
+  ``Metrics`` (the answer to an ``AskMetrics``).
 - either way: ``ReadBarrier`` (a ReadIndex asked of the process that runs
   the group), answered by a ``Barrier`` with the same id.
 
@@ -85,6 +85,15 @@ class Stop:
     Invariant: nothing; the last message a worker acts on."""
 
 
+@dataclass(frozen=True, slots=True)
+class AskMetrics:
+    """The main process is being scraped: the worker answers with its
+    ``Metrics``.
+
+    Invariant: nothing; each ask is answered once, with the registry as it
+    is when the ask is read."""
+
+
 # ------------------------------------------------------------- worker -> main
 
 
@@ -126,7 +135,8 @@ class Groups:
 
 @dataclass(frozen=True, slots=True)
 class Metrics:
-    """The worker's metrics, in Prometheus's text exposition format.
+    """The worker's metrics, in Prometheus's text exposition format: the
+    answer to an ``AskMetrics``.
 
     Invariant: all of its registry at one scrape; the next replaces it."""
 
@@ -168,7 +178,7 @@ class Barrier:
             raise ValueError(f"answer {self.id}: index {self.index} and error {self.error!r}")
 
 
-Message = Group0 | HandOver | Stop | Ports | Groups | Metrics | ReadBarrier | Barrier
+Message = Group0 | HandOver | Stop | AskMetrics | Ports | Groups | Metrics | ReadBarrier | Barrier
 
 
 # ------------------------------------------------------------------ encoding
@@ -261,6 +271,7 @@ _KINDS: tuple[type, ...] = (
     Group0,
     HandOver,
     Stop,
+    AskMetrics,
     Ports,
     Groups,
     Metrics,

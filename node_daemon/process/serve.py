@@ -259,6 +259,8 @@ async def serve(cfg: NodeConfig) -> None:
             now = now_ms()
             groups.update_addresses({**node.sm.peers(), **discovered.core.addresses(now)})
             link_queue_servers(discovered.core.queue_servers(now))
+            if workers is not None:
+                workers.poke()  # the workers hear of new addresses and queue servers now
             if membership.in_config():
                 f = group_figures(node)
                 discovered.core.set_member(

@@ -16,6 +16,16 @@ the pipes never block the main process's event loop (``pipe``); a
 stop asks every worker to hand over the groups it leads and stop (workers
 ignore the unit's SIGTERM: the main process decides), starts none again,
 and kills what has not stopped within STOP_WAIT_S.
+
+Invariant (idle cost): the pool looks at group 0's figures and its workers'
+lives when something moved, not on a short timer: when group 0's leader,
+role or applied index moves (its state listeners; a commit and a
+configuration change are applied), when a worker exits (its process's
+sentinel turns readable), when a dead worker is due to start again, and
+otherwise every LOOK_EVERY_S (addresses and queue servers, which move
+without a state change); never more often than every SUPERVISE_S, so a
+loaded group 0 (its applied index moving all the time) costs what the
+50 ms poll did, and an idle node a look a second.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from node_daemon.config import NodeConfig
 from node_daemon.process import worker_process
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
 from node_daemon.process.pipe_messages import (
+    AskMetrics,
     Barrier,
     Group0,
     Groups,
@@ -56,7 +67,8 @@ from roadlog.errors import Code, RoadlogError
 
 log = logging.getLogger("roadlog.node")
 
-SUPERVISE_S = 0.05  # how often group 0's figures and the workers' lives are looked at
+SUPERVISE_S = 0.05  # group 0's figures and the workers' lives are looked at most this often
+LOOK_EVERY_S = 1.0  # and at least this often (what moves without a word: addresses, queue servers)
 RESTART_FIRST_S = 0.5  # a dead worker is started again after this, doubling
 RESTART_MAX_S = 30.0  # up to this
 STEADY_S = 60.0  # a worker up this long starts its backoff over
@@ -121,6 +133,26 @@ class WorkerPool:
         for g, rg in remote.items():
             rg.ask_barrier = functools.partial(self._ask_barrier, g)
         self.tell_ports()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poked = asyncio.Event()  # something moved: look (``_supervise``)
+        self._poked.set()  # the first look comes at once
+        self._watched: dict[int, int] = {}  # worker index -> the sentinel fd read for its exit
+
+    def _ask_metrics_soon(self) -> None:
+        """From the scrape thread: ``ask_metrics`` on the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            if self.metrics is not None:
+                self.metrics.asked(())  # no loop: nobody to wait for
+            return
+        loop.call_soon_threadsafe(self.ask_metrics)
+
+    def ask_metrics(self) -> None:
+        """Ask every worker that runs for its metrics (a scrape waits for
+        their answers, ``WorkerMetrics.refresh``)."""
+        asked = [w.index for w in self.workers if self._send(w, AskMetrics(), droppable=True)]
+        if self.metrics is not None:
+            self.metrics.asked(asked)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -131,9 +163,39 @@ class WorkerPool:
         self.transport.set_group_ports({g: w.grpc_port for w in self.workers for g in w.groups})
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.metrics is not None:
+            self.metrics.asks_with(self._ask_metrics_soon)
         for w in self.workers:
             await self._spawn(w)
+        self.meta.state_listeners.append(self.poke)
         self._task = asyncio.get_running_loop().create_task(self._supervise())
+
+    def poke(self) -> None:
+        """Something moved: the pool looks (within SUPERVISE_S)."""
+        self._poked.set()
+
+    def _watch(self, w: _Worker, p: BaseProcess) -> None:
+        """Poke when ``p`` exits (its sentinel turns readable)."""
+        self._unwatch(w)
+        fd = p.sentinel
+        asyncio.get_running_loop().add_reader(fd, self._exited, w)
+        self._watched[w.index] = fd
+
+    def _exited(self, w: _Worker) -> None:
+        self._unwatch(w)  # readable for good from now on: read once
+        self.poke()
+
+    def _unwatch(self, w: _Worker) -> None:
+        fd = self._watched.pop(w.index, None)
+        if fd is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(fd)
+
+    def _next_look_in(self, now: float) -> float:
+        """Seconds until the pool must look without a poke: LOOK_EVERY_S, or
+        sooner when a dead worker is due to start again."""
+        due = [w.due - now for w in self.workers if w.process is None]
+        return max(0.0, min([LOOK_EVERY_S, *due]))
 
     async def _spawn(self, w: _Worker) -> None:
         here, there = self._ctx.Pipe()
@@ -145,6 +207,7 @@ class WorkerPool:
         )
         p.start()
         there.close()
+        self._watch(w, p)
         pipe = await ProcessPipe.open(here, peer=f"worker {w.index}")
         w.process, w.pipe, w.started, w.told = p, pipe, time.monotonic(), None
         w.reader = asyncio.get_running_loop().create_task(self._read(w, pipe))
@@ -228,7 +291,12 @@ class WorkerPool:
 
     async def _supervise(self) -> None:
         while not self._stopping:
-            await asyncio.sleep(SUPERVISE_S)
+            await asyncio.sleep(SUPERVISE_S)  # at most this often
+            if not self._poked.is_set():
+                with contextlib.suppress(TimeoutError):
+                    timeout = self._next_look_in(time.monotonic())
+                    await asyncio.wait_for(self._poked.wait(), timeout)
+            self._poked.clear()
             try:
                 await self._look()
             except Exception:  # keep supervising: a worker must not stay dead
@@ -263,6 +331,7 @@ class WorkerPool:
 
     def _died(self, w: _Worker, p: BaseProcess, now: float) -> None:
         w.asks.fail_all("its worker process died")
+        self._unwatch(w)
         self._closed(w)
         w.process = None
         w.grpc_port = w.frames_port = 0
@@ -315,6 +384,7 @@ class WorkerPool:
                 await self._task
         deadline = time.monotonic() + STOP_WAIT_S
         for w in self.workers:
+            self._unwatch(w)
             p = w.process
             while p is not None and p.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

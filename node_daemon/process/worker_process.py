@@ -18,7 +18,8 @@ Over the pipe (``pipe``; the messages are ``pipe_messages``'s dataclasses):
   to node n (0: each to its best follower); ``Stop``, hand over, then stop.
 - worker -> main: ``Ports`` once listening; ``Groups``, the figures of
   each group that moved, once (``GroupFigures``, at most every
-  ``TELL_EVERY_S``); ``Metrics``.
+  ``TELL_EVERY_S``); ``Metrics``, only as the answer to an ``AskMetrics``
+  (a scrape of the main process: an idle worker makes no exposition).
 - either way: ``ReadBarrier``, answered by a ``Barrier``.
 
 Invariants: a worker dies with its main process (``PR_SET_PDEATHSIG``),
@@ -45,10 +46,10 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from node_daemon.config import NodeConfig
-from node_daemon.process import worker_metrics
 from node_daemon.process.grpc_server import node_grpc_server
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
 from node_daemon.process.pipe_messages import (
+    AskMetrics,
     Barrier,
     Group0,
     Groups,
@@ -250,6 +251,8 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
                 task = loop.create_task(_barrier(groups, pipe, msg))
                 handing.add(task)
                 task.add_done_callback(handing.discard)
+            case AskMetrics():  # a scrape of the main process: made now, never on a timer
+                pipe.send(Metrics(generate_latest().decode()), droppable=True)
             case HandOver():  # a task: the pipe is read on meanwhile
                 task = loop.create_task(_hand_to(groups, msg.to))
                 handing.add(task)
@@ -274,17 +277,9 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
                     extra={"worker": spec.index, "kind": type(msg).__name__},
                 )
 
-    async def send_metrics() -> None:
-        while True:
-            text = generate_latest().decode()
-            pipe.send(Metrics(text), droppable=True)
-            await asyncio.sleep(worker_metrics.EVERY_S)
-
     listener = loop.create_task(listen())
-    metrics_task = loop.create_task(send_metrics())
     await stop.wait()
     listener.cancel()
-    metrics_task.cancel()
     for task in handing:
         task.cancel()
     if not failed:

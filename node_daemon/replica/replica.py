@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import shutil
@@ -73,6 +74,7 @@ from node_daemon.replica.log_clock import (
 )
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.snapshots import Snapshots
+from node_daemon.replica.tick_due import ticks_until_action
 from node_daemon.state import unsynced
 from node_daemon.state.machine import StateMachine, trim_op
 from node_daemon.state.responses import OpResult
@@ -111,6 +113,11 @@ def group_data_dir(data_dir: Path, group: int) -> Path:
 
 
 _REPLICATE_SECONDS = metrics.STAGE_SECONDS.labels("replicate")
+
+
+def _tick_n(core: RaftCore, n: int) -> None:
+    for _ in range(n):
+        core.tick()
 
 
 class NotLeader(Exception):
@@ -298,6 +305,13 @@ class Replica:
             metrics.GROUP_APPLIED_INDEX.labels(g),
         )
         self._next_trim = 0.0  # set at the first tick
+        # Lazy ticks (``start(own_ticker=False, lazy_ticks=True)``, the
+        # Store's ticker): see ``owe_ticks``.
+        self._lazy_ticks = False
+        self._tick_s = cfg.tick_ms / 1000
+        self._next_tick_at = 0.0  # the next tick boundary not yet handed to the core
+        self.tick_due_at = 0.0  # the boundary of the first tick that may act
+        self.on_tick_due: Callable[[float], None] | None = None  # told each new tick_due_at
 
     # --------------------------------------------------------------- inputs
 
@@ -329,8 +343,46 @@ class Replica:
 
     def submit(self, fn: Callable[[RaftCore], None]) -> None:
         """Run ``fn(core)`` on the driver (the only place the core is touched)."""
+        if self._lazy_ticks:
+            self.owe_ticks(time.monotonic())
         self._inbox.append(fn)
         self._wakeup.set()
+
+    def owe_ticks(self, now: float) -> None:
+        """Lazy ticks: hand the core a tick for every tick boundary that
+        passed by ``now`` (on the grid of ``tick_ms`` from the start).
+
+        Invariant: the core gets the same ticks, in the same order with
+        everything else it is given, as from a ticker that ticks every
+        ``tick_ms``: every input (``submit``, a proposal) first queues the
+        ticks owed up to its arrival; the ticker itself wakes only at
+        ``tick_due_at``, the first tick at which the core may act
+        (``tick_due.ticks_until_action``), instead of every tick. An idle
+        follower is woken by its election timeout (or LAZY_CHORES_S), not 50
+        times a second; a leader by its heartbeats."""
+        nxt = self._next_tick_at
+        if now < nxt:
+            return
+        n = int((now - nxt) // self._tick_s) + 1
+        self._next_tick_at = nxt + n * self._tick_s
+        self._inbox.append(lambda core: _tick_n(core, n))
+        self._wakeup.set()
+        self.tick_due_at = math.inf  # until the driver has run them (``_tick_due_moved``)
+
+    def _tick_due_moved(self) -> None:
+        """After the driver ran: when the core's first tick that may act is."""
+        due = self._next_tick_at + (ticks_until_action(self.core) - 1) * self._tick_s
+        if due != self.tick_due_at:
+            self.tick_due_at = due
+            if self.on_tick_due is not None:
+                self.on_tick_due(due)
+
+    def lazy_tick(self, now: float) -> None:
+        """The Store's ticker, at or after ``tick_due_at`` (or for the
+        chores, at least every LAZY_CHORES_S): the ticks owed, and the
+        chores that ride on ticks (``chores``)."""
+        self.owe_ticks(now)
+        self.chores(now)
 
     def propose_op(
         self, op: command_pb2.Op, deadline: float | None = None
@@ -351,6 +403,8 @@ class Replica:
         except Exception as e:
             fut.set_exception(e)
             return fut
+        if self._lazy_ticks:
+            self.owe_ticks(time.monotonic())  # the ticks before it, first
         self._ops.append((op, fut, deadline))
         self._ops_taken.clear()
         self._wakeup.set()
@@ -494,14 +548,20 @@ class Replica:
         self,
         on_failure: Callable[[BaseException], None] | None = None,
         own_ticker: bool = True,
+        lazy_ticks: bool = False,
     ) -> None:
         """Start ticking and driving. If the driver fails (a log write or an
         apply failed: the node cannot go on safely), ``on_failure`` is told,
         so the process stops instead of living on with a dead Raft loop.
         ``own_ticker`` False: whoever runs this node's groups calls
         ``tick()`` for all of them at once (their heartbeats then leave
-        together, Store)."""
+        together, Store), or with ``lazy_ticks``, ``lazy_tick`` at
+        ``tick_due_at`` (``owe_ticks``)."""
         loop = self._loop = asyncio.get_running_loop()
+        if lazy_ticks and not own_ticker:
+            self._lazy_ticks = True
+            self._next_tick_at = time.monotonic() + self._tick_s
+            self.tick_due_at = self._next_tick_at
         drive = loop.create_task(self._drive())
         self._tasks = [drive]
         if own_ticker:
@@ -562,8 +622,12 @@ class Replica:
         """One Raft tick (every ``tick_ms``), and the chores that ride on it:
         the log clock's anchor, and retention as leader."""
         self.submit(lambda core: core.tick())
+        self.chores(time.monotonic())
+
+    def chores(self, now: float) -> None:
+        """What rides on ticks: the log clock's anchor (saved at most every
+        second), and retention as leader (every ``trim_interval_s``)."""
         self.log_clock.save()  # at most every second
-        now = time.monotonic()
         if self._next_trim == 0.0:
             self._next_trim = now + self.cfg.trim_interval_s
         elif self.is_leader and now >= self._next_trim:
@@ -637,6 +701,8 @@ class Replica:
             self._wakeup.clear()
             self._drain()
             driver.pump()
+            if self._lazy_ticks:
+                self._tick_due_moved()
             if self._failure is not None:
                 raise self._failure  # a failed write or apply: the node cannot go on safely
             if self.sm.applied_index != self._notified_applied:

@@ -11,7 +11,13 @@ Invariants:
   process: each has its own core, driver, disk writes and applies, so one
   group's election or snapshot never waits on another's.
 - One ticker ticks every group in the same turn of the event loop, so the
-  heartbeats all groups send to a peer in a tick leave in one batch.
+  heartbeats all groups send to a peer in a tick leave in one batch. It
+  ticks lazily (``Replica.owe_ticks``): it sleeps until the first tick at
+  which some group's core may act (a heartbeat, an election timeout), or
+  LAZY_CHORES_S at most, and each group's core is handed every tick it
+  slept through before anything else reaches it; so the cores see the
+  ticks an every-``tick_ms`` ticker gives, and an idle process wakes for
+  its heartbeats and timeouts, not 50 times a second.
 - A node crash takes all its groups down at once (one process); a stop
   stops the data groups first, then group 0, which owns the transport.
 - With data groups, each node hands the data groups it leads to their
@@ -21,7 +27,8 @@ Invariants:
   healthy voter whose disk is not known to be low (``leader_balance``); no
   leader hands a group to a voter whose disk is known to be low. What this
   node says of its disk to its peers (``transport.disk_low``, on every
-  batch) is set every tick from its groups' disk guards: low if any is.
+  batch) is set at every wake of the ticker (LAZY_CHORES_S apart at most)
+  from its groups' disk guards: low if any is.
 - A graceful stop first hands every group the node leads to another voter
   (``hand_over``), so no group waits out an election timeout for it.
 - A worker process (docs/multiraft.md step 5) runs a share of the data
@@ -59,6 +66,8 @@ from node_daemon.transport.peer_transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
 
 log = logging.getLogger("roadlog.node")
+
+LAZY_CHORES_S = 0.25  # the ticker wakes at least this often (disk, log clock, retention)
 
 
 class Store:
@@ -127,7 +136,7 @@ class Store:
 
     async def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
         for node in self.nodes.values():
-            await node.start(on_failure, own_ticker=False)
+            await node.start(on_failure, own_ticker=False, lazy_ticks=True)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._tick_all())]
         self._tasks.append(loop.create_task(self._balance_leaders()))
@@ -269,18 +278,34 @@ class Store:
             log.warning("topic op refused", extra={"group": g, "error": res.message})
 
     async def _tick_all(self) -> None:
-        period = self.cfg.tick_ms / 1000
-        nxt = time.monotonic()
+        """The groups' lazy ticker (see the module docstring)."""
+        loop = asyncio.get_running_loop()
         nodes = list(self.nodes.values())
         transport = self.transport
+        woken = asyncio.Event()
+        wake_at = [0.0]  # when the ticker sleeps until
+
+        def due(at: float) -> None:  # a group's first tick that may act moved
+            if at < wake_at[0]:
+                woken.set()  # sooner than the ticker would wake: wake it now
+
+        for node in nodes:
+            node.on_tick_due = due
         while True:
-            nxt += period
-            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+            now = time.monotonic()
             # What every batch to the peers says of this node's disk (each
             # guard looks at most every LOOK_EVERY_S).
             transport.disk_low = any(node.disk.low for node in nodes)
             for node in nodes:
-                node.tick()
+                node.lazy_tick(now)  # the ticks owed (none before its boundary), chores
+            at = min(now + LAZY_CHORES_S, *(node.tick_due_at for node in nodes))
+            wake_at[0] = at
+            woken.clear()
+            timer = loop.call_later(max(0.0, at - time.monotonic()), woken.set)
+            try:
+                await woken.wait()
+            finally:
+                timer.cancel()
 
     async def stop(self) -> None:
         for t in self._tasks:

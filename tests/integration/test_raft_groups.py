@@ -96,8 +96,8 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
             assert (Path(n.data_dir) / "groups" / str(g) / "state").is_dir()
 
     # Each group's figures are on /metrics, labelled by group (a worker's
-    # labelled with its worker too, and told to the main process every
-    # worker_metrics.EVERY_S: a scrape may come before a new group's first).
+    # labelled with its worker too, asked of it by the scrape: a scrape may
+    # still come before a new group's gauges are first set).
     def every_group_on_metrics() -> bool:
         with urllib.request.urlopen(
             lc.metrics_url(lc.nodes[0]), context=lc.ssl_context(), timeout=5

@@ -31,6 +31,7 @@ EVERY_KIND: list[pm.Message] = [
     pm.HandOver(2),
     pm.HandOver(),
     pm.Stop(),
+    pm.AskMetrics(),
     pm.Ports(7410, 7411),
     pm.Ports(7410, 0),
     pm.Groups((FIGURES, GroupFigures(3, Role.FOLLOWER, 3, 2, 40, 38, (1, 2), (), 12, True))),

@@ -6,10 +6,13 @@ text is skipped; a worker forgotten is left out."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node_daemon.process import worker_metrics
 from node_daemon.process.worker_metrics import WorkerMetrics, merged_registry
 
 pytestmark = pytest.mark.unit
@@ -57,3 +60,44 @@ def test_the_main_process_and_its_workers_in_one_exposition() -> None:
     assert rss == {(): 1005, (("worker", "0"),): 1007, (("worker", "1"),): 1011}
     merged.forget(1)
     assert not any(("worker", "1") in labels for _, labels in _samples(registry))
+
+
+def test_a_scrape_asks_the_workers_and_shows_their_answers() -> None:
+    """Nothing comes on a timer: each scrape asks, and what the workers
+    answer to that ask is what it shows."""
+    main, w0 = CollectorRegistry(), CollectorRegistry()
+    _process(main, role=3, group=None, appended=5)
+    _process(w0, role=0, group="1", appended=7)
+    merged = WorkerMetrics(main)
+    registry = merged_registry(merged)
+    asks: list[int] = []
+
+    def ask() -> None:  # a worker that answers at once, from another thread
+        asks.append(1)
+        merged.asked([0])
+        threading.Thread(target=merged.told, args=(0, generate_latest(w0).decode())).start()
+
+    merged.asks_with(ask)
+    got = _samples(registry)
+    assert len(asks) == 1
+    assert got[("roadlog_raft_appended_entries_total", (("worker", "0"),))] == 7
+    Counter("roadlog_x", "x", registry=w0).inc(2)  # moved since: the next scrape shows it
+    got = _samples(registry)
+    assert len(asks) == 2 and got[("roadlog_x_total", (("worker", "0"),))] == 2
+
+
+def test_a_worker_that_does_not_answer_in_time_shows_what_it_told_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_metrics, "ASK_WAIT_S", 0.05)
+    main, w0 = CollectorRegistry(), CollectorRegistry()
+    _process(w0, role=0, group="1", appended=7)
+    merged = WorkerMetrics(main)
+    merged.told(0, generate_latest(w0).decode())
+    merged.asks_with(lambda: merged.asked([0, 1]))  # neither answers
+    assert not merged.refresh()
+    got = _samples(merged_registry(merged))
+    assert got[("roadlog_raft_appended_entries_total", (("worker", "0"),))] == 7
+    # A worker asked that dies meanwhile is not waited for.
+    merged.asks_with(lambda: (merged.asked([0, 1]), merged.told(0, "x 1\n"), merged.forget(1)))
+    assert merged.refresh()

@@ -1,21 +1,27 @@
 """The main process's side of its workers' pipes (``WorkerPool._take``):
 each kind a worker sends is taken as the typed message it is, and a message
-a worker never sends is logged and left, never raised."""
+a worker never sends is logged and left, never raised; a scrape asks the
+running workers for their metrics; the pool looks when poked, not on a
+short timer."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from node_daemon.process import pipe_messages as pm
+from node_daemon.process import worker_pool
 from node_daemon.process.worker_metrics import WorkerMetrics
 from node_daemon.process.worker_pool import WorkerPool, remote_replicas
 from node_daemon.raft import Role
 from node_daemon.replica.status import GroupFigures, group_status
+from tests.unit.support.loops import run_bounded, until
 
 pytestmark = pytest.mark.unit
 
@@ -74,3 +80,64 @@ def test_a_kind_a_worker_never_sends_is_logged_and_left(
         "a message a worker does not send: ignored"
     ] * 2
     assert [getattr(r, "kind", None) for r in caplog.records] == ["Stop", "HandOver"]
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self.sent: list[pm.Message] = []
+
+    def send(self, msg: pm.Message, droppable: bool = False) -> bool:
+        self.sent.append(msg)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_scrape_asks_each_running_worker_once_and_waits_for_those(tmp_path: Path) -> None:
+    pool, _ = _pool(tmp_path)
+    pipe: Any = _Pipe()
+    pool.workers[1].pipe = pipe  # worker 0 has no pipe (not running)
+    asked: list[set[int]] = []
+    assert pool.metrics is not None
+    pool.metrics.asked = lambda ws: asked.append(set(ws))  # type: ignore[method-assign]
+    pool.ask_metrics()
+    assert pipe.sent == [pm.AskMetrics()] and asked == [{1}]
+    pool._take(pool.workers[1], pm.Metrics("roadlog_x 2.0\n"))
+    assert pool.metrics._texts == {1: "roadlog_x 2.0\n"}
+
+
+def test_the_pool_looks_when_poked_not_on_a_short_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle, nothing but a poke (group 0 moved, a worker exited), a dead
+    worker's restart coming due, or LOOK_EVERY_S has the pool look."""
+    monkeypatch.setattr(worker_pool, "SUPERVISE_S", 0.001)
+    monkeypatch.setattr(worker_pool, "LOOK_EVERY_S", 3600.0)
+
+    async def body() -> None:
+        pool, _ = _pool(tmp_path)
+        looks: list[float] = []
+
+        async def look() -> None:
+            looks.append(time.monotonic())
+
+        pool._look = look  # type: ignore[method-assign]
+        for w in pool.workers:  # both running: no restart is due
+            w.process = cast(Any, SimpleNamespace())
+        task = asyncio.get_running_loop().create_task(pool._supervise())
+        await until(lambda: len(looks) == 1, "the first look")  # none poked: it waits
+        for _ in range(20):  # turns of the loop: it does not look again unpoked
+            await asyncio.sleep(0)
+        assert len(looks) == 1
+        pool.poke()
+        await until(lambda: len(looks) == 2, "a look once poked")
+        now = time.monotonic()
+        assert pool._next_look_in(now) == 3600.0
+        pool.workers[0].process, pool.workers[0].due = None, now + 0.5
+        assert 0.4 < pool._next_look_in(now) <= 0.5  # its restart is due then
+        pool._stopping = True
+        pool.poke()
+        await asyncio.wait_for(task, 5)
+
+    run_bounded(body)
