@@ -32,10 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import random
-import shutil
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,14 +70,14 @@ from node_daemon.replica.log_clock import (
     decode_reading,
     encode_reading,
 )
+from node_daemon.replica.opening import open_group
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.snapshots import Snapshots
-from node_daemon.replica.tick_due import ticks_until_action
+from node_daemon.replica.tick_due import LazyTicks, tick_n
 from node_daemon.state import unsynced
-from node_daemon.state.machine import StateMachine, trim_op
+from node_daemon.state.machine import trim_op
 from node_daemon.state.responses import OpResult
 from node_daemon.storage import damage
-from node_daemon.storage.boot import boot_id
 from node_daemon.storage.disk import DiskGuard
 from node_daemon.storage.io_thread import IoThread
 from node_daemon.transport.peer_transport import GroupEndpoint, PeerTransport
@@ -115,11 +113,6 @@ def group_data_dir(data_dir: Path, group: int) -> Path:
 _REPLICATE_SECONDS = metrics.STAGE_SECONDS.labels("replicate")
 
 
-def _tick_n(core: RaftCore, n: int) -> None:
-    for _ in range(n):
-        core.tick()
-
-
 class NotLeader(Exception):
     def __init__(self, leader: int, reason: str = "not the leader") -> None:
         super().__init__(reason)
@@ -147,45 +140,14 @@ class Replica:
         # sets them; see _writes_inline).
         self.loop_mates: list[Replica] = [self]
         data = group_data_dir(Path(cfg.data_dir), group)
-        # A log the disk damaged is set aside: this group then starts empty
-        # and catches up (a node with no peer to catch it up refuses to start).
-        alone = bool(cfg.peers) and set(cfg.peers) <= {self.id}
-        self.log_store, self.log_set_aside, kept = damage.open_log(data, group, not alone)
-        if self.log_set_aside:
-            metrics.DAMAGED_LOGS_SET_ASIDE.labels(str(group)).inc()
-        self.boot = boot_id(Path(cfg.boot_id_file))
-        # After a power loss the state's unsynced commits may be torn, and a
-        # disk may damage it: either way it is rebuilt from the snapshot and log.
-        self.state_rebuilt = unsynced.guard(data / "state", self.boot)
-        why = damage.state_damage(data / "state")
-        if why:
-            log.error("the state is damaged: rebuilding it", extra={"group": group, "why": why})
-            shutil.rmtree(data / "state")
-            self.state_rebuilt = True
-        if self.state_rebuilt:
-            metrics.STATES_REBUILT.labels(str(group)).inc()
-        # Producer ids are issued in group 0; a data group's leader checks them there.
-        # Its batches are stored as references into this log (one copy per
-        # node: docs/one-copy.md).
-        self.sm = StateMachine(
-            data / "state", issues_producers=group == 0, group=group, entries=self.log_store
-        )
-        marker = data / "raft" / catching_up.CATCHING_UP_FILE
+        opened = open_group(cfg, group, data)  # the log, the state, catching up
+        self.log_store, self.log_set_aside, self.boot = opened.log, opened.set_aside, opened.boot
+        self.state_rebuilt, self.sm = opened.state_rebuilt, opened.sm
         self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new
-        set_aside = kept if self.log_set_aside else None
-        behind = catching_up.start(self.log_store, cfg.peers, self.id, group, marker, set_aside)
+        behind = opened.behind
         # Set while catching up; None once that is over for good.
-        self._catching_up_file: Path | None = marker if behind else None
-        snap = self.log_store.snapshot()
-        self._snapshot_gauge = (
-            metrics.SNAPSHOT_INDEX
-            if group == 0
-            else metrics.GROUP_SNAPSHOT_INDEX.labels(str(group))
-        )
-        self._snapshot_gauge.set(snap.meta.index)
-        if self.sm.applied_index < snap.meta.index:
-            # Crashed between saving a snapshot and installing it.
-            self.sm.install_snapshot(snap.data.decode())
+        self._catching_up_file: Path | None = opened.catching_up_file
+        self._snapshot_gauge = opened.snapshot_gauge
         # What this node stamps its entries with as a leader: its wall clock,
         # but never a step of it (see log_clock); it goes on from the log's.
         self.log_clock = LogClock(self.sm.log_ms, data / ANCHOR_FILE, boot=lambda: self.boot)
@@ -305,13 +267,7 @@ class Replica:
             metrics.GROUP_APPLIED_INDEX.labels(g),
         )
         self._next_trim = 0.0  # set at the first tick
-        # Lazy ticks (``start(own_ticker=False, lazy_ticks=True)``, the
-        # Store's ticker): see ``owe_ticks``.
-        self._lazy_ticks = False
-        self._tick_s = cfg.tick_ms / 1000
-        self._next_tick_at = 0.0  # the next tick boundary not yet handed to the core
-        self.tick_due_at = 0.0  # the boundary of the first tick that may act
-        self.on_tick_due: Callable[[float], None] | None = None  # told each new tick_due_at
+        self.ticks = LazyTicks(cfg.tick_ms / 1000)  # with the Store's ticker (``owe_ticks``)
 
     # --------------------------------------------------------------- inputs
 
@@ -343,42 +299,21 @@ class Replica:
 
     def submit(self, fn: Callable[[RaftCore], None]) -> None:
         """Run ``fn(core)`` on the driver (the only place the core is touched)."""
-        if self._lazy_ticks:
+        if self.ticks.on:
             self.owe_ticks(time.monotonic())
         self._inbox.append(fn)
         self._wakeup.set()
 
     def owe_ticks(self, now: float) -> None:
-        """Lazy ticks: hand the core a tick for every tick boundary that
-        passed by ``now`` (on the grid of ``tick_ms`` from the start).
-
-        Invariant: the core gets the same ticks, in the same order with
-        everything else it is given, as from a ticker that ticks every
-        ``tick_ms``: every input (``submit``, a proposal) first queues the
-        ticks owed up to its arrival; the ticker itself wakes only at
-        ``tick_due_at``, the first tick at which the core may act
-        (``tick_due.ticks_until_action``), instead of every tick. An idle
-        follower is woken by its election timeout (or LAZY_CHORES_S), not 50
-        times a second; a leader by its heartbeats."""
-        nxt = self._next_tick_at
-        if now < nxt:
-            return
-        n = int((now - nxt) // self._tick_s) + 1
-        self._next_tick_at = nxt + n * self._tick_s
-        self._inbox.append(lambda core: _tick_n(core, n))
-        self._wakeup.set()
-        self.tick_due_at = math.inf  # until the driver has run them (``_tick_due_moved``)
-
-    def _tick_due_moved(self) -> None:
-        """After the driver ran: when the core's first tick that may act is."""
-        due = self._next_tick_at + (ticks_until_action(self.core) - 1) * self._tick_s
-        if due != self.tick_due_at:
-            self.tick_due_at = due
-            if self.on_tick_due is not None:
-                self.on_tick_due(due)
+        """Lazy ticks: a tick queued for every tick boundary that passed by
+        ``now``, before any input after it (``tick_due.LazyTicks``)."""
+        n = self.ticks.owed(now)
+        if n:
+            self._inbox.append(lambda core: tick_n(core, n))
+            self._wakeup.set()
 
     def lazy_tick(self, now: float) -> None:
-        """The Store's ticker, at or after ``tick_due_at`` (or for the
+        """The Store's ticker, at or after ``ticks.due_at`` (or for the
         chores, at least every LAZY_CHORES_S): the ticks owed, and the
         chores that ride on ticks (``chores``)."""
         self.owe_ticks(now)
@@ -403,7 +338,7 @@ class Replica:
         except Exception as e:
             fut.set_exception(e)
             return fut
-        if self._lazy_ticks:
+        if self.ticks.on:
             self.owe_ticks(time.monotonic())  # the ticks before it, first
         self._ops.append((op, fut, deadline))
         self._ops_taken.clear()
@@ -556,12 +491,10 @@ class Replica:
         ``own_ticker`` False: whoever runs this node's groups calls
         ``tick()`` for all of them at once (their heartbeats then leave
         together, Store), or with ``lazy_ticks``, ``lazy_tick`` at
-        ``tick_due_at`` (``owe_ticks``)."""
+        ``ticks.due_at`` (``owe_ticks``)."""
         loop = self._loop = asyncio.get_running_loop()
         if lazy_ticks and not own_ticker:
-            self._lazy_ticks = True
-            self._next_tick_at = time.monotonic() + self._tick_s
-            self.tick_due_at = self._next_tick_at
+            self.ticks.start(time.monotonic())
         drive = loop.create_task(self._drive())
         self._tasks = [drive]
         if own_ticker:
@@ -701,8 +634,8 @@ class Replica:
             self._wakeup.clear()
             self._drain()
             driver.pump()
-            if self._lazy_ticks:
-                self._tick_due_moved()
+            if self.ticks.on:
+                self.ticks.moved(self.core)
             if self._failure is not None:
                 raise self._failure  # a failed write or apply: the node cannot go on safely
             if self.sm.applied_index != self._notified_applied:

@@ -19,8 +19,59 @@ stay within one election timeout of the eager count.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from node_daemon.raft.core import RaftCore
 from node_daemon.raft.types import Role
+
+
+def tick_n(core: RaftCore, n: int) -> None:
+    for _ in range(n):
+        core.tick()
+
+
+class LazyTicks:
+    """A replica's lazy ticks (``start(own_ticker=False, lazy_ticks=True)``,
+    the Store's ticker), on the grid of ``tick_s`` from their start.
+
+    Invariant: the core gets the same ticks, in the same order with
+    everything else it is given, as from a ticker that ticks every
+    ``tick_s``: every input (``Replica.submit``, a proposal) first queues
+    the ticks ``owed`` up to its arrival; the ticker itself wakes only at
+    ``due_at``, the first tick at which the core may act
+    (``ticks_until_action``), instead of every tick. An idle follower is
+    woken by its election timeout (or the Store's LAZY_CHORES_S), not 50
+    times a second; a leader by its heartbeats."""
+
+    def __init__(self, tick_s: float) -> None:
+        self.tick_s = tick_s
+        self.on = False
+        self.next_at = 0.0  # the next tick boundary not yet handed to the core
+        self.due_at = 0.0  # the boundary of the first tick that may act
+        self.on_due: Callable[[float], None] | None = None  # told each new due_at
+
+    def start(self, now: float) -> None:
+        self.on = True
+        self.next_at = self.due_at = now + self.tick_s
+
+    def owed(self, now: float) -> int:
+        """The ticks for every boundary that passed by ``now`` (0: none), now
+        counted as handed over; ``due_at`` is unknown until ``moved``."""
+        if now < self.next_at:
+            return 0
+        n = int((now - self.next_at) // self.tick_s) + 1
+        self.next_at += n * self.tick_s
+        self.due_at = math.inf  # until the driver has run them
+        return n
+
+    def moved(self, core: RaftCore) -> None:
+        """After the driver ran: when the core's first tick that may act is."""
+        due = self.next_at + (ticks_until_action(core) - 1) * self.tick_s
+        if due != self.due_at:
+            self.due_at = due
+            if self.on_due is not None:
+                self.on_due(due)
 
 
 def ticks_until_action(core: RaftCore) -> int:

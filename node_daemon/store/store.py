@@ -290,7 +290,7 @@ class Store:
                 woken.set()  # sooner than the ticker would wake: wake it now
 
         for node in nodes:
-            node.on_tick_due = due
+            node.ticks.on_due = due
         while True:
             now = time.monotonic()
             # What every batch to the peers says of this node's disk (each
@@ -298,7 +298,7 @@ class Store:
             transport.disk_low = any(node.disk.low for node in nodes)
             for node in nodes:
                 node.lazy_tick(now)  # the ticks owed (none before its boundary), chores
-            at = min(now + LAZY_CHORES_S, *(node.tick_due_at for node in nodes))
+            at = min(now + LAZY_CHORES_S, *(node.ticks.due_at for node in nodes))
             wake_at[0] = at
             woken.clear()
             timer = loop.call_later(max(0.0, at - time.monotonic()), woken.set)

@@ -98,6 +98,12 @@ def test_a_worker_that_does_not_answer_in_time_shows_what_it_told_last(
     assert not merged.refresh()
     got = _samples(merged_registry(merged))
     assert got[("roadlog_raft_appended_entries_total", (("worker", "0"),))] == 7
+
     # A worker asked that dies meanwhile is not waited for.
-    merged.asks_with(lambda: (merged.asked([0, 1]), merged.told(0, "x 1\n"), merged.forget(1)))
+    def ask_then_answer_and_die() -> None:
+        merged.asked([0, 1])
+        merged.told(0, "x 1\n")
+        merged.forget(1)
+
+    merged.asks_with(ask_then_answer_and_die)
     assert merged.refresh()

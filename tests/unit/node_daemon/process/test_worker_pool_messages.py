@@ -100,7 +100,7 @@ def test_a_scrape_asks_each_running_worker_once_and_waits_for_those(tmp_path: Pa
     pool.workers[1].pipe = pipe  # worker 0 has no pipe (not running)
     asked: list[set[int]] = []
     assert pool.metrics is not None
-    pool.metrics.asked = lambda ws: asked.append(set(ws))  # type: ignore[method-assign]
+    pool.metrics.asked = lambda workers: asked.append(set(workers))  # type: ignore[method-assign]
     pool.ask_metrics()
     assert pipe.sent == [pm.AskMetrics()] and asked == [{1}]
     pool._take(pool.workers[1], pm.Metrics("roadlog_x 2.0\n"))

@@ -1,7 +1,7 @@
 """A replica's lazy ticks (``Replica.owe_ticks``): every tick boundary that
 passed is handed to the core, in order, before any input that came after
 it; none is handed twice or before its boundary; and until the driver has
-run them, the replica names no tick due (``tick_due_at``)."""
+run them, the replica names no tick due (``ticks.due_at``)."""
 
 from __future__ import annotations
 
@@ -55,22 +55,22 @@ def test_the_ticks_owed_come_before_what_came_after_them(tmp_path: Path) -> None
                 while node._inbox:
                     node._inbox.popleft()(core)
 
-            node._lazy_ticks = True
-            node._next_tick_at = time.monotonic() + 3600  # no boundary passed
+            node.ticks.on = True
+            node.ticks.next_at = time.monotonic() + 3600  # no boundary passed
             node.submit(lambda c: seen.append("a"))
             run()
             assert seen == ["a"]
             # Three boundaries passed (the last 0.5 tick ago): three ticks, then the input.
-            node._next_tick_at = time.monotonic() - 2.5 * period
+            node.ticks.next_at = time.monotonic() - 2.5 * period
             node.submit(lambda c: seen.append("b"))
-            at = node._next_tick_at
+            at = node.ticks.next_at
             node.owe_ticks(at - period / 2)  # none twice
             run()
             assert seen == ["a", "tick", "tick", "tick", "b"]
-            assert node.tick_due_at == float("inf")  # until the driver says
+            assert node.ticks.due_at == float("inf")  # until the driver says
             node.lazy_tick(at)  # the ticker, at the next boundary: one more
             run()
-            assert seen.count("tick") == 4 and node._next_tick_at == pytest.approx(at + period)
+            assert seen.count("tick") == 4 and node.ticks.next_at == pytest.approx(at + period)
         finally:
             _close(node)
 
