@@ -7,6 +7,7 @@ is lost on the way."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -34,15 +35,18 @@ DISK = 160 * MIB
 MIN_FREE = 32 * MIB
 
 
-@pytest.fixture
-def cluster_on_small_disks(
-    tmp_path: Path, test_ca: ClusterCA, monkeypatch: pytest.MonkeyPatch
+@contextlib.contextmanager
+def on_small_disks(
+    directory: Path, ca: ClusterCA, monkeypatch: pytest.MonkeyPatch, data_groups: int | None
 ) -> Iterator[LocalCluster]:
+    """A 3-node cluster whose nodes' data directories are tmpfs mounts of
+    DISK bytes each, refusing growing writes under MIN_FREE."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     lc = LocalCluster.create(
-        tmp_path / "c", 3, 1, ["--min-free-bytes", str(MIN_FREE)], ca=test_ca.signing
-    )
+        directory, 3, 1, ["--min-free-bytes", str(MIN_FREE)], ca=ca.signing,
+        data_groups=data_groups,
+    )  # fmt: skip
     mounted: list[str] = []
     try:
         for n in lc.nodes:
@@ -61,6 +65,16 @@ def cluster_on_small_disks(
         lc.down(grace=1)
         for d in mounted:
             unmount(d)
+
+
+@pytest.fixture
+def cluster_on_small_disks(
+    tmp_path: Path, test_ca: ClusterCA, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[LocalCluster]:
+    """One group: this test is about a node's disk, not about data groups
+    (test_full_disk_leadership.py runs the default layout)."""
+    with on_small_disks(tmp_path / "c", test_ca, monkeypatch, data_groups=1) as lc:
+        yield lc
 
 
 def unmount(path: str, timeout: float = 15.0) -> None:

@@ -10,8 +10,6 @@ Nothing acknowledged is lost on the way."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,7 +29,7 @@ from tests.integration.conftest import (
     read_topic,
     wait_for,
 )
-from tests.integration.test_full_disk import DISK, MIN_FREE, ballast, unmount
+from tests.integration.test_full_disk import MIN_FREE, ballast, on_small_disks
 from tests.integration.test_raft_groups import GROUPS, leaders, views
 
 pytestmark = pytest.mark.integration
@@ -44,34 +42,9 @@ DATA_GROUPS = [g for g in GROUPS if g]
 def default_cluster_on_small_disks(
     tmp_path: Path, test_ca: ClusterCA, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[LocalCluster]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    lc = LocalCluster.create(
-        tmp_path / "c",
-        3,
-        1,
-        ["--min-free-bytes", str(MIN_FREE)],
-        ca=test_ca.signing,
-        data_groups=None,  # the product's layout: a data group per voter, in workers
-    )
-    mounted: list[str] = []
-    try:
-        for n in lc.nodes:
-            Path(n.data_dir).mkdir(parents=True, exist_ok=True)
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={DISK},mode=0700", "tmpfs", n.data_dir],
-                check=True,
-            )
-            mounted.append(n.data_dir)
-        lc.start_all()
-        lc.wait_ready(60)
-        assert lc.admin_token
-        monkeypatch.setenv("ROADLOG_TOKEN", lc.admin_token)  # the SDK's and urllib's calls
+    # The product's layout: a data group per voter, in worker processes.
+    with on_small_disks(tmp_path / "c", test_ca, monkeypatch, data_groups=None) as lc:
         yield lc
-    finally:
-        lc.down(grace=1)
-        for d in mounted:
-            unmount(d)
 
 
 def spread(lc: LocalCluster) -> dict[int, int] | None:
