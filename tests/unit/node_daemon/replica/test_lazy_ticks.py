@@ -5,16 +5,13 @@ run them, the replica names no tick due (``ticks.due_at``)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from node_daemon.config import NodeConfig
-from node_daemon.replica.replica import Replica
-from roadlog.runtime.processes import free_port
+from tests.unit.node_daemon.replica.test_follower_inline_io import _close, _node
 from tests.unit.support.loops import run_bounded
 
 pytestmark = pytest.mark.unit
@@ -26,21 +23,6 @@ class _Core:
 
     def tick(self) -> None:
         self.seen.append("tick")
-
-
-def _node(tmp_path: Path) -> Replica:
-    addr, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    cfg = NodeConfig(node_id=1, data_dir=tmp_path / "n1", listen=addr, peers={1: addr, 2: other})
-    node = Replica(cfg)
-    node._loop = asyncio.get_running_loop()
-    return node
-
-
-def _close(node: Replica) -> None:
-    node._log_io.shutdown()
-    node._apply_io.shutdown()
-    node.sm.close()
-    node.log_store.close()
 
 
 def test_the_ticks_owed_come_before_what_came_after_them(tmp_path: Path) -> None:
