@@ -66,13 +66,17 @@ async def measure_pause(send: Any, kill: Any, limit_s: float = 60.0) -> float:
 async def roadlog_trials(lc: LocalCluster, trials: int) -> list[float]:
     payload = batch_request(100)
     pauses: list[float] = []
-    async with grpc.aio.insecure_channel(lc.servers[0]) as ch:
+    # As a client: the cluster's TLS when it has it, and the admin identity's
+    # token (the queue server refuses a call without one: UNAUTHENTICATED,
+    # which this bench once took for a pause it never saw end).
+    tls = lc.tls()
+    async with tls.aio_channel(lc.servers[0]) as ch:
         call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(
             "/roadlog.v1.Roadlog/Publish"
         )
 
         async def send() -> None:
-            await call(payload, timeout=5)
+            await call(payload, timeout=5, metadata=tls.metadata())
 
         for t in range(trials):
             await asyncio.to_thread(lc.wait_ready, 60)
