@@ -21,6 +21,7 @@ from node_daemon.process.worker_metrics import WorkerMetrics
 from node_daemon.process.worker_pool import WorkerPool, remote_replicas
 from node_daemon.raft import Role
 from node_daemon.replica.status import GroupFigures, group_status
+from tests.unit.node_daemon.replica.test_group_figures import _Pipe
 from tests.unit.support.loops import run_bounded, until
 
 pytestmark = pytest.mark.unit
@@ -80,18 +81,6 @@ def test_a_kind_a_worker_never_sends_is_logged_and_left(
         "a message a worker does not send: ignored"
     ] * 2
     assert [getattr(r, "kind", None) for r in caplog.records] == ["Stop", "HandOver"]
-
-
-class _Pipe:
-    def __init__(self) -> None:
-        self.sent: list[pm.Message] = []
-
-    def send(self, msg: pm.Message, droppable: bool = False) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_scrape_asks_each_running_worker_once_and_waits_for_those(tmp_path: Path) -> None:

@@ -104,6 +104,9 @@ class _Pipe:
         self.sent.append(msg)
         return True
 
+    def close(self) -> None:
+        pass
+
 
 def _group(group: int) -> Any:
     core = SimpleNamespace(
