@@ -78,6 +78,10 @@ Outcome = OpResult | BaseException  # a publish's result, or why it has none
 PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for group 0 to know an id
 LEADER_CATCH_UP_S = 2.0  # how long a new leader waits to apply its term's first entry
 PLACEMENT_WAIT_S = 3.0  # how long a data group's leader waits for a new topic to be placed
+# A consumer-group member's call that names its member (``_as_member``).
+_MemberRequest = (
+    client_pb2.HeartbeatRequest | client_pb2.CommitOffsetsRequest | client_pb2.LeaveGroupRequest
+)
 
 
 @dataclass(slots=True)
@@ -688,25 +692,27 @@ class WorkHandler:
         return await self.groups.join(request, item.principal)
 
     async def heartbeat(self, item: work_pb2.WorkItem) -> OpResult:
-        if item.principal:
-            req = client_pb2.HeartbeatRequest.FromString(item.request)
-            g = readable_group(self.node.sm, item, req.group).group
-            self._own_member(g, req.member_id, item.principal)
-        return await self.groups.heartbeat(item.request)
+        return await self._as_member(item, client_pb2.HeartbeatRequest, self.groups.heartbeat)
 
     async def commit_offsets(self, item: work_pb2.WorkItem) -> OpResult:
-        if item.principal:
-            req = client_pb2.CommitOffsetsRequest.FromString(item.request)
-            g = readable_group(self.node.sm, item, req.group).group
-            self._own_member(g, req.member_id, item.principal)
-        return await self.groups.commit(item.request)
+        return await self._as_member(item, client_pb2.CommitOffsetsRequest, self.groups.commit)
 
     async def leave_group(self, item: work_pb2.WorkItem) -> OpResult:
+        return await self._as_member(item, client_pb2.LeaveGroupRequest, self.groups.leave)
+
+    async def _as_member(
+        self,
+        item: work_pb2.WorkItem,
+        request_type: type[_MemberRequest],
+        op: Callable[[bytes], Awaitable[OpResult]],
+    ) -> OpResult:
+        """``op`` on the request, once an identity's call is known to come
+        from the member it names (a call without a principal is a node's)."""
         if item.principal:
-            req = client_pb2.LeaveGroupRequest.FromString(item.request)
+            req = request_type.FromString(item.request)
             g = readable_group(self.node.sm, item, req.group).group
             self._own_member(g, req.member_id, item.principal)
-        return await self.groups.leave(item.request)
+        return await op(item.request)
 
     @staticmethod
     def _own_member(g: groups_pb2.Group, member_id: str, principal: str) -> None:
