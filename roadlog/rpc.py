@@ -235,7 +235,8 @@ RPCS: tuple[Rpc, ...] = (
     # What a self-registered phone may do, and the cluster's other
     # settings: the operator's choice (issue 39, item 3).
     Rpc("UpdateTopic", W, c.UpdateTopicRequest, t.TopicDescription, ADMIN),
-    Rpc("GetSettings", R, s.GetSettingsRequest, s.GetSettingsResponse, ADMIN),
+    # Group 0's leader answers (a get after a set sees it, from any caller).
+    Rpc("GetSettings", W, s.GetSettingsRequest, s.GetSettingsResponse, ADMIN),
     Rpc("SetSetting", W, s.SetSettingRequest, s.SetSettingResponse, ADMIN),
 )
 # The queue server's own reads, never offered to clients: a node does them

@@ -119,8 +119,11 @@ class IdentityWork:
     # ------------------------------------------------------------ settings
 
     async def get_settings(self, item: work_pb2.WorkItem) -> OpResult:
+        """On group 0's leader (``roadlog.rpc``), which applied every set it
+        answered."""
         req = settings_pb2.GetSettingsRequest.FromString(item.request)
-        await self._fenced(max(item.fence, req.min_applied_index))
+        if not self.node.is_leader:
+            raise NotLeader(self.node.core.lead)
         resp = settings_pb2.GetSettingsResponse(settings=self.node.sm.list_settings(req.key))
         return OpResult(response=resp.SerializeToString())
 

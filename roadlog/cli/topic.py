@@ -191,6 +191,7 @@ def _topic_doc(d: Any) -> dict[str, Any]:
         "bbox": [round(v, 6) for v in d.topic.bbox],
         "region": json.loads(spec.region_geojson),
         "pings": sum(p.next_offset - p.first_offset for p in d.partitions),
+        "applied_index": d.applied_index,  # a create's or update's: a read fence
         "offsets": [
             {
                 "partition": p.partition,

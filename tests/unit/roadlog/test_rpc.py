@@ -57,7 +57,6 @@ def test_kinds_and_fences() -> None:
         "DescribeGroup",
         "GetHeatmap",
         "ListClients",
-        "GetSettings",
     }
     # Only reads wait for a fence; every write is the leader's.
     assert all(r.kind == Kind.READ for r in RPCS if r.fenced)
@@ -69,7 +68,6 @@ def test_kinds_and_fences() -> None:
         "ListGroups",
         "GetHeatmap",
         "ListClients",
-        "GetSettings",
     }
     assert set(QUEUED) == set(BY_NAME) - {"Status", "ReadFences"}
 
