@@ -31,7 +31,13 @@ from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import heatmaps_pb2
 from tests.certs import ClusterCA
-from tests.integration.conftest import headless_chromium, wait_for
+from tests.integration.conftest import (
+    SMALL_PINGS,
+    SMALL_SECONDS,
+    contribute,
+    headless_chromium,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -54,13 +60,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Ite
     try:
         lc.wait_ready(60)
         with Connection(lc.servers, tls=lc.tls()) as conn:
-            Admin(conn).create_topic("munich", REGION.geojson, 4)
+            Admin(conn).create_topic(
+                "munich", REGION.geojson, 4,
+                contribution_min_pings=SMALL_PINGS, contribution_min_seconds=SMALL_SECONDS,
+            )  # fmt: skip
             now = int(time.time() * 1000)
-            Producer(conn, "munich", client="alice").send_batch(
-                PingColumns.from_columns(
-                    ["a1"], np.array([now]), np.array([HOT[0]]), np.array([HOT[1]])
-                )
-            )
+            p = Producer(conn, "munich", client="alice")
+            # The admin's page contributes (issue 39: a run of pings, not one).
+            contribute(lambda k: p.send_batch(PingColumns.from_columns(
+                [f"a{k}"], np.array([now]), np.array([HOT[0]]), np.array([HOT[1]]))))  # fmt: skip
         yield lc
     finally:
         lc.down(grace=1)

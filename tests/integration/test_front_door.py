@@ -85,7 +85,7 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
         # topic yet (NOT_FOUND instead of the rule's answer).
         alice.raise_fence(conn.fence)
         # The rule comes first: no contribution, no map, whether or not one exists.
-        with pytest.raises(PermissionDenied, match="has not published pings to .munich."):
+        with pytest.raises(PermissionDenied, match=r"has not published pings to .munich."):
             Admin(alice).heatmap("munich")
         # Fenced at the topic's creation: an unfenced read may reach a node
         # that has not applied it yet, and that answers 404.
