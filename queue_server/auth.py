@@ -66,6 +66,9 @@ class Principal:
     client_id: str
     name: str
     scopes: frozenset[str]
+    # It registered itself (POST /v1/clients): its produce:* does not
+    # cover a topic closed to open produce (the node checks that).
+    registered: bool = False
 
 
 # With client_auth = "none": everything allowed, client ids as declared.
@@ -245,6 +248,7 @@ class Authenticator:
                     resp.identity.client_id,
                     resp.identity.name,
                     frozenset(resp.identity.scopes),
+                    resp.identity.registered,
                 )
                 if resp.found
                 else None

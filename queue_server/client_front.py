@@ -25,6 +25,7 @@ from queue_server.auth import (
     rate_key,
 )
 from queue_server.config import QueueConfig
+from queue_server.layout import layout_for
 from queue_server.metrics import ANSWERED, PUBLISH_LINKS_REJECTED, REQUESTS, count_publish_batch
 from queue_server.publish_link import PublishLinkServer
 from roadlog.errors import Code, RoadlogError
@@ -260,12 +261,13 @@ def client_handler(server: ClientFront) -> grpc.GenericRpcHandler:
 
     async def status(request: bytes, context: Any) -> bytes:
         try:
-            await server.gate.admit("Status", request, caller_of(context, server.proxies))
+            who = await server.gate.admit("Status", request, caller_of(context, server.proxies))
         except RoadlogError as e:
             REQUESTS.labels("Status", e.code.name).inc()
             await context.abort(to_grpc(e.code), e.message)
         REQUESTS.labels("Status", "OK").inc()
-        return server.status().SerializeToString()
+        seen = layout_for(server.status(), who if server.gate.enabled else None)
+        return seen.SerializeToString()
 
     # Answered here (Status) or by the client front itself (ReadFences); the
     # rest go through the queues.

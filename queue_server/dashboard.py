@@ -154,7 +154,7 @@ class Dashboard:
         )
 
     async def cluster(self, request: web.Request) -> web.Response:
-        st: client_pb2.ClusterStatus = self.api._status()
+        st: client_pb2.ClusterStatus = self.api.layout(request)  # addresses: admin or ops
         leader_commit = max(
             (n.commit_index for n in st.nodes if n.id == st.leader),
             default=max((n.commit_index for n in st.nodes), default=0),

@@ -52,9 +52,11 @@ from queue_server.auth import (
     route_need,
 )
 from queue_server.dashboard import Dashboard, DashboardSettings
+from queue_server.layout import layout_for
 from queue_server.openapi import OPENAPI
 from roadlog import columnar
 from roadlog.columnar import PingColumns
+from roadlog.contribution import min_pings, min_seconds
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
@@ -423,6 +425,12 @@ class HttpApi:
 
     # -------------------------------------------------------------- handlers
 
+    def layout(self, request: web.Request) -> client_pb2.ClusterStatus:
+        """The cluster's status as the caller may see it (``layout_for``:
+        node addresses for admin or ops only)."""
+        principal = request.get(PRINCIPAL)
+        return layout_for(self._status(), principal if isinstance(principal, Principal) else None)
+
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)
 
@@ -431,7 +439,7 @@ class HttpApi:
         return web.json_response({"ok": True, "leader": st.leader})
 
     async def status(self, request: web.Request) -> web.Response:
-        st = self._status()
+        st = self.layout(request)
         return web.json_response(
             {
                 "leader": st.leader,
@@ -470,7 +478,13 @@ class HttpApi:
             retention_ms=_int(body, "retention_ms", 0, 0, 10 * 365 * 86_400_000),
             h3_resolution=_int(body, "h3_resolution", 0, 0, 15),
             contribution_window_ms=_int(body, "contribution_window_ms", 0, 0, 30 * 86_400_000),
+            no_open_produce=body.get("no_open_produce") is True,
         )
+        if body.get("no_open_produce") not in (None, True, False):
+            raise bad("no_open_produce must be true or false")
+        for key in ("contribution_min_pings", "contribution_min_seconds"):
+            if body.get(key) is not None:  # absent: the default (the node's)
+                setattr(spec, key, _int(body, key, 0, 0, 30 * 86_400))
         d = await self.call(request, "CreateTopic", client_pb2.CreateTopicRequest(spec=spec))
         return web.json_response({**topic_json(d), "applied_index": d.applied_index}, status=201)
 
@@ -877,6 +891,9 @@ def topic_json(d: topics_pb2.TopicDescription) -> dict[str, Any]:
         "retention_ms": s.retention_ms,
         "h3_resolution": s.h3_resolution,
         "contribution_window_ms": s.contribution_window_ms,
+        "contribution_min_pings": min_pings(s),
+        "contribution_min_seconds": min_seconds(s),
+        "no_open_produce": s.no_open_produce,
         "created_ms": d.topic.created_ms,
         "bbox": list(d.topic.bbox),
         "partition_states": [

@@ -125,6 +125,9 @@ _TOPIC = {
         "retention_ms": {"type": "integer"},
         "h3_resolution": {"type": "integer"},
         "contribution_window_ms": {"type": "integer"},
+        "contribution_min_pings": {"type": "integer"},
+        "contribution_min_seconds": {"type": "integer"},
+        "no_open_produce": {"type": "boolean"},
         "created_ms": {"type": "integer"},
         "bbox": {"type": "array", "items": {"type": "number"}},
         "partition_states": {"type": "array", "items": {"type": "object"}},
@@ -195,6 +198,11 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                         "maximum": 15,
                     },
                     "contribution_window_ms": {"type": "integer", "minimum": 0},
+                    # give-to-get's minimum contribution (absent: 20 pings over 60 s)
+                    "contribution_min_pings": {"type": "integer", "minimum": 1},
+                    "contribution_min_seconds": {"type": "integer", "minimum": 0},
+                    # self-registered identities' produce:* does not cover it
+                    "no_open_produce": {"type": "boolean"},
                 },
             }
         ),

@@ -40,6 +40,7 @@ class Outgoing:
             deadline_unix_ms=int((time.time() + left) * 1000),
             principal=it.principal,
             scopes=it.scopes,
+            registered=it.registered,
             group=it.group,
             budget_ms=min(int(left * 1000) or 1, (1 << 32) - 1),
         ).SerializeToString()

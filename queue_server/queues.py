@@ -64,6 +64,9 @@ class Item:
     # Its scopes, for an rpc whose group's topic the node checks
     # (``Rpc.group_topic``); () for every other.
     scopes: tuple[str, ...] = ()
+    # A self-registered identity's (its scopes above, then): topics closed
+    # to open produce are checked by the node (``WorkItem.registered``).
+    registered: bool = False
     group: int = 0  # its Raft group: 0, the metadata group, or a data group
     # The queue server's own request (a client's Authenticate when it
     # connects), not a client's: a fenced one does not make reads flowing.

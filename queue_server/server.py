@@ -15,7 +15,14 @@ import asyncio
 import itertools
 import time
 
-from queue_server.auth import Authenticator, Gate, Principal, RateLimit, TrustedProxies
+from queue_server.auth import (
+    Authenticator,
+    Gate,
+    Principal,
+    RateLimit,
+    RateLimited,
+    TrustedProxies,
+)
 from queue_server.client_front import ClientFront
 from queue_server.config import QueueConfig
 from queue_server.metrics import (
@@ -119,8 +126,11 @@ class QueueServer(ClientFront, NodeSessions):
         wait = timeout if timeout is not None else self.cfg.default_timeout_ms / 1000
         # Answer a little before the client's deadline, so it hears the reason.
         wait = max(wait - min(0.2, wait / 4), 0.01)
-        # A group's topic is checked by the node, with the caller's scopes.
-        scopes = () if principal is None or not rpc.group_topic else tuple(sorted(principal.scopes))
+        # A group's topic is checked by the node, with the caller's scopes;
+        # and a self-registered caller's publishes (topics closed to open produce).
+        registered = principal is not None and principal.registered
+        shown = principal is not None and (rpc.group_topic or registered)
+        scopes = tuple(sorted(principal.scopes)) if principal is not None and shown else ()
         item = Item(
             next(self._ids),
             kind,
@@ -132,6 +142,7 @@ class QueueServer(ClientFront, NodeSessions):
             client=client,
             principal=principal.client_id if principal is not None else "",
             scopes=scopes,
+            registered=registered,
             group=self._group_hint(method, request) if group is None else group,
             own=own,
         )
@@ -140,6 +151,8 @@ class QueueServer(ClientFront, NodeSessions):
         except QueueFull as e:
             raise RoadlogError(Code.RESOURCE_EXHAUSTED, str(e)) from None
         res = await self._answer(item)
+        if res.code and res.retry_after_ms:  # a node's rate ran out: as the server's own
+            raise RateLimited(res.message, res.retry_after_ms / 1000)
         if res.code:
             raise RoadlogError(Code.of(res.code), res.message)
         if res.parts:

@@ -47,6 +47,7 @@ from roadlog.v1 import (
     clients_pb2,
     groups_pb2,
     heatmaps_pb2,
+    settings_pb2,
     topics_pb2,
 )
 from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if_bad
@@ -265,7 +266,12 @@ class Admin:
         retention_ms: int = 0,
         h3_resolution: int = 0,
         contribution_window_ms: int = 0,
+        no_open_produce: bool = False,
+        contribution_min_pings: int | None = None,
+        contribution_min_seconds: int | None = None,
     ) -> topics_pb2.TopicDescription:
+        """A new topic; ``contribution_min_*`` None: the cluster's defaults
+        (20 pings over 60 s, ``roadlog.contribution``)."""
         spec = topics_pb2.TopicSpec(
             name=name,
             region_geojson=region_geojson,
@@ -273,8 +279,37 @@ class Admin:
             retention_ms=retention_ms,
             h3_resolution=h3_resolution,
             contribution_window_ms=contribution_window_ms,
+            no_open_produce=no_open_produce,
+            contribution_min_pings=contribution_min_pings,
+            contribution_min_seconds=contribution_min_seconds,
         )
         return self.conn.call("CreateTopic", client_pb2.CreateTopicRequest(spec=spec))  # type: ignore[no-any-return]
+
+    def update_topic(
+        self,
+        name: str,
+        no_open_produce: bool | None = None,
+        contribution_min_pings: int | None = None,
+        contribution_min_seconds: int | None = None,
+    ) -> topics_pb2.TopicDescription:
+        """Change a topic's access fields; those left None are kept."""
+        req = client_pb2.UpdateTopicRequest(
+            name=name,
+            no_open_produce=no_open_produce,
+            contribution_min_pings=contribution_min_pings,
+            contribution_min_seconds=contribution_min_seconds,
+        )
+        return self.conn.call("UpdateTopic", req)  # type: ignore[no-any-return]
+
+    def settings(self, key: str = "") -> list[settings_pb2.ClusterSetting]:
+        """The cluster's settings (every known one, or ``key``'s)."""
+        req = settings_pb2.GetSettingsRequest(key=key)
+        return list(self.conn.call("GetSettings", req).settings)
+
+    def set_setting(self, key: str, value: str) -> settings_pb2.ClusterSetting:
+        """Set a cluster setting; the answer holds its value as stored."""
+        req = settings_pb2.SetSettingRequest(key=key, value=value)
+        return self.conn.call("SetSetting", req).setting  # type: ignore[no-any-return]
 
     def describe(self, name: str) -> topics_pb2.TopicDescription:
         return self.conn.call("DescribeTopic", client_pb2.DescribeTopicRequest(name=name))  # type: ignore[no-any-return]

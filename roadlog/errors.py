@@ -89,6 +89,15 @@ class AlreadyExists(RoadlogError):
     """A topic of that name exists already."""
 
 
+class Throttled(RoadlogError):
+    """RESOURCE_EXHAUSTED because a rate ran out (the cluster's ceiling on
+    registrations, say): try again after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(Code.RESOURCE_EXHAUSTED, message)
+        self.retry_after_s = retry_after_s
+
+
 _BY_CODE: dict[Code, type[RoadlogError]] = {
     Code.NOT_FOUND: NotFound,
     Code.INVALID_ARGUMENT: InvalidArgument,

@@ -48,7 +48,7 @@ from enum import IntEnum
 
 from google.protobuf.message import Message
 
-from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, topics_pb2
+from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, settings_pb2, topics_pb2
 
 SERVICE = "roadlog.v1.Roadlog"
 FENCE_FIELD = "min_applied_index"
@@ -102,7 +102,7 @@ class Rpc:
 
 
 W, R = Kind.WRITE, Kind.READ
-c, g, t, k = client_pb2, groups_pb2, topics_pb2, clients_pb2
+c, g, t, k, s = client_pb2, groups_pb2, topics_pb2, clients_pb2, settings_pb2
 
 RPCS: tuple[Rpc, ...] = (
     Rpc(
@@ -179,8 +179,9 @@ RPCS: tuple[Rpc, ...] = (
         HttpRoute("GET", "/v1/topics/{name}/fences"),
         topic_field=(c.ReadFencesRequest.TOPIC_FIELD_NUMBER,),
     ),
-    # The cluster's layout (nodes, their addresses and roles): any identity
-    # may see it, a stranger may not (issue 19, finding 15).
+    # The cluster's layout (nodes, their roles and indexes): any identity
+    # may see it, a stranger may not (issue 19, finding 15); the nodes'
+    # addresses only an identity with admin or ops (issue 39).
     Rpc(
         "Status", None, c.StatusRequest, c.ClusterStatus, IDENTITY, HttpRoute("GET", "/v1/cluster")
     ),
@@ -231,6 +232,12 @@ RPCS: tuple[Rpc, ...] = (
         PUBLIC,
         HttpRoute("POST", "/v1/clients"),
     ),
+    # What a self-registered phone may do, and the cluster's other
+    # settings: the operator's choice (issue 39, item 3).
+    Rpc("UpdateTopic", W, c.UpdateTopicRequest, t.TopicDescription, ADMIN),
+    # Group 0's leader answers (a get after a set sees it, from any caller).
+    Rpc("GetSettings", W, s.GetSettingsRequest, s.GetSettingsResponse, ADMIN),
+    Rpc("SetSetting", W, s.SetSettingRequest, s.SetSettingResponse, ADMIN),
 )
 # The queue server's own reads, never offered to clients: a node does them
 # as it does the rpcs above (``WorkHandler.<handler>``).
@@ -250,7 +257,7 @@ INTERNAL: dict[str, Rpc] = {
     # One group's commit index at its leader, for a ReadFences.
     "ReadIndex": Rpc("ReadIndex", W, c.ReadIndexRequest, c.ReadIndexResponse, "internal"),
 }
-del W, R, c, g, t, k
+del W, R, c, g, t, k, s
 
 BY_NAME: dict[str, Rpc] = {r.name: r for r in RPCS}
 # The rpcs that go through the work queues to a node (all but Status and

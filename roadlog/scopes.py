@@ -3,9 +3,12 @@ server (which checks them), the node (which stores identities) and the
 tools (which make them).
 
 Scopes: ``admin`` (everything: topics, clients, groups, heat-map writes,
-and every topic's pings and maps), ``produce:TOPIC``, ``read:TOPIC`` (raw
-pings, consumer groups), ``heatmap:TOPIC`` (heat maps, still under
-give-to-get); TOPIC may be ``*``, every topic.
+settings, and every topic's pings and maps), ``ops`` (the cluster's layout
+with its nodes' addresses, for operators' tools that need no more),
+``produce:TOPIC``, ``read:TOPIC`` (raw pings, consumer groups),
+``heatmap:TOPIC`` (heat maps, still under give-to-get); TOPIC may be ``*``,
+every topic. A self-registered identity's ``produce:*`` does not cover a
+topic closed to open produce (``TopicSpec.no_open_produce``).
 
 Tokens are ``rl_`` and 32 random bytes (URL-safe base64): 256 bits, so one
 SHA-256 (``token_hash``) is the right way to keep them; the cluster stores
@@ -22,6 +25,9 @@ from dataclasses import dataclass
 from roadlog.validation import check_topic_name
 
 ADMIN = "admin"
+OPS = "ops"  # the cluster's layout with addresses (issue 39)
+# Scopes that stand alone (no TOPIC); never handed to a self-registered identity.
+OPERATOR_SCOPES = (ADMIN, OPS)
 PRODUCE, READ, HEATMAP = "produce", "read", "heatmap"
 KINDS = (PRODUCE, READ, HEATMAP)
 ANY_TOPIC = "*"
@@ -45,12 +51,12 @@ def token_hash(token: str) -> bytes:
 
 def check_scope(scope: str) -> str:
     """``scope`` if it is well formed; ScopeError saying why not."""
-    if scope == ADMIN:
+    if scope in OPERATOR_SCOPES:
         return scope
     kind, sep, topic = scope.partition(":")
     if not sep or kind not in KINDS:
         raise ScopeError(
-            f"bad scope {scope!r}: admin, or produce:TOPIC, read:TOPIC or heatmap:TOPIC "
+            f"bad scope {scope!r}: admin, ops, or produce:TOPIC, read:TOPIC or heatmap:TOPIC "
             "(TOPIC or * for every topic)"
         )
     if topic != ANY_TOPIC:
@@ -103,6 +109,20 @@ class Need:
 
 AUTHENTICATED = Need("")
 NEEDS_ADMIN = Need(ADMIN)
+
+
+def sees_addresses(scopes: Iterable[str]) -> bool:
+    """Whether an identity with ``scopes`` is shown the nodes' addresses in
+    the cluster's layout (``admin`` or ``ops``); others see roles and
+    indexes only."""
+    return any(s in OPERATOR_SCOPES for s in scopes)
+
+
+def open_produce_covers(scopes: Iterable[str], topic: str) -> bool:
+    """Whether a self-registered identity's ``scopes`` let it publish to a
+    topic closed to open produce: only ``admin`` or ``produce:TOPIC`` by
+    name, never ``produce:*``."""
+    return any(s in (ADMIN, f"{PRODUCE}:{topic}") for s in scopes)
 
 
 def allows(scopes: Iterable[str], need: Need) -> bool:

@@ -25,7 +25,7 @@ import struct
 from typing import Any
 
 from roadlog.errors import Code, RoadlogError
-from roadlog.scopes import PHONE_SCOPES, ScopeError, check_client_name, check_scopes
+from roadlog.scopes import OPERATOR_SCOPES, ScopeError, check_client_name, check_scopes
 from roadlog.v1 import clients_pb2
 
 MAX_CLIENTS = 10_000  # made by admins
@@ -132,11 +132,10 @@ def check_identity(ident: clients_pb2.ClientIdentity) -> None:
     checks alike, so a bad op is refused everywhere)."""
     try:
         check_client_name(ident.name)
-        if ident.registered:
-            if list(ident.scopes) != list(PHONE_SCOPES):
-                raise ScopeError("a self-registered identity has produce:* and heatmap:* only")
-        else:
-            check_scopes(ident.scopes)
+        check_scopes(ident.scopes)
+        if ident.registered and any(s in OPERATOR_SCOPES for s in ident.scopes):
+            # open_registration_scopes never holds them (``settings``)
+            raise ScopeError("a self-registered identity may never have admin or ops")
     except ValueError as e:
         raise RoadlogError(Code.INVALID_ARGUMENT, str(e)) from None
     if not ident.client_id or len(ident.client_id.encode()) > 64:

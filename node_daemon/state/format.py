@@ -20,9 +20,11 @@ _U64 = struct.Struct(">Q")
 
 # The state's on-disk layout: 1, batches stored whole; 2, in pieces of a page
 # (``batch_store``); 3, as references into the Raft log where the node's log
-# is open to it (``batch_refs``). Each reads the earlier ones' too. A state
-# of a later format (a newer release's) is refused, not misread.
-STATE_FORMAT = 3
+# is open to it (``batch_refs``); 4, contributions as runs of pings (24-byte
+# values, ``heatmaps``) and cluster settings in meta (``settings``), which a
+# release of format 3 would misread. Each reads the earlier ones' too. A
+# state of a later format (a newer release's) is refused, not misread.
+STATE_FORMAT = 4
 FORMAT_KEY = b"state_format"  # in meta; local to the replica, not in the digest
 
 

@@ -1,7 +1,16 @@
 """Heat maps and contributions in the state machine, and the give-to-get
-rule: a client reads a topic's heat maps only if it published pings to the
-topic within the topic's contribution window. The rule is checked before
-anything else, so a refusal says nothing about whether a map exists.
+rule: a client reads a topic's heat maps only if it contributed to the
+topic lately. The rule is checked before anything else, so a refusal says
+nothing about whether a map exists.
+
+A contribution (issue 39, item 3) is a run of a client's appends to the
+topic, no two more than the topic's contribution window apart: the run's
+first and last append (the log's clock) and its pings, one record per
+(topic, client). It counts once the run holds at least the topic's
+``contribution_min_pings`` pings over at least ``contribution_min_seconds``
+(first to last append), and its last append lies within the window: a
+single made-up ping unlocks nothing. A record from before runs (its last
+append alone) reads as a run of one ping at that time.
 
 Retention: a trim op that carries ``heatmap_keep_newest`` (leaders set
 ``HEATMAP_KEEP_NEWEST``) deletes a topic's heat maps whose window ended
@@ -16,8 +25,10 @@ others once it applies one.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
+from roadlog.contribution import min_pings, min_seconds
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import heatmaps_pb2, topics_pb2
 
@@ -30,6 +41,45 @@ MAX_CLIENT_ID_BYTES = 128
 _TID = struct.Struct(">I")
 _WINDOW = struct.Struct(">IQ")
 _MS = struct.Struct(">q")
+_RUN = struct.Struct(">qqQ")  # last append ms, the run's first append ms, its pings
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """A client's run of appends to a topic (see the module's doc)."""
+
+    last_ms: int
+    start_ms: int
+    pings: int
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Contribution:
+        if len(raw) == _MS.size:  # a record from before runs: one ping, then
+            (last,) = _MS.unpack(raw)
+            return cls(last, last, 1)
+        return cls(*_RUN.unpack(raw))
+
+    def encode(self) -> bytes:
+        return _RUN.pack(self.last_ms, self.start_ms, self.pings)
+
+    def then(self, pings: int, at_ms: int, window_ms: int) -> Contribution:
+        """This run after ``pings`` more at ``at_ms``: a new run if the last
+        append is more than ``window_ms`` before."""
+        if at_ms - self.last_ms > window_ms:
+            return Contribution(at_ms, at_ms, pings)
+        return Contribution(max(self.last_ms, at_ms), self.start_ms, self.pings + pings)
+
+
+def merged(runs: list[Contribution | None], now_ms: int, window_ms: int) -> Contribution | None:
+    """The runs of one client in several groups (a topic placed in data
+    groups) as one: those still within the window, their pings summed,
+    from the earliest start to the latest append (None: none)."""
+    live = [r for r in runs if r is not None and now_ms - r.last_ms <= window_ms]
+    if not live:
+        return None
+    return Contribution(
+        max(r.last_ms for r in live), min(r.start_ms for r in live), sum(r.pings for r in live)
+    )
 
 
 class HeatmapTables:
@@ -40,17 +90,35 @@ class HeatmapTables:
         self.contrib = contrib_db
         self.heatmaps = heatmaps_db
 
-    def record(self, txn: Any, tid: int, client_ids: set[str], leader_ms: int) -> None:
-        for c in client_ids:
+    def record(
+        self, txn: Any, tid: int, pings: dict[str, int], leader_ms: int, window_ms: int
+    ) -> None:
+        """``pings`` more of each client appended at ``leader_ms``, each
+        run carried on or begun (``Contribution.then``)."""
+        for c, n in pings.items():
             raw = c.encode()
-            if raw and len(raw) <= MAX_CLIENT_ID_BYTES:
-                txn.put(_TID.pack(tid) + raw, _MS.pack(leader_ms), db=self.contrib)
+            if not raw or len(raw) > MAX_CLIENT_ID_BYTES:
+                continue
+            key = _TID.pack(tid) + raw
+            old = txn.get(key, db=self.contrib)
+            run = (
+                Contribution.decode(bytes(old)).then(n, leader_ms, window_ms)
+                if old is not None
+                else Contribution(leader_ms, leader_ms, n)
+            )
+            txn.put(key, run.encode(), db=self.contrib)
 
-    def last_contribution(self, txn: Any, tid: int, client_id: str) -> int | None:
+    def contribution(self, txn: Any, tid: int, client_id: str) -> Contribution | None:
+        """The client's run of appends to the topic (None: none recorded)."""
         if not client_id or len(client_id.encode()) > MAX_CLIENT_ID_BYTES:
             return None
         raw = txn.get(_TID.pack(tid) + client_id.encode(), db=self.contrib)
-        return int(_MS.unpack(raw)[0]) if raw else None
+        return Contribution.decode(bytes(raw)) if raw else None
+
+    def last_contribution(self, txn: Any, tid: int, client_id: str) -> int | None:
+        """When the client last appended to the topic (None: not lately)."""
+        run = self.contribution(txn, tid, client_id)
+        return run.last_ms if run is not None else None
 
     def put(self, txn: Any, topic: topics_pb2.Topic, hm: heatmaps_pb2.HeatMap) -> None:
         check_heatmap(hm, topic)
@@ -119,29 +187,38 @@ class HeatmapTables:
         topic: topics_pb2.Topic,
         client_id: str,
         now_ms: int,
-        elsewhere: int | None = None,
+        elsewhere: list[Contribution | None] | None = None,
     ) -> int:
         """The client's last contribution, or PERMISSION_DENIED saying how to
-        qualify. ``elsewhere``: its last contribution as the topic's data
-        groups recorded it (a topic placed in them)."""
-        window = topic.spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS
+        qualify (see the module's doc). ``elsewhere``: its runs as the
+        topic's data groups recorded them (a topic placed in them)."""
+        spec = topic.spec
+        window = spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS
         minutes = f"{window / 60000:g} minute(s)"
+        need_pings, need_s = min_pings(spec), min_seconds(spec)
         how = (
-            f"heat maps of {topic.spec.name!r} are for those who contribute to it: publish "
-            f"pings inside its region with this client_id, then ask again within {minutes}"
+            f"heat maps of {spec.name!r} are for those who contribute to it: publish at least "
+            f"{need_pings} ping(s) inside its region over at least {need_s} s, with no gap "
+            f"longer than {minutes}, then ask again within {minutes} of the last"
         )
         if not client_id:
             raise RoadlogError(Code.PERMISSION_DENIED, f"no client_id given; {how}")
-        last = self.last_contribution(txn, topic.id, client_id)
-        if elsewhere is not None and (last is None or elsewhere > last):
-            last = elsewhere
-        if last is None or now_ms - last > window:
+        runs = [self.contribution(txn, topic.id, client_id), *(elsewhere or ())]
+        run = merged(runs, now_ms, window)
+        if run is None:
             raise RoadlogError(
                 Code.PERMISSION_DENIED,
-                f"client {client_id!r} has not published pings to {topic.spec.name!r} "
+                f"client {client_id!r} has not published pings to {spec.name!r} "
                 f"in the last {minutes}; {how}",
             )
-        return last
+        spanned_s = (run.last_ms - run.start_ms) / 1000
+        if run.pings < need_pings or spanned_s < need_s:
+            raise RoadlogError(
+                Code.PERMISSION_DENIED,
+                f"client {client_id!r} has contributed {run.pings} ping(s) over {spanned_s:g} s "
+                f"to {spec.name!r} so far: not enough yet; {how}",
+            )
+        return run.last_ms
 
     def expire_contributions(self, txn: Any, tid: int, cutoff_ms: int) -> int:
         """Forget the topic's contributions made before ``cutoff_ms`` (older
@@ -153,7 +230,7 @@ class HeatmapTables:
             for key, raw in cur:
                 if not key.startswith(prefix):
                     break
-                if _MS.unpack(raw)[0] < cutoff_ms:
+                if _MS.unpack_from(raw)[0] < cutoff_ms:  # the last append, either layout
                     doomed.append(bytes(key))
         for key in doomed:
             txn.delete(key, db=self.contrib)

@@ -18,7 +18,8 @@ with the module of its concern:
 - ``contrib``, ``heatmaps``: contributions and heat maps (``heatmaps``)
 - ``clients``: client identities and their tokens' hashes (``clients``)
 - ``meta``: applied index/term, id counters, producer ids, the address
-  book, the log's clock (``log_ms``) and the state's format (``format``)
+  book, the log's clock (``log_ms``), the state's format (``format``) and
+  the cluster settings set (``settings``)
 
 Everything stored derives from the log alone (times come from the entry's
 ``leader_ms``), so replicas that applied the same entries are byte-identical
@@ -38,7 +39,6 @@ import shutil
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,9 @@ from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.batch_refs import EntrySource
 from node_daemon.state.clients import ClientTables
 from node_daemon.state.consumer_groups import GROUP_RETENTION_MS, ConsumerGroupTables
+from node_daemon.state.figures import ConsumerGroupFigures as ConsumerGroupFigures
+from node_daemon.state.figures import TopicFigures as TopicFigures
+from node_daemon.state.figures import monitoring_figures
 from node_daemon.state.format import (
     FORMAT_KEY,
     STATE_FORMAT,
@@ -57,7 +60,12 @@ from node_daemon.state.format import (
     check_format,
     refuse_newer,
 )
-from node_daemon.state.heatmaps import HEATMAP_KEEP_NEWEST, HeatmapTables
+from node_daemon.state.heatmaps import (
+    DEFAULT_CONTRIBUTION_WINDOW_MS,
+    HEATMAP_KEEP_NEWEST,
+    Contribution,
+    HeatmapTables,
+)
 from node_daemon.state.keys import delete_prefix, meta_int
 from node_daemon.state.paced_copy import copy_paced
 from node_daemon.state.pings import PingTables, check_layout, kept_rows, oldest_ref, ref_to
@@ -68,13 +76,14 @@ from node_daemon.state.producers import (
     ProducerTables,
 )
 from node_daemon.state.responses import OpResult, publish_responses
+from node_daemon.state.settings import SettingsTable
 from node_daemon.state.topics import PartitionState, TopicTables, check_topic_id
 from node_daemon.storage import kept_log
 from node_daemon.storage.disk import fsync_dir, full_disk_error, open_lmdb
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
-from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, topics_pb2
+from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, settings_pb2, topics_pb2
 
 GiB = 1 << 30
 
@@ -82,27 +91,7 @@ _U64 = struct.Struct(">Q")
 
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 # Operations that write topic records or partition states other than by appending.
-_FORGETTING = frozenset({"create_topic", "delete_topic", "trim", "place_topic"})
-
-
-@dataclass(frozen=True, slots=True)
-class TopicFigures:
-    """A topic as monitoring sees it (``StateMachine.monitoring_figures``)."""
-
-    name: str
-    appended: int  # pings ever appended: the sum of its partitions' next offsets
-    kept: int  # pings still stored (retention trimmed the others)
-    heatmap_computed_ms: int  # when its latest heat map was computed; 0: none yet
-    heatmap_window_end_ms: int  # the end of that heat map's window; 0: none yet
-
-
-@dataclass(frozen=True, slots=True)
-class ConsumerGroupFigures:
-    """A consumer group as monitoring sees it."""
-
-    name: str
-    topic: str
-    lag: int  # pings of its topic past its committed offsets (not yet read and committed)
+_FORGETTING = frozenset({"create_topic", "delete_topic", "trim", "place_topic", "update_topic"})
 
 
 class StateMachine:
@@ -189,6 +178,7 @@ class StateMachine:
         self.consumer_groups = ConsumerGroupTables(db(b"groups"), db(b"offsets"), self.meta)
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         self.clients = ClientTables(db(b"clients"), self.meta)
+        self.settings = SettingsTable(self.meta)
         with self.env.begin() as txn:
             stored_format = self._meta_int(txn, FORMAT_KEY)
             self.applied_index = self._meta_int(txn, b"applied_index")
@@ -410,6 +400,16 @@ class StateMachine:
         if kind == "place_topic":
             self.topics.place(txn, op.place_topic.topic)
             return b""
+        if kind == "update_topic":
+            desc = self.topics.update(txn, op.update_topic.request)
+            desc.applied_index = index
+            return desc.SerializeToString()
+        if kind == "set_setting":
+            key, value = op.set_setting.request.key, op.set_setting.request.value
+            setting = self.settings.put(txn, key, value)
+            return settings_pb2.SetSettingResponse(
+                setting=setting, applied_index=index
+            ).SerializeToString()
         if kind == "init_producer":
             return self.producers.init(txn, op.init_producer, self._log_ms)
         if kind == "trim":
@@ -569,14 +569,12 @@ class StateMachine:
                 txn, op, tid, partitions, counts, nxt, index, results, kept, out
             )
         every = all(kept)
-        self.heat.record(
-            txn,
-            tid,
-            {s.client_id for s in op.spans}
-            if every
-            else {s.client_id for s, k in zip(op.spans, kept, strict=True) if k},
-            leader_ms,
-        )
+        pings: dict[str, int] = {}  # per client, its pings stored by this op
+        for n, span in enumerate(op.spans):
+            if every or kept[n]:
+                pings[span.client_id] = pings.get(span.client_id, 0) + sum(span.counts)
+        window = topic.spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS
+        self.heat.record(txn, tid, pings, leader_ms, window)
         for i, part in enumerate(op.parts):
             st = states[i]
             count = nxt[i] - st.next_offset
@@ -738,44 +736,18 @@ class StateMachine:
     def monitoring_figures(self) -> tuple[list[TopicFigures], list[ConsumerGroupFigures]]:
         """Per topic and per consumer group, what a node exports for
         monitoring, from one read transaction (safe beside the applier)."""
-        topics: dict[str, tuple[topics_pb2.Topic, list[PartitionState]]] = {}
-        out_topics: list[TopicFigures] = []
-        out_groups: list[ConsumerGroupFigures] = []
         with self.env.begin() as txn:
-            for topic in self.topics.each(txn):
-                parts = range(topic.spec.partitions)
-                states = [self.topics.part_state(txn, topic.id, p) for p in parts]
-                topics[topic.spec.name] = (topic, states)
-                windows = self.heat.windows(txn, topic.id)
-                hm = self.heat.get(txn, topic.id, windows[-1]) if windows else None
-                out_topics.append(
-                    TopicFigures(
-                        name=topic.spec.name,
-                        appended=sum(st.next_offset for st in states),
-                        kept=sum(st.next_offset - st.first_offset for st in states),
-                        heatmap_computed_ms=hm.computed_ms if hm else 0,
-                        heatmap_window_end_ms=hm.window_end_ms if hm else 0,
-                    )
-                )
-            for name in self.consumer_groups.names(txn):
-                d = self.consumer_groups.describe(txn, name)
-                if d.group.topic not in topics:
-                    continue
-                committed = {o.partition: o.offset for o in d.offsets}
-                states = topics[d.group.topic][1]
-                lag = sum(
-                    max(0, st.next_offset - max(committed.get(p, 0), st.first_offset))
-                    for p, st in enumerate(states)
-                )
-                out_groups.append(ConsumerGroupFigures(name=name, topic=d.group.topic, lag=lag))
-        return out_topics, out_groups
+            return monitoring_figures(txn, self.topics, self.heat, self.consumer_groups)
 
     def heatmap(
-        self, req: client_pb2.GetHeatmapRequest, now_ms: int, elsewhere: int | None = None
+        self,
+        req: client_pb2.GetHeatmapRequest,
+        now_ms: int,
+        elsewhere: list[Contribution | None] | None = None,
     ) -> client_pb2.GetHeatmapResponse:
         """A heat map for a contributor: the give-to-get rule first, then the
         map (the latest window unless one is asked for). ``elsewhere``: the
-        client's last contribution in the topic's data groups."""
+        client's runs of appends in the topic's data groups."""
         with self.env.begin() as txn:
             topic = self.topics.get(txn, req.topic)
             last = self.heat.allowed(txn, topic, req.client_id, now_ms, elsewhere)
@@ -790,14 +762,24 @@ class StateMachine:
                 )
             return client_pb2.GetHeatmapResponse(heatmap=hm, contributed_ms=last, windows=windows)
 
-    def last_contribution(self, name: str, client_id: str) -> int | None:
-        """When ``client_id`` last published to topic ``name`` here (None:
-        not lately, or no such topic here)."""
+    def contribution(self, name: str, client_id: str) -> Contribution | None:
+        """``client_id``'s run of appends to topic ``name`` here (None: none
+        recorded, or no such topic here)."""
         with self.env.begin() as txn:
             topic = self.topics.lookup(txn, name)
             if topic is None:
                 return None
-            return self.heat.last_contribution(txn, topic.id, client_id)
+            return self.heat.contribution(txn, topic.id, client_id)
+
+    def setting(self, key: str) -> str:
+        """A cluster setting's value in force (``settings``)."""
+        with self.env.begin() as txn:
+            return self.settings.value(txn, key)
+
+    def list_settings(self, key: str = "") -> list[settings_pb2.ClusterSetting]:
+        """Every known cluster setting, or ``key``'s (NOT_FOUND if unknown)."""
+        with self.env.begin() as txn:
+            return self.settings.listing(txn, key)
 
     def read_range(
         self, name: str, partition: int, start: int, end: int, max_pings: int = 200_000

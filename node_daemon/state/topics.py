@@ -21,10 +21,11 @@ from typing import Any
 
 from node_daemon.state.heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS
 from node_daemon.state.keys import meta_int
+from roadlog.contribution import min_pings, min_seconds
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import RegionError, parse_region
 from roadlog.placement import MAX_DATA_GROUPS, group_of, partition_groups
-from roadlog.v1 import command_pb2, topics_pb2
+from roadlog.v1 import client_pb2, command_pb2, topics_pb2
 from roadlog.validation import MAX_PARTITIONS, check_topic_name
 
 DEFAULT_PARTITIONS = 8
@@ -34,6 +35,7 @@ DEFAULT_H3_RESOLUTION = 9
 _PART = struct.Struct(">II")
 _PART_VAL = struct.Struct(">QQq")
 _U64 = struct.Struct(">Q")
+MAX_CONTRIBUTION_PINGS = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,17 @@ class TopicTables:
         recorded = min(max(proposed, 1), MAX_DATA_GROUPS)
         txn.put(b"data_groups", _U64.pack(recorded), db=self.meta)
         return recorded
+
+    def update(self, txn: Any, req: client_pb2.UpdateTopicRequest) -> topics_pb2.TopicDescription:
+        """Change the access fields ``req`` sets (group 0's record; a data
+        group's placed copy keeps its spec, and these fields are read from
+        group 0's): checked as a create's are."""
+        topic = self.get(txn, req.name)
+        spec = updated_spec(topic.spec, req)
+        if spec != topic.spec:
+            topic.spec.CopyFrom(spec)
+            txn.put(req.name.encode(), topic.SerializeToString(), db=self.records)
+        return self.describe(txn, topic)
 
     def drop(self, txn: Any, name: str) -> None:
         """The topic's record (its partitions' states go with its id's prefix)."""
@@ -217,9 +230,13 @@ def normalized_spec(spec: topics_pb2.TopicSpec) -> topics_pb2.TopicSpec:
         retention_ms=spec.retention_ms or DEFAULT_RETENTION_MS,
         h3_resolution=spec.h3_resolution or DEFAULT_H3_RESOLUTION,
         contribution_window_ms=spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS,
+        no_open_produce=spec.no_open_produce,
+        contribution_min_pings=min_pings(spec),  # set: a later default changes no topic
+        contribution_min_seconds=min_seconds(spec),
     )
     if out.contribution_window_ms < 0:
         raise RoadlogError(Code.INVALID_ARGUMENT, "the contribution window must be positive")
+    check_contribution(out)
     if not 1 <= out.partitions <= MAX_PARTITIONS:
         raise RoadlogError(Code.INVALID_ARGUMENT, f"partitions must be in 1..{MAX_PARTITIONS}")
     if out.retention_ms < 0:
@@ -227,6 +244,41 @@ def normalized_spec(spec: topics_pb2.TopicSpec) -> topics_pb2.TopicSpec:
     if out.h3_resolution > 15:
         raise RoadlogError(Code.INVALID_ARGUMENT, "H3 resolution must be in 0..15")
     return out
+
+
+def updated_spec(
+    spec: topics_pb2.TopicSpec, req: client_pb2.UpdateTopicRequest
+) -> topics_pb2.TopicSpec:
+    """``spec`` with the fields ``req`` sets; INVALID_ARGUMENT if the result
+    is not a valid contribution rule."""
+    out = topics_pb2.TopicSpec()
+    out.CopyFrom(spec)
+    if req.HasField("no_open_produce"):
+        out.no_open_produce = req.no_open_produce
+    if req.HasField("contribution_min_pings"):
+        out.contribution_min_pings = req.contribution_min_pings
+    if req.HasField("contribution_min_seconds"):
+        out.contribution_min_seconds = req.contribution_min_seconds
+    check_contribution(out)
+    return out
+
+
+def check_contribution(spec: topics_pb2.TopicSpec) -> None:
+    """A contribution needs 1..MAX_CONTRIBUTION_PINGS pings, over no more
+    seconds than the contribution window holds."""
+    pings, seconds = min_pings(spec), min_seconds(spec)
+    window_s = (spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS) / 1000
+    if not 1 <= pings <= MAX_CONTRIBUTION_PINGS:
+        raise RoadlogError(
+            Code.INVALID_ARGUMENT,
+            f"contribution_min_pings must be in 1..{MAX_CONTRIBUTION_PINGS}, not {pings}",
+        )
+    if seconds > window_s:
+        raise RoadlogError(
+            Code.INVALID_ARGUMENT,
+            f"contribution_min_seconds {seconds} is longer than the contribution window "
+            f"({window_s:g} s)",
+        )
 
 
 def check_topic_id(op: command_pb2.AppendOp, topic: topics_pb2.Topic) -> None:

@@ -23,6 +23,7 @@ from node_daemon.replica.commands import PAST_DEADLINE
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.state.consumer_groups import name_taken
+from node_daemon.state.heatmaps import Contribution
 from node_daemon.state.producers import quota_refusal
 from node_daemon.state.responses import OpResult, publish_batch_response
 from node_daemon.state.topics import normalized_spec
@@ -34,8 +35,11 @@ from node_daemon.work.appends import (
 )
 from node_daemon.work.consumer_group_coordinator import ConsumerGroupCoordinator
 from node_daemon.work.group_access import readable_group, readable_groups
+from node_daemon.work.identities import IdentityWork, RegistrationCeiling
+from node_daemon.work.identities import propose_client as propose_client  # the Admin service's
+from node_daemon.work.open_produce import closed_to
 from roadlog import columnar, round_trace
-from roadlog.errors import Code, RoadlogError
+from roadlog.errors import Code, RoadlogError, Throttled
 from roadlog.geo import Region, parse_region
 from roadlog.limits import (
     CLIENT_MESSAGE_BYTES,
@@ -45,10 +49,8 @@ from roadlog.limits import (
 )
 from roadlog.placement import group_of
 from roadlog.rpc import ROUTED
-from roadlog.scopes import PHONE_SCOPES, ScopeError, check_client_name, check_scopes
 from roadlog.v1 import (
     client_pb2,
-    clients_pb2,
     command_pb2,
     groups_pb2,
     topics_pb2,
@@ -99,15 +101,24 @@ class _Call:
     Invariant: ``future`` gets its result exactly when every publish has an
     outcome; each publish's first outcome stands."""
 
-    __slots__ = ("deadline", "future", "outcomes", "principal", "remaining", "requests")
+    __slots__ = (
+        "deadline", "future", "open_scopes", "outcomes", "principal", "remaining", "requests"
+    )  # fmt: skip
 
     def __init__(
-        self, requests: list[bytes], principal: str = "", deadline: float | None = None
+        self,
+        requests: list[bytes],
+        principal: str = "",
+        deadline: float | None = None,
+        open_scopes: tuple[str, ...] | None = None,
     ) -> None:
         self.requests = requests
         # The authenticated identity's client id: the publishes' client id
         # ("": the one each request declares, client_auth off).
         self.principal = principal
+        # A self-registered identity's scopes: topics closed to open produce
+        # are checked against them (``open_produce``); None: not checked.
+        self.open_scopes = open_scopes
         # When (monotonic) the client stops waiting: not proposed after it.
         self.deadline = deadline
         self.outcomes: list[Outcome | None] = [None] * len(requests)
@@ -209,6 +220,12 @@ async def _placed(node: ReplicaView, name: str, topic_id: int) -> None:
             await node.wait_applied(node.sm.applied_index + 1, left)
 
 
+def _open_scopes(item: work_pb2.WorkItem) -> tuple[str, ...] | None:
+    """A self-registered caller's scopes, which topics closed to open
+    produce are checked against (None: not such a caller)."""
+    return tuple(item.scopes) if item.principal and item.registered else None
+
+
 def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
     """The status a client is answered with for a failed request."""
     if isinstance(e, NotLeader):
@@ -225,10 +242,11 @@ def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
     return Code.INTERNAL, f"{type(e).__name__}: {e}"
 
 
-class WorkHandler:
+class WorkHandler(IdentityWork):
     """Turns work items into results against one Replica. A work item's
     method is an rpc of ``roadlog.rpc``; the method of this class named by
-    its ``handler`` does it (``PublishBatch``: ``publish_batch``)."""
+    its ``handler`` does it (``PublishBatch``: ``publish_batch``); those of
+    identities, settings and topic access are ``IdentityWork``'s."""
 
     def __init__(self, node: Replica) -> None:
         self.node = node
@@ -244,6 +262,7 @@ class WorkHandler:
         # Write items being done, by the item object (ids are per queue server,
         # and two may use the same): their deadlines on this monotonic clock.
         self._deadlines: dict[int, float] = {}
+        self.registrations = RegistrationCeiling()  # the cluster's, as group 0's leader
 
     def reads_flowing(self, link: object, on: bool) -> None:
         """A queue server says fenced reads come in there lately (or no
@@ -284,6 +303,8 @@ class WorkHandler:
                 res.parts.extend(out.parts)
         except Exception as e:
             res.code, res.message = failure_status(e, item.method)
+            if isinstance(e, Throttled):
+                res.retry_after_ms = max(1, int(e.retry_after_s * 1000))
         finally:
             self._deadlines.pop(id(item), None)
         if len(res.response) > CLIENT_MESSAGE_BYTES:
@@ -303,8 +324,9 @@ class WorkHandler:
     async def publish(self, item: work_pb2.WorkItem) -> OpResult:
         deadline = self._deadlines.get(id(item))
         if self._splits():
-            return await self._split(_Call([item.request], item.principal, deadline), lone=True)
-        return await self._publish(item.request, item.principal, deadline)
+            call = _Call([item.request], item.principal, deadline, _open_scopes(item))
+            return await self._split(call, lone=True)
+        return await self._publish(item.request, item.principal, deadline, _open_scopes(item))
 
     async def publish_batch(self, item: work_pb2.WorkItem) -> OpResult:
         """Every request of the batch goes the way of a lone publish, and
@@ -320,7 +342,7 @@ class WorkHandler:
             raise MalformedRequest(
                 f"a PublishBatch holds at most {MAX_BATCH_REQUESTS} requests, not {len(requests)}"
             )
-        call = _Call(requests, item.principal, self._deadlines.get(id(item)))
+        call = _Call(requests, item.principal, self._deadlines.get(id(item)), _open_scopes(item))
         if self._splits():
             return await self._split(call, lone=False)
         outcomes = await self._enqueue(call)
@@ -355,7 +377,8 @@ class WorkHandler:
         n = len(call.requests)
         owners = [(call, i) for i in range(n)]
         clients = [call.principal] * n
-        requests, owners, clients, _ = await self._producers_checked(call.requests, owners, clients)
+        requests, owners, clients = self._open_produce_checked(call.requests, owners, clients)
+        requests, owners, clients, _ = await self._producers_checked(requests, owners, clients)
         prepared, errors = await self._prepared(requests, clients)
         for i, e in errors.items():
             c, pos = owners[i]
@@ -431,9 +454,13 @@ class WorkHandler:
         return OpResult(response=publish_batch_response(answers))
 
     async def _publish(
-        self, request: bytes, principal: str = "", deadline: float | None = None
+        self,
+        request: bytes,
+        principal: str = "",
+        deadline: float | None = None,
+        open_scopes: tuple[str, ...] | None = None,
     ) -> OpResult:
-        call = _Call([request], principal, deadline)
+        call = _Call([request], principal, deadline, open_scopes)
         if self.node.cfg.merge_publishes:
             (outcome,) = await self._enqueue(call)
         else:
@@ -484,6 +511,7 @@ class WorkHandler:
         owners = [(c, i) for c in calls for i in range(len(c.requests))]
         # Who sent each: the authenticated identity, where there is one.
         clients = [c.principal for c in calls for _ in c.requests]
+        requests, owners, clients = self._open_produce_checked(requests, owners, clients)
         if self.node.group != 0:  # producer ids are group 0's: checked there first
             requests, owners, clients, topics = await self._producers_checked(
                 requests, owners, clients
@@ -615,6 +643,39 @@ class WorkHandler:
         kept = [requests[i] for i in keep], [owners[i] for i in keep], [clients[i] for i in keep]
         return (*kept, topics)
 
+    def _open_produce_checked(
+        self, requests: list[bytes], owners: list[tuple[_Call, int]], clients: list[str]
+    ) -> tuple[list[bytes], list[tuple[_Call, int]], list[str]]:
+        """The publishes whose sender may publish to their topic: a
+        self-registered identity's to a topic closed to open produce are
+        answered here, refused (``open_produce``); the topic is read from
+        this node's replica of group 0. Costs nothing without such a sender."""
+        if all(call.open_scopes is None for call, _ in owners):
+            return requests, owners, clients
+        meta = self.node if self.node.group == 0 else self.node.raft_groups.get(0)
+        keep: list[int] = []
+        for i, raw in enumerate(requests):
+            call, pos = owners[i]
+            if call.open_scopes is None:
+                keep.append(i)
+                continue
+            refused: RoadlogError | None
+            if meta is None:
+                refused = RoadlogError(
+                    Code.UNAVAILABLE, "this node runs no group 0 to check the topic with"
+                )
+            else:
+                try:
+                    name = client_pb2.PublishRequestView.FromString(raw).topic
+                    refused = closed_to(meta.sm.topic(name), call.open_scopes)
+                except (DecodeError, RoadlogError):
+                    refused = None  # malformed, or no such topic: validation answers it
+            if refused is None:
+                keep.append(i)
+            else:
+                call.settle(pos, refused)
+        return [requests[i] for i in keep], [owners[i] for i in keep], [clients[i] for i in keep]
+
     def _topic_lookup(self, name: str) -> tuple[int, Region]:
         topic = self.node.sm.topic(name)
         key = (topic.spec.name, topic.id)
@@ -736,10 +797,6 @@ class WorkHandler:
         )
 
     # ----------------------------------------------------------------- reads
-
-    async def _fenced(self, fence: int) -> None:
-        if self.node.sm.applied_index < fence:
-            await self.node.wait_applied(fence, timeout=10)
 
     async def fetch(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.FetchRequest.FromString(item.request)
@@ -874,9 +931,11 @@ class WorkHandler:
         resp = sm.heatmap(req, sm.log_ms or int(time.time() * 1000), elsewhere)
         return OpResult(response=resp.SerializeToString())
 
-    async def _contribution_in_groups(self, req: client_pb2.GetHeatmapRequest) -> int | None:
-        """A topic placed in data groups: the client's last contribution as
-        they recorded it (their replicas here, each once it applied the
+    async def _contribution_in_groups(
+        self, req: client_pb2.GetHeatmapRequest
+    ) -> list[Contribution | None] | None:
+        """A topic placed in data groups: the client's runs of appends as
+        they recorded them (their replicas here, each once it applied the
         request's fence in that group). None: the topic is group 0's."""
         if self.node.group != 0 or self.node.sm.data_groups() == 1:
             return None
@@ -884,80 +943,14 @@ class WorkHandler:
             record = self.node.sm.topic(req.topic)
         except RoadlogError:
             return None  # the state answers as it would (no topic)
-        last: int | None = None
+        runs: list[Contribution | None] = []
         for g in sorted(set(record.partition_groups)):
             data = await self._data_replica(g, req.topic, req.group_fences)
-            at = data.sm.last_contribution(req.topic, req.client_id)
-            if at is not None and (last is None or at > last):
-                last = at
-        return last
+            runs.append(data.sm.contribution(req.topic, req.client_id))
+        return runs
 
     async def put_heatmap(self, item: work_pb2.WorkItem) -> OpResult:
         req = client_pb2.PutHeatmapRequest.FromString(item.request)
         return await self.node.propose_op(
             command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request=req))
         )
-
-    # ------------------------------------------------------ client identities
-
-    async def authenticate_at_leader(self, item: work_pb2.WorkItem) -> OpResult:
-        """``authenticate`` on the leader, which has applied every identity
-        whose creation it answered (a follower may not have yet)."""
-        if not self.node.is_leader:
-            raise NotLeader(self.node.core.lead)
-        return await self.authenticate(item)
-
-    async def create_client(self, item: work_pb2.WorkItem) -> OpResult:
-        """An identity an admin asked for: the queue server made its token
-        and sends only the hash."""
-        req = clients_pb2.CreateClientRequest.FromString(item.request)
-        return await propose_client(self.node, req.name, list(req.scopes), req.token_hash)
-
-    async def register_client(self, item: work_pb2.WorkItem) -> OpResult:
-        """A phone's own identity: named by its client id, with the phone
-        scopes whatever the request says."""
-        req = clients_pb2.RegisterClientRequest.FromString(item.request)
-        return await propose_client(self.node, "", list(PHONE_SCOPES), req.token_hash, True)
-
-    async def revoke_client(self, item: work_pb2.WorkItem) -> OpResult:
-        req = clients_pb2.RevokeClientRequest.FromString(item.request)
-        op = command_pb2.RevokeClientOp(name=req.name)
-        return await self.node.propose_op(command_pb2.Op(revoke_client=op))
-
-    async def list_clients(self, item: work_pb2.WorkItem) -> OpResult:
-        req = clients_pb2.ListClientsRequest.FromString(item.request)
-        await self._fenced(max(item.fence, req.min_applied_index))
-        return OpResult(response=self.node.sm.list_clients().SerializeToString())
-
-    async def authenticate(self, item: work_pb2.WorkItem) -> OpResult:
-        """The queue server's question: whose token has this hash?"""
-        req = clients_pb2.AuthenticateRequest.FromString(item.request)
-        await self._fenced(max(item.fence, req.min_applied_index))
-        ident = self.node.sm.identity(req.token_hash)
-        resp = clients_pb2.AuthenticateResponse(found=ident is not None)
-        if ident is not None:
-            resp.identity.CopyFrom(ident)
-        return OpResult(response=resp.SerializeToString())
-
-
-async def propose_client(
-    node: Replica, name: str, scopes: list[str], token_hash: bytes, registered: bool = False
-) -> OpResult:
-    """Propose a new identity (leader only: else NotLeader), its client id
-    drawn here at random (96 bits); ``name`` "": the client id. A
-    self-registered one gets the phone scopes whatever is asked."""
-    if not node.is_leader:
-        raise NotLeader(node.core.lead)
-    client_id = f"cl-{secrets.token_hex(12)}"
-    try:
-        name = check_client_name(name or client_id)
-        scopes = list(PHONE_SCOPES) if registered else check_scopes(scopes)
-    except (ScopeError, ValueError) as e:
-        raise RoadlogError(Code.INVALID_ARGUMENT, str(e)) from None
-    if len(token_hash) != 32:
-        raise RoadlogError(Code.INVALID_ARGUMENT, "a token hash is 32 bytes (SHA-256)")
-    ident = clients_pb2.ClientIdentity(
-        name=name, client_id=client_id, scopes=scopes, registered=registered
-    )
-    op = command_pb2.CreateClientOp(identity=ident, token_hash=token_hash)
-    return await node.propose_op(command_pb2.Op(create_client=op))

@@ -7,10 +7,10 @@ module a command group; ``common`` holds what they share.
 
 from __future__ import annotations
 
-from roadlog.cli import ca, client, cluster, heatmap, pings, topic
+from roadlog.cli import ca, client, cluster, heatmap, pings, settings, topic
 from roadlog.cli.common import cli
 
-__all__ = ["ca", "cli", "client", "cluster", "heatmap", "main", "pings", "topic"]
+__all__ = ["ca", "cli", "client", "cluster", "heatmap", "main", "pings", "settings", "topic"]
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
-"""``roadlog topic``: create, list, describe and delete topics (city regions)."""
+"""``roadlog topic``: create, update, list, describe and delete topics (city regions)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +12,40 @@ from rich.table import Table
 
 from roadlog.cli.common import cli, connection, err, out, where
 from roadlog.client import Admin
+from roadlog.contribution import (
+    DEFAULT_CONTRIBUTION_MIN_PINGS,
+    DEFAULT_CONTRIBUTION_MIN_SECONDS,
+    min_pings,
+    min_seconds,
+)
 from roadlog.geo import RegionError, bbox_region, parse_region
 
 
 @cli.group()
 def topic() -> None:
     """Create, list, describe and delete topics (city regions)."""
+
+
+def _access_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Who may publish to the topic and what give-to-get counts (issue 39)."""
+    f = click.option(
+        "--contribution-min-seconds",
+        type=click.IntRange(0),
+        default=None,
+        help=f"over at least S seconds (default {DEFAULT_CONTRIBUTION_MIN_SECONDS})",
+    )(f)
+    f = click.option(
+        "--contribution-min-pings",
+        type=click.IntRange(1),
+        default=None,
+        help="give-to-get counts a client's contribution once it sent at least N pings "
+        f"(default {DEFAULT_CONTRIBUTION_MIN_PINGS})",
+    )(f)
+    return click.option(
+        "--no-open-produce/--open-produce",
+        default=None,
+        help="self-registered identities' produce:* does not cover this topic (default: open)",
+    )(f)
 
 
 @topic.command("create")
@@ -26,6 +55,7 @@ def topic() -> None:
 @click.option("--partitions", type=int, default=0, help="default 8")
 @click.option("--retention-hours", type=float, default=0.0, help="default 168")
 @click.option("--h3-resolution", type=int, default=0, help="default 9")
+@_access_options
 @where
 @click.option("--json", "as_json", is_flag=True)
 def topic_create(
@@ -35,6 +65,9 @@ def topic_create(
     partitions: int,
     retention_hours: float,
     h3_resolution: int,
+    no_open_produce: bool | None,
+    contribution_min_pings: int | None,
+    contribution_min_seconds: int | None,
     cluster: Path | None,
     servers: str | None,
     as_json: bool,
@@ -54,7 +87,42 @@ def topic_create(
         raise click.BadParameter(str(e)) from None
     with connection(cluster, servers) as conn:
         d = Admin(conn).create_topic(
-            name, geo.geojson, partitions, int(retention_hours * 3600_000), h3_resolution
+            name,
+            geo.geojson,
+            partitions,
+            int(retention_hours * 3600_000),
+            h3_resolution,
+            no_open_produce=bool(no_open_produce),
+            contribution_min_pings=contribution_min_pings,
+            contribution_min_seconds=contribution_min_seconds,
+        )
+    _print_topic(d, as_json)
+
+
+@topic.command("update")
+@click.argument("name")
+@_access_options
+@where
+@click.option("--json", "as_json", is_flag=True)
+def topic_update(
+    name: str,
+    no_open_produce: bool | None,
+    contribution_min_pings: int | None,
+    contribution_min_seconds: int | None,
+    cluster: Path | None,
+    servers: str | None,
+    as_json: bool,
+) -> None:
+    """Change who may publish to a topic and what give-to-get counts (the
+    options not given are kept)."""
+    if (no_open_produce, contribution_min_pings, contribution_min_seconds) == (None,) * 3:
+        raise click.UsageError(
+            "nothing to change: give --no-open-produce/--open-produce, "
+            "--contribution-min-pings or --contribution-min-seconds"
+        )
+    with connection(cluster, servers) as conn:
+        d = Admin(conn).update_topic(
+            name, no_open_produce, contribution_min_pings, contribution_min_seconds
         )
     _print_topic(d, as_json)
 
@@ -116,9 +184,14 @@ def _topic_doc(d: Any) -> dict[str, Any]:
         "partitions": spec.partitions,
         "retention_ms": spec.retention_ms,
         "h3_resolution": spec.h3_resolution,
+        "no_open_produce": spec.no_open_produce,
+        "contribution_window_ms": spec.contribution_window_ms,
+        "contribution_min_pings": min_pings(spec),
+        "contribution_min_seconds": min_seconds(spec),
         "bbox": [round(v, 6) for v in d.topic.bbox],
         "region": json.loads(spec.region_geojson),
         "pings": sum(p.next_offset - p.first_offset for p in d.partitions),
+        "applied_index": d.applied_index,  # a create's or update's: a read fence
         "offsets": [
             {
                 "partition": p.partition,
@@ -140,6 +213,12 @@ def _print_topic(d: Any, as_json: bool) -> None:
         f"[bold]{doc['name']}[/] id {doc['id']}, {doc['partitions']} partitions, "
         f"H3 {doc['h3_resolution']}, retention {doc['retention_ms'] / 3600_000:g} h, "
         f"bbox {doc['bbox']}, {doc['pings']:,} pings"
+    )
+    out.print(
+        f"  give-to-get: {doc['contribution_min_pings']} pings over "
+        f"{doc['contribution_min_seconds']} s "
+        f"within {doc['contribution_window_ms'] / 60000:g} min; "
+        + ("closed to self-registered identities" if doc["no_open_produce"] else "open produce")
     )
     for o in doc["offsets"]:
         out.print(

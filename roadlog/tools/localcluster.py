@@ -542,7 +542,8 @@ def gather_status(
         )
         for ns in st.nodes:
             known.setdefault(ns.id, {"id": ns.id, "address": ns.address})
-            node_addresses = [*node_addresses, ns.address]
+            if ns.address:  # none for an identity without admin or ops (issue 39)
+                node_addresses = [*node_addresses, ns.address]
     out["queue_servers"] = [
         q for q in out["queue_servers"] if q["up"] or q["grpc"] not in node_addresses
     ]

@@ -32,7 +32,14 @@ from roadlog.errors import Code, NotFound
 from roadlog.rpc import BY_NAME, PUBLIC, RPCS, SERVICE
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, heatmaps_pb2
-from tests.integration.conftest import REGION, make_pings, settled
+from tests.integration.conftest import (
+    REGION,
+    SMALL_PINGS,
+    SMALL_SECONDS,
+    contribute,
+    make_pings,
+    settled,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +85,8 @@ def cluster(
     try:
         lc.wait_ready(60)
         with Connection(lc.servers, tls=lc.tls()) as conn:
-            Admin(conn).create_topic("munich", REGION, 4)
+            Admin(conn).create_topic("munich", REGION, 4, contribution_min_pings=SMALL_PINGS,
+                                     contribution_min_seconds=SMALL_SECONDS)  # fmt: skip
             Admin(conn).create_topic("berlin", REGION, 2)
         yield lc
     finally:
@@ -167,6 +175,8 @@ def test_the_client_port_tells_strangers_nothing_of_the_cluster(cluster: LocalCl
             time.sleep(0.1)
             st = Admin(conn).status()
     assert st.leader != 0 and len(st.nodes) == 3
+    # Roles and indexes, not where the nodes listen (issue 39): no admin, no ops.
+    assert all(n.role and not n.address for n in st.nodes)
     tls = ClientTLS.from_env().with_token(phone)
     with tls.channel(cluster.servers[0]) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
@@ -212,16 +222,20 @@ def test_a_forged_client_id_reads_nobodys_heat_map(cluster: LocalCluster) -> Non
     base = cluster.queue_servers[0].http
     alice, mallory = register(cluster), register(cluster)
     now = int(time.time() * 1000)
-    code, _, body = http(
-        "POST",
-        f"{base}/v1/topics/munich/pings",
-        {
-            "client_id": "anything",
-            "pings": [{"device_id": "a", "ts_ms": now, "lat": 48.13, "lon": 11.57}],
-        },
-        token=alice["token"],
-    )
-    assert code == 200, body
+
+    def ping(k: int) -> None:  # alice contributes (SMALL_PINGS over SMALL_SECONDS)
+        code, _, body = http(
+            "POST",
+            f"{base}/v1/topics/munich/pings",
+            {
+                "client_id": "anything",
+                "pings": [{"device_id": f"a{k}", "ts_ms": now, "lat": 48.13, "lon": 11.57}],
+            },
+            token=alice["token"],
+        )
+        assert code == 200, body
+
+    contribute(ping)
     with Connection(cluster.servers, tls=cluster.tls()) as conn:
         hm = heatmaps_pb2.HeatMap(topic="munich", window_start_ms=now - 300_000,
                                   window_end_ms=now, h3_resolution=9)  # fmt: skip

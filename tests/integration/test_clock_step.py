@@ -64,7 +64,10 @@ def contributors(lc: LocalCluster, *names: str) -> Iterator[list[Connection]]:
     each named identity, which may publish to it and ask for its heat maps."""
     with Connection(lc.servers, tls=lc.tls(), timeout=30) as conn:
         admin = Admin(conn)
-        admin.create_topic("munich", REGION, 2)
+        # The clocks, not give-to-get's minimum run, are what these look at:
+        # one batch counts as a contribution here (a span of 0 s).
+        admin.create_topic("munich", REGION, 2, contribution_min_pings=1,
+                           contribution_min_seconds=0)  # fmt: skip
         admin.put_heatmap(heatmaps_pb2.HeatMap(topic="munich", window_start_ms=1, window_end_ms=2))
         tokens = [admin.create_client(n, ["produce:munich", "heatmap:munich"]).token for n in names]
     conns = [Connection(lc.servers, tls=lc.tls().with_token(t), timeout=30) for t in tokens]

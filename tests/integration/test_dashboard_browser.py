@@ -31,7 +31,13 @@ from roadlog.geo import bbox_region
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import heatmaps_pb2
 from tests.certs import ClusterCA
-from tests.integration.conftest import headless_chromium, wait_for
+from tests.integration.conftest import (
+    SMALL_PINGS,
+    SMALL_SECONDS,
+    contribute,
+    headless_chromium,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -54,13 +60,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Ite
     try:
         lc.wait_ready(60)
         with Connection(lc.servers, tls=lc.tls()) as conn:
-            Admin(conn).create_topic("munich", REGION.geojson, 4)
+            Admin(conn).create_topic(
+                "munich", REGION.geojson, 4,
+                contribution_min_pings=SMALL_PINGS, contribution_min_seconds=SMALL_SECONDS,
+            )  # fmt: skip
             now = int(time.time() * 1000)
-            Producer(conn, "munich", client="alice").send_batch(
-                PingColumns.from_columns(
-                    ["a1"], np.array([now]), np.array([HOT[0]]), np.array([HOT[1]])
-                )
-            )
+            p = Producer(conn, "munich", client="alice")
+            # The admin's page contributes (issue 39: a run of pings, not one).
+            contribute(lambda k: p.send_batch(PingColumns.from_columns(
+                [f"a{k}"], np.array([now]), np.array([HOT[0]]), np.array([HOT[1]]))))  # fmt: skip
         yield lc
     finally:
         lc.down(grace=1)
@@ -250,11 +258,11 @@ def test_a_page_without_a_token_registers_an_identity_and_is_shown_the_403(
     # The identity contributes (as the phone it is): the map appears, no reload.
     js(driver, "window.__sameDocument = true")
     with Connection(lc.servers, tls=lc.tls(), token=token) as conn:
-        now = int(time.time() * 1000)
-        Producer(conn, "munich").send_batch(
-            PingColumns.from_columns(["phone"], np.array([now]), np.array([HOT[0]]),
-                                     np.array([HOT[1]]))
-        )  # fmt: skip
+        phone = Producer(conn, "munich")
+        # a run of pings, as give-to-get counts (issue 39): the map comes only after it
+        contribute(lambda k: phone.send_batch(PingColumns.from_columns(
+            ["phone"], np.array([int(time.time() * 1000)]), np.array([HOT[0]]),
+            np.array([HOT[1]]))))  # fmt: skip
     wait_for(lambda: js(driver, "return document.body.dataset.state") == "ok", 30,
              "the map once the page's identity contributed")  # fmt: skip
     assert js(driver, "return window.__sameDocument") is True
@@ -297,7 +305,10 @@ def test_the_streamed_heat_map_reaches_the_page(
     on the open page (how long it takes: bench/stream_delay.py)."""
     lc, driver = cluster, browser
     with Connection(lc.servers, tls=lc.tls()) as conn:  # a topic of its own: only streamed windows
-        Admin(conn).create_topic("streamed", REGION.geojson, 2)
+        # The stream is what this looks at, not give-to-get's minimum: the
+        # one ping below unlocks the page's identity.
+        Admin(conn).create_topic("streamed", REGION.geojson, 2, contribution_min_pings=1,
+                                 contribution_min_seconds=0)  # fmt: skip
         now = int(time.time() * 1000)
         Producer(conn, "streamed", client="alice").send_batch(
             PingColumns.from_columns(

@@ -22,7 +22,7 @@ from roadlog.errors import Code, RoadlogError
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2, heatmaps_pb2
-from tests.integration.conftest import REGION, create_topic, make_pings, wait_for
+from tests.integration.conftest import REGION, contribute, create_topic, make_pings, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
         # topic yet (NOT_FOUND instead of the rule's answer).
         alice.raise_fence(conn.fence)
         # The rule comes first: no contribution, no map, whether or not one exists.
-        with pytest.raises(PermissionDenied, match="publish pings inside its region"):
+        with pytest.raises(PermissionDenied, match=r"has not published pings to .munich."):
             Admin(alice).heatmap("munich")
         # Fenced at the topic's creation: an unfenced read may reach a node
         # that has not applied it yet, and that answers 404.
@@ -94,7 +94,10 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
             "GET", f"{base}/v1/topics/munich/heatmap?{created}", headers=as_("alice")
         )
         assert code == 403 and body["error"]["code"] == "PERMISSION_DENIED", body
-        ack = Producer(alice, "munich").send_batch(make_pings("alice", 0, 10))
+        producer, acks = Producer(alice, "munich"), []
+        # A contribution: 3 pings over 2 s (the tier's topics; issue 39).
+        contribute(lambda k: acks.append(producer.send_batch(make_pings("alice", 10 * k, 10))))
+        ack = acks[-1]
         fenced = f"min_applied_index={ack.applied_index}"  # read your writes over HTTP
         code, _, body = http(
             "GET", f"{base}/v1/topics/munich/heatmap?{fenced}", headers=as_("alice")
@@ -128,18 +131,29 @@ def test_give_to_get_through_grpc_and_http(make_cluster: Callable[..., LocalClus
             "GET", f"{base}/v1/topics/munich/heatmap?client_id=alice&{fenced}", headers=as_("bob")
         )
         assert code == 403 and "has not published" in body["error"]["reason"]
-        # bob qualifies by publishing through HTTP.
-        code, _, body = http(
-            "POST",
-            f"{base}/v1/topics/munich/pings",
-            {
-                "client_id": "bob",
-                "pings": [{"device_id": "bike", "ts_ms": now, "lat": 48.13, "lon": 11.57}],
-            },
-            headers=as_("bob"),
-        )
-        assert code == 200 and body["count"] == 1 and body["applied_index"] >= fence
-        fenced = f"min_applied_index={body['applied_index']}"
+        # bob qualifies by publishing through HTTP: one ping is not enough
+        # (issue 39), a run of them is.
+        answers: list[dict[str, Any]] = []
+
+        def bob_pings(k: int) -> None:
+            code, _, body = http(
+                "POST",
+                f"{base}/v1/topics/munich/pings",
+                {
+                    "client_id": "bob",
+                    "pings": [{"device_id": f"bike-{k}", "ts_ms": now, "lat": 48.13, "lon": 11.57}],
+                },
+                headers=as_("bob"),
+            )
+            assert code == 200 and body["count"] == 1 and body["applied_index"] >= fence
+            answers.append(body)
+
+        bob_pings(0)
+        fenced = f"min_applied_index={answers[-1]['applied_index']}"
+        code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?{fenced}", headers=as_("bob"))
+        assert code == 403 and "not enough yet" in body["error"]["reason"], body
+        contribute(lambda k: bob_pings(k + 1))
+        fenced = f"min_applied_index={answers[-1]['applied_index']}"
         code, _, body = http("GET", f"{base}/v1/topics/munich/heatmap?{fenced}", headers=as_("bob"))
         assert code == 200 and body["window_start_ms"] == now - 300_000
 

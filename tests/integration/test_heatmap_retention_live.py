@@ -41,7 +41,9 @@ def test_the_leaders_trim_deletes_old_heat_maps_but_the_newest(
     lc = make_cluster(3, extra=["--trim-interval-s", "1"])
     with Connection(lc.servers, timeout=30) as conn:
         admin = Admin(conn)
-        admin.create_topic("old-maps", REGION, 1, retention_ms=RETENTION_MS)
+        # Retention, not give-to-get's minimum, is what this looks at.
+        admin.create_topic("old-maps", REGION, 1, retention_ms=RETENTION_MS,
+                           contribution_min_pings=1, contribution_min_seconds=0)  # fmt: skip
         Producer(conn, "old-maps", client="alice").send_batch(make_pings("alice", 0, 5))
         now = int(time.time() * 1000)
         # Windows that ended two days ago, minute after minute: all past the

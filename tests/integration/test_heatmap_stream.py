@@ -52,7 +52,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, test_ca: ClusterCA) -> Ite
     try:
         lc.wait_ready(60)
         with Connection(lc.servers, tls=lc.tls()) as conn:
-            Admin(conn).create_topic("munich", REGION.geojson, 4)
+            # The stream, not give-to-get's minimum, is what this looks at:
+            # alice's batches, sent at once, count (one ping would).
+            Admin(conn).create_topic("munich", REGION.geojson, 4, contribution_min_pings=1,
+                                     contribution_min_seconds=0)  # fmt: skip
             ALICE.append(
                 Admin(conn).create_client("alice", ["produce:munich", "heatmap:munich"]).token
             )

@@ -33,6 +33,7 @@ from roadlog.tools.localcluster import LocalCluster
 from roadlog.v1 import client_pb2
 from tests.integration.conftest import (
     assert_exactly_once_in_order,
+    contribute,
     create_topic,
     make_pings,
     read_topic,
@@ -201,7 +202,9 @@ def test_give_to_get_counts_what_the_data_groups_stored(
         fence = Admin(admin).put_heatmap(heatmap(now - 300_000))
         for who in (alice, bob):
             who.raise_fence(fence)
-        assert Producer(alice, "munich").send_batch(make_pings("a", 0, 60, devices=12)).count == 60
+        sender = Producer(alice, "munich")
+        # A contribution (issue 39): SMALL_PINGS over SMALL_SECONDS, in every group alice writes.
+        contribute(lambda k: sender.send_batch(make_pings("a", 60 * k, 60, devices=12)))
         got = Admin(alice).heatmap("munich")  # fenced in every group alice wrote
         assert got.heatmap.window_start_ms == now - 300_000 and got.contributed_ms > 0
         with pytest.raises(PermissionDenied, match="has not published"):

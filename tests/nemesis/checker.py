@@ -32,10 +32,17 @@ Properties (each a function below, over the same ``Facts``):
 - ``topics``: an acknowledged create exists at the end unless a delete of
   it was tried; an acknowledged delete stays deleted.
 - ``give_to_get``: a heat-map read (fenced past the client's publish in
-  some group the publish wrote) is
-  refused to no client whose publish to the topic was acknowledged less
-  than half the contribution window before (on the run's clock), and
-  allowed to no client that never published to it.
+  some group the publish wrote) is refused to no client whose publish to
+  the topic was acknowledged less than half the contribution window before
+  (on the run's clock) as one that has not published; a refusal because
+  the contribution is not enough yet (issue 39: at least the topic's
+  ``min_pings`` over ``min_seconds``, which the read records) must count
+  at least the pings acknowledged in that half window and fenced in every
+  group they went to, and must not report a run that qualifies. A read is
+  allowed to no client that never published to the topic, nor to one that
+  had sent fewer than ``min_pings`` pings when the answer came (a single
+  made-up ping unlocks nothing). The span is not held against the cluster:
+  the log's clock stands still while a leader's wall clock is stepped back.
 - ``membership``: a node whose last membership change was an
   acknowledged add (or none) is in the configuration found at the end,
   and one whose last change was an acknowledged removal is not.
@@ -51,6 +58,7 @@ the delete's.
 from __future__ import annotations
 
 import bisect
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -469,40 +477,76 @@ def topics(fx: Facts) -> Verdict:
     return v
 
 
+_ENOUGH_YET = re.compile(r"has contributed (\d+) ping\(s\) over ([\d.e+-]+) s")
+
+
 def give_to_get(fx: Facts) -> Verdict:
     v = Verdict("give_to_get")
     # A publish's indexes: group 0's (``applied_index``) under "0", each data
     # group's it wrote under its own; a read fenced at or past any one of
     # them must see the contribution that group recorded.
-    acked: dict[tuple[str, str], list[tuple[float, dict[str, int]]]] = defaultdict(list)
-    tried: set[tuple[str, str]] = set()
+    acked: dict[tuple[str, str], list[tuple[float, dict[str, int], int]]] = defaultdict(list)
+    tried: dict[tuple[str, str], list[tuple[float, int]]] = defaultdict(list)
     for op in fx.ops:
         if op.f == "publish":
             key = (op.invoke["producer"], op.invoke["topic"])
-            tried.add(key)
+            pings = int(op.invoke.get("n1", 1)) - int(op.invoke.get("n0", 0))
+            tried[key].append((float(op.invoke["t"]), pings))
             if op.type == "ok" and op.done is not None:
                 index = {"0": int(op.done.get("applied_index", 0)), **op.done.get("fences", {})}
-                acked[key].append((float(op.done["t"]), {g: int(i) for g, i in index.items() if i}))
+                acked[key].append(
+                    (float(op.done["t"]), {g: int(i) for g, i in index.items() if i}, pings)
+                )
     for op, done in fx.ok("heatmap"):
         key = (op.invoke["client"], op.invoke["topic"])
         t = float(op.invoke["t"])
         fence = {"0": int(op.invoke.get("fence", 0)), **op.invoke.get("fences", {})}
         half = op.invoke.get("window_ms", 900_000) / 2000
+        # Histories from before the minimum: any contribution counted.
+        min_pings, min_seconds = op.invoke.get("min_pings", 1), op.invoke.get("min_seconds", 0)
         v.checked += 1
         if done.get("allowed"):
             if key not in tried:
                 v.fail(done, f"{key[0]} never published to {key[1]}, yet read its heat map")
+                continue
+            sent = sum(n for at, n in tried[key] if at <= float(done["t"]))
+            if sent < min_pings:
+                v.fail(
+                    done,
+                    f"{key[0]} read the heat map of {key[1]} after sending {sent} ping(s), "
+                    f"fewer than the {min_pings} a contribution needs",
+                )
             continue
         recent = [
-            at
-            for at, index in acked[key]
+            (at, index, n)
+            for at, index, n in acked[key]
             if at <= t and t - at < half and any(i <= fence.get(g, 0) for g, i in index.items())
         ]
-        if recent:
+        if not recent:
+            continue
+        reason = str(done.get("reason", ""))
+        counted = _ENOUGH_YET.search(reason)
+        if counted is None:  # refused as one that has not published lately
             v.fail(
                 done,
-                f"{key[0]} was refused the heat map of {key[1]} {t - max(recent):.1f} s after a "
-                f"publish of its was acknowledged: {done.get('reason', '')[:160]}",
+                f"{key[0]} was refused the heat map of {key[1]} "
+                f"{t - max(at for at, _, _ in recent):.1f} s after a publish of its was "
+                f"acknowledged: {reason[:160]}",
+            )
+            continue
+        told, spanned = int(counted.group(1)), float(counted.group(2))
+        whole = [n for _, index, n in recent if all(i <= fence.get(g, 0) for g, i in index.items())]
+        if told < sum(whole):
+            v.fail(
+                done,
+                f"{key[0]}'s contribution to {key[1]} was told as {told} ping(s), but "
+                f"{sum(whole)} were acknowledged and fenced in the last {half:.0f} s",
+            )
+        elif told >= min_pings and spanned >= min_seconds:
+            v.fail(
+                done,
+                f"{key[0]} was refused the heat map of {key[1]} with a contribution that "
+                f"qualifies ({told} pings over {spanned:g} s): {reason[:160]}",
             )
     return v
 

@@ -52,6 +52,9 @@ log = logging.getLogger("nemesis.workload")
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
 MAIN_TOPIC, GROUP = "main", "g1"
+# Give-to-get's minimum contribution on the main topic (issue 39): small, so
+# that producers qualify a few seconds into the run, and more than one ping.
+MIN_PINGS, MIN_SECONDS = 3, 2
 # The identities a run with tokens issues (``identities``): each producer its
 # own (give-to-get is per identity), a stranger that never publishes, topic
 # churn, and INFRA for the rest (readers, consumers, observers, setup).
@@ -667,6 +670,8 @@ class HeatmapReader(Worker):
     gRPC and HTTP. A refusal is an answer: recorded ok, ``allowed`` False."""
 
     WINDOW_MS = 15 * 60 * 1000  # the default contribution window
+    # What a contribution needs (the main topic's), recorded with each read.
+    RULE = {"min_pings": MIN_PINGS, "min_seconds": MIN_SECONDS}
 
     def __init__(self, ctx: Ctx, name: str, contributors: list[str]) -> None:
         super().__init__(ctx, name)
@@ -701,7 +706,7 @@ class HeatmapReader(Worker):
         fence = fences.pop(0)
         op = rec.invoke(self.name, "heatmap", api="grpc", topic=MAIN_TOPIC, client=client,
                         fence=fence, fences={str(g): i for g, i in sorted(fences.items())},
-                        window_ms=self.WINDOW_MS)  # fmt: skip
+                        window_ms=self.WINDOW_MS, **self.RULE)  # fmt: skip
         req = client_pb2.GetHeatmapRequest(
             topic=MAIN_TOPIC, client_id=client, min_applied_index=fence
         )
@@ -725,7 +730,7 @@ class HeatmapReader(Worker):
         op = rec.invoke(self.name, "heatmap", api="http", via=base, topic=MAIN_TOPIC,
                         client=client, fence=fence,
                         fences={str(g): i for g, i in sorted(fences.items())},
-                        window_ms=self.WINDOW_MS)  # fmt: skip
+                        window_ms=self.WINDOW_MS, **self.RULE)  # fmt: skip
         groups = ",".join(f"{g}:{i}" for g, i in sorted(fences.items()) if i)
         status, body = _http(
             self.ctx.tls_for(client),
@@ -795,7 +800,9 @@ def create_main_topic(ctx: Ctx) -> bool:
     """The topic the long-lived workers use (recorded like any create)."""
     conn = RecordingConnection(ctx, "setup", ctx.servers, timeout=30)
     try:
-        made = _retry(ctx, lambda: Admin(conn).create_topic(MAIN_TOPIC, REGION, PARTITIONS))
+        made = _retry(ctx, lambda: Admin(conn).create_topic(
+            MAIN_TOPIC, REGION, PARTITIONS, contribution_min_pings=MIN_PINGS,
+            contribution_min_seconds=MIN_SECONDS))  # fmt: skip
         if made is None:
             return False
         # Where its partitions went (the HTTP producer's answers say only

@@ -407,3 +407,41 @@ def test_give_to_get_holds_a_refusal_against_a_read_fenced_in_any_group_written(
         h.end()
         failed = failing(h)
         assert (set(failed) == {"give_to_get"}) if fails else not failed, (fences, failed)
+
+
+def test_give_to_get_holds_the_minimum_contribution_both_ways() -> None:
+    """Issue 39: a read recorded with the topic's minimum (``min_pings``,
+    ``min_seconds``) is allowed to no client that had sent fewer pings;
+    a refusal "not enough yet" is held against the cluster only when it
+    counts fewer pings than were acknowledged and fenced, or reports a
+    contribution that qualifies. P sent 6 pings, 4 acknowledged by index 7."""
+    rule = {"topic": "main", "client": "P", "fence": 7, "window_ms": 900_000,
+            "min_pings": 3, "min_seconds": 2}  # fmt: skip
+    for reason, allowed, min_pings, fails in (
+        ("", True, 3, False),  # 6 sent: enough pings
+        ("", True, 7, True),  # allowed after 6 sent of 7
+        (
+            "client 'P' has contributed 4 ping(s) over 1.2 s to 'main' so far: not enough yet",
+            False,
+            3,
+            False,
+        ),
+        (
+            "client 'P' has contributed 1 ping(s) over 0 s to 'main' so far: not enough yet",
+            False,
+            3,
+            True,
+        ),
+        (
+            "client 'P' has contributed 4 ping(s) over 3 s to 'main' so far: not enough yet",
+            False,
+            3,
+            True,
+        ),
+        ("client 'P' has not published pings to 'main' in the last 15 minute(s)", False, 3, True),
+    ):
+        h = good()
+        h.op("heat", "heatmap", "ok", {**rule, "min_pings": min_pings},
+             {"allowed": allowed, "reason": reason})  # fmt: skip
+        failed = failing(h)
+        assert (set(failed) == {"give_to_get"}) if fails else not failed, (reason, failed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from node_daemon.state.heatmaps import DEFAULT_CONTRIBUTION_WINDOW_MS
 from node_daemon.state.machine import StateMachine
 from node_daemon.state.pings import _BATCH, _BATCH_HDR, _TIME, kept_rows
 from node_daemon.state.producers import _PROD, _SEQ, RECENT_SEQUENCES
@@ -69,9 +70,12 @@ class ReferenceStateMachine(StateMachine):
                     )
                 nxt[i] += count
             results.append(OpResult(response=resp.SerializeToString()))
-        self.heat.record(
-            txn, tid, {s.client_id for s, k in zip(op.spans, kept, strict=True) if k}, leader_ms
-        )
+        pings: dict[str, int] = {}  # contributions as runs of pings (issue 39)
+        for s, k in zip(op.spans, kept, strict=True):
+            if k:
+                pings[s.client_id] = pings.get(s.client_id, 0) + sum(s.counts)
+        window = topic.spec.contribution_window_ms or DEFAULT_CONTRIBUTION_WINDOW_MS
+        self.heat.record(txn, tid, pings, leader_ms, window)
         for i, part in enumerate(op.parts):
             st = states[i]
             count = nxt[i] - st.next_offset

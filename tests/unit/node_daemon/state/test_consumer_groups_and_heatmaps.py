@@ -218,9 +218,14 @@ def test_give_to_get_checks_the_rule_before_the_map(c: Cluster) -> None:
     with pytest.raises(RoadlogError) as e:
         get("stranger", T0)
     assert e.value.code == Code.PERMISSION_DENIED and "publish" in e.value.message
-    c.publish("alice", T0)
-    with pytest.raises(RoadlogError) as e:  # allowed, but no map yet
+    c.publish("alice", T0 - 60_000, n=10)
+    c.publish("alice", T0, n=10)  # stamped on the log's clock, already at T0: over 0 s
+    with pytest.raises(RoadlogError) as e:  # not enough yet (20 pings over 60 s)
         get("alice", T0 + 1000)
+    assert e.value.code == Code.PERMISSION_DENIED and "over 0 s" in e.value.message
+    c.publish("alice", T0 + 60_000, n=1)  # 21 pings over 60 s: a contribution
+    with pytest.raises(RoadlogError) as e:  # allowed, but no map yet
+        get("alice", T0 + 61_000)
     assert e.value.code == Code.NOT_FOUND
     cells = heatmaps_pb2.HeatMapCells(
         h3=[617700169958293503], pings=[3], devices=[3], mean_speed_mps=[7.5]
@@ -240,10 +245,10 @@ def test_give_to_get_checks_the_rule_before_the_map(c: Cluster) -> None:
                 )
             )
         )
-    got = get("alice", T0 + 30_000)
+    got = get("alice", T0 + 90_000)
     assert got.heatmap.window_start_ms == T0 + 300_000 and list(got.windows) == [T0, T0 + 300_000]
-    assert got.contributed_ms == T0 and list(got.heatmap.cells.pings) == [3]
-    for who, now in (("stranger", T0), ("alice", T0 + 61_000), ("", T0)):
+    assert got.contributed_ms == T0 + 60_000 and list(got.heatmap.cells.pings) == [3]
+    for who, now in (("stranger", T0), ("alice", T0 + 121_000), ("", T0)):
         with pytest.raises(RoadlogError) as e:  # a stranger, a lapsed contributor, no id
             get(who, now)
         assert e.value.code == Code.PERMISSION_DENIED

@@ -33,8 +33,14 @@ WINDOW = 15 * MIN
 
 
 def create_op(name: str, retention_ms: int) -> command_pb2.Op:
+    # Retention, not give-to-get, is what these tests look at: one ping counts.
     spec = topics_pb2.TopicSpec(
-        name=name, region_geojson=REGION, partitions=2, retention_ms=retention_ms
+        name=name,
+        region_geojson=REGION,
+        partitions=2,
+        retention_ms=retention_ms,
+        contribution_min_pings=1,
+        contribution_min_seconds=0,
     )
     return command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec))
 
