@@ -61,8 +61,9 @@ from node_daemon.process.pipe_messages import (
     Stop,
 )
 from node_daemon.replica.remote import RemoteReplica
-from node_daemon.replica.replica import NotLeader, Replica, group_data_dir
+from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.replica.status import GroupFigures, group_figures
+from node_daemon.storage.group_logs import group_data_dir
 from node_daemon.store.leader_balance import successor
 from node_daemon.store.store import Store
 from node_daemon.transport.peer_transport import PeerTransport
@@ -161,7 +162,10 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
         return  # the main process went away before it said anything
     _take_group0(group0, first)
     transport = PeerTransport.bare(cfg.node_id, cfg.cluster_name, secret)
-    groups = Store(cfg, local=spec.groups, group0=group0, transport=transport)
+    groups = Store(
+        cfg, local=spec.groups, group0=group0, transport=transport,
+        log_store=f"worker-{spec.index}",
+    )  # fmt: skip
     groups.update_addresses(first.addresses)
     server = node_grpc_server(token)
     raft_pb2_grpc.add_RaftPeerServicer_to_server(transport, server)
