@@ -304,7 +304,10 @@ class GroupLogReader:
         now (None: no store does)."""
         if self._at is None:
             for path in stores_in(self._stores):
-                env = read_env(path)
+                try:
+                    env = read_env(path)
+                except lmdb.Error:  # being made, or set aside, right now
+                    continue
                 if store_holds(env, self.group):
                     self._at = env, env.open_db(db_names(self.group)[0], create=False)
                     break

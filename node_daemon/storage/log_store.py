@@ -65,6 +65,7 @@ def store_dir(data_dir: Path, name: str) -> Path:
 
 
 _READ_ENVS: dict[Path, tuple[tuple[int, int] | None, lmdb.Environment]] = {}
+_WRITERS: dict[Path, lmdb.Environment] = {}  # the stores this process has open to write
 _READ_LOCK = threading.Lock()
 
 
@@ -76,6 +77,8 @@ def read_env(path: Path) -> lmdb.Environment:
     open for the reads that may still hold it."""
     ident = data_file_identity(path)
     with _READ_LOCK:
+        if path.resolve() in _WRITERS:  # this process writes it: read through that
+            return _WRITERS[path.resolve()]
         held = _READ_ENVS.get(path)
         if held is None or held[0] != ident:
             env = lmdb.open(str(path), readonly=True, max_dbs=MAX_DBS, readahead=False)
@@ -134,6 +137,8 @@ class LogStore:
             readahead=False,
         )
         self._placed = self.env.open_db(_PLACED_DB)
+        with _READ_LOCK:
+            _WRITERS[self.path.resolve()] = self.env
         self.logs: dict[int, LmdbLogStorage] = {}  # the groups opened, by number
         self._io = IoThread("raft-log") if writer else None
         self.commits = 0  # synced transactions of ``commit``
@@ -245,4 +250,6 @@ class LogStore:
         if self._io is not None:
             self._io.shutdown(wait=True)
         self.logs.clear()
+        with _READ_LOCK:
+            _WRITERS.pop(self.path.resolve(), None)
         self.env.close()
