@@ -162,6 +162,9 @@ def open_group_log(
     ``damage.open_log``). Returns the log, why it was set aside ('' if it
     was not), and the hard state the damaged log held."""
     legacy = legacy_log(group_dir)
+    if not (group_dir / "raft").is_dir():  # where the group's catching-up marker lives
+        (group_dir / "raft").mkdir(parents=True)
+        fsync_dir(group_dir)
     why, kept = "", HardState()
     if store.holds(group):
         if legacy is not None:
