@@ -39,7 +39,7 @@ from typing import Any
 import lmdb
 
 from node_daemon.raft.types import Entry, HardState, Snapshot
-from node_daemon.storage.disk import data_file_identity, open_lmdb
+from node_daemon.storage.disk import data_file_identity, fsync_dir, open_lmdb
 from node_daemon.storage.io_thread import IoThread
 from node_daemon.storage.raft_log import GiB, LmdbLogStorage, write_txn
 from roadlog import round_trace
@@ -125,7 +125,10 @@ class LogStore:
         """``writer`` False: no writer thread (a store opened only to move a
         group out of it, or to check it)."""
         self.path = Path(path)
+        made = not self.path.parent.exists()
         self.path.mkdir(parents=True, exist_ok=True)
+        if made:  # ``logs/`` itself is new: its name survives a power loss too
+            fsync_dir(self.path.parent.parent)
         self.max_map_size = max(map_size, max_map_size)
         self.env = open_lmdb(  # a full disk: StorageFullError, not a SIGBUS
             self.path,
