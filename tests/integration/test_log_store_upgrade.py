@@ -99,7 +99,7 @@ def test_a_cluster_written_before_the_log_store_is_taken_over_in_place(
                 cols = make_pings("new", i * 300, 300, devices=40)
                 p.send_batch(cols)
                 acked += list(zip(cols.device_of().tolist(), cols.ts_ms.tolist(), strict=True))
-            assert_exactly_once_in_order(read_topic(conn, "upgrade"), acked)  # type: ignore[arg-type]
+            assert_exactly_once_in_order(read_topic(conn, "upgrade"), acked)
         for n in lc.nodes:  # migrated: each group's log in its worker's store, once
             data = Path(n.data_dir)
             for g in (1, 2, 3):
