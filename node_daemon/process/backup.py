@@ -56,6 +56,7 @@ from node_daemon.state.pings import oldest_ref_in_snapshot
 from node_daemon.storage import kept_log
 from node_daemon.storage.disk import fsync_dir
 from node_daemon.storage.group_logs import bundle_group_log
+from node_daemon.storage.log_store import STORES_DIR
 from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog.runtime.config import ConfigError, check_secret, check_secret_value
 
@@ -315,7 +316,8 @@ def _restore_group(
     group_dir: Path, state_file: Path, index: int, term: int, voters: dict[int, str]
 ) -> None:
     """One Raft group's state from ``state_file`` (at ``index``, ``term``),
-    and a log that begins with a snapshot there, configured with ``voters``."""
+    and a log that begins with a snapshot there, configured with ``voters``
+    (in ``raft/``: a data group's is moved into its log store at start)."""
     snapshots = group_dir / "snapshots"
     snapshots.mkdir(parents=True)
     snap_file = snapshots / f"snap-{index}-{term}.mdb"
@@ -367,7 +369,7 @@ def restore_backup(
     aside = data_dir / f"pre-restore-{int(time.time())}"
     aside.mkdir(parents=True)
     for name in ("raft", "state", "snapshots", "state.incoming", "state.old", "state-unsynced",
-                 "groups"):  # fmt: skip
+                 "groups", STORES_DIR):  # fmt: skip
         if (data_dir / name).exists():
             os.replace(data_dir / name, aside / name)
     _restore_group(data_dir, backup / STATE_FILE, manifest.applied_index,

@@ -5,7 +5,8 @@ The node's main process (``worker_pool``) starts one per ``workers``,
 with ``multiprocessing``'s spawn (gRPC and LMDB handles do not survive a
 fork), and tells it which groups are its (group g in worker (g-1) mod W).
 A worker runs each of its groups as a ``Replica``, with its own event
-loop, LMDB environments (``groups/<g>/``), peer transport (its own gRPC and
+loop, log store (its groups' Raft logs in one LMDB environment,
+``logs/worker-<i>/``), state environments (``groups/<g>/``), peer transport (its own gRPC and
 framed ports, which the main process tells peers: ``group_ports``) and
 Work links to every queue server (``data_groups_only``). It reads group 0
 as a ``RemoteReplica``: the main process's replica, read-only, and group 0's

@@ -1,7 +1,10 @@
 """The Raft log, hard state and latest snapshot in LMDB (the LogStorage contract).
 
-One LMDB environment per node, separate from the state machine's. Layout
-(named databases):
+Group 0's log in an LMDB environment of its own, separate from the state
+machine's; a data group's in its process's log store (``log_store``: the
+same layout in named databases of its own, ``<g>/log`` and so on, and the
+saves of several groups in one transaction, ``save_in``). Layout (named
+databases):
 
 - ``log``:  8-byte big-endian index -> term (8 bytes), type (1 byte),
   checksum (8 bytes: xxh3-64), data. The checksum covers the index, term,
