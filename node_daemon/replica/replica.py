@@ -735,6 +735,8 @@ class Replica:
                 return
             if exc is None:
                 self._written(w)
+                if inline:  # written at the turn's end: its acks leave now, not a turn later
+                    self.driver.pump()
             elif isinstance(exc, StorageFullError):
                 self._out_of_space(exc, "log write", lambda: self._commit(w, False))
                 return
