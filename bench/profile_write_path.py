@@ -8,7 +8,8 @@ thread's functions of each ranked by share of its samples.
 With ``--groups G`` (multi-raft, issue 18): topics placed in G data groups
 and each publisher sending one group's devices straight to its leader (the
 fast path of ``bench/ingest.py --groups G``); every node is sampled (each
-leads a share of the groups) beside the queue server.
+leads a share of the groups) beside the queue server, and with
+``--workers`` other than 1 each node's worker processes too.
 
 Writes the raw stacks (``py-spy record --format raw``, with ``--gil``: only
 samples that hold the GIL, so time a thread spends waiting is left out) to
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             wait_spread(lc, args.groups)
             groups = topic_groups(lc)
             pids.update({f"n{n.id}": n.pid for n in lc.nodes})  # each leads its share
+            for n in lc.nodes:  # and its worker processes, which run the data groups
+                for i, child in enumerate(_children(n.pid)):
+                    pids[f"n{n.id}-worker{i}"] = child
         else:
             for n in lc.nodes:
                 if n.id == leader:
@@ -149,6 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         raw = args.out / f"{name}.txt"
         print(report(raw, args.top) if raw.exists() else f"{name}: py-spy wrote nothing")
     return 0
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (a node's worker processes)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return sorted(int(c) for c in text.split())
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ FSYNC_SECONDS = Histogram(
     "time of one synced write of the Raft log (one fsync)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
 )
+LOG_STORE_SAVES = Histogram(
+    "roadlog_log_store_groups_per_commit",
+    "groups' log writes one synced transaction of a log store carried (group commit)",
+    buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64),
+)
 FOLLOWER_LAG = Gauge(
     "roadlog_raft_follower_lag_entries", "entries a follower is behind (leader only)", ["follower"]
 )

@@ -55,6 +55,8 @@ from node_daemon.state.machine import _U64, StateMachine
 from node_daemon.state.pings import oldest_ref_in_snapshot
 from node_daemon.storage import kept_log
 from node_daemon.storage.disk import fsync_dir
+from node_daemon.storage.group_logs import bundle_group_log
+from node_daemon.storage.log_store import STORES_DIR
 from node_daemon.storage.raft_log import LmdbLogStorage
 from roadlog.runtime.config import ConfigError, check_secret, check_secret_value
 
@@ -182,7 +184,7 @@ def _data_groups(data_dir: Path) -> list[int]:
     )  # fmt: skip
 
 
-def _copy_state(state: Path, dest: Path) -> dict[str, Any]:
+def _copy_state(state: Path, dest: Path, group: int = 0) -> dict[str, Any]:
     """A compact copy of the state environment ``state`` as ``dest/state.mdb``
     (one read transaction), with the Raft log entries its batches refer to
     (``kept_log``: the state stores each batch as a reference into the log
@@ -197,7 +199,10 @@ def _copy_state(state: Path, dest: Path) -> dict[str, Any]:
         if lo is None:
             break
         try:
-            kept_log.bundle_from_log_dir(data, data, state.parent / "raft", lo, index)
+            if group == 0:
+                kept_log.bundle_from_log_dir(data, data, state.parent / "raft", lo, index)
+            else:  # a data group's log is in a log store (or, before, beside it)
+                bundle_group_log(state.parent, group, data, data, lo, index)
             break
         except MissingEntryError:
             if attempt == KEPT_ATTEMPTS - 1:
@@ -241,7 +246,7 @@ def _copy_env(state: Path, dest: Path) -> tuple[int, int]:
 def _copy_into(data_dir: Path, tmp: Path, cluster_name: str, node_id: int, key: bytes) -> Manifest:
     zero = _copy_state(data_dir / "state", tmp)  # group 0 first (see the module's docstring)
     groups = {str(g): _copy_state(data_dir / "groups" / str(g) / "state",
-                                  tmp / "groups" / str(g))
+                                  tmp / "groups" / str(g), g)
               for g in _data_groups(data_dir)}  # fmt: skip
     if groups:
         fsync_dir(tmp / "groups")
@@ -311,7 +316,8 @@ def _restore_group(
     group_dir: Path, state_file: Path, index: int, term: int, voters: dict[int, str]
 ) -> None:
     """One Raft group's state from ``state_file`` (at ``index``, ``term``),
-    and a log that begins with a snapshot there, configured with ``voters``."""
+    and a log that begins with a snapshot there, configured with ``voters``
+    (in ``raft/``: a data group's is moved into its log store at start)."""
     snapshots = group_dir / "snapshots"
     snapshots.mkdir(parents=True)
     snap_file = snapshots / f"snap-{index}-{term}.mdb"
@@ -363,7 +369,7 @@ def restore_backup(
     aside = data_dir / f"pre-restore-{int(time.time())}"
     aside.mkdir(parents=True)
     for name in ("raft", "state", "snapshots", "state.incoming", "state.old", "state-unsynced",
-                 "groups"):  # fmt: skip
+                 "groups", STORES_DIR):  # fmt: skip
         if (data_dir / name).exists():
             os.replace(data_dir / name, aside / name)
     _restore_group(data_dir, backup / STATE_FILE, manifest.applied_index,

@@ -60,8 +60,9 @@ from node_daemon.process.pipe_messages import (
 from node_daemon.process.worker_metrics import WorkerMetrics
 from node_daemon.process.worker_process import WorkerSpec, barrier_answer, shares
 from node_daemon.replica.remote import RemoteReplica
-from node_daemon.replica.replica import Replica, group_data_dir
+from node_daemon.replica.replica import Replica
 from node_daemon.replica.status import group_figures
+from node_daemon.storage.group_logs import group_data_dir
 from node_daemon.transport.peer_transport import PeerTransport
 from roadlog.errors import Code, RoadlogError
 

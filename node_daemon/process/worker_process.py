@@ -5,7 +5,8 @@ The node's main process (``worker_pool``) starts one per ``workers``,
 with ``multiprocessing``'s spawn (gRPC and LMDB handles do not survive a
 fork), and tells it which groups are its (group g in worker (g-1) mod W).
 A worker runs each of its groups as a ``Replica``, with its own event
-loop, LMDB environments (``groups/<g>/``), peer transport (its own gRPC and
+loop, log store (its groups' Raft logs in one LMDB environment,
+``logs/worker-<i>/``), state environments (``groups/<g>/``), peer transport (its own gRPC and
 framed ports, which the main process tells peers: ``group_ports``) and
 Work links to every queue server (``data_groups_only``). It reads group 0
 as a ``RemoteReplica``: the main process's replica, read-only, and group 0's
@@ -61,8 +62,9 @@ from node_daemon.process.pipe_messages import (
     Stop,
 )
 from node_daemon.replica.remote import RemoteReplica
-from node_daemon.replica.replica import NotLeader, Replica, group_data_dir
+from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.replica.status import GroupFigures, group_figures
+from node_daemon.storage.group_logs import group_data_dir
 from node_daemon.store.leader_balance import successor
 from node_daemon.store.store import Store
 from node_daemon.transport.peer_transport import PeerTransport
@@ -161,7 +163,10 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
         return  # the main process went away before it said anything
     _take_group0(group0, first)
     transport = PeerTransport.bare(cfg.node_id, cfg.cluster_name, secret)
-    groups = Store(cfg, local=spec.groups, group0=group0, transport=transport)
+    groups = Store(
+        cfg, local=spec.groups, group0=group0, transport=transport,
+        log_store=f"worker-{spec.index}",
+    )  # fmt: skip
     groups.update_addresses(first.addresses)
     server = node_grpc_server(token)
     raft_pb2_grpc.add_RaftPeerServicer_to_server(transport, server)

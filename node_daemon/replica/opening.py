@@ -23,6 +23,8 @@ from node_daemon.state import unsynced
 from node_daemon.state.machine import StateMachine
 from node_daemon.storage import damage
 from node_daemon.storage.boot import boot_id
+from node_daemon.storage.group_logs import open_group_log
+from node_daemon.storage.log_store import LogStore
 from node_daemon.storage.raft_log import LmdbLogStorage
 
 log = logging.getLogger("roadlog.node")
@@ -40,10 +42,16 @@ class OpenedGroup:
     snapshot_gauge: Any  # the group's snapshot index gauge, set
 
 
-def open_group(cfg: NodeConfig, group: int, data: Path) -> OpenedGroup:
-    """Open group ``group``'s log and state under ``data``."""
+def open_group(
+    cfg: NodeConfig, group: int, data: Path, store: LogStore | None = None
+) -> OpenedGroup:
+    """Open group ``group``'s log and state under ``data``; its log in
+    ``store`` where given (a data group), else in ``data/raft``."""
     alone = bool(cfg.peers) and set(cfg.peers) <= {cfg.node_id}
-    log_store, set_aside, kept = damage.open_log(data, group, not alone)
+    if store is None:
+        log_store, set_aside, kept = damage.open_log(data, group, not alone)
+    else:
+        log_store, set_aside, kept = open_group_log(store, group, data, not alone)
     if set_aside:
         metrics.DAMAGED_LOGS_SET_ASIDE.labels(str(group)).inc()
     boot = boot_id(Path(cfg.boot_id_file))

@@ -57,11 +57,11 @@ from node_daemon.raft import (
     Ready,
     ReadyDriver,
     Role,
-    Snapshot,
     StorageFullError,
 )
 from node_daemon.replica import catching_up
 from node_daemon.replica.commands import Proposal, in_time, packed
+from node_daemon.replica.gauges import GroupGauges
 from node_daemon.replica.held_back import answer_held_back
 from node_daemon.replica.log_clock import (
     ANCHOR_FILE,
@@ -79,6 +79,8 @@ from node_daemon.state.machine import trim_op
 from node_daemon.state.responses import OpResult
 from node_daemon.storage import damage
 from node_daemon.storage.disk import DiskGuard
+from node_daemon.storage.group_commit import GroupCommit
+from node_daemon.storage.group_logs import group_data_dir
 from node_daemon.storage.io_thread import IoThread
 from node_daemon.transport.peer_transport import GroupEndpoint, PeerTransport
 from roadlog import round_trace
@@ -103,13 +105,6 @@ LEADER_INLINE_BYTES = 256 << 10
 STORE_AFTER_TURNS = 4
 
 
-def group_data_dir(data_dir: Path, group: int) -> Path:
-    """Where Raft group ``group`` keeps its log, state and snapshots: group 0
-    (the metadata group) in the data directory itself, as a node with one
-    group always did; data group g in ``groups/<g>`` under it."""
-    return data_dir if group == 0 else data_dir / "groups" / str(group)
-
-
 _REPLICATE_SECONDS = metrics.STAGE_SECONDS.labels("replicate")
 
 
@@ -128,7 +123,11 @@ class Replica:
     a data group is given group 0's ``transport`` and shares its links."""
 
     def __init__(
-        self, cfg: NodeConfig, group: int = 0, transport: PeerTransport | None = None
+        self,
+        cfg: NodeConfig,
+        group: int = 0,
+        transport: PeerTransport | None = None,
+        commits: GroupCommit | None = None,
     ) -> None:
         self.cfg = cfg
         self.id = cfg.node_id
@@ -140,7 +139,11 @@ class Replica:
         # sets them; see _writes_inline).
         self.loop_mates: list[Replica] = [self]
         data = group_data_dir(Path(cfg.data_dir), group)
-        opened = open_group(cfg, group, data)  # the log, the state, catching up
+        # A data group's log is in its process's log store (``commits``),
+        # written with its other groups' (group commit across groups).
+        self._commits = commits
+        store = commits.store if commits is not None else None
+        opened = open_group(cfg, group, data, store)  # the log, the state, catching up
         self.log_store, self.log_set_aside, self.boot = opened.log, opened.set_aside, opened.boot
         self.state_rebuilt, self.sm = opened.state_rebuilt, opened.sm
         self._others = sorted(set(cfg.peers) - {self.id})  # peers to ask whether all is new
@@ -172,7 +175,8 @@ class Replica:
             self.log_store,
             random.Random(int.from_bytes(os.urandom(8), "big")),
         )
-        self._log_io = IoThread("raft-log")  # the log's writes, in order
+        # The log's writes, in order (the store's thread: every group's of it).
+        self._log_io = store.io if store is not None else IoThread("raft-log")
         self.snapshots = Snapshots(
             data / "snapshots",
             self.log_store,
@@ -257,15 +261,7 @@ class Replica:
         self.state_listeners: list[Callable[[], None]] = []
         self.last_heard: dict[int, float] = {}  # peer -> when a message last came from it
         self._last_soft = (0, Role.FOLLOWER, 0)
-        # This group's gauges, looked up once: _observe runs whenever the
-        # driver goes idle, several times a round.
-        g = str(group)
-        self._gauges = (
-            metrics.GROUP_ROLE.labels(g),
-            metrics.GROUP_TERM.labels(g),
-            metrics.GROUP_COMMIT_INDEX.labels(g),
-            metrics.GROUP_APPLIED_INDEX.labels(g),
-        )
+        self._gauges = GroupGauges(group, self.id)
         self._next_trim = 0.0  # set at the first tick
         self.ticks = LazyTicks(cfg.tick_ms / 1000)  # with the Store's ticker (``owe_ticks``)
 
@@ -530,7 +526,8 @@ class Replica:
             self.transport.groups.pop(self.group, None)
         await self.snapshots.taken()
         self.snapshots.close()
-        self._log_io.shutdown(wait=True)
+        if self._commits is None:  # a store's thread is the store's to end
+            self._log_io.shutdown(wait=True)
         self._apply_io.shutdown(wait=True)
         self.sm.checkpoint()
         self.sm.close()
@@ -682,6 +679,10 @@ class Replica:
     def _write_log(self, w: LogWrite) -> bool:
         # Only the commit index moved: nothing touches the disk, no thread hop.
         touches_disk = self.log_store.writes(w.entries, w.snapshot, w.sync)
+        if touches_disk and self._commits is not None and self._commits.groups > 1:
+            inline = w.snapshot is None and self._writes_inline(sum(e.size() for e in w.entries))
+            self._commit(w, inline)
+            return False
         if not touches_disk or (
             w.snapshot is None and self._writes_inline(sum(e.size() for e in w.entries))
         ):
@@ -720,6 +721,31 @@ class Replica:
                 f, lambda _: self._written(w), retry=("log write", lambda: self._save(w))
             )
         )
+
+    def _commit(self, w: LogWrite, inline: bool) -> None:
+        """Persist ``w`` with the store's other groups' writes of this turn
+        (``GroupCommit``), on the loop when ``inline``; as ``_save`` else."""
+        if self._stopping or self._commits is None:
+            return
+        if inline:
+            self.transport.flush()  # what is queued for peers does not wait on the disk
+
+        def done(exc: BaseException | None) -> None:
+            if self._stopping:
+                return
+            if exc is None:
+                self._written(w)
+                if inline:  # written at the turn's end: its acks leave now, not a turn later
+                    self.driver.pump()
+            elif isinstance(exc, StorageFullError):
+                self._out_of_space(exc, "log write", lambda: self._commit(w, False))
+                return
+            else:
+                self._failure = exc
+            self._wakeup.set()
+
+        save = (self.log_store, w.hard_state, w.entries, w.snapshot)
+        self._commits.submit(self._loop, save, inline, done)
 
     def _written(self, w: LogWrite) -> None:
         round_trace.mark("written")
@@ -845,7 +871,7 @@ class Replica:
     def _install(self, job: ApplyJob) -> None:
         if self._stopping or job.snapshot is None:
             return
-        task = self._loop.create_task(self._install_snapshot(job.snapshot))
+        task = self._loop.create_task(self.snapshots.install(job.snapshot, self._apply_io))
         task.add_done_callback(
             lambda t: self._completed(
                 t,
@@ -896,14 +922,6 @@ class Replica:
                 extra={"what": what, "error": str(err), "retry_s": wait},
             )
         self._loop.call_later(wait, retry)
-
-    async def _install_snapshot(self, snap: Snapshot) -> None:
-        await self.snapshots.taken()  # its thread reads the state being replaced
-        await self._loop.run_in_executor(
-            self._apply_io, self.sm.install_snapshot, snap.data.decode()
-        )
-        self._snapshot_gauge.set(snap.meta.index)
-        log.info("installed snapshot", extra={"index": snap.meta.index, "group": self.group})
 
     def _ready_done(self, rd: Ready, w: LogWrite) -> None:
         if w.sync:
@@ -965,32 +983,12 @@ class Replica:
 
     def _observe(self) -> None:
         core = self.core
-        role, term, commit, applied = self._gauges
-        role.set(int(core.role))
-        term.set(core.term)
-        commit.set(core.log.committed)
-        applied.set(self.sm.applied_index)
-        if self.group == 0:
-            self._observe_node()
+        self._gauges.observe(core, self.sm.applied_index, self.disk)
         soft = (core.lead, core.role, self.sm.applied_index)
         if soft != self._last_soft:
             self._last_soft = soft
             for fn in self.state_listeners:
                 fn()
-
-    def _observe_node(self) -> None:
-        """The node's own gauges: group 0's figures, and the disk."""
-        core = self.core
-        metrics.DISK_FREE_BYTES.set(self.disk.free_now)
-        metrics.DISK_LOW.set(int(self.disk.low))
-        metrics.ROLE.set(int(core.role))
-        metrics.TERM.set(core.term)
-        metrics.COMMIT_INDEX.set(core.log.committed)
-        metrics.APPLIED_INDEX.set(self.sm.applied_index)
-        if core.role == Role.LEADER:
-            for node, pr in core.prs.items():
-                if node != self.id:
-                    metrics.FOLLOWER_LAG.labels(str(node)).set(core.log.last_index() - pr.match)
 
     async def snapshot_now(self) -> int:
         """Snapshot the state machine and compact the log now; the index of

@@ -197,6 +197,16 @@ class Snapshots:
 
     # ---------------------------------------------------------- schedule
 
+    async def install(self, snap: Snapshot, io: Executor) -> None:
+        """Install ``snap`` in the state machine (on ``io``), once a snapshot
+        being taken is done: its thread reads the state being replaced."""
+        await self.taken()
+        await asyncio.get_running_loop().run_in_executor(
+            io, self._sm.install_snapshot, snap.data.decode()
+        )
+        self._index_gauge.set(snap.meta.index)
+        log.info("installed snapshot", extra={"index": snap.meta.index, "group": self._sm.group})
+
     async def now(self) -> int:
         """Snapshot the state machine and compact the log now; the index of
         the snapshot that covers everything applied when asked."""

@@ -29,6 +29,7 @@ import lmdb
 
 from node_daemon.state.machine import StateMachine
 from node_daemon.storage.disk import data_file_identity
+from node_daemon.storage.group_logs import GroupLogReader
 from node_daemon.storage.raft_log import LogReader
 from roadlog.errors import Code, RoadlogError
 
@@ -49,9 +50,12 @@ class StateReplicaView:
         self._sm: StateMachine | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the open data file
         self._highest = 0  # the highest applied index seen
-        # The replica's batches are references into its Raft log (beside
-        # the state directory), read here read-only too.
-        self._log = LogReader(path.parent / "raft")
+        # The replica's batches are references into its Raft log (group
+        # 0's beside the state directory; a data group's in a log store),
+        # read here read-only too.
+        self._log: LogReader | GroupLogReader = (
+            LogReader(path.parent / "raft") if group == 0 else GroupLogReader(path.parent, group)
+        )
 
     def _unavailable(self, why: str) -> _NotReady:
         return _NotReady(

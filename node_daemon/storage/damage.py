@@ -214,7 +214,7 @@ def drop_set_aside(data_dir: Path) -> int:
     filled a node's disk, which then could apply nothing). Returns the
     bytes freed."""
     freed = 0
-    for d in _copies(data_dir, ["corrupt-*", "groups/*/corrupt-*"]):
+    for d in _copies(data_dir, ["corrupt-*", "groups/*/corrupt-*", "logs/corrupt-*"]):
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         shutil.rmtree(d, ignore_errors=True)
         if not d.exists():

@@ -1,7 +1,10 @@
 """The Raft log, hard state and latest snapshot in LMDB (the LogStorage contract).
 
-One LMDB environment per node, separate from the state machine's. Layout
-(named databases):
+Group 0's log in an LMDB environment of its own, separate from the state
+machine's; a data group's in its process's log store (``log_store``: the
+same layout in named databases of its own, ``<g>/log`` and so on, and the
+saves of several groups in one transaction, ``save_in``). Layout (named
+databases):
 
 - ``log``:  8-byte big-endian index -> term (8 bytes), type (1 byte),
   checksum (8 bytes: xxh3-64), data. The checksum covers the index, term,
@@ -82,6 +85,7 @@ _HARD = struct.Struct(">QQQ")
 _SNAP = struct.Struct(">QQ")
 
 GiB = 1 << 30
+LOG_DBS = (b"log", b"conf", b"meta")  # a log's named databases in its own environment
 MAX_RECENT = 1 << 16  # entries kept in memory, at most (and cache_bytes)
 
 
@@ -171,22 +175,33 @@ class LmdbLogStorage:
         map_size: int = 1 * GiB,
         max_map_size: int = 256 * GiB,
         cache_bytes: int = 32 << 20,
+        *,
+        env: lmdb.Environment | None = None,
+        names: tuple[bytes, bytes, bytes] = LOG_DBS,
     ) -> None:
+        """A log in its own environment in ``path``; or, given ``env`` (a
+        ``LogStore``'s, in ``path``), one group's log in that shared
+        environment, in the named databases ``names`` (log, conf, meta),
+        which the store creates, writes in batches and closes."""
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self.max_map_size = max(map_size, max_map_size)
-        self.env = open_lmdb(  # a full disk: StorageFullError, not a SIGBUS
-            self.path,
-            "log",
-            map_size=map_size,
-            max_dbs=4,
-            sync=True,
-            metasync=True,
-            readahead=False,
-        )
-        self._log = self.env.open_db(b"log")
-        self._conf = self.env.open_db(b"conf")
-        self._meta = self.env.open_db(b"meta")
+        self._owns_env = env is None
+        if env is None:
+            self.path.mkdir(parents=True, exist_ok=True)
+            env = open_lmdb(  # a full disk: StorageFullError, not a SIGBUS
+                self.path,
+                "log",
+                map_size=map_size,
+                max_dbs=4,
+                sync=True,
+                metasync=True,
+                readahead=False,
+            )
+        self.env = env
+        self.names = names
+        self._log = self.env.open_db(names[0])
+        self._conf = self.env.open_db(names[1])
+        self._meta = self.env.open_db(names[2])
         with self.env.begin() as txn:
             raw = txn.get(b"hard", db=self._meta)
             self._hard = HardState(*_HARD.unpack(raw)) if raw else HardState()
@@ -349,12 +364,20 @@ class LmdbLogStorage:
         dst = lmdb.open(str(dest), max_dbs=4, map_size=self.env.info()["map_size"])
         try:
             with self.env.begin() as rt, dst.begin(write=True) as wt:
-                for name, db in ((b"log", self._log), (b"conf", self._conf), (b"meta", self._meta)):
-                    out = wt.cursor(db=dst.open_db(name, txn=wt))
-                    out.putmulti(rt.cursor(db=db).iternext(), append=True)
+                self.copy_into(rt, wt, dst, LOG_DBS)
             dst.sync(True)
         finally:
             dst.close()
+
+    def copy_into(
+        self, rt: Any, wt: Any, dst: lmdb.Environment, names: tuple[bytes, bytes, bytes]
+    ) -> None:
+        """Put every record of this log (read in ``rt``) into the named
+        databases ``names`` of ``dst`` (in its write transaction ``wt``),
+        which must be empty: a log moved to another environment as it is."""
+        for name, db in zip(names, (self._log, self._conf, self._meta), strict=True):
+            out = wt.cursor(db=dst.open_db(name, txn=wt))
+            out.putmulti(rt.cursor(db=db).iternext(), append=True)
 
     def bundle(self, state_file: Path, dest: Path, upto: int) -> None:
         """Write ``dest``: the state snapshot ``state_file`` with every entry
@@ -391,9 +414,28 @@ class LmdbLogStorage:
             self._hard = hard  # only the commit index moved: written with the next sync
             return
         round_trace.mark("log0")
-        self._write(lambda txn: self._save_txn(txn, hard, entries, snapshot))
+        self._write(lambda txn: self.save_in(txn, hard, entries, snapshot))
         round_trace.mark("log1")
-        self._hard = hard
+
+    def save_in(
+        self,
+        txn: Any,
+        hard_state: HardState | None,
+        entries: Sequence[Entry],
+        snapshot: Snapshot | None = None,
+    ) -> Callable[[], None]:
+        """``save``'s records put in ``txn``, a write transaction of this
+        log's environment that the caller commits (with other groups'
+        saves: ``LogStore.commit``); returns what updates this log's view,
+        to be called once, only after that commit."""
+        hard = hard_state if hard_state is not None else self._hard
+        view = self._save_txn(txn, hard, entries, snapshot)
+
+        def commit_view() -> None:
+            view()
+            self._hard = hard
+
+        return commit_view
 
     def _save_txn(
         self, txn: Any, hard: HardState, entries: Sequence[Entry], snapshot: Snapshot | None
@@ -506,34 +548,48 @@ class LmdbLogStorage:
         self._write(body)
 
     def _write(self, body: Callable[[Any], Callable[[], None]]) -> None:
-        """Run ``body(txn)`` in one synced write transaction, growing the map
-        when it is full. ``body`` returns what updates our in-memory view,
-        which runs only once the transaction committed."""
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    on_commit = body(txn)
-            except lmdb.MapFullError:
-                size = self.env.info()["map_size"]
-                if size * 2 > self.max_map_size:
-                    raise StorageFullError(
-                        f"LMDB map full at {size} bytes (max_map_size {self.max_map_size})"
-                    ) from None
-                self.env.set_mapsize(size * 2)
-                continue
-            except lmdb.Error as e:
-                if _is_disk_full(e, self.path):
-                    raise StorageFullError(f"disk full writing {self.path}: {e}") from e
-                raise StorageError(f"LMDB write failed in {self.path}: {e}") from e
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise StorageFullError(f"disk full writing {self.path}: {e}") from e
-                raise
-            on_commit()
-            return
+        write_txn(self.env, self.path, self.max_map_size, body)
 
     def close(self) -> None:
-        self.env.close()
+        """Close the environment if it is this log's own (a store's is the
+        store's to close)."""
+        if self._owns_env:
+            self.env.close()
+
+
+def write_txn(
+    env: lmdb.Environment,
+    path: Path,
+    max_map_size: int,
+    body: Callable[[Any], Callable[[], None]],
+) -> None:
+    """Run ``body(txn)`` in one synced write transaction of ``env`` (in
+    ``path``), growing the map (doubling, up to ``max_map_size``) when it
+    is full. ``body`` returns what updates the in-memory views, which runs
+    only once the transaction committed; a transaction that failed left
+    nothing behind (``StorageFullError`` for want of room)."""
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                on_commit = body(txn)
+        except lmdb.MapFullError:
+            size = env.info()["map_size"]
+            if size * 2 > max_map_size:
+                raise StorageFullError(
+                    f"LMDB map full at {size} bytes (max_map_size {max_map_size})"
+                ) from None
+            env.set_mapsize(size * 2)
+            continue
+        except lmdb.Error as e:
+            if _is_disk_full(e, path):
+                raise StorageFullError(f"disk full writing {path}: {e}") from e
+            raise StorageError(f"LMDB write failed in {path}: {e}") from e
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise StorageFullError(f"disk full writing {path}: {e}") from e
+            raise
+        on_commit()
+        return
 
 
 class LogReader:
@@ -541,10 +597,13 @@ class LogReader:
     node's main process reading a worker's group): ``read_slice`` as
     ``LmdbLogStorage``'s. LMDB's readers span processes; a map the writer
     grew is adopted on the next read, and a log set aside and made anew
-    under the same path (a damaged one, ``damage.py``) is opened again."""
+    under the same path (a damaged one, ``damage.py``) is opened again.
+    ``db``: the log's named database (a group's in a ``LogStore``: its
+    entries dropped there, the next read opens it again)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, db: bytes = LOG_DBS[0], max_dbs: int = 4) -> None:
         self.path = path
+        self._name, self._max_dbs = db, max_dbs
         self._env: lmdb.Environment | None = None
         self._db: Any = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the open data file
@@ -555,11 +614,13 @@ class LogReader:
             self.close()  # another log under this path now
         if self._env is None:
             try:
-                env = lmdb.open(str(self.path), readonly=True, max_dbs=4, readahead=False)
+                env = lmdb.open(
+                    str(self.path), readonly=True, max_dbs=self._max_dbs, readahead=False
+                )
             except lmdb.Error as e:
                 raise MissingEntryError(f"the log in {self.path} is not readable: {e}", 0) from e
             try:
-                self._db = env.open_db(b"log", create=False)
+                self._db = env.open_db(self._name, create=False)
             except lmdb.Error as e:
                 env.close()
                 raise MissingEntryError(f"the log in {self.path} has no entries: {e}", 0) from e
@@ -577,6 +638,11 @@ class LogReader:
                     return entry_slice(raw, index, offset, length)
             except lmdb.MapResizedError:
                 env.set_mapsize(0)  # the writer grew the map: take its size
+            except lmdb.Error as e:  # the group's databases dropped meanwhile
+                self.close()
+                raise MissingEntryError(
+                    f"entry {index}: the log is not readable: {e}", index
+                ) from e
         raise MissingEntryError(f"entry {index}: the log's map keeps changing", index)
 
     def close(self) -> None:

@@ -7,9 +7,13 @@ their own log, state machine and snapshots under ``groups/<g>``, and share
 group 0's links to the peers (every message says its group).
 
 Invariants:
-- The groups share nothing but the transport, the event loop and the
-  process: each has its own core, driver, disk writes and applies, so one
-  group's election or snapshot never waits on another's.
+- The groups share the transport, the event loop, the process and the
+  data groups' log store (``storage.log_store``: one LMDB environment, one
+  transaction and one fsync a turn of the loop for every group with
+  entries to persist); each has its own core, driver, state machine and
+  applies, so one group's election or snapshot never waits on another's.
+  Group 0 keeps a log of its own. (State machines: one environment per
+  group still.)
 - One ticker ticks every group in the same turn of the event loop, so the
   heartbeats all groups send to a peer in a tick leave in one batch. It
   ticks lazily (``Replica.owe_ticks``): it sleeps until the first tick at
@@ -55,7 +59,10 @@ from typing import Any
 from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.replica.remote import ReplicaView
-from node_daemon.replica.replica import NotLeader, Replica, group_data_dir
+from node_daemon.replica.replica import NotLeader, Replica
+from node_daemon.storage.group_commit import GroupCommit
+from node_daemon.storage.group_logs import check_store, group_data_dir
+from node_daemon.storage.log_store import LogStore, store_dir
 from node_daemon.store.cluster_membership import CATCH_UP_LAG, STEP_S
 from node_daemon.store.data_group_lock import lock_data_groups
 from node_daemon.store.data_group_membership import must_hand_over, next_change
@@ -84,6 +91,7 @@ class Store:
         group0: ReplicaView | None = None,
         transport: PeerTransport | None = None,
         remote: Mapping[int, ReplicaView] | None = None,
+        log_store: str = "main",
     ) -> None:
         self.cfg = cfg
         if local is None:
@@ -102,9 +110,19 @@ class Store:
         # No other process of this node runs these groups meanwhile.
         data_dir = Path(cfg.data_dir)
         self._locks = lock_data_groups(group_data_dir(data_dir, g) for g in groups if g)
+        # The data groups' logs: one store (``log_store``: main, worker-<i>),
+        # written once a turn of the loop for all of them (group commit).
+        self.log_store: LogStore | None = None
+        commits: GroupCommit | None = None
+        if any(groups):
+            path = store_dir(data_dir, log_store)
+            alone = bool(cfg.peers) and set(cfg.peers) <= {cfg.node_id}
+            check_store(path, [group_data_dir(data_dir, g) for g in groups if g], not alone)
+            self.log_store = LogStore(path)
+            commits = GroupCommit(self.log_store)
         for g in groups:
             if g:
-                self.nodes[g] = Replica(cfg, g, transport)
+                self.nodes[g] = Replica(cfg, g, transport, commits)
         # What the groups read of each other: every group of the node.
         reads: dict[int, ReplicaView] = {0: self.group0, **(remote or {}), **self.nodes}
         for node in self.nodes.values():
@@ -319,6 +337,8 @@ class Store:
             await self.nodes[0].stop()
         else:
             await self.transport.close()
+        if self.log_store is not None:
+            self.log_store.close()
         for fd in self._locks:
             os.close(fd)
         self._locks = []

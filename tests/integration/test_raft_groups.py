@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from node_daemon.storage.log_store import read_env, store_dir, store_holds
 from roadlog.client import Connection, Producer
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.processes import free_port
@@ -90,10 +91,16 @@ def test_data_groups_elect_replicate_and_survive_a_node_crash(
         return {g: lead for g, lead in leaders(views(lc)).items() if g} == {1: 1, 2: 2, 3: 3}
 
     wait_for(spread, 60, "the data groups' leaders spread over the nodes")
-    for n in lc.nodes:  # each data group has its own log and state on every node
-        for g in (1, 2, 3):
-            assert (Path(n.data_dir) / "groups" / str(g) / "raft").is_dir()
+    for n in lc.nodes:  # each data group has its own state on every node, and its log
+        for g in (1, 2, 3):  # in the log store the node's data groups share
             assert (Path(n.data_dir) / "groups" / str(g) / "state").is_dir()
+            assert not (Path(n.data_dir) / "groups" / str(g) / "raft" / "data.mdb").exists()
+        names = ["main"] if workers == 1 else ["worker-0", "worker-1"]
+        held = []
+        for name in names:  # worker w holds groups g with (g - 1) mod 2 == w
+            env = read_env(store_dir(Path(n.data_dir), name))
+            held.append([g for g in (1, 2, 3) if store_holds(env, g)])
+        assert held == ([[1, 2, 3]] if workers == 1 else [[1, 3], [2]])
 
     # Each group's figures are on /metrics, labelled by group (a worker's
     # labelled with its worker too, asked of it by the scrape: a scrape may

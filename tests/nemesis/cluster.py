@@ -32,6 +32,7 @@ import grpc
 import lmdb
 
 from node_daemon.state.replica_view import StateReplicaView
+from node_daemon.storage.log_store import MAX_DBS, STORES_DIR, LogStore, db_names, stores_in
 from roadlog.client import Admin, Connection
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import RoadlogError
@@ -93,6 +94,15 @@ def proc_start(pid: int) -> int:
     except OSError:
         return 0
     return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _holds(store: Path, group: int) -> bool:
+    """Whether the log store in ``store`` holds data group ``group``'s log."""
+    opened = LogStore(store, writer=False)
+    try:
+        return opened.holds(group)
+    finally:
+        opened.close()
 
 
 @dataclass
@@ -387,6 +397,10 @@ class NemesisCluster:
         pages). What was done."""
         assert svc.data_dir is not None and not svc.running()
         raft = self.group_dirs(svc).get(group, svc.data_dir) / "raft"
+        log_name = b"log"
+        if group:  # a data group's log is in its process's log store (all of it, truncated)
+            raft = next((p for p in stores_in(svc.data_dir / STORES_DIR) if _holds(p, group)), raft)
+            log_name = db_names(group)[0]
         if how == "truncate":
             data = raft / "data.mdb"
             size = data.stat().st_size
@@ -394,11 +408,11 @@ class NemesisCluster:
             os.truncate(data, keep)
             return {"how": how, "group": group, "bytes": size, "kept": keep}
         try:
-            env = lmdb.open(str(raft), max_dbs=4, map_size=1 << 40, sync=True)
+            env = lmdb.open(str(raft), max_dbs=MAX_DBS, map_size=1 << 40, sync=True)
         except lmdb.Error as e:
             return {"how": how, "group": group, "error": str(e)}
         try:
-            log_db = env.open_db(b"log")
+            log_db = env.open_db(log_name)
             with env.begin(write=True, db=log_db) as txn:
                 keys = [bytes(k) for k in txn.cursor().iternext(values=False)]
                 if not keys:

@@ -13,6 +13,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,7 +196,7 @@ def test_lmdb_commit_only_saves_are_written_with_the_next_sync(tmp_path: Path) -
     assert LmdbLogStorage(tmp_path / "log").initial_state() == HardState(1, 1, 2)
 
 
-def fill_until_full(path: Path, size: int, match: str, **open_args: int) -> None:
+def fill_until_full(path: Path, size: int, match: str, **open_args: Any) -> None:
     """Append until the store refuses; then every entry it accepted is there
     after reopening, and nothing else."""
     s = LmdbLogStorage(path, **open_args)
