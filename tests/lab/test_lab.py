@@ -264,7 +264,12 @@ def test_prometheus_scrapes_every_node_and_queue_server_with_the_rules(deployed:
 def test_drill_writes_go_on_when_the_leaders_node_stops_and_cron_serves_a_heat_map(
     deployed: Deployed,
 ) -> None:
+    # Give-to-get counts a run of at least 20 pings over 5 s here, not the
+    # default 60 s: the drill's writes span about 20 s, and what the lab
+    # looks at is cron's and the stream's heat maps (the rule itself:
+    # tests/integration/test_operator_choices.py).
     deployed.roadlog("topic", "create", CITY, "--bbox", BBOX, "--partitions", "4",
+                     "--contribution-min-pings", "20", "--contribution-min-seconds", "5",
                      "--servers", ",".join(deployed.servers), "--json")  # fmt: skip
     with Connection(deployed.servers) as conn:
         run = ProducerRun(conn, CITY, "lab-drill", pause_s=0.02).start()
