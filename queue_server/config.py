@@ -60,6 +60,12 @@ class QueueConfig:
         30,
         "self-registrations allowed per /24 (IPv4) or /64 (IPv6) and minute (a burst of as many)",
     )
+    # Self-registered identities unused for the cluster setting
+    # registration_idle_days are forgotten (issue 39): this server tells
+    # group 0's leader which it saw used, each at most once a day.
+    clients_used_report_s: float = key(
+        60.0, "how often the identities seen used are told to the leader (seconds)"
+    )
     # Load balancers in front of the queue servers: a request from one of
     # these is from the address its X-Forwarded-For (HTTP header, gRPC
     # metadata) names last that is not itself one of them.
@@ -142,6 +148,8 @@ class QueueConfig:
                 raise ConfigError(
                     f"trusted_proxies: {cidr!r} is no CIDR (10.0.0.0/8, ::1/128)"
                 ) from None
+        if self.clients_used_report_s <= 0:
+            raise ConfigError("clients_used_report_s must be positive")
         if self.registrations_per_minute <= 0:
             raise ConfigError("registrations_per_minute must be positive")
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:

@@ -149,6 +149,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             file=sys.stderr,
         )
     expiry = asyncio.get_running_loop().create_task(qs.expire_loop())
+    used = asyncio.get_running_loop().create_task(qs.report_used_loop())
     log.info(
         "queue server started",
         extra={"listen": cfg.listen, "http": cfg.http_listen, "metrics_port": cfg.metrics_port},
@@ -162,6 +163,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
+    used.cancel()
     if agent is not None:
         await agent.stop()
     if http_runner is not None:
