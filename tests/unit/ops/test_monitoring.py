@@ -540,19 +540,20 @@ def test_the_state_collector_exports_ingest_group_lag_and_heat_map_age(tmp_path:
 
     assert samples() == {}  # watching nothing yet
     collector.watch(c.sm)
+    identities: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
+        (name, (("kind", kind),)): value
+        for kind, cap in (("admin", 10_000), ("registered", 1_000_000))
+        for name, value in (
+            ("roadlog_identities", 0),
+            ("roadlog_identities_cap", cap),
+            ("roadlog_identity_cap_fill_ratio", 0),
+        )
+    }
     assert samples() == {
         ("roadlog_topic_appended_pings_total", (("topic", "munich"),)): 0,
         ("roadlog_topic_kept_pings", (("topic", "munich"),)): 0,
-        **{
-            (name, (("kind", kind),)): value
-            for kind, cap in (("admin", 10_000), ("registered", 1_000_000))
-            for name, value in (
-                ("roadlog_identities", 0),
-                ("roadlog_identities_cap", cap),
-                ("roadlog_identity_cap_fill_ratio", 0),
-            )
-        },
         ("roadlog_identities_forgotten_total", ()): 0,
+        **identities,
     }
     c.publish("alice", T0, n=10)
     member = c.join("m1")
