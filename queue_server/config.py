@@ -91,6 +91,15 @@ class QueueConfig:
     # Metrics tell topics, rates and roles to whoever reaches them (issue 19,
     # finding 15): bind them to the management network's address.
     metrics_host: str = key("", "address the metrics port binds (empty: listen's host)")
+    # Who may read the metrics port (roadlog/runtime/health.py; issue 39).
+    metrics_auth: str = key(
+        "none",
+        "who may read /metrics, /healthz, /readyz: none (anyone), token (a bearer token, "
+        "metrics_token_file) or tls (a client certificate the cluster's CA signed)",
+    )
+    metrics_token_file: Path | None = key(
+        None, "the file holding the metrics port's bearer token (metrics_auth = token)"
+    )
     max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
     max_reads: int = key(10_000, "queued read requests before RESOURCE_EXHAUSTED")
     max_queued_bytes: int = key(
@@ -112,6 +121,7 @@ class QueueConfig:
         return configfile.read_secret(self.secret_file)
 
     def validate(self) -> None:
+        configfile.check_metrics_auth(self.metrics_auth, self.metrics_token_file, self.insecure)
         check_address(self.listen, "listen")
         if self.http_listen:
             check_address(self.http_listen, "http_listen")
@@ -173,6 +183,7 @@ def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConf
         {
             "secret_file": Path,
             "certs_dir": Path,
+            "metrics_token_file": Path,
             "discovery_seeds": _list,
             "trusted_proxies": _list,
         },
