@@ -58,7 +58,8 @@ def test_metrics_ports_need_the_token_and_identities_are_counted_and_told_used(
         extra=[*auth, "--trim-interval-s", "1"],
         queue_extra=[*auth, "--clients-used-report-s", "0.5"],
     )
-    for p in [*lc.nodes, *lc.queue_servers]:
+    procs: list[NodeInfo | QueueInfo] = [*lc.nodes, *lc.queue_servers]
+    for p in procs:
         for path in ("/metrics", "/healthz", "/readyz"):
             code, body = scrape(lc, p, path, None)
             assert code == 401 and "roadlog_" not in body, (p.name, path, code)
