@@ -57,6 +57,15 @@ class NodeConfig:
     # Metrics tell topics, rates and roles to whoever reaches them (issue 19,
     # finding 15): bind them to the management network's address.
     metrics_host: str = key("", "address the metrics port binds (empty: listen's host)")
+    # Who may read the metrics port (roadlog/runtime/health.py; issue 39).
+    metrics_auth: str = key(
+        "none",
+        "who may read /metrics, /healthz, /readyz: none (anyone), token (a bearer token, "
+        "metrics_token_file) or tls (a client certificate the cluster's CA signed)",
+    )
+    metrics_token_file: Path | None = key(
+        None, "the file holding the metrics port's bearer token (metrics_auth = token)"
+    )
     # Raft traffic between nodes on a lean framed link (see peer_frames.py);
     # peers learn the port over gRPC, so any port works. Taken by another
     # process, the node warns and peers stream over gRPC on `listen`.
@@ -167,6 +176,7 @@ class NodeConfig:
         return max(1, self.data_groups) if self.place_topics else 1
 
     def validate(self) -> None:
+        configfile.check_metrics_auth(self.metrics_auth, self.metrics_token_file, self.insecure)
         if self.node_id < 0 or (self.node_id == 0 and self.peers):
             raise ConfigError("node_id: must be a positive integer (with peers)")
         if not self.peers and not self.discovery_port:
@@ -242,6 +252,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
             "data_dir": Path,
             "secret_file": Path,
             "certs_dir": Path,
+            "metrics_token_file": Path,
             "queue_servers": _list,
             "discovery_seeds": _list,
         },

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -218,6 +219,7 @@ class Authenticator:
         self.cache: OrderedDict[bytes, tuple[float, Principal | None]] = OrderedDict()
         self._asking: dict[bytes, asyncio.Future[Principal | None]] = {}
         self.lookups = 0
+        self.used = UsedReport()
 
     async def principal(self, credential: str | None, source: str = "") -> Principal:
         token = bearer(credential)
@@ -232,6 +234,8 @@ class Authenticator:
             found = await self._ask(h, source)
         if found is None:
             raise RoadlogError(Code.UNAUTHENTICATED, "unknown or revoked token: " + HOW)
+        if found.registered:
+            self.used.note(found.name)
         return found
 
     async def _ask(self, h: bytes, source: str) -> Principal | None:
@@ -271,6 +275,41 @@ class Authenticator:
         """Drop what the cache holds of identity ``name`` (revoked here)."""
         for h in [h for h, (_, p) in self.cache.items() if p is not None and p.name == name]:
             del self.cache[h]
+
+
+class UsedReport:
+    """The self-registered identities this queue server saw used and has not
+    told group 0's leader of yet (``ClientsUsed``), each told at most once a
+    day (by this process's clock: the log records the log's day); at most
+    ``max_names`` waiting, more are told the next day they are used."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, max_names: int = MAX_CACHED) -> None:
+        self.clock = clock
+        self.max_names = max_names
+        self.day = -1
+        self.told: set[str] = set()  # today's, told or waiting
+        self.waiting: dict[str, None] = {}
+
+    def note(self, name: str) -> None:
+        day = int(self.clock() // 86_400)
+        if day != self.day:
+            self.day, self.told = day, set()
+        if name in self.told or len(self.told) >= self.max_names:
+            return
+        self.told.add(name)
+        self.waiting[name] = None
+
+    def take(self, limit: int) -> list[str]:
+        """Up to ``limit`` names waiting, no longer waiting."""
+        out = list(itertools.islice(self.waiting, limit))
+        for name in out:
+            del self.waiting[name]
+        return out
+
+    def give_back(self, names: Iterable[str]) -> None:
+        """Names whose telling failed: told again next time."""
+        for name in names:
+            self.waiting[name] = None
 
 
 # ------------------------------------------------------------ who is where

@@ -35,6 +35,8 @@ from roadlog.runtime import tls
 from roadlog.scopes import new_token, token_hash
 from roadlog.v1 import client_pb2, clients_pb2, topics_pb2, work_pb2
 
+USED_PER_REPORT = 5_000  # names one ClientsUsed carries at most
+
 
 class ClientFront:
     """The part of ``QueueServer`` that faces clients (see the module doc)."""
@@ -194,6 +196,25 @@ class ClientFront:
             )
             resp = clients_pb2.AuthenticateResponse.FromString(raw)
         return resp
+
+    async def report_used_loop(self) -> None:
+        """Every ``clients_used_report_s``, ``report_used``."""
+        while True:
+            await asyncio.sleep(self.cfg.clients_used_report_s)
+            await self.report_used()
+
+    async def report_used(self) -> None:
+        """Tell group 0's leader which self-registered identities were used
+        (``UsedReport``: each at most once a day); its next trim records
+        them. What could not be told is told next time."""
+        used = self.gate.auth.used
+        while names := used.take(USED_PER_REPORT):
+            req = clients_pb2.ClientsUsedRequest(names=names)
+            try:
+                await self.call("ClientsUsed", req.SerializeToString(), 10.0, "clients-used")
+            except RoadlogError:
+                used.give_back(names)
+                return
 
     async def start_publish_link(self, host: str, port: int) -> int:
         """Offer clients the publish link on (host, port) (0: any free

@@ -60,6 +60,12 @@ class QueueConfig:
         30,
         "self-registrations allowed per /24 (IPv4) or /64 (IPv6) and minute (a burst of as many)",
     )
+    # Self-registered identities unused for the cluster setting
+    # registration_idle_days are forgotten (issue 39): this server tells
+    # group 0's leader which it saw used, each at most once a day.
+    clients_used_report_s: float = key(
+        60.0, "how often the identities seen used are told to the leader (seconds)"
+    )
     # Load balancers in front of the queue servers: a request from one of
     # these is from the address its X-Forwarded-For (HTTP header, gRPC
     # metadata) names last that is not itself one of them.
@@ -85,6 +91,15 @@ class QueueConfig:
     # Metrics tell topics, rates and roles to whoever reaches them (issue 19,
     # finding 15): bind them to the management network's address.
     metrics_host: str = key("", "address the metrics port binds (empty: listen's host)")
+    # Who may read the metrics port (roadlog/runtime/health.py; issue 39).
+    metrics_auth: str = key(
+        "none",
+        "who may read /metrics, /healthz, /readyz: none (anyone), token (a bearer token, "
+        "metrics_token_file) or tls (a client certificate the cluster's CA signed)",
+    )
+    metrics_token_file: Path | None = key(
+        None, "the file holding the metrics port's bearer token (metrics_auth = token)"
+    )
     max_writes: int = key(10_000, "queued write requests before RESOURCE_EXHAUSTED")
     max_reads: int = key(10_000, "queued read requests before RESOURCE_EXHAUSTED")
     max_queued_bytes: int = key(
@@ -106,6 +121,7 @@ class QueueConfig:
         return configfile.read_secret(self.secret_file)
 
     def validate(self) -> None:
+        configfile.check_metrics_auth(self.metrics_auth, self.metrics_token_file, self.insecure)
         check_address(self.listen, "listen")
         if self.http_listen:
             check_address(self.http_listen, "http_listen")
@@ -142,6 +158,8 @@ class QueueConfig:
                 raise ConfigError(
                     f"trusted_proxies: {cidr!r} is no CIDR (10.0.0.0/8, ::1/128)"
                 ) from None
+        if self.clients_used_report_s <= 0:
+            raise ConfigError("clients_used_report_s must be positive")
         if self.registrations_per_minute <= 0:
             raise ConfigError("registrations_per_minute must be positive")
         if min(self.max_writes, self.max_reads, self.default_timeout_ms) <= 0:
@@ -165,6 +183,8 @@ def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConf
         {
             "secret_file": Path,
             "certs_dir": Path,
+            "metrics_token_file": Path,
+            "clients_used_report_s": float,
             "discovery_seeds": _list,
             "trusted_proxies": _list,
         },

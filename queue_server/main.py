@@ -18,6 +18,7 @@ from roadlog.runtime.config import (
     private_files,
     refuse_to_start,
 )
+from roadlog.runtime.health import metrics_auth
 from roadlog.runtime.logs import setup_logging
 
 
@@ -35,6 +36,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
     try:
         cfg = load_queue_config(config_path, flags)
         check_secret(cfg.secret_file)
+        metrics_auth(cfg.metrics_auth, cfg.metrics_token_file, cfg.insecure)  # refused here
         security = tls.load_security(cfg.certs_dir, cfg.insecure, "queue")
     except ConfigError as e:
         refuse_to_start("roadlog-queue", e)

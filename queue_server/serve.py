@@ -29,7 +29,7 @@ from queue_server.server import QueueServer
 from roadlog.limits import WORK_MESSAGE_BYTES, grpc_options
 from roadlog.runtime import tls
 from roadlog.runtime.auth import ClusterAuth, protects
-from roadlog.runtime.health import serve_metrics_and_health
+from roadlog.runtime.health import metrics_auth, metrics_ssl, serve_metrics_and_health
 from roadlog.v1 import work_pb2_grpc
 
 log = logging.getLogger("roadlog.queue")
@@ -88,6 +88,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if cfg.metrics_port:
+        auth = metrics_auth(cfg.metrics_auth, cfg.metrics_token_file, security.insecure)
 
         def readiness_detail() -> tuple[bool, dict[str, Any]]:
             st = qs.status()
@@ -97,7 +98,8 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             cfg.metrics_host or cfg.listen.rpartition(":")[0],
             cfg.metrics_port,
             readiness_detail,
-            ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)
+            ssl_context=metrics_ssl(security, auth),  # HTTPS with TLS (Prometheus: the CA)
+            auth=auth,
         )
     http_runner = None
     if cfg.http_listen:
@@ -149,6 +151,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
             file=sys.stderr,
         )
     expiry = asyncio.get_running_loop().create_task(qs.expire_loop())
+    used = asyncio.get_running_loop().create_task(qs.report_used_loop())
     log.info(
         "queue server started",
         extra={"listen": cfg.listen, "http": cfg.http_listen, "metrics_port": cfg.metrics_port},
@@ -162,6 +165,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
+    used.cancel()
     if agent is not None:
         await agent.stop()
     if http_runner is not None:

@@ -251,6 +251,9 @@ INTERNAL: dict[str, Rpc] = {
     "AuthenticateAtLeader": Rpc(
         "AuthenticateAtLeader", W, k.AuthenticateRequest, k.AuthenticateResponse, "internal"
     ),
+    # Self-registered identities a queue server saw used, for group 0's
+    # leader's next trim (node_daemon/state/clients.py).
+    "ClientsUsed": Rpc("ClientsUsed", W, k.ClientsUsedRequest, k.ClientsUsedResponse, "internal"),
     # A part of publishes split across data groups (multi-raft): an AppendOp
     # group 0's leader validated, for its group's leader; a result per span.
     "AppendPart": Rpc("AppendPart", W, command_pb2.AppendOp, c.PublishBatchResponse, "internal"),

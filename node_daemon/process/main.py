@@ -36,6 +36,7 @@ from roadlog.runtime import config as configfile
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import check_secret, config_flags, private_files, refuse_to_start
+from roadlog.runtime.health import metrics_auth
 from roadlog.runtime.logs import setup_logging
 from roadlog.status import ask_node
 from roadlog.v1 import (
@@ -60,6 +61,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
     try:
         cfg = load_config(config_path, flags)
         check_secret(cfg.secret_file)
+        metrics_auth(cfg.metrics_auth, cfg.metrics_token_file, cfg.insecure)  # refused here
         security = tls.load_security(cfg.certs_dir, cfg.insecure, "node")
         cfg = _node_id_of_certificate(cfg, security)
     except ConfigError as e:

@@ -43,7 +43,7 @@ from node_daemon.work.queue_link import QueueServerLink
 from node_daemon.work.routing import WorkRouter
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token
-from roadlog.runtime.health import serve_metrics_and_health
+from roadlog.runtime.health import metrics_auth, metrics_ssl, serve_metrics_and_health
 from roadlog.runtime.sdnotify import notify
 from roadlog.v1 import (
     admin_pb2,
@@ -178,6 +178,7 @@ async def serve(cfg: NodeConfig) -> None:
         host = cfg.listen.rpartition(":")[0].strip("[]")
         await node.transport.start_frames(host, cfg.peer_frames_port)
     if cfg.metrics_port:
+        auth = metrics_auth(cfg.metrics_auth, cfg.metrics_token_file, security.insecure)
 
         def readiness_detail() -> tuple[bool, dict[str, Any]]:
             ready, detail = node_readiness(node, membership.in_config())
@@ -190,8 +191,9 @@ async def serve(cfg: NodeConfig) -> None:
             cfg.metrics_host or cfg.listen.rpartition(":")[0],
             cfg.metrics_port,
             readiness_detail,
-            ssl_context=security.server_ssl(mutual=False),  # HTTPS with TLS (Prometheus: the CA)
+            ssl_context=metrics_ssl(security, auth),  # HTTPS with TLS (Prometheus: the CA)
             registry=merged_registry(worker_metrics) if worker_metrics is not None else None,
+            auth=auth,
         )
     groups.update_addresses(node.sm.peers())
     failed: list[BaseException] = []

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from node_daemon.state.clients import MAX_CLIENTS, MAX_REGISTERED
 from node_daemon.state.machine import ConsumerGroupFigures, StateMachine, TopicFigures
 
 log = logging.getLogger("roadlog.node.metrics")
@@ -33,18 +34,51 @@ class StateCollector(Collector):
         self._sm = sm
 
     def describe(self) -> Iterable[Metric]:
-        return _families([], [])
+        return _families([], []) + _identities(None, 0)
 
     def collect(self) -> Iterable[Metric]:
         sm = self._sm
         if sm is None:
-            return _families([], [])
+            return _families([], []) + _identities(None, 0)
         try:
             topics, groups = sm.monitoring_figures()
+            counts = sm.identity_counts()
         except Exception as e:  # a scrape must answer (e.g. during a snapshot install)
             log.warning("state metrics unavailable", extra={"error": str(e)})
-            return _families([], [])
-        return _families(topics, groups)
+            return _families([], []) + _identities(None, sm.forgotten)
+        return _families(topics, groups) + _identities(counts, sm.forgotten)
+
+
+def _identities(counts: tuple[int, int] | None, forgotten: int) -> list[Metric]:
+    """Client identities by kind, against their caps (issue 39): a full
+    ``registered`` cap refuses new registrations, never issued tokens."""
+    held = GaugeMetricFamily(
+        "roadlog_identities", "client identities the cluster holds, by kind", labels=["kind"]
+    )
+    cap = GaugeMetricFamily(
+        "roadlog_identities_cap",
+        "the most client identities of the kind the cluster holds (more are refused)",
+        labels=["kind"],
+    )
+    ratio = GaugeMetricFamily(
+        "roadlog_identity_cap_fill_ratio",
+        "client identities of the kind over their cap (1: new ones refused)",
+        labels=["kind"],
+    )
+    gone = CounterMetricFamily(
+        "roadlog_identities_forgotten",
+        "self-registered identities this node's applies forgot as idle "
+        "(cluster setting registration_idle_days)",
+    )
+    if counts is not None:
+        gone.add_metric([], forgotten)
+        for kind, n, limit in zip(
+            ("admin", "registered"), counts, (MAX_CLIENTS, MAX_REGISTERED), strict=True
+        ):
+            held.add_metric([kind], n)
+            cap.add_metric([kind], limit)
+            ratio.add_metric([kind], n / limit)
+    return [held, cap, ratio, gone]
 
 
 def _families(topics: list[TopicFigures], groups: list[ConsumerGroupFigures]) -> list[Metric]:

@@ -75,6 +75,7 @@ from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.snapshots import Snapshots
 from node_daemon.replica.tick_due import LazyTicks, tick_n
 from node_daemon.state import unsynced
+from node_daemon.state.clients import UsedNames
 from node_daemon.state.machine import trim_op
 from node_daemon.state.responses import OpResult
 from node_daemon.storage import damage
@@ -263,6 +264,7 @@ class Replica:
         self._last_soft = (0, Role.FOLLOWER, 0)
         self._gauges = GroupGauges(group, self.id)
         self._next_trim = 0.0  # set at the first tick
+        self.clients_used = UsedNames()  # group 0's: identities seen used, for the next trim
         self.ticks = LazyTicks(cfg.tick_ms / 1000)  # with the Store's ticker (``owe_ticks``)
 
     # --------------------------------------------------------------- inputs
@@ -567,11 +569,13 @@ class Replica:
     def _trim(self) -> None:
         """Retention goes through the log, so every replica trims the same
         (pings, heat maps but each topic's newest windows, per-client
-        records, and the producer ids this leader found expired)."""
+        records, the producer ids found expired, group 0's idle identities)."""
 
         async def trim() -> None:
             expired = await asyncio.to_thread(self.sm.expirable_producers)
-            await self.propose_op(trim_op(expired_producers=expired))
+            used, zero = self.clients_used.take(), self.group == 0
+            op = trim_op(expired_producers=expired, clients_used=used, forget_idle_clients=zero)
+            await self.propose_op(op)
 
         fut = asyncio.get_running_loop().create_task(trim())
         fut.add_done_callback(lambda f: f.exception())  # a lost trim is retried next time

@@ -76,7 +76,7 @@ from node_daemon.state.producers import (
     ProducerTables,
 )
 from node_daemon.state.responses import OpResult, publish_responses
-from node_daemon.state.settings import SettingsTable
+from node_daemon.state.settings import REGISTRATION_IDLE_DAYS, SettingsTable
 from node_daemon.state.topics import PartitionState, TopicTables, check_topic_id
 from node_daemon.storage import kept_log
 from node_daemon.storage.disk import fsync_dir, full_disk_error, open_lmdb
@@ -131,6 +131,7 @@ class StateMachine:
         # Moved by every apply and by every _forget (a snapshot installed, a
         # failed transaction): answers told at one generation hold at it.
         self.generation = 0
+        self.forgotten = 0  # idle identities this process's applies forgot (a metric)
         self._open()
 
     def _open(self) -> None:
@@ -422,6 +423,9 @@ class StateMachine:
                 self.producers.drop(txn, pid)
             if op.trim.group_retention_ms:  # 0: an entry from before group expiry
                 self.consumer_groups.expire(txn, self._log_ms - op.trim.group_retention_ms)
+            if op.trim.forget_idle_clients:  # false: from before idle identities went
+                idle = int(self.settings.value(txn, REGISTRATION_IDLE_DAYS))
+                self.forgotten += self.clients.trim(txn, op.trim.clients_used, self._log_ms, idle)
             return b""
         if kind == "add_peer":
             ap = op.add_peer
@@ -707,6 +711,11 @@ class StateMachine:
         with self.env.begin() as txn:
             return self.clients.listing(txn)
 
+    def identity_counts(self) -> tuple[int, int]:
+        """(identities admins made, self-registered ones)."""
+        with self.env.begin() as txn:
+            return self.clients.counts(txn)
+
     def describe_group(self, name: str) -> groups_pb2.GroupDescription:
         with self.env.begin() as txn:
             return self.consumer_groups.describe(txn, name)
@@ -946,18 +955,23 @@ def trim_op(
     expired_producers: Sequence[int] = (),
     expire_records: bool = True,
     group_retention_ms: int = GROUP_RETENTION_MS,
+    clients_used: Sequence[str] = (),
+    forget_idle_clients: bool = False,
 ) -> command_pb2.Op:
     """The retention op a leader proposes every ``trim_interval_s``: pings,
     heat maps (all but the newest ``heatmap_keep_newest`` windows of a
     topic) and per-client records older than the topic's retention, the
-    producer ids ``expirable_producers`` found, and consumer groups empty
-    for longer than ``group_retention_ms``."""
+    producer ids ``expirable_producers`` found, consumer groups empty
+    for longer than ``group_retention_ms``, and (group 0's) the identities
+    seen used and those idle too long (``clients``)."""
     return command_pb2.Op(
         trim=command_pb2.TrimOp(
             heatmap_keep_newest=heatmap_keep_newest,
             expire_records=expire_records,
             expired_producers=expired_producers,
             group_retention_ms=group_retention_ms,
+            clients_used=clients_used,
+            forget_idle_clients=forget_idle_clients,
         )
     )
 

@@ -14,6 +14,10 @@ applied, so every replica stores or refuses the same values.
 - ``registration_per_minute``: the cluster-wide ceiling on
   self-registrations a minute, kept by group 0's leader (every
   registration passes it), beside each queue server's own per-/24 rate.
+- ``registration_idle_days``: a self-registered identity not used for
+  this many days (on the log's clock, recorded a day at a time) is
+  forgotten by the retention trim, its token then unknown (``clients``);
+  0: never. Identities an admin made are never forgotten.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from roadlog.v1 import settings_pb2
 OPEN_REGISTRATION_SCOPES = "open_registration_scopes"
 REGISTRATION_PER_MINUTE = "registration_per_minute"
 MAX_REGISTRATION_PER_MINUTE = 1_000_000
+REGISTRATION_IDLE_DAYS = "registration_idle_days"
+MAX_IDLE_DAYS = 36_500
 _PREFIX = b"setting/"
 
 
@@ -45,6 +51,13 @@ def _per_minute(value: str) -> str:
     n = int(value.strip())
     if not 1 <= n <= MAX_REGISTRATION_PER_MINUTE:
         raise ValueError(f"must be in 1..{MAX_REGISTRATION_PER_MINUTE}")
+    return str(n)
+
+
+def _idle_days(value: str) -> str:
+    n = int(value.strip())
+    if not 0 <= n <= MAX_IDLE_DAYS:
+        raise ValueError(f"must be in 0..{MAX_IDLE_DAYS} (0: never forgotten)")
     return str(n)
 
 
@@ -70,6 +83,12 @@ SETTINGS: dict[str, Setting] = {
             "600",
             "self-registrations a minute in the whole cluster (group 0's leader counts)",
             _per_minute,
+        ),
+        Setting(
+            REGISTRATION_IDLE_DAYS,
+            "30",
+            "days a self-registered identity may go unused before it is forgotten (0: never)",
+            _idle_days,
         ),
     )
 }

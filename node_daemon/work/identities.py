@@ -72,6 +72,15 @@ class IdentityWork:
             raise NotLeader(self.node.core.lead)
         return await self.authenticate(item)
 
+    async def clients_used(self, item: work_pb2.WorkItem) -> OpResult:
+        """Self-registered identities a queue server saw used: held for the
+        next trim, which records them (one entry for them all)."""
+        if not self.node.is_leader:
+            raise NotLeader(self.node.core.lead)
+        req = clients_pb2.ClientsUsedRequest.FromString(item.request)
+        held = self.node.clients_used.add(n for n in req.names if 0 < len(n.encode()) <= 255)
+        return OpResult(response=clients_pb2.ClientsUsedResponse(pending=held).SerializeToString())
+
     async def create_client(self, item: work_pb2.WorkItem) -> OpResult:
         """An identity an admin asked for: the queue server made its token
         and sends only the hash."""

@@ -209,6 +209,19 @@ def weakness(secret: bytes) -> str:
     return ""
 
 
+METRICS_AUTH_MODES = ("none", "token", "tls")  # roadlog/runtime/health.py
+
+
+def check_metrics_auth(mode: str, token_file: Path | None, insecure: bool) -> None:
+    """ConfigError unless ``metrics_auth`` is a known mode with what it needs."""
+    if mode not in METRICS_AUTH_MODES:
+        raise ConfigError(f"metrics_auth: one of {', '.join(METRICS_AUTH_MODES)}, not {mode!r}")
+    if mode == "token" and token_file is None:
+        raise ConfigError("metrics_auth = token needs metrics_token_file (the bearer token's file)")
+    if mode == "tls" and insecure:
+        raise ConfigError("metrics_auth = tls needs TLS: the daemon runs insecure")
+
+
 def refuse_to_start(program: str, error: ConfigError) -> NoReturn:
     """A daemon that cannot start says why in one line on stderr (no usage
     text around it, so it is what journald and the terminal show) and exits 2."""

@@ -23,24 +23,89 @@ trust the cluster's CA): the handshake runs in the connection's own thread,
 under the same idle timeout and deadline, so a caller that never finishes
 it holds one slot for at most ``deadline_s``. A plaintext request on an
 HTTPS port fails in the handshake and is answered nothing.
+
+Who may read it (``metrics_auth``, issue 39 item 6: the port tells topic
+names, roles, terms and indexes): ``none``, anyone who reaches it (the
+default, as before); ``token``, a caller that sends ``Authorization:
+Bearer TOKEN`` with the token of ``metrics_token_file`` (compared in
+constant time), else 401 with ``WWW-Authenticate: Bearer``; ``tls``, a
+caller that presented a client certificate the cluster's CA signed (the
+handshake asks for one and checks it; one the CA did not sign fails the
+handshake), else 403. Every path is behind it, /healthz and /readyz too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, make_wsgi_app
 
+from roadlog.runtime.config import check_metrics_auth, check_secret
+
 Readiness = Callable[[], tuple[bool, dict[str, Any]]]
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+CLIENT_CERT_ENV = "roadlog.client_certificate"  # the handler's note: one was presented
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsAuth:
+    """Who may read the port (see the module's doc)."""
+
+    mode: str = "none"
+    token: bytes = b""
+
+    def refusal(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], str] | None:
+        """(status, headers, why) refusing this request; None: it may."""
+        if self.mode == "token":
+            scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).strip().partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode(), self.token
+            ):
+                return None
+            why = "send 'Authorization: Bearer TOKEN' with the token of metrics_token_file"
+            return "401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="metrics"')], why
+        if self.mode == "tls" and not environ.get(CLIENT_CERT_ENV):
+            return "403 Forbidden", [], "present a client certificate the cluster's CA signed"
+        return None
+
+
+NO_AUTH = MetricsAuth()
+
+
+def metrics_auth(mode: str, token_file: Path | None, insecure: bool) -> MetricsAuth:
+    """The ``metrics_auth`` of a daemon's configuration; ConfigError (one
+    line) for an unknown mode, a token file missing, open to others or weak,
+    or ``tls`` without TLS."""
+    check_metrics_auth(mode, token_file, insecure)
+    if mode == "token":
+        return MetricsAuth(mode, check_secret(token_file, "metrics_token_file"))
+    return MetricsAuth(mode)
+
+
+def metrics_ssl(security: Any, auth: MetricsAuth) -> ssl.SSLContext | None:
+    """The metrics port's TLS context from the process's ``tls.Security``:
+    its certificate, and with ``tls`` a client certificate asked for and
+    checked against the cluster's CA (a fresh context: the shared ones are
+    left as they are); None when it runs insecure."""
+    if auth.mode != "tls" or security.creds is None:
+        ctx: ssl.SSLContext | None = security.server_ssl(mutual=False)
+        return ctx
+    ctx = security.creds.server_ssl(True)
+    ctx.verify_mode = ssl.CERT_OPTIONAL  # none presented: answered 403, not a failed handshake
+    return ctx
 
 
 READY = Gauge("roadlog_ready", "1 while the process is ready (/readyz answers 200), else 0")
@@ -118,14 +183,21 @@ class _QuietHandler(WSGIRequestHandler):
                 with contextlib.suppress(OSError):
                     self.request.close()
 
+    def get_environ(self) -> dict[str, str]:
+        env = super().get_environ()
+        if isinstance(self.request, ssl.SSLSocket) and self.request.getpeercert():
+            env[CLIENT_CERT_ENV] = "1"  # verified against the CA in the handshake
+        return env
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds are not worth a log line."""
 
 
 def health_app(
-    ready: Readiness, registry: CollectorRegistry | None = None
+    ready: Readiness, registry: CollectorRegistry | None = None, auth: MetricsAuth = NO_AUTH
 ) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
-    """``registry``: what /metrics shows (default prometheus-client's)."""
+    """``registry``: what /metrics shows (default prometheus-client's);
+    ``auth``: who may see anything (``MetricsAuth``)."""
     metrics = make_wsgi_app(registry if registry is not None else REGISTRY)
 
     def readiness() -> tuple[bool, dict[str, Any]]:
@@ -137,6 +209,19 @@ def health_app(
         return ok, detail
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        refused = auth.refusal(environ)
+        if refused is not None:
+            status, headers, why = refused
+            data = json.dumps({"error": why}).encode()
+            start_response(
+                status,
+                [
+                    *headers,
+                    ("Content-Type", "application/json"),
+                    ("Content-Length", str(len(data))),
+                ],
+            )
+            return [data]
         path = environ.get("PATH_INFO", "/")
         if path in ("/healthz", "/readyz"):
             ok, detail = readiness()
@@ -166,11 +251,12 @@ def serve_metrics_and_health(
     deadline_s: float = DEADLINE_S,
     ssl_context: ssl.SSLContext | None = None,
     registry: CollectorRegistry | None = None,
+    auth: MetricsAuth = NO_AUTH,
 ) -> WSGIServer:
     """Start the endpoint in a daemon thread; returns the server (its
     `server_port` is the bound port, useful with port 0). ``ssl_context``:
-    HTTPS with it (a daemon's ``tls.current().server_ssl(mutual=False)``);
-    None: plaintext (a daemon run ``insecure``)."""
+    HTTPS with it (a daemon's ``metrics_ssl``); None: plaintext (a daemon
+    run ``insecure``). ``auth``: who may read it."""
     server_class = type(
         "BoundedWSGIServer",
         (_BoundedWSGIServer,),
@@ -182,7 +268,7 @@ def serve_metrics_and_health(
     server: WSGIServer = make_server(
         host or "0.0.0.0",
         port,
-        health_app(ready, registry),
+        health_app(ready, registry, auth),
         server_class=server_class,
         handler_class=handler_class,
     )

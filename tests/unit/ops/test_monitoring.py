@@ -343,10 +343,20 @@ def render_config(
             "roadlog_monitoring_alertmanagers": ["10.77.0.20:9093"],
             "roadlog_monitoring_config_dir": str(tmp_path),
             "roadlog_monitoring_ca_file": str(tmp_path / "roadlog-ca.crt"),
+            "roadlog_monitoring_metrics_auth": "none",
+            "roadlog_monitoring_token_file": str(tmp_path / "roadlog-metrics-token"),
+            "roadlog_monitoring_client_cert_file": str(tmp_path / "roadlog-client.crt"),
+            "roadlog_monitoring_client_key_file": str(tmp_path / "roadlog-client.key"),
         }
         | (play_vars or {})
     )
-    (tmp_path / "roadlog-ca.crt").write_text("")  # promtool checks only that it is there
+    for name in (
+        "roadlog-ca.crt",
+        "roadlog-metrics-token",
+        "roadlog-client.crt",
+        "roadlog-client.key",
+    ):
+        (tmp_path / name).write_text("")  # promtool checks only that they are there
     shutil.copy(RULES, tmp_path / RULES.name)
     (tmp_path / "prometheus.yml").write_text(out)
     return tmp_path / "prometheus.yml"
@@ -420,6 +430,44 @@ def test_the_role_scrapes_over_https_with_the_ca_where_the_daemons_run_tls(tmp_p
     nodes_only = jobs({"roadlog_queue_insecure": True}, tmp_path / "nodes")
     assert nodes_only["roadlog-node"]["scheme"] == "https"
     assert nodes_only["roadlog-queue"].get("scheme", "http") == "http"
+
+
+def test_the_role_scrapes_with_the_token_or_the_certificate_metrics_auth_asks(
+    tmp_path: Path,
+) -> None:
+    """Issue 39: with metrics_auth token the node and queue jobs send the
+    bearer token from its file; with tls they show Prometheus's client
+    certificate; with none (the default) neither, as before."""
+
+    def jobs(auth: str, play_vars: dict[str, object] | None = None) -> dict[str, dict[str, Any]]:
+        where = tmp_path / f"{auth}-{len(play_vars or {})}"
+        where.mkdir()
+        config = render_config(where, {"roadlog_monitoring_metrics_auth": auth} | (play_vars or {}))
+        r = run_promtool("check", "config", str(config), cwd=where)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return {j["job_name"]: j for j in yaml.safe_load(config.read_text())["scrape_configs"]}
+
+    for name, job in jobs("none").items():
+        assert "authorization" not in job and "cert_file" not in job.get("tls_config", {}), name
+    token = jobs("token")
+    for name in ("roadlog-node", "roadlog-queue"):
+        assert token[name]["authorization"] == {
+            "type": "Bearer",
+            "credentials_file": str(tmp_path / "token-0" / "roadlog-metrics-token"),
+        }
+        assert "cert_file" not in token[name]["tls_config"]
+    assert "authorization" not in token[STREAM_JOB]
+    plain = jobs("token", {"roadlog_node_insecure": True})
+    assert "authorization" in plain["roadlog-node"] and "tls_config" not in plain["roadlog-node"]
+    tls = jobs("tls")
+    for name in ("roadlog-node", "roadlog-queue"):
+        where = tmp_path / "tls-0"
+        assert tls[name]["tls_config"] == {
+            "ca_file": str(where / "roadlog-ca.crt"),
+            "cert_file": str(where / "roadlog-client.crt"),
+            "key_file": str(where / "roadlog-client.key"),
+        }
+        assert "authorization" not in tls[name]
 
 
 def stream_targets(config: Path) -> list[tuple[list[str], dict[str, str]]]:
@@ -540,9 +588,20 @@ def test_the_state_collector_exports_ingest_group_lag_and_heat_map_age(tmp_path:
 
     assert samples() == {}  # watching nothing yet
     collector.watch(c.sm)
+    identities: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
+        (name, (("kind", kind),)): value
+        for kind, cap in (("admin", 10_000), ("registered", 1_000_000))
+        for name, value in (
+            ("roadlog_identities", 0),
+            ("roadlog_identities_cap", cap),
+            ("roadlog_identity_cap_fill_ratio", 0),
+        )
+    }
     assert samples() == {
         ("roadlog_topic_appended_pings_total", (("topic", "munich"),)): 0,
         ("roadlog_topic_kept_pings", (("topic", "munich"),)): 0,
+        ("roadlog_identities_forgotten_total", ()): 0,
+        **identities,
     }
     c.publish("alice", T0, n=10)
     member = c.join("m1")

@@ -17,7 +17,11 @@ from node_daemon.raft import Entry, EntryType
 from node_daemon.state.heatmaps import Contribution, merged
 from node_daemon.state.machine import StateMachine, append_op
 from node_daemon.state.responses import OpResult
-from node_daemon.state.settings import OPEN_REGISTRATION_SCOPES, REGISTRATION_PER_MINUTE
+from node_daemon.state.settings import (
+    OPEN_REGISTRATION_SCOPES,
+    REGISTRATION_IDLE_DAYS,
+    REGISTRATION_PER_MINUTE,
+)
 from roadlog.columnar import PingColumns
 from roadlog.contribution import min_pings, min_seconds
 from roadlog.errors import Code, RoadlogError
@@ -165,7 +169,11 @@ def test_a_bad_update_is_refused_on_apply_and_changes_nothing(r: Replica) -> Non
 
 def test_settings_have_defaults_until_set_and_are_checked_on_apply(r: Replica) -> None:
     listed = {s.key: s for s in r.sm.list_settings()}
-    assert set(listed) == {OPEN_REGISTRATION_SCOPES, REGISTRATION_PER_MINUTE}
+    assert set(listed) == {
+        OPEN_REGISTRATION_SCOPES,
+        REGISTRATION_PER_MINUTE,
+        REGISTRATION_IDLE_DAYS,
+    }
     assert listed[OPEN_REGISTRATION_SCOPES].value == "produce:*,heatmap:*"
     assert not listed[OPEN_REGISTRATION_SCOPES].set
     res = r.set(OPEN_REGISTRATION_SCOPES, "produce:berlin heatmap:berlin")
