@@ -31,7 +31,8 @@ from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.runtime.health import serve_metrics_and_health
 from roadlog.v1 import client_pb2, command_pb2, heatmaps_pb2, work_pb2
 from spark.jobs.heatmap_stream import Metrics
-from tests.unit.node_daemon.state.test_consumer_groups_and_heatmaps import T0, Cluster
+from tests.unit.node_daemon.state.applying import T0
+from tests.unit.node_daemon.state.test_consumer_groups_and_heatmaps import Cluster
 
 pytestmark = pytest.mark.unit
 

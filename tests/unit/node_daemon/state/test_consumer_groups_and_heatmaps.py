@@ -7,43 +7,30 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.raft import Entry, EntryType
-from node_daemon.state.machine import StateMachine, append_op
+from node_daemon.state.machine import append_op
 from node_daemon.state.responses import OpResult
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
 from roadlog.geo import bbox_region
 from roadlog.partitioning import split_by_partition
 from roadlog.v1 import client_pb2, command_pb2, groups_pb2, heatmaps_pb2, topics_pb2
+from tests.unit.node_daemon.state.applying import T0, Applying
 
 pytestmark = pytest.mark.unit
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
-T0 = 1_800_000_000_000
 PARTS = 6
 
 
-class Cluster:
+class Cluster(Applying):
     """One replica fed committed entries."""
 
     def __init__(self, path: Path) -> None:
-        self.sm = StateMachine(path, map_size=64 << 20)
-        self.index = 0
+        super().__init__(path)
         spec = topics_pb2.TopicSpec(
             name="munich", region_geojson=REGION, partitions=PARTS, contribution_window_ms=60_000
         )
         self.ok(command_pb2.Op(create_topic=command_pb2.CreateTopicOp(spec=spec)))
-
-    def apply(self, op: command_pb2.Op, at_ms: int = T0) -> OpResult:
-        self.index += 1
-        cmd = command_pb2.Command(leader_ms=at_ms, ops=[op]).SerializeToString()
-        [[res]] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd)])
-        return res.spans[0] if res.spans else res
-
-    def ok(self, op: command_pb2.Op, at_ms: int = T0) -> bytes:
-        res = self.apply(op, at_ms)
-        assert res.code == Code.OK, res.message
-        return res.response
 
     def join(self, member: str, group: str = "dash") -> client_pb2.JoinGroupResponse:
         req = client_pb2.JoinGroupRequest(group=group, topic="munich", member_id=member)

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon.raft import Entry, EntryType
 from node_daemon.state.heatmaps import Contribution, merged
-from node_daemon.state.machine import StateMachine, append_op
+from node_daemon.state.machine import append_op
 from node_daemon.state.responses import OpResult
 from node_daemon.state.settings import (
     OPEN_REGISTRATION_SCOPES,
@@ -28,19 +27,18 @@ from roadlog.errors import Code, RoadlogError
 from roadlog.geo import bbox_region
 from roadlog.partitioning import split_by_partition
 from roadlog.v1 import client_pb2, command_pb2, heatmaps_pb2, settings_pb2, topics_pb2
+from tests.unit.node_daemon.state.applying import T0, Applying
 
 pytestmark = pytest.mark.unit
 
 REGION = bbox_region(11.4, 48.05, 11.75, 48.25).geojson
-T0 = 1_800_000_000_000
 PARTS = 4
 WINDOW = 15 * 60_000
 
 
-class Replica:
+class Replica(Applying):
     def __init__(self, path: Path, **spec: object) -> None:
-        self.sm = StateMachine(path, map_size=64 << 20)
-        self.index = 0
+        super().__init__(path)
         topic = topics_pb2.TopicSpec(name="berlin", region_geojson=REGION, partitions=PARTS)
         for k, v in spec.items():
             setattr(topic, k, v)
@@ -50,17 +48,6 @@ class Replica:
         )
         put = client_pb2.PutHeatmapRequest(heatmap=hm)
         self.ok(command_pb2.Op(put_heatmap=command_pb2.PutHeatmapOp(request=put)))
-
-    def apply(self, op: command_pb2.Op, at_ms: int = T0) -> OpResult:
-        self.index += 1
-        cmd = command_pb2.Command(leader_ms=at_ms, ops=[op]).SerializeToString()
-        [[res]] = self.sm.apply([Entry(1, self.index, EntryType.NORMAL, cmd)])
-        return res.spans[0] if res.spans else res
-
-    def ok(self, op: command_pb2.Op, at_ms: int = T0) -> bytes:
-        res = self.apply(op, at_ms)
-        assert res.code == Code.OK, res.message
-        return res.response
 
     def publish(self, client: str, at_ms: int, n: int = 1) -> None:
         cols = PingColumns.from_columns(
