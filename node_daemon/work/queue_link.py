@@ -47,6 +47,18 @@ _clock = time.monotonic
 _Role = tuple[bool, int, int, str, tuple[tuple[int, bool, int], ...]]
 
 
+class _Answers:
+    """Results of one turn of the loop, not yet told (``_answer``)."""
+
+    __slots__ = ("due", "reads", "results", "writes")
+
+    def __init__(self) -> None:
+        self.results: list[work_pb2.WorkResult] = []
+        self.writes = 0
+        self.reads = 0
+        self.due = False  # ``_answers_out`` is scheduled
+
+
 class QueueServerLink:
     """One long-lived Pull stream to one queue server, re-opened when it breaks.
 
@@ -94,6 +106,7 @@ class QueueServerLink:
         self._fences_told = False  # the queue server sends FenceWait (on this stream)
         self._fence_wait = 0  # reads there wait for this applied index
         self._fence_reads = False  # fenced reads come in there lately
+        self._answers = _Answers()  # this turn's results (``_answer``)
 
     def state(self, with_status: bool = True) -> work_pb2.WorkerState:
         """What routing needs (role, term, indexes), and unless told not to
@@ -372,10 +385,38 @@ class QueueServerLink:
     async def _do(self, item: work_pb2.WorkItem) -> None:
         res = await self.executor.run(item)
         round_trace.mark("result")
-        credit = work_pb2.Credit(
-            writes=1 if item.kind == work_pb2.WORK_KIND_WRITE else 0,
-            reads=1 if item.kind == work_pb2.WORK_KIND_READ else 0,
-        )
-        # The state rides along: a read fenced at this write's index can be
-        # handed to this node as soon as its answer arrives.
-        self._tell(work_pb2.WorkerMessage(results=[res], credit=credit, state=self.state(False)))
+        self._answer(res, item.kind)
+
+    def _answer(self, res: work_pb2.WorkResult, kind: int) -> None:
+        """Queue one item's result; the results of one turn of the loop
+        leave together (``_answers_out``), every group's of this process."""
+        answers = self._answers
+        answers.results.append(res)
+        if kind == work_pb2.WORK_KIND_WRITE:
+            answers.writes += 1
+        elif kind == work_pb2.WORK_KIND_READ:
+            answers.reads += 1
+        if not answers.due:
+            answers.due = True
+            asyncio.get_running_loop().call_soon(self._answers_out)
+
+    def _answers_out(self) -> None:
+        """The turn's results as WorkerMessages of up to WORK_BATCH_BYTES of
+        responses each (a bigger one alone), each with the credit its items
+        give back and the state: a read fenced at one of these writes'
+        indexes can be handed to this node as soon as its answer arrives."""
+        answers, self._answers = self._answers, _Answers()
+        state = self.state(False)
+        msgs: list[work_pb2.WorkerMessage] = []
+        size = WORK_BATCH_BYTES
+        for res in answers.results:
+            n = len(res.response)
+            if size + n > WORK_BATCH_BYTES and (n or not msgs):
+                msgs.append(work_pb2.WorkerMessage())
+                size = 0
+            msgs[-1].results.append(res)
+            size += n
+        msgs[0].credit.writes, msgs[0].credit.reads = answers.writes, answers.reads
+        for msg in msgs:
+            msg.state.CopyFrom(state)
+            self._tell(msg)
