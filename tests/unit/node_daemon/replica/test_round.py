@@ -75,7 +75,12 @@ def test_a_pass_turns_each_woken_group_once_then_flushes_commits_and_applies() -
         a, b = _Group(1, calls), _Group(2, calls)
         r.add(a, None)
         r.add(b, None)
-        a.then = lambda: (r.wake(a), r.defer(lambda: calls.calls.append("apply1")))
+
+        def a_then() -> None:
+            r.wake(a)
+            r.defer(lambda: calls.calls.append("apply1"))
+
+        a.then = a_then
         b.then = lambda: r.wake(b)  # woken again during its turn: once in this pass
         r.run_now()
         return calls.calls
