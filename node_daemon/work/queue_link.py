@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
@@ -47,6 +48,11 @@ _clock = time.monotonic
 _Role = tuple[bool, int, int, str, tuple[tuple[int, bool, int], ...]]
 
 
+# In the outbox: the results gathered so far (``_Answers``) go here, as
+# messages built when the link's writer takes them.
+_ANSWERS = work_pb2.WorkerMessage()
+
+
 class _Answers:
     """Results of one turn of the loop, not yet told (``_answer``)."""
 
@@ -56,7 +62,7 @@ class _Answers:
         self.results: list[work_pb2.WorkResult] = []
         self.writes = 0
         self.reads = 0
-        self.due = False  # ``_answers_out`` is scheduled
+        self.due = False  # ``_ANSWERS`` is in the outbox for them
 
 
 class QueueServerLink:
@@ -106,7 +112,8 @@ class QueueServerLink:
         self._fences_told = False  # the queue server sends FenceWait (on this stream)
         self._fence_wait = 0  # reads there wait for this applied index
         self._fence_reads = False  # fenced reads come in there lately
-        self._answers = _Answers()  # this turn's results (``_answer``)
+        self._answers = _Answers()  # results not yet in a message (``_answer``)
+        self._backlog: deque[work_pb2.WorkerMessage] = deque()  # built, not yet taken
 
     def state(self, with_status: bool = True) -> work_pb2.WorkerState:
         """What routing needs (role, term, indexes), and unless told not to
@@ -250,13 +257,12 @@ class QueueServerLink:
         yield first
         carried: work_pb2.WorkerMessage | None = None  # did not fit the last message
         while True:
-            msg = carried if carried is not None else await self.outbox.get()
+            msg = carried if carried is not None else await self._next()
             carried = None
             size = msg.ByteSize()
             # Merge what piled up into one message, up to WORK_BATCH_BYTES of
             # results (a bigger result goes alone).
-            while not self.outbox.empty():
-                more = self.outbox.get_nowait()
+            while (more := self._next_nowait()) is not None:
                 extra = sum(len(r.response) for r in more.results)
                 if extra and size + extra > WORK_BATCH_BYTES:
                     carried = more
@@ -281,6 +287,7 @@ class QueueServerLink:
                 async with tls.current().channel(self.address, options=opts) as ch:
                     stub = work_pb2_grpc.WorkStub(ch)
                     self.outbox = asyncio.Queue()
+                    self._answers, self._backlog = _Answers(), deque()  # the old stream's
                     self._fences_told, self._fence_wait = False, 0  # until this server says
                     self.fence_wait_ended()
                     port = await self._frames_port(stub)
@@ -388,8 +395,9 @@ class QueueServerLink:
         self._answer(res, item.kind)
 
     def _answer(self, res: work_pb2.WorkResult, kind: int) -> None:
-        """Queue one item's result; the results of one turn of the loop
-        leave together (``_answers_out``), every group's of this process."""
+        """Queue one item's result: the results that come before the link's
+        writer takes them leave together (``_answers_out``), every group's
+        of this process, with one state."""
         answers = self._answers
         answers.results.append(res)
         if kind == work_pb2.WORK_KIND_WRITE:
@@ -398,15 +406,39 @@ class QueueServerLink:
             answers.reads += 1
         if not answers.due:
             answers.due = True
-            asyncio.get_running_loop().call_soon(self._answers_out)
+            self.outbox.put_nowait(_ANSWERS)
+
+    async def _next(self) -> work_pb2.WorkerMessage:
+        """The next message for the queue server (waits for one)."""
+        while not self._backlog:
+            msg = await self.outbox.get()
+            if msg is not _ANSWERS:
+                return msg
+            self._answers_out()
+        return self._backlog.popleft()
+
+    def _next_nowait(self) -> work_pb2.WorkerMessage | None:
+        """The next message for the queue server, if one is there."""
+        while not self._backlog:
+            if self.outbox.empty():
+                return None
+            msg = self.outbox.get_nowait()
+            if msg is not _ANSWERS:
+                return msg
+            self._answers_out()
+        return self._backlog.popleft()
 
     def _answers_out(self) -> None:
-        """The turn's results as WorkerMessages of up to WORK_BATCH_BYTES of
-        responses each (a bigger one alone), each with the credit its items
-        give back and the state: a read fenced at one of these writes'
-        indexes can be handed to this node as soon as its answer arrives."""
+        """The results gathered as WorkerMessages (into ``_backlog``) of up
+        to WORK_BATCH_BYTES of responses each (a bigger one alone), with
+        the credit their items give back and the state: a read fenced at
+        one of these writes' indexes can be handed to this node as soon as
+        its answer arrives."""
         answers, self._answers = self._answers, _Answers()
+        if not answers.results:
+            return
         state = self.state(False)
+        self._told_state(state)
         msgs: list[work_pb2.WorkerMessage] = []
         size = WORK_BATCH_BYTES
         for res in answers.results:
@@ -419,4 +451,4 @@ class QueueServerLink:
         msgs[0].credit.writes, msgs[0].credit.reads = answers.writes, answers.reads
         for msg in msgs:
             msg.state.CopyFrom(state)
-            self._tell(msg)
+        self._backlog.extend(msgs)
