@@ -440,10 +440,10 @@ class QueueServerLink:
         state = self.state(False)
         self._told_state(state)
         msgs: list[work_pb2.WorkerMessage] = []
-        size = WORK_BATCH_BYTES
+        size = 0
         for res in answers.results:
             n = len(res.response)
-            if size + n > WORK_BATCH_BYTES and (n or not msgs):
+            if not msgs or (size and size + n > WORK_BATCH_BYTES):
                 msgs.append(work_pb2.WorkerMessage())
                 size = 0
             msgs[-1].results.append(res)
