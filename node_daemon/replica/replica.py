@@ -1,7 +1,10 @@
 """Replica: the Raft core driven by asyncio, a leader's LMDB off the event loop.
 
-One driver task owns the core. Everything else (peer messages, proposals,
-timer ticks, admin requests) reaches it as a callable in the inbox. The
+One driver task owns the core (a data group in a Store: the process's
+round, ``replica.round``, which turns every woken group once a pass and
+then flushes frames and the group commit once for all). Everything else
+(peer messages, proposals, timer ticks, admin requests) reaches it as a
+callable in the inbox. The
 Ready loop itself (send what may go early, persist, send the rest, apply,
 advance; apply committed entries already on disk while a write runs) is
 ``raft.driver.ReadyDriver``, shared with the simulation and the unit tests;
