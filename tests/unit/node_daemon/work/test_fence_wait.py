@@ -22,6 +22,7 @@ from queue_server.config import QueueConfig
 from queue_server.outgoing import Outgoing
 from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
 from queue_server.server import QueueServer
+from roadlog.limits import WORK_BATCH_BYTES
 from roadlog.v1 import client_pb2, clients_pb2, work_pb2
 
 pytestmark = pytest.mark.unit
@@ -464,7 +465,7 @@ def test_the_results_gathered_before_the_writer_takes_them_leave_as_one_message(
     async def main() -> None:
         link, node, _ = _link(monkeypatch)
         node.apply(7)
-        big = b"x" * (queue_link.WORK_BATCH_BYTES // 2 + 1)
+        big = b"x" * (WORK_BATCH_BYTES // 2 + 1)
         link._answer(work_pb2.WorkResult(id=1), work_pb2.WORK_KIND_WRITE)  # no response
         link._answer(work_pb2.WorkResult(id=2, response=b"ok"), work_pb2.WORK_KIND_WRITE)
         link._answer(work_pb2.WorkResult(id=3, response=b"r"), work_pb2.WORK_KIND_READ)
