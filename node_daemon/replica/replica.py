@@ -1,7 +1,10 @@
 """Replica: the Raft core driven by asyncio, a leader's LMDB off the event loop.
 
-One driver task owns the core. Everything else (peer messages, proposals,
-timer ticks, admin requests) reaches it as a callable in the inbox. The
+One driver task owns the core (a data group in a Store: the process's
+round, ``replica.round``, which turns every woken group once a pass and
+then flushes frames and the group commit once for all). Everything else
+(peer messages, proposals, timer ticks, admin requests) reaches it as a
+callable in the inbox. The
 Ready loop itself (send what may go early, persist, send the rest, apply,
 advance; apply committed entries already on disk while a write runs) is
 ``raft.driver.ReadyDriver``, shared with the simulation and the unit tests;
@@ -72,6 +75,7 @@ from node_daemon.replica.log_clock import (
 )
 from node_daemon.replica.opening import open_group
 from node_daemon.replica.remote import ReplicaView
+from node_daemon.replica.round import Round
 from node_daemon.replica.snapshots import Snapshots
 from node_daemon.replica.tick_due import LazyTicks, tick_n
 from node_daemon.state import unsynced
@@ -129,8 +133,13 @@ class Replica:
         group: int = 0,
         transport: PeerTransport | None = None,
         commits: GroupCommit | None = None,
+        round: Round | None = None,
     ) -> None:
+        """``round``: driven by the process's round with its other groups
+        (``replica.round``: one Ready pass a turn for all), not by a driver
+        task of its own."""
         self.cfg = cfg
+        self._round = round
         self.id = cfg.node_id
         self.group = group
         # Every group this node runs, by number (Store fills it in; a
@@ -184,7 +193,7 @@ class Replica:
             self.sm,
             self.core.snapshot_meta_at,
             self._log_io,
-            lambda: self._wakeup.set(),
+            lambda: self._wake(),
             cfg.snapshot_entries,
             cfg.snapshot_bytes,
             index_gauge=self._snapshot_gauge,
@@ -231,7 +240,9 @@ class Replica:
         self._proposals_overlap = False
         self._reads: dict[bytes, asyncio.Future[int]] = {}
         self._read_seq = 0
-        self._applied = asyncio.Condition()
+        # Who waits for the applied index to move: (until what, told by).
+        self._applied_waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        self._busy: asyncio.Task[None] | None = None  # a round's group compacting its log
         self._apply_io = IoThread("apply")
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -295,12 +306,19 @@ class Replica:
             if self._owns_transport:
                 self.transport.set_addresses(merged)
 
+    def _wake(self) -> None:
+        """There is work for the driver: its task's, or the round's pass."""
+        if self._round is not None:
+            self._round.wake(self)
+        else:
+            self._wakeup.set()
+
     def submit(self, fn: Callable[[RaftCore], None]) -> None:
         """Run ``fn(core)`` on the driver (the only place the core is touched)."""
         if self.ticks.on:
             self.owe_ticks(time.monotonic())
         self._inbox.append(fn)
-        self._wakeup.set()
+        self._wake()
 
     def owe_ticks(self, now: float) -> None:
         """Lazy ticks: a tick queued for every tick boundary that passed by
@@ -308,7 +326,7 @@ class Replica:
         n = self.ticks.owed(now)
         if n:
             self._inbox.append(lambda core: tick_n(core, n))
-            self._wakeup.set()
+            self._wake()
 
     def lazy_tick(self, now: float) -> None:
         """The Store's ticker, at or after ``ticks.due_at`` (or for the
@@ -340,7 +358,7 @@ class Replica:
             self.owe_ticks(time.monotonic())  # the ticks before it, first
         self._ops.append((op, fut, deadline))
         self._ops_taken.clear()
-        self._wakeup.set()
+        self._wake()
         t0 = time.perf_counter()
         fut.add_done_callback(lambda _: _REPLICATE_SECONDS.observe(time.perf_counter() - t0))
         return fut
@@ -404,8 +422,23 @@ class Replica:
     async def _until_applied(self, done: Callable[[], bool], timeout: float | None) -> None:
         """Wait until ``done()``, asked again whenever the applied index
         moves (TimeoutError after ``timeout`` seconds)."""
-        async with self._applied:
-            await asyncio.wait_for(self._applied.wait_for(done), timeout)
+        if done():
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._applied_waiters.append((done, fut))
+        await asyncio.wait_for(fut, timeout)
+
+    def _notify_applied(self) -> None:
+        """The applied index moved: answer the waiters it satisfies (and
+        forget those that gave up)."""
+        waiting, self._applied_waiters = self._applied_waiters, []
+        for done, fut in waiting:
+            if fut.done():
+                continue
+            if done():
+                fut.set_result(None)
+            else:
+                self._applied_waiters.append((done, fut))
 
     async def conf_change(self, cc: ConfChange) -> int:
         """Propose a configuration change; returns its index once that very
@@ -493,8 +526,12 @@ class Replica:
         loop = self._loop = asyncio.get_running_loop()
         if lazy_ticks and not own_ticker:
             self.ticks.start(time.monotonic())
-        drive = loop.create_task(self._drive())
-        self._tasks = [drive]
+        self._tasks = []
+        if self._round is not None:
+            self._round.add(self, on_failure)
+        else:
+            drive = loop.create_task(self._drive())
+            self._tasks.append(drive)
         if own_ticker:
             self._tasks.append(loop.create_task(self._ticker()))
         if self.core.catching_up and self._others:
@@ -510,13 +547,18 @@ class Replica:
             if on_failure is not None:
                 on_failure(t.exception())  # type: ignore[arg-type]
 
-        drive.add_done_callback(done)
+        if self._round is None:
+            drive.add_done_callback(done)
 
     async def stop(self) -> None:
         self._stopping = True
         self.driver.stop()
+        if self._round is not None:
+            self._round.remove(self)
+        if self._busy is not None:
+            self._tasks.append(self._busy)
         self._fail_lost(self._pending.drain())
-        self._wakeup.set()
+        self._wake()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -628,27 +670,56 @@ class Replica:
             self._loop.call_soon(self._predict, entries)
 
     async def _drive(self) -> None:
+        """The driver task of a replica run without a round."""
         loop = asyncio.get_running_loop()
-        driver = self.driver
         while not self._stopping:
             await self._wakeup.wait()
             self._wakeup.clear()
-            self._drain()
-            driver.pump()
-            if self.ticks.on:
-                self.ticks.moved(self.core)
-            if self._failure is not None:
-                raise self._failure  # a failed write or apply: the node cannot go on safely
-            if self.sm.applied_index != self._notified_applied:
-                self._notified_applied = self.sm.applied_index
-                self.log_clock.learn(self.sm.log_ms)
-                async with self._applied:
-                    self._applied.notify_all()
-            if self._catching_up_file is not None and self.core.caught_up_durably():
-                self._caught_up()
-            if driver.idle:
-                self._observe()
+            if self._turn():
                 await self.snapshots.between_readys(loop)
+
+    def _turn(self) -> bool:
+        """Step the core with what came, pump the driver, and what follows
+        an applied index that moved; True when between Readys (the log may
+        be compacted: ``snapshots.between_readys``). Raises the failure of
+        a write or an apply: the node cannot go on safely."""
+        driver = self.driver
+        self._drain()
+        driver.pump()
+        if self.ticks.on:
+            self.ticks.moved(self.core)
+        if self._failure is not None:
+            raise self._failure
+        if self.sm.applied_index != self._notified_applied:
+            self._notified_applied = self.sm.applied_index
+            self.log_clock.learn(self.sm.log_ms)
+            self._notify_applied()
+        if self._catching_up_file is not None and self.core.caught_up_durably():
+            self._caught_up()
+        if not driver.idle:
+            return False
+        self._observe()
+        return True
+
+    def round_turn(self) -> None:
+        """This group's part of the round's pass (``replica.round``): as a
+        wake of its driver task. A log compaction due between Readys runs
+        as a task, during which the group is not turned."""
+        if self._stopping or self._busy is not None:
+            return
+        if not self._turn():
+            return
+        if self.snapshots.between_readys_now(self._loop):
+            return
+        self._busy = self._loop.create_task(self.snapshots.between_readys(self._loop))
+
+        def compacted(t: asyncio.Task[None]) -> None:
+            self._busy = None
+            if not t.cancelled() and t.exception() is not None:
+                self._failure = t.exception()
+            self._wake()
+
+        self._busy.add_done_callback(compacted)
 
     # The driver's I/O: the log's thread, the state machine (inline or on the
     # apply thread), the transport. Completions come back on the event loop.
@@ -683,7 +754,11 @@ class Replica:
     def _write_log(self, w: LogWrite) -> bool:
         # Only the commit index moved: nothing touches the disk, no thread hop.
         touches_disk = self.log_store.writes(w.entries, w.snapshot, w.sync)
-        if touches_disk and self._commits is not None and self._commits.groups > 1:
+        if (
+            touches_disk
+            and self._commits is not None
+            and (self._commits.groups > 1 or self._round is not None)
+        ):
             inline = w.snapshot is None and self._writes_inline(sum(e.size() for e in w.entries))
             self._commit(w, inline)
             return False
@@ -731,22 +806,26 @@ class Replica:
         (``GroupCommit``), on the loop when ``inline``; as ``_save`` else."""
         if self._stopping or self._commits is None:
             return
-        if inline:
-            self.transport.flush()  # what is queued for peers does not wait on the disk
+        if inline and self._round is None:
+            # What is queued for peers does not wait on the disk (a round
+            # flushes the transport before the commit anyway).
+            self.transport.flush()
 
         def done(exc: BaseException | None) -> None:
             if self._stopping:
                 return
             if exc is None:
                 self._written(w)
-                if inline:  # written at the turn's end: its acks leave now, not a turn later
+                if inline and self._round is None:
+                    # Written at the turn's end: its acks leave now, not a
+                    # turn later (in a round, the pass goes on with it).
                     self.driver.pump()
             elif isinstance(exc, StorageFullError):
                 self._out_of_space(exc, "log write", lambda: self._commit(w, False))
                 return
             else:
                 self._failure = exc
-            self._wakeup.set()
+            self._wake()
 
         save = (self.log_store, w.hard_state, w.entries, w.snapshot)
         self._commits.submit(self._loop, save, inline, done)
@@ -767,6 +846,24 @@ class Replica:
         if job.snapshot is not None:
             self._install(job)
             return False
+        if self._round is not None and sum(len(e.data) for e in job.entries) <= INLINE_APPLY_BYTES:
+            self._round.defer(lambda: self._apply_deferred(job))
+            return False
+        return self._apply_now(job)
+
+    def _apply_deferred(self, job: ApplyJob) -> None:
+        """A round's small apply, once the pass's frames have left."""
+        if self._stopping:
+            return
+        try:
+            if self._apply_now(job):
+                self.driver.apply_done(job)
+        except Exception as e:
+            self._failure = e
+        self._wake()
+
+    def _apply_now(self, job: ApplyJob) -> bool:
+        """``_apply_job`` for entries (see there)."""
         entries = job.entries
         # Results are built only while a proposal of this node waits (every
         # entry it proposes is in the log, so in PendingProposals, before it
@@ -853,7 +950,7 @@ class Replica:
             self._failure = e
         else:
             self.driver.apply_done(job)
-        self._wakeup.set()
+        self._wake()
 
     def _apply_on_thread(self, job: ApplyJob) -> None:
         if self._stopping:
@@ -905,7 +1002,7 @@ class Replica:
             self._failure = exc
         else:
             report(fut.result())
-        self._wakeup.set()
+        self._wake()
 
     def _out_of_space(self, err: StorageFullError, what: str, retry: Callable[[], None]) -> None:
         """No room for a write or an apply: nothing of it was stored. Try it

@@ -225,6 +225,21 @@ class Snapshots:
             self._taking = None
             waiters, self._waiters = self._waiters, []
             await self._compact_to(loop, task, waiters)
+        self._begin_if_due(loop)
+
+    def between_readys_now(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """``between_readys`` when it need not wait, done here: False (and
+        nothing done) when a snapshot taken waits to compact the log, which
+        ``between_readys`` awaits."""
+        task = self._taking
+        if task is not None and task.done():
+            return False
+        self._flush_state(loop)
+        self._begin_if_due(loop)
+        return True
+
+    def _begin_if_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin a snapshot if one is due or asked for (none is being taken)."""
         if self._taking is not None:
             return
         applied, first = self._sm.applied_index, self._log_store.first_index()

@@ -9,7 +9,10 @@ flush runs on the event loop itself when each of its saves may
 (``inline``: what ``Replica`` would write on the loop anyway) and the
 store's thread is idle; otherwise on the store's thread while the loop goes
 on. Saves handed over while a flush is in flight wait for the next, which
-begins in the turn that flush is reported done.
+begins in the turn that flush is reported done. A round
+(``replica.round``) flushes at the end of its pass instead
+(``flush_now``), and is told when a flush's saves are reported
+(``on_reported``), so their groups go on in that turn.
 
 Invariants: at most one flush is in flight, so saves reach the disk in the
 order they were handed over; each save's ``done`` is called exactly once,
@@ -39,6 +42,8 @@ class GroupCommit:
         self._scheduled = False  # a flush is due at the end of this turn
         self._in_flight = False  # a flush runs on the store's thread
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Called after a flush's saves are reported done (the round's pass).
+        self.on_reported: Callable[[], None] | None = None
 
     @property
     def groups(self) -> int:
@@ -56,9 +61,15 @@ class GroupCommit:
             self._scheduled = True
             loop.call_soon(self._flush)
 
+    def flush_now(self) -> None:
+        """Flush what was handed over, now (unless a flush is in flight: then
+        it waits for that one, as ever)."""
+        if not self._in_flight:
+            self._flush()
+
     def _flush(self) -> None:
         self._scheduled = False
-        if not self._saves:
+        if not self._saves or self._in_flight:
             return
         saves, dones, inline = self._saves, self._dones, self._inline
         self._saves, self._dones, self._inline = [], [], True
@@ -70,6 +81,8 @@ class GroupCommit:
                 self._report(dones, e)
             else:
                 self._report(dones, None)
+            if self.on_reported is not None:
+                self.on_reported()
             return
         assert self._loop is not None
         self._in_flight = True
@@ -80,7 +93,9 @@ class GroupCommit:
         self._in_flight = False
         exc = asyncio.CancelledError() if fut.cancelled() else fut.exception()
         self._report(dones, exc)
-        if self._saves and not self._scheduled:
+        if self.on_reported is not None:
+            self.on_reported()
+        if self._saves and not self._scheduled and not self._in_flight:
             self._scheduled = True
             assert self._loop is not None
             self._loop.call_soon(self._flush)

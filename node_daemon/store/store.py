@@ -13,7 +13,10 @@ Invariants:
   entries to persist); each has its own core, driver, state machine and
   applies, so one group's election or snapshot never waits on another's.
   Group 0 keeps a log of its own. (State machines: one environment per
-  group still.)
+  group still.) The data groups share one round (``replica.round``): one
+  Ready pass a turn of the loop for every data group with work, then one
+  frame per peer and one commit for all of them; group 0 keeps a driver
+  task of its own.
 - One ticker ticks every group in the same turn of the event loop, so the
   heartbeats all groups send to a peer in a tick leave in one batch. It
   ticks lazily (``Replica.owe_ticks``): it sleeps until the first tick at
@@ -60,6 +63,7 @@ from node_daemon import metrics
 from node_daemon.config import NodeConfig
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.replica import NotLeader, Replica
+from node_daemon.replica.round import Round
 from node_daemon.storage.group_commit import GroupCommit
 from node_daemon.storage.group_logs import check_store, group_data_dir
 from node_daemon.storage.log_store import LogStore, store_dir
@@ -114,15 +118,17 @@ class Store:
         # written once a turn of the loop for all of them (group commit).
         self.log_store: LogStore | None = None
         commits: GroupCommit | None = None
+        self.round: Round | None = None
         if any(groups):
             path = store_dir(data_dir, log_store)
             alone = bool(cfg.peers) and set(cfg.peers) <= {cfg.node_id}
             check_store(path, [group_data_dir(data_dir, g) for g in groups if g], not alone)
             self.log_store = LogStore(path)
             commits = GroupCommit(self.log_store)
+            self.round = Round(transport, commits)
         for g in groups:
             if g:
-                self.nodes[g] = Replica(cfg, g, transport, commits)
+                self.nodes[g] = Replica(cfg, g, transport, commits, self.round)
         # What the groups read of each other: every group of the node.
         reads: dict[int, ReplicaView] = {0: self.group0, **(remote or {}), **self.nodes}
         for node in self.nodes.values():

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from node_daemon.raft.types import Message
-from node_daemon.transport.wire import message_to_pb
+from node_daemon.transport.wire import beat_of, message_to_pb
 from roadlog.protowire import length_delimited
 from roadlog.v1 import raft_pb2
 
@@ -45,13 +45,27 @@ def _message_parts(m: Message, group: int) -> list[bytes]:
 
 
 def encode_batch(
-    cluster: str, node_id: int, messages: Sequence[tuple[int, Message]], disk_low: bool = False
+    cluster: str,
+    node_id: int,
+    messages: Sequence[tuple[int, Message]],
+    disk_low: bool = False,
+    beats: bool = False,
 ) -> list[bytes]:
     """The wire bytes of ``RaftBatch(cluster, from=node_id, messages,
     disk_low)``, in parts; each message is given with its Raft group,
-    ``(group, message)``."""
+    ``(group, message)``. ``beats``: heartbeats and their responses go as
+    coalesced beats (``RaftBatch.beats``, for a receiver that takes them)."""
     head = raft_pb2.RaftBatch(cluster=cluster, disk_low=disk_low)
     setattr(head, "from", node_id)
+    if beats:
+        rest = []
+        for group, m in messages:
+            beat = beat_of(m, group)
+            if beat is None:
+                rest.append((group, m))
+            else:
+                head.beats.append(beat)
+        messages = rest
     out = [head.SerializeToString()]
     for group, m in messages:
         parts = _message_parts(m, group)

@@ -17,7 +17,13 @@ every message carries it (``RaftMessage.group``, 0 for the metadata group,
 so a one-group node's wire is as before), and the receiver routes each
 message to its group. All groups' messages to one peer share its queue, so
 what the groups send in one turn of the event loop (their heartbeats of one
-tick, above all) leaves in one batch: one frame, one write.
+tick, above all) leaves in one batch: one frame, one write. In that frame
+the heartbeats and their responses are coalesced (CockroachDB's coalesced
+heartbeats): one small ``GroupBeat`` each in ``RaftBatch.beats`` instead of
+a ``RaftMessage``, fanned out to their groups by the receiver, sent only
+to a process that says in ``FramesEndpoint`` it takes them
+(``coalesced_heartbeats``; a node of an older version does not, and gets
+each heartbeat as a RaftMessage, as before).
 
 Every batch also says whether its sender's disk is low (``disk_low``, set
 by the process's groups); the receiver keeps what each peer said last, with
@@ -64,7 +70,7 @@ from node_daemon.storage.disk import fsync_dir
 from node_daemon.transport.batch_wire import encode_batch
 from node_daemon.transport.peer_disk import PeerDisks
 from node_daemon.transport.peer_frames import FramesLink, FramesServer
-from node_daemon.transport.wire import message_from_pb, message_to_pb
+from node_daemon.transport.wire import message_from_pb, message_of_beat, message_to_pb
 from roadlog import round_trace
 from roadlog.runtime import tls
 from roadlog.runtime.auth import cluster_token, token_metadata
@@ -150,6 +156,9 @@ class _Peer:
         # The framed link while this peer's task waits for messages on it:
         # ``flush`` writes to it at once (see there).
         self._idle_link: FramesLink | None = None
+        # The process at ``address`` takes coalesced heartbeats on the
+        # framed link (it said so in FramesEndpoint).
+        self.beats = False
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def put(self, group: int, m: Message) -> None:
@@ -200,7 +209,9 @@ class _Peer:
 
     def _next_frame(self) -> list[bytes]:
         """The pending messages as one framed link frame's parts."""
-        return encode_batch(self.t.cluster, self.t.node_id, self._next_messages(), self.t.disk_low)
+        return encode_batch(
+            self.t.cluster, self.t.node_id, self._next_messages(), self.t.disk_low, self.beats
+        )
 
     def _next_batch(self) -> raft_pb2.RaftBatch:
         """The pending messages as one RaftBatch (for the gRPC stream)."""
@@ -233,6 +244,7 @@ class _Peer:
 
     async def _frames_port(self, stub: raft_pb2_grpc.RaftPeerAsyncStub) -> int:
         """The peer's framed link port (0: it offers none)."""
+        self.beats = False
         if not self.t.use_frames:
             return 0
         try:
@@ -245,6 +257,7 @@ class _Peer:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return 0  # a peer of an older version: its gRPC stream
             raise
+        self.beats = bool(reply.port) and reply.coalesced_heartbeats and self.t.coalesce
         return int(reply.port)
 
     async def _frames(self, port: int) -> None:
@@ -393,6 +406,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         # groups set it, see ``Store``); and what the peers' batches said.
         self.disk_low = False
         self.peer_disks = PeerDisks()
+        # Send heartbeats coalesced to the peers that take them, and say
+        # this process takes them (off: as a node of an older version).
+        self.coalesce = True
 
     @classmethod
     def bare(cls, node_id: int, cluster: str, secret: bytes) -> PeerTransport:
@@ -610,8 +626,11 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
 
     def _receive(self, batch: raft_pb2.RaftBatch) -> None:
         """Hand a batch's messages to their groups' Raft (a SNAPSHOT once its
-        file is here). A message of a group this node does not run is
-        dropped and counted (Raft resends; the group may be starting)."""
+        file is here), then its coalesced heartbeats, each as the message it
+        stands for (so a group's beats of a batch reach it after its other
+        messages of the batch: Raft takes messages in any order). A message
+        of a group this node does not run is dropped and counted (Raft
+        resends; the group may be starting)."""
         round_trace.mark("peer_in")
         self.peer_disks.heard(getattr(batch, "from"), batch.disk_low, time.monotonic())
         groups = self.groups
@@ -627,6 +646,14 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
                     g.on_message(message_from_pb(pb))
             except ValueError:
                 self.rejected += 1
+        if batch.beats:
+            frm = getattr(batch, "from")
+            for b in batch.beats:  # fanned out to their groups
+                g = groups.get(b.group)
+                if g is None:
+                    self.rejected += 1
+                    continue
+                g.on_message(message_of_beat(b, self.node_id, frm))
 
     async def FramesEndpoint(
         self,
@@ -637,7 +664,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
             self.rejected += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
         return raft_pb2.FramesEndpointReply(
-            port=self.frames.port if self.frames else 0, group_ports=self.group_ports
+            port=self.frames.port if self.frames else 0,
+            group_ports=self.group_ports,
+            coalesced_heartbeats=self.frames is not None and self.coalesce,
         )
 
     async def FetchSnapshot(

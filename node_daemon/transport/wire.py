@@ -77,3 +77,41 @@ def message_from_pb(pb: raft_pb2.RaftMessage, snapshot_data: bytes = b"") -> Mes
         pb.catching_up,
         pb.caught_up,
     )
+
+
+_BEATS = (MessageType.HEARTBEAT, MessageType.HEARTBEAT_RESP)
+
+
+def beat_of(m: Message, group: int) -> raft_pb2.GroupBeat | None:
+    """``m`` as a coalesced heartbeat of ``group`` (``RaftBatch.beats``), or
+    None when it is no heartbeat or carries what a beat does not."""
+    if m.type not in _BEATS or (
+        m.log_term or m.reject or m.reject_hint or m.force or m.entries or m.snapshot is not None
+    ):
+        return None
+    return raft_pb2.GroupBeat(
+        group=group,
+        response=m.type == MessageType.HEARTBEAT_RESP,
+        term=m.term,
+        index=m.index,
+        commit=m.commit,
+        context=m.context,
+        catching_up=m.catching_up,
+        caught_up=m.caught_up,
+    )
+
+
+def message_of_beat(b: raft_pb2.GroupBeat, to: int, frm: int) -> Message:
+    """The heartbeat (or its response) a coalesced beat from ``frm`` to
+    ``to`` stands for (``beat_of``'s inverse)."""
+    return Message(
+        MessageType.HEARTBEAT_RESP if b.response else MessageType.HEARTBEAT,
+        to,
+        frm,
+        b.term,
+        index=b.index,
+        commit=b.commit,
+        context=b.context,
+        catching_up=b.catching_up,
+        caught_up=b.caught_up,
+    )

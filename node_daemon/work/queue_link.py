@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
@@ -45,6 +46,23 @@ _clock = time.monotonic
 # A node's role as told to a queue server: leads group 0, its leader, term,
 # the leader's address, and (group, leads it, term) of each data group.
 _Role = tuple[bool, int, int, str, tuple[tuple[int, bool, int], ...]]
+
+
+# In the outbox: the results gathered so far (``_Answers``) go here, as
+# messages built when the link's writer takes them.
+_ANSWERS = work_pb2.WorkerMessage()
+
+
+class _Answers:
+    """Results of one turn of the loop, not yet told (``_answer``)."""
+
+    __slots__ = ("due", "reads", "results", "writes")
+
+    def __init__(self) -> None:
+        self.results: list[work_pb2.WorkResult] = []
+        self.writes = 0
+        self.reads = 0
+        self.due = False  # ``_ANSWERS`` is in the outbox for them
 
 
 class QueueServerLink:
@@ -94,6 +112,8 @@ class QueueServerLink:
         self._fences_told = False  # the queue server sends FenceWait (on this stream)
         self._fence_wait = 0  # reads there wait for this applied index
         self._fence_reads = False  # fenced reads come in there lately
+        self._answers = _Answers()  # results not yet in a message (``_answer``)
+        self._backlog: deque[work_pb2.WorkerMessage] = deque()  # built, not yet taken
 
     def state(self, with_status: bool = True) -> work_pb2.WorkerState:
         """What routing needs (role, term, indexes), and unless told not to
@@ -237,13 +257,12 @@ class QueueServerLink:
         yield first
         carried: work_pb2.WorkerMessage | None = None  # did not fit the last message
         while True:
-            msg = carried if carried is not None else await self.outbox.get()
+            msg = carried if carried is not None else await self._next()
             carried = None
             size = msg.ByteSize()
             # Merge what piled up into one message, up to WORK_BATCH_BYTES of
             # results (a bigger result goes alone).
-            while not self.outbox.empty():
-                more = self.outbox.get_nowait()
+            while (more := self._next_nowait()) is not None:
                 extra = sum(len(r.response) for r in more.results)
                 if extra and size + extra > WORK_BATCH_BYTES:
                     carried = more
@@ -268,6 +287,7 @@ class QueueServerLink:
                 async with tls.current().channel(self.address, options=opts) as ch:
                     stub = work_pb2_grpc.WorkStub(ch)
                     self.outbox = asyncio.Queue()
+                    self._answers, self._backlog = _Answers(), deque()  # the old stream's
                     self._fences_told, self._fence_wait = False, 0  # until this server says
                     self.fence_wait_ended()
                     port = await self._frames_port(stub)
@@ -372,10 +392,63 @@ class QueueServerLink:
     async def _do(self, item: work_pb2.WorkItem) -> None:
         res = await self.executor.run(item)
         round_trace.mark("result")
-        credit = work_pb2.Credit(
-            writes=1 if item.kind == work_pb2.WORK_KIND_WRITE else 0,
-            reads=1 if item.kind == work_pb2.WORK_KIND_READ else 0,
-        )
-        # The state rides along: a read fenced at this write's index can be
-        # handed to this node as soon as its answer arrives.
-        self._tell(work_pb2.WorkerMessage(results=[res], credit=credit, state=self.state(False)))
+        self._answer(res, item.kind)
+
+    def _answer(self, res: work_pb2.WorkResult, kind: int) -> None:
+        """Queue one item's result: the results that come before the link's
+        writer takes them leave together (``_answers_out``), every group's
+        of this process, with one state."""
+        answers = self._answers
+        answers.results.append(res)
+        if kind == work_pb2.WORK_KIND_WRITE:
+            answers.writes += 1
+        elif kind == work_pb2.WORK_KIND_READ:
+            answers.reads += 1
+        if not answers.due:
+            answers.due = True
+            self.outbox.put_nowait(_ANSWERS)
+
+    async def _next(self) -> work_pb2.WorkerMessage:
+        """The next message for the queue server (waits for one)."""
+        while not self._backlog:
+            msg = await self.outbox.get()
+            if msg is not _ANSWERS:
+                return msg
+            self._answers_out()
+        return self._backlog.popleft()
+
+    def _next_nowait(self) -> work_pb2.WorkerMessage | None:
+        """The next message for the queue server, if one is there."""
+        while not self._backlog:
+            if self.outbox.empty():
+                return None
+            msg = self.outbox.get_nowait()
+            if msg is not _ANSWERS:
+                return msg
+            self._answers_out()
+        return self._backlog.popleft()
+
+    def _answers_out(self) -> None:
+        """The results gathered as WorkerMessages (into ``_backlog``) of up
+        to WORK_BATCH_BYTES of responses each (a bigger one alone), with
+        the credit their items give back and the state: a read fenced at
+        one of these writes' indexes can be handed to this node as soon as
+        its answer arrives."""
+        answers, self._answers = self._answers, _Answers()
+        if not answers.results:
+            return
+        state = self.state(False)
+        self._told_state(state)
+        msgs: list[work_pb2.WorkerMessage] = []
+        size = 0
+        for res in answers.results:
+            n = len(res.response)
+            if not msgs or (size and size + n > WORK_BATCH_BYTES):
+                msgs.append(work_pb2.WorkerMessage())
+                size = 0
+            msgs[-1].results.append(res)
+            size += n
+        msgs[0].credit.writes, msgs[0].credit.reads = answers.writes, answers.reads
+        for msg in msgs:
+            msg.state.CopyFrom(state)
+        self._backlog.extend(msgs)

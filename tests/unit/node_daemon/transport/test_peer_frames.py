@@ -177,6 +177,74 @@ def test_groups_share_one_link_and_each_message_reaches_its_group(
     run_bounded(body)
 
 
+@pytest.mark.parametrize("takes", [True, False], ids=["coalesced", "older-receiver"])
+def test_heartbeats_of_many_groups_go_coalesced_to_a_receiver_that_takes_them(
+    tmp_path: Path, takes: bool
+) -> None:
+    """One turn's heartbeats and responses of several groups to one peer
+    travel as coalesced beats of one batch (RaftBatch.beats) where the
+    receiver said it takes them, else each as a RaftMessage (a node of an
+    older version); either way each reaches its group as it was sent, and a
+    heartbeat carrying what a beat cannot stays a RaftMessage."""
+
+    async def body() -> None:
+        got: dict[int, list[Message]] = {0: [], 1: [], 2: []}
+        b = _transport(2, tmp_path, got[0])
+        b.coalesce = takes
+        for g in (1, 2):
+            b.add_group(
+                g,
+                GroupEndpoint(
+                    got[g].append, lambda to: None, lambda to, ok: None, no_snapshot, tmp_path
+                ),
+            )
+        batches: list[raft_pb2.RaftBatch] = []
+        receive = b._receive
+
+        def recorded(batch: raft_pb2.RaftBatch) -> None:
+            batches.append(batch)
+            receive(batch)
+
+        b._receive = recorded  # type: ignore[method-assign]
+        server, addr = await _serving(b, True)
+        a = _transport(1, tmp_path, [])
+        a.set_addresses({2: addr})
+        try:
+            a.send([_append(1, 2, 1)], group=0)
+            await until(lambda: len(got[0]) == 1, "the link up")
+            beat = Message(MessageType.HEARTBEAT, 2, 1, 4, commit=9, context=b"r1", caught_up=3)
+            resp = Message(MessageType.HEARTBEAT_RESP, 2, 1, 5, index=7, commit=6, catching_up=True)
+            odd = Message(MessageType.HEARTBEAT, 2, 1, 4, log_term=2)  # no beat for it
+            batches.clear()
+            a.send([beat], group=0)
+            a.sender(1)([resp])
+            a.sender(2)([beat, odd])
+            await until(
+                lambda: len(got[0]) == 2 and len(got[1]) == 1 and len(got[2]) == 2,
+                "every group's heartbeats",
+            )
+            # A group's beats reach it after its RaftMessages of the batch
+            # (Raft takes messages in any order).
+            assert got[0][1] == beat and got[1] == [resp]
+            assert sorted(got[2], key=repr) == sorted([beat, odd], key=repr)
+            assert len(batches) == 1  # one frame for all
+            if takes:
+                assert [(x.group, x.response) for x in batches[0].beats] == [
+                    (0, False),
+                    (1, True),
+                    (2, False),
+                ]
+                assert [m.group for m in batches[0].messages] == [2]  # the odd one
+            else:
+                assert not batches[0].beats and len(batches[0].messages) == 4
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(None)
+
+    run_bounded(body)
+
+
 async def _raw_connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     greeting = await reader.readexactly(len(MAGIC) + NONCE_BYTES)

@@ -22,6 +22,7 @@ from queue_server.config import QueueConfig
 from queue_server.outgoing import Outgoing
 from queue_server.queues import READS_FLOWING_S, Item, Kind, WorkQueues
 from queue_server.server import QueueServer
+from roadlog.limits import WORK_BATCH_BYTES
 from roadlog.v1 import client_pb2, clients_pb2, work_pb2
 
 pytestmark = pytest.mark.unit
@@ -439,5 +440,45 @@ def test_a_worker_process_link_is_not_asked_for_group_0_fences_nor_shown_as_its_
         # A session may not switch between speaking for group 0 and not.
         with pytest.raises(ValueError):
             qs._worker_message(2, work_pb2.WorkerMessage(state=work_pb2.WorkerState(node_id=1)))
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------ results, batched
+
+
+def _messages_now(link: QueueServerLink) -> list[work_pb2.WorkerMessage]:
+    out = []
+    while (m := link._next_nowait()) is not None:
+        out.append(m)
+    return out
+
+
+def test_the_results_gathered_before_the_writer_takes_them_leave_as_one_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every result (of any group) that comes before the link's writer takes
+    the outbox goes in one WorkerMessage with the credit of all its items
+    and one state, told as the last state; an empty response is a result
+    too; responses past WORK_BATCH_BYTES start another message."""
+
+    async def main() -> None:
+        link, node, _ = _link(monkeypatch)
+        node.apply(7)
+        big = b"x" * (WORK_BATCH_BYTES // 2 + 1)
+        link._answer(work_pb2.WorkResult(id=1), work_pb2.WORK_KIND_WRITE)  # no response
+        link._answer(work_pb2.WorkResult(id=2, response=b"ok"), work_pb2.WORK_KIND_WRITE)
+        link._answer(work_pb2.WorkResult(id=3, response=b"r"), work_pb2.WORK_KIND_READ)
+        [one] = _messages_now(link)
+        assert [r.id for r in one.results] == [1, 2, 3]
+        assert (one.credit.writes, one.credit.reads) == (2, 1)
+        assert one.state.applied_index == 7 and link._told_applied == 7
+        assert _messages_now(link) == []  # nothing more: one message for the three
+        for i in (4, 5, 6):
+            link._answer(work_pb2.WorkResult(id=i, response=big), work_pb2.WORK_KIND_WRITE)
+        msgs = _messages_now(link)
+        assert [[r.id for r in m.results] for m in msgs] == [[4], [5], [6]]
+        assert sum(m.credit.writes for m in msgs) == 3
+        assert all(m.state.applied_index == 7 for m in msgs)
 
     asyncio.run(main())
