@@ -21,8 +21,8 @@ import struct
 from typing import Any
 
 from roadlog.errors import Code, RoadlogError
-from roadlog.validation import check_topic_name
 from roadlog.v1 import federation_pb2
+from roadlog.validation import check_topic_name
 
 HEALTHY_MS = 15_000  # three of the default 5 s reports
 MAX_CA_BYTES = 16 << 10
