@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -51,15 +52,15 @@ class DirectoryLink:
         last = "no answer"
         while (left := deadline - time.monotonic()) > 0.05:
             ch = self.channels[self._current]
-            fn = ch.unary_unary(f"/{SERVICE}/{method}")
+            fn: Any = ch.unary_unary(f"/{SERVICE}/{method}")
             try:
                 raw = await fn(request.SerializeToString(), timeout=left, metadata=self.metadata)
                 return BY_NAME[method].response.FromString(raw)
             except grpc.RpcError as e:
-                code = from_grpc(e.code())  # type: ignore[attr-defined]
+                code = from_grpc(e.code())
                 if code not in _RETRY:
-                    raise RoadlogError(code, e.details() or "") from None  # type: ignore[attr-defined]
-                last = e.details() or code.name  # type: ignore[attr-defined]
+                    raise RoadlogError(code, e.details() or "") from None
+                last = e.details() or code.name
                 self._current = (self._current + 1) % len(self.channels)
                 await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         raise RoadlogError(Code.UNAVAILABLE, f"the directory did not answer: {last}")
@@ -135,8 +136,8 @@ class MemberAgent:
     async def once(self, timeout: float = 5.0) -> None:
         """Register (if not yet), report, refresh; raises what failed."""
         if not self.registered:
-            req = federation_pb2.RegisterMemberRequest(member=self.member())
-            await self.link.call("RegisterMember", req, timeout)
+            register = federation_pb2.RegisterMemberRequest(member=self.member())
+            await self.link.call("RegisterMember", register, timeout)
             self.registered = True
             log.info("registered with the directory", extra={"cluster": self.cfg.cluster_name})
         now, total = time.monotonic(), published_total()

@@ -288,7 +288,7 @@ class Connection:
                 return self._method(method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    home = home_in_metadata(e.trailing_metadata())  # type: ignore[attr-defined]
+                    home = home_in_metadata(e.trailing_metadata())
                     if home is not None:
                         raise _Redirected(home, e.details() or "") from None
                 if from_grpc(e.code()) not in RETRYABLE or _final(e):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from roadlog.errors import Code, RoadlogError
 
@@ -48,8 +49,9 @@ def home_in_message(message: str) -> Home | None:
     return parse_home(m.group(1)) if m else None
 
 
-def home_in_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Home | None:
-    """The home a call's trailing metadata names, if any."""
+def home_in_metadata(metadata: Iterable[Any] | None) -> Home | None:
+    """The home a call's trailing metadata names, if any (pairs of key and
+    value, as gRPC gives them)."""
     for key, value in metadata or ():
         if key == HOME_HEADER:
             return parse_home(value.decode() if isinstance(value, bytes) else value)

@@ -179,11 +179,10 @@ def test_a_member_names_the_home_of_a_topic_it_does_not_hold(fed: Federation) ->
     eu, us = fed.eu, fed.us
     # gRPC: FAILED_PRECONDITION with the home in the trailing metadata.
     with eu.tls().channel(eu.servers[0]) as ch, pytest.raises(grpc.RpcError) as e:
-        ch.unary_unary("/roadlog.v1.Roadlog/DescribeTopic")(
-            client_pb2.DescribeTopicRequest(name="denver").SerializeToString(), timeout=10
-        )
+        describe: Any = ch.unary_unary("/roadlog.v1.Roadlog/DescribeTopic")
+        describe(client_pb2.DescribeTopicRequest(name="denver").SerializeToString(), timeout=10)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    home = home_in_metadata(e.value.trailing_metadata())  # type: ignore[attr-defined]
+    home = home_in_metadata(e.value.trailing_metadata())
     assert home is not None and (home.cluster, list(home.queue_servers)) == ("us", us.servers)
     # The SDK follows once, and drops the fences the old cluster gave.
     conn = Connection(eu.servers, tls=eu.tls())
