@@ -193,7 +193,16 @@ def connection(
         if fed is not None and topic is not None:
             conn = federated_connection(fed, topic)
         else:
-            conn = Connection(resolve_servers(cluster, servers), tls=client_tls(cluster))
+            try:
+                found = resolve_servers(cluster, servers)
+            except click.UsageError:
+                if fed is None:
+                    raise
+                raise click.UsageError(
+                    "this command does not take --directory yet (docs/federation.md, step 7): "
+                    "give the member cluster's --cluster DIR or --servers"
+                ) from None
+            conn = Connection(found, tls=client_tls(cluster))
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     except RoadlogError as e:
