@@ -498,6 +498,7 @@ class Producer:
             init = client_pb2.InitProducerRequest(client_id=self.client_id, producer_id=producer_id)
             resp = conn.call("InitProducer", init)
             self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
+        self._issued_in = conn.cluster  # the producer id is that cluster's (federation)
         self.sequence = 0
         self.acked = 0
         # The topic's partition -> data group map (multi-raft; [] : none),
@@ -603,10 +604,18 @@ class Producer:
 
     def _learn_map(self) -> None:
         """The topic's partition -> data group map, and its region (to check
-        a batch whole before its groups' parts go their own ways)."""
+        a batch whole before its groups' parts go their own ways). A
+        describe that followed the topic to its home in a federation
+        (``Connection.follow``) asks the home for a producer id: the first
+        cluster's means nothing there; this batch is the new id's first."""
         record = Admin(self.conn).describe(self.topic).topic
         self._groups = list(record.partition_groups)
         self._region = parse_region(record.spec.region_geojson) if self._groups else None
+        if self.producer_id and self.conn.cluster != self._issued_in:
+            init = client_pb2.InitProducerRequest(client_id=self.client_id)
+            resp = self.conn.call("InitProducer", init)
+            self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
+            self._issued_in, self.sequence = self.conn.cluster, 1
 
     def _check(self, cols: PingColumns) -> None:
         """The cluster's checks of a batch, here: a batch split over data

@@ -212,6 +212,18 @@ def test_a_member_names_the_home_of_a_topic_it_does_not_hold(fed: Federation) ->
     assert r.headers["Location"] == f"{us.queue_servers[0].http}/v1/topics/denver"
 
 
+def test_an_idempotent_producer_follows_and_publishes_with_its_homes_producer_id(
+    fed: Federation,
+) -> None:
+    conn = Connection(fed.eu.servers, tls=fed.eu.tls())
+    p = Producer(conn, "munich-us", client="follower")
+    issued_by_eu = p.producer_id
+    acks = [p.send_batch(make_pings("follower", i * 30, 30)) for i in range(3)]
+    assert (conn.cluster, conn.servers) == ("us", fed.us.servers)
+    assert p.producer_id not in (0, issued_by_eu)
+    assert [a.count for a in acks] == [30, 30, 30] and not any(a.duplicate for a in acks)
+
+
 def test_a_publisher_follows_a_redirect_with_every_publish_acknowledged(fed: Federation) -> None:
     import asyncio
 
