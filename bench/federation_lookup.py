@@ -85,11 +85,11 @@ def run(rounds: int) -> dict[str, Any]:
         times: dict[str, list[float]] = {"lookup": [], "direct": [], "redirected": []}
         for _ in range(rounds):  # alternated: each kind in every round
             with Directory(d.servers, tls=d.tls()) as fresh:
-                times["lookup"].append(_ms(lambda f=fresh: f.lookup("denver")))  # type: ignore[misc]
+                times["lookup"].append(_ms(lambda f=fresh: f.lookup("denver")))
             with Connection(us.servers, tls=us.tls()) as c:
-                times["direct"].append(_ms(lambda c=c: Admin(c).describe("denver")))  # type: ignore[misc]
+                times["direct"].append(_ms(lambda c=c: Admin(c).describe("denver")))
             with Connection(eu.servers, tls=eu.tls()) as c:
-                times["redirected"].append(_ms(lambda c=c: Admin(c).describe("denver")))  # type: ignore[misc]
+                times["redirected"].append(_ms(lambda c=c: Admin(c).describe("denver")))
                 assert c.cluster == "us"
         figures: dict[str, Any] = {"rounds": rounds}
         for kind, xs in times.items():
