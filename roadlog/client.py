@@ -498,7 +498,9 @@ class Producer:
             init = client_pb2.InitProducerRequest(client_id=self.client_id, producer_id=producer_id)
             resp = conn.call("InitProducer", init)
             self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
-        self._issued_in = conn.cluster  # the producer id is that cluster's (federation)
+        # The producer id is that cluster's (federation; a stand-in for a
+        # Connection may have no cluster: "").
+        self._issued_in = getattr(conn, "cluster", "")
         self.sequence = 0
         self.acked = 0
         # The topic's partition -> data group map (multi-raft; [] : none),
@@ -611,11 +613,11 @@ class Producer:
         record = Admin(self.conn).describe(self.topic).topic
         self._groups = list(record.partition_groups)
         self._region = parse_region(record.spec.region_geojson) if self._groups else None
-        if self.producer_id and self.conn.cluster != self._issued_in:
+        if self.producer_id and getattr(self.conn, "cluster", "") != self._issued_in:
             init = client_pb2.InitProducerRequest(client_id=self.client_id)
             resp = self.conn.call("InitProducer", init)
             self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
-            self._issued_in, self.sequence = self.conn.cluster, 1
+            self._issued_in, self.sequence = getattr(self.conn, "cluster", ""), 1
 
     def _check(self, cols: PingColumns) -> None:
         """The cluster's checks of a batch, here: a batch split over data
