@@ -28,7 +28,9 @@ from queue_server.config import QueueConfig
 from queue_server.layout import layout_for
 from queue_server.metrics import ANSWERED, PUBLISH_LINKS_REJECTED, REQUESTS, count_publish_batch
 from queue_server.publish_link import PublishLinkServer
+from queue_server.topic_home import NO_TOPIC, TopicHomes
 from roadlog.errors import Code, RoadlogError
+from roadlog.federation.home import HOME_HEADER, TopicElsewhere
 from roadlog.grpc_status import to_grpc
 from roadlog.rpc import BY_NAME, SERVICE
 from roadlog.runtime import tls
@@ -47,6 +49,9 @@ class ClientFront:
     proxies: TrustedProxies
     states: dict[int, work_pb2.WorkerState]
     publish_link: PublishLinkServer | None
+    # A federation member's: a topic homed elsewhere named where a node
+    # knows no such topic (docs/federation.md); None: not a member.
+    topic_homes: TopicHomes | None = None
 
     if TYPE_CHECKING:  # the queues' side, in QueueServer
 
@@ -76,22 +81,56 @@ class ClientFront:
         outcome = "error"
         try:
             principal = await self.gate.admit(method, request, caller)
-            if method in ("CreateClient", "RegisterClient"):
-                answer = await self._new_client(method, request, timeout, caller)
-            elif method == "ReadFences":
-                lane = principal.client_id or caller.declared or caller.source
-                answer = await self._read_fences(request, timeout, lane, principal)
-            else:
-                # Fair between identities; without one, between declared ids or addresses.
-                lane = principal.client_id or caller.declared or caller.source
-                answer = await self._call(method, request, timeout, lane, principal)
-                if method == "RevokeClient":
-                    name = clients_pb2.RevokeClientRequest.FromString(request).name
-                    self.gate.auth.forget(name)  # here at once; elsewhere within the cache's TTL
+            answer = await self._admitted(method, request, timeout, caller, principal)
             outcome = "ok"
             return answer
         finally:
             ANSWERED.labels(method, outcome).observe(time.monotonic() - t0)
+
+    async def _admitted(
+        self,
+        method: str,
+        request: bytes,
+        timeout: float | None,
+        caller: Caller,
+        principal: Principal,
+    ) -> bytes:
+        """An admitted call; a federation member's answer about a topic
+        homed in another member names that home (``TopicHomes``)."""
+        homes = self.topic_homes
+        if homes is None:
+            return await self._routed(method, request, timeout, caller, principal)
+        try:
+            answer = await self._routed(method, request, timeout, caller, principal)
+        except RoadlogError as e:
+            await homes.check(method, request, e)
+            raise
+        if method == "PublishBatch" and NO_TOPIC in answer:
+            answer = await homes.redirect_results(request, answer)
+        return answer
+
+    async def _routed(
+        self,
+        method: str,
+        request: bytes,
+        timeout: float | None,
+        caller: Caller,
+        principal: Principal,
+    ) -> bytes:
+        """Where the call goes: registration, ReadFences, or the queues."""
+        if method in ("CreateClient", "RegisterClient"):
+            answer = await self._new_client(method, request, timeout, caller)
+        elif method == "ReadFences":
+            lane = principal.client_id or caller.declared or caller.source
+            answer = await self._read_fences(request, timeout, lane, principal)
+        else:
+            # Fair between identities; without one, between declared ids or addresses.
+            lane = principal.client_id or caller.declared or caller.source
+            answer = await self._call(method, request, timeout, lane, principal)
+            if method == "RevokeClient":
+                name = clients_pb2.RevokeClientRequest.FromString(request).name
+                self.gate.auth.forget(name)  # here at once; elsewhere within the cache's TTL
+        return answer
 
     async def _read_fences(
         self, request: bytes, timeout: float | None, lane: str, principal: Principal
@@ -274,7 +313,8 @@ def client_handler(server: ClientFront) -> grpc.GenericRpcHandler:
                 out = await server.client_call(method, request, remaining, caller)
             except RoadlogError as e:
                 REQUESTS.labels(method, e.code.name).inc()
-                await context.abort(to_grpc(e.code), e.message)
+                home = ((HOME_HEADER, e.home.header),) if isinstance(e, TopicElsewhere) else ()
+                await context.abort(to_grpc(e.code), e.message, home)
             REQUESTS.labels(method, "OK").inc()
             return out
 

@@ -112,6 +112,25 @@ class QueueConfig:
     discovery_broadcast: str = key("255.255.255.255", "where announcements are broadcast")
     discovery_seeds: list[str] = key(help="HOST:PORT,... to announce to by unicast", factory=list)
     log_level: str = key("info", "debug, info, warning or error")
+    # Federation (issue 43, docs/federation.md): a member cluster's queue
+    # servers register with the directory (its cluster_name is its name
+    # there), report their load, and name a topic's home when asked about
+    # one this cluster does not hold.
+    directory_servers: list[str] = key(
+        help="the directory's queue servers HOST:PORT,... (empty: not a federation member)",
+        factory=list,
+    )
+    directory_ca_file: Path | None = key(
+        None, "the CA the directory's certificates are checked against (default: this CA)"
+    )
+    directory_token_file: Path | None = key(
+        None, "the file holding the token this server registers and reports with"
+    )
+    cluster_tags: list[str] = key(help="key=value,... tags of this member cluster", factory=list)
+    directory_report_s: float = key(5.0, "how often the load is reported (seconds)")
+    http_advertise: str = key(
+        "", "the HTTP API's base URL told to the federation (default: from http_listen)"
+    )
 
     @property
     def address(self) -> str:
@@ -158,6 +177,10 @@ class QueueConfig:
                 raise ConfigError(
                     f"trusted_proxies: {cidr!r} is no CIDR (10.0.0.0/8, ::1/128)"
                 ) from None
+        for addr in self.directory_servers:
+            check_address(addr, "directory_servers")
+        if self.directory_servers and self.directory_report_s <= 0:
+            raise ConfigError("directory_report_s must be positive")
         if self.clients_used_report_s <= 0:
             raise ConfigError("clients_used_report_s must be positive")
         if self.registrations_per_minute <= 0:
@@ -185,6 +208,11 @@ def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConf
             "certs_dir": Path,
             "metrics_token_file": Path,
             "clients_used_report_s": float,
+            "directory_report_s": float,
+            "directory_ca_file": Path,
+            "directory_token_file": Path,
+            "directory_servers": _list,
+            "cluster_tags": _list,
             "discovery_seeds": _list,
             "trusted_proxies": _list,
         },

@@ -58,6 +58,7 @@ from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.contribution import min_pings, min_seconds
 from roadlog.errors import Code, RoadlogError
+from roadlog.federation.home import HOME_HEADER, TopicElsewhere
 from roadlog.geo import RegionError, bbox_region, parse_region
 from roadlog.limits import HTTP_BODY_BYTES, MAX_PAGE_SIZE
 from roadlog.partitioning import ping_groups
@@ -217,6 +218,19 @@ def security_headers(tile_url: str) -> Callable[..., Awaitable[web.StreamRespons
     return add
 
 
+def elsewhere_response(e: TopicElsewhere, request: web.Request) -> web.Response:
+    """307 to the same path and query on the topic's home (its first HTTP
+    API), with ``roadlog-topic-home``; without an HTTP API there, the JSON
+    refusal with the header alone."""
+    if e.home.http:
+        resp = error_response(307, e.code.name, e.message)
+        resp.headers["Location"] = e.home.http[0].rstrip("/") + request.path_qs
+    else:
+        resp = error_response(HTTP_STATUS.get(e.code, 500), e.code.name, e.message)
+    resp.headers[HOME_HEADER] = e.home.header
+    return resp
+
+
 def bad(reason: str) -> RoadlogError:
     return RoadlogError(Code.INVALID_ARGUMENT, reason)
 
@@ -231,6 +245,8 @@ async def errors_as_json(
         resp = error_response(429, e.code.name, e.message)
         resp.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
         return resp
+    except TopicElsewhere as e:  # federation: the topic's home, where the same path answers
+        return elsewhere_response(e, request)
     except RoadlogError as e:  # roadlog's one error type, mapped at this edge
         return error_response(HTTP_STATUS.get(e.code, 500), e.code.name, e.message)
     except web.HTTPException as e:  # 404 for unknown paths, 405, 413 ...

@@ -22,10 +22,12 @@ from queue_server.client_front import caller_of, client_handler
 from queue_server.config import QueueConfig
 from queue_server.dashboard import DashboardSettings
 from queue_server.http_api import BodyLimits, HttpApi
+from queue_server.member_agent import DirectoryLink, MemberAgent, directory_tls
 from queue_server.metrics import count_publish_batch
 from queue_server.publish_stream import SERVICE as PUBLISH_STREAM
 from queue_server.publish_stream import publish_stream_handler
 from queue_server.server import QueueServer
+from queue_server.topic_home import TopicHomes
 from roadlog.limits import WORK_MESSAGE_BYTES, grpc_options
 from roadlog.runtime import tls
 from roadlog.runtime.auth import ClusterAuth, protects
@@ -152,6 +154,12 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
         )
     expiry = asyncio.get_running_loop().create_task(qs.expire_loop())
     used = asyncio.get_running_loop().create_task(qs.report_used_loop())
+    member = None  # a federation member's agent (docs/federation.md)
+    if cfg.directory_servers:
+        link = DirectoryLink(cfg.directory_servers, directory_tls(cfg))
+        qs.topic_homes = TopicHomes(cfg.cluster_name, link.lookup)
+        agent_run = MemberAgent(cfg, qs.topic_homes, link).run()
+        member = asyncio.get_running_loop().create_task(agent_run)
     log.info(
         "queue server started",
         extra={"listen": cfg.listen, "http": cfg.http_listen, "metrics_port": cfg.metrics_port},
@@ -166,6 +174,8 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
     used.cancel()
+    if member is not None:
+        member.cancel()
     if agent is not None:
         await agent.stop()
     if http_runner is not None:

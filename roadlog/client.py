@@ -36,6 +36,7 @@ from roadlog.errors import NotFound as NotFound
 from roadlog.errors import PermissionDenied as PermissionDenied
 from roadlog.errors import RoadlogError as RoadlogError
 from roadlog.errors import Unavailable as Unavailable
+from roadlog.federation.home import Home, home_in_metadata
 from roadlog.geo import Region, parse_region
 from roadlog.grpc_status import from_grpc
 from roadlog.limits import CLIENT_MESSAGE_BYTES
@@ -60,6 +61,15 @@ from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if
 RETRYABLE = {Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED, Code.CANCELLED}
 STALE_MAP = "the topic's map changed"  # a data group's refusal of another group's pings
 M = TypeVar("M", bound=Message)
+
+
+class _Redirected(Exception):
+    """The cluster asked holds not the topic but names its ``home``."""
+
+    def __init__(self, home: Home, details: str) -> None:
+        super().__init__(details)
+        self.home = home
+        self.details = details
 
 
 def _rpc_error(e: grpc.RpcError) -> RoadlogError:
@@ -127,12 +137,13 @@ class Connection:
             raise ValueError("no queue server given (--servers, --cluster or ROADLOG_SERVERS)")
         self.servers = list(servers)
         self.timeout = timeout
-        opts = [
+        self._options = opts = [
             ("grpc.max_receive_message_length", CLIENT_MESSAGE_BYTES),
             ("grpc.max_send_message_length", CLIENT_MESSAGE_BYTES),
         ]
         self.tls = (tls if tls is not None else ClientTLS.from_env()).with_token(token)
         self.channels = [self.tls.channel(s, options=opts) for s in self.servers]
+        self.cluster = ""  # the member cluster a redirect pointed it at ("": as given)
         # Per channel, per method: a call that sends and receives bytes (the
         # rpc table says what they are; views are sent and read as they are).
         self._calls: list[dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]]] = [
@@ -160,6 +171,42 @@ class Connection:
         self.close()
 
     def call(
+        self,
+        method: str,
+        request: Message,
+        timeout: float | None = None,
+        response: type[Message] | None = None,
+        routing_group: int = 0,
+    ) -> Any:
+        """``_call_once``, and once more at the topic's home when the cluster
+        asked names another (federation, issue 43: ``follow``)."""
+        try:
+            return self._call_once(method, request, timeout, response, routing_group)
+        except _Redirected as r:
+            self.follow(r.home)
+        try:
+            return self._call_once(method, request, timeout, response, routing_group)
+        except _Redirected as r:
+            raise error(Code.FAILED_PRECONDITION, r.details) from None
+
+    def follow(self, home: Home) -> None:
+        """Point this connection at ``home``'s queue servers (a member
+        cluster of a federation): what it calls next goes there. Its fences
+        are dropped: Raft indexes are per cluster."""
+        if list(home.queue_servers) == self.servers:
+            return
+        for c in self.channels:
+            c.close()
+        self.servers = list(home.queue_servers)
+        self.channels = [self.tls.channel(s, options=self._options) for s in self.servers]
+        self._calls = [{} for _ in self.channels]
+        self._current = first_server(len(self.channels))
+        self.cluster = home.cluster
+        with self._fence_lock:
+            self.fence = 0
+            self.group_fences = {}
+
+    def _call_once(
         self,
         method: str,
         request: Message,
@@ -240,6 +287,10 @@ class Connection:
             try:
                 return self._method(method)(request, timeout=left, metadata=self.metadata)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    home = home_in_metadata(e.trailing_metadata())
+                    if home is not None:
+                        raise _Redirected(home, e.details() or "") from None
                 if from_grpc(e.code()) not in RETRYABLE or _final(e):
                     raise _rpc_error(e) from None
                 last = e
@@ -447,6 +498,9 @@ class Producer:
             init = client_pb2.InitProducerRequest(client_id=self.client_id, producer_id=producer_id)
             resp = conn.call("InitProducer", init)
             self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
+        # The producer id is that cluster's (federation; a stand-in for a
+        # Connection may have no cluster: "").
+        self._issued_in = getattr(conn, "cluster", "")
         self.sequence = 0
         self.acked = 0
         # The topic's partition -> data group map (multi-raft; [] : none),
@@ -552,10 +606,18 @@ class Producer:
 
     def _learn_map(self) -> None:
         """The topic's partition -> data group map, and its region (to check
-        a batch whole before its groups' parts go their own ways)."""
+        a batch whole before its groups' parts go their own ways). A
+        describe that followed the topic to its home in a federation
+        (``Connection.follow``) asks the home for a producer id: the first
+        cluster's means nothing there; this batch is the new id's first."""
         record = Admin(self.conn).describe(self.topic).topic
         self._groups = list(record.partition_groups)
         self._region = parse_region(record.spec.region_geojson) if self._groups else None
+        if self.producer_id and getattr(self.conn, "cluster", "") != self._issued_in:
+            init = client_pb2.InitProducerRequest(client_id=self.client_id)
+            resp = self.conn.call("InitProducer", init)
+            self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
+            self._issued_in, self.sequence = getattr(self.conn, "cluster", ""), 1
 
     def _check(self, cols: PingColumns) -> None:
         """The cluster's checks of a batch, here: a batch split over data

@@ -36,6 +36,7 @@ from roadlog.batch_stream import BatchFailed, BatchStream, Dial
 from roadlog.client import RETRYABLE, client_id, first_server
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code, RoadlogError, error
+from roadlog.federation.home import Home, home_in_message
 from roadlog.framing import OnFrame
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.protowire import with_leading_varint
@@ -53,6 +54,7 @@ class _Pending:
     future: asyncio.Future[client_pb2.PublishResponse]
     deadline: float  # time.monotonic()
     reason: str = ""  # the last retryable failure, for the final error
+    followed: bool = False  # sent on to the topic's home once (federation)
 
 
 @dataclass
@@ -113,6 +115,10 @@ class Publisher:
         self.stats = PublisherStats()
         self._channels: list[grpc.aio.Channel] = []
         self._calls: list[BatchStream] = []
+        self.cluster = ""  # the member cluster a redirect pointed it at ("": as given)
+        # Streams and channels of a cluster left by ``follow``: calls out on
+        # them end on their own; closed with the rest at ``close``.
+        self._retired: list[tuple[list[grpc.aio.Channel], list[BatchStream]]] = []
         self._current = first_server(len(self.servers))
         self._queue: deque[_Pending] = deque()
         self._in_flight = 0  # calls out, and retries waiting out their backoff
@@ -164,11 +170,28 @@ class Publisher:
     async def close(self) -> None:
         """Wait until every publish made is answered, then close the channels."""
         await self._idle.wait()
-        for stream in self._calls:
-            await stream.close()
-        for ch in self._channels:
-            await ch.close()
+        for channels, calls in [*self._retired, (self._channels, self._calls)]:
+            for stream in calls:
+                await stream.close()
+            for ch in channels:
+                await ch.close()
+        self._channels, self._calls, self._retired = [], [], []
+
+    def follow(self, home: Home) -> None:
+        """Publish to ``home``'s queue servers from now on (a member cluster
+        of a federation that holds the topic); the fences are dropped (Raft
+        indexes are per cluster)."""
+        if list(home.queue_servers) == self.servers:
+            return
+        if self._calls:
+            self._retired.append((self._channels, self._calls))
         self._channels, self._calls = [], []
+        self.servers = list(home.queue_servers)
+        self._open()
+        self._current = first_server(len(self.servers))
+        self.cluster = home.cluster
+        self.fence = 0
+        self.group_fences = {}
 
     async def publish(
         self, request: client_pb2.PublishRequest | bytes, timeout: float | None = None
@@ -284,6 +307,13 @@ class Publisher:
             raw = await self._calls[server].exchange(wire, max(left, 0.01))
         except BatchFailed as e:
             code, why = e.code, e.why
+            home = home_in_message(why) if code == Code.FAILED_PRECONDITION else None
+            if home is not None and not any(p.followed for p in batch):
+                for p in batch:
+                    p.followed = True
+                self.follow(home)
+                self._retry(batch, why)
+                return
             if code not in RETRYABLE:
                 for p in batch:
                     self._fail(p, error(code, why))
@@ -315,7 +345,13 @@ class Publisher:
                     p.future.set_result(out)
                 continue
             code = Code.of(r.code)
-            if code in RETRYABLE:
+            home = home_in_message(r.message) if code == Code.FAILED_PRECONDITION else None
+            if home is not None and not p.followed:
+                p.followed = True  # once: a second redirect is the caller's error
+                self.follow(home)
+                p.reason = r.message
+                again.append(p)
+            elif code in RETRYABLE:
                 p.reason = r.message
                 again.append(p)
             else:

@@ -48,7 +48,15 @@ from enum import IntEnum
 
 from google.protobuf.message import Message
 
-from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, settings_pb2, topics_pb2
+from roadlog.v1 import (
+    client_pb2,
+    clients_pb2,
+    command_pb2,
+    federation_pb2,
+    groups_pb2,
+    settings_pb2,
+    topics_pb2,
+)
 
 SERVICE = "roadlog.v1.Roadlog"
 FENCE_FIELD = "min_applied_index"
@@ -103,6 +111,7 @@ class Rpc:
 
 W, R = Kind.WRITE, Kind.READ
 c, g, t, k, s = client_pb2, groups_pb2, topics_pb2, clients_pb2, settings_pb2
+f = federation_pb2
 
 RPCS: tuple[Rpc, ...] = (
     Rpc(
@@ -238,6 +247,36 @@ RPCS: tuple[Rpc, ...] = (
     # Group 0's leader answers (a get after a set sees it, from any caller).
     Rpc("GetSettings", W, s.GetSettingsRequest, s.GetSettingsResponse, ADMIN),
     Rpc("SetSetting", W, s.SetSettingRequest, s.SetSettingResponse, ADMIN),
+    # Federation (issue 43), on a directory: members register and report
+    # with the directory's admin token in this first slice (docs/federation.md);
+    # any identity may look a topic's home up.
+    Rpc("RegisterMember", W, f.RegisterMemberRequest, f.RegisterMemberResponse, ADMIN),
+    Rpc("ReportLoad", W, f.ReportLoadRequest, f.ReportLoadResponse, ADMIN),
+    Rpc(
+        "PlaceTopic",
+        W,
+        f.PlaceTopicRequest,
+        f.TopicHome,
+        ADMIN,
+        topic_field=(f.PlaceTopicRequest.TOPIC_FIELD_NUMBER,),
+    ),
+    Rpc(
+        "ForgetTopicHome",
+        W,
+        f.ForgetTopicHomeRequest,
+        f.ForgetTopicHomeResponse,
+        ADMIN,
+        topic_field=(f.ForgetTopicHomeRequest.TOPIC_FIELD_NUMBER,),
+    ),
+    Rpc(
+        "LookupTopic",
+        R,
+        f.LookupTopicRequest,
+        f.TopicHome,
+        IDENTITY,
+        topic_field=(f.LookupTopicRequest.TOPIC_FIELD_NUMBER,),
+    ),
+    Rpc("GetFederation", R, f.GetFederationRequest, f.Federation, IDENTITY),
 )
 # The queue server's own reads, never offered to clients: a node does them
 # as it does the rpcs above (``WorkHandler.<handler>``).
@@ -260,7 +299,7 @@ INTERNAL: dict[str, Rpc] = {
     # One group's commit index at its leader, for a ReadFences.
     "ReadIndex": Rpc("ReadIndex", W, c.ReadIndexRequest, c.ReadIndexResponse, "internal"),
 }
-del W, R, c, g, t, k, s
+del W, R, c, g, t, k, s, f
 
 BY_NAME: dict[str, Rpc] = {r.name: r for r in RPCS}
 # The rpcs that go through the work queues to a node (all but Status and

@@ -40,7 +40,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -49,6 +49,8 @@ from node_daemon.state import batch_refs, batch_store
 from node_daemon.state.batch_refs import EntrySource
 from node_daemon.state.clients import ClientTables
 from node_daemon.state.consumer_groups import GROUP_RETENTION_MS, ConsumerGroupTables
+from node_daemon.state.federation import OPS as FEDERATION_OPS
+from node_daemon.state.federation import FederationTable
 from node_daemon.state.figures import ConsumerGroupFigures as ConsumerGroupFigures
 from node_daemon.state.figures import TopicFigures as TopicFigures
 from node_daemon.state.figures import monitoring_figures
@@ -86,6 +88,7 @@ from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, settings_pb2, topics_pb2
 
 GiB = 1 << 30
+T = TypeVar("T")
 
 _U64 = struct.Struct(">Q")
 
@@ -180,6 +183,7 @@ class StateMachine:
         self.heat = HeatmapTables(db(b"contrib"), db(b"heatmaps"))
         self.clients = ClientTables(db(b"clients"), self.meta)
         self.settings = SettingsTable(self.meta)
+        self.federation = FederationTable(self.meta)  # a directory's (issue 43)
         with self.env.begin() as txn:
             stored_format = self._meta_int(txn, FORMAT_KEY)
             self.applied_index = self._meta_int(txn, b"applied_index")
@@ -405,6 +409,8 @@ class StateMachine:
             desc = self.topics.update(txn, op.update_topic.request)
             desc.applied_index = index
             return desc.SerializeToString()
+        if kind in FEDERATION_OPS:
+            return self.federation.apply(txn, op, self._log_ms, index)
         if kind == "set_setting":
             key, value = op.set_setting.request.key, op.set_setting.request.value
             setting = self.settings.put(txn, key, value)
@@ -789,6 +795,11 @@ class StateMachine:
         """Every known cluster setting, or ``key``'s (NOT_FOUND if unknown)."""
         with self.env.begin() as txn:
             return self.settings.listing(txn, key)
+
+    def read_federation(self, read: Callable[[Any, FederationTable], T]) -> T:
+        """``read(txn, federation)`` in one read transaction (a directory's)."""
+        with self.env.begin() as txn:
+            return read(txn, self.federation)
 
     def read_range(
         self, name: str, partition: int, start: int, end: int, max_pings: int = 200_000

@@ -34,6 +34,7 @@ from node_daemon.work.appends import (
     split_by_group,
 )
 from node_daemon.work.consumer_group_coordinator import ConsumerGroupCoordinator
+from node_daemon.work.federation import FederationWork
 from node_daemon.work.group_access import readable_group, readable_groups
 from node_daemon.work.identities import IdentityWork, RegistrationCeiling
 from node_daemon.work.identities import propose_client as propose_client  # the Admin service's
@@ -242,7 +243,7 @@ def failure_status(e: BaseException, method: str) -> tuple[Code, str]:
     return Code.INTERNAL, f"{type(e).__name__}: {e}"
 
 
-class WorkHandler(IdentityWork):
+class WorkHandler(IdentityWork, FederationWork):
     """Turns work items into results against one Replica. A work item's
     method is an rpc of ``roadlog.rpc``; the method of this class named by
     its ``handler`` does it (``PublishBatch``: ``publish_batch``); those of

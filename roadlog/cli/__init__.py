@@ -7,10 +7,21 @@ module a command group; ``common`` holds what they share.
 
 from __future__ import annotations
 
-from roadlog.cli import ca, client, cluster, heatmap, pings, settings, topic
+from roadlog.cli import ca, client, cluster, directory, heatmap, pings, settings, topic
 from roadlog.cli.common import cli
 
-__all__ = ["ca", "cli", "client", "cluster", "heatmap", "main", "pings", "settings", "topic"]
+__all__ = [
+    "ca",
+    "cli",
+    "client",
+    "cluster",
+    "directory",
+    "heatmap",
+    "main",
+    "pings",
+    "settings",
+    "topic",
+]
 
 
 def main() -> None:

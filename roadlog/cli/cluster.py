@@ -31,6 +31,7 @@ from roadlog.placement import (
 from roadlog.runtime.processes import alive
 from roadlog.status import DOWN
 from roadlog.tools.localcluster import LocalCluster, gather_status
+from roadlog.tools.localdirectory import MemberFounding, member_founding, wait_registered
 from roadlog.v1 import topics_pb2
 
 
@@ -69,6 +70,15 @@ def cluster() -> None:
     is_flag=True,
     help="no TLS: plaintext, unauthenticated ports (debugging only)",
 )
+@click.option("--name", help="the cluster's cluster_name (a federation member's name there)")
+@click.option(
+    "--directory",
+    "federation",
+    type=click.Path(path_type=Path),
+    help="found a member of the local directory in this folder (`roadlog directory up`): "
+    "it registers there as --name and reports its load",
+)
+@click.option("--tags", help="with --directory: the member's key=value,... tags")
 def cluster_up(
     nodes: int,
     queue_servers: int,
@@ -77,6 +87,9 @@ def cluster_up(
     data_groups: int | None,
     workers: int,
     insecure: bool,
+    name: str | None,
+    federation: Path | None,
+    tags: str | None,
 ) -> None:
     """Start node daemons and queue servers, wait for a leader, write
     DIR/cluster.json. TLS on every port: a CA in DIR/ca (its key too),
@@ -89,21 +102,32 @@ def cluster_up(
             "[bold red]INSECURE: --insecure turns TLS off: every port of this cluster is "
             "plaintext and unauthenticated. For debugging only.[/]"
         )
+    member = _member_founding(federation, name, tags, insecure)
     try:
         lc = LocalCluster.create(
             directory,
             nodes,
             queue_servers,
             extra_node_args=node_args,
+            extra_queue_args=member.queue_args if member else None,
             insecure=insecure,
             data_groups=data_groups,  # None: the nodes' default, one per voter
+            ca=member.ca if member else None,
+            cluster_name=name or "roadlog",
         )
     except FileExistsError as e:
         raise click.ClickException(str(e)) from None
     lc.start_all()
     with err.status("waiting for a leader") as st:
         try:
-            status = lc.wait_ready(timeout, progress=lambda s: st.update(f"waiting: {s}"))
+            status = lc.wait_ready(
+                timeout,
+                progress=lambda s: st.update(f"waiting: {s}"),
+                admin_token=member.admin_token if member else None,
+            )
+            if member is not None and federation is not None:
+                st.update(f"waiting for {member.name} to register with the directory")
+                wait_registered(federation, member.name, timeout)
         except TimeoutError as e:
             lc.down()
             raise click.ClickException(f"{e}; logs in {directory / 'logs'}") from None
@@ -120,6 +144,22 @@ def cluster_up(
         f"{lc.token_file} (--cluster {directory} uses it)"
     )
     out.print(",".join(lc.servers))
+
+
+def _member_founding(
+    federation: Path | None, name: str | None, tags: str | None, insecure: bool
+) -> MemberFounding | None:
+    """A federation member's founding (None: a cluster on its own)."""
+    if federation is None:
+        if tags:
+            raise click.UsageError("--tags are a federation member's: give --directory")
+        return None
+    if not name or insecure:
+        raise click.UsageError("a member cluster (--directory) needs --name, and TLS")
+    try:
+        return member_founding(federation, name, [t for t in (tags or "").split(",") if t])
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _recorded_data_groups(lc: LocalCluster) -> int:

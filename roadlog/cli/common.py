@@ -98,7 +98,32 @@ def _meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
     return store
 
 
+DIRECTORY_HELP = (
+    "a federation's directory: a local one's folder (`roadlog directory up`), else its "
+    "queue servers HOST:PORT,... (or ROADLOG_DIRECTORY); the topic's home is asked there"
+)
+
+
+def directory_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--directory`` (and ROADLOG_DIRECTORY), kept in the context's meta."""
+    return click.option(
+        "--directory",
+        envvar="ROADLOG_DIRECTORY",
+        expose_value=False,
+        callback=_meta("directory"),
+        help=DIRECTORY_HELP,
+    )(f)
+
+
+def directory_given() -> str | None:
+    """The ``--directory`` value of the command running (None: none)."""
+    ctx = click.get_current_context(silent=True)
+    value = ctx.meta.get("directory") if ctx is not None else None
+    return str(value) if value else None
+
+
 def where(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = directory_option(f)
     f = click.option("--servers", help="queue servers HOST:PORT,... (or ROADLOG_SERVERS)")(f)
     f = click.option(
         "--token",
@@ -158,10 +183,29 @@ def client_tls(cluster: Path | None) -> ClientTLS:
 
 
 @contextmanager
-def connection(cluster: Path | None, servers: str | None) -> Iterator[Connection]:
+def connection(
+    cluster: Path | None, servers: str | None, topic: str | None = None
+) -> Iterator[Connection]:
+    """A connection to the cluster named; with ``--directory`` (and neither
+    --cluster nor --servers), to ``topic``'s home in the federation."""
+    fed = directory_given() if cluster is None and not servers else None
     try:
-        conn = Connection(resolve_servers(cluster, servers), tls=client_tls(cluster))
+        if fed is not None and topic is not None:
+            conn = federated_connection(fed, topic)
+        else:
+            try:
+                found = resolve_servers(cluster, servers)
+            except click.UsageError:
+                if fed is None:
+                    raise
+                raise click.UsageError(
+                    "this command does not take --directory yet (docs/federation.md, step 7): "
+                    "give the member cluster's --cluster DIR or --servers"
+                ) from None
+            conn = Connection(found, tls=client_tls(cluster))
     except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    except RoadlogError as e:
         raise click.ClickException(str(e)) from None
     try:
         yield conn
@@ -169,6 +213,23 @@ def connection(cluster: Path | None, servers: str | None) -> Iterator[Connection
         raise click.ClickException(str(e)) from None
     finally:
         conn.close()
+
+
+def federated_connection(directory: str, topic: str) -> Connection:
+    """A connection to ``topic``'s home, asked of the directory once."""
+    from roadlog.tools.localdirectory import directory_of
+
+    try:
+        d = directory_of(directory)
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    with d:
+        home = d.lookup(topic)
+    ctx = click.get_current_context(silent=True)
+    token = ctx.meta.get("token") if ctx is not None else None
+    conn = Connection(home.queue_servers, tls=d.tls.with_token(token))
+    conn.cluster = home.cluster
+    return conn
 
 
 def progress(known_total: bool = True) -> Progress:

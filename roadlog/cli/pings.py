@@ -38,7 +38,7 @@ def produce(
     name: str, path: Path, cluster: Path | None, servers: str | None, as_json: bool
 ) -> None:
     """Send the pings of a file; prints how many were acknowledged."""
-    with connection(cluster, servers) as conn:
+    with connection(cluster, servers, name) as conn:
         p = Producer(conn, name)
         try:
             with progress(known_total=False) as bar:
@@ -146,7 +146,7 @@ def consume(
             )
         _consume_group(name, group, fmt, idle_exit, session_timeout_ms, cluster, servers)
         return
-    with connection(cluster, servers) as conn:
+    with connection(cluster, servers, name) as conn:
         d = Admin(conn).describe(name)
         parts = [partition] if partition is not None else list(range(d.topic.spec.partitions))
         if any(p < 0 or p >= d.topic.spec.partitions for p in parts):
@@ -181,7 +181,7 @@ def _consume_group(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with connection(cluster, servers) as conn:
+    with connection(cluster, servers, name) as conn:
         gc = GroupConsumer(conn, name, group, session_timeout_ms=session_timeout_ms)
         writer = csv.writer(sys.stdout) if fmt == "csv" else None
         if writer is not None:

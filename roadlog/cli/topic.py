@@ -10,8 +10,9 @@ from typing import Any
 import click
 from rich.table import Table
 
-from roadlog.cli.common import cli, connection, err, out, where
-from roadlog.client import Admin
+from roadlog.cli.common import cli, connection, directory_given, err, out, where
+from roadlog.cli.directory import create_in_federation, list_federation, tag_list
+from roadlog.client import Admin, Connection
 from roadlog.contribution import (
     DEFAULT_CONTRIBUTION_MIN_PINGS,
     DEFAULT_CONTRIBUTION_MIN_SECONDS,
@@ -56,6 +57,12 @@ def _access_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--retention-hours", type=float, default=0.0, help="default 168")
 @click.option("--h3-resolution", type=int, default=0, help="default 9")
 @_access_options
+@click.option("--on", "on", help="with --directory: the member cluster to hold it")
+@click.option(
+    "--tags",
+    help="with --directory: key=value,... a member cluster holding it must carry "
+    "(default: the least loaded)",
+)
 @where
 @click.option("--json", "as_json", is_flag=True)
 def topic_create(
@@ -68,11 +75,14 @@ def topic_create(
     no_open_produce: bool | None,
     contribution_min_pings: int | None,
     contribution_min_seconds: int | None,
+    on: str | None,
+    tags: str | None,
     cluster: Path | None,
     servers: str | None,
     as_json: bool,
 ) -> None:
-    """Create a topic for a region."""
+    """Create a topic for a region (with --directory: placed in the
+    federation first, then made on its home)."""
     if (region is None) == (bbox is None):
         raise click.UsageError("give exactly one of --region FILE.geojson or --bbox")
     try:
@@ -85,8 +95,9 @@ def topic_create(
             geo = bbox_region(*parts)
     except (RegionError, ValueError) as e:
         raise click.BadParameter(str(e)) from None
-    with connection(cluster, servers) as conn:
-        d = Admin(conn).create_topic(
+
+    def create(conn: Connection) -> Any:
+        return Admin(conn).create_topic(
             name,
             geo.geojson,
             partitions,
@@ -96,6 +107,16 @@ def topic_create(
             contribution_min_pings=contribution_min_pings,
             contribution_min_seconds=contribution_min_seconds,
         )
+
+    fed = directory_given() if cluster is None and not servers else None
+    if fed is not None:
+        d, home = create_in_federation(fed, name, on or "", tag_list(tags), create)
+        _print_topic(d, as_json, home)
+        return
+    if on or tags:
+        raise click.UsageError("--on and --tags place a topic in a federation: give --directory")
+    with connection(cluster, servers) as conn:
+        d = create(conn)
     _print_topic(d, as_json)
 
 
@@ -131,18 +152,25 @@ def topic_update(
 @where
 @click.option("--json", "as_json", is_flag=True)
 def topic_list(cluster: Path | None, servers: str | None, as_json: bool) -> None:
-    """The topics and their sizes."""
-    with connection(cluster, servers) as conn:
-        topics = Admin(conn).list_topics()
+    """The topics and their sizes (with --directory: every member's, each
+    with its cluster)."""
+    fed = directory_given() if cluster is None and not servers else None
+    if fed is not None:
+        docs = [_topic_doc(d, home) for d, home in list_federation(fed)]
+    else:
+        with connection(cluster, servers) as conn:
+            docs = [_topic_doc(d) for d in Admin(conn).list_topics()]
     if as_json:
-        click.echo(json.dumps([_topic_doc(d) for d in topics], indent=2))
+        click.echo(json.dumps(docs, indent=2))
         return
     t = Table()
-    for col in ("name", "partitions", "pings", "bbox"):
+    for col in ("name", *(["cluster"] if fed else []), "partitions", "pings", "bbox"):
         t.add_column(col)
-    for d in topics:
-        doc = _topic_doc(d)
-        t.add_row(doc["name"], str(doc["partitions"]), f"{doc['pings']:,}", str(doc["bbox"]))
+    for doc in docs:
+        where_ = [doc["cluster"]] if fed else []
+        t.add_row(
+            doc["name"], *where_, str(doc["partitions"]), f"{doc['pings']:,}", str(doc["bbox"])
+        )
     out.print(t)
 
 
@@ -172,14 +200,17 @@ def topic_delete(
 @click.option("--json", "as_json", is_flag=True)
 def topic_describe(name: str, cluster: Path | None, servers: str | None, as_json: bool) -> None:
     """One topic: its region, partitions and offsets."""
-    with connection(cluster, servers) as conn:
-        _print_topic(Admin(conn).describe(name), as_json)
+    with connection(cluster, servers, name) as conn:
+        d = Admin(conn).describe(name)
+        _print_topic(d, as_json, conn.cluster if directory_given() else None)
 
 
-def _topic_doc(d: Any) -> dict[str, Any]:
+def _topic_doc(d: Any, home: str | None = None) -> dict[str, Any]:
+    """A topic as JSON; ``home``: its cluster in a federation (``cluster``)."""
     spec = d.topic.spec
     return {
         "name": spec.name,
+        **({"cluster": home} if home is not None else {}),
         "id": d.topic.id,
         "partitions": spec.partitions,
         "retention_ms": spec.retention_ms,
@@ -204,13 +235,15 @@ def _topic_doc(d: Any) -> dict[str, Any]:
     }
 
 
-def _print_topic(d: Any, as_json: bool) -> None:
-    doc = _topic_doc(d)
+def _print_topic(d: Any, as_json: bool, home: str | None = None) -> None:
+    doc = _topic_doc(d, home)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
     out.print(
-        f"[bold]{doc['name']}[/] id {doc['id']}, {doc['partitions']} partitions, "
+        f"[bold]{doc['name']}[/]"
+        + (f" in cluster {home}" if home is not None else "")
+        + f" id {doc['id']}, {doc['partitions']} partitions, "
         f"H3 {doc['h3_resolution']}, retention {doc['retention_ms'] / 3600_000:g} h, "
         f"bbox {doc['bbox']}, {doc['pings']:,} pings"
     )

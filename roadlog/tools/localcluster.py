@@ -90,6 +90,7 @@ class LocalCluster:
     secret_file: str = ""
     certs_dir: str = ""  # the tools' certs dir (ca.crt, client.admin.*); "" with insecure
     token_file: str = ""  # the admin identity's token (DIR/admin.token); "" until made
+    cluster_name: str = "roadlog"  # every process's --cluster-name (a federation member's name)
 
     # ---------------------------------------------------------------- files
 
@@ -104,6 +105,7 @@ class LocalCluster:
             "secret_file": self.secret_file,
             "certs_dir": self.certs_dir,
             "token_file": self.token_file,
+            "cluster_name": self.cluster_name,
         }
         tmp = self.file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
@@ -123,6 +125,7 @@ class LocalCluster:
             doc.get("secret_file", ""),
             doc.get("certs_dir", ""),
             doc.get("token_file", ""),
+            doc.get("cluster_name", "roadlog"),
         )
 
     @property
@@ -183,6 +186,7 @@ class LocalCluster:
         insecure: bool = False,
         ca: tuple[Path, Path] | None = None,
         data_groups: int | None = 1,
+        cluster_name: str = "roadlog",
     ) -> LocalCluster:
         """``ca``: (a dir with ca.crt, the CA's key) to sign with; None: a
         new CA in DIR/ca. ``insecure``: no TLS (loudly). ``data_groups``:
@@ -208,7 +212,10 @@ class LocalCluster:
         with os.fdopen(fd, "w") as f:
             os.fchmod(f.fileno(), 0o600)
             f.write(secrets.token_hex(32) + "\n")
-        lc = cls(directory, secret_file=str(secret))
+        lc = cls(directory, secret_file=str(secret), cluster_name=cluster_name)
+        if cluster_name != "roadlog":  # both daemons: the cluster token is derived from it
+            extra_node_args = [*extra_node_args, "--cluster-name", cluster_name]
+            extra_queue_args = [*(extra_queue_args or []), "--cluster-name", cluster_name]
         certs = _Certs(directory, ca) if not insecure else None
         if certs is not None:
             lc.certs_dir = str(certs.client())
@@ -392,11 +399,15 @@ class LocalCluster:
         return gather_status(self.servers, list(ids), timeout, ids, self.tls())
 
     def wait_ready(
-        self, timeout: float = 60.0, progress: Callable[[str], None] | None = None
+        self,
+        timeout: float = 60.0,
+        progress: Callable[[str], None] | None = None,
+        admin_token: str | None = None,
     ) -> dict[str, Any]:
         """Wait until a leader exists, every running node is ready and every
         running queue server answers. A process started here that died on
-        the way raises at once, with the end of its log."""
+        the way raises at once, with the end of its log. ``admin_token``:
+        the first admin identity's token (``bootstrap_admin``)."""
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
         started = {p.name: p for p in [*self.nodes, *self.queue_servers] if p.pid}
@@ -411,28 +422,32 @@ class LocalCluster:
             queues = {q.grpc for q in self.queue_servers if q.pid and alive(q.pid)}
             if last.get("leader") and len(ready) >= len(running) and queues <= queues_up:
                 if not self.admin_token:
-                    self.bootstrap_admin(max(5.0, deadline - time.monotonic()))
+                    self.bootstrap_admin(max(5.0, deadline - time.monotonic()), admin_token)
                 return last
             if progress is not None:
                 progress(f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)}")
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
 
-    def bootstrap_admin(self, timeout: float = 30.0) -> str:
+    def bootstrap_admin(self, timeout: float = 30.0, token: str | None = None) -> str:
         """Make the first admin identity through a node's Admin service (the
         leader's: the others say who leads) and keep its token in
         DIR/admin.token (0600); and the Spark jobs' (DIR/spark.token).
-        Returns the admin's token."""
+        Returns the admin's token. ``token``: the admin's (a federation
+        member made with its directory's admin token); None: a new one."""
         deadline = time.monotonic() + timeout
-        token = self._make_identity("admin", [ADMIN], ADMIN_TOKEN_FILE, deadline)
+        token = self._make_identity("admin", [ADMIN], ADMIN_TOKEN_FILE, deadline, token)
         self.token_file = str(self.dir / ADMIN_TOKEN_FILE)
         self.save()
         self._make_identity("spark", [ADMIN], SPARK_TOKEN_FILE, deadline)
         return token
 
-    def _make_identity(self, name: str, scopes: list[str], filename: str, deadline: float) -> str:
-        token = new_token()
-        metadata = token_metadata(cluster_token(read_secret(Path(self.secret_file)), "roadlog"))
+    def _make_identity(
+        self, name: str, scopes: list[str], filename: str, deadline: float, token: str | None = None
+    ) -> str:
+        token = token or new_token()
+        secret = read_secret(Path(self.secret_file))
+        metadata = token_metadata(cluster_token(secret, self.cluster_name))
         tls = self.tls()
         last = ""
         while time.monotonic() < deadline:

@@ -57,6 +57,8 @@ def test_kinds_and_fences() -> None:
         "DescribeGroup",
         "GetHeatmap",
         "ListClients",
+        "LookupTopic",
+        "GetFederation",
     }
     # Only reads wait for a fence; every write is the leader's.
     assert all(r.kind == Kind.READ for r in RPCS if r.fenced)
@@ -68,6 +70,8 @@ def test_kinds_and_fences() -> None:
         "ListGroups",
         "GetHeatmap",
         "ListClients",
+        "LookupTopic",
+        "GetFederation",
     }
     assert set(QUEUED) == set(BY_NAME) - {"Status", "ReadFences"}
 
@@ -106,6 +110,9 @@ def test_the_wire_facts_are_pinned_a_renumbered_field_fails_here() -> None:
         "ReadFences": ((1,), 0),
         "JoinGroup": ((2,), 0),
         "GetHeatmap": ((1,), 0),
+        "PlaceTopic": ((1,), 0),
+        "ForgetTopicHome": ((1,), 0),
+        "LookupTopic": ((1,), 0),
     }
     assert all((r.topic_field, r.group_hint_field) == ((), 0) for r in INTERNAL.values())
     # The views the SDK and the HTTP API write publishes with (their batch
