@@ -71,7 +71,7 @@ def pings(n: int, start: int, end_ms: int) -> PingColumns:
         rng.uniform(48.08, 48.20, n),
         rng.uniform(11.45, 11.70, n),
         speed_mps=rng.uniform(0, 20, n).astype(np.float32),
-        heading_deg=rng.uniform(0, 360, n).astype(np.float32),
+        heading_deg=rng.uniform(0, 359, n).astype(np.float32),
         accuracy_m=rng.uniform(2, 30, n).astype(np.float32),
     )
 

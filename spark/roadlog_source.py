@@ -291,8 +291,9 @@ def range_fence(resp: noderead_pb2.PlanResponse, r: noderead_pb2.OffsetRange) ->
 def plan(
     options: dict[str, str], now_ms: int | None = None, columns: tuple[str, ...] = ALL_COLUMNS
 ) -> list[RangeTask]:
-    """The ranges these options read, one per partition (asks one node);
-    ``bundle`` makes tasks of them."""
+    """The ranges these options read, one per partition, cut at
+    ``max_pings_per_task`` when given (asks one node); ``bundle`` makes
+    tasks of them."""
     nodes, topic = _nodes_and_topic(options)
     token = credentials(options)
     start, end = _opt_int(options, "window_start_ms"), _opt_int(options, "window_end_ms")
@@ -309,8 +310,10 @@ def plan(
     )
     resp = ask_plan(nodes, token, req)
     every = tuple(dict.fromkeys([*resp.node_addresses, *nodes]))
-    return [
-        RangeTask(
+    step = _opt_int(options, "max_pings_per_task")
+    tasks = []
+    for r in resp.ranges:
+        tasks += split(
             topic,
             r.partition,
             r.start_offset,
@@ -319,11 +322,11 @@ def plan(
             every,
             token,
             (start, end),
+            step or max(1, r.end_offset - r.start_offset),
             r.group,
             columns,
         )
-        for r in resp.ranges
-    ]
+    return tasks
 
 
 class RoadlogReader(DataSourceReader):

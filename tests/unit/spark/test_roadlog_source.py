@@ -4,6 +4,8 @@ and finding the node on this host."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -59,12 +61,12 @@ def test_only_the_columns_asked_for_are_sent_and_built_and_the_window_filters() 
     assert ids == b"" and n == 3 and len(cols) == 2 * 2 + 3 * 4 + 3 * 8  # two fields, no ids
     d = Dictionaries()
     only = ("speed_mps",)
-    rb = record_batch([part(a, 100, only + ("ts_ms",), d)], 0, only, (15, 30))
+    rb = record_batch([part(a, 100, (*only, "ts_ms"), d)], 0, only, (15, 30))
     assert rb is not None and rb.schema == pa.schema([("speed_mps", pa.float32())])
     assert rb.column("speed_mps").to_pylist() == [2.0]  # ts 20 only
-    assert record_batch([part(a, 100, only + ("ts_ms",), d)], 0, only, (31, None)) is None
+    assert record_batch([part(a, 100, (*only, "ts_ms"), d)], 0, only, (31, None)) is None
     devices = ("offset", "device_id")
-    rb = record_batch([part(a, 7, devices + ("ts_ms",), d)], 0, devices, (20, None))
+    rb = record_batch([part(a, 7, (*devices, "ts_ms"), d)], 0, devices, (20, None))
     assert rb is not None and rb.to_pylist() == [
         {"offset": 8, "device_id": "a"}, {"offset": 9, "device_id": "b"}
     ]  # fmt: skip
@@ -81,7 +83,7 @@ def test_a_batch_written_anew_keeps_its_dictionary() -> None:
     odd = reordered[reordered.index(b"\x12") :] + b"".join(
         columnar.device_id_field(s.encode()) for s in ("x", "y")
     )  # the ids after the columns
-    cols, ids, n = prune(odd, fields_for(["device_id"]))
+    _cols, ids, n = prune(odd, fields_for(["device_id"]))
     assert list(pings_pb2.PingBatchView.FromString(ids).device_ids) == ["x", "y"] and n == 2
 
 
@@ -102,7 +104,7 @@ def test_tasks_are_sized_by_the_bytes_of_the_columns_read() -> None:
         for p in range(8):  # every offset once, in order
             spans = flat[p]
             assert spans[0][0] == 0 and spans[-1][1] == 1_000_000
-            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
         sizes = [sum(r.end - r.start for r in t) for t in tasks]
         assert max(sizes) - min(sizes) <= 1 * len(tasks)  # equal tasks
     small = bundle([task(p, 0, 100) for p in range(8)], {})
