@@ -50,9 +50,6 @@ OUT_SCHEMA = (
 
 
 CELL_SCHEMA = "h3 long, device_id string, now boolean, speed float"
-# The partitions the mapped pings are shuffled into by cell (the session's
-# spark.sql.shuffle.partitions: the aggregations by cell then need no other).
-CELL_PARTITIONS = 8
 
 
 def cells_of(
@@ -106,12 +103,12 @@ def transform(
     clipped to [0, 1]. Speeds that are unknown (NaN)
     count as pings but not in the speeds.
 
-    One pass over ``df``: the mapped pings are shuffled by cell once, and
-    the window's aggregates, the cells' and the region's percentiles all
-    read that one shuffle (Spark reuses the exchange; each aggregation
-    read ``df`` and mapped it again before)."""
+    Each of the three aggregations (the window's, the cells' and the
+    region's percentiles) still reads ``df`` and maps it again: Spark does
+    not reuse the mapped pings' exchange across them (the plan shows three
+    shuffle stages, each with its own ``MapInArrow``, even after a
+    ``repartition`` by cell)."""
     cells = cells_of(df, resolution, window_start_ms, window_end_ms, region_geojson)
-    cells = cells.repartition(CELL_PARTITIONS, "h3")
     current = (
         cells.filter(F.col("now"))
         .groupBy("h3")

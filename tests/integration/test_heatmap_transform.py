@@ -116,9 +116,9 @@ def test_congestion_is_clipped_and_empty_input_gives_no_cells(spark: SparkSessio
 
 
 def transform_before(df: DataFrame, resolution: int, start: int, end: int, region: str) -> Any:
-    """The transform as it was before it was made one pass (issue 44): H3 on
-    every column's rows, each aggregation reading and mapping ``df`` again;
-    the reference the one-pass transform must equal cell by cell."""
+    """The transform as it was before issue 44: H3 appended to rows of every
+    column, the aggregations on those; the reference the transform that
+    maps to four Arrow columns must equal cell by cell."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import LongType, StructField, StructType
 
@@ -158,7 +158,7 @@ def transform_before(df: DataFrame, resolution: int, start: int, end: int, regio
     return current.join(history, "h3", "left")
 
 
-def test_the_one_pass_transform_gives_the_same_cells_as_before(spark: SparkSession) -> None:
+def test_the_transform_gives_the_same_cells_as_before(spark: SparkSession) -> None:
     """A fixed set of pings (seeded): 40 devices, speeds in quarter metres a
     second (sums exact in any order), some unknown, some before the window,
     some outside the region: counts, devices and mean speed equal exactly;
