@@ -17,7 +17,18 @@ Options:
   before the window a ping may have been appended (clock skew) and how late
   after it (buffered devices); the time index is read over
   [start - lead, end + lateness), capped at the planning moment;
-- ``max_pings_per_task`` (default 2,000,000): larger offset ranges are split.
+- ``max_bytes_per_task`` (default 64 MiB): tasks are sized by the Arrow
+  bytes of the columns read (about, per ping), the window's pings cut into
+  equal tasks of at most this (ranges of several partitions in one task
+  when they are small), at least ``min_tasks`` (default 2) of them;
+- ``max_pings_per_task`` (no default): at most this many pings a task too.
+
+Column pruning: a schema given to the reader
+(``spark.read.format("roadlog").schema("ts_ms long, speed_mps float")``)
+names the columns read, a subset of the source's (same names and types):
+only those are built, and only the stored ones among them (and ``ts_ms``
+for the window) are sent by the node. (Spark 4's Python data sources are
+not told which columns a query uses, so the schema says it.)
 
 Streaming (``spark.readStream.format("roadlog")``, the same options but the
 window; see ``RoadlogStreamReader``):
@@ -41,6 +52,7 @@ Only committed data is read, and a plan read twice gives the same rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -50,7 +62,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
@@ -64,12 +75,21 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from roadlog import columnar
 from roadlog.client_tls import ClientTLS
+from roadlog.column_subset import parse_subset
 from roadlog.limits import PEER_MESSAGE_BYTES
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import read_secret
 from roadlog.v1 import client_pb2, noderead_pb2, noderead_pb2_grpc
+from spark.arrow_batches import (
+    ARROW_BYTES,
+    ARROW_TYPES,
+    Dictionaries,
+    Part,
+    from_stored,
+    record_batch,
+    stored_fields,
+)
 
 SCHEMA = (
     "partition int, offset long, device_id string, ts_ms long, lat double, lon double, "
@@ -91,7 +111,11 @@ ARROW_SCHEMA = pa.schema(
 )
 DEFAULT_LEAD_MS = 5 * 60_000
 DEFAULT_LATENESS_MS = 3_600_000
-DEFAULT_TASK_PINGS = 2_000_000
+DEFAULT_TASK_BYTES = 64 << 20
+DEFAULT_MIN_TASKS = 2
+ALL_COLUMNS = tuple(ARROW_SCHEMA.names)
+# Stored batches joined into one record batch up to about this many pings.
+BATCH_PINGS = 1 << 17
 GRPC_OPTIONS = [("grpc.max_receive_message_length", PEER_MESSAGE_BYTES)]
 
 
@@ -108,6 +132,24 @@ class RangeTask:
     token: str
     window: tuple[int | None, int | None]
     group: int = 0  # the Raft group holding the partition; ``fence`` is its index
+    columns: tuple[str, ...] = ALL_COLUMNS  # what a read of it builds, in this order
+
+
+def columns_of(schema: Any) -> tuple[str, ...]:
+    """The columns a reader's schema names (ValueError: one the source has
+    not, or of another type)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    if schema is None:
+        return ALL_COLUMNS
+    arrow = to_arrow_schema(schema, timezone="UTC")
+    for f in arrow:
+        want = ARROW_TYPES.get(f.name)
+        if want is None:
+            raise ValueError(f"the roadlog source has no column {f.name!r} ({SCHEMA})")
+        if f.type != want:
+            raise ValueError(f"column {f.name}: the roadlog source's is {want}, not {f.type}")
+    return tuple(arrow.names)
 
 
 class RoadlogDataSource(DataSource):
@@ -119,10 +161,10 @@ class RoadlogDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return RoadlogReader(dict(self.options))
+        return RoadlogReader(dict(self.options), columns_of(schema))
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
-        return RoadlogStreamReader(dict(self.options))
+        return RoadlogStreamReader(dict(self.options), columns_of(schema))
 
 
 def _opt_int(options: dict[str, str], key: str) -> int | None:
@@ -196,12 +238,48 @@ def split(
     window: tuple[int | None, int | None],
     step: int,
     group: int = 0,
+    columns: tuple[str, ...] = ALL_COLUMNS,
 ) -> list[RangeTask]:
-    """Offsets [start, end) of one partition as tasks of at most ``step`` pings."""
+    """Offsets [start, end) of one partition as ranges of at most ``step`` pings."""
     return [
-        RangeTask(topic, partition, lo, min(lo + step, end), fence, nodes, token, window, group)
+        RangeTask(
+            topic, partition, lo, min(lo + step, end), fence, nodes, token, window, group, columns
+        )
         for lo in range(start, end, step)
     ]
+
+
+def bundle(ranges: list[RangeTask], options: dict[str, str]) -> list[tuple[RangeTask, ...]]:
+    """The ranges as tasks sized by bytes: the pings cut into equal tasks of
+    at most ``max_bytes_per_task`` (about, in Arrow, of the columns read)
+    and ``max_pings_per_task``, at least ``min_tasks`` of them (a small
+    read is not one task on one core); a range is cut where a task ends,
+    and a task may hold the ranges of several partitions."""
+    total = sum(r.end - r.start for r in ranges)
+    if not total:
+        return []
+    width = sum(ARROW_BYTES[c] for c in ranges[0].columns) or 1
+    cap = (_opt_int(options, "max_bytes_per_task") or DEFAULT_TASK_BYTES) // width
+    cap = min(cap, _opt_int(options, "max_pings_per_task") or cap)
+    n_tasks = max(_opt_int(options, "min_tasks") or DEFAULT_MIN_TASKS, -(-total // max(cap, 1)))
+    n_tasks = min(n_tasks, total)
+    size = -(-total // n_tasks)
+    tasks: list[tuple[RangeTask, ...]] = []
+    current: list[RangeTask] = []
+    room = size
+    for r in ranges:
+        lo = r.start
+        while lo < r.end:
+            hi = min(r.end, lo + room)
+            current.append(dataclasses.replace(r, start=lo, end=hi))
+            room -= hi - lo
+            lo = hi
+            if room == 0:
+                tasks.append(tuple(current))
+                current, room = [], size
+    if current:
+        tasks.append(tuple(current))
+    return tasks
 
 
 def range_fence(resp: noderead_pb2.PlanResponse, r: noderead_pb2.OffsetRange) -> int:
@@ -210,8 +288,12 @@ def range_fence(resp: noderead_pb2.PlanResponse, r: noderead_pb2.OffsetRange) ->
     return r.applied_index if r.group else resp.applied_index
 
 
-def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
-    """The input partitions for these options (asks one node)."""
+def plan(
+    options: dict[str, str], now_ms: int | None = None, columns: tuple[str, ...] = ALL_COLUMNS
+) -> list[RangeTask]:
+    """The ranges these options read, one per partition, cut at
+    ``max_pings_per_task`` when given (asks one node); ``bundle`` makes
+    tasks of them."""
     nodes, topic = _nodes_and_topic(options)
     token = credentials(options)
     start, end = _opt_int(options, "window_start_ms"), _opt_int(options, "window_end_ms")
@@ -228,7 +310,7 @@ def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
     )
     resp = ask_plan(nodes, token, req)
     every = tuple(dict.fromkeys([*resp.node_addresses, *nodes]))
-    step = _opt_int(options, "max_pings_per_task") or DEFAULT_TASK_PINGS
+    step = _opt_int(options, "max_pings_per_task")
     tasks = []
     for r in resp.ranges:
         tasks += split(
@@ -240,22 +322,25 @@ def plan(options: dict[str, str], now_ms: int | None = None) -> list[RangeTask]:
             every,
             token,
             (start, end),
-            step,
+            step or max(1, r.end_offset - r.start_offset),
             r.group,
+            columns,
         )
     return tasks
 
 
 class RoadlogReader(DataSourceReader):
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], columns: tuple[str, ...] = ALL_COLUMNS) -> None:
         self.options = options
+        self.columns = columns
 
     def partitions(self) -> list[InputPartition]:
-        return [InputPartition(t) for t in plan(self.options)]
+        return [InputPartition(t) for t in bundle(plan(self.options, columns=self.columns),
+                                                  self.options)]  # fmt: skip
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        task: RangeTask = partition.value
-        yield from read_range(task)
+        for task in partition.value:
+            yield from read_range(task)
 
 
 # ------------------------------------------------------------- streaming
@@ -280,12 +365,12 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     retention trimmed meanwhile are skipped.
     """
 
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], columns: tuple[str, ...] = ALL_COLUMNS) -> None:
         self.options = options
+        self.columns = columns
         self.nodes, self.topic = _nodes_and_topic(options)
         self.token = credentials(options)
         self.tick_ms = _opt_int(options, "tick_ms") or 0
-        self.step = _opt_int(options, "max_pings_per_task") or DEFAULT_TASK_PINGS
         self.known = self.nodes
         self.target: dict[str, Any] | None = None  # Trigger.AvailableNow's end
         self.partition_groups: list[int] | None = None  # the topic's, once planned
@@ -371,7 +456,7 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target = self._latest()
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
-        tasks: list[InputPartition] = []
+        ranges: list[RangeTask] = []
         fence = int(end.get("applied_index", 0))
         fences = end.get("fences", {})
         if fences and self.partition_groups is None:
@@ -380,16 +465,17 @@ class RoadlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for p, hi in sorted(end["partitions"].items(), key=lambda kv: int(kv[0])):
             lo = int(start.get("partitions", {}).get(p, 0))
             g = int(groups[int(p)]) if groups else 0
-            for t in split(
-                self.topic, int(p), lo, int(hi), int(fences.get(str(g), fence)) if g else fence,
-                self.known, self.token, (None, None), self.step, g,
-            ):  # fmt: skip
-                tasks.append(InputPartition(t))
-        return tasks
+            if hi > lo:
+                ranges.append(RangeTask(
+                    self.topic, int(p), lo, int(hi),
+                    int(fences.get(str(g), fence)) if g else fence,
+                    self.known, self.token, (None, None), g, self.columns,
+                ))  # fmt: skip
+        return [InputPartition(t) for t in bundle(ranges, self.options)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        task: RangeTask = partition.value
-        yield from read_range(task)
+        for task in partition.value:
+            yield from read_range(task)
 
     def commit(self, end: dict[str, Any]) -> None:
         pass  # the cluster keeps every ping until its retention: nothing to release
@@ -431,6 +517,9 @@ def read_range(task: RangeTask) -> Iterator[pa.RecordBatch]:
 
 
 def _stream(task: RangeTask, node: str, offset: int) -> Iterator[tuple[pa.RecordBatch | None, int]]:
+    """The range from ``offset`` on from ``node``: record batches of about
+    ``BATCH_PINGS`` pings each (stored batches joined), and the offset after
+    each; the node sends only the columns the task builds."""
     req = noderead_pb2.ReadRangeRequest(
         topic=task.topic,
         partition=task.partition,
@@ -438,58 +527,32 @@ def _stream(task: RangeTask, node: str, offset: int) -> Iterator[tuple[pa.Record
         end_offset=task.end,
         min_applied_index=task.fence,
         group=task.group,
+        columns=stored_fields(task.columns, task.window),
     )
-    lo, hi = task.window
+    dictionaries = Dictionaries() if "device_id" in task.columns else None
+    parts: list[Part] = []
+    pending = 0
+
+    def flush() -> tuple[pa.RecordBatch | None, int]:
+        last = parts[-1]
+        rb = record_batch(parts, task.partition, task.columns, task.window)
+        return rb, last.base + last.sub.n
+
     with ClientTLS.from_env().channel(node, options=GRPC_OPTIONS) as ch:
         stream = noderead_pb2_grpc.NodeReadStub(ch).ReadRange(
             req, metadata=token_metadata(task.token), timeout=600
         )
         for b in stream:
-            cols = columnar.decode(b.batch)
-            n = len(cols)
-            nxt = b.base_offset + n
-            keep = np.ones(n, dtype=bool)
-            if lo is not None:
-                keep &= cols.ts_ms >= lo
-            if hi is not None:
-                keep &= cols.ts_ms < hi
-            if not keep.any():
-                yield None, nxt
-                continue
-            idx = np.flatnonzero(keep) if not keep.all() else None
-            yield to_arrow(cols, task.partition, b.base_offset, b.append_ms, idx), nxt
+            if b.count:  # pruned by the node
+                sub = parse_subset(b.batch, b.device_ids, b.count)
+                ids = dictionaries.of(b.device_ids) if dictionaries is not None else None
+            else:  # a node that does not prune: the batch as stored
+                sub, ids = from_stored(b.batch, dictionaries)
+            parts.append(Part(b.base_offset, b.append_ms, sub, ids))
+            pending += sub.n
+            if pending >= BATCH_PINGS:
+                yield flush()
+                parts, pending = [], 0
+        if parts:
+            yield flush()
         yield None, task.end  # the node streamed the whole range
-
-
-def to_arrow(
-    cols: columnar.PingColumns,
-    partition: int,
-    base: int,
-    append_ms: int,
-    idx: np.ndarray[Any, np.dtype[np.intp]] | None = None,
-) -> pa.RecordBatch:
-    """A stored batch as an Arrow record batch (the device ids decoded from
-    their dictionary in Arrow, not in Python)."""
-    offsets = base + np.arange(len(cols), dtype=np.int64)
-    if idx is not None:
-        cols = cols.take(idx)
-        offsets = offsets[idx]
-    n = len(cols)
-    devices = pa.DictionaryArray.from_arrays(
-        pa.array(cols.device_index.astype(np.int32)), pa.array(cols.device_ids, pa.string())
-    ).dictionary_decode()
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(np.full(n, partition, dtype=np.int32)),
-            pa.array(offsets),
-            devices,
-            pa.array(cols.ts_ms),
-            pa.array(cols.lat),
-            pa.array(cols.lon),
-            pa.array(cols.speed_mps),
-            pa.array(cols.heading_deg),
-            pa.array(cols.accuracy_m),
-            pa.array(np.full(n, append_ms, dtype=np.int64)),
-        ],
-        schema=ARROW_SCHEMA,
-    )

@@ -17,10 +17,11 @@ import grpc
 
 from node_daemon.replica.replica import Replica
 from node_daemon.state.machine import StateMachine
+from roadlog import column_subset
 from roadlog.errors import Code, RoadlogError
 from roadlog.grpc_status import to_grpc
 from roadlog.placement import group_of
-from roadlog.v1 import client_pb2, noderead_pb2, noderead_pb2_grpc
+from roadlog.v1 import noderead_pb2, noderead_pb2_grpc
 
 FENCE_WAIT_S = 30.0
 
@@ -106,18 +107,40 @@ class NodeReadService(noderead_pb2_grpc.NodeReadServicer):
         )
         return resp
 
-    async def ReadRange(
-        self, request: Any, context: Any
-    ) -> AsyncIterator[client_pb2.StoredBatchView]:
+    async def ReadRange(self, request: Any, context: Any) -> AsyncIterator[noderead_pb2.RangeBatch]:
+        """A range's batches, each whole as stored, or with ``columns``
+        only those columns of it (``column_subset.prune``, in the executor
+        with the read)."""
+        try:
+            fields = column_subset.fields_for(request.columns) if request.columns else None
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         sm = await self._prepare(context, request.min_applied_index, request.group)
         loop = asyncio.get_running_loop()
         offset, end = request.start_offset, request.end_offset
+        topic, partition = request.topic, request.partition
+
+        def read(at: int) -> tuple[list[noderead_pb2.RangeBatch], int]:
+            batches, nxt = sm.read_range(topic, partition, at, end)
+            out = []
+            for b in batches:
+                if fields is None:
+                    rb = noderead_pb2.RangeBatch(
+                        base_offset=b.base_offset, append_ms=b.append_ms, batch=b.batch
+                    )
+                else:
+                    cols, ids, n = column_subset.prune(b.batch, fields)
+                    rb = noderead_pb2.RangeBatch(
+                        base_offset=b.base_offset, append_ms=b.append_ms, batch=cols,
+                        count=n, device_ids=ids,
+                    )  # fmt: skip
+                out.append(rb)
+            return out, nxt
+
         while offset < end:
             try:
-                batches, offset = await loop.run_in_executor(
-                    None, sm.read_range, request.topic, request.partition, offset, end
-                )
+                batches, offset = await loop.run_in_executor(None, read, offset)
             except RoadlogError as e:
                 await context.abort(to_grpc(e.code), e.message)
-            for b in batches:
-                yield b
+            for rb in batches:
+                yield rb

@@ -27,7 +27,6 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import LongType, StructField, StructType
 
 from roadlog.client import RoadlogError
 from roadlog.geo import parse_region
@@ -42,17 +41,30 @@ FREE_FLOW_QUANTILE = 0.85
 # is at least this share of the region's. Real free-flow needs days of data.
 REGION_FLOOR = 0.8
 DEFAULT_HISTORY_MS = 24 * 3600 * 1000
+# The columns ``transform`` uses: what the job reads (the source prunes to them).
+READ_SCHEMA = "device_id string, ts_ms long, lat double, lon double, speed_mps float"
 OUT_SCHEMA = (
     "h3 long, pings long, devices long, mean_speed_mps double, free_flow_mps double, "
     "congestion double"
 )
 
 
-def with_cells(df: DataFrame, resolution: int, region_geojson: str | None) -> DataFrame:
-    """Add each ping's H3 cell (vectorised, Arrow batch by batch: no Python
-    per row) and drop pings outside the region."""
+CELL_SCHEMA = "h3 long, device_id string, now boolean, speed float"
+
+
+def cells_of(
+    df: DataFrame,
+    resolution: int,
+    window_start_ms: int,
+    window_end_ms: int,
+    region_geojson: str | None,
+) -> DataFrame:
+    """Per ping inside the region: its H3 cell, its device, whether it is in
+    [window_start, window_end) and its speed (null when unknown): computed
+    in Arrow batch by batch (``mapInArrow``: no Python per row), only these
+    four columns going on to the JVM."""
     region = parse_region(region_geojson) if region_geojson else None
-    schema = StructType([*df.schema.fields, StructField("h3", LongType())])
+    names = ["h3", "device_id", "now", "speed"]
 
     def add(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
@@ -66,9 +78,15 @@ def with_cells(df: DataFrame, resolution: int, region_geojson: str | None) -> Da
             if b.num_rows == 0:
                 continue
             h = cells_for(lat, lon, resolution).astype(np.int64)
-            yield b.append_column("h3", pa.array(h))
+            ts = b.column("ts_ms").to_numpy(zero_copy_only=False)
+            now = (ts >= window_start_ms) & (ts < window_end_ms)
+            sp = b.column("speed_mps").to_numpy(zero_copy_only=False)
+            speed = pa.array(sp, type=pa.float32(), mask=np.isnan(sp))
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(h), b.column("device_id"), pa.array(now), speed], names=names
+            )
 
-    return df.mapInArrow(add, schema)
+    return df.select("device_id", "ts_ms", "lat", "lon", "speed_mps").mapInArrow(add, CELL_SCHEMA)
 
 
 def transform(
@@ -83,20 +101,28 @@ def transform(
     over every row of ``df`` (the history the caller read), but at least
     0.8 of the region's 85th percentile; congestion = 1 - mean / free-flow,
     clipped to [0, 1]. Speeds that are unknown (NaN)
-    count as pings but not in the speeds."""
-    cells = with_cells(df, resolution, region_geojson)
-    speed = F.when(~F.isnan("speed_mps"), F.col("speed_mps"))
-    now = cells.filter((F.col("ts_ms") >= window_start_ms) & (F.col("ts_ms") < window_end_ms))
-    current = now.groupBy("h3").agg(
-        F.count(F.lit(1)).alias("pings"),
-        F.countDistinct("device_id").alias("devices"),
-        F.avg(speed).alias("mean_speed_mps"),
+    count as pings but not in the speeds.
+
+    Each of the three aggregations (the window's, the cells' and the
+    region's percentiles) still reads ``df`` and maps it again: Spark does
+    not reuse the mapped pings' exchange across them (the plan shows three
+    shuffle stages, each with its own ``MapInArrow``, even after a
+    ``repartition`` by cell)."""
+    cells = cells_of(df, resolution, window_start_ms, window_end_ms, region_geojson)
+    current = (
+        cells.filter(F.col("now"))
+        .groupBy("h3")
+        .agg(
+            F.count(F.lit(1)).alias("pings"),
+            F.countDistinct("device_id").alias("devices"),
+            F.avg("speed").alias("mean_speed_mps"),
+        )
     )
     history = cells.groupBy("h3").agg(
-        F.percentile_approx(speed, FREE_FLOW_QUANTILE, 1000).alias("cell_free_mps")
+        F.percentile_approx("speed", FREE_FLOW_QUANTILE, 1000).alias("cell_free_mps")
     )
     regional = cells.agg(
-        F.percentile_approx(speed, FREE_FLOW_QUANTILE, 1000).alias("region_free_mps")
+        F.percentile_approx("speed", FREE_FLOW_QUANTILE, 1000).alias("region_free_mps")
     )
     floor = F.col("region_free_mps") * REGION_FLOOR
     history = history.crossJoin(regional).select(
@@ -193,6 +219,7 @@ def run(
     try:
         df = (
             spark.read.format("roadlog")
+            .schema(READ_SCHEMA)
             .option("nodes", ",".join(nodes))
             .option("min_applied_index", str(fences.applied_index))
             .option(

@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("roadlog.heatmap.stream")
 
 COLUMNS = ("partition", "offset", "device_id", "ts_ms", "lat", "lon", "speed_mps")
+SPARK_TYPES = {"partition": "int", "offset": "long", "device_id": "string", "ts_ms": "long",
+               "lat": "double", "lon": "double", "speed_mps": "float"}  # fmt: skip
 COMPACT_EVERY = 10
 KEEP_RECORDS = 20
 DEFAULT_EVERY_MS = 60_000
@@ -433,6 +435,7 @@ def start(
     starting = int(clock() * 1000) - history_ms - windows.lateness_ms - START_LEAD_MS
     df = (
         spark.readStream.format("roadlog")
+        .schema(", ".join(f"{c} {SPARK_TYPES[c]}" for c in COLUMNS))  # the source prunes to them
         .option("nodes", ",".join(nodes))
         .option("secret_file", str(secret_file or ""))
         .option("cluster_name", cluster_name)

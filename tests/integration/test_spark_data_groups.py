@@ -92,7 +92,7 @@ def test_spark_reads_a_topic_placed_in_data_groups(
     latest = stream.latestOffset(start, ReadAllAvailable())
     assert set(latest["fences"]) == {"1", "2", "3"}
     parts = stream.partitions(start, latest)
-    assert len(_rows([p.value for p in parts])) == sent
+    assert len(_rows([t for p in parts for t in p.value])) == sent  # a task: ranges
     assert stream.latestOffset(latest, ReadAllAvailable())["partitions"] == latest["partitions"]
 
     # The heat-map job (Spark, local) counts every ping of the window.
