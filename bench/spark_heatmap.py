@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs: list[dict[str, Any]] = []
     reads: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="roadlog-spark-bench-", dir="/var/tmp"))
-    lc = LocalCluster.create(work / "cluster", 1, 1)
+    lc = LocalCluster.create(work / "cluster", 1, 1, data_groups=1)  # one group, as measured
     lc.start_all()
     try:
         lc.wait_ready(60)

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 
 from roadlog.client_tls import ClientTLS
+from roadlog.placement import DATA_GROUPS_RECORD, METADATA_GROUP
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import read_secret
 from roadlog.runtime.processes import alive, free_port, wait_dead
@@ -182,13 +183,14 @@ class LocalCluster:
         extra_queue_args: list[str] | None = None,
         insecure: bool = False,
         ca: tuple[Path, Path] | None = None,
-        data_groups: int | None = 1,
+        data_groups: int | None = None,
     ) -> LocalCluster:
         """``ca``: (a dir with ca.crt, the CA's key) to sign with; None: a
         new CA in DIR/ca. ``insecure``: no TLS (loudly). ``data_groups``:
-        the nodes' ``--data-groups`` unless ``extra_node_args`` say it (1: every
-        ping in group 0, what most tests and the one-group benchmarks are
-        about); None: the nodes' default, one data group per voter."""
+        the nodes' ``--data-groups`` unless ``extra_node_args`` say it; None
+        (the default): the product's, as ``roadlog cluster up`` runs it: one
+        data group per voter, in worker processes; 1: every ping in group 0
+        (the one-group benchmarks, and the tests about one group)."""
         extra_node_args = list(extra_node_args or [])
         if data_groups is not None and "--data-groups" not in extra_node_args:
             extra_node_args += ["--data-groups", str(data_groups)]
@@ -394,9 +396,12 @@ class LocalCluster:
     def wait_ready(
         self, timeout: float = 60.0, progress: Callable[[str], None] | None = None
     ) -> dict[str, Any]:
-        """Wait until a leader exists, every running node is ready and every
-        running queue server answers. A process started here that died on
-        the way raises at once, with the end of its log."""
+        """Wait until group 0 and every data group the nodes run
+        (``data_group_ids``) have a leader, every running node is
+        ready and every running queue server answers. A process started here
+        that died on the way raises at once, with the end of its log. (Data
+        groups elect a few seconds after group 0: a topic created before
+        they lead would wait on them, a publish fail.)"""
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
         started = {p.name: p for p in [*self.nodes, *self.queue_servers] if p.pid}
@@ -409,14 +414,36 @@ class LocalCluster:
             ready = [n for n in last["nodes"] if n.get("ready")]
             queues_up = {q["grpc"] for q in last["queue_servers"] if q.get("up")}
             queues = {q.grpc for q in self.queue_servers if q.pid and alive(q.pid)}
-            if last.get("leader") and len(ready) >= len(running) and queues <= queues_up:
+            groups = {METADATA_GROUP, *self.data_group_ids()}
+            unled = groups - led_groups(last)
+            if not unled and len(ready) >= len(running) and queues <= queues_up:
                 if not self.admin_token:
                     self.bootstrap_admin(max(5.0, deadline - time.monotonic()))
                 return last
             if progress is not None:
-                progress(f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)}")
+                progress(
+                    f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)} "
+                    f"groups led={len(groups) - len(unled)}/{len(groups)}"
+                )
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
+
+    def data_group_ids(self) -> set[int]:
+        """The data groups (1..G) the nodes run, G the most a node runs: its
+        ``--data-groups``, else what its data directory recorded at its first
+        start (DATA_GROUPS_RECORD), else 1. With G = 1 none (group 0 holds the
+        pings): the empty set."""
+        most = 1
+        for n in self.nodes:
+            argv = n.argv
+            count = int(argv[argv.index("--data-groups") + 1]) if "--data-groups" in argv else 0
+            if not count:  # 0: one per voter, decided at the first start
+                try:
+                    count = int((Path(n.data_dir) / DATA_GROUPS_RECORD).read_text().strip())
+                except (OSError, ValueError):
+                    count = 1
+            most = max(most, count)
+        return set(range(1, most + 1)) if most > 1 else set()
 
     def bootstrap_admin(self, timeout: float = 30.0) -> str:
         """Make the first admin identity through a node's Admin service (the
@@ -496,6 +523,15 @@ class _Certs:
             self._client = self._dir("client")
             self.lib.create_cert(self._client, self.ca_key, Identity("client", "admin"))
         return self._client
+
+
+def led_groups(status: dict[str, Any]) -> set[int]:
+    """The Raft groups (0 and the data groups) a node of ``status`` (a
+    ``gather_status``) says it leads."""
+    led = {METADATA_GROUP} if status.get("leader") else set()
+    for n in status["nodes"]:
+        led |= {int(g["id"]) for g in n.get("groups", ()) if g.get("role") == "leader"}
+    return led
 
 
 def _tail(path: str, lines: int = 15) -> str:
