@@ -429,21 +429,26 @@ class LocalCluster:
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
 
     def data_group_ids(self) -> set[int]:
-        """The data groups (1..G) the nodes run, G the most a node runs: its
-        ``--data-groups``, else what its data directory recorded at its first
-        start (DATA_GROUPS_RECORD), else 1. With G = 1 none (group 0 holds the
-        pings): the empty set."""
-        most = 1
+        """The data groups (1..G) every running node runs, G the fewest a
+        running node runs: its ``--data-groups``, else what its data
+        directory recorded at its first start (DATA_GROUPS_RECORD, written
+        before the node is ready). With G = 1 none (group 0 holds the pings):
+        the empty set. (A node that decided other groups than the cluster's
+        runs its own until the first topic; a group it lacks may not elect.)"""
+        counts = []
         for n in self.nodes:
+            if not (n.pid and alive(n.pid)):
+                continue
             argv = n.argv
             count = int(argv[argv.index("--data-groups") + 1]) if "--data-groups" in argv else 0
             if not count:  # 0: one per voter, decided at the first start
                 try:
                     count = int((Path(n.data_dir) / DATA_GROUPS_RECORD).read_text().strip())
                 except (OSError, ValueError):
-                    count = 1
-            most = max(most, count)
-        return set(range(1, most + 1)) if most > 1 else set()
+                    count = 1  # not decided yet: such a node is not ready either
+            counts.append(count)
+        fewest = min(counts, default=1)
+        return set(range(1, fewest + 1)) if fewest > 1 else set()
 
     def bootstrap_admin(self, timeout: float = 30.0) -> str:
         """Make the first admin identity through a node's Admin service (the
