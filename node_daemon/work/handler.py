@@ -623,18 +623,18 @@ class WorkHandler(IdentityWork):
             except (TimeoutError, NotLeader, RoadlogError) as e:
                 unsure = f"group 0 cannot be read now ({e})"
         keep: list[int] = []
-        for i, view in enumerate(views):
-            if view is None or not view.producer_id:
+        for i, seen in enumerate(views):
+            if seen is None or not seen.producer_id:
                 keep.append(i)
                 continue
-            pid, epoch = view.producer_id, view.producer_epoch
+            pid, epoch = seen.producer_id, seen.producer_epoch
             if meta is None or unsure is not None:
                 refused: tuple[Code, str] | None = (
                     Code.UNAVAILABLE,
                     f"cannot tell now whether producer id {pid} may publish: {unsure}; try again",
                 )
             else:
-                refused = meta.sm.producer_refusal(pid, clients[i] or view.client_id, epoch)
+                refused = meta.sm.producer_refusal(pid, clients[i] or seen.client_id, epoch)
             if refused is None:
                 keep.append(i)
             else:
