@@ -38,7 +38,9 @@ def roadlog_cluster(
     peers it is compared with run plaintext too, unless a bench says
     otherwise); clients connect with ``lc.tls()``."""
     d = Path(tempfile.mkdtemp(prefix="roadlog-bench-", dir="/var/tmp"))
-    lc = LocalCluster.create(d, nodes, queue_servers, extra, queue_extra, insecure=not tls)
+    lc = LocalCluster.create(
+        d, nodes, queue_servers, extra, queue_extra, insecure=not tls, data_groups=1
+    )  # one group: what these figures are about
     lc.start_all()
     try:
         lc.wait_ready(60)

@@ -218,7 +218,9 @@ def main() -> None:
         sys.exit("needs Chromium (scripts/setup.sh installs it)")
     work = Path(tempfile.mkdtemp(prefix="roadlog-stream-delay-"))
     say(f"a local cluster in {work} (3 nodes, 1 queue server, TLS, tokens)")
-    lc = LocalCluster.create(work / "c", 3, 1, extra_queue_args=["--dashboard-tile-url", ""])
+    lc = LocalCluster.create(
+        work / "c", 3, 1, extra_queue_args=["--dashboard-tile-url", ""], data_groups=1
+    )  # one group, as measured
     lc.start_all()
     bg: Background | None = None
     try:

@@ -78,7 +78,7 @@ _VALIDATE_SECONDS = metrics.STAGE_SECONDS.labels("validate")
 Outcome = OpResult | BaseException  # a publish's result, or why it has none
 
 
-PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for group 0 to know an id
+PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for a read of group 0
 LEADER_CATCH_UP_S = 2.0  # how long a new leader waits to apply its term's first entry
 PLACEMENT_WAIT_S = 3.0  # how long a data group's leader waits for a new topic to be placed
 # A consumer-group member's call that names its member (``_as_member``).
@@ -595,47 +595,47 @@ class WorkHandler(IdentityWork, FederationWork):
         clients: list[str],
     ) -> tuple[list[bytes], list[tuple[_Call, int]], list[str], set[str]]:
         """A data group's publishes whose producer id group 0 (this node's
-        replica of it) issued to their sender; the others are answered here
-        with the reason. An id this replica does not know is asked about
-        again after a linearizable read of group 0 (an id acknowledged a
-        moment ago may not have reached this replica), for up to
-        PRODUCER_CATCH_UP_S; UNAVAILABLE when that read cannot be had. Also
-        returns the topics the publishes name."""
+        replica of it) issued to their sender under their epoch; the others
+        are answered here with the reason. A data group's leader judges them
+        after a linearizable read of group 0 (one per round with a producer
+        id in it, PRODUCER_CATCH_UP_S at most; UNAVAILABLE when it cannot be
+        had): its replica of group 0 may lag the leader that issued an id,
+        or that took one under its next epoch, a moment ago (a fenced
+        instance's publish taken in a group the new epoch had not written to
+        yet). Group 0's own leader judges on its state. Also returns the
+        topics the publishes name."""
         meta = self.node.raft_groups.get(0)
-        keep: list[int] = []
+        views: list[client_pb2.PublishRequestView | None] = []
         topics: set[str] = set()
-        for i, raw in enumerate(requests):
+        for raw in requests:
             try:
                 view = client_pb2.PublishRequestView.FromString(raw)
             except DecodeError:
-                keep.append(i)  # prepare_appends answers it as malformed
+                views.append(None)  # prepare_appends answers it as malformed
                 continue
+            views.append(view)
             topics.add(view.topic)
-            if not view.producer_id:
+        unsure: str | None = None  # why group 0 cannot be read now
+        if meta is None:
+            unsure = "this node runs no group 0 to check producer ids with"
+        elif meta is not self.node and any(v is not None and v.producer_id for v in views):
+            try:
+                await asyncio.wait_for(meta.read_barrier(), PRODUCER_CATCH_UP_S)
+            except (TimeoutError, NotLeader, RoadlogError) as e:
+                unsure = f"group 0 cannot be read now ({e})"
+        keep: list[int] = []
+        for i, seen in enumerate(views):
+            if seen is None or not seen.producer_id:
                 keep.append(i)
                 continue
-            if meta is None:
+            pid, epoch = seen.producer_id, seen.producer_epoch
+            if meta is None or unsure is not None:
                 refused: tuple[Code, str] | None = (
                     Code.UNAVAILABLE,
-                    "this node runs no group 0 to check producer ids with",
+                    f"cannot tell now whether producer id {pid} may publish: {unsure}; try again",
                 )
             else:
-                client = clients[i] or view.client_id
-                pid, epoch = view.producer_id, view.producer_epoch
-                refused = meta.sm.producer_refusal(pid, client, epoch)
-                if refused is not None and refused[0] == Code.FAILED_PRECONDITION:
-                    # Unknown here; this replica may lag group 0's leader, which
-                    # issued it a moment ago: judged after a linearizable read.
-                    try:
-                        await asyncio.wait_for(meta.read_barrier(), PRODUCER_CATCH_UP_S)
-                    except (TimeoutError, NotLeader, RoadlogError) as e:
-                        refused = (
-                            Code.UNAVAILABLE,
-                            f"cannot tell now whether producer id {pid} was issued ({e}): "
-                            "try again",
-                        )
-                    else:
-                        refused = meta.sm.producer_refusal(pid, client, epoch)
+                refused = meta.sm.producer_refusal(pid, clients[i] or seen.client_id, epoch)
             if refused is None:
                 keep.append(i)
             else:

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 
 from roadlog.client_tls import ClientTLS
+from roadlog.placement import DATA_GROUPS_RECORD, METADATA_GROUP
 from roadlog.runtime.auth import cluster_token, token_metadata
 from roadlog.runtime.config import read_secret
 from roadlog.runtime.processes import alive, free_port, wait_dead
@@ -185,14 +186,15 @@ class LocalCluster:
         extra_queue_args: list[str] | None = None,
         insecure: bool = False,
         ca: tuple[Path, Path] | None = None,
-        data_groups: int | None = 1,
+        data_groups: int | None = None,
         cluster_name: str = "roadlog",
     ) -> LocalCluster:
         """``ca``: (a dir with ca.crt, the CA's key) to sign with; None: a
         new CA in DIR/ca. ``insecure``: no TLS (loudly). ``data_groups``:
-        the nodes' ``--data-groups`` unless ``extra_node_args`` say it (1: every
-        ping in group 0, what most tests and the one-group benchmarks are
-        about); None: the nodes' default, one data group per voter."""
+        the nodes' ``--data-groups`` unless ``extra_node_args`` say it; None
+        (the default): the product's, as ``roadlog cluster up`` runs it: one
+        data group per voter, in worker processes; 1: every ping in group 0
+        (the one-group benchmarks, and the tests about one group)."""
         extra_node_args = list(extra_node_args or [])
         if data_groups is not None and "--data-groups" not in extra_node_args:
             extra_node_args += ["--data-groups", str(data_groups)]
@@ -404,10 +406,13 @@ class LocalCluster:
         progress: Callable[[str], None] | None = None,
         admin_token: str | None = None,
     ) -> dict[str, Any]:
-        """Wait until a leader exists, every running node is ready and every
-        running queue server answers. A process started here that died on
-        the way raises at once, with the end of its log. ``admin_token``:
-        the first admin identity's token (``bootstrap_admin``)."""
+        """Wait until group 0 and every data group the nodes run
+        (``data_group_ids``) have a leader, every running node is
+        ready and every running queue server answers. A process started here
+        that died on the way raises at once, with the end of its log. (Data
+        groups elect a few seconds after group 0: a topic created before
+        they lead would wait on them, a publish fail.) ``admin_token``: the
+        first admin identity's token (``bootstrap_admin``)."""
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
         started = {p.name: p for p in [*self.nodes, *self.queue_servers] if p.pid}
@@ -420,14 +425,41 @@ class LocalCluster:
             ready = [n for n in last["nodes"] if n.get("ready")]
             queues_up = {q["grpc"] for q in last["queue_servers"] if q.get("up")}
             queues = {q.grpc for q in self.queue_servers if q.pid and alive(q.pid)}
-            if last.get("leader") and len(ready) >= len(running) and queues <= queues_up:
+            groups = {METADATA_GROUP, *self.data_group_ids()}
+            unled = groups - led_groups(last)
+            if not unled and len(ready) >= len(running) and queues <= queues_up:
                 if not self.admin_token:
                     self.bootstrap_admin(max(5.0, deadline - time.monotonic()), admin_token)
                 return last
             if progress is not None:
-                progress(f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)}")
+                progress(
+                    f"leader={last.get('leader') or '-'} ready={len(ready)}/{len(running)} "
+                    f"groups led={len(groups) - len(unled)}/{len(groups)}"
+                )
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {json.dumps(last)}")
+
+    def data_group_ids(self) -> set[int]:
+        """The data groups (1..G) every running node runs, G the fewest a
+        running node runs: its ``--data-groups``, else what its data
+        directory recorded at its first start (DATA_GROUPS_RECORD, written
+        before the node is ready). With G = 1 none (group 0 holds the pings):
+        the empty set. (A node that decided other groups than the cluster's
+        runs its own until the first topic; a group it lacks may not elect.)"""
+        counts = []
+        for n in self.nodes:
+            if not (n.pid and alive(n.pid)):
+                continue
+            argv = n.argv
+            count = int(argv[argv.index("--data-groups") + 1]) if "--data-groups" in argv else 0
+            if not count:  # 0: one per voter, decided at the first start
+                try:
+                    count = int((Path(n.data_dir) / DATA_GROUPS_RECORD).read_text().strip())
+                except (OSError, ValueError):
+                    count = 1  # not decided yet: such a node is not ready either
+            counts.append(count)
+        fewest = min(counts, default=1)
+        return set(range(1, fewest + 1)) if fewest > 1 else set()
 
     def bootstrap_admin(self, timeout: float = 30.0, token: str | None = None) -> str:
         """Make the first admin identity through a node's Admin service (the
@@ -511,6 +543,15 @@ class _Certs:
             self._client = self._dir("client")
             self.lib.create_cert(self._client, self.ca_key, Identity("client", "admin"))
         return self._client
+
+
+def led_groups(status: dict[str, Any]) -> set[int]:
+    """The Raft groups (0 and the data groups) a node of ``status`` (a
+    ``gather_status``) says it leads."""
+    led = {METADATA_GROUP} if status.get("leader") else set()
+    for n in status["nodes"]:
+        led |= {int(g["id"]) for g in n.get("groups", ()) if g.get("role") == "leader"}
+    return led
 
 
 def _tail(path: str, lines: int = 15) -> str:

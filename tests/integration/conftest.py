@@ -140,6 +140,16 @@ def settled(read: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: 
     return seen[0]
 
 
+def read_fences(answer: dict[str, Any]) -> str:
+    """The query (``min_applied_index=...&group_fences=G:I,...``) that fences
+    an HTTP read on a publish's JSON answer: group 0's index for a topic of
+    group 0, each data group's for a topic placed in them (the default
+    layout; ``applied_index`` is then 0)."""
+    query = f"min_applied_index={answer['applied_index']}"
+    groups = ",".join(f"{g}:{i}" for g, i in sorted(answer.get("group_fences", {}).items()))
+    return query + (f"&group_fences={groups}" if groups else "")
+
+
 def make_pings(producer: str, start: int, n: int, devices: int = 4) -> PingColumns:
     """Pings whose (device, ts) names them uniquely; ts grows per device."""
     now = int(time.time() * 1000)

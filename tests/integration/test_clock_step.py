@@ -146,13 +146,18 @@ def three_nodes_with_clocks_and_boots(
     """Three nodes, each with a wall clock the test steps (as
     ``one_node_with_a_clock``) and a boot id file it can change (a reboot of
     the host, as the nemesis's power cuts). Retention once an hour: nothing
-    but what the test does is stamped."""
+    but what the test does is stamped. One group (every ping in group 0):
+    the test needs the rebooted node to lead the group that stamps the
+    contribution, and no admin call moves a chosen data group to a chosen
+    node (``transfer-leader`` moves group 0 and the data groups its leader
+    leads), so on the default layout the stamp could come from another."""
     lc = LocalCluster.create(
         tmp_path / "c",
         nodes=3,
         queue_servers=1,
         ca=test_ca.signing,
         extra_node_args=["--trim-interval-s", "3600"],
+        data_groups=1,
     )
     clocks, boots = [], []
     for node in lc.nodes:

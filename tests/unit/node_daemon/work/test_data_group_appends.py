@@ -183,3 +183,30 @@ def test_an_unknown_id_that_cannot_be_confirmed_now_is_unavailable_not_refused(
     res = run(data, publish(99, 0), "alice")
     assert res.code == grpc.StatusCode.UNAVAILABLE.value[0], res.message
     assert "producer id 99" in res.message and stored(data) == 0
+
+
+def test_an_epoch_group_0_moved_on_a_moment_ago_is_fenced_here_too(
+    groups: tuple[Group, Group],
+) -> None:
+    """Another instance took the id under its next epoch; group 0 committed
+    it (the new instance was answered) but this node's replica of group 0
+    has not applied it yet, and the new epoch wrote nothing to this group:
+    the old instance's next publish is refused as fenced, not stored (the
+    leader judges after a linearizable read of group 0)."""
+    meta, data = groups
+    issue(meta, 77, "alice")
+    assert run(data, publish(77, 0), "alice").code == 0
+    op = command_pb2.InitProducerOp(client_id="alice", producer_id=77, next_epoch=True)
+    cmd = command_pb2.Command(leader_ms=T0, ops=[command_pb2.Op(init_producer=op)])
+    index = meta.sm.applied_index + 1
+    entry = Entry(1, index, EntryType.NORMAL, cmd.SerializeToString())
+    meta.core.log.committed = index  # known committed, not applied
+
+    async def go() -> work_pb2.WorkResult:
+        asyncio.get_running_loop().call_later(0.1, lambda: meta.sm.apply([entry]))
+        item = work_pb2.WorkItem(id=1, method="Publish", request=publish(77, 1), principal="alice")
+        return await WorkHandler(data).run(item)  # type: ignore[arg-type]
+
+    res = asyncio.run(go())
+    assert res.code == grpc.StatusCode.FAILED_PRECONDITION.value[0], res.message
+    assert "fenced" in res.message and stored(data) == 6
