@@ -184,7 +184,6 @@ def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConf
             "secret_file": Path,
             "certs_dir": Path,
             "metrics_token_file": Path,
-            "clients_used_report_s": float,
             "discovery_seeds": _list,
             "trusted_proxies": _list,
         },
