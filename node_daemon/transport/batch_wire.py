@@ -45,12 +45,16 @@ def _message_parts(m: Message, group: int) -> list[bytes]:
 
 
 def encode_batch(
-    cluster: str, node_id: int, messages: Sequence[tuple[int, Message]], disk_low: bool = False
+    cluster: str,
+    node_id: int,
+    messages: Sequence[tuple[int, Message]],
+    disk_low: bool = False,
+    op_level: int = 0,
 ) -> list[bytes]:
     """The wire bytes of ``RaftBatch(cluster, from=node_id, messages,
-    disk_low)``, in parts; each message is given with its Raft group,
-    ``(group, message)``."""
-    head = raft_pb2.RaftBatch(cluster=cluster, disk_low=disk_low)
+    disk_low, op_level)``, in parts; each message is given with its Raft
+    group, ``(group, message)``."""
+    head = raft_pb2.RaftBatch(cluster=cluster, disk_low=disk_low, op_level=op_level)
     setattr(head, "from", node_id)
     out = [head.SerializeToString()]
     for group, m in messages:
