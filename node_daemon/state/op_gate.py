@@ -20,9 +20,14 @@ known at L or above, from what it last said; otherwise FAILED_PRECONDITION
 since this process started is not known, and is refused likewise (it may
 come back as anything). Once the upgrade is done, the same call passes.
 
+Newer fields of older kinds (``NEWER_FIELDS``: a trim's idle identities,
+an InitProducer's quota at apply) are ignored by an older release alike;
+while a member might, the leader clears them before it proposes, so every
+replica applies the op as one from before them.
+
 Invariants: a kind missing from ``LEVELS`` is a new one (the test checks
-every kind of ``Op`` is listed); levels only grow; kinds of level 1 pass
-without looking at anyone, so the write path pays one dict lookup.
+every kind of ``Op`` is listed); levels only grow; an append passes
+without looking at anyone, so the write path pays two dict lookups.
 """
 
 from __future__ import annotations
@@ -30,8 +35,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from roadlog.errors import Code, RoadlogError
+from roadlog.v1 import command_pb2
 
-__all__ = ["LEVELS", "OP_LEVEL", "check_proposable", "refusal", "told_level"]
+__all__ = [
+    "FIELDS_LEVEL",
+    "LEVELS",
+    "NEWER_FIELDS",
+    "OP_LEVEL",
+    "admit",
+    "everyone_at",
+    "refusal",
+    "told_level",
+]
 
 # The kinds of the first release, every one of level 1 (the release every
 # node of a cluster before issue 39 runs: its RaftBatch has no op_level).
@@ -43,6 +58,19 @@ _FIRST = (
 # Level 2 (issue 39): a topic's access fields, and the cluster settings.
 LEVELS: dict[str, int] = {**dict.fromkeys(_FIRST, 1), "update_topic": 2, "set_setting": 2}
 OP_LEVEL = max(LEVELS.values())
+
+
+# Fields of older kinds that a release before level 2 ignores, and that
+# would make its replica differ for good were they acted on: a trim's
+# ``clients_used`` and ``forget_idle_clients`` (idle identities forgotten),
+# an InitProducer's ``max_held`` (the quota checked at apply). Until every
+# member applies them (``everyone_at``), ``admit`` clears them: left unset,
+# every release applies the op alike (as entries from before them did).
+FIELDS_LEVEL = 2
+NEWER_FIELDS: dict[str, tuple[str, ...]] = {
+    "trim": ("clients_used", "forget_idle_clients"),
+    "init_producer": ("max_held",),
+}
 
 
 def told_level(said: int) -> int:
@@ -95,17 +123,40 @@ def refusal(
     return None
 
 
-def check_proposable(
+def everyone_at(
+    level: int,
+    me: int,
+    voters: Iterable[int],
+    learners: Iterable[int],
+    levels: Mapping[int, int],
+) -> bool:
+    """Whether every member but ``me`` is known to apply ``level`` (what
+    its latest batch said); a member not heard from is not."""
+    for n in {*voters, *learners}:
+        said = levels.get(n)
+        if n != me and (said is None or told_level(said) < level):
+            return False
+    return True
+
+
+def admit(
+    op: command_pb2.Op,
     kind: str | None,
     me: int,
     voters: Iterable[int],
     learners: Iterable[int],
     levels: Mapping[int, int],
 ) -> None:
-    """Raise ``refusal``'s error, if any (the leader's check before it
-    proposes); a kind of level 1 costs a lookup and nothing else."""
-    if LEVELS.get(kind or "") == 1:
-        return
-    err = refusal(kind, me, voters, learners, levels)
-    if err is not None:
-        raise err
+    """The leader's check of ``op`` (of ``kind``) before it proposes it:
+    ``refusal``'s error raised, if any; ``NEWER_FIELDS`` cleared while a
+    member might ignore them. A kind of level 1 without such fields (an
+    append) costs two lookups and nothing else."""
+    if LEVELS.get(kind or "") != 1:
+        err = refusal(kind, me, voters, learners, levels)
+        if err is not None:
+            raise err
+    fields = NEWER_FIELDS.get(kind or "")
+    if fields and not everyone_at(FIELDS_LEVEL, me, voters, learners, levels):
+        inner = getattr(op, str(kind))
+        for name in fields:
+            inner.ClearField(name)

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from node_daemon.raft import Entry, EntryType
-from node_daemon.state.op_gate import LEVELS, OP_LEVEL, check_proposable, refusal, told_level
+from node_daemon.state.op_gate import (
+    FIELDS_LEVEL,
+    LEVELS,
+    NEWER_FIELDS,
+    OP_LEVEL,
+    admit,
+    everyone_at,
+    refusal,
+    told_level,
+)
 from roadlog.errors import Code, RoadlogError
 from roadlog.v1 import command_pb2, settings_pb2
 from tests.unit.node_daemon.state.applying import T0, Applying
@@ -70,9 +79,9 @@ def test_a_newer_kind_waits_for_every_member_to_run_a_release_that_applies_it() 
     assert refusal(SET, 1, {1}, set(), {}) is None
     for kind in ("append", "create_topic", "trim", "create_client", None):
         assert refusal(kind, 1, voters, learners, {2: 0}) is None
-        check_proposable(kind, 1, voters, learners, {2: 0})
+        admit(command_pb2.Op(), kind, 1, voters, learners, {2: 0})
     with pytest.raises(RoadlogError, match="cluster mid-upgrade: n3 runs an older release"):
-        check_proposable(SET, 1, voters, set(), {2: OP_LEVEL, 3: 0})
+        admit(command_pb2.Op(), SET, 1, voters, set(), {2: OP_LEVEL, 3: 0})
     # A kind no level names (newer than this release) is refused where anyone else is.
     assert refusal("from_the_future", 1, {1, 2}, set(), {2: OP_LEVEL}) is not None
 
@@ -80,3 +89,39 @@ def test_a_newer_kind_waits_for_every_member_to_run_a_release_that_applies_it() 
 def test_what_a_batch_says_is_read_as_a_level() -> None:
     assert told_level(0) == 1  # a release from before the field
     assert told_level(1) == 1 and told_level(OP_LEVEL) == OP_LEVEL
+
+
+def test_newer_fields_of_older_kinds_are_cleared_until_everyone_applies_them() -> None:
+    """A trim's idle identities and an InitProducer's quota at apply: an
+    older release ignores them, so while a member may run one the leader
+    proposes the op without them, and every replica applies it alike."""
+    assert everyone_at(FIELDS_LEVEL, 1, {1, 2, 3}, {4}, dict.fromkeys((2, 3, 4), OP_LEVEL))
+    assert everyone_at(FIELDS_LEVEL, 1, {1}, set(), {})  # alone
+    assert not everyone_at(FIELDS_LEVEL, 1, {1, 2, 3}, set(), {2: OP_LEVEL, 3: 0})
+    assert not everyone_at(FIELDS_LEVEL, 1, {1, 2}, {3}, {2: OP_LEVEL})  # n3 not heard from
+    assert everyone_at(1, 1, {1, 2}, set(), {2: 0})  # the first release's level: anyone
+    for kind, fields in NEWER_FIELDS.items():  # each names a field of its kind's message
+        inner = command_pb2.Op.DESCRIPTOR.fields_by_name[kind].message_type
+        assert inner is not None
+        assert set(fields) <= set(inner.fields_by_name), (kind, fields)
+
+    def ops() -> tuple[command_pb2.Op, command_pb2.Op]:
+        trim = command_pb2.TrimOp(
+            clients_used=["cl-a"], forget_idle_clients=True, expire_records=True
+        )
+        init = command_pb2.InitProducerOp(client_id="alice", producer_id=7, bound=True, max_held=8)
+        return command_pb2.Op(trim=trim), command_pb2.Op(init_producer=init)
+
+    trim, init = ops()
+    mixed = {2: OP_LEVEL, 3: 0}
+    admit(trim, "trim", 1, {1, 2, 3}, set(), mixed)
+    admit(init, "init_producer", 1, {1, 2, 3}, set(), mixed)
+    assert not trim.trim.clients_used and not trim.trim.forget_idle_clients
+    assert trim.trim.expire_records  # what the older release applies too stays
+    assert init.init_producer.max_held == 0 and init.init_producer.producer_id == 7
+    trim, init = ops()
+    upgraded = {2: OP_LEVEL, 3: OP_LEVEL}
+    admit(trim, "trim", 1, {1, 2, 3}, set(), upgraded)
+    admit(init, "init_producer", 1, {1, 2, 3}, set(), upgraded)
+    assert list(trim.trim.clients_used) == ["cl-a"] and trim.trim.forget_idle_clients
+    assert init.init_producer.max_held == 8
