@@ -76,7 +76,10 @@ CLIENT = os.environ.get("ROADLOG_OPERATOR_CLIENT", OPERATOR_CLIENT)
 # A node's /readyz as the host sees it (argv: port, node.toml): at the address
 # its metrics port binds (metrics_host, else listen's host; 127.0.0.1 where that
 # is every address), HTTPS trusting the cluster's CA from the node's certs_dir,
-# plaintext where it runs insecure.
+# plaintext where it runs insecure. With the node's metrics_auth (issue 39) it
+# shows what the port asks for, as the roles' smoke checks do: token, the
+# bearer token of its metrics_token_file; tls, the node's own certificate
+# (the cluster's CA signed it). Run as root: both files are the node's.
 READYZ = """
 import ssl, sys, tomllib, urllib.error, urllib.request
 port, config = sys.argv[1], sys.argv[2]
@@ -91,19 +94,26 @@ if host in ("", "0.0.0.0", "::"):
     host = "127.0.0.1"
 elif ":" in host:
     host = f"[{host}]"
-ctx = None
-if conf.get("insecure") is True:
-    url = f"http://{host}:{port}/readyz"
-else:
-    url = f"https://{host}:{port}/readyz"
-    ca = (conf.get("certs_dir") or "/etc/roadlog/certs") + "/ca.crt"
-    try:
-        ctx = ssl.create_default_context(cafile=ca)
-    except OSError:
-        print("null")
-        sys.exit(0)
+ctx, headers = None, {}
+auth = conf.get("metrics_auth", "none")
 try:
-    body = urllib.request.urlopen(url, timeout=3, context=ctx).read()
+    if auth == "token":
+        with open(str(conf.get("metrics_token_file", ""))) as f:
+            headers["Authorization"] = "Bearer " + f.read().strip()
+    if conf.get("insecure") is True:
+        url = f"http://{host}:{port}/readyz"
+    else:
+        url = f"https://{host}:{port}/readyz"
+        certs = str(conf.get("certs_dir") or "/etc/roadlog/certs")
+        ctx = ssl.create_default_context(cafile=certs + "/ca.crt")
+        if auth == "tls":
+            ctx.load_cert_chain(certs + "/node.crt", certs + "/node.key")
+except (OSError, ValueError):
+    print("null")
+    sys.exit(0)
+try:
+    req = urllib.request.Request(url, headers=headers)
+    body = urllib.request.urlopen(req, timeout=3, context=ctx).read()
 except urllib.error.HTTPError as e:
     body = e.read()
 except OSError:

@@ -207,8 +207,6 @@ def load_queue_config(path: Path | None, overrides: dict[str, Any]) -> QueueConf
             "secret_file": Path,
             "certs_dir": Path,
             "metrics_token_file": Path,
-            "clients_used_report_s": float,
-            "directory_report_s": float,
             "directory_ca_file": Path,
             "directory_token_file": Path,
             "directory_servers": _list,

@@ -81,6 +81,7 @@ from node_daemon.replica.tick_due import LazyTicks, tick_n
 from node_daemon.state import unsynced
 from node_daemon.state.clients import UsedNames
 from node_daemon.state.machine import trim_op
+from node_daemon.state.op_gate import admit
 from node_daemon.state.responses import OpResult
 from node_daemon.storage import damage
 from node_daemon.storage.disk import DiskGuard
@@ -350,7 +351,12 @@ class Replica:
         try:
             if self.core.role != Role.LEADER:
                 raise NotLeader(self.core.lead)
-            self.disk.refuse(op.WhichOneof("op"), self.id)
+            kind = op.WhichOneof("op")
+            self.disk.refuse(kind, self.id)
+            # What a member's older release would skip (issue 39, op_gate).
+            conf = self.core.conf
+            levels = self.transport.peer_op_levels
+            admit(op, kind, self.id, conf.voters, conf.learners, levels)
         except Exception as e:
             fut.set_exception(e)
             return fut

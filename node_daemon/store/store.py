@@ -64,6 +64,7 @@ from node_daemon.config import NodeConfig
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.replica import NotLeader, Replica
 from node_daemon.replica.round import Round
+from node_daemon.state.op_gate import OP_LEVEL
 from node_daemon.storage.group_commit import GroupCommit
 from node_daemon.storage.group_logs import check_store, group_data_dir
 from node_daemon.storage.log_store import LogStore, store_dir
@@ -109,6 +110,7 @@ class Store:
             raise ValueError("a process without group 0 reads it from elsewhere, on its own links")
         assert transport is not None
         self.transport = transport
+        transport.op_level = OP_LEVEL  # said to the peers on every batch (op_gate)
         here: ReplicaView | None = self.nodes.get(0)
         self.group0: ReplicaView = here if here is not None else group0  # type: ignore[assignment]
         # No other process of this node runs these groups meanwhile.

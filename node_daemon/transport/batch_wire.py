@@ -50,12 +50,14 @@ def encode_batch(
     messages: Sequence[tuple[int, Message]],
     disk_low: bool = False,
     beats: bool = False,
+    op_level: int = 0,
 ) -> list[bytes]:
     """The wire bytes of ``RaftBatch(cluster, from=node_id, messages,
-    disk_low)``, in parts; each message is given with its Raft group,
-    ``(group, message)``. ``beats``: heartbeats and their responses go as
-    coalesced beats (``RaftBatch.beats``, for a receiver that takes them)."""
-    head = raft_pb2.RaftBatch(cluster=cluster, disk_low=disk_low)
+    disk_low, op_level)``, in parts; each message is given with its Raft
+    group, ``(group, message)``. ``beats``: heartbeats and their responses
+    go as coalesced beats (``RaftBatch.beats``, for a receiver that takes
+    them)."""
+    head = raft_pb2.RaftBatch(cluster=cluster, disk_low=disk_low, op_level=op_level)
     setattr(head, "from", node_id)
     if beats:
         rest = []

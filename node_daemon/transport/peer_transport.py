@@ -27,7 +27,10 @@ each heartbeat as a RaftMessage, as before).
 
 Every batch also says whether its sender's disk is low (``disk_low``, set
 by the process's groups); the receiver keeps what each peer said last, with
-when (``peer_disks``, ``node_daemon.transport.peer_disk``).
+when (``peer_disks``, ``node_daemon.transport.peer_disk``). And the
+operation kinds its release applies (``op_level``; ``peer_op_levels``:
+each peer's last word, which group 0's leader reads before it proposes a
+newer kind, node_daemon/state/op_gate.py).
 
 A node may run some groups in other processes (worker processes,
 docs/multiraft.md step 5), each with its own gRPC and framed ports. Its
@@ -209,8 +212,9 @@ class _Peer:
 
     def _next_frame(self) -> list[bytes]:
         """The pending messages as one framed link frame's parts."""
+        t = self.t
         return encode_batch(
-            self.t.cluster, self.t.node_id, self._next_messages(), self.t.disk_low, self.beats
+            t.cluster, t.node_id, self._next_messages(), t.disk_low, self.beats, t.op_level
         )
 
     def _next_batch(self) -> raft_pb2.RaftBatch:
@@ -219,6 +223,7 @@ class _Peer:
             cluster=self.t.cluster,
             messages=[message_to_pb(m, g) for g, m in self._next_messages()],
             disk_low=self.t.disk_low,
+            op_level=self.t.op_level,
         )
         setattr(batch, "from", self.t.node_id)
         return batch
@@ -409,6 +414,11 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         # Send heartbeats coalesced to the peers that take them, and say
         # this process takes them (off: as a node of an older version).
         self.coalesce = True
+        # The operation kinds this node's release applies, said on every
+        # batch (set by ``Store``: node_daemon/state/op_gate.py), and what
+        # each peer's latest batch said (0: an older release's).
+        self.op_level = 0
+        self.peer_op_levels: dict[int, int] = {}
 
     @classmethod
     def bare(cls, node_id: int, cluster: str, secret: bytes) -> PeerTransport:
@@ -632,7 +642,9 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         of a group this node does not run is dropped and counted (Raft
         resends; the group may be starting)."""
         round_trace.mark("peer_in")
-        self.peer_disks.heard(getattr(batch, "from"), batch.disk_low, time.monotonic())
+        sender = getattr(batch, "from")
+        self.peer_disks.heard(sender, batch.disk_low, time.monotonic())
+        self.peer_op_levels[sender] = batch.op_level
         groups = self.groups
         for pb in batch.messages:
             g = groups.get(pb.group)

@@ -16,6 +16,8 @@ from typing import Any, NoReturn, Protocol, TypeVar, get_type_hints
 
 import click
 
+from roadlog.runtime.config_types import typed
+
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key."""
@@ -58,6 +60,8 @@ def config_flags(cls: type) -> Callable[[F], F]:
                 decl = [f"{flag}/--no-{flag[2:]}"]
             elif kind is int:
                 decl, kw["type"] = [flag], int
+            elif kind is float:
+                decl, kw["type"] = [flag], float
             elif kind in (Path, Path | None):
                 decl, kw["type"] = [flag], click.Path(path_type=Path)
             else:  # str, and lists and tables given as text ("a,b")
@@ -247,26 +251,28 @@ def load(
     validate: bool = True,
 ) -> C:
     """``cls()`` with the file's keys, then the flags that were given, set on
-    it (ints coerced, ``converters`` applied); unknown keys are an error."""
+    it (``converters`` applied; numeric and true/false keys checked against
+    their declared type, a flag's text parsed: ``config_types``); unknown
+    keys and a wrong type are a ConfigError naming the key."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
             raw = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from None
-    raw.update({k: v for k, v in overrides.items() if v is not None})
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    raw.update(flags)
     cfg = cls()
     known = {f.name for f in fields(cfg)}  # type: ignore[arg-type]
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
     conv = converters or {}
+    hints = get_type_hints(type(cfg))
     for k, v in raw.items():
         try:
-            if k in conv:
-                v = conv[k](v)
-            elif isinstance(getattr(cfg, k), int) and not isinstance(v, int):
-                v = int(v)
+            # numbers and true/false checked (issue 39); a flag's text parsed
+            v = conv[k](v) if k in conv else typed(hints[k], v, text=k in flags)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{k}: {e}") from None
         setattr(cfg, k, v)

@@ -42,6 +42,8 @@ BIN = Path(sys.executable).parent
 # trusting its CA, with the operators' client certificate (calls to nodes).
 PKI = LAB_ROOT / "pki"
 HOST_CA = "/etc/roadlog/certs/ca.crt"  # the CA on every lab host
+# The metrics ports' bearer token on every lab host (role roadlog_common).
+HOST_METRICS_TOKEN = "/etc/roadlog/metrics_token"
 # The client identities' tokens the roles keep beside the CA (role
 # roadlog_identities): the operators' admin and the heat-map job's.
 TOKENS = PKI / "tokens"
@@ -49,6 +51,15 @@ TOKENS = PKI / "tokens"
 
 def token(name: str = "ops") -> str:
     return (TOKENS / f"{name}.token").read_text().strip()
+
+
+def metrics_token(inventory: Path) -> str:
+    """The metrics ports' bearer token the inventory deploys ("" for none)."""
+    for line in inventory.read_text().splitlines():
+        k, _, v = line.partition("=")
+        if k.strip() == "roadlog_common_metrics_token":
+            return v.strip()
+    return ""
 
 
 def tls_env() -> dict[str, str]:
@@ -135,13 +146,19 @@ class Deployed:
         """GET https://IP:PORT/PATH on a host, from the host (as its own
         services see it), at its address on the lab's network (where the
         roles bind the metrics ports: roadlog_node_metrics_host), trusting
-        the cluster's CA there."""
+        the cluster's CA there, with the metrics ports' bearer token of the
+        host's HOST_METRICS_TOKEN where the roles wrote one (metrics_auth
+        token, as the lab runs: inventory/lab.ini)."""
         h = self.host(host) if isinstance(host, str) else host
         url = f"https://{h.ip}:{port}{path}"
         script = (
-            "import ssl, urllib.request as u\n"
+            "import os, ssl, urllib.request as u\n"
             f"ctx = ssl.create_default_context(cafile={HOST_CA!r})\n"
-            f"print(u.urlopen({url!r}, timeout=5, context=ctx).read().decode())\n"
+            f"req = u.Request({url!r})\n"
+            f"if os.path.exists({HOST_METRICS_TOKEN!r}):\n"
+            f"    tok = open({HOST_METRICS_TOKEN!r}).read().strip()\n"
+            "    req.add_header('Authorization', 'Bearer ' + tok)\n"
+            "print(u.urlopen(req, timeout=5, context=ctx).read().decode())\n"
         )
         return self.ssh(host, f"python3 -c {shlex.quote(script)}")
 

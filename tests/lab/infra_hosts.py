@@ -33,14 +33,23 @@ SPARK_CONF = "/etc/roadlog-spark"
 SPARK_DIR = "/var/lib/roadlog-spark"
 
 
+# The metrics ports' bearer token (metrics_auth token, issue 39; role roadlog_common).
+METRICS_TOKEN = "/etc/roadlog/metrics_token"
+
+
 def get_json(host: Any, url: str) -> Any:
-    """GET a URL on the host (as root); HTTPS trusting the cluster's CA there."""
+    """GET a URL on the host (as root); HTTPS trusting the cluster's CA there,
+    with the metrics ports' token where the host has one."""
     script = (
-        "import ssl, urllib.request, urllib.error\n"
+        "import os, ssl, urllib.request, urllib.error\n"
         f"ctx = ssl.create_default_context(cafile={CERTS + '/ca.crt'!r})\n"
         f"ctx = ctx if {url!r}.startswith('https:') else None\n"
+        f"req = urllib.request.Request({url!r})\n"
+        f"if os.path.exists({METRICS_TOKEN!r}):\n"
+        f"    tok = open({METRICS_TOKEN!r}).read().strip()\n"
+        "    req.add_header('Authorization', 'Bearer ' + tok)\n"
         "try:\n"
-        f"    print(urllib.request.urlopen({url!r}, timeout=5, context=ctx).read().decode())\n"
+        "    print(urllib.request.urlopen(req, timeout=5, context=ctx).read().decode())\n"
         "except urllib.error.HTTPError as e:\n"
         "    print(e.read().decode())\n"
     )
@@ -69,6 +78,11 @@ def test_configuration_and_state_have_their_owners_and_modes(host: Any) -> None:
     queue = host.file("/etc/roadlog/queue.toml")  # client tokens by default (issue 19)
     if queue.exists:
         assert 'client_auth = "token"' in queue.content_string
+    auth = str(host.ansible.get_variables().get("roadlog_common_metrics_auth", "none"))
+    token = host.file(METRICS_TOKEN)  # metrics_auth token (issue 39): as the secret
+    assert token.exists == (auth == "token"), auth
+    if token.exists:
+        assert (token.user, token.group, token.mode) == ("root", "roadlog", 0o640)
     assert host.file("/opt/roadlog/venv/bin/roadlog-node").is_file
     assert host.file("/opt/roadlog/wheelhouse/SHA256SUMS").is_file
     if "nodes" in groups(host):
@@ -314,7 +328,7 @@ def test_the_job_token_is_on_the_spark_master_only_and_private(host: Any) -> Non
 # would: gRPC health in plaintext, with TLS but no client certificate, and
 # with the operators' client certificate; and the HTTP(S) ports.
 PORT_PROBE = r"""
-import json, ssl, sys, urllib.request
+import json, ssl, sys, urllib.error, urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 ip, certs, grpc_ports, http_ports = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -328,11 +342,21 @@ def check(channel):
     except grpc.RpcError as e:
         return e.code().name
 
-def get(url, ctx):
+def get(url, ctx, token=None):
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", "Bearer " + token)
     try:
-        return urllib.request.urlopen(url, timeout=5, context=ctx).status
+        return urllib.request.urlopen(req, timeout=5, context=ctx).status
+    except urllib.error.HTTPError as e:
+        return e.code
     except OSError as e:
         return type(e).__name__
+
+try:  # the metrics ports' token (metrics_auth token, issue 39)
+    metrics_token = open("/etc/roadlog/metrics_token").read().strip()
+except OSError:
+    metrics_token = None
 
 out = {}
 for port in filter(None, grpc_ports.split(",")):
@@ -345,9 +369,11 @@ for port in filter(None, grpc_ports.split(",")):
     }
 ctx = ssl.create_default_context(cafile=f"{certs}/ca.crt")
 for port in filter(None, http_ports.split(",")):
+    token = metrics_token if port in ("9400", "9500") else None
     out[port] = {
-        "plaintext": get(f"http://{ip}:{port}/healthz", None),
-        "tls": get(f"https://{ip}:{port}/healthz", ctx),
+        "plaintext": get(f"http://{ip}:{port}/healthz", None, token),
+        "tls": get(f"https://{ip}:{port}/healthz", ctx, token),
+        "tls, no token": get(f"https://{ip}:{port}/healthz", ctx),
     }
 print(json.dumps(out))
 """
@@ -382,6 +408,10 @@ def test_a_plaintext_client_is_refused_on_the_node_and_queue_ports(host: Any) ->
         assert got["7400"]["tls"] == "UNAVAILABLE", got["7400"]
     if "queue_servers" in g:  # clients need no certificate there
         assert got["7500"]["tls"] == "SERVING", got["7500"]
+    auth = str(host.ansible.get_variables().get("roadlog_common_metrics_auth", "none"))
     for port in http_ports:
         assert got[port]["tls"] == 200, (port, got[port])
         assert got[port]["plaintext"] != 200, (port, got[port])
+        # The metrics ports with metrics_auth token: no token, 401 (issue 39).
+        want = 401 if auth == "token" and port in ("9400", "9500") else 200
+        assert got[port]["tls, no token"] == want, (port, got[port])
