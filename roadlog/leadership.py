@@ -9,7 +9,7 @@ systemd unit; a host whose node does not answer has `reachable=False`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +58,19 @@ def leader_host(views: Sequence[HostView]) -> str | None:
     return leaders[0].host if len(leaders) == 1 else None
 
 
-def transfer_target(views: Sequence[HostView], prefer: int = 0) -> int:
+def transfer_target(
+    views: Sequence[HostView], prefer: int = 0, voters: Collection[int] | None = None
+) -> int:
     """The node to hand leadership to: `prefer` if it is a ready member,
-    else the ready member follower that has applied the most. 0 if none."""
+    else the ready member follower that has applied the most. 0 if none.
+    ``voters`` (group 0's, as its leader says): only those may take over; a
+    standby learner is a member that can never lead, however caught up."""
     lead = leader_host(views)
-    candidates = [v for v in views if v.ready and v.member and v.host != lead]
+    candidates = [
+        v
+        for v in views
+        if v.ready and v.member and v.host != lead and (voters is None or v.node_id in voters)
+    ]
     if prefer:
         return prefer if any(v.node_id == prefer for v in candidates) else 0
     if not candidates:

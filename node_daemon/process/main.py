@@ -350,7 +350,10 @@ def transfer_leader(
     if lead is None:
         raise click.ClickException("no leader right now: nothing to transfer")
     lead_id = next(v.node_id for v in views if v.host == lead)
-    target = transfer_target(views, prefer=to)
+    said = ask_node(addresses[lead_id], 2.0, client_tls)
+    groups = (said or {}).get("groups") or []
+    voters = set(groups[0]["voters"]) if groups and groups[0].get("voters") else None
+    target = transfer_target(views, prefer=to, voters=voters)
     if target == 0:
         raise click.ClickException(
             f"no ready voter to hand over to{f' (node {to} is not one)' if to else ''}"

@@ -89,6 +89,22 @@ def test_leadership_goes_to_the_most_caught_up_ready_member() -> None:
     assert transfer_target([view("lab2", 2, "leader")]) == 0
 
 
+def test_leadership_never_goes_to_a_standby_learner() -> None:
+    # A learner added by add_node.yml is a member, ready and the most caught
+    # up; it can never lead (the lab's rolling restart after add_node was
+    # refused: "node 4 is not a voter").
+    views = [
+        view("lab1", 1, "follower", applied=90),
+        view("lab2", 2, "leader"),
+        view("lab3", 3, "follower", applied=95),
+        view("lab4", 4, "follower", applied=100),
+    ]
+    assert transfer_target(views) == 4  # not told the voters: any member
+    assert transfer_target(views, voters={1, 2, 3}) == 3
+    assert transfer_target(views, prefer=4, voters={1, 2, 3}) == 0
+    assert transfer_target(views, voters={2}) == 0
+
+
 def test_the_write_pause_spans_the_fault() -> None:
     acks = [0.0, 0.1, 0.2, 0.3, 1.5, 1.6]
     assert write_pause(acks, fault_at=0.35) == pytest.approx(1.2)
