@@ -55,11 +55,16 @@ def test_seed_matrix(make_cluster: MakeCluster, producers: int, consumers: int, 
         assert v == views[0]
 
 
+@pytest.mark.parametrize(
+    "extra", [["--data-groups", "1"], ["--data-groups", "0"]], ids=["one group", "the default"]
+)
 @pytest.mark.parametrize("victim", ["follower", "leader"])
 def test_a_killed_node_does_not_lose_acknowledged_pings(
-    make_cluster: MakeCluster, victim: str
+    make_cluster: MakeCluster, victim: str, extra: list[str]
 ) -> None:
-    lc = make_cluster(nodes=3)
+    """On one group and on the default layout (data groups in worker
+    processes): the killed node is group 0's leader or a follower."""
+    lc = make_cluster(nodes=3, extra=extra)
     with Connection(lc.servers) as conn:
         create_topic(conn)
         runs = [ProducerRun(conn, "munich", f"p{i}").start() for i in range(2)]
@@ -110,7 +115,7 @@ def test_every_node_killed_gives_a_clear_error_then_nothing_is_lost(
 
 @pytest.mark.parametrize(
     "extra",
-    [["--data-groups", "1"], []],
+    [["--data-groups", "1"], ["--data-groups", "0"]],
     ids=["one group", "the default"],
 )
 def test_many_producers_and_topics_survive_a_whole_cluster_sigkill(
@@ -138,7 +143,7 @@ def test_many_producers_and_topics_survive_a_whole_cluster_sigkill(
             r.join()
         for t in topics:
             groups = {p.group for p in Admin(conn).describe(t).partitions}
-            assert groups <= ({0} if extra else {1, 2, 3}), groups
+            assert groups <= ({0} if extra == ["--data-groups", "1"] else {1, 2, 3}), groups
             views = [read_topic(conn, t) for _ in range(3)]  # three consumers
             acked = [x for i, r in enumerate(runs) if topics[i % 3] == t for x in r.acked]
             for v in views:
