@@ -59,6 +59,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from roadlog.v1 import heatmaps_pb2
+from spark.arrow_batches import ARROW_TYPES
 from spark.jobs.heatmap import DEFAULT_HISTORY_MS, session, to_heatmap, transform, write_files
 
 if TYPE_CHECKING:
@@ -205,15 +206,8 @@ class History:
                 p.unlink(missing_ok=True)
 
 
-TYPES = {
-    "partition": pa.int32(),
-    "offset": pa.int64(),
-    "device_id": pa.string(),
-    "ts_ms": pa.int64(),
-    "lat": pa.float64(),
-    "lon": pa.float64(),
-    "speed_mps": pa.float32(),
-}
+# The source's Arrow types (spark/arrow_batches.py) of the columns read here.
+TYPES = {c: ARROW_TYPES[c] for c in COLUMNS}
 
 
 def _between(t: pa.Table, lo: int, hi: int) -> pa.Table:
