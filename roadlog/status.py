@@ -33,6 +33,7 @@ def node_json(ns: client_pb2.NodeStatus) -> dict[str, Any]:
         "applied_index": ns.applied_index,
         "leader": ns.leader,
         "ready": ns.ready,
+        "version": ns.version,  # its release ("": one from before releases were told)
         # each Raft group the node runs, as it sees it (group 0 first)
         "groups": [
             {

@@ -29,6 +29,7 @@ from roadlog.placement import (
     worker_processes,
 )
 from roadlog.runtime.processes import alive
+from roadlog.release import mixed
 from roadlog.status import DOWN
 from roadlog.tools.localcluster import LocalCluster, gather_status
 from roadlog.tools.localdirectory import MemberFounding, member_founding, wait_registered
@@ -207,13 +208,14 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
         except click.ClickException as e:
             err.print(f"[yellow]partitions unknown: {e.message}[/]")
     st["groups"] = raft_groups(st, topics)
+    st["mixed_releases"] = mixed_releases(st)
     if as_json:
         click.echo(json.dumps(st, indent=2))
         if not answered:
             _no_node_answered(st)
         return
     t = Table(title=f"leader {st['leader'] or '-'}, term {st['term']}")
-    for col in ("id", "address", "role", "term", "commit", "applied", "ready"):
+    for col in ("id", "address", "role", "term", "commit", "applied", "ready", "version"):
         t.add_column(col)
     for n in st["nodes"]:
         t.add_row(
@@ -224,15 +226,50 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
             str(n["commit_index"]),
             str(n["applied_index"]),
             "yes" if n["ready"] else "no",
+            _release_text(n),
         )
     out.print(t)
     for q in st["queue_servers"]:
-        out.print(f"queue server {q['grpc']}" + (f" {q['http']}" if q.get("http") else ""))
+        out.print(
+            f"queue server {q['grpc']}"
+            + (f" {q['http']}" if q.get("http") else "")
+            + (f" {_release_text(q)}" if q.get("up") else "")
+        )
     for g in st["groups"]:
         n = len(g["partitions"]) if g["partitions_known"] else "?"
         out.print(f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, {n} partitions")
+    if st["mixed_releases"]:
+        says = "; ".join(
+            f"{r or OLDER_RELEASE}: {', '.join(who)}" for r, who in st["mixed_releases"].items()
+        )
+        out.print(f"[yellow]mixed releases (a rolling upgrade under way?): {says}[/]")
     if not answered:
         _no_node_answered(st)
+
+
+OLDER_RELEASE = "older (tells none)"
+
+
+def _release_text(p: dict[str, Any]) -> str:
+    if p.get("role", "") == DOWN:
+        return "-"
+    return str(p.get("version") or OLDER_RELEASE)
+
+
+def mixed_releases(status: dict[str, Any]) -> dict[str, list[str]]:
+    """``cluster status``'s ``mixed_releases``: when the processes that
+    answered run more than one release (a rolling upgrade under way), each
+    release ("": one from before releases were told) with the processes
+    that run it (``n<id>``, a queue server's gRPC address); {} when they
+    all run one."""
+    who: dict[str, list[str]] = {}
+    for n in status["nodes"]:
+        if n.get("role", DOWN) != DOWN:
+            who.setdefault(str(n.get("version", "")), []).append(f"n{n['id']}")
+    for q in status["queue_servers"]:
+        if q.get("up") and not q.get("error"):
+            who.setdefault(str(q.get("version", "")), []).append(str(q["grpc"]))
+    return dict(sorted(who.items())) if mixed(list(who)) else {}
 
 
 def _no_node_answered(st: dict[str, Any]) -> None:
