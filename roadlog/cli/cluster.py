@@ -25,12 +25,11 @@ from roadlog.client_tls import ClientTLS
 from roadlog.placement import (
     DATA_GROUPS_RECORD,
     MAX_DATA_GROUPS,
-    METADATA_GROUP,
     worker_processes,
 )
-from roadlog.runtime.processes import alive
 from roadlog.release import mixed
-from roadlog.status import DOWN
+from roadlog.runtime.processes import alive
+from roadlog.status import DOWN, raft_group_views
 from roadlog.tools.localcluster import LocalCluster, gather_status
 from roadlog.tools.localdirectory import MemberFounding, member_founding, wait_registered
 from roadlog.v1 import topics_pb2
@@ -237,7 +236,11 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
         )
     for g in st["groups"]:
         n = len(g["partitions"]) if g["partitions_known"] else "?"
-        out.print(f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, {n} partitions")
+        lag = ", ".join(f"n{r['node']} {r['lag']}" for r in g["replicas"]) or "-"
+        out.print(
+            f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, "
+            f"commit {g['commit_index']}, lag {lag}, {n} partitions"
+        )
     if st["mixed_releases"]:
         says = "; ".join(
             f"{r or OLDER_RELEASE}: {', '.join(who)}" for r, who in st["mixed_releases"].items()
@@ -286,41 +289,19 @@ def raft_groups(
     status: dict[str, Any], topics: list[topics_pb2.TopicDescription] | None
 ) -> list[dict[str, Any]]:
     """``cluster status``'s ``groups``: each Raft group with its leader, term,
-    commit index and partitions ([topic, partition] pairs; topics None:
-    unknown, ``partitions_known`` false). A group's figures are what the
-    nodes say of it (each node's ``groups``): its leader is the one the
-    highest term names, its commit index that leader's (or the highest
-    seen). Nodes that tell no groups (older ones) run group 0 alone."""
-    views: dict[int, list[dict[str, Any]]] = {METADATA_GROUP: []}
-    for n in status["nodes"]:
-        if n.get("groups"):
-            for g in n["groups"]:
-                views.setdefault(g["id"], []).append({**g, "node": n["id"]})
-        elif "role" in n and n["role"] != DOWN:
-            views[METADATA_GROUP].append({**n, "node": n["id"]})
+    commit index, replicas (each node's role, applied index and lag behind
+    the leader's commit: ``roadlog.status.raft_group_views``, what the
+    dashboard shows too) and partitions ([topic, partition] pairs; topics
+    None: unknown, ``partitions_known`` false)."""
+    views = {g["id"]: g for g in raft_group_views(status["nodes"])}
     by_group: dict[int, list[list[Any]]] = {g: [] for g in views}
     for t in topics or []:
         for p in t.partitions:
             by_group.setdefault(p.group, []).append([t.topic.spec.name, p.partition])
     out = []
     for g, parts in sorted(by_group.items()):
-        seen = views.get(g, [])
-        leads = [v for v in seen if v["role"] == "leader"]
-        lead = max(leads, key=lambda v: v["term"]) if leads else None
-        out.append(
-            {
-                "id": g,
-                "leader": lead["node"] if lead else 0,
-                "term": max((v["term"] for v in seen), default=0),
-                "commit_index": (
-                    lead["commit_index"]
-                    if lead
-                    else max((v["commit_index"] for v in seen), default=0)
-                ),
-                "partitions": parts,
-                "partitions_known": topics is not None,
-            }
-        )
+        view = views.get(g, {"id": g, "leader": 0, "term": 0, "commit_index": 0, "replicas": []})
+        out.append({**view, "partitions": parts, "partitions_known": topics is not None})
     return out
 
 
