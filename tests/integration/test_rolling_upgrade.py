@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,14 @@ def _caught_up(lc: LocalCluster, node: NodeInfo) -> None:
     wait_for(applied, 120, f"{node.name} to apply what its groups committed", every=0.2)
 
 
+def _leads_a_data_group(lc: LocalCluster, node: NodeInfo) -> Callable[[], bool]:
+    def check() -> bool:
+        groups = _groups_of(lc.status(), node.id)
+        return any(g > 0 and v.get("role") == "leader" for g, v in groups.items())
+
+    return check
+
+
 def _data_group_digest(node: NodeInfo, group: int) -> tuple[int, bytes] | None:
     """(applied index, state digest) of ``group``'s replica on ``node``, read
     as the node's main process reads a worker's group (read-only)."""
@@ -229,14 +238,19 @@ def test_a_rolling_upgrade_under_load_loses_and_duplicates_nothing(
             Load(conn, "plain", False).start(),
         ]
         _wait_acks(loads, 3 * BATCH, "the old release to take writes")
+        phases = [f"old cluster up {time.monotonic() - t0:.0f} s"]
         for i, node in enumerate(lc.nodes):
             lc.restart(node.name, grace=20)  # SIGTERM; then this tree's code, same data
             _caught_up(lc, node)
+            # Back as the leader of a data group (leaders spread again), its
+            # followers older: the acks below need new-to-old traffic too.
+            wait_for(_leads_a_data_group(lc, node), 90, f"{node.name} to lead a data group")
             assert _build_info(lc, node) == f'roadlog_build_info{{version="{release()}"}} 1.0'
             if i == 0:  # mid-upgrade: the operator sees both releases
                 mixed = mixed_releases(lc.status())
                 assert mixed == {"": ["n2", "n3", lc.servers[0]], release(): ["n1"]}, mixed
             _wait_acks(loads, 3 * BATCH, f"writes after {node.name}'s upgrade")
+            phases.append(f"{node.name} upgraded {time.monotonic() - t0:.0f} s")
         lc.restart(lc.queue_servers[0].name, grace=20)  # the queue server last
         lc.wait_ready(120)
         _wait_acks(loads, 3 * BATCH, "writes through the upgraded queue server")
@@ -266,7 +280,8 @@ def test_a_rolling_upgrade_under_load_loses_and_duplicates_nothing(
         conn.close()
         print(
             f"rolling upgrade from {BASELINE}: {_acked(loads)} pings acknowledged, "
-            f"{sum(len(x.errors) for x in loads)} batches failed, {time.monotonic() - t0:.0f} s"
+            f"{sum(len(x.errors) for x in loads)} batches failed, {time.monotonic() - t0:.0f} s "
+            f"({', '.join(phases)})"
         )
     finally:
         for x in loads:
