@@ -1,11 +1,13 @@
 """A node restarted with another number of worker processes (the
 ``workers`` key: a resized VM, issue 42) moves each data group's log to
 the log store of the process that now runs it, at start, and loses
-nothing: 3 data groups on 2 workers, then each node restarted in turn with
-1 (every group in the main process: ``logs/main``), then with 4 (capped at
-the 3 groups: one each), pings published in every phase and all of them
-read back once, in order; each group's log is in exactly one store of each
-node, the one its process runs."""
+nothing: 3 data groups on 2 workers, then two of the three nodes (a
+majority of every group: a move that lost a log would lose acknowledged
+pings) restarted in turn with 1 (every group in the main process:
+``logs/main``), then with 4 (capped at the 3 groups: one each), pings
+published after every restart and all of them read back once, in order;
+each group's log is in exactly one store of each node, the one its
+process runs."""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def test_a_node_restarted_with_another_number_of_workers_moves_each_groups_log(
         for n in lc.nodes:
             assert _holdings(n) == LAYOUTS[2], n.name
         for workers in (1, 4):
-            for n in lc.nodes:  # one node at a time, as VMs are resized
+            for n in lc.nodes[:2]:  # one node at a time, as VMs are resized
                 _with_workers(n, workers)
                 lc.restart(n.name, grace=20)
                 lc.wait_ready(120)
