@@ -18,7 +18,9 @@ their release and the frame formats they speak, newest and oldest
 (``FramesEndpointRequest``/``Reply``: ``release``, ``frames_format``,
 ``frames_format_oldest``). A frame format is what a frame's payload is:
 1, one serialized ``RaftBatch`` (every release so far; its newer fields,
-coalesced beats and the op level, are offered or ignored field by field).
+coalesced beats and the op level, are offered or ignored field by field;
+the gRPC stream's messages are the same payloads, so the agreement holds
+there too).
 A peer of a release from before the greeting says nothing (0) and speaks
 format 1 alone. The dialer sends in the newest format both speak
 (``agreed_format``); where they share none (a peer whose oldest is newer

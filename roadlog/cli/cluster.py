@@ -232,7 +232,7 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
         out.print(
             f"queue server {q['grpc']}"
             + (f" {q['http']}" if q.get("http") else "")
-            + (f" {_release_text(q)}" if q.get("up") else "")
+            + (f" {_release_text(q)}" if q.get("up") and not q.get("error") else "")
         )
     for g in st["groups"]:
         n = len(g["partitions"]) if g["partitions_known"] else "?"
