@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from roadlog.runtime.build_info import BUILD_INFO as BUILD_INFO  # exported with the rest
+
 ROLE = Gauge("roadlog_raft_role", "0 follower, 1 pre-candidate, 2 candidate, 3 leader")
 TERM = Gauge("roadlog_raft_term", "current Raft term")
 COMMIT_INDEX = Gauge("roadlog_raft_commit_index", "highest index known committed")

@@ -14,7 +14,10 @@ Its JSON, under ``/ui/api/``, goes through the same queues as the API:
   no token or one the cluster does not know, so a page can tell a token kept
   from another cluster and register anew;
 - ``cluster``: the nodes (role, term, commit and applied index, lag behind
-  the leader's commit, readiness), the queue servers, and the topics with
+  the leader's commit, readiness, release), each Raft group (leader, term,
+  commit, and each replica's lag: the group leader's commit minus that
+  replica's applied, as ``roadlog cluster status`` shows it), the queue
+  servers, and the topics with
   their ingest rate over the last minute (from the topics' end offsets,
   sampled when a page asks, at most once a second);
 - ``heatmap?topic=T&client_id=C[&window_start_ms=W]``: the heat map as
@@ -42,7 +45,7 @@ from queue_server.config import DEFAULT_TILE_URL
 from roadlog.errors import Code, RoadlogError
 from roadlog.heatmap_render import geojson
 from roadlog.limits import MAX_PAGE_SIZE
-from roadlog.status import node_json
+from roadlog.status import node_json, raft_group_views
 from roadlog.v1 import client_pb2
 
 if TYPE_CHECKING:
@@ -198,7 +201,10 @@ class Dashboard:
             "leader": st.leader,
             "term": st.term,
             "nodes": nodes,
-            "queue_servers": [{"grpc": q.grpc, "http": q.http} for q in st.queue_servers],
+            "groups": raft_group_views(nodes),
+            "queue_servers": [
+                {"grpc": q.grpc, "http": q.http, "version": q.version} for q in st.queue_servers
+            ],
             "topics": [
                 {
                     "name": t["name"],

@@ -10,6 +10,7 @@ import click
 
 from queue_server.config import QueueConfig, load_queue_config
 from queue_server.serve import serve
+from roadlog.release import version_option
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.config import (
     ConfigError,
@@ -23,6 +24,7 @@ from roadlog.runtime.logs import setup_logging
 
 
 @click.group()
+@version_option("roadlog-queue")
 def cli() -> None:
     """The roadlog queue server."""
     private_files()

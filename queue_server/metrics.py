@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from roadlog.rpc import Kind
+from roadlog.runtime.build_info import BUILD_INFO as BUILD_INFO  # exported with the rest
 
 DEPTH = Gauge("roadlog_queue_depth", "requests waiting", ["kind"])
 DEPTH_BYTES = Gauge("roadlog_queue_bytes", "bytes of requests waiting", ["kind"])

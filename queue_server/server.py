@@ -42,6 +42,7 @@ from queue_server.queues import Item, QueueFull, WorkQueues
 from roadlog.errors import Code, RoadlogError
 from roadlog.limits import CLIENT_MESSAGE_BYTES
 from roadlog.protowire import leading_varint
+from roadlog.release import release
 from roadlog.rpc import ROUTED, Kind
 from roadlog.runtime import frames, tls
 from roadlog.runtime.auth import cluster_token
@@ -317,7 +318,7 @@ class QueueServer(ClientFront, NodeSessions):
             # the routing fields are newer: they ride on every result
             ns.id, ns.address, ns.term, ns.leader = s.node_id, s.address, s.term, s.leader
             ns.commit_index, ns.applied_index = s.commit_index, s.applied_index
-        qs = st.queue_servers.add(grpc=self.cfg.address)
+        qs = st.queue_servers.add(grpc=self.cfg.address, version=release())
         if self.cfg.http_listen:
             scheme = "http" if tls.current().insecure else "https"
             qs.http = f"{scheme}://{self.cfg.http_listen}"

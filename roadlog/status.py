@@ -33,6 +33,7 @@ def node_json(ns: client_pb2.NodeStatus) -> dict[str, Any]:
         "applied_index": ns.applied_index,
         "leader": ns.leader,
         "ready": ns.ready,
+        "version": ns.version,  # its release ("": one from before releases were told)
         # each Raft group the node runs, as it sees it (group 0 first)
         "groups": [
             {
@@ -66,3 +67,45 @@ def ask_node(address: str, timeout: float, tls: ClientTLS | None = None) -> dict
         "members": {o.id: o.address for o in st.nodes[1:] if o.address},
         **node_json(st.nodes[0]),
     }
+
+
+def raft_group_views(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each Raft group as the nodes' statuses (``node_json`` views; a node
+    that did not answer has role ``down``) tell it, by group id: its
+    ``leader`` (the node the highest term's leader view names; 0: none),
+    ``term`` (the highest seen), ``commit_index`` (the leader's, else the
+    highest seen) and ``replicas``: each node that told the group, with its
+    role, applied index and ``lag``, the leader's commit minus that
+    replica's applied (0 at least). Nodes that tell no groups (older ones)
+    run group 0 alone, with their own figures. ``cluster status`` and the
+    dashboard's cluster panel both show this."""
+    views: dict[int, list[dict[str, Any]]] = {0: []}
+    for n in nodes:
+        if n.get("groups"):
+            for g in n["groups"]:
+                views.setdefault(int(g["id"]), []).append({**g, "node": n["id"]})
+        elif n.get("role", DOWN) != DOWN:
+            views[0].append({**n, "node": n["id"]})
+    out = []
+    for g, seen in sorted(views.items()):
+        leads = [v for v in seen if v["role"] == "leader"]
+        lead = max(leads, key=lambda v: v["term"]) if leads else None
+        commit = lead["commit_index"] if lead else max((v["commit_index"] for v in seen), default=0)
+        out.append(
+            {
+                "id": g,
+                "leader": lead["node"] if lead else 0,
+                "term": max((v["term"] for v in seen), default=0),
+                "commit_index": commit,
+                "replicas": [
+                    {
+                        "node": v["node"],
+                        "role": v["role"],
+                        "applied_index": v.get("applied_index", 0),
+                        "lag": max(0, commit - v.get("applied_index", 0)),
+                    }
+                    for v in sorted(seen, key=lambda v: v["node"])
+                ],
+            }
+        )
+    return out

@@ -35,16 +35,26 @@ fi
 log "roadlog's own wheel"
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || echo 315532800)}
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+# The commit the hosts' processes tell as their release (roadlog/release.py):
+# in the wheel only, never left in the tree (a stale one would be believed).
+commit=$(git rev-parse HEAD 2>/dev/null || true)
+trap 'rm -rf "$tmp" roadlog/COMMIT' EXIT
+if [ -n "$commit" ]; then echo "$commit" > roadlog/COMMIT; fi
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation . -w "$tmp" > build/wheelhouse.log 2>&1 || { cat build/wheelhouse.log >&2; exit 1; }
 new=$(ls "$tmp"/roadlog-*.whl)
 # The wheel's name carries no build number; its content decides whether
-# hosts reinstall. Replace it only when the files inside differ.
+# hosts reinstall. Replace it only when the files inside differ, the commit
+# file (and the RECORD that lists its hash) aside: a commit that changed
+# nothing of the package keeps the wheel, which names the earlier commit
+# of identical code, and the hosts copy nothing.
 old="$OUT/$(basename "$new")"
 if [ -f "$old" ] && "$PY" - "$old" "$new" <<'PYEOF'
 import sys, zipfile
 a, b = (zipfile.ZipFile(p) for p in sys.argv[1:3])
-same = sorted((i.filename, i.CRC) for i in a.infolist()) == sorted((i.filename, i.CRC) for i in b.infolist())
+def files(z):
+    return sorted((i.filename, i.CRC) for i in z.infolist()
+                  if i.filename != "roadlog/COMMIT" and not i.filename.endswith(".dist-info/RECORD"))
+same = files(a) == files(b)
 sys.exit(0 if same else 1)
 PYEOF
 then

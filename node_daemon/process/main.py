@@ -32,6 +32,7 @@ from node_daemon.raft import StorageFullError
 from node_daemon.storage.damage import DamagedLogError
 from roadlog.client_tls import ClientTLS
 from roadlog.leadership import HostView, leader_host, transfer_target
+from roadlog.release import version_option
 from roadlog.runtime import config as configfile
 from roadlog.runtime import eventloop, tls
 from roadlog.runtime.auth import cluster_token, token_metadata
@@ -48,6 +49,7 @@ log = logging.getLogger("roadlog.node")
 
 
 @click.group()
+@version_option("roadlog-node")
 def cli() -> None:
     """The roadlog node daemon."""
     private_files()  # data, snapshots and backups: 0600 files, 0700 directories

@@ -19,6 +19,7 @@ from typing import Any
 from node_daemon.raft import Role
 from node_daemon.replica.remote import ReplicaView
 from node_daemon.replica.replica import Replica
+from roadlog.release import release
 from roadlog.status import role_name
 from roadlog.v1 import client_pb2
 
@@ -115,6 +116,7 @@ def node_status(node: Replica, figures: GroupFigures | None = None) -> client_pb
         learners=f.learners,
         conf_index=f.conf_index,
         catching_up=f.catching_up,
+        version=release(),
         groups=[
             f.status() if n is node else group_status(n)
             for _, n in sorted(node.raft_groups.items())

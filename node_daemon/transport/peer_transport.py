@@ -72,7 +72,7 @@ from node_daemon.raft import Message, MessageType
 from node_daemon.storage.disk import fsync_dir
 from node_daemon.transport.batch_wire import encode_batch
 from node_daemon.transport.peer_disk import PeerDisks
-from node_daemon.transport.peer_frames import FramesLink, FramesServer
+from node_daemon.transport.peer_frames import FormatRefused, FramesLink, FramesServer, Greetings
 from node_daemon.transport.wire import message_from_pb, message_of_beat, message_to_pb
 from roadlog import round_trace
 from roadlog.runtime import tls
@@ -112,6 +112,9 @@ def _payload(m: Message) -> int:
 Outgoing = tuple[int, Message]  # (Raft group, message)
 
 ROUTES_RETRY_S = 1.0  # at most one ask for a peer's group ports per peer this often
+# A peer that shares no frame format with us (peer_frames' greeting) is
+# asked again this often, not at the reconnect's pace.
+FORMAT_REFUSED_RETRY_S = 5.0
 
 
 def with_port(address: str, port: int) -> str:
@@ -162,6 +165,7 @@ class _Peer:
         # The process at ``address`` takes coalesced heartbeats on the
         # framed link (it said so in FramesEndpoint).
         self.beats = False
+        self.format = 0  # the frame format agreed in the greeting (0: none yet)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def put(self, group: int, m: Message) -> None:
@@ -254,7 +258,7 @@ class _Peer:
             return 0
         try:
             reply = await stub.FramesEndpoint(
-                raft_pb2.FramesEndpointRequest(cluster=self.t.cluster),
+                self.t.greetings.request(),
                 metadata=token_metadata(self.t.token),
                 wait_for_ready=True,
             )
@@ -262,6 +266,11 @@ class _Peer:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return 0  # a peer of an older version: its gRPC stream
             raise
+        try:
+            self.format = self.t.greetings.agree(self.id, reply)
+        except FormatRefused as e:  # logged; asked again later, never a crash
+            await asyncio.sleep(FORMAT_REFUSED_RETRY_S)
+            raise ConnectionError(f"no common frame format: {e}") from None
         self.beats = bool(reply.port) and reply.coalesced_heartbeats and self.t.coalesce
         return int(reply.port)
 
@@ -419,6 +428,8 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         # each peer's latest batch said (0: an older release's).
         self.op_level = 0
         self.peer_op_levels: dict[int, int] = {}
+        # The greeting in FramesEndpoint: releases and frame formats (peer_frames).
+        self.greetings = Greetings(node_id, cluster)
 
     @classmethod
     def bare(cls, node_id: int, cluster: str, secret: bytes) -> PeerTransport:
@@ -537,7 +548,7 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         try:
             async with tls.current().channel(addr) as ch:
                 reply = await raft_pb2_grpc.RaftPeerStub(ch).FramesEndpoint(
-                    raft_pb2.FramesEndpointRequest(cluster=self.cluster),
+                    self.greetings.request(),
                     metadata=token_metadata(self.token),
                     timeout=2.0,
                 )
@@ -675,10 +686,12 @@ class PeerTransport(raft_pb2_grpc.RaftPeerServicer):
         if request.cluster != self.cluster:  # the cluster token is checked by ClusterAuth
             self.rejected += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "foreign cluster")
+        self.greetings.caller(request)
         return raft_pb2.FramesEndpointReply(
             port=self.frames.port if self.frames else 0,
             group_ports=self.group_ports,
             coalesced_heartbeats=self.frames is not None and self.coalesce,
+            **self.greetings.reply_fields(),
         )
 
     async def FetchSnapshot(

@@ -251,14 +251,28 @@
       if (n.role === "down") tr.className = "down";
       tr.append(cell(`${n.id}`), cell(n.role), cell(n.term, "num"), cell(n.commit_index, "num"),
         cell(n.applied_index, "num"), cell(n.lag, "num"), cell(n.ready ? "yes" : "no"));
-      tr.title = n.address;
+      tr.title = `${n.address} · ${n.version || "a release from before versions were told"}`;
       nodes.append(tr);
     }
+    const groups = $("groups").tBodies[0];
+    groups.replaceChildren();
+    for (const g of st.groups || []) {
+      const tr = document.createElement("tr");
+      if (!g.leader) tr.className = "down";
+      const lag = g.replicas.map((r) => `n${r.node} ${r.lag}`).join(", ") || "-";
+      tr.append(cell(g.id === 0 ? "0 (metadata)" : `${g.id}`), cell(g.leader || "none"),
+        cell(g.term, "num"), cell(g.commit_index, "num"), cell(lag));
+      tr.title = g.replicas.map((r) => `node ${r.node}: ${r.role}, applied ${r.applied_index}`)
+        .join("; ");
+      groups.append(tr);
+    }
+    body.dataset.groups = String((st.groups || []).length);
     const qs = $("queues");
     qs.replaceChildren();
     for (const q of st.queue_servers) {
       const li = document.createElement("li");
-      li.textContent = q.grpc + (q.http ? ` (HTTP ${q.http})` : "");
+      li.textContent = q.grpc + (q.http ? ` (HTTP ${q.http})` : "") +
+        (q.version ? ` · ${q.version}` : "");
       qs.append(li);
     }
     const topics = $("topics").tBodies[0];

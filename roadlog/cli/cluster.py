@@ -25,11 +25,11 @@ from roadlog.client_tls import ClientTLS
 from roadlog.placement import (
     DATA_GROUPS_RECORD,
     MAX_DATA_GROUPS,
-    METADATA_GROUP,
     worker_processes,
 )
+from roadlog.release import mixed
 from roadlog.runtime.processes import alive
-from roadlog.status import DOWN
+from roadlog.status import DOWN, raft_group_views
 from roadlog.tools.localcluster import LocalCluster, gather_status
 from roadlog.tools.localdirectory import MemberFounding, member_founding, wait_registered
 from roadlog.v1 import topics_pb2
@@ -207,13 +207,14 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
         except click.ClickException as e:
             err.print(f"[yellow]partitions unknown: {e.message}[/]")
     st["groups"] = raft_groups(st, topics)
+    st["mixed_releases"] = mixed_releases(st)
     if as_json:
         click.echo(json.dumps(st, indent=2))
         if not answered:
             _no_node_answered(st)
         return
     t = Table(title=f"leader {st['leader'] or '-'}, term {st['term']}")
-    for col in ("id", "address", "role", "term", "commit", "applied", "ready"):
+    for col in ("id", "address", "role", "term", "commit", "applied", "ready", "version"):
         t.add_column(col)
     for n in st["nodes"]:
         t.add_row(
@@ -224,15 +225,54 @@ def cluster_status(cluster: Path | None, servers: str | None, as_json: bool) -> 
             str(n["commit_index"]),
             str(n["applied_index"]),
             "yes" if n["ready"] else "no",
+            _release_text(n),
         )
     out.print(t)
     for q in st["queue_servers"]:
-        out.print(f"queue server {q['grpc']}" + (f" {q['http']}" if q.get("http") else ""))
+        out.print(
+            f"queue server {q['grpc']}"
+            + (f" {q['http']}" if q.get("http") else "")
+            + (f" {_release_text(q)}" if q.get("up") and not q.get("error") else "")
+        )
     for g in st["groups"]:
         n = len(g["partitions"]) if g["partitions_known"] else "?"
-        out.print(f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, {n} partitions")
+        lag = ", ".join(f"n{r['node']} {r['lag']}" for r in g["replicas"]) or "-"
+        out.print(
+            f"group {g['id']}: leader {g['leader'] or '-'}, term {g['term']}, "
+            f"commit {g['commit_index']}, lag {lag}, {n} partitions"
+        )
+    if st["mixed_releases"]:
+        says = "; ".join(
+            f"{r or OLDER_RELEASE}: {', '.join(who)}" for r, who in st["mixed_releases"].items()
+        )
+        out.print(f"[yellow]mixed releases (a rolling upgrade under way?): {says}[/]")
     if not answered:
         _no_node_answered(st)
+
+
+OLDER_RELEASE = "older (tells none)"
+
+
+def _release_text(p: dict[str, Any]) -> str:
+    if p.get("role", "") == DOWN:
+        return "-"
+    return str(p.get("version") or OLDER_RELEASE)
+
+
+def mixed_releases(status: dict[str, Any]) -> dict[str, list[str]]:
+    """``cluster status``'s ``mixed_releases``: when the processes that
+    answered run more than one release (a rolling upgrade under way), each
+    release ("": one from before releases were told) with the processes
+    that run it (``n<id>``, a queue server's gRPC address); {} when they
+    all run one."""
+    who: dict[str, list[str]] = {}
+    for n in status["nodes"]:
+        if n.get("role", DOWN) != DOWN:
+            who.setdefault(str(n.get("version", "")), []).append(f"n{n['id']}")
+    for q in status["queue_servers"]:
+        if q.get("up") and not q.get("error"):
+            who.setdefault(str(q.get("version", "")), []).append(str(q["grpc"]))
+    return dict(sorted(who.items())) if mixed(list(who)) else {}
 
 
 def _no_node_answered(st: dict[str, Any]) -> None:
@@ -249,41 +289,19 @@ def raft_groups(
     status: dict[str, Any], topics: list[topics_pb2.TopicDescription] | None
 ) -> list[dict[str, Any]]:
     """``cluster status``'s ``groups``: each Raft group with its leader, term,
-    commit index and partitions ([topic, partition] pairs; topics None:
-    unknown, ``partitions_known`` false). A group's figures are what the
-    nodes say of it (each node's ``groups``): its leader is the one the
-    highest term names, its commit index that leader's (or the highest
-    seen). Nodes that tell no groups (older ones) run group 0 alone."""
-    views: dict[int, list[dict[str, Any]]] = {METADATA_GROUP: []}
-    for n in status["nodes"]:
-        if n.get("groups"):
-            for g in n["groups"]:
-                views.setdefault(g["id"], []).append({**g, "node": n["id"]})
-        elif "role" in n and n["role"] != DOWN:
-            views[METADATA_GROUP].append({**n, "node": n["id"]})
+    commit index, replicas (each node's role, applied index and lag behind
+    the leader's commit: ``roadlog.status.raft_group_views``, what the
+    dashboard shows too) and partitions ([topic, partition] pairs; topics
+    None: unknown, ``partitions_known`` false)."""
+    views = {g["id"]: g for g in raft_group_views(status["nodes"])}
     by_group: dict[int, list[list[Any]]] = {g: [] for g in views}
     for t in topics or []:
         for p in t.partitions:
             by_group.setdefault(p.group, []).append([t.topic.spec.name, p.partition])
     out = []
     for g, parts in sorted(by_group.items()):
-        seen = views.get(g, [])
-        leads = [v for v in seen if v["role"] == "leader"]
-        lead = max(leads, key=lambda v: v["term"]) if leads else None
-        out.append(
-            {
-                "id": g,
-                "leader": lead["node"] if lead else 0,
-                "term": max((v["term"] for v in seen), default=0),
-                "commit_index": (
-                    lead["commit_index"]
-                    if lead
-                    else max((v["commit_index"] for v in seen), default=0)
-                ),
-                "partitions": parts,
-                "partitions_known": topics is not None,
-            }
-        )
+        view = views.get(g, {"id": g, "leader": 0, "term": 0, "commit_index": 0, "replicas": []})
+        out.append({**view, "partitions": parts, "partitions_known": topics is not None})
     return out
 
 

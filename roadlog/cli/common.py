@@ -17,6 +17,7 @@ from discovery.listen import find_queue_servers
 from discovery.protocol import discovery_key
 from roadlog.client import Connection, RoadlogError, servers_from_env
 from roadlog.client_tls import ClientTLS
+from roadlog.release import version_option
 from roadlog.runtime.config import read_secret
 from roadlog.tools.localcluster import LocalCluster
 
@@ -248,5 +249,6 @@ def progress(known_total: bool = True) -> Progress:
 
 
 @click.group()
+@version_option("roadlog")
 def cli() -> None:
     """roadlog: GPS pings replicated with Raft, turned into traffic heat maps."""

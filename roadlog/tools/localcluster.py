@@ -595,9 +595,8 @@ def gather_status(
                 q["error"] = f"{e.code().name}: {e.details()}"
             out["queue_servers"].append(q)
             continue
-        out["queue_servers"].append(
-            {"grpc": s, "http": st.queue_servers[0].http if st.queue_servers else "", "up": True}
-        )
+        me = st.queue_servers[0] if st.queue_servers else client_pb2.QueueServerStatus()
+        out["queue_servers"].append({"grpc": s, "http": me.http, "up": True, "version": me.version})
         for ns in st.nodes:
             known.setdefault(ns.id, {"id": ns.id, "address": ns.address})
             if ns.address:  # none for an identity without admin or ops (issue 39)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -177,6 +178,9 @@ def test_the_page_shows_the_jam_where_it_is_and_follows_new_heat_maps(
              30, "the cluster panel")  # fmt: skip
     panel = js(driver, "return document.getElementById('cluster').innerText")
     assert "leader" in panel and "munich" in panel and "127.0.0.1" in panel
+    # each Raft group (here group 0 alone) with its leader and each replica's lag
+    group_row = js(driver, "return document.querySelector('#groups tbody tr').innerText")
+    assert group_row.startswith("0 (metadata)") and re.search(r"n1 \d+, n2 \d+, n3 \d+", group_row)
     tip = js(
         driver,
         f"""

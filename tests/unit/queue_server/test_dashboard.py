@@ -91,8 +91,15 @@ class FakeCluster:
         for i, (role, commit, applied) in enumerate(
             [("follower", 100, 97), ("leader", 104, 104), ("follower", 104, 90)], start=1
         ):
-            st.nodes.add(id=i, address=f"127.0.0.1:740{i}", role=role, term=5, leader=2,
-                         commit_index=commit, applied_index=applied, ready=True)  # fmt: skip
+            ns = st.nodes.add(id=i, address=f"127.0.0.1:740{i}", role=role, term=5, leader=2,
+                              commit_index=commit, applied_index=applied, ready=True)  # fmt: skip
+            ns.groups.add(id=0, role=role, term=5, leader=2, commit_index=commit,
+                          applied_index=applied)  # fmt: skip
+            # data group 1, led by node 3 in term 7 (node 2 still thinks it leads, in term 6)
+            g1 = {1: ("follower", 7, 50, 41), 2: ("leader", 6, 48, 48), 3: ("leader", 7, 60, 58)}
+            g_role, g_term, g_commit, g_applied = g1[i]
+            ns.groups.add(id=1, role=g_role, term=g_term, leader=3, commit_index=g_commit,
+                          applied_index=g_applied)  # fmt: skip
         st.queue_servers.add(grpc="127.0.0.1:7500", http="http://127.0.0.1:8080")
         return st
 
@@ -207,7 +214,7 @@ def test_the_cluster_panel_shows_lag_queue_servers_and_ingest(
         assert [n["lag"] for n in first["nodes"]] == [7, 0, 14]  # behind the leader's commit
         assert first["nodes"][1]["role"] == "leader" and first["leader"] == 2
         assert first["queue_servers"] == [
-            {"grpc": "127.0.0.1:7500", "http": "http://127.0.0.1:8080"}
+            {"grpc": "127.0.0.1:7500", "http": "http://127.0.0.1:8080", "version": ""}
         ]
         assert first["topics"][0]["ingest_pings_per_s"] is None  # one sample: no rate yet
         fake.appended = 1500
@@ -217,6 +224,30 @@ def test_the_cluster_panel_shows_lag_queue_servers_and_ingest(
         assert t["name"] == "munich" and t["pings"] == 1500 and t["ingest_pings_per_s"] > 0
 
     run(test)
+
+
+def test_the_cluster_panel_shows_each_raft_group_with_each_replicas_lag(run: Run) -> None:
+    async def test(client: TestClient[Any, Any], fake: FakeCluster) -> None:
+        doc = await (await client.get("/ui/api/cluster")).json()
+        g0, g1 = doc["groups"]
+        assert (g0["id"], g0["leader"], g0["term"], g0["commit_index"]) == (0, 2, 5, 104)
+        assert [(r["node"], r["lag"]) for r in g0["replicas"]] == [(1, 7), (2, 0), (3, 14)]
+        # the leader of the highest term, its commit; lag behind it, never below 0
+        assert (g1["id"], g1["leader"], g1["term"], g1["commit_index"]) == (1, 3, 7, 60)
+        assert [(r["node"], r["role"], r["lag"]) for r in g1["replicas"]] == [
+            (1, "follower", 19), (2, "leader", 12), (3, "leader", 2)
+        ]  # fmt: skip
+
+    run(test)
+
+
+def test_the_page_draws_the_groups_table() -> None:
+    page = (STATIC / "index.html").read_text()
+    script = (STATIC / "dashboard.js").read_text()
+    groups = page.split('<table id="groups">')[1].split("</table>")[0]
+    heads = [h.split(">")[-1] for h in groups.split("</th>")[:-1]]
+    assert heads == ["group", "leader", "term", "commit", "lag"]
+    assert '$("groups")' in script and "r.lag" in script
 
 
 def test_ingest_rates_cover_the_last_minute() -> None:

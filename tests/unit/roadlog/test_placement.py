@@ -113,8 +113,8 @@ def test_cluster_status_lists_each_group_with_its_partitions() -> None:
         "leader": 2,
         "term": 7,
         "nodes": [
-            {"id": 1, "role": "follower", "term": 7, "commit_index": 40},
-            {"id": 2, "role": "leader", "term": 7, "commit_index": 42},
+            {"id": 1, "role": "follower", "term": 7, "commit_index": 40, "applied_index": 39},
+            {"id": 2, "role": "leader", "term": 7, "commit_index": 42, "applied_index": 42},
         ],
     }
     d = topics_pb2.TopicDescription(topic=topics_pb2.Topic(spec=topics_pb2.TopicSpec(name="a")))
@@ -126,6 +126,11 @@ def test_cluster_status_lists_each_group_with_its_partitions() -> None:
         "leader": 2,
         "term": 7,
         "commit_index": 42,
+        # each replica's lag: the group leader's commit minus its applied
+        "replicas": [
+            {"node": 1, "role": "follower", "applied_index": 39, "lag": 3},
+            {"node": 2, "role": "leader", "applied_index": 42, "lag": 0},
+        ],
         "partitions": [["a", 0], ["a", 1]],
         "partitions_known": True,
     }

@@ -23,6 +23,7 @@ def test_the_json_view_carries_every_field_tools_read() -> None:
         id=2, address="h:1", role="leader", term=4, commit_index=9, applied_index=8, leader=2
     )
     ns.ready = True
+    ns.version = "0.1.0+gabc"
     group0 = dict(id=0, role="leader", term=4, commit_index=9, applied_index=8, leader=2)
     ns.groups.add(**group0, voters=[1, 2], conf_index=7)
     group1 = dict(id=1, role="follower", term=2, commit_index=5, applied_index=5, leader=3)
@@ -36,6 +37,7 @@ def test_the_json_view_carries_every_field_tools_read() -> None:
         "applied_index": 8,
         "leader": 2,
         "ready": True,
+        "version": "0.1.0+gabc",
         "groups": [
             {
                 "id": 0,
