@@ -86,6 +86,9 @@ _CORKED_PARTS = Histogram(
 )
 
 Outcome = OpResult | BaseException  # a publish's result, or why it has none
+SpanAnswer = tuple[int, str, bytes]  # a span's code, message and response
+# A part waiting for this turn's cork: its op, deadline and answers' future.
+_Part = tuple[command_pb2.Op, float | None, "asyncio.Future[list[SpanAnswer]]"]
 
 
 PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for a read of group 0
@@ -211,7 +214,7 @@ def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Future[OpRe
 
 
 def _settle_parts(
-    futs: list[asyncio.Future[list[tuple[int, str, bytes]]]],
+    futs: list[asyncio.Future[list[SpanAnswer]]],
     ranges: list[range],
     proposal: asyncio.Future[OpResult],
 ) -> None:
@@ -305,9 +308,7 @@ class WorkHandler(IdentityWork, FederationWork):
         self._deadlines: dict[int, float] = {}
         self.registrations = RegistrationCeiling()  # the cluster's, as group 0's leader
         # Parts (AppendPart) of this turn, not yet proposed (``_cork_part``).
-        self._parts_waiting: list[
-            tuple[command_pb2.Op, float | None, asyncio.Future[list[tuple[int, str, bytes]]]]
-        ] = []
+        self._parts_waiting: list[_Part] = []
 
     def reads_flowing(self, link: object, on: bool) -> None:
         """A queue server says fenced reads come in there lately (or no
@@ -498,15 +499,13 @@ class WorkHandler(IdentityWork, FederationWork):
 
     def _cork_part(
         self, op: command_pb2.Op, deadline: float | None
-    ) -> asyncio.Future[list[tuple[int, str, bytes]]]:
+    ) -> asyncio.Future[list[SpanAnswer]]:
         """Queue a part for this turn's cork: the parts of every work item
         that reaches here before the cork runs (the items of one WorkItems
         frame run as tasks of one turn) are merged per topic
         (``part_cork``) and proposed as one op; each part is answered with
         its spans' results."""
-        fut: asyncio.Future[list[tuple[int, str, bytes]]] = (
-            asyncio.get_running_loop().create_future()
-        )
+        fut: asyncio.Future[list[SpanAnswer]] = asyncio.get_running_loop().create_future()
         self._parts_waiting.append((op, deadline, fut))
         if len(self._parts_waiting) == 1:
             asyncio.get_running_loop().call_soon(self._propose_parts)
@@ -544,9 +543,7 @@ class WorkHandler(IdentityWork, FederationWork):
 
     def _propose_corked(
         self,
-        parts: list[
-            tuple[command_pb2.Op, float | None, asyncio.Future[list[tuple[int, str, bytes]]]]
-        ],
+        parts: list[_Part],
         ranges: list[range],
         op: command_pb2.Op,
     ) -> None:
