@@ -503,8 +503,8 @@ class WorkHandler(IdentityWork, FederationWork):
         """Queue a part for this turn's cork: the parts of every work item
         that reaches here before the cork runs (the items of one WorkItems
         frame run as tasks of one turn) are merged per topic
-        (``part_cork``) and proposed as one op; each part is answered with
-        its spans' results."""
+        (``part_cork``: those whose partitions do not overlap) and proposed
+        as one op; each part is answered with its spans' results."""
         fut: asyncio.Future[list[SpanAnswer]] = asyncio.get_running_loop().create_future()
         self._parts_waiting.append((op, deadline, fut))
         if len(self._parts_waiting) == 1:
@@ -533,12 +533,7 @@ class WorkHandler(IdentityWork, FederationWork):
             ranges = [range(len(merged.append.spans))]
             if len(parts) > 1:
                 merged = command_pb2.Op()
-                try:
-                    ranges = part_cork.merge([op.append for op, _, _ in parts], merged.append)
-                except columnar.BatchDecodeError:  # a part's batch: each is refused alone
-                    for part in parts:
-                        self._propose_corked([part], [range(len(part[0].append.spans))], part[0])
-                    continue
+                ranges = part_cork.merge([op.append for op, _, _ in parts], merged.append)
             self._propose_corked(parts, ranges, merged)
 
     def _propose_corked(

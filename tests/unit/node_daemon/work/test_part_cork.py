@@ -1,10 +1,10 @@
 """Parts of split publishes corked at a data group's leader (issue 42): the
 parts that reach it in one turn are merged per topic into one AppendOp
-(``part_cork``) and proposed once; each part is answered with its own
-spans' results, which are those it would get proposed alone, and the
-stored pings are the same, in the same order. A part that is not sound, or
-of another topic id, is proposed alone and refused alone. Real LMDB; the
-Raft node is a stub that applies proposals at once."""
+when their partitions do not overlap (``part_cork``) and proposed once;
+each part is answered with its own spans' results, which are those it
+would get proposed alone, and the stored pings are the same, in the same
+order. A part that is not sound is proposed alone and refused alone. Real
+LMDB; the Raft node is a stub that applies proposals at once."""
 
 from __future__ import annotations
 
@@ -123,13 +123,13 @@ def test_parts_of_one_turn_are_one_op_answered_as_if_alone(tmp_path: Path) -> No
     requests = [
         part(tid, "a", [0, 2], [[3, 1], [2, 0]]),  # two publishes
         part(tid, "b", [0, 2, 3], [[1, 4, 2]], pid=41),  # overlaps a's partitions
-        part(tid, "c", [1], [[5], [2], [1]]),  # its own partition
+        part(tid, "c", [1], [[5], [2], [1]]),  # a partition of its own: corked with b
     ]
     together = run_together(corked, requests)
-    assert len(corked.proposed) == 1  # one op for the three parts
-    (op,) = corked.proposed
+    assert len(corked.proposed) == 2  # a alone (b shares its partitions), b and c as one
+    op = corked.proposed[1]
     assert [p.partition for p in op.append.parts] == [0, 2, 3, 1]
-    assert len(op.append.spans) == 6
+    assert len(op.append.spans) == 4
     one_by_one = [run_together(alone, [r])[0] for r in requests]
     assert len(alone.proposed) == 3
     for got, want in zip(together, one_by_one, strict=True):
@@ -139,12 +139,12 @@ def test_parts_of_one_turn_are_one_op_answered_as_if_alone(tmp_path: Path) -> No
     assert pings(corked) == pings(alone)
 
 
-def test_a_retried_part_in_the_same_cork_is_stored_once(tmp_path: Path) -> None:
+def test_a_retried_part_in_the_same_turn_is_stored_once(tmp_path: Path) -> None:
     data = data_group(tmp_path)
     tid = data.topic_id  # type: ignore[attr-defined]
     first = part(tid, "p", [0, 1], [[2, 2]], pid=9)
     [a, b] = run_together(data, [first, first])  # a retry beside the original
-    assert len(data.proposed) == 1
+    assert len(data.proposed) == 2  # the same partitions: not merged
     ra, rb = (client_pb2.PublishBatchResponse.FromString(r.response).results[0] for r in (a, b))
     assert ra.code == 0 and rb.code == 0
     assert rb.response.duplicate and list(rb.response.offsets) == list(ra.response.offsets)
@@ -159,7 +159,7 @@ def test_a_refused_part_refuses_only_its_publishes(tmp_path: Path) -> None:
     requests = [
         part(tid, "a", [0, 1], [[1, 1]]),
         bad.SerializeToString(),
-        part(tid, "b", [1, 3], [[2, 2], [1, 0]]),
+        part(tid, "b", [2, 3], [[2, 2], [1, 0]]),
     ]
     ok_a, refused, ok_b = run_together(data, requests)
     assert len(data.proposed) == 2  # a and b corked; the bad one alone
@@ -167,33 +167,38 @@ def test_a_refused_part_refuses_only_its_publishes(tmp_path: Path) -> None:
     assert all(code == 0 for code, _ in answers(ok_a) + answers(ok_b))
     codes = [code for code, _ in answers(refused)] or [refused.code]
     assert all(code != 0 for code in codes), refused
-    assert [len(v) for v in pings(data).values()] == [1, 4, 0, 2]
+    assert [len(v) for v in pings(data).values()] == [1, 1, 3, 2]
 
 
-def test_corks_bound_the_pings_of_an_op_and_keep_topics_apart() -> None:
-    def op(topic: str, n: int, tid: int = 1) -> command_pb2.AppendOp:
+def test_corks_keep_topics_apart_partitions_disjoint_and_pings_bounded() -> None:
+    def op(topic: str, n: int, tid: int = 1, partition: int = 0) -> command_pb2.AppendOp:
         o = command_pb2.AppendOp(topic=topic, topic_id=tid)
-        o.parts.add(partition=0, batch=b"x", count=n)
+        o.parts.add(partition=partition, batch=b"x", count=n)
         o.spans.add(counts=[n])
         return o
 
-    ops = [op("a", 10), op("b", 5), op("a", 30), op("a", 20), op("a", 50), op("a", 5, tid=2)]
+    ops = [
+        op("a", 10),
+        op("b", 5),
+        op("a", 20, partition=1),
+        op("a", 30, partition=2),  # 60 pings with the two before: over the bound
+        op("a", 5, partition=2),  # shares partition 2 with the group open
+        op("a", 1, tid=2, partition=3),
+    ]
     assert part_cork.corks(ops, max_pings=40) == [[0, 2], [1], [3], [4], [5]]
-    broken = op("a", 3)
+    broken = op("a", 3, partition=4)
     broken.spans[0].counts[:] = [0]
     assert not part_cork.layout_ok(broken)
-    assert part_cork.corks([op("a", 1), broken, op("a", 1)], 40) == [[0, 2], [1]]
+    assert part_cork.corks([op("a", 1), broken, op("a", 1, partition=5)], 40) == [[0, 2], [1]]
 
 
-def test_merge_keeps_each_partition_rows_in_span_order() -> None:
+def test_merge_keeps_batches_as_they_came_and_widens_the_spans() -> None:
     a = command_pb2.AppendOp.FromString(part(7, "a", [0, 1], [[2, 1], [1, 0]]))
-    b = command_pb2.AppendOp.FromString(part(7, "b", [1], [[3]]))
+    b = command_pb2.AppendOp.FromString(part(7, "b", [3], [[3]]))
     out = command_pb2.AppendOp()
     ranges = part_cork.merge([a, b], out)
     assert ranges == [range(0, 2), range(2, 3)]
-    assert [list(s.counts) for s in out.spans] == [[2, 1], [1, 0], [0, 3]]
-    assert out.parts[0].batch == a.parts[0].batch  # one part's batch: as it came
-    joined = columnar.decode(out.parts[1].batch)
-    ids = [joined.device_ids[i] for i in joined.device_index.tolist()]
-    assert ids == ["a1-0", "b1-0", "b1-1", "b1-0"]
-    assert part_cork.layout_ok(out) and out.parts[1].count == 4
+    assert [p.partition for p in out.parts] == [0, 1, 3]
+    assert [list(s.counts) for s in out.spans] == [[2, 1, 0], [1, 0, 0], [0, 0, 3]]
+    assert [p.batch for p in out.parts] == [*(p.batch for p in a.parts), b.parts[0].batch]
+    assert part_cork.layout_ok(out) and out.topic_id == 7
