@@ -167,6 +167,7 @@ async def roadlog_case(
     corked: bool = True,
     tls: ClientTLS | None = None,
     partition_groups: list[int] | None = None,
+    clients: int = 1,
 ) -> dict[str, Any]:
     """Corked (the default): publishes go through roadlog.publisher, which
     sends the publishes made while earlier calls are out together in one
@@ -176,7 +177,9 @@ async def roadlog_case(
     the queue server (plaintext when None). ``partition_groups``: the
     topic's map when it is placed in data groups (the fast path). With
     several ``servers`` (queue servers), the publishers are spread over
-    them, a corked Publisher each."""
+    them, a corked Publisher each; ``clients`` Publishers a queue server
+    (separate clients, as a fleet of gateways: their calls are out at once,
+    the publishers taking them in turn), for the plain and split shapes."""
     tls = tls or ClientTLS(insecure=True)
     if corked and partition_groups:
         return await grouped_case(
@@ -184,7 +187,7 @@ async def roadlog_case(
         )
     payload = batch_request(pings)
     if corked:
-        pubs = [Publisher([s], tls=tls) for s in servers]
+        pubs = [Publisher([s], tls=tls) for s in servers for _ in range(clients)]
         turn = itertools.cycle(range(len(pubs)))
         mine: dict[int, int] = {}  # worker task -> its publisher
         try:
@@ -421,6 +424,7 @@ def run_systems(
                         corked=corked,
                         tls=lc.tls(),
                         partition_groups=groups,
+                        clients=args.clients,
                     )
                 ),
             )
@@ -481,6 +485,14 @@ def main(argv: list[str] | None = None) -> int:
         "ingest-groups-G-workers-W.json",
     )
     ap.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="corked Publishers per queue server for the plain and --split shapes, the "
+        "publishers spread over them (a fleet of clients: each group's round can carry "
+        "parts of several calls); another figure than 1 adds -clientsN to the results' name",
+    )
+    ap.add_argument(
         "--node-flags",
         default="",
         help="more flags for every roadlog node, as one string (an experiment's knob, "
@@ -510,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "queue_servers": args.queue_servers,
         "split": args.split,
+        "clients": args.clients,
         "node_flags": args.node_flags,
         "concurrency": args.concurrency,
         "event_loop": eventloop.loop_name(),
@@ -544,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
             name += f"-workers-{args.workers or 'auto'}"
     if args.queue_servers > 1:
         name += f"-qs-{args.queue_servers}"
+    if args.clients != 1:
+        name += f"-clients{args.clients}"
     if args.concurrency != DEFAULT_CONCURRENCY:  # another load: beside the standard figures
         name += f"-c{args.concurrency}"
     if args.node_flags:  # an experiment: never in place of the standard figures

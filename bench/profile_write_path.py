@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--groups", type=int, default=1, help="data groups (multi-raft), fast route")
     ap.add_argument("--workers", type=int, default=1, help="with --groups: worker processes")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="with --groups: messages of every group's devices, split at the queue server "
+        "(as bench/ingest.py --split), instead of one group's each",
+    )
     args = ap.parse_args(argv)
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(pyspy).exists():
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         groups: list[int] = []
         if args.groups > 1:
             wait_spread(lc, args.groups)
-            groups = topic_groups(lc)
+            groups = [] if args.split else topic_groups(lc)
             pids.update({f"n{n.id}": n.pid for n in lc.nodes})  # each leads its share
             for n in lc.nodes:  # and its worker processes, which run the data groups
                 for i, child in enumerate(_children(n.pid)):

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
+from prometheus_client import Histogram
 
 from node_daemon import metrics
 from node_daemon.replica.commands import PAST_DEADLINE
@@ -27,7 +28,9 @@ from node_daemon.state.heatmaps import Contribution
 from node_daemon.state.producers import quota_refusal
 from node_daemon.state.responses import OpResult, publish_batch_response
 from node_daemon.state.topics import normalized_spec
+from node_daemon.work import part_cork
 from node_daemon.work.appends import (
+    MAX_PINGS_PER_OP,
     MalformedRequest,
     PreparedAppend,
     prepare_appends,
@@ -74,8 +77,18 @@ INLINE_VALIDATE_BYTES = 4 << 20
 # Metric children bound once: labels() per work item costs more than the count.
 _WORK_DONE = {True: metrics.WORK_DONE.labels("write"), False: metrics.WORK_DONE.labels("read")}
 _VALIDATE_SECONDS = metrics.STAGE_SECONDS.labels("validate")
+# Parts of split publishes proposed in one turn of a data group's leader
+# (``_propose_parts``): above 1, corked into fewer ops.
+_CORKED_PARTS = Histogram(
+    "roadlog_corked_parts",
+    "parts of split publishes a data group's leader took in one turn and corked",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
 
 Outcome = OpResult | BaseException  # a publish's result, or why it has none
+SpanAnswer = tuple[int, str, bytes]  # a span's code, message and response
+# A part waiting for this turn's cork: its op, deadline and answers' future.
+_Part = tuple[command_pb2.Op, float | None, "asyncio.Future[list[SpanAnswer]]"]
 
 
 PRODUCER_CATCH_UP_S = 2.0  # how long a data group's leader waits for a read of group 0
@@ -200,6 +213,36 @@ def _settle_spans(owners: list[tuple[_Call, int]], proposal: asyncio.Future[OpRe
             call.settle(i, res)
 
 
+def _settle_parts(
+    futs: list[asyncio.Future[list[SpanAnswer]]],
+    ranges: list[range],
+    proposal: asyncio.Future[OpResult],
+) -> None:
+    """Give each corked part its spans' results (``ranges[k]``: part k's
+    spans in the merged op's); an op refused whole refuses every part."""
+    err: BaseException | None
+    if proposal.cancelled():
+        err = asyncio.CancelledError("the node stopped before answering")
+    else:
+        err = proposal.exception()
+    for fut, span_range in zip(futs, ranges, strict=True):
+        if fut.done():
+            continue
+        if err is not None:
+            fut.set_exception(err)
+            continue
+        res = proposal.result()
+        if res.spans:
+            fut.set_result(
+                [
+                    (s.code, s.message, s.response)
+                    for s in res.spans[span_range.start : span_range.stop]
+                ]
+            )
+        else:
+            fut.set_result([(res.code, res.message, res.response)] * len(span_range))
+
+
 async def _placed(node: ReplicaView, name: str, topic_id: int) -> None:
     """Until data group replica ``node`` holds topic ``name`` with
     ``topic_id`` (placed by its leader as it follows group 0), up to
@@ -264,6 +307,8 @@ class WorkHandler(IdentityWork, FederationWork):
         # and two may use the same): their deadlines on this monotonic clock.
         self._deadlines: dict[int, float] = {}
         self.registrations = RegistrationCeiling()  # the cluster's, as group 0's leader
+        # Parts (AppendPart) of this turn, not yet proposed (``_cork_part``).
+        self._parts_waiting: list[_Part] = []
 
     def reads_flowing(self, link: object, on: bool) -> None:
         """A queue server says fenced reads come in there lately (or no
@@ -436,9 +481,11 @@ class WorkHandler(IdentityWork, FederationWork):
 
     async def append_part(self, item: work_pb2.WorkItem) -> OpResult:
         """A part of publishes group 0's leader validated and split (its
-        producer ids checked there): appended in this data group as it is.
-        The answer: a PublishBatchResponse with one result per span. A topic
-        this group has not placed yet (just made) is waited for a moment."""
+        producer ids checked there): appended in this data group as it is,
+        corked with the other parts that reach this leader in the same turn
+        (``_cork_part``). The answer: a PublishBatchResponse with one result
+        per span. A topic this group has not placed yet (just made) is
+        waited for a moment."""
         if self.node.group == 0:
             raise RoadlogError(Code.INVALID_ARGUMENT, "a part is a data group's")
         op = command_pb2.Op()
@@ -447,12 +494,61 @@ class WorkHandler(IdentityWork, FederationWork):
         except DecodeError as e:
             raise MalformedRequest(f"malformed AppendOp: {e}") from None
         await _placed(self.node, op.append.topic, op.append.topic_id)
-        res = await self.node.propose_op(op, deadline=self._deadlines.get(id(item)))
-        if res.spans:
-            answers = [(s.code, s.message, s.response) for s in res.spans]
-        else:  # refused whole
-            answers = [(res.code, res.message, res.response)] * len(op.append.spans)
+        answers = await self._cork_part(op, self._deadlines.get(id(item)))
         return OpResult(response=publish_batch_response(answers))
+
+    def _cork_part(
+        self, op: command_pb2.Op, deadline: float | None
+    ) -> asyncio.Future[list[SpanAnswer]]:
+        """Queue a part for this turn's cork: the parts of every work item
+        that reaches here before the cork runs (the items of one WorkItems
+        frame run as tasks of one turn) are merged per topic
+        (``part_cork``: those whose partitions do not overlap) and proposed
+        as one op; each part is answered with its spans' results."""
+        fut: asyncio.Future[list[SpanAnswer]] = asyncio.get_running_loop().create_future()
+        self._parts_waiting.append((op, deadline, fut))
+        if len(self._parts_waiting) == 1:
+            asyncio.get_running_loop().call_soon(self._propose_parts)
+        return fut
+
+    def _propose_parts(self) -> None:
+        """Propose this turn's parts (``_cork_part``): one op per cork of
+        ``part_cork.corks``; a part within PROPOSE_MARGIN_S of its deadline
+        is refused DEADLINE_EXCEEDED alone, never holding the others back."""
+        waiting, self._parts_waiting = self._parts_waiting, []
+        now = _monotonic() + PROPOSE_MARGIN_S
+        late = RoadlogError(Code.DEADLINE_EXCEEDED, PAST_DEADLINE)
+        kept = []
+        for w in waiting:
+            if w[1] is not None and w[1] <= now:
+                if not w[2].done():
+                    w[2].set_exception(late)
+            else:
+                kept.append(w)
+        if kept:
+            _CORKED_PARTS.observe(len(kept))
+        for group in part_cork.corks([w[0].append for w in kept], MAX_PINGS_PER_OP):
+            parts = [kept[i] for i in group]
+            merged = parts[0][0]
+            ranges = [range(len(merged.append.spans))]
+            if len(parts) > 1:
+                merged = command_pb2.Op()
+                ranges = part_cork.merge([op.append for op, _, _ in parts], merged.append)
+            self._propose_corked(parts, ranges, merged)
+
+    def _propose_corked(
+        self,
+        parts: list[_Part],
+        ranges: list[range],
+        op: command_pb2.Op,
+    ) -> None:
+        deadlines = [d for _, d, _ in parts if d is not None]
+        # The node's future itself (a stub's coroutine wrapped), as for publishes.
+        proposal = asyncio.ensure_future(
+            self.node.propose_op(op, deadline=min(deadlines, default=None))
+        )
+        futs = [fut for _, _, fut in parts]
+        proposal.add_done_callback(functools.partial(_settle_parts, futs, ranges))
 
     async def _publish(
         self,

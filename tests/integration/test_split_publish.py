@@ -11,13 +11,17 @@ Real processes on loopback, a leader SIGKILLed under idempotent writes."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
 
 import pytest
 
+from bench.cpu import spawned_children as children  # a node's worker processes
 from roadlog.client import (
     Admin,
     Connection,
@@ -242,3 +246,52 @@ def test_a_consumer_group_reads_and_commits_what_the_data_groups_hold(
         with pytest.raises(InvalidArgument, match="past the end"):
             conn.call("CommitOffsets", too_far)
         member.close()
+
+
+def test_corked_parts_through_a_worker_crash_lose_and_duplicate_nothing(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """Four idempotent producers that do not route by group (every batch
+    split by group 0's leader), at once, so a data group's leader takes
+    parts of several publishes in one turn and corks them; the worker
+    process of group 1's leader is SIGKILLed meanwhile. Every acknowledged
+    ping is read back once, in order."""
+    lc = placed_cluster(make_cluster, workers=2)
+    ids = [n.id for n in lc.nodes]
+    with Connection(lc.servers, timeout=60) as conn:
+        create_topic(conn, "munich", partitions=6)
+    acked: dict[int, list[tuple[str, int]]] = {k: [] for k in range(4)}
+    errors: list[BaseException] = []
+    started = threading.Barrier(5, timeout=60)
+
+    def produce(k: int) -> None:
+        try:
+            with Connection(lc.servers, timeout=60) as c:
+                producer = Producer(c, "munich", deadline_s=60)
+                producer._groups = []  # as a client that does not route by group
+                started.wait()
+                for i in range(10):  # bounded: 10 batches a producer
+                    batch = make_pings(f"p{k}-", i * 100, 100, devices=24)
+                    assert producer.send_batch(batch).count == 100
+                    acked[k] += rows(batch)
+        except BaseException as e:  # reported by the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    splits = split_calls(lc)
+    started.wait()
+    wait_for(lambda: split_calls(lc) >= splits + 8, 60, "split publishes under way")
+    leader = next(n for n in lc.nodes if n.id == leaders(views(lc))[1])
+    victim = children(leader.pid)[0]  # group g runs in worker (g - 1) mod 2
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    wait_for(lambda: every_group_led_and_agreed(lc, ids), 90, "every group led again")
+    with Connection(lc.servers, timeout=60) as conn:
+        stored = read_topic(conn, "munich")
+    every = [r for k in range(4) for r in acked[k]]
+    assert_exactly_once_in_order(stored, every)
+    assert sum(len(v) for v in stored.values()) == len(every) == 4000
