@@ -68,13 +68,19 @@ def _round(calls: _Calls) -> Round:
     return Round(_Transport(calls), _Commits(calls))  # type: ignore[arg-type]
 
 
+def _round_of_two(calls: _Calls) -> tuple[Round, _Group, _Group]:
+    """A round with groups 1 and 2 added (neither with a failure callback)."""
+    r = _round(calls)
+    a, b = _Group(1, calls), _Group(2, calls)
+    r.add(a, None)
+    r.add(b, None)
+    return r, a, b
+
+
 def test_a_pass_turns_each_woken_group_once_then_flushes_commits_and_applies() -> None:
     async def main() -> list[str]:
         calls = _Calls()
-        r = _round(calls)
-        a, b = _Group(1, calls), _Group(2, calls)
-        r.add(a, None)
-        r.add(b, None)
+        r, a, b = _round_of_two(calls)
 
         def a_then() -> None:
             r.wake(a)
@@ -95,10 +101,7 @@ def test_a_pass_turns_each_woken_group_once_then_flushes_commits_and_applies() -
 def test_a_group_woken_between_turns_runs_in_the_loops_next_turn_with_the_others() -> None:
     async def main() -> list[str]:
         calls = _Calls()
-        r = _round(calls)
-        a, b = _Group(1, calls), _Group(2, calls)
-        r.add(a, None)
-        r.add(b, None)
+        r, a, b = _round_of_two(calls)
         await asyncio.sleep(0)  # the adds' first pass
         calls.calls.clear()
         r.wake(b)
