@@ -289,3 +289,7 @@ def check_topic_id(op: command_pb2.AppendOp, topic: topics_pb2.Topic) -> None:
             Code.UNAVAILABLE,
             f"topic {op.topic!r} here is not the one group 0 holds now: try again",
         )
+    if topic.moving:  # federation (issue 43): fenced for a move
+        raise RoadlogError(
+            Code.UNAVAILABLE, f"topic {op.topic!r} is moving to another cluster: try again"
+        )
