@@ -47,12 +47,16 @@ IMPORT_BYTES = 4 << 20  # of batches an ImportTopic carries (a Raft entry takes 
 FETCH_PINGS = 50_000
 
 
+class NotHere(RoadlogError):
+    """A pinned cluster named another home for the topic: it holds none."""
+
+
 class Pinned(Connection):
     """A connection to one cluster that never follows a redirect: a mover
     must not import into (or fence) whatever cluster a refusal names."""
 
     def follow(self, home: Home) -> None:
-        raise RoadlogError(
+        raise NotHere(
             Code.FAILED_PRECONDITION,
             f"{self.servers} named another home for the topic ({home.cluster}): not followed",
         )
@@ -222,6 +226,8 @@ class TopicMove:
         """The topic made on the target, a leftover copy deleted first."""
         try:
             self._describe(dst)
+        except NotHere:
+            pass
         except RoadlogError as e:
             if e.code != Code.NOT_FOUND:
                 raise
@@ -316,7 +322,11 @@ class TopicMove:
         """A move failed before its flip: the fence lifted, the copy deleted
         (best effort: a copy left behind is deleted by the next move)."""
         if fenced:
-            src.call("FenceTopic", federation_pb2.FenceTopicRequest(topic=self.topic, lift=True))
+            try:
+                lift = federation_pb2.FenceTopicRequest(topic=self.topic, lift=True)
+                src.call("FenceTopic", lift)
+            except RoadlogError as e:  # the source keeps refusing writes: said loudly
+                log.error("the fence could not be lifted", extra={"why": e.message})
         try:
             dst.call("DeleteTopic", client_pb2.DeleteTopicRequest(name=self.topic), timeout=5)
         except RoadlogError as e:
