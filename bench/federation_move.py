@@ -11,7 +11,8 @@ between two acknowledgements (the pause; goal under 5 s), acknowledgements
 a second; per move: pings copied, its copy rate (pings a second, bulk and
 fenced parts together) and how long writes were fenced. After each move
 the new home holds exactly the preload plus every acknowledged ping
-(checked). The topic moves back and forth, so later rounds copy more.
+(checked), and a publish refused for good is counted (by window kind).
+The topic moves back and forth, so later rounds copy more.
 Medians and the spread. Writes bench/results/federation_move.json.
 """
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from bench.common import write_result
 from roadlog import columnar
-from roadlog.client import Admin, Connection
+from roadlog.client import Admin, Connection, RoadlogError
 from roadlog.columnar import PingColumns
 from roadlog.federation.directory import Directory
 from roadlog.federation.move import MoveReport, TopicMove
@@ -70,10 +71,17 @@ def _batch(n: int, seed: int) -> bytes:
 
 
 async def _load(
-    servers: list[str], tls: Any, pid: int, seq0: int, seconds: float, acks: list[float]
+    servers: list[str],
+    tls: Any,
+    pid: int,
+    seq0: int,
+    seconds: float,
+    acks: list[float],
+    errors: list[str],
 ) -> int:
     """IN_FLIGHT publishes of PINGS pings kept out for ``seconds``; each
-    acknowledgement's time in ``acks``; returns the last sequence sent."""
+    acknowledgement's time in ``acks``, each refusal in ``errors``; returns
+    the last sequence sent."""
     batch = _batch(PINGS, seq0)
     stop = time.monotonic() + seconds
     seq = seq0
@@ -88,6 +96,8 @@ async def _load(
             try:
                 await pub.publish(req)
                 acks.append(time.monotonic())
+            except RoadlogError as e:
+                errors.append(f"{time.monotonic():.3f} seq {s}: {e}")
             finally:
                 slots.release()
 
@@ -151,9 +161,12 @@ def run(rounds: int, window: float, preload: int) -> dict[str, Any]:
         fenced: list[float] = []
         copied: list[int] = []
         acks_per_s: list[float] = []
+        refused = {False: 0, True: 0}  # publishes refused for good, by window kind
+        samples: list[str] = []
         for _ in range(rounds):
             for moving in (False, True):  # alternated: a baseline window, then a move
                 acks: list[float] = []
+                errors: list[str] = []
                 report: list[MoveReport] = []
                 to = "us" if where == "eu" else "eu"
 
@@ -167,7 +180,9 @@ def run(rounds: int, window: float, preload: int) -> dict[str, Any]:
                 start = time.monotonic()
                 if mover is not None:
                     mover.start()
-                seq = asyncio.run(_load(servers, tls, pid, seq, window, acks))
+                seq = asyncio.run(_load(servers, tls, pid, seq, window, acks, errors))
+                refused[moving] += len(errors)
+                samples.extend(errors[:2])
                 if mover is not None:
                     mover.join(timeout=120)
                     assert report, "the move did not finish"
@@ -205,6 +220,9 @@ def run(rounds: int, window: float, preload: int) -> dict[str, Any]:
             "copy_pings_per_s": spread(rates, 0),
             "pings_copied": {"min": min(copied), "max": max(copied)},
             "acks_per_s": spread(acks_per_s, 1),
+            "publishes_refused_no_move": refused[False],
+            "publishes_refused_move": refused[True],
+            "refusals": samples[:4],
         }
     finally:
         for lc in reversed(clusters):

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from roadlog.client import Admin, Connection, Fetched, GroupConsumer, Producer, RoadlogError
+from roadlog.errors import Code
 from roadlog.federation.move import TopicMove
 from roadlog.tools.localdirectory import directory_of
 from tests.integration.conftest import (
@@ -102,6 +103,7 @@ def test_a_topic_moves_under_load_exactly_once_with_its_producers_and_group(
     finally:
         for r in runs:
             r.join()
+    print("MOVED", moved)
     assert moved["cluster"] == "us" and moved["source"] == "eu" and moved["pings"] > 0
     for r in runs:
         assert not r.errors, r.errors[:3]
@@ -143,6 +145,40 @@ def test_a_topic_moves_under_load_exactly_once_with_its_producers_and_group(
     d.close()
 
 
+def test_a_client_made_through_the_directory_has_one_token_on_every_cluster(
+    fed: Federation,
+) -> None:
+    dd = str(fed.dd)
+    made = read_json(
+        "client", "create", "car-7", "--scope", "read:*", "--directory", dd, "--json"
+    )  # fmt: skip
+    assert set(made["clusters"]) == {"directory", "eu", "us"}
+    token = made["token"]
+    members = {"eu": fed.eu, "us": fed.us}
+
+    def listing(name: str) -> list[str]:
+        lc = members[name]
+        with Connection(lc.servers, tls=lc.tls().with_token(token)) as c:
+            return [t.topic.spec.name for t in Admin(c).list_topics()]
+
+    assert "munich" in listing("us") and isinstance(listing("eu"), list)
+    done = roadlog("client", "revoke", "car-7", "--yes", "--directory", dd, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "directory, eu, us" in done.stderr
+
+    def refused_everywhere() -> bool:
+        for name in members:
+            try:
+                listing(name)
+                return False
+            except RoadlogError as e:
+                if e.code not in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+                    raise
+        return True
+
+    wait_for(refused_everywhere, 30, "the revoked token refused on both members")
+
+
 def test_a_move_whose_target_dies_mid_copy_leaves_the_topic_whole_at_its_source(
     fed: Federation,
 ) -> None:
@@ -158,8 +194,9 @@ def test_a_move_whose_target_dies_mid_copy_leaves_the_topic_whole_at_its_source(
                 us.kill(n.id)
 
         move = TopicMove(d, "munich-stays", "us", tail_pings=0, timeout=5, on_round=kill_target)
-        with pytest.raises(RoadlogError):
+        with pytest.raises(RoadlogError) as failed:
             move.run()
+        print("FAILED", failed.value)
         at_failure = len(run.acked)
         wait_for(lambda: len(run.acked) >= at_failure + 2000, 60, "publishes after the failure")
     finally:
