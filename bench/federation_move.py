@@ -63,8 +63,8 @@ def _batch(n: int, seed: int) -> bytes:
     cols = PingColumns.from_columns(
         [f"bench-{seed}-{k % 50}" for k in range(n)],
         now - 60_000 + i,
-        48.1 + (i % 100) * 1e-4,
-        11.5 + (i % 100) * 1e-4,
+        (48.1 + (i % 100) * 1e-4).astype(np.float64),
+        (11.5 + (i % 100) * 1e-4).astype(np.float64),
         speed_mps=np.full(n, 10.0, dtype=np.float32),
     )
     return columnar.encode(cols)

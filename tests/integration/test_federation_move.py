@@ -137,7 +137,7 @@ def test_a_topic_moves_under_load_exactly_once_with_its_producers_and_group(
 
     wait_for(resumes, 60, "the group's first poll at the new home")
     # Nothing before the commit is read again: it starts at the committed offsets.
-    starts = {}
+    starts: dict[int, int] = {}
     for f in first:
         starts.setdefault(f.partition, f.base_offset)
     assert all(starts[p] == committed.get(p, 0) for p in starts), (starts, committed)
