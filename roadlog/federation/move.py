@@ -25,7 +25,9 @@ served), after it the target holds every one the source acknowledged
 (its ends equal the fenced source's) with the same offsets, so producers'
 retries are answered as duplicates and consumers resume where they
 committed. A failure before the flip lifts the fence and deletes the
-target's copy: the topic stays whole at the source.
+target's copy: the topic stays whole at the source. A mover lost after the
+flip leaves the source's copy fenced (UNAVAILABLE, no redirect yet); the
+same move run again finds the home moved and deletes that copy.
 """
 
 from __future__ import annotations
@@ -154,9 +156,14 @@ class TopicMove:
         if member is None:
             raise RoadlogError(Code.NOT_FOUND, f"no member cluster {self.target!r}")
         if home.cluster == self.target:
-            raise RoadlogError(
-                Code.ALREADY_EXISTS, f"topic {self.topic!r} has its home in {self.target!r}"
-            )
+            # Done before, or a mover lost after its flip: finish it (the
+            # source's fenced copy deleted), else say it is there already.
+            finished = self._finish(fed)
+            if not finished:
+                raise RoadlogError(
+                    Code.ALREADY_EXISTS, f"topic {self.topic!r} has its home in {self.target!r}"
+                )
+            return MoveReport(self.topic, finished[0], self.target)
         report = MoveReport(self.topic, home.cluster, self.target)
         start = time.monotonic()
         with (
@@ -331,6 +338,25 @@ class TopicMove:
             dst.call("DeleteTopic", client_pb2.DeleteTopicRequest(name=self.topic), timeout=5)
         except RoadlogError as e:
             log.warning("the target's copy is left", extra={"topic": self.topic, "why": e.message})
+
+    def _finish(self, fed: federation_pb2.Federation) -> list[str]:
+        """The members other than the home that still hold the topic fenced
+        for a move (a mover lost after its flip): their copies deleted;
+        their names."""
+        done = []
+        for m in fed.members:
+            if m.name == self.target:
+                continue
+            with Pinned(m.queue_servers, timeout=self.timeout, tls=self.tls) as conn:
+                try:
+                    record = self._describe(conn).topic
+                except RoadlogError:
+                    continue  # not there (or a redirect to the home), or down: nothing to do
+                if record.moving:
+                    self._drop_source(conn)
+                    log.info("move finished", extra={"topic": self.topic, "source": m.name})
+                    done.append(m.name)
+        return done
 
     def _drop_source(self, src: Connection) -> None:
         """The source's copy deleted: from now on it answers with the redirect."""

@@ -179,6 +179,40 @@ def test_a_client_made_through_the_directory_has_one_token_on_every_cluster(
     wait_for(refused_everywhere, 30, "the revoked token refused on both members")
 
 
+class _LostAfterFlip(TopicMove):
+    """A mover that dies right after the directory's flip."""
+
+    def _drop_source(self, src: Connection) -> None:
+        raise RoadlogError(Code.UNAVAILABLE, "the mover died")
+
+
+def test_a_move_lost_after_its_flip_is_finished_by_running_it_again(fed: Federation) -> None:
+    _create(fed, "munich-half", "eu")
+    dd = str(fed.dd)
+    d = directory_of(dd)
+    Producer(d.connection("munich-half"), "munich-half", client="half").send_batch(
+        make_pings("half", 0, 300)
+    )
+    with pytest.raises(RoadlogError):
+        _LostAfterFlip(d, "munich-half", "us").run()
+    assert fed.status()["topics"]["munich-half"] == "us"
+    # The source's copy is still fenced: a write there waits, and is not redirected.
+    eu = Connection(fed.eu.servers, tls=fed.eu.tls())
+    assert Admin(eu).describe("munich-half").topic.moving and eu.cluster == ""
+    stale = Producer(eu, "munich-half", idempotent=False, deadline_s=3)
+    with pytest.raises(RoadlogError) as refused:
+        stale.send_batch(make_pings("stale", 0, 10))
+    assert refused.value.code == Code.UNAVAILABLE
+    again = read_json("topic", "move", "munich-half", "--to", "us", "--directory", dd, "--json")
+    assert again["source"] == "eu" and again["pings"] == 0
+    # Finished: eu names the home now, which holds every ping.
+    assert Admin(eu).describe("munich-half").topic.spec.name == "munich-half"
+    assert eu.cluster == "us"
+    us = Connection(fed.us.servers, tls=fed.us.tls())
+    assert sum(len(rows) for rows in read_topic(us, "munich-half").values()) == 300
+    d.close()
+
+
 def test_a_move_whose_target_dies_mid_copy_leaves_the_topic_whole_at_its_source(
     fed: Federation,
 ) -> None:
