@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from node_daemon.raft import Entry, EntryType
 from node_daemon.state.machine import StateMachine, append_op
 from roadlog.errors import Code
 from roadlog.federation.move import moved_batches
@@ -90,7 +91,11 @@ def test_a_fenced_topic_moves_whole_with_its_producers_and_groups(tmp_path: Path
     # Fenced: appends (plain or idempotent), commits and heat maps refused.
     for res in (publish(src, 5), publish(src, 5, 77, 7), one(src, op)):
         assert res[0] == Code.UNAVAILABLE and "moving" in res[2]
-    assert src.sm.answers([]) == []
+    # The leader's early answers (told before the apply) refuse it alike.
+    plain = append_op("munich", split_by_partition(pings(5), PARTS))
+    cmd = command_pb2.Command(leader_ms=T0, ops=[plain]).SerializeToString()
+    told = src.sm.answers([Entry(1, src.index + 1, EntryType.NORMAL, cmd)])
+    assert told is not None and told[0][0].code == Code.UNAVAILABLE
 
     # The tail and the state, as at the fence; an import retried stores nothing twice.
     tail = federation_pb2.ImportTopicRequest(topic="munich", batches=batches_of(src.sm))
