@@ -78,12 +78,24 @@ async def _load(
     seconds: float,
     acks: list[float],
     errors: list[str],
+    moving: threading.Thread | None = None,
 ) -> int:
-    """IN_FLIGHT publishes of PINGS pings kept out for ``seconds``; each
-    acknowledgement's time in ``acks``, each refusal in ``errors``; returns
-    the last sequence sent."""
+    """IN_FLIGHT publishes of PINGS pings kept out for ``seconds``, and
+    while ``moving`` runs and 2 s after; each acknowledgement's time in
+    ``acks``, each refusal in ``errors``; returns the last sequence sent."""
     batch = _batch(PINGS, seq0)
     stop = time.monotonic() + seconds
+    moved_at = 0.0
+
+    def going() -> bool:
+        nonlocal moved_at
+        now = time.monotonic()
+        if moving is not None and (moving.is_alive() or not moved_at):
+            if not moving.is_alive():
+                moved_at = now
+            return True
+        return now < max(stop, moved_at + 2.0)
+
     seq = seq0
     slots = asyncio.Semaphore(IN_FLIGHT)
     tasks: set[asyncio.Task[None]] = set()
@@ -101,7 +113,7 @@ async def _load(
             finally:
                 slots.release()
 
-        while time.monotonic() < stop:
+        while going():
             await slots.acquire()
             seq += 1
             t = asyncio.create_task(one(seq))
@@ -180,7 +192,7 @@ def run(rounds: int, window: float, preload: int) -> dict[str, Any]:
                 start = time.monotonic()
                 if mover is not None:
                     mover.start()
-                seq = asyncio.run(_load(servers, tls, pid, seq, window, acks, errors))
+                seq = asyncio.run(_load(servers, tls, pid, seq, window, acks, errors, mover))
                 refused[moving] += len(errors)
                 samples.extend(errors[:2])
                 if mover is not None:
@@ -194,7 +206,7 @@ def run(rounds: int, window: float, preload: int) -> dict[str, Any]:
                     move_gaps.append(_gap(acks, start))
                 else:
                     base_gaps.append(_gap(acks, start))
-                acks_per_s.append(len(acks) / window)
+                acks_per_s.append(len(acks) / (time.monotonic() - start))
                 expected += len(acks) * PINGS
                 with Connection(members[where].servers, tls=tls) as c:
                     got = _stored(c)
