@@ -93,6 +93,12 @@ def test_a_topic_moves_under_load_exactly_once_with_its_producers_and_group(
     ]
     try:
         wait_for(lambda: all(len(r.acked) >= 1000 for r in runs), 60, "publishes before the move")
+
+        def eu_reports_pings() -> bool:  # the load reports' pings a second (step 6)
+            eu = next(m for m in d.federation().members if m.name == "eu")
+            return any(load.pings_per_s > 0 for load in eu.loads)
+
+        wait_for(eu_reports_pings, 30, "eu's load report with its pings a second")
         moved = read_json("topic", "move", "munich", "--to", "us", "--directory", dd, "--json")
         at_move = [len(r.acked) for r in runs]
         wait_for(
