@@ -209,7 +209,15 @@ class ClientFront:
                 req = clients_pb2.CreateClientRequest.FromString(request)
             except Exception:
                 raise RoadlogError(Code.INVALID_ARGUMENT, "malformed CreateClientRequest") from None
-            req.token_hash = token_hash(token)  # a client's own is replaced
+            if req.token_hash:
+                # An admin's own token, given as its hash: one token for the
+                # identity on every cluster of a federation (`roadlog client
+                # create --directory`, docs/federation.md); none is told back.
+                if len(req.token_hash) != len(token_hash(token)):
+                    raise RoadlogError(Code.INVALID_ARGUMENT, "token_hash: a SHA-256 (32 bytes)")
+                token = ""
+            else:
+                req.token_hash = token_hash(token)
             request = req.SerializeToString()
         raw = await self._call(method, request, timeout, caller.source, None)
         resp = clients_pb2.CreateClientResponse.FromString(raw)

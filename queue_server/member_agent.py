@@ -1,7 +1,10 @@
 """A member cluster's queue server in its federation (issue 43,
 docs/federation.md): it registers with the directory (this cluster's
 ``cluster_name`` and tags, its own addresses, its CA), reports its load
-every ``directory_report_s``, and refreshes ``TopicHomes`` from the
+every ``directory_report_s`` (publishes a second, from its own counters;
+pings a second, from the offsets its cluster's topics reached, read with
+one ``ListTopics`` of its own a report: the cluster's figure, the same in
+each of its queue servers' reports), and refreshes ``TopicHomes`` from the
 directory's answer. A directory that does not answer stops nothing here:
 the agent logs it and tries again at the next report.
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,12 @@ from roadlog.grpc_status import from_grpc
 from roadlog.rpc import BY_NAME, SERVICE
 from roadlog.runtime import tls
 from roadlog.runtime.tls import CA_CERT
-from roadlog.v1 import federation_pb2
+from roadlog.v1 import client_pb2, federation_pb2
 
 log = logging.getLogger("roadlog.queue.federation")
+# The queue server's own call to its cluster's nodes (``QueueServer.call``).
+OwnCall = Callable[[str, bytes, float | None], Awaitable[bytes]]
+MAX_TOPIC_PAGES = 100  # of ListTopics a report reads at most
 _RETRY = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED, Code.CANCELLED}
 
 
@@ -113,12 +120,51 @@ def published_total() -> float:
 class MemberAgent:
     """Registration, load reports and the homes' refresh (see the module's doc)."""
 
-    def __init__(self, cfg: QueueConfig, homes: TopicHomes, link: DirectoryLink) -> None:
+    def __init__(
+        self,
+        cfg: QueueConfig,
+        homes: TopicHomes,
+        link: DirectoryLink,
+        own: OwnCall | None = None,
+    ) -> None:
         self.cfg = cfg
         self.homes = homes
         self.link = link
+        self.own = own  # None: pings a second not known (told 0)
         self.registered = False
         self._last = (time.monotonic(), published_total())
+        self._stored: tuple[float, int] | None = None  # when, pings stored by then
+
+    async def stored_pings(self, timeout: float) -> int | None:
+        """Every ping the cluster's topics were ever given (the sum of their
+        partitions' next offsets); None: not known now."""
+        if self.own is None:
+            return None
+        total, token = 0, ""
+        try:
+            for _ in range(MAX_TOPIC_PAGES):
+                req = client_pb2.ListTopicsRequest(page_token=token).SerializeToString()
+                page = client_pb2.ListTopicsResponse.FromString(
+                    await self.own("ListTopics", req, timeout)
+                )
+                total += sum(p.next_offset for t in page.topics for p in t.partitions)
+                token = page.next_page_token
+                if not token:
+                    return total
+        except RoadlogError as e:
+            log.info("no topic figures for the load report", extra={"why": e.message})
+        return None
+
+    async def pings_per_s(self, timeout: float) -> float:
+        """Pings stored a second since the last report (0: not known yet)."""
+        total = await self.stored_pings(timeout)
+        if total is None:
+            return 0.0
+        now, before = time.monotonic(), self._stored
+        self._stored = (now, total)
+        if before is None or total < before[1]:  # the first, or a topic deleted
+            return 0.0
+        return (total - before[1]) / max(now - before[0], 1e-3)
 
     def member(self) -> federation_pb2.FederationMember:
         ca = b""
@@ -146,6 +192,7 @@ class MemberAgent:
         load = federation_pb2.MemberLoad(
             queue_server=self.cfg.address,
             publishes_per_s=(total - before) / max(now - then, 1e-3),
+            pings_per_s=await self.pings_per_s(timeout),
         )
         req = federation_pb2.ReportLoadRequest(name=self.cfg.cluster_name, load=load)
         try:

@@ -158,7 +158,7 @@ async def serve(cfg: QueueConfig, started: asyncio.Event | None = None) -> None:
     if cfg.directory_servers:
         link = DirectoryLink(cfg.directory_servers, directory_tls(cfg))
         qs.topic_homes = TopicHomes(cfg.cluster_name, link.lookup)
-        agent_run = MemberAgent(cfg, qs.topic_homes, link).run()
+        agent_run = MemberAgent(cfg, qs.topic_homes, link, qs.call).run()
         member = asyncio.get_running_loop().create_task(agent_run)
     log.info(
         "queue server started",

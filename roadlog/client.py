@@ -60,6 +60,7 @@ from roadlog.validation import BatchRejected, check_size, ping_reasons, raise_if
 # (publishes are deduplicated by producer id and sequence, reads change nothing).
 RETRYABLE = {Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED, Code.CANCELLED}
 STALE_MAP = "the topic's map changed"  # a data group's refusal of another group's pings
+UNKNOWN_PRODUCER = "unknown producer id"  # a cluster's refusal of an id it never issued
 M = TypeVar("M", bound=Message)
 
 
@@ -588,6 +589,31 @@ class Producer:
         self.sequence += 1
         if self._groups is None:
             self._learn_map()
+        try:
+            ack = self._publish_mapped(cols)
+        except FailedPrecondition as e:
+            # Followed to a home that does not know this id (a move that
+            # could not bring it): a new id there, this batch its first.
+            if not (self.producer_id and UNKNOWN_PRODUCER in e.message and self._followed()):
+                raise
+            self._new_id_here()
+            ack = self._publish_mapped(cols)
+        # A moved topic's new home imported this id with its sequences
+        # (docs/federation.md, "Topic moves"): it is that cluster's now too.
+        self._issued_in = getattr(self.conn, "cluster", "")
+        self.acked += ack.count
+        return ack
+
+    def _followed(self) -> bool:
+        return getattr(self.conn, "cluster", "") != self._issued_in
+
+    def _new_id_here(self) -> None:
+        init = client_pb2.InitProducerRequest(client_id=self.client_id)
+        resp = self.conn.call("InitProducer", init)
+        self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
+        self._issued_in, self.sequence = getattr(self.conn, "cluster", ""), 1
+
+    def _publish_mapped(self, cols: PingColumns) -> Ack:
         if not self._groups:  # every partition in group 0: one publish
             ack = self._publish(cols, 0)
         else:
@@ -601,7 +627,6 @@ class Producer:
                 # sequence again, so the parts stored already are not.
                 self._learn_map()
                 ack = self._publish_by_group(cols) if self._groups else self._publish(cols, 0)
-        self.acked += ack.count
         return ack
 
     def _learn_map(self) -> None:
@@ -613,11 +638,8 @@ class Producer:
         record = Admin(self.conn).describe(self.topic).topic
         self._groups = list(record.partition_groups)
         self._region = parse_region(record.spec.region_geojson) if self._groups else None
-        if self.producer_id and getattr(self.conn, "cluster", "") != self._issued_in:
-            init = client_pb2.InitProducerRequest(client_id=self.client_id)
-            resp = self.conn.call("InitProducer", init)
-            self.producer_id, self.epoch = int(resp.producer_id), int(resp.epoch)
-            self._issued_in, self.sequence = getattr(self.conn, "cluster", ""), 1
+        if self.producer_id and self._followed() and self.sequence <= 1:
+            self._new_id_here()
 
     def _check(self, cols: PingColumns) -> None:
         """The cluster's checks of a batch, here: a batch split over data

@@ -55,6 +55,8 @@ class _Pending:
     deadline: float  # time.monotonic()
     reason: str = ""  # the last retryable failure, for the final error
     followed: bool = False  # sent on to the topic's home once (federation)
+    order: int = 0  # when it was published: retries go out in this order
+    gen: int = 0  # the cluster it was last sent to (``Publisher._gen`` then)
 
 
 @dataclass
@@ -130,6 +132,14 @@ class Publisher:
         self._answering = False
         self._idle = asyncio.Event()  # nothing queued, nothing out
         self._idle.set()
+        self._published = 0  # publishes made: each one's ``order``
+        # Federation: ``follow`` moves to the next generation; calls out (or
+        # waiting out a backoff) to the cluster left hold every send until
+        # they are back, so what the new home gets is in publish order (an
+        # idempotent producer's sequences: one older than the 8 a partition
+        # remembers would be refused).
+        self._gen = 0
+        self._held: dict[int, int] = {}  # generation -> its calls out or backing off
 
     @property
     def linked(self) -> int:
@@ -192,6 +202,7 @@ class Publisher:
         self.cluster = home.cluster
         self.fence = 0
         self.group_fences = {}
+        self._gen += 1
 
     async def publish(
         self, request: client_pb2.PublishRequest | bytes, timeout: float | None = None
@@ -202,7 +213,8 @@ class Publisher:
         raw = request if isinstance(request, bytes) else request.SerializeToString()
         fut: asyncio.Future[client_pb2.PublishResponse] = asyncio.get_running_loop().create_future()
         wait = self.timeout if timeout is None else timeout
-        self._queue.append(_Pending(raw, fut, time.monotonic() + wait))
+        self._published += 1
+        self._queue.append(_Pending(raw, fut, time.monotonic() + wait, order=self._published))
         self._queued_bytes += len(raw)
         self._idle.clear()
         self._pump()
@@ -224,6 +236,8 @@ class Publisher:
         Never while a call's answers are being taken up (``_answered``)."""
         if not self._queue or self._answering:
             return False
+        if any(n for g, n in self._held.items() if g < self._gen):
+            return False  # the cluster left still has publishes of ours out
         if self._in_flight == 0:
             return True
         if self._queued_bytes >= self.max_batch_bytes:
@@ -240,6 +254,9 @@ class Publisher:
                 break
             self._in_flight += 1
             self._flight_sizes.append(len(batch))
+            self._hold(self._gen, +1)
+            for p in batch:
+                p.gen = self._gen
             task = asyncio.get_running_loop().create_task(self._send(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -279,6 +296,7 @@ class Publisher:
         finally:
             self._in_flight -= 1
             self._flight_sizes.remove(len(batch))
+            self._hold(batch[0].gen, -1)
             self._answering = True
             asyncio.get_running_loop().call_soon(self._answered)
 
@@ -368,14 +386,27 @@ class Publisher:
             p.reason = p.reason or reason
         self._backoff = min(max(self._backoff * 2, 0.02), 1.0)
         self._in_flight += 1  # the backoff holds a slot: no new call jumps ahead
+        gen = batch[0].gen
+        self._hold(gen, +1)
 
         def requeue() -> None:
             self._in_flight -= 1
+            self._hold(gen, -1)
             self._queue.extendleft(reversed(batch))
+            orders = [p.order for p in self._queue]
+            if orders != sorted(orders):  # retries of several calls: publish order again
+                self._queue = deque(sorted(self._queue, key=lambda p: p.order))
             self._queued_bytes += sum(len(p.request) for p in batch)
             self._pump()
 
         asyncio.get_running_loop().call_later(self._backoff, requeue)
+
+    def _hold(self, gen: int, delta: int) -> None:
+        n = self._held.get(gen, 0) + delta
+        if n:
+            self._held[gen] = n
+        else:
+            self._held.pop(gen, None)
 
     def _fail(self, p: _Pending, err: RoadlogError) -> None:
         self.stats.failed += 1

@@ -277,6 +277,42 @@ RPCS: tuple[Rpc, ...] = (
         topic_field=(f.LookupTopicRequest.TOPIC_FIELD_NUMBER,),
     ),
     Rpc("GetFederation", R, f.GetFederationRequest, f.Federation, IDENTITY),
+    # Topic moves (issue 43): on a member, the source's fence and state, the
+    # target's import; on the directory, the home's flip. The pings
+    # themselves are read with Fetch. A mover's calls never follow a
+    # redirect (roadlog.federation.move).
+    Rpc(
+        "FenceTopic",
+        W,
+        f.FenceTopicRequest,
+        f.FenceTopicResponse,
+        ADMIN,
+        topic_field=(f.FenceTopicRequest.TOPIC_FIELD_NUMBER,),
+    ),
+    Rpc(
+        "ExportTopicState",
+        R,
+        f.ExportTopicStateRequest,
+        f.ExportTopicStateResponse,
+        ADMIN,
+        topic_field=(f.ExportTopicStateRequest.TOPIC_FIELD_NUMBER,),
+    ),
+    Rpc(
+        "ImportTopic",
+        W,
+        f.ImportTopicRequest,
+        f.ImportTopicResponse,
+        ADMIN,
+        topic_field=(f.ImportTopicRequest.TOPIC_FIELD_NUMBER,),
+    ),
+    Rpc(
+        "MoveTopicHome",
+        W,
+        f.MoveTopicHomeRequest,
+        f.TopicHome,
+        ADMIN,
+        topic_field=(f.MoveTopicHomeRequest.TOPIC_FIELD_NUMBER,),
+    ),
 )
 # The queue server's own reads, never offered to clients: a node does them
 # as it does the rpcs above (``WorkHandler.<handler>``).

@@ -215,6 +215,20 @@ class ClientTables:
             return None
         return clients_pb2.ClientIdentity.FromString(raw[HASH_BYTES:])
 
+    def token_hashes(self, txn: Any) -> dict[str, bytes]:
+        """Every identity's client id -> its token's hash (one scan: for a
+        topic move, which maps bound producers by their owner's token)."""
+        out: dict[str, bytes] = {}
+        for prefix in (_NAME, _REGISTERED):
+            cur = txn.cursor(db=self.clients)
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    ident = clients_pb2.ClientIdentity.FromString(v[HASH_BYTES:])
+                    out[ident.client_id] = bytes(v[:HASH_BYTES])
+        return out
+
     def listing(self, txn: Any) -> clients_pb2.ListClientsResponse:
         """The identities admins made, by name, and how many registered themselves."""
         out = clients_pb2.ListClientsResponse(registered=self._count(txn, True))

@@ -36,7 +36,7 @@ from typing import Any
 
 from node_daemon.state.keys import count_prefix
 from roadlog.errors import Code, RoadlogError
-from roadlog.v1 import client_pb2, command_pb2, groups_pb2
+from roadlog.v1 import client_pb2, command_pb2, federation_pb2, groups_pb2
 
 GROUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 DEFAULT_SESSION_TIMEOUT_MS = 10_000
@@ -403,6 +403,36 @@ class ConsumerGroupTables:
         for g in self.records(txn):
             if g.topic == topic:
                 self._drop(txn, g)
+
+    def export_topic(self, txn: Any, topic: str) -> list[federation_pb2.MovedGroup]:
+        """The topic's groups and their committed offsets, for a move."""
+        out = []
+        for g in self.records(txn):
+            if g.topic == topic:
+                d = self.describe(txn, g.name)
+                out.append(federation_pb2.MovedGroup(group=d.group, offsets=d.offsets))
+        return out
+
+    def import_group(self, txn: Any, mg: federation_pb2.MovedGroup, log_ms: int) -> None:
+        """A moved group: its committed offsets, its record without members
+        (they join again here) and without an owner (it counts against no
+        identity's quota here); a group of that name here keeps its record."""
+        name = mg.group.name
+        if self.get(txn, name) is None:
+            g = groups_pb2.Group(
+                name=name,
+                topic=mg.group.topic,
+                generation=mg.group.generation,
+                session_timeout_ms=mg.group.session_timeout_ms,
+                empty_since_ms=log_ms,
+            )
+            txn.put(name.encode(), g.SerializeToString(), db=self.groups)
+        for o in mg.offsets:
+            txn.put(
+                _offset_key(name, o.partition),
+                _OFFSET_VAL.pack(o.offset, o.committed_ms),
+                db=self.offsets,
+            )
 
     def delete(self, txn: Any, name: str) -> None:
         """Delete a group that no member is in any more, with its offsets."""

@@ -31,7 +31,9 @@ MEMBER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 TAG = re.compile(r"^[A-Za-z0-9_.-]{1,64}=[A-Za-z0-9_.:/-]{1,128}$")
 _MEMBER, _HOME, _COUNT = b"fed/member/", b"fed/home/", b"fed/count/"
 _U64 = struct.Struct(">Q")
-OPS = frozenset({"register_member", "report_load", "place_topic_home", "forget_topic_home"})
+OPS = frozenset(
+    {"register_member", "report_load", "place_topic_home", "forget_topic_home", "move_topic_home"}
+)
 
 
 def _bad(message: str) -> RoadlogError:
@@ -94,6 +96,10 @@ class FederationTable:
             return federation_pb2.ForgetTopicHomeResponse(
                 forgotten=gone, applied_index=index
             ).SerializeToString()
+        if kind == "move_topic_home":
+            home = self.move(txn, op.move_topic_home.request)
+            home.applied_index = index
+            return home.SerializeToString()
         raise RoadlogError(Code.INTERNAL, f"not a federation op: {kind}")
 
     def register(
@@ -176,6 +182,27 @@ class FederationTable:
         txn.delete(_HOME + topic.encode(), db=self.meta)
         self._count(txn, held, -1)
         return True
+
+    def move(self, txn: Any, req: federation_pb2.MoveTopicHomeRequest) -> federation_pb2.TopicHome:
+        """A moved topic's home flipped to ``req.target``, only if it is
+        ``req.source`` (a compare-and-set: of two movers one wins, and a
+        move abandoned after its flip was refused leaves the home alone)."""
+        held = self.home_name(txn, req.topic)
+        if held is None:
+            raise RoadlogError(Code.NOT_FOUND, f"no topic {req.topic!r} in the federation")
+        if held != req.source:
+            raise RoadlogError(
+                Code.FAILED_PRECONDITION,
+                f"topic {req.topic!r} has its home in {held!r}, not {req.source!r}",
+            )
+        target = self.member(txn, req.target)
+        if target is None:
+            raise RoadlogError(Code.NOT_FOUND, f"no member cluster {req.target!r}")
+        if held != target.name:
+            txn.put(_HOME + req.topic.encode(), target.name.encode(), db=self.meta)
+            self._count(txn, held, -1)
+            self._count(txn, target.name, +1)
+        return self._home(req.topic, target)
 
     # --------------------------------------------------------------- reads
 

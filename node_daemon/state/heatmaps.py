@@ -30,7 +30,7 @@ from typing import Any
 
 from roadlog.contribution import min_pings, min_seconds
 from roadlog.errors import Code, RoadlogError
-from roadlog.v1 import heatmaps_pb2, topics_pb2
+from roadlog.v1 import federation_pb2, heatmaps_pb2, topics_pb2
 
 DEFAULT_CONTRIBUTION_WINDOW_MS = 15 * 60 * 1000
 # Heat-map windows of a topic that retention never deletes: the newest 96
@@ -235,6 +235,33 @@ class HeatmapTables:
         for key in doomed:
             txn.delete(key, db=self.contrib)
         return len(doomed)
+
+    def export_rows(self, txn: Any, tid: int) -> list[federation_pb2.MovedRow]:
+        """The topic's heat maps (table 1) and contributions (table 2), each
+        key past the topic id, for a move."""
+        prefix = _TID.pack(tid)
+        out = []
+        for table, db in ((1, self.heatmaps), (2, self.contrib)):
+            cur = txn.cursor(db=db)
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if not bytes(key).startswith(prefix):
+                        break
+                    out.append(
+                        federation_pb2.MovedRow(
+                            table=table, key=bytes(key[len(prefix) :]), value=bytes(value)
+                        )
+                    )
+        return out
+
+    def import_rows(self, txn: Any, tid: int, rows: Any) -> None:
+        """Moved rows (``export_rows``'s) put under topic ``tid``."""
+        dbs = {1: self.heatmaps, 2: self.contrib}
+        for r in rows:
+            db = dbs.get(r.table)
+            if db is None:
+                raise RoadlogError(Code.INVALID_ARGUMENT, f"no moved table {r.table}")
+            txn.put(_TID.pack(tid) + r.key, r.value, db=db)
 
     def drop_topic(self, txn: Any, tid: int) -> None:
         prefix = _TID.pack(tid)

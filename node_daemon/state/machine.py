@@ -79,13 +79,23 @@ from node_daemon.state.producers import (
 )
 from node_daemon.state.responses import OpResult, publish_responses
 from node_daemon.state.settings import REGISTRATION_IDLE_DAYS, SettingsTable
+from node_daemon.state.topic_moves import OPS as MOVE_OPS
+from node_daemon.state.topic_moves import TopicMoves
 from node_daemon.state.topics import PartitionState, TopicTables, check_topic_id
 from node_daemon.storage import kept_log
 from node_daemon.storage.disk import fsync_dir, full_disk_error, open_lmdb
 from roadlog import columnar
 from roadlog.columnar import PingColumns
 from roadlog.errors import Code, RoadlogError
-from roadlog.v1 import client_pb2, clients_pb2, command_pb2, groups_pb2, settings_pb2, topics_pb2
+from roadlog.v1 import (
+    client_pb2,
+    clients_pb2,
+    command_pb2,
+    federation_pb2,
+    groups_pb2,
+    settings_pb2,
+    topics_pb2,
+)
 
 GiB = 1 << 30
 T = TypeVar("T")
@@ -94,7 +104,9 @@ _U64 = struct.Struct(">Q")
 
 _PEER = struct.Struct(">5sQ")  # b"peer/" + node id: the replicated address book
 # Operations that write topic records or partition states other than by appending.
-_FORGETTING = frozenset({"create_topic", "delete_topic", "trim", "place_topic", "update_topic"})
+_FORGETTING = frozenset(
+    {"create_topic", "delete_topic", "trim", "place_topic", "update_topic", *MOVE_OPS}
+)
 
 
 class StateMachine:
@@ -184,6 +196,9 @@ class StateMachine:
         self.clients = ClientTables(db(b"clients"), self.meta)
         self.settings = SettingsTable(self.meta)
         self.federation = FederationTable(self.meta)  # a directory's (issue 43)
+        self.moves = TopicMoves(  # a member's topic moves (issue 43)
+            self.topics, self.pings, self.producers, self.consumer_groups, self.heat, self.clients
+        )
         with self.env.begin() as txn:
             stored_format = self._meta_int(txn, FORMAT_KEY)
             self.applied_index = self._meta_int(txn, b"applied_index")
@@ -411,6 +426,10 @@ class StateMachine:
             return desc.SerializeToString()
         if kind in FEDERATION_OPS:
             return self.federation.apply(txn, op, self._log_ms, index)
+        if kind == "fence_topic":
+            return self.moves.fence(txn, op.fence_topic.request, index)
+        if kind == "import_topic":
+            return self.moves.import_topic(txn, op.import_topic.request, self._log_ms, index)
         if kind == "set_setting":
             key, value = op.set_setting.request.key, op.set_setting.request.value
             setting = self.settings.put(txn, key, value)
@@ -459,6 +478,8 @@ class StateMachine:
             if g is None:
                 raise RoadlogError(Code.NOT_FOUND, f"no group {commit.group!r}")
             topic = self.topics.get(txn, g.topic)
+            if topic.moving:  # federation (issue 43): fenced for a move
+                raise RoadlogError(Code.UNAVAILABLE, f"topic {g.topic!r} is moving: try again")
             # A topic placed in data groups: its ends are theirs, which this
             # group's apply cannot read alike on every replica; its leader
             # checked the offsets against them before proposing.
@@ -489,7 +510,10 @@ class StateMachine:
             ).SerializeToString()
         if kind == "put_heatmap":
             hm = op.put_heatmap.request.heatmap
-            self.heat.put(txn, self.topics.get(txn, hm.topic), hm)
+            topic = self.topics.get(txn, hm.topic)
+            if topic.moving:  # federation (issue 43): fenced for a move
+                raise RoadlogError(Code.UNAVAILABLE, f"topic {hm.topic!r} is moving: try again")
+            self.heat.put(txn, topic, hm)
             return client_pb2.PutHeatmapResponse(applied_index=index).SerializeToString()
         if kind == "create_client":
             cc = op.create_client
@@ -795,6 +819,11 @@ class StateMachine:
         """Every known cluster setting, or ``key``'s (NOT_FOUND if unknown)."""
         with self.env.begin() as txn:
             return self.settings.listing(txn, key)
+
+    def export_topic_state(self, name: str) -> federation_pb2.ExportTopicStateResponse:
+        """``TopicMoves.export``: a moving topic's state besides its pings."""
+        with self.env.begin() as txn:
+            return self.moves.export(txn, name)
 
     def read_federation(self, read: Callable[[Any, FederationTable], T]) -> T:
         """``read(txn, federation)`` in one read transaction (a directory's)."""

@@ -60,7 +60,14 @@ _SECOND = (
     "update_topic", "set_setting",
     "register_member", "report_load", "place_topic_home", "forget_topic_home",
 )  # fmt: skip
-LEVELS: dict[str, int] = {**dict.fromkeys(_FIRST, 1), **dict.fromkeys(_SECOND, 2)}
+# Level 3: topic moves (issue 43: the source's fence, the target's import,
+# the directory's flip).
+_THIRD = ("fence_topic", "import_topic", "move_topic_home")
+LEVELS: dict[str, int] = {
+    **dict.fromkeys(_FIRST, 1),
+    **dict.fromkeys(_SECOND, 2),
+    **dict.fromkeys(_THIRD, 3),
+}
 OP_LEVEL = max(LEVELS.values())
 
 

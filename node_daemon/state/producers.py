@@ -27,7 +27,7 @@ from node_daemon.state.keys import count_prefix, meta_int
 from node_daemon.state.responses import OpResult, publish_responses
 from node_daemon.state.topics import DEFAULT_RETENTION_MS
 from roadlog.errors import Code, RoadlogError
-from roadlog.v1 import client_pb2, command_pb2
+from roadlog.v1 import client_pb2, command_pb2, federation_pb2
 
 RECENT_SEQUENCES = 8  # per producer and partition, for retries of pipelined batches
 
@@ -388,6 +388,53 @@ class ProducerTables:
             txn.delete(_held_key(client, pid), db=self.meta)
         self._issued.discard(pid)
         self._owners.pop(pid, None)
+
+    # ------------------------------------------------ moves (issue 43)
+
+    def export_topic(self, txn: Any, tid: int) -> list[federation_pb2.MovedProducer]:
+        """Every producer with a record in topic ``tid``: its id, holder,
+        epoch and records (one full scan of the records: a move's cost, not
+        a publish's)."""
+        by_pid: dict[int, federation_pb2.MovedProducer] = {}
+        for key, raw in txn.cursor(db=self.records):
+            pid, t, p = _PROD.unpack(bytes(key))
+            if t != tid:
+                continue
+            mp = by_pid.get(pid)
+            if mp is None:
+                at = txn.get(_issued_at_key(pid), db=self.meta)
+                mp = by_pid[pid] = federation_pb2.MovedProducer(
+                    producer_id=pid,
+                    client_id=bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode(),
+                    bound=txn.get(_bound_key(pid), db=self.meta) is not None,
+                    epoch=self._epoch_in(txn, pid),
+                    issued_ms=_U64.unpack(at)[0] if at else 0,
+                )
+            mp.records.add(partition=p, record=bytes(raw))
+        return [by_pid[k] for k in sorted(by_pid)]
+
+    def import_producer(self, txn: Any, mp: federation_pb2.MovedProducer, tid: int) -> None:
+        """A moved producer kept under its id (its ``client_id`` already the
+        holder here), its records put in topic ``tid``: the same id, epoch
+        and sequences, so a retry sent across the move is stored once. An
+        id held here by another client is ABORTED (the move fails whole)."""
+        pid = mp.producer_id
+        if self._issued_in(txn, pid):
+            holder = bytes(txn.get(_issued_key(pid), db=self.meta) or b"").decode()
+            if holder != mp.client_id:
+                raise RoadlogError(Code.ABORTED, f"producer id {pid} is another client's here")
+        else:
+            txn.put(_issued_key(pid), mp.client_id.encode(), db=self.meta)
+            txn.put(_issued_at_key(pid), _U64.pack(max(mp.issued_ms, 0)), db=self.meta)
+            txn.put(_by_age_key(mp.issued_ms, pid), b"", db=self.meta)
+            if mp.bound:
+                txn.put(_bound_key(pid), b"", db=self.meta)
+                txn.put(_held_key(mp.client_id, pid), b"", db=self.meta)
+        if mp.epoch > self._epoch_in(txn, pid):
+            txn.put(_epoch_key(pid), _EPOCH.pack(mp.epoch), db=self.meta)
+        for r in mp.records:
+            txn.put(_PROD.pack(pid, tid, r.partition), r.record, db=self.records)
+        self.forget_cached()
 
     # ---------------------------------------------------------------- reads
 

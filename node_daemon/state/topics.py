@@ -283,9 +283,14 @@ def check_contribution(spec: topics_pb2.TopicSpec) -> None:
 
 def check_topic_id(op: command_pb2.AppendOp, topic: topics_pb2.Topic) -> None:
     """Refuse an op made for another topic of the same name (a data group's
-    part, made for the topic group 0 holds now)."""
+    part, made for the topic group 0 holds now), or for a topic fenced for
+    a move to another cluster (``Topic.moving``, issue 43)."""
     if op.topic_id and op.topic_id != topic.id:
         raise RoadlogError(
             Code.UNAVAILABLE,
             f"topic {op.topic!r} here is not the one group 0 holds now: try again",
+        )
+    if topic.moving:  # federation (issue 43): fenced for a move
+        raise RoadlogError(
+            Code.UNAVAILABLE, f"topic {op.topic!r} is moving to another cluster: try again"
         )

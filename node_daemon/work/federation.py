@@ -67,3 +67,31 @@ class FederationWork:
         fed = self.node.sm.read_federation(lambda txn, table: table.federation(txn, now_ms))
         fed.applied_index = self.node.sm.applied_index
         return OpResult(response=fed.SerializeToString())
+
+    # --------------------------------------------- topic moves (a member's)
+
+    async def fence_topic(self, item: work_pb2.WorkItem) -> OpResult:
+        req = federation_pb2.FenceTopicRequest.FromString(item.request)
+        return await self.node.propose_op(
+            command_pb2.Op(fence_topic=command_pb2.FenceTopicOp(request=req))
+        )
+
+    async def import_topic(self, item: work_pb2.WorkItem) -> OpResult:
+        req = federation_pb2.ImportTopicRequest.FromString(item.request)
+        return await self.node.propose_op(
+            command_pb2.Op(import_topic=command_pb2.ImportTopicOp(request=req))
+        )
+
+    async def export_topic_state(self, item: work_pb2.WorkItem) -> OpResult:
+        req = federation_pb2.ExportTopicStateRequest.FromString(item.request)
+        await self._fenced(max(item.fence, req.min_applied_index))
+        out = self.node.sm.export_topic_state(req.topic)
+        out.applied_index = self.node.sm.applied_index
+        return OpResult(response=out.SerializeToString())
+
+    async def move_topic_home(self, item: work_pb2.WorkItem) -> OpResult:
+        req = federation_pb2.MoveTopicHomeRequest.FromString(item.request)
+        check_member_name(req.target)
+        return await self.node.propose_op(
+            command_pb2.Op(move_topic_home=command_pb2.MoveTopicHomeOp(request=req))
+        )

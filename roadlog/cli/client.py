@@ -26,7 +26,16 @@ import click
 import grpc
 from rich.table import Table
 
-from roadlog.cli.common import cli, client_tls, connection, err, out, resolve_servers, where
+from roadlog.cli.common import (
+    cli,
+    client_tls,
+    connection,
+    directory_given,
+    err,
+    out,
+    resolve_servers,
+    where,
+)
 from roadlog.client import Admin, AlreadyExists, Connection, RoadlogError
 from roadlog.client_tls import ClientTLS
 from roadlog.errors import Code
@@ -80,8 +89,15 @@ def _print_new(resp: clients_pb2.CreateClientResponse, as_json: bool) -> None:
 def client_create(
     name: str, scopes: tuple[str, ...], as_json: bool, cluster: Path | None, servers: str | None
 ) -> None:
-    """Make a client identity NAME with SCOPEs; print its client id and token."""
+    """Make a client identity NAME with SCOPEs; print its client id and token.
+    With --directory: on the directory and every member cluster, one token
+    for all of them (identities are per cluster until the federation's one
+    identity: docs/federation.md)."""
     checked = _checked(name, scopes)
+    dd = directory_given() if cluster is None and not servers else None
+    if dd is not None:
+        _create_in_federation(dd, name, checked, as_json)
+        return
     with connection(cluster, servers) as conn:
         resp = Admin(conn).create_client(name, checked)
     _print_new(resp, as_json)
@@ -122,9 +138,56 @@ def client_revoke(name: str, yes: bool, cluster: Path | None, servers: str | Non
     """Revoke identity NAME: its token stops working (within seconds)."""
     if not yes and not click.confirm(f"revoke client {name!r}? its token stops working"):
         raise click.Abort()
+    dd = directory_given() if cluster is None and not servers else None
+    if dd is not None:
+        done = _each_in_federation(dd, lambda conn: Admin(conn).revoke_client(name))
+        err.print(f"client {name!r} revoked on {', '.join(done)}")
+        return
     with connection(cluster, servers) as conn:
         index = Admin(conn).revoke_client(name)
     err.print(f"client {name!r} revoked (index {index})")
+
+
+def _each_in_federation(dd: str, action: Callable[[Connection], Any]) -> dict[str, Any]:
+    """``action`` on the directory, then on every member cluster it lists:
+    each one's answer by name ("directory" first); an error names the
+    clusters done before it (what a rerun has to account for)."""
+    from roadlog.tools.localdirectory import directory_of
+
+    ctx = click.get_current_context(silent=True)
+    token = ctx.meta.get("token") if ctx is not None else None
+    done: dict[str, Any] = {}
+    try:
+        with directory_of(dd) as d:
+            tls = d.tls.with_token(token)
+            with Connection(d.conn.servers, tls=tls) as conn:
+                done["directory"] = action(conn)
+            for m in d.federation().members:
+                with Connection(m.queue_servers, tls=tls) as conn:
+                    done[m.name] = action(conn)
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    except RoadlogError as e:
+        where = f" (done on {', '.join(done)})" if done else ""
+        raise click.ClickException(f"{e}{where}") from None
+    return done
+
+
+def _create_in_federation(dd: str, name: str, scopes: list[str], as_json: bool) -> None:
+    token = new_token()
+    req = clients_pb2.CreateClientRequest(name=name, scopes=scopes, token_hash=token_hash(token))
+    made = _each_in_federation(dd, lambda conn: conn.call("CreateClient", req))
+    ids = {cluster: resp.client_id for cluster, resp in made.items()}
+    if as_json:
+        out.print_json(json.dumps({"client_id": ids["directory"], "token": token, "clusters": ids}))
+        return
+    err.print(
+        f"client {name!r} made with scopes {', '.join(scopes)} on {', '.join(ids)}; "
+        "its token is shown once (the clusters keep only its hash):"
+    )
+    for cluster, cid in ids.items():
+        click.echo(f"client_id {cid} ({cluster})")
+    click.echo(f"token {token}")
 
 
 @client.command("bootstrap")

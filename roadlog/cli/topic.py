@@ -10,9 +10,9 @@ from typing import Any
 import click
 from rich.table import Table
 
-from roadlog.cli.common import cli, connection, directory_given, err, out, where
+from roadlog.cli.common import DIRECTORY_HELP, cli, connection, directory_given, err, out, where
 from roadlog.cli.directory import create_in_federation, list_federation, tag_list
-from roadlog.client import Admin, Connection
+from roadlog.client import Admin, Connection, RoadlogError
 from roadlog.contribution import (
     DEFAULT_CONTRIBUTION_MIN_PINGS,
     DEFAULT_CONTRIBUTION_MIN_SECONDS,
@@ -256,4 +256,51 @@ def _print_topic(d: Any, as_json: bool, home: str | None = None) -> None:
     for o in doc["offsets"]:
         out.print(
             f"  partition {o['partition']}: offsets {o['first']}..{o['next']}, group {o['group']}"
+        )
+
+
+@topic.command("move")
+@click.argument("name")
+@click.option("--to", "to", required=True, help="the member cluster to move it to")
+@click.option(
+    "--tail-pings",
+    type=click.IntRange(0),
+    default=20_000,
+    help="copy while the source takes writes until at most this many are left, then fence",
+)
+@click.option("--directory", "dd", envvar="ROADLOG_DIRECTORY", required=True, help=DIRECTORY_HELP)
+@click.option("--token", help="an admin token good on the directory and both clusters")
+@click.option("--json", "as_json", is_flag=True)
+def topic_move(
+    name: str, to: str, tail_pings: int, dd: str, token: str | None, as_json: bool
+) -> None:
+    """Move a topic to another member cluster with its pings at their
+    offsets, producers, consumer-group offsets and heat maps; producers and
+    consumers follow (docs/federation.md, "Topic moves")."""
+    from roadlog.federation.directory import Directory
+    from roadlog.federation.move import TopicMove
+    from roadlog.tools.localdirectory import directory_of
+
+    try:
+        d = directory_of(dd)
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    if token is not None:
+        servers, tls = d.conn.servers, d.tls.with_token(token)
+        d.close()
+        d = Directory(servers, tls=tls)
+    try:
+        with d:
+            report = TopicMove(d, name, to, tail_pings=tail_pings).run()
+    except RoadlogError as e:
+        raise click.ClickException(str(e)) from None
+    doc = report.as_json()
+    if as_json:
+        click.echo(json.dumps(doc))
+    else:
+        err.print(
+            f"moved topic {name} from {report.source} to {report.target}: "
+            f"{report.pings:,} pings ({doc['pings_per_s']:,} a second), "
+            f"writes paused {report.fenced_s:.2f} s, {report.producers} producers, "
+            f"{report.groups} consumer groups"
         )

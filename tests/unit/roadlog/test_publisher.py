@@ -474,3 +474,51 @@ def test_a_link_that_cannot_be_dialled_is_tried_again_later_and_later(transport:
             await server.stop(None)
 
     asyncio.run(run())
+
+
+class Redirecting(Scripted):
+    """Names another home for every publish (a topic moved away), the call
+    holding the first publish answered last."""
+
+    def __init__(self, home: str) -> None:
+        super().__init__(lambda r, n: 0)
+        self.home = home
+
+    async def handle(self, body: bytes, context: Any) -> bytes:
+        reqs = list(client_pb2.PublishBatchRequestView.FromString(body).requests)
+        self.calls.append(reqs)
+        await asyncio.sleep(0.3 if req(0) in reqs else 0.01)
+        out = client_pb2.PublishBatchResponseView()
+        code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        for _ in reqs:
+            out.results.add(code=code, message=f"moved [roadlog-topic-home: new={self.home}]")
+        return out.SerializeToString()
+
+
+def test_publishes_redirected_reach_the_new_home_in_publish_order() -> None:
+    """An idempotent producer's sequences reach a moved topic's new home in
+    order although the old home answered its calls out of order: nothing
+    goes there while a call to the old one is out."""
+
+    async def run() -> tuple[Scripted, Redirecting]:
+        new = Scripted(lambda r, n: 0)
+        new_server, new_addr = await serve(new)
+        old = Redirecting(new_addr)
+        old_server, old_addr = await serve(old)
+        try:
+            async with Publisher([old_addr], max_in_flight=4, max_batch_requests=4) as pub:
+                sends = []
+                for i in range(16):
+                    sends.append(asyncio.ensure_future(pub.publish(req(i))))
+                    await asyncio.sleep(0)  # each its own turn: several calls go out
+                await asyncio.gather(*sends)
+                assert pub.cluster == "new"
+            return new, old
+        finally:
+            await old_server.stop(None)
+            await new_server.stop(None)
+
+    new, old = asyncio.run(run())
+    assert len(old.calls) > 1  # the publishes went out in several calls
+    arrived = [r for call in new.calls for r in call]
+    assert arrived == [req(i) for i in range(16)]

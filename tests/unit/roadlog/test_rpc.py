@@ -59,6 +59,7 @@ def test_kinds_and_fences() -> None:
         "ListClients",
         "LookupTopic",
         "GetFederation",
+        "ExportTopicState",
     }
     # Only reads wait for a fence; every write is the leader's.
     assert all(r.kind == Kind.READ for r in RPCS if r.fenced)
@@ -72,6 +73,7 @@ def test_kinds_and_fences() -> None:
         "ListClients",
         "LookupTopic",
         "GetFederation",
+        "ExportTopicState",
     }
     assert set(QUEUED) == set(BY_NAME) - {"Status", "ReadFences"}
 
@@ -113,6 +115,10 @@ def test_the_wire_facts_are_pinned_a_renumbered_field_fails_here() -> None:
         "PlaceTopic": ((1,), 0),
         "ForgetTopicHome": ((1,), 0),
         "LookupTopic": ((1,), 0),
+        "FenceTopic": ((1,), 0),
+        "ExportTopicState": ((1,), 0),
+        "ImportTopic": ((1,), 0),
+        "MoveTopicHome": ((1,), 0),
     }
     assert all((r.topic_field, r.group_hint_field) == ((), 0) for r in INTERNAL.values())
     # The views the SDK and the HTTP API write publishes with (their batch

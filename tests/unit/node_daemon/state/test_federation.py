@@ -133,3 +133,26 @@ def test_replicas_that_apply_the_same_entries_are_identical(tmp_path: Path) -> N
         home(x, "paris", place("paris", tags=("tier=gold",)))
         x.ok(forget("lyon"))
     assert a.sm.digest() == b.sm.digest()
+
+
+def move(topic: str, source: str, target: str) -> command_pb2.Op:
+    req = federation_pb2.MoveTopicHomeRequest(topic=topic, source=source, target=target)
+    return command_pb2.Op(move_topic_home=command_pb2.MoveTopicHomeOp(request=req))
+
+
+def test_a_moved_home_flips_only_from_its_source_and_the_counts_follow(tmp_path: Path) -> None:
+    """MoveTopicHome is a compare-and-set: of two movers one wins, and a
+    move whose source is not the home (abandoned, or raced) changes nothing."""
+    a = Applying(tmp_path)
+    two_members(a)
+    assert home(a, "paris", place("paris", on="eu")) == "eu"
+    assert home(a, "paris", move("paris", "eu", "us")) == "us"
+    with a.sm.env.begin() as txn:
+        assert a.sm.federation.count(txn, "eu") == 0
+        assert a.sm.federation.count(txn, "us") == 1
+    raced = a.apply(move("paris", "eu", "us"))
+    assert raced.code == Code.FAILED_PRECONDITION and "'us', not 'eu'" in raced.message
+    assert a.apply(move("paris", "us", "mars")).code == Code.NOT_FOUND
+    assert a.apply(move("atlantis", "eu", "us")).code == Code.NOT_FOUND
+    fed = a.sm.read_federation(lambda txn, t: t.federation(txn, T0))
+    assert {t.topic: t.cluster for t in fed.topics} == {"paris": "us"}

@@ -34,7 +34,7 @@ def test_every_kind_of_op_has_a_level_and_the_newest_is_this_release() -> None:
     first applies it), or this fails."""
     kinds = {f.name for f in command_pb2.Op.DESCRIPTOR.oneofs_by_name["op"].fields}
     assert kinds == set(LEVELS)
-    assert OP_LEVEL == max(LEVELS.values()) == 2
+    assert OP_LEVEL == max(LEVELS.values()) == 3
     assert {k for k, v in LEVELS.items() if v > 1} == {
         "update_topic",
         "set_setting",
@@ -42,6 +42,14 @@ def test_every_kind_of_op_has_a_level_and_the_newest_is_this_release() -> None:
         "report_load",
         "place_topic_home",
         "forget_topic_home",
+        "fence_topic",
+        "import_topic",
+        "move_topic_home",
+    }
+    assert {k for k, v in LEVELS.items() if v == 3} == {
+        "fence_topic",
+        "import_topic",
+        "move_topic_home",
     }
 
 
