@@ -70,6 +70,12 @@ def one_round(restart: bool) -> dict[str, Any]:
         try:
             lc.wait_ready(timeout=180)
             ready_s = time.monotonic() - t0
+            want = sum(len(spawned_children(n.pid)) for n in lc.nodes)
+            deadline = time.monotonic() + 60  # the last "worker started" may follow readiness
+            while time.monotonic() < deadline:
+                if sum(len(worker_starts(Path(n.log))) for n in lc.nodes) >= want:
+                    break
+                time.sleep(0.05)
             cpu = {}
             for n in lc.nodes:
                 for pid in spawned_children(n.pid):

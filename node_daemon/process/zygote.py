@@ -233,10 +233,11 @@ def _fork_worker(sock: socket.socket, entry: Entry, spec: Any, parent: int, fd: 
         try:
             os.close(r)
             set_name(WORKER_NAME)  # inherited: the worker is named from its first instant
+            me = os.getpid()
             pid = os.fork()
             if pid == 0:
                 os.close(w)
-                _worker(sock, entry, spec, parent, fd)  # never returns
+                _worker(sock, entry, spec, parent, fd, me)  # never returns
             os.write(w, pid.to_bytes(8, "big"))
             code = 0
         finally:
@@ -257,17 +258,20 @@ def _fork_worker(sock: socket.socket, entry: Entry, spec: Any, parent: int, fd: 
     return int.from_bytes(got, "big")
 
 
-def _worker(sock: socket.socket, entry: Entry, spec: Any, parent: int, fd: int) -> None:
-    """The forked worker: once the node's child, ``entry``; exits with its
-    status (1 on an exception, as a spawned worker's), never returning into
-    the zygote's loop."""
+def _worker(
+    sock: socket.socket, entry: Entry, spec: Any, parent: int, fd: int, middle: int
+) -> None:
+    """The forked worker: once the node's child (no longer ``middle``'s),
+    ``entry``; exits with its status (1 on an exception, as a spawned
+    worker's), never returning into the zygote's loop."""
     code = 1
     try:
         sock.close()
-        middle = os.getppid()
         deadline = time.monotonic() + REPARENT_WAIT_S
         while os.getppid() == middle and time.monotonic() < deadline:
             time.sleep(0.0005)  # the middle process exits right after it told our pid
+        if os.getppid() == middle:
+            log.warning("a forked worker's middle process did not exit: going on")
         entry(spec, Connection(fd), parent)  # it checks its parent is the node
         code = 0
     except SystemExit as e:
