@@ -62,9 +62,9 @@ def worker_starts(log: Path) -> list[dict[str, Any]]:
     return out
 
 
-def one_round(restart: bool) -> dict[str, Any]:
+def one_round(restart: bool, data_groups: int | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ws-") as d:
-        lc = LocalCluster.create(Path(d), nodes=3, data_groups=None)
+        lc = LocalCluster.create(Path(d), nodes=3, data_groups=data_groups)
         t0 = time.monotonic()
         lc.start_all()
         try:
@@ -85,7 +85,7 @@ def one_round(restart: bool) -> dict[str, Any]:
             for s in starts:
                 s["cpu_s"] = cpu.get(s["pid"])
             out: dict[str, Any] = {"ready_s": round(ready_s, 3), "workers": starts}
-            if restart:
+            if restart and spawned_children(lc.nodes[0].pid):
                 node = lc.nodes[0]
                 victim = spawned_children(node.pid)[0]
                 before = len(worker_starts(Path(node.log)))
@@ -130,8 +130,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--restart", action="store_true")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--data-groups", type=int, help="default: the product's (one per voter)")
     args = ap.parse_args()
-    rounds = [one_round(args.restart) for _ in range(args.rounds)]
+    rounds = [one_round(args.restart, args.data_groups) for _ in range(args.rounds)]
     doc = {"load": os.getloadavg(), "rounds": rounds, "summary": summary(rounds)}
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
