@@ -232,6 +232,11 @@ class WorkerPool:
                     "the zygote could not start a worker: spawning it",
                     extra={"worker": w.index, "error": str(e)},
                 )
+                # A fresh pipe: a worker forked too late reads the end of
+                # this one and stops, its groups' locks with it.
+                here.close()
+                there.close()
+                here, there = self._ctx.Pipe()
         if p is None:
             how = "spawned"
             spawned = self._ctx.Process(

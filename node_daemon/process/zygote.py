@@ -115,6 +115,9 @@ class Zygote:
             except (OSError, TimeoutError, pickle.PicklingError) as e:
                 self._break(f"asking the zygote failed: {e!r}")
                 raise ZygoteError(self.broken) from None
+            except asyncio.CancelledError:  # its answer would be read as the next one's
+                self._break("a fork was cancelled")
+                raise
             if not reply:
                 self._break("the zygote is gone")
                 raise ZygoteError(self.broken)
