@@ -52,18 +52,35 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+WORKER_NAME = "roadlog-worker"  # a worker's /proc/PID/comm (node_daemon.process.zygote's)
+
+
+def _comm(entry: Path) -> str:
+    try:
+        return (entry / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def spawned_children(pid: int) -> list[int]:
-    """The processes ``pid`` started with multiprocessing's spawn (a node's
-    worker processes), oldest first; not its other children.
+    """A node's worker processes, oldest first; not its other children (its
+    zygote among them). A worker is a child of the node either way it
+    starts: forked by the node's zygote (named WORKER_NAME from its first
+    instant: the middle process that forks it names itself first), or
+    spawned by multiprocessing (its command line says so from its exec;
+    it takes the name when it runs).
 
     Children are found by each process's parent pid in /proc/*/stat, not by
     /proc/PID/task/PID/children, which the kernel documents as unreliable
-    while children start and exit (an entry can be skipped). A child caught
-    between its fork and its exec still shows the parent's command line and
-    is not listed until it has exec'd."""
+    while children start and exit (an entry can be skipped). A spawned
+    child caught between its fork and its exec still shows the parent's
+    command line and name and is not listed until it has exec'd."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or _parent(int(entry.name)) != pid:
+            continue
+        if _comm(entry) == WORKER_NAME:
+            out.append(int(entry.name))
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()

@@ -18,6 +18,7 @@ import lmdb
 
 from discovery.protocol import discovery_key
 from node_daemon.config import ConfigError, NodeConfig, load_config, parse_peers
+from node_daemon.process import zygote
 from node_daemon.process.backup import (
     BackupError,
     backup_files,
@@ -72,6 +73,7 @@ def run(config_path: Path | None, **flags: Any) -> None:
     setup_logging("node", cfg.log_level)
     if security.insecure:
         tls.warn_insecure("roadlog-node")
+    zygote.start_for(cfg)  # before any gRPC object, LMDB environment or thread: worker forks
     try:
         eventloop.run(serve(cfg))
     except ConfigError as e:

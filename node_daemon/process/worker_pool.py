@@ -10,6 +10,11 @@ node's status shows) and its ports (the peer transport's ``group_ports``,
 so peers send each group's messages to its worker), and starts a worker
 again when it dies (its groups' followers elsewhere carry on meanwhile).
 
+A worker is forked by the node's zygote (``zygote``: preloaded, so it
+starts without importing the node again) and is the node's child, watched
+with a pidfd; where the zygote is not there or fails, it is spawned with
+``multiprocessing`` (logged), as before.
+
 Invariants: a worker is started again only after the last one of its
 share exited (its locks on the groups are gone with it, ``store.data_group_lock``);
 the pipes never block the main process's event loop (``pipe``); a
@@ -39,11 +44,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Protocol
 
 from node_daemon.config import NodeConfig
-from node_daemon.process import worker_process
+from node_daemon.process import worker_process, zygote
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
 from node_daemon.process.pipe_messages import (
     AskMetrics,
@@ -85,11 +90,25 @@ def remote_replicas(cfg: NodeConfig) -> dict[int, RemoteReplica]:
     }
 
 
+class WorkerProc(Protocol):
+    """A worker process as the pool reads it: a ``multiprocessing`` Process
+    (spawned) or a ``zygote.Forked`` (forked by the zygote)."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def is_alive(self) -> bool: ...
+    def kill(self) -> None: ...
+
+
 @dataclass
 class _Worker:
     index: int
     groups: tuple[int, ...]
-    process: BaseProcess | None = None
+    process: WorkerProc | None = None
     pipe: ProcessPipe | None = None
     reader: asyncio.Task[None] | None = None
     grpc_port: int = 0  # where it listens now (0: not listening)
@@ -176,7 +195,7 @@ class WorkerPool:
         """Something moved: the pool looks (within SUPERVISE_S)."""
         self._poked.set()
 
-    def _watch(self, w: _Worker, p: BaseProcess) -> None:
+    def _watch(self, w: _Worker, p: WorkerProc) -> None:
         """Poke when ``p`` exits (its sentinel turns readable)."""
         self._unwatch(w)
         fd = p.sentinel
@@ -199,24 +218,44 @@ class WorkerPool:
         return max(0.0, min([LOOK_EVERY_S, *due]))
 
     async def _spawn(self, w: _Worker) -> None:
+        """Start ``w``: forked by the zygote, else spawned (logged)."""
         here, there = self._ctx.Pipe()
         spec = WorkerSpec(w.index, w.groups, self.cfg, w.last_grpc_port, w.last_frames_port)
-        p = self._ctx.Process(
-            target=worker_process.main,
-            args=(spec, there, os.getpid()),
-            name=f"roadlog-worker-{w.index}",
-        )
-        p.start()
+        p: WorkerProc | None = None
+        how = "forked"
+        z = zygote.current()
+        if z is not None:
+            try:
+                p = zygote.Forked(await z.fork(worker_process.main, spec, there, os.getpid()))
+            except (zygote.ZygoteError, OSError) as e:
+                log.warning(
+                    "the zygote could not start a worker: spawning it",
+                    extra={"worker": w.index, "error": str(e)},
+                )
+                # A fresh pipe: a worker forked too late reads the end of
+                # this one and stops, its groups' locks with it.
+                here.close()
+                there.close()
+                here, there = self._ctx.Pipe()
+        if p is None:
+            how = "spawned"
+            spawned = self._ctx.Process(
+                target=worker_process.main,
+                args=(spec, there, os.getpid()),
+                name=f"roadlog-worker-{w.index}",
+            )
+            spawned.start()
+            p = spawned
         there.close()
+        log.info(
+            "worker process started",
+            extra={"worker": w.index, "groups": list(w.groups), "pid": p.pid, "how": how},
+        )
         self._watch(w, p)
         pipe = await ProcessPipe.open(here, peer=f"worker {w.index}")
         w.process, w.pipe, w.started, w.told = p, pipe, time.monotonic(), None
         w.reader = asyncio.get_running_loop().create_task(self._read(w, pipe))
         self._tell_group0(w)
-        log.info(
-            "worker process started",
-            extra={"worker": w.index, "groups": list(w.groups), "pid": p.pid},
-        )
 
     async def _read(self, w: _Worker, pipe: ProcessPipe) -> None:
         while True:
@@ -330,9 +369,11 @@ class WorkerPool:
             raise RoadlogError(Code.UNAVAILABLE, f"no worker runs group {group} now")
         return await w.asks.ask(w.pipe, group)
 
-    def _died(self, w: _Worker, p: BaseProcess, now: float) -> None:
+    def _died(self, w: _Worker, p: WorkerProc, now: float) -> None:
         w.asks.fail_all("its worker process died")
         self._unwatch(w)
+        if isinstance(p, zygote.Forked):
+            p.close()  # its pidfd, no longer watched
         self._closed(w)
         w.process = None
         w.grpc_port = w.frames_port = 0
@@ -396,6 +437,8 @@ class WorkerPool:
                     if not p.is_alive():
                         break
                     await asyncio.sleep(0.05)
+            if isinstance(p, zygote.Forked) and not p.is_alive():
+                p.close()  # reaped: its pidfd
             self._closed(w)
 
 

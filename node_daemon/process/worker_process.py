@@ -2,8 +2,13 @@
 own (docs/multiraft.md step 5).
 
 The node's main process (``worker_pool``) starts one per ``workers``,
-with ``multiprocessing``'s spawn (gRPC and LMDB handles do not survive a
-fork), and tells it which groups are its (group g in worker (g-1) mod W).
+forked by the node's zygote (``zygote``: forked from the main process
+before any gRPC object, LMDB environment or thread existed, so a worker
+starts from a clean, preloaded process), or spawned with
+``multiprocessing`` where the zygote fails, and tells it which groups are
+its (group g in worker (g-1) mod W). Either way it is a child of the main
+process, named ``zygote.WORKER_NAME``, and makes its gRPC objects, LMDB
+environments, event loop and threads itself.
 A worker runs each of its groups as a ``Replica``, with its own event
 loop, log store (its groups' Raft logs in one LMDB environment,
 ``logs/worker-<i>/``), state environments (``groups/<g>/``), peer transport (its own gRPC and
@@ -23,7 +28,8 @@ Over the pipe (``pipe``; the messages are ``pipe_messages``'s dataclasses):
   (a scrape of the main process: an idle worker makes no exposition).
 - either way: ``ReadBarrier``, answered by a ``Barrier``.
 
-Invariants: a worker dies with its main process (``PR_SET_PDEATHSIG``),
+Invariants: a worker dies with its main process (``PR_SET_PDEATHSIG``, set
+once the main process is its parent; it exits at once if it is not),
 and holds an exclusive lock on each of its groups' directories for its
 whole life, so no two processes ever run one group of a node; it never
 writes group 0's state.
@@ -47,6 +53,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from node_daemon.config import NodeConfig
+from node_daemon.process import zygote
 from node_daemon.process.grpc_server import node_grpc_server
 from node_daemon.process.pipe import BarrierAsks, ProcessPipe
 from node_daemon.process.pipe_messages import (
@@ -120,8 +127,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
-    """The spawned process's entry point."""
+    """The worker's entry point (forked by the zygote, or spawned)."""
     _die_with_parent(parent)
+    zygote.set_name(zygote.WORKER_NAME)  # a forked one is already; a spawned one now
     cfg = spec.cfg
     setup_logging(f"node-worker-{spec.index}", cfg.log_level)
     tls.install(tls.load_security(cfg.certs_dir, cfg.insecure, "node"))
@@ -237,6 +245,7 @@ async def _serve(spec: WorkerSpec, conn: Connection) -> None:
             "groups": list(spec.groups),
             "grpc": port,
             "frames": frames_port,
+            "cpu_s": round(time.process_time(), 3),  # its start's (a fork's: since the fork)
         },
     )
 

@@ -192,11 +192,15 @@ class LocalCluster:
         """``ca``: (a dir with ca.crt, the CA's key) to sign with; None: a
         new CA in DIR/ca. ``insecure``: no TLS (loudly). ``data_groups``:
         the nodes' ``--data-groups`` unless ``extra_node_args`` say it; 1 (the
-        default here: the integration tier on the product's default took
-        about 5 minutes more, over the suite's 30, until workers start
-        faster, issue 41): every ping in group 0; None (or ``--data-groups
-        0`` in ``extra_node_args``): the product's, as ``roadlog cluster up``
-        runs it: one data group per voter, in worker processes."""
+        default here, issue 41): every ping in group 0; None (or
+        ``--data-groups 0`` in ``extra_node_args``): the product's, as
+        ``roadlog cluster up`` runs it: one data group per voter, in worker
+        processes. Workers forked by the node's zygote start a default
+        cluster in about half the time spawned ones did, but the files that
+        use this default still ran 30-50% longer on the product's (at load
+        19-30), over the 3 minutes the suite may grow; and test_bounds'
+        paged listing of big topics saw group 0 elect there (spawned
+        workers too)."""
         extra_node_args = list(extra_node_args or [])
         if data_groups is not None and "--data-groups" not in extra_node_args:
             extra_node_args += ["--data-groups", str(data_groups)]

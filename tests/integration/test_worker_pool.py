@@ -9,17 +9,20 @@ process) loses nothing acknowledged."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cpu import spawned_children as children  # a node's worker processes
+from node_daemon.process.zygote import ZYGOTE_NAME
 from roadlog.client import Admin, Connection, Producer
 from roadlog.runtime.processes import alive
 from roadlog.tools.localcluster import LocalCluster
@@ -47,6 +50,27 @@ def workers_in_metrics(lc: LocalCluster, node: Any) -> dict[int, str]:
         for s in fam.samples:
             if s.name == "roadlog_raft_group_commit_index" and "worker" in s.labels:
                 out[int(s.labels["group"])] = s.labels["worker"]
+    return out
+
+
+def zygotes(pid: int) -> list[int]:
+    """The node's zygote (``node_daemon.process.zygote``), if it runs."""
+    out = []
+    for kid in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError), open(f"/proc/{kid}/stat") as f:
+            name, state = f.read().rsplit(")", 1)
+            if name.split("(", 1)[1] == ZYGOTE_NAME and state.split()[0] not in ("Z", "X"):
+                out.append(int(kid))
+    return out
+
+
+def started_how(node: Any) -> list[str]:
+    """How each of the node's worker processes was started, in its log's
+    order ("forked" by its zygote, or "spawned")."""
+    out = []
+    for line in Path(node.log).read_text(errors="replace").splitlines():
+        if '"worker process started"' in line:
+            out.append(json.loads(line).get("how", "?"))
     return out
 
 
@@ -121,6 +145,26 @@ def test_data_groups_in_worker_processes_through_a_worker_crash_and_a_cluster_cr
             "the worker started again",
         )
         wait_for(lambda: all_led(lc, ids), 90, "every group led and caught up again")
+        assert_exactly_once_in_order(read_topic(conn, "munich"), acked)
+        assert started_how(node) == ["forked"] * 3  # by its zygote, the restart too
+
+        # Its zygote gone, a worker that dies is spawned instead (logged):
+        # a child of its node all the same, found as a worker.
+        (zyg,) = zygotes(node.pid)
+        os.kill(zyg, signal.SIGKILL)
+        victim = children(node.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(
+            lambda: len(children(node.pid)) == 2 and victim not in children(node.pid),
+            60,
+            "the worker spawned again",
+        )
+        assert started_how(node)[-1] == "spawned"
+        assert zygotes(node.pid) == []  # reaped
+        wait_for(lambda: all_led(lc, ids), 90, "every group led and caught up again")
+        batch = make_pings("van", 4000, 400, devices=32)
+        assert producer.send_batch(batch).count == 400
+        acked += rows(batch)
         assert_exactly_once_in_order(read_topic(conn, "munich"), acked)
 
     # The whole cluster crashes: main processes SIGKILLed, their workers die
