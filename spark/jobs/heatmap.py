@@ -26,16 +26,23 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from roadlog.client import RoadlogError
 from roadlog.geo import parse_region
 from roadlog.v1 import client_pb2, heatmaps_pb2
+from spark.cell_stats import (
+    CELLS_SCHEMA,
+    PARTIALS_DDL,
+    PARTIALS_SCHEMA,
+    QUANTILE,
+    cell_partials,
+    finish,
+)
 from spark.h3cells import cells_for
 
 log = logging.getLogger("roadlog.heatmap")
 
-FREE_FLOW_QUANTILE = 0.85
+FREE_FLOW_QUANTILE = QUANTILE
 # A cell jammed all through the history (or a history of minutes, as on a
 # first run) would look free-flowing at its jam speed: its free-flow speed
 # is at least this share of the region's. Real free-flow needs days of data.
@@ -99,48 +106,28 @@ def transform(
     """Per H3 cell with pings in [window_start, window_end): pings, distinct
     devices, mean speed; free-flow speed = the cell's 85th percentile speed
     over every row of ``df`` (the history the caller read), but at least
-    0.8 of the region's 85th percentile; congestion = 1 - mean / free-flow,
-    clipped to [0, 1]. Speeds that are unknown (NaN)
-    count as pings but not in the speeds.
+    0.8 of the region's 85th percentile (a histogram's: within 1/16 m/s,
+    spark/cell_stats.py); congestion = 1 - mean / free-flow, clipped to
+    [0, 1]. Speeds that are unknown (NaN) count as pings but not in the
+    speeds.
 
-    Each of the three aggregations (the window's, the cells' and the
-    region's percentiles) still reads ``df`` and maps it again: Spark does
-    not reuse the mapped pings' exchange across them (the plan shows three
-    shuffle stages, each with its own ``MapInArrow``, even after a
-    ``repartition`` by cell)."""
+    One pass over ``df``: each ping mapped once in Arrow (``cells_of``),
+    the mapped rows shuffled once by cell, every cell's figures computed in
+    Arrow where all its rows are (``cell_partials``), and the few partials
+    (a row a cell, a histogram a task) merged in one last task
+    (``finish``)."""
     cells = cells_of(df, resolution, window_start_ms, window_end_ms, region_geojson)
-    current = (
-        cells.filter(F.col("now"))
-        .groupBy("h3")
-        .agg(
-            F.count(F.lit(1)).alias("pings"),
-            F.countDistinct("device_id").alias("devices"),
-            F.avg("speed").alias("mean_speed_mps"),
-        )
-    )
-    history = cells.groupBy("h3").agg(
-        F.percentile_approx("speed", FREE_FLOW_QUANTILE, 1000).alias("cell_free_mps")
-    )
-    regional = cells.agg(
-        F.percentile_approx("speed", FREE_FLOW_QUANTILE, 1000).alias("region_free_mps")
-    )
-    floor = F.col("region_free_mps") * REGION_FLOOR
-    history = history.crossJoin(regional).select(
-        "h3", F.greatest(F.col("cell_free_mps"), floor).alias("free_flow_mps")
-    )
-    out = current.join(history, "h3", "left")
-    ratio = F.col("mean_speed_mps") / F.col("free_flow_mps")
-    congestion = F.when(
-        F.col("free_flow_mps") > 0, F.greatest(F.lit(0.0), F.least(F.lit(1.0), 1 - ratio))
-    )
-    return out.select(
-        "h3",
-        "pings",
-        "devices",
-        F.col("mean_speed_mps").cast("double"),
-        F.col("free_flow_mps").cast("double"),
-        congestion.cast("double").alias("congestion"),
-    )
+
+    def per_cell(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        got = cell_partials(pa.Table.from_batches(list(batches), schema=CELLS_SCHEMA))
+        if got is not None:
+            yield got
+
+    def merged(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        yield finish(pa.Table.from_batches(list(batches), schema=PARTIALS_SCHEMA), REGION_FLOOR)
+
+    partials = cells.repartition("h3").mapInArrow(per_cell, PARTIALS_DDL)
+    return partials.repartition(1).mapInArrow(merged, OUT_SCHEMA)
 
 
 # ------------------------------------------------------------------ shell
