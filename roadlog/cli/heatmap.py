@@ -511,7 +511,7 @@ def heatmap_serve(
         return summary
 
     def ready() -> tuple[bool, dict[str, Any]]:
-        alive = not spark.sparkContext._jsc.sc().isStopped()  # type: ignore[union-attr]
+        alive = not spark.sparkContext._jsc.sc().isStopped()
         return alive, {"role": "heatmap-server", "master": master, "jobs": jobs["n"]}
 
     host, _, port = listen.rpartition(":")
