@@ -15,6 +15,7 @@ them (the bucket is a function of the cell alone).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ class CellMapper:
     def map(self, b: pa.RecordBatch) -> pa.RecordBatch | None:
         """The batch's pings inside the region as ``CELLS_SCHEMA`` rows;
         None when none is."""
-        region = parse_region(self.region_geojson) if self.region_geojson else None
+        region = _region(self.region_geojson)
         lat = b.column("lat").to_numpy(zero_copy_only=False)
         lon = b.column("lon").to_numpy(zero_copy_only=False)
         if region is not None:
@@ -81,7 +82,8 @@ class CellMapper:
             return
         table = pa.Table.from_batches(mapped, schema=CELLS_SCHEMA).combine_chunks()
         which = bucket_of(table.column("h3").to_numpy(), buckets)
-        order = np.argsort(which, kind="stable")
+        # A stable sort of small integers: numpy's radix sort (linear).
+        order = np.argsort(which.astype(np.uint8 if buckets <= 256 else np.int32), kind="stable")
         sorted_table = table.take(pa.array(order))
         ws = which[order]
         edges = np.flatnonzero(np.diff(ws)) + 1
@@ -94,6 +96,11 @@ class CellMapper:
         yield pa.RecordBatch.from_arrays(
             [pa.array(ids, pa.int32()), pa.array(blobs, pa.binary())], schema=BUCKETS_SCHEMA
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _region(geojson: str | None) -> Any:
+    return parse_region(geojson) if geojson else None
 
 
 def _ipc(table: pa.Table) -> bytes:
