@@ -465,7 +465,7 @@ def heatmap_serve(
 
     try:
         from spark.job_server import JobRequest, JobServer
-        from spark.jobs.heatmap import run, session
+        from spark.jobs.heatmap import run, session, warm_up
     except ImportError as e:
         raise click.ClickException(
             f"heatmap serve runs Spark: install roadlog[spark] ({e})"
@@ -490,7 +490,7 @@ def heatmap_serve(
         raise click.ClickException(str(e)) from None
     cluster_name = click.get_current_context().meta.get("cluster_name") or "roadlog"
     spark = session(master, app="roadlog-heatmap-serve")
-    spark.range(1).count()  # the JVM's first job before the first caller's
+    warm_up(spark)  # the session's first job (and Python workers) before a caller's
     jobs = {"n": 0}
 
     def build(job: JobRequest) -> dict[str, Any]:

@@ -124,7 +124,9 @@ def transform_source(
     there: the pings never become JVM rows, only their buckets do."""
     parts = [p.value for p in reader.partitions()]  # planned here, on the driver
     mapper = CellMapper(resolution, window_start_ms, window_end_ms, region_geojson)
-    buckets = _buckets(spark)
+    # As many buckets as read tasks (a small window: a few small tasks, not
+    # spark.sql.shuffle.partitions of them), at most the shuffle partitions.
+    buckets = min(_buckets(spark), max(2, len(parts)))
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
@@ -159,6 +161,24 @@ def _cells_from_buckets(mapped: DataFrame, buckets: int) -> DataFrame:
 
     partials = mapped.repartition(buckets, "bucket").mapInArrow(per_cell, PARTIALS_DDL)
     return partials.repartition(1).mapInArrow(merged, OUT_SCHEMA)
+
+
+def warm_up(spark: SparkSession) -> None:
+    """Run ``transform`` once over two pings: the session's Python workers
+    started and its code paths loaded before a caller's first job."""
+    import pandas as pd
+
+    pdf = pd.DataFrame(
+        {
+            "device_id": ["a", "b"],
+            "ts_ms": [1, 2],
+            "lat": [48.1, 48.1],
+            "lon": [11.5, 11.5],
+            "speed_mps": np.array([1.0, 2.0], np.float32),
+        }
+    )
+    df = spark.createDataFrame(pdf, READ_SCHEMA)
+    transform(df, 9, 0, 10).toArrow()
 
 
 # ------------------------------------------------------------------ shell
