@@ -6,7 +6,11 @@ cluster's CA; the job's connections carry the cluster's Spark identity).
 2. Job time (read through the roadlog data source, transform, commit,
    write the files) for each of ``--sizes`` pings, in local mode and on a
    standalone master + worker (started from spark-class on 127.0.0.1).
-3. Reading the same pings through the data source against reading them
+3. The warm job server (``roadlog heatmap serve``, a process of its own
+   with one long-lived Spark session): a window of ``--warm-pings`` pings
+   (a topic of its own) built through it ``--repeats`` times, against the
+   same window built with a Spark started for it (``run``), alternated.
+4. Reading the same pings through the data source against reading them
    from Parquet, two queries: every column (a mean of each numeric column
    and a distinct count of devices) and two (the count and the mean speed;
    the source is given the schema ``speed_mps float``: it prunes to it).
@@ -182,6 +186,83 @@ def read_compare(
     return out
 
 
+def warm_compare(lc: LocalCluster, pings_n: int, work: Path, repeats: int) -> dict[str, Any]:
+    """A window of ``pings_n`` pings through the warm job server and with a
+    Spark of its own, alternated ``repeats`` times; seconds, asked to
+    answered (the server's: the client's whole call, TLS and all)."""
+    import subprocess
+
+    from roadlog.runtime.processes import free_port
+    from spark.job_client import submit
+    from spark.job_server import JobRequest
+
+    topic = "warm"
+    end = int(time.time() * 1000)
+    with Connection(lc.servers, timeout=120, tls=lc.tls()) as conn:
+        Admin(conn).create_topic(topic, REGION.geojson, 8)
+        p = Producer(conn, topic, client="bench", batch_pings=50_000)
+        sent = 0
+        while sent < pings_n:
+            k = min(50_000, pings_n - sent)
+            p.send_batch(pings(k, sent, end))
+            sent += k
+        p.close()
+    port = free_port()
+    log = open(work / "serve.log", "w")  # noqa: SIM115 - the server's, closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "roadlog.cli", "heatmap", "serve", "--servers",
+         ",".join(lc.servers), "--listen", f"127.0.0.1:{port}", "--certs-dir",
+         lc.queue_servers[0].certs_dir, "--out", str(work / "served")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    job = JobRequest(topic, end - 600_000, end + 1)
+    address = f"127.0.0.1:{port}"
+    tls = lc.tls()
+    token = os.environ["ROADLOG_TOKEN"]
+    t0 = time.monotonic()
+    try:
+        while True:  # the server's start: bounded
+            try:
+                from spark.job_client import _ask
+
+                if _ask(address, tls, "GET", "/healthz", 2.0)[1].get("ready"):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() - t0 > 300:
+                raise RuntimeError(f"the job server did not start: {work / 'serve.log'}")
+            time.sleep(0.5)
+        started = time.monotonic() - t0
+        say(f"job server ready in {started:.1f} s")
+        times: dict[str, list[float]] = {"warm": [], "cold": []}
+        cells = {}
+        for _ in range(repeats):
+            t1 = time.monotonic()
+            cells["warm"] = submit(address, job, tls, token)["cells"]
+            times["warm"].append(time.monotonic() - t1)
+            t1 = time.monotonic()
+            cells["cold"] = run(
+                topic=topic, nodes=[n.address for n in lc.nodes], servers=lc.servers,
+                secret_file=None, cluster_name="roadlog", window_start_ms=job.window_start_ms,
+                window_end_ms=job.window_end_ms, out_dir=work / "maps",
+            )["cells"]  # fmt: skip
+            times["cold"].append(time.monotonic() - t1)
+            say(f"window of {pings_n:,}: warm {times['warm'][-1]:.1f} s, "
+                f"cold {times['cold'][-1]:.1f} s")  # fmt: skip
+        assert cells["warm"] == cells["cold"], cells
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    return {"pings": pings_n, "cells": cells["warm"], "server_start_s": round(started, 1),
+            "warm_s": spread(times["warm"]), "cold_s": spread(times["cold"]),
+            "warm_all_s": [round(x, 2) for x in times["warm"]]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000000,10000000", help="pings of each job run")
@@ -189,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-pings", type=int, default=10_000_000,
                     help="pings of the read comparison (0: none)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="of each read, alternated")
+    ap.add_argument("--warm-pings", type=int, default=100_000,
+                    help="pings of the warm server's window (0: no warm step)")  # fmt: skip
     ap.add_argument("--no-prune", action="store_true",
                     help="give the source no schema (a reader that cannot prune)")  # fmt: skip
     ap.add_argument("--data-groups", type=int, default=1)
@@ -202,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"H3 mapping: {rate:,.0f} points/s")
     jobs: list[dict[str, Any]] = []
     reads: dict[str, Any] = {}
+    warm: dict[str, Any] = {}
     skipped: list[str] = []
     work = Path(tempfile.mkdtemp(prefix="roadlog-spark-bench-", dir="/var/tmp"))
     lc = LocalCluster.create(work / "cluster", 1, 1, data_groups=args.data_groups)
@@ -253,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                      "cells": summary["cells"], "pings_per_s": round(loaded / secs)}
                 )  # fmt: skip
                 say(f"job, {loaded:,} pings, {master_kind}: {secs:.1f} s")
+        if args.warm_pings and in_budget(f"warm server, {args.warm_pings} pings"):
+            warm = warm_compare(lc, args.warm_pings, work, args.repeats)
+            say(f"warm server: {warm}")
         if args.read_pings and in_budget(f"reads of {args.read_pings} pings"):
             t0 = time.monotonic()
             loaded = load(lc, loaded, args.read_pings, end)
@@ -266,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "Spark local[2] for the reads",
         "h3_points_per_s": round(rate),
         "jobs": jobs,
+        "warm_server": warm,
         "read": reads,
         "skipped": skipped,
         "seconds": round(time.monotonic() - t_start),

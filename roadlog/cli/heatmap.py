@@ -21,6 +21,7 @@ def heatmap() -> None:
     """Traffic heat maps (built by Spark, read under give-to-get)."""
 
 
+DEFAULT_JOB_SERVER = "127.0.0.1:9460"
 _UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
@@ -57,6 +58,22 @@ def _window(window: str | None, since: str | None) -> tuple[int, int]:
     return end - _duration_ms(since or "15m"), end
 
 
+def _job_token(cluster: Path | None) -> str | None:
+    """The job's identity (it commits heat maps: the scope admin): --token,
+    else a local cluster's Spark identity, else ROADLOG_TOKEN."""
+    explicit = click.get_current_context().meta.get("token")
+    token = LocalCluster.load(cluster).spark_token if cluster is not None else None
+    return explicit or token or client_tls(cluster).token
+
+
+def _nodes(servers: list[str], tls: ClientTLS) -> list[str]:
+    st = gather_status(servers, [], tls=tls)
+    nodes = [n["address"] for n in st["nodes"] if n.get("role") != "down"]
+    if not nodes:
+        raise click.ClickException("no node answers")
+    return nodes
+
+
 def _job_inputs(
     cluster: Path | None, servers: str | None
 ) -> tuple[list[str], Path | None, list[str]]:
@@ -78,13 +95,10 @@ def _job_inputs(
                 "without TLS the job reads from the nodes with the cluster token: "
                 "--secret-file or ROADLOG_SECRET_FILE"
             )
-    # The job's identity (it commits heat maps: the scope admin): --token,
-    # else a local cluster's Spark identity, else ROADLOG_TOKEN; the job's
-    # connections take it from ROADLOG_TOKEN (Spark runs in this process).
-    explicit = click.get_current_context().meta.get("token")
-    token = LocalCluster.load(cluster).spark_token if cluster is not None else None
+    # The job's connections take its token from ROADLOG_TOKEN (Spark runs
+    # in this process).
+    token = _job_token(cluster)
     tls = client_tls(cluster)
-    token = explicit or token or tls.token
     if token:
         os.environ["ROADLOG_TOKEN"] = token
     if cluster is not None:
@@ -100,11 +114,7 @@ def _job_inputs(
         ):
             if path is not None:
                 os.environ[name] = str(path)
-    st = gather_status(qs, [], tls=tls.with_token(token))
-    nodes = [n["address"] for n in st["nodes"] if n.get("role") != "down"]
-    if not nodes:
-        raise click.ClickException("no node answers")
-    return qs, secret, nodes
+    return qs, secret, _nodes(qs, tls.with_token(token))
 
 
 @heatmap.command("build")
@@ -113,6 +123,13 @@ def _job_inputs(
 @click.option("--window", help="START,END (milliseconds or ISO 8601)")
 @click.option("--master", default="local[2]", show_default=True, help="or spark://HOST:7077")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/heatmaps"))
+@click.option(
+    "--job-server",
+    envvar="ROADLOG_HEATMAP_SERVER",
+    default=DEFAULT_JOB_SERVER,
+    show_default=True,
+    help="the warm job server (heatmap serve) to build with when it answers; 'none': never",
+)
 @click.option("--json", "as_json", is_flag=True)
 @where
 def heatmap_build(
@@ -121,29 +138,81 @@ def heatmap_build(
     window: str | None,
     master: str,
     out: Path,
+    job_server: str,
     as_json: bool,
     cluster: Path | None,
     servers: str | None,
 ) -> None:
     """Run the Spark job for one window: the heat map is committed into the
-    cluster and written as Parquet, GeoJSON, PNG and HTML under --out."""
+    cluster and written as Parquet, GeoJSON, PNG and HTML under --out. When
+    the warm job server (--job-server) answers, it builds the map (its
+    files then lie under its own --out) and no Spark starts here."""
     try:
-        from spark.jobs.heatmap import AlreadyRunning, lock, run
+        from spark.jobs.heatmap import AlreadyRunning, lock
     except ImportError as e:
         raise click.ClickException(
             f"heatmap build runs Spark: install roadlog[spark] ({e})"
         ) from None
 
     start, end = _window(window, since)
-    qs, secret, nodes = _job_inputs(cluster, servers)
     try:
         held = lock(Path(f"/tmp/roadlog-heatmap-{name}.lock"))
     except AlreadyRunning as e:
         err.print(f"not running: {e}")
         return
     try:
+        summary = None
+        if job_server != "none":
+            summary = _through_server(job_server, name, start, end, cluster)
+        if summary is None:
+            summary = _build_here(name, start, end, master, out, cluster, servers)
+    finally:
+        held.close()
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        by = f"the job server at {job_server}" if summary.get("server") else "Spark here"
+        err.print(
+            f"heat map of {name}: {summary['cells']} cells from {summary['pings']:,} pings "
+            f"in {summary['seconds']} s ({by}); committed at index {summary['applied_index']}; "
+            f"files in {summary['dir']}"
+        )
+
+
+def _through_server(
+    address: str, name: str, start: int, end: int, cluster: Path | None
+) -> dict[str, Any] | None:
+    """The summary of the window built by the job server at ``address``;
+    None when it does not answer or refuses (the caller builds)."""
+    from spark.job_client import JobRefused, NoServer, submit
+    from spark.job_server import JobRequest
+
+    t0 = time.monotonic()
+    try:
+        with err.status(f"building the heat map of {name!r} with the job server at {address}"):
+            doc = submit(address, JobRequest(name, start, end), client_tls(cluster),
+                         _job_token(cluster))  # fmt: skip
+    except NoServer:
+        return None  # as before the server: Spark here
+    except JobRefused as e:
+        if not e.build_instead:
+            raise click.ClickException(f"the job server: {e.reason}") from None
+        err.print(f"the job server at {address} refused ({e}); building here")
+        return None
+    return {**doc, "server": address, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _build_here(
+    name: str, start: int, end: int, master: str, out: Path, cluster: Path | None,
+    servers: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    from spark.jobs.heatmap import run
+
+    qs, secret, nodes = _job_inputs(cluster, servers)
+    try:
         with err.status(f"building the heat map of {name!r} with Spark ({master})"):
-            summary = run(
+            return run(
                 topic=name,
                 nodes=nodes,
                 servers=qs,
@@ -156,17 +225,6 @@ def heatmap_build(
             )
     except RoadlogError as e:
         raise click.ClickException(str(e)) from None
-    finally:
-        held.close()
-    if as_json:
-        click.echo(json.dumps(summary))
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        err.print(
-            f"heat map of {name}: {summary['cells']} cells from {summary['pings']:,} pings "
-            f"in {summary['seconds']} s; committed at index {summary['applied_index']}; "
-            f"files in {summary['dir']}"
-        )
 
 
 @heatmap.command("stream")
@@ -358,3 +416,153 @@ def heatmap_get(
     for label, path in (("PNG", png), ("GeoJSON", geojson), ("HTML", html)):
         if path:
             err.print(f"{label}: {path}")
+
+
+@heatmap.command("serve")
+@click.option(
+    "--listen",
+    default=DEFAULT_JOB_SERVER,
+    show_default=True,
+    help="HOST:PORT of the job server (jobs, /metrics, /healthz, /readyz)",
+)
+@click.option("--master", default="local[2]", show_default=True, help="or spark://HOST:7077")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/heatmaps"))
+@click.option(
+    "--history",
+    default="24h",
+    show_default=True,
+    help="free-flow speeds from this much history (a job may say another)",
+)
+@click.option(
+    "--certs-dir",
+    type=click.Path(path_type=Path),
+    envvar="ROADLOG_SERVE_CERTS_DIR",
+    help="the server's certificate of the cluster's CA (queue.crt, else node.crt, in it); "
+    "default with --cluster: its first queue server's",
+)
+@click.option(
+    "--metrics-token-file",
+    type=click.Path(path_type=Path),
+    help="/metrics and the health checks ask for this bearer token (else anyone may read them)",
+)
+@where
+def heatmap_serve(
+    listen: str,
+    master: str,
+    out: Path,
+    history: str,
+    certs_dir: Path | None,
+    metrics_token_file: Path | None,
+    cluster: Path | None,
+    servers: str | None,
+) -> None:
+    """The warm job server: one long-lived Spark session on --master that
+    builds heat maps on request (heatmap build and the cron job use it when
+    it answers), so a small window does not pay a JVM's start. Jobs come
+    over TLS (the server's certificate of the cluster's CA) with the
+    heat-map identity's token; runs until stopped (Ctrl-C, SIGTERM)."""
+    import signal
+
+    try:
+        from spark.job_server import JobRequest, JobServer
+        from spark.jobs.heatmap import run, session, warm_up
+    except ImportError as e:
+        raise click.ClickException(
+            f"heatmap serve runs Spark: install roadlog[spark] ({e})"
+        ) from None
+    from roadlog.runtime.config import ConfigError
+    from roadlog.runtime.health import NO_AUTH, metrics_auth
+
+    history_ms = _duration_ms(history)
+    qs, secret, _ = _job_inputs(cluster, servers)
+    token = _job_token(cluster)
+    if not token:
+        raise click.UsageError("the job server needs the heat-map identity's token: --token")
+    tls = client_tls(cluster)
+    try:
+        ctx = None if tls.insecure else _server_ssl(certs_dir, cluster)
+        auth = (
+            metrics_auth("token", metrics_token_file, tls.insecure)
+            if metrics_token_file
+            else NO_AUTH
+        )
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    cluster_name = click.get_current_context().meta.get("cluster_name") or "roadlog"
+    spark = session(master, app="roadlog-heatmap-serve")
+    warm_up(spark)  # the session's first job (and Python workers) before a caller's
+    jobs = {"n": 0}
+
+    def build(job: JobRequest) -> dict[str, Any]:
+        summary = run(
+            topic=job.topic,
+            nodes=_nodes(qs, tls.with_token(token)),
+            servers=qs,
+            secret_file=secret,
+            cluster_name=cluster_name,
+            window_start_ms=job.window_start_ms,
+            window_end_ms=job.window_end_ms,
+            master=master,
+            out_dir=out,
+            history_ms=history_ms if job.history_ms is None else job.history_ms,
+            spark=spark,
+        )
+        jobs["n"] += 1
+        return summary
+
+    def ready() -> tuple[bool, dict[str, Any]]:
+        alive = not spark.sparkContext._jsc.sc().isStopped()
+        return alive, {"role": "heatmap-server", "master": master, "jobs": jobs["n"]}
+
+    host, _, port = listen.rpartition(":")
+    try:
+        server = JobServer(
+            (host.strip("[]") or "0.0.0.0", int(port)),
+            build=build,
+            ready=ready,
+            token=token,
+            ssl_context=ctx,
+            metrics_auth=auth,
+        )
+    except (OSError, ValueError) as e:
+        spark.stop()
+        raise click.ClickException(f"--listen {listen}: {e}") from None
+
+    def stop(signum: int, frame: Any) -> None:
+        import threading
+
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    scheme = "http" if ctx is None else "https"
+    err.print(
+        f"heat-map job server on {scheme}://{host}:{server.server_port} with Spark ({master}); "
+        "Ctrl-C stops"
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        spark.stop()
+
+
+def _server_ssl(certs_dir: Path | None, cluster: Path | None) -> Any:
+    """The job server's TLS context: a queue server's certificate, else a
+    node's, in ``certs_dir`` (with --cluster: its first queue server's)."""
+    from roadlog.runtime.config import ConfigError
+    from roadlog.runtime.tls import Credentials
+
+    if certs_dir is None and cluster is not None:
+        certs_dir = Path(LocalCluster.load(cluster).queue_servers[0].certs_dir)
+    if certs_dir is None:
+        raise click.UsageError("with TLS the job server needs its certificate: --certs-dir")
+    last: ConfigError | None = None
+    for kind in ("queue", "node"):
+        try:
+            return Credentials.load(certs_dir, kind).server_ssl(mutual=False)
+        except ConfigError as e:
+            last = e
+    assert last is not None
+    raise last

@@ -26,16 +26,22 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from roadlog.client import RoadlogError
-from roadlog.geo import parse_region
 from roadlog.v1 import client_pb2, heatmaps_pb2
-from spark.h3cells import cells_for
+from spark.cell_buckets import BUCKETS_DDL, PING_COLUMNS, CellMapper, join
+from spark.cell_stats import (
+    PARTIALS_DDL,
+    PARTIALS_SCHEMA,
+    QUANTILE,
+    cell_partials,
+    finish,
+)
+from spark.roadlog_source import RoadlogReader, read_range
 
 log = logging.getLogger("roadlog.heatmap")
 
-FREE_FLOW_QUANTILE = 0.85
+FREE_FLOW_QUANTILE = QUANTILE
 # A cell jammed all through the history (or a history of minutes, as on a
 # first run) would look free-flowing at its jam speed: its free-flow speed
 # is at least this share of the region's. Real free-flow needs days of data.
@@ -61,32 +67,16 @@ def cells_of(
 ) -> DataFrame:
     """Per ping inside the region: its H3 cell, its device, whether it is in
     [window_start, window_end) and its speed (null when unknown): computed
-    in Arrow batch by batch (``mapInArrow``: no Python per row), only these
-    four columns going on to the JVM."""
-    region = parse_region(region_geojson) if region_geojson else None
-    names = ["h3", "device_id", "now", "speed"]
+    in Arrow batch by batch (``mapInArrow``: no Python per row)."""
+    mapper = CellMapper(resolution, window_start_ms, window_end_ms, region_geojson)
 
     def add(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
-            lat = b.column("lat").to_numpy(zero_copy_only=False)
-            lon = b.column("lon").to_numpy(zero_copy_only=False)
-            if region is not None:
-                inside = region.contains(lon, lat)
-                if not inside.all():
-                    b = b.filter(pa.array(inside))
-                    lat, lon = lat[inside], lon[inside]
-            if b.num_rows == 0:
-                continue
-            h = cells_for(lat, lon, resolution).astype(np.int64)
-            ts = b.column("ts_ms").to_numpy(zero_copy_only=False)
-            now = (ts >= window_start_ms) & (ts < window_end_ms)
-            sp = b.column("speed_mps").to_numpy(zero_copy_only=False)
-            speed = pa.array(sp, type=pa.float32(), mask=np.isnan(sp))
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(h), b.column("device_id"), pa.array(now), speed], names=names
-            )
+            m = mapper.map(b)
+            if m is not None:
+                yield m
 
-    return df.select("device_id", "ts_ms", "lat", "lon", "speed_mps").mapInArrow(add, CELL_SCHEMA)
+    return df.select(*PING_COLUMNS).mapInArrow(add, CELL_SCHEMA)
 
 
 def transform(
@@ -99,48 +89,96 @@ def transform(
     """Per H3 cell with pings in [window_start, window_end): pings, distinct
     devices, mean speed; free-flow speed = the cell's 85th percentile speed
     over every row of ``df`` (the history the caller read), but at least
-    0.8 of the region's 85th percentile; congestion = 1 - mean / free-flow,
-    clipped to [0, 1]. Speeds that are unknown (NaN)
-    count as pings but not in the speeds.
+    0.8 of the region's 85th percentile (a histogram's: within 1/16 m/s,
+    spark/cell_stats.py); congestion = 1 - mean / free-flow, clipped to
+    [0, 1]. Speeds that are unknown (NaN) count as pings but not in the
+    speeds.
 
-    Each of the three aggregations (the window's, the cells' and the
-    region's percentiles) still reads ``df`` and maps it again: Spark does
-    not reuse the mapped pings' exchange across them (the plan shows three
-    shuffle stages, each with its own ``MapInArrow``, even after a
-    ``repartition`` by cell)."""
-    cells = cells_of(df, resolution, window_start_ms, window_end_ms, region_geojson)
-    current = (
-        cells.filter(F.col("now"))
-        .groupBy("h3")
-        .agg(
-            F.count(F.lit(1)).alias("pings"),
-            F.countDistinct("device_id").alias("devices"),
-            F.avg("speed").alias("mean_speed_mps"),
-        )
+    One pass over ``df``: each ping mapped once in Arrow and its task's
+    mapped pings cut into buckets by cell (spark/cell_buckets.py), the
+    buckets shuffled as a few opaque rows, every cell's figures computed in
+    Arrow where all its pings are (``cell_partials``), and the few partials
+    (a row a cell, a histogram a task) merged in one last task
+    (``finish``)."""
+    mapper = CellMapper(resolution, window_start_ms, window_end_ms, region_geojson)
+    buckets = _buckets(df.sparkSession)
+
+    def split(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        yield from mapper.split(batches, buckets)
+
+    return _cells_from_buckets(df.select(*PING_COLUMNS).mapInArrow(split, BUCKETS_DDL), buckets)
+
+
+def transform_source(
+    spark: SparkSession,
+    reader: RoadlogReader,
+    resolution: int,
+    window_start_ms: int,
+    window_end_ms: int,
+    region_geojson: str | None = None,
+) -> DataFrame:
+    """``transform`` of what ``reader`` reads (the source's reader of
+    ``READ_SCHEMA``: the rows ``spark.read.format("roadlog")`` would give),
+    each of its planned partitions read by a Spark task of its own in its
+    Python worker (``read_range``, as the source's tasks do) and mapped
+    there: the pings never become JVM rows, only their buckets do."""
+    parts = [p.value for p in reader.partitions()]  # planned here, on the driver
+    mapper = CellMapper(resolution, window_start_ms, window_end_ms, region_geojson)
+    # As many buckets as read tasks (a small window: a few small tasks, not
+    # spark.sql.shuffle.partitions of them), at most the shuffle partitions.
+    buckets = min(_buckets(spark), max(2, len(parts)))
+
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for b in batches:
+            for i in b.column("task").to_pylist():
+                yield from mapper.split(
+                    (rb for task in parts[i] for rb in read_range(task)), buckets
+                )
+
+    if not parts:
+        tasks = spark.createDataFrame([], "task int")
+    else:
+        rdd = spark.sparkContext.parallelize([(i,) for i in range(len(parts))], len(parts))
+        tasks = spark.createDataFrame(rdd, "task int")
+    return _cells_from_buckets(tasks.mapInArrow(read, BUCKETS_DDL), buckets)
+
+
+def _buckets(spark: SparkSession) -> int:
+    return int(spark.conf.get("spark.sql.shuffle.partitions") or 8)
+
+
+def _cells_from_buckets(mapped: DataFrame, buckets: int) -> DataFrame:
+    """The buckets (``BUCKETS_DDL`` rows) shuffled by bucket, each bucket's
+    cells' partials in the task that holds it, the partials merged in one."""
+
+    def per_cell(rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        got = cell_partials(join(rows))
+        if got is not None:
+            yield got
+
+    def merged(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        yield finish(pa.Table.from_batches(list(batches), schema=PARTIALS_SCHEMA), REGION_FLOOR)
+
+    partials = mapped.repartition(buckets, "bucket").mapInArrow(per_cell, PARTIALS_DDL)
+    return partials.repartition(1).mapInArrow(merged, OUT_SCHEMA)
+
+
+def warm_up(spark: SparkSession) -> None:
+    """Run ``transform`` once over two pings: the session's Python workers
+    started and its code paths loaded before a caller's first job."""
+    import pandas as pd
+
+    pdf = pd.DataFrame(
+        {
+            "device_id": ["a", "b"],
+            "ts_ms": [1, 2],
+            "lat": [48.1, 48.1],
+            "lon": [11.5, 11.5],
+            "speed_mps": np.array([1.0, 2.0], np.float32),
+        }
     )
-    history = cells.groupBy("h3").agg(
-        F.percentile_approx("speed", FREE_FLOW_QUANTILE, 1000).alias("cell_free_mps")
-    )
-    regional = cells.agg(
-        F.percentile_approx("speed", FREE_FLOW_QUANTILE, 1000).alias("region_free_mps")
-    )
-    floor = F.col("region_free_mps") * REGION_FLOOR
-    history = history.crossJoin(regional).select(
-        "h3", F.greatest(F.col("cell_free_mps"), floor).alias("free_flow_mps")
-    )
-    out = current.join(history, "h3", "left")
-    ratio = F.col("mean_speed_mps") / F.col("free_flow_mps")
-    congestion = F.when(
-        F.col("free_flow_mps") > 0, F.greatest(F.lit(0.0), F.least(F.lit(1.0), 1 - ratio))
-    )
-    return out.select(
-        "h3",
-        "pings",
-        "devices",
-        F.col("mean_speed_mps").cast("double"),
-        F.col("free_flow_mps").cast("double"),
-        congestion.cast("double").alias("congestion"),
-    )
+    df = spark.createDataFrame(pdf, READ_SCHEMA)
+    transform(df, 9, 0, 10).toArrow()
 
 
 # ------------------------------------------------------------------ shell
@@ -192,6 +230,32 @@ def lock(path: Path) -> Any:
     return f
 
 
+def read_options(
+    *,
+    topic: str,
+    nodes: list[str],
+    fences: client_pb2.ReadFencesResponse,
+    secret_file: Path | None,
+    cluster_name: str,
+    start_ms: int,
+    end_ms: int,
+) -> dict[str, str]:
+    """The roadlog source's options for the pings of ``topic`` in
+    [start_ms, end_ms) acknowledged before ``fences`` (ReadFences: each
+    group's commit index at its leader, so the plan holds every one of
+    them, whichever node plans it)."""
+    return {
+        "nodes": ",".join(nodes),
+        "min_applied_index": str(fences.applied_index),
+        "group_fences": ",".join(f"{f.group}:{f.applied_index}" for f in fences.group_fences),
+        "secret_file": str(secret_file or ""),
+        "cluster_name": cluster_name,
+        "topic": topic,
+        "window_start_ms": str(start_ms),
+        "window_end_ms": str(end_ms),
+    }
+
+
 def run(
     *,
     topic: str,
@@ -204,8 +268,11 @@ def run(
     master: str = "local[2]",
     out_dir: Path = Path("out/heatmaps"),
     history_ms: int = DEFAULT_HISTORY_MS,
+    spark: SparkSession | None = None,
 ) -> dict[str, Any]:
-    """Build, commit and write one window's heat map; what was done."""
+    """Build, commit and write one window's heat map; what was done.
+    ``spark``: a session to use and leave running (the warm job server's);
+    else one is started on ``master`` and stopped at the end."""
     from roadlog.client import Admin, Connection
 
     t0 = time.monotonic()
@@ -215,33 +282,31 @@ def run(
         # plans it: each group's commit index at its leader.
         fences = conn.call("ReadFences", client_pb2.ReadFencesRequest(topic=topic), timeout=30)
     spec = desc.topic.spec
-    spark = session(master)
+    own = spark is None
+    if spark is None:
+        spark = session(master)
     try:
-        df = (
-            spark.read.format("roadlog")
-            .schema(READ_SCHEMA)
-            .option("nodes", ",".join(nodes))
-            .option("min_applied_index", str(fences.applied_index))
-            .option(
-                "group_fences",
-                ",".join(f"{f.group}:{f.applied_index}" for f in fences.group_fences),
-            )
-            .option("secret_file", str(secret_file or ""))
-            .option("cluster_name", cluster_name)
-            .option("topic", topic)
-            .option(
-                "window_start_ms",
-                str(window_end_ms - max(history_ms, window_end_ms - window_start_ms)),
-            )
-            .option("window_end_ms", str(window_end_ms))
-            .load()
+        options = read_options(
+            topic=topic,
+            nodes=nodes,
+            fences=fences,
+            secret_file=secret_file,
+            cluster_name=cluster_name,
+            start_ms=window_end_ms - max(history_ms, window_end_ms - window_start_ms),
+            end_ms=window_end_ms,
         )
-        result = transform(
-            df, spec.h3_resolution, window_start_ms, window_end_ms, spec.region_geojson
+        result = transform_source(
+            spark,
+            RoadlogReader(options, PING_COLUMNS),
+            spec.h3_resolution,
+            window_start_ms,
+            window_end_ms,
+            spec.region_geojson,
         )
-        table = pa.Table.from_pandas(result.toPandas(), preserve_index=False)
+        table = result.toArrow()
     finally:
-        spark.stop()
+        if own:
+            spark.stop()
     hm, cells = to_heatmap(table, topic, spec.h3_resolution, list(desc.topic.bbox),
                            window_start_ms, window_end_ms)  # fmt: skip
     with Connection(servers) as conn:

@@ -180,6 +180,50 @@ def test_the_data_source_reads_committed_data_the_same_twice(
         plan({**options, "secret_file": lc.secret_file})
 
 
+def test_the_jobs_own_read_gives_the_cells_the_source_gives(
+    traffic: tuple[LocalCluster, int, int, int], spark_identity: None
+) -> None:
+    """``transform_source`` (the planned partitions read in the job's own
+    tasks, the pings never JVM rows) equals ``transform`` over
+    ``spark.read.format("roadlog")`` of the same options, cell by cell."""
+    from roadlog.v1 import client_pb2
+    from spark.cell_buckets import PING_COLUMNS
+    from spark.jobs.heatmap import read_options, session, transform, transform_source
+    from spark.roadlog_source import RoadlogReader
+
+    lc, start, end, n = traffic
+    with Connection(lc.servers, tls=lc.tls()) as conn:
+        spec = Admin(conn).describe("munich").topic.spec
+        fences = conn.call("ReadFences", client_pb2.ReadFencesRequest(topic="munich"), timeout=30)
+    options = read_options(topic="munich", nodes=[x.address for x in lc.nodes], fences=fences,
+                           secret_file=None, cluster_name="roadlog", start_ms=start - 7_200_000,
+                           end_ms=end)  # fmt: skip
+    spark = session("local[2]", "roadlog-read-paths")
+    try:
+        df = spark.read.format("roadlog").schema(
+            ", ".join(f"{c} {t}" for c, t in (("device_id", "string"), ("ts_ms", "long"),
+                      ("lat", "double"), ("lon", "double"), ("speed_mps", "float")))
+        )  # fmt: skip
+        via_source = transform(
+            df.options(**options).load(), spec.h3_resolution, start, end, spec.region_geojson
+        ).collect()
+        own = transform_source(
+            spark, RoadlogReader(options, PING_COLUMNS), spec.h3_resolution, start, end,
+            spec.region_geojson,
+        ).collect()  # fmt: skip
+    finally:
+        spark.stop()
+    a = sorted((r.asDict() for r in via_source), key=lambda r: r["h3"])
+    b = sorted((r.asDict() for r in own), key=lambda r: r["h3"])
+    assert [(r["h3"], r["pings"], r["devices"]) for r in a] == [
+        (r["h3"], r["pings"], r["devices"]) for r in b
+    ]
+    for x, y in zip(a, b, strict=True):  # float sums in another order: to the last bits
+        for k in ("mean_speed_mps", "free_flow_mps", "congestion"):
+            assert x[k] == pytest.approx(y[k], rel=1e-9, abs=1e-12), (x, y)
+    assert len(a) > 50 and sum(r["pings"] for r in a) == n
+
+
 def test_the_jam_shows_up_where_it_is_and_only_contributors_see_it(
     traffic: tuple[LocalCluster, int, int, int],
     first_map: dict[str, object],

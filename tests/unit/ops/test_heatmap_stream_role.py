@@ -51,6 +51,7 @@ def render(name: str, extra: dict[str, Any]) -> str:
             "roadlog_heatmap_cron_spark_home": "/opt/roadlog/venv/lib/pyspark",
             "roadlog_heatmap_cron_java_home": "/usr/lib/jvm/java-17-openjdk-amd64",
             "roadlog_common_certs_dir": "/etc/roadlog/certs",
+            "roadlog_heatmap_cron_serve": True,
         }
         | extra
     )
@@ -118,3 +119,36 @@ def test_the_scripts_dial_with_the_ca_and_the_spark_client_certificate_here_and_
     # One spark-submit command line: every line of it continued up to the job.
     submit = text[text.index('"$SPARK_HOME/bin/spark-submit"') : text.index("/spark/jobs/")]
     assert all(line.endswith("\\") for line in submit.splitlines()[:-1]), submit
+
+
+def test_the_cron_job_asks_the_warm_server_first_and_builds_itself_when_it_does_not_answer() -> (
+    None
+):
+    text = render("roadlog-heatmap.sh.j2", {})
+    ask = text.index("-m spark.job_client")
+    assert ask < text.index('"$SPARK_HOME/bin/spark-submit"')
+    assert "--server 127.0.0.1:9460" in text and '[ "$served" != 75 ]' in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    off = render("roadlog-heatmap.sh.j2", {"roadlog_heatmap_cron_serve": False})
+    assert "spark.job_client" not in off
+
+
+def test_the_serve_unit_runs_a_command_line_heatmap_serve_accepts() -> None:
+    from roadlog.cli.heatmap import heatmap_serve
+
+    unit = render("roadlog-heatmap-serve.service.j2", {})
+    assert "ExecStart=/opt/roadlog/bin/roadlog-heatmap-serve" in unit
+    assert "User=roadlog" in unit and "Restart=always" in unit and "NoNewPrivileges=yes" in unit
+    script = render("roadlog-heatmap-serve.sh.j2", {})
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "export ROADLOG_CA_FILE=/etc/roadlog/certs/ca.crt" in script
+    assert "--properties-file /etc/roadlog/spark-job.conf" in script
+    line = " ".join(x.rstrip("\\").strip() for x in script.split("roadlog heatmap serve")[-1]
+                    .splitlines())  # fmt: skip
+    ctx = heatmap_serve.make_context("serve", shlex.split(line))
+    assert ctx.params["listen"] == "127.0.0.1:9460"
+    assert ctx.params["master"] == "spark://10.77.0.11:7077"
+    assert str(ctx.params["certs_dir"]) == "/etc/roadlog/certs"
+    assert ctx.params["history"] == "86400s" and ctx.params["metrics_token_file"] is None
+    with_token = render("roadlog-heatmap-serve.sh.j2", {"roadlog_common_metrics_auth": "token"})
+    assert "--metrics-token-file /etc/roadlog/metrics_token" in with_token
