@@ -9,7 +9,6 @@ acknowledged before is read back once, in order, with more taken after."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,10 +20,10 @@ from node_daemon.storage.log_store import read_env, store_dir, store_holds
 from roadlog.client import Connection, Producer
 from roadlog.tools.localcluster import LocalCluster
 from tests.integration.conftest import assert_exactly_once_in_order, make_pings, read_topic
+from tests.integration.releases import exported_release
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 # The release whose data directories this one must open: the last commit
 # with one LMDB environment per data group's log.
 BASELINE = "a335ca2"
@@ -59,17 +58,8 @@ OLD_SIDE = textwrap.dedent(
 
 
 def _old_tree(dest: Path) -> Path:
-    """``BASELINE``'s files in ``dest`` (with this checkout's generated stubs)."""
-    try:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", BASELINE], capture_output=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"the baseline release {BASELINE} is not in this checkout: {e}")
-    dest.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    shutil.copytree(REPO / "roadlog" / "v1", dest / "roadlog" / "v1", dirs_exist_ok=True)
-    return dest
+    """``BASELINE``'s files in ``dest``."""
+    return exported_release(BASELINE, dest, own_stubs=False)
 
 
 def test_a_cluster_written_before_the_log_store_is_taken_over_in_place(

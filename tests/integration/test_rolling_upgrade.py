@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -43,12 +42,12 @@ from roadlog.release import release
 from roadlog.tools.localcluster import LocalCluster, NodeInfo, Proc
 from tests.certs import ClusterCA
 from tests.integration.conftest import REGION, make_pings, read_topic
+from tests.integration.releases import exported_release
 from tests.integration.test_replicated_log import digest
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 # The release upgraded from: the last landing before the log store's
 # upgrade work (its data directories already in the log store's layout;
 # test_log_store_upgrade.py covers the layout before that).
@@ -60,24 +59,8 @@ MAX_BATCHES = 5000  # per producer: a bound on the load whatever the machine's p
 
 
 def _old_tree(dest: Path) -> Path:
-    """``BASELINE``'s files in ``dest``, with stubs generated from its own
-    protos (a later release's could differ)."""
-    try:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", BASELINE], capture_output=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"the baseline release {BASELINE} is not in this checkout: {e}")
-    dest.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    protos = sorted(str(p.relative_to(dest)) for p in (dest / "proto").glob("roadlog/v1/*.proto"))
-    subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", "proto", "--python_out=.",
-         "--grpc_python_out=.", *protos],
-        cwd=dest, check=True, capture_output=True,
-    )  # fmt: skip
-    (dest / "roadlog" / "v1" / "__init__.py").touch()
-    return dest
+    """``BASELINE``'s files in ``dest``."""
+    return exported_release(BASELINE, dest, own_stubs=True)
 
 
 def _spawn_old(p: Proc, tree: Path) -> None:
