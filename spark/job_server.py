@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from roadlog.client import RoadlogError
-from roadlog.runtime.health import NO_AUTH, MetricsAuth
+from roadlog.runtime.health import NO_AUTH, BoundedConnections, MetricsAuth
 
 log = logging.getLogger("roadlog.heatmap.serve")
 
@@ -119,14 +119,10 @@ Build = Callable[[JobRequest], dict[str, Any]]
 Ready = Callable[[], tuple[bool, dict[str, Any]]]
 
 
-class JobServer(ThreadingHTTPServer):
+class JobServer(BoundedConnections, ThreadingHTTPServer):
     """The server (``serve_forever`` runs it; ``server_port`` is the bound
     port). ``build`` runs one job with the warm session; ``ready`` says
     whether that session lives."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    block_on_close = False
 
     def __init__(
         self,
@@ -150,28 +146,9 @@ class JobServer(ThreadingHTTPServer):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ServerMetrics(self.registry)
         self.job_lock = threading.Lock()
-        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections  # the bound (BoundedConnections)
         self.read_timeout_s = read_timeout_s
         super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)  # over the bound: closed, no thread
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        import sys
-
-        if isinstance(sys.exc_info()[1], OSError):  # a failed handshake, a peer gone
-            return
-        super().handle_error(request, client_address)
 
     def run_job(self, job: JobRequest) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of one job, run under the job lock."""

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from socketserver import ThreadingMixIn
+from socketserver import TCPServer, ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -115,14 +115,16 @@ IDLE_TIMEOUT_S = 5.0
 DEADLINE_S = 15.0
 
 
-class _BoundedWSGIServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most ``max_connections`` of them."""
+class BoundedConnections(ThreadingMixIn, TCPServer):
+    """A thread per connection, at most ``max_connections`` of them (one
+    over the bound is closed at once, no thread made); a failed TLS
+    handshake or a peer gone away is not logged as an error. Mixed in
+    first, before the server class it bounds."""
 
     daemon_threads = True
     allow_reuse_address = True
     block_on_close = False
     max_connections = MAX_CONNECTIONS
-    ssl_context: ssl.SSLContext | None = None
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -148,6 +150,12 @@ class _BoundedWSGIServer(ThreadingMixIn, WSGIServer):
         if isinstance(sys.exc_info()[1], OSError):  # ssl.SSLError is an OSError
             return
         super().handle_error(request, client_address)
+
+
+class _BoundedWSGIServer(BoundedConnections, WSGIServer):
+    """The health and metrics endpoint's server."""
+
+    ssl_context: ssl.SSLContext | None = None
 
 
 class _QuietHandler(WSGIRequestHandler):
